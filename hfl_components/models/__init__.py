@@ -1,0 +1,23 @@
+"""Model registry: every party rebuilds models from a plain JSON-able spec plus a state dict, never from pickles.
+
+``build_model(spec)`` dispatches on ``spec["family"]``. Fusable families (OHFL): ``cnn``, ``vgg11``
+(see :mod:`hfl_components.models.fusable`). Heterogeneous backbones for the prototype methods are registered in
+:mod:`hfl_components.models.hetero`.
+"""
+from hfl_components.models.fusable import (  # noqa: F401
+    DEPTH_ORDER,
+    FAMILIES,
+    FusableNet,
+    LayerInfo,
+    build_fusable,
+    explicit_spec,
+    resolve_fusable_spec,
+)
+from hfl_components.models.registry import (  # noqa: F401
+    build_model,
+    count_parameters,
+    is_fusable,
+    spec_from_json,
+    spec_to_json,
+    validate_spec,
+)

@@ -1,0 +1,184 @@
+"""Fusable CNN families for OHFL (depth- and width-varying, BatchNorm-free).
+
+Architecture (OHFL paper, Sec. 4.3, and the models issue table): Conv2d 3x3 (padding 1) + ReLU layers grouped in
+stages, each stage closed by a 2x2 max-pool; an adaptive average pool; Linear + ReLU hidden layers; a class layer.
+All depths of a family share the same stages, so an extra conv sits inside a stage and the identity-layer
+balancing of OHFL Sec. 3.2 is exact.
+
+Every hidden layer and the class layer is exposed through :meth:`FusableNet.layers` as an ordered list of
+:class:`LayerInfo`, so fusion code walks a model without knowing its class. Pre-activations (the conv/linear
+outputs before ReLU) are the outputs of the ``module`` of each entry, which is what OHFL's CKA compares.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Channel / unit counts at width 1.0 (models issue, Sec. 1).
+FAMILIES: dict[str, dict] = {
+    "cnn": {
+        "pool": 4,
+        "depths": {
+            "shallow": {"stages": [[8], [16], [32]], "hidden": [1000, 500]},
+            "medium": {"stages": [[8], [16], [32, 32]], "hidden": [1000, 500, 500]},
+            "deep": {"stages": [[8], [16, 16], [32, 32]], "hidden": [1000, 500, 500, 250]},
+        },
+    },
+    "vgg11": {
+        "pool": 1,
+        "depths": {
+            "shallow": {"stages": [[64], [128], [256], [512], [512]], "hidden": [512]},
+            "medium": {"stages": [[64], [128], [256, 256], [512, 512], [512, 512]], "hidden": [512, 512]},
+            "deep": {"stages": [[64, 64], [128, 128], [256, 256], [512, 512], [512, 512]], "hidden": [512, 512, 512]},
+        },
+    },
+}
+DEPTH_ORDER = {"shallow": 0, "medium": 1, "deep": 2}
+
+
+@dataclass
+class LayerInfo:
+    """One weight layer of a fusable model.
+
+    Attributes:
+        name: state-dict prefix of the module (e.g. ``"convs.2"``, ``"fcs.0"``, ``"classifier"``).
+        kind: ``"conv"`` or ``"fc"``.
+        stage: conv stage index (0-based) for conv layers; ``-1`` for fc layers.
+        module: the ``nn.Conv2d`` / ``nn.Linear`` whose output is the pre-activation.
+        is_output: True only for the class layer (no ReLU after it; OT uses the identity plan there).
+    """
+
+    name: str
+    kind: str
+    stage: int
+    module: nn.Module
+    is_output: bool = False
+
+
+def _scale(n: int, width: float) -> int:
+    return max(1, int(round(n * width)))
+
+
+def resolve_fusable_spec(spec: dict) -> dict:
+    """Return the explicit architecture of a fusable spec.
+
+    Args:
+        spec: ``{"family": "cnn"|"vgg11", "depth": "shallow"|"medium"|"deep", "width": float,
+            "in_channels": int, "num_classes": int}``; optionally explicit ``"stages"`` (list of lists of
+            channel counts, already width-scaled) and ``"hidden"`` (list of unit counts), which override depth/width.
+
+    Returns:
+        dict with ``stages``, ``hidden``, ``pool``, ``in_channels``, ``num_classes``.
+
+    Raises:
+        ValueError: unknown family/depth, non-positive width or sizes.
+    """
+    family = spec.get("family")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown fusable family {family!r}; known: {sorted(FAMILIES)}")
+    fam = FAMILIES[family]
+    width = float(spec.get("width", 1.0))
+    if not (width > 0 and math.isfinite(width)):
+        raise ValueError(f"model spec width must be > 0, got {spec.get('width')!r}")
+    if "stages" in spec or "hidden" in spec:
+        stages = [list(map(int, s)) for s in spec["stages"]]
+        hidden = list(map(int, spec["hidden"]))
+    else:
+        depth = spec.get("depth", "shallow")
+        if depth not in fam["depths"]:
+            raise ValueError(f"unknown depth {depth!r} for family {family!r}; known: {sorted(fam['depths'])}")
+        d = fam["depths"][depth]
+        stages = [[_scale(c, width) for c in s] for s in d["stages"]]
+        hidden = [_scale(h, width) for h in d["hidden"]]
+    if not stages or any(len(s) == 0 for s in stages) or any(c <= 0 for s in stages for c in s):
+        raise ValueError(f"invalid conv stages {stages!r}")
+    if any(h <= 0 for h in hidden):
+        raise ValueError(f"invalid hidden sizes {hidden!r}")
+    in_ch = int(spec.get("in_channels", 1))
+    n_cls = int(spec.get("num_classes", 2))
+    if in_ch <= 0 or n_cls < 2:
+        raise ValueError(f"in_channels must be >= 1 and num_classes >= 2, got {in_ch}, {n_cls}")
+    return {
+        "stages": stages,
+        "hidden": hidden,
+        "pool": int(spec.get("pool", fam["pool"])),
+        "in_channels": in_ch,
+        "num_classes": n_cls,
+    }
+
+
+class FusableNet(nn.Module):
+    """Conv stages + adaptive pool + fc layers, BatchNorm-free (OHFL Sec. 4.3 CNN / VGG).
+
+    Input (B, in_channels, H, W) with H, W >= 2**n_stages; output logits (B, num_classes).
+    State-dict keys: ``convs.<i>.weight/bias`` (global conv index i), ``fcs.<j>.weight/bias``,
+    ``classifier.weight/bias``.
+    """
+
+    def __init__(self, stages, hidden, pool, in_channels, num_classes):
+        super().__init__()
+        self.stages = [list(s) for s in stages]
+        self.hidden = list(hidden)
+        self.pool = int(pool)
+        self.convs = nn.ModuleList()
+        self.conv_stage: list[int] = []
+        c_in = in_channels
+        for si, stage in enumerate(self.stages):
+            for c in stage:
+                self.convs.append(nn.Conv2d(c_in, c, kernel_size=3, padding=1))
+                self.conv_stage.append(si)
+                c_in = c
+        self.avgpool = nn.AdaptiveAvgPool2d(self.pool)
+        self.fcs = nn.ModuleList()
+        f_in = c_in * self.pool * self.pool
+        for h in self.hidden:
+            self.fcs.append(nn.Linear(f_in, h))
+            f_in = h
+        self.classifier = nn.Linear(f_in, num_classes)
+        self.feature_dim = f_in
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, d) post-ReLU activations of the last hidden fc layer."""
+        i = 0
+        for stage in self.stages:
+            for _ in stage:
+                x = torch.relu(self.convs[i](x))
+                i += 1
+            x = nn.functional.max_pool2d(x, 2)
+        x = torch.flatten(self.avgpool(x), 1)
+        for fc in self.fcs:
+            x = torch.relu(fc(x))
+        return x
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """(B, d) -> (B, num_classes) logits."""
+        return self.classifier(z)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def layers(self) -> list[LayerInfo]:
+        """Ordered weight layers: convs (with stage index), hidden fcs, then the class layer."""
+        out = [LayerInfo(f"convs.{i}", "conv", s, m) for i, (m, s) in enumerate(zip(self.convs, self.conv_stage))]
+        out += [LayerInfo(f"fcs.{j}", "fc", -1, m) for j, m in enumerate(self.fcs)]
+        out.append(LayerInfo("classifier", "fc", -1, self.classifier, is_output=True))
+        return out
+
+
+def build_fusable(spec: dict) -> FusableNet:
+    """Build a :class:`FusableNet` from a JSON-able spec (see :func:`resolve_fusable_spec`)."""
+    r = resolve_fusable_spec(spec)
+    return FusableNet(r["stages"], r["hidden"], r["pool"], r["in_channels"], r["num_classes"])
+
+
+def explicit_spec(spec: dict, stages=None, hidden=None) -> dict:
+    """Spec with explicit ``stages``/``hidden`` (e.g. after identity insertion changes the depth)."""
+    r = resolve_fusable_spec(spec)
+    out = {k: v for k, v in spec.items() if k not in ("depth", "width")}
+    out.update({"family": spec["family"], "in_channels": r["in_channels"], "num_classes": r["num_classes"],
+                "stages": stages if stages is not None else r["stages"],
+                "hidden": hidden if hidden is not None else r["hidden"]})
+    return out

@@ -1,0 +1,50 @@
+"""``cxr-hfl``: one entry point, one module per subcommand.
+
+Each command module defines ``register(subparsers)`` which adds its parser and sets ``func``. Heavy imports
+(torch, nvflare) belong inside the command's run function so ``cxr-hfl --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, in help order; each has register(subparsers)
+COMMAND_MODULES = [
+    "nvflare_jobs.commands.partition",  # partition, inspect
+    "nvflare_jobs.commands.simulate",  # simulate, export-job
+    "nvflare_jobs.commands.deploy",  # provision, poc
+    "nvflare_jobs.commands.evaluate",  # compare, evaluate, predict, report
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cxr-hfl", description="Heterogeneous federated learning for chest X-rays")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # command module not present in this build
+                continue
+            raise
+        mod.register(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

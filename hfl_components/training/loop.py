@@ -1,0 +1,210 @@
+"""Local training loop shared by every method (training issue, Sec. 2).
+
+OHFL's local settings are the defaults (SGD, lr 0.01, momentum 0.9; batch 16 is the loader's business). Methods
+plug their auxiliary loss into :func:`train_local` through ``aux_loss(z, logits, y)``; the loop itself never
+changes per method.
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+AuxLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a loader batch into plain tensors ``(x (B, C, H, W) float, y (B,) long)``.
+
+    Accepts MONAI-style dicts ``{"image": ..., "label": ...}`` and ``(x, y)`` tuples/lists. MONAI ``MetaTensor``
+    images are converted to plain tensors (no metadata tracking in the training graph).
+
+    Raises:
+        ValueError: a batch of another shape.
+    """
+    if isinstance(batch, dict):
+        if "image" not in batch or "label" not in batch:
+            raise ValueError(f"dict batch needs 'image' and 'label' keys, got {sorted(batch)}")
+        x, y = batch["image"], batch["label"]
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        x, y = batch[0], batch[1]
+    else:
+        raise ValueError(f"batch must be a dict with image/label or an (x, y) tuple, got {type(batch).__name__}")
+    if hasattr(x, "as_tensor"):
+        x = x.as_tensor()
+    if hasattr(y, "as_tensor"):
+        y = y.as_tensor()
+    x = torch.as_tensor(x, dtype=torch.float32)
+    y = torch.as_tensor(y).long().reshape(-1)
+    return x, y
+
+
+def balanced_class_weights(counts: Sequence[int]) -> torch.Tensor:
+    """scikit-learn's ``class_weight="balanced"`` heuristic from per-class counts.
+
+    ``w_c = N / (K * n_c)`` with ``N = sum(n_c)`` and ``K`` the number of classes with ``n_c > 0`` (King & Zeng,
+    2001; equals ``sklearn.utils.class_weight.compute_class_weight("balanced", ...)`` on the present classes).
+    Classes with no samples get weight 0 (they never occur as a target, so the weight is inert).
+
+    Args:
+        counts: length-C sequence of non-negative sample counts.
+
+    Returns:
+        float32 tensor (C,).
+
+    Raises:
+        ValueError: negative counts or all counts zero.
+    """
+    c = np.asarray(counts, dtype=np.float64).reshape(-1)
+    if c.size == 0 or (c < 0).any() or c.sum() <= 0:
+        raise ValueError(f"class counts must be non-negative with a positive sum, got {list(c)}")
+    present = c > 0
+    w = np.zeros_like(c)
+    w[present] = c.sum() / (present.sum() * c[present])
+    return torch.as_tensor(w, dtype=torch.float32)
+
+
+def loader_labels(loader: Iterable) -> np.ndarray:
+    """All labels of a loader as an int64 array (N,).
+
+    Fast path: ``loader.dataset.data`` (MONAI ``Dataset``) as a list of dicts with ``"label"``, or
+    ``loader.dataset.labels``; otherwise iterates the loader once (loads every image).
+    """
+    ds = getattr(loader, "dataset", None)
+    data = getattr(ds, "data", None)
+    if isinstance(data, (list, tuple)) and data and all(isinstance(r, dict) and "label" in r for r in data):
+        return np.asarray([int(r["label"]) for r in data], dtype=np.int64)
+    labels = getattr(ds, "labels", None)
+    if labels is not None:
+        return np.asarray(labels, dtype=np.int64).reshape(-1)
+    return np.concatenate([unpack_batch(b)[1].numpy() for b in loader]).astype(np.int64)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python ``random``, NumPy's global RNG and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _resolve_class_weights(class_weights, class_counts, loader, num_classes: int) -> torch.Tensor | None:
+    if class_weights is None:
+        return None
+    if isinstance(class_weights, str):
+        if class_weights != "balanced":
+            raise ValueError(f"class_weights must be None, 'balanced' or a tensor, got {class_weights!r}")
+        if class_counts is None:
+            class_counts = np.bincount(loader_labels(loader), minlength=num_classes)
+        w = balanced_class_weights(class_counts)
+    else:
+        w = torch.as_tensor(class_weights, dtype=torch.float32).reshape(-1)
+    if w.numel() != num_classes:
+        raise ValueError(f"class weights have {w.numel()} entries but the model has {num_classes} classes")
+    return w
+
+
+def train_local(
+    model: nn.Module,
+    loader: Iterable,
+    epochs: int,
+    lr: float = 0.01,
+    momentum: float = 0.9,
+    class_weights=None,
+    aux_loss: AuxLoss | None = None,
+    on_epoch: Callable[[dict], None] | None = None,
+    seed: int | None = None,
+    *,
+    class_counts: Sequence[int] | None = None,
+    weight_decay: float = 0.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: str | torch.device | None = None,
+) -> list[dict]:
+    """Train ``model`` in place on one site's loader for ``epochs`` epochs.
+
+    Each step: ``z = model.features(x)`` (B, d); ``logits = model.head(z)`` (B, C);
+    ``loss = CE_w(logits, y) + aux_loss(z, logits, y)`` (aux term only when given); SGD step.
+    ``CE_w`` is PyTorch's ``cross_entropy(weight=w, reduction="mean")``, i.e. ``sum_i w_{y_i} l_i / sum_i w_{y_i}``.
+
+    Args:
+        model: any registry model (has ``features`` and ``head``).
+        loader: iterable of batches, dicts ``{"image": (B, 1, S, S) float, "label": (B,) long}`` or ``(x, y)`` tuples.
+        epochs: number of passes over ``loader`` (>= 1).
+        lr, momentum: SGD settings (OHFL defaults 0.01, 0.9). Ignored when ``optimizer`` is given.
+        class_weights: ``None`` (plain CE), ``"balanced"`` (:func:`balanced_class_weights` of ``class_counts``, or of
+            the loader's labels when ``class_counts`` is None) or a length-C tensor/list/array of weights.
+        aux_loss: optional ``aux_loss(z, logits, y) -> scalar tensor`` added to the CE (the method's structural /
+            topology term); it must be differentiable w.r.t. ``z``/``logits`` if it is to train anything.
+        on_epoch: optional callback receiving each epoch's record (see Returns) as soon as the epoch ends.
+        seed: when given, seeds ``random``/NumPy/torch before training (so loader shuffling and dropout repeat), and
+            the loader dataset's MONAI transform (``set_random_state``) when it has one. Model initialisation is the
+            caller's: seed before :func:`~hfl_components.models.build_model`. Pass a different seed per round.
+        class_counts: per-class training counts for ``class_weights="balanced"`` (saves a pass over the data).
+        weight_decay: SGD weight decay (default 0, as OHFL).
+        optimizer: an existing optimiser over ``model.parameters()`` to continue (keeps its momentum buffers across
+            rounds); when None a fresh SGD is made.
+        device: where to train; default the device of the model's first parameter.
+
+    Returns:
+        one dict per epoch: ``{"epoch": 1-based int, "loss": mean total loss, "ce": mean CE, "aux": mean aux loss
+        (0.0 without aux_loss), "n": samples seen, "seconds": wall time, "images_per_s": float}``. Means are over
+        samples (batch means weighted by batch size).
+
+    Raises:
+        ValueError: ``epochs < 1``, an empty loader, bad class weights or batches.
+        FloatingPointError: the loss became NaN/inf (reports epoch and step).
+    """
+    if int(epochs) < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if seed is not None:
+        seed_everything(int(seed))
+        transform = getattr(getattr(loader, "dataset", None), "transform", None)
+        if hasattr(transform, "set_random_state"):
+            transform.set_random_state(seed=int(seed) % (2**32))
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    model.to(device)
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    weights = None
+    resolved = False
+    history: list[dict] = []
+    model.train()
+    for epoch in range(1, int(epochs) + 1):
+        t0 = time.perf_counter()
+        tot = ce_tot = aux_tot = 0.0
+        n = 0
+        for step, batch in enumerate(loader):
+            x, y = unpack_batch(batch)
+            x, y = x.to(device), y.to(device)
+            z = model.features(x)
+            logits = model.head(z)
+            if not resolved:
+                weights = _resolve_class_weights(class_weights, class_counts, loader, logits.shape[1])
+                weights = weights.to(device) if weights is not None else None
+                resolved = True
+            ce = nn.functional.cross_entropy(logits, y, weight=weights)
+            aux = aux_loss(z, logits, y) if aux_loss is not None else None
+            loss = ce + aux if aux is not None else ce
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} at epoch {epoch}, step {step}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            b = y.shape[0]
+            n += b
+            tot += loss.item() * b
+            ce_tot += ce.item() * b
+            aux_tot += (aux.item() if aux is not None else 0.0) * b
+        if n == 0:
+            raise ValueError("loader yielded no batches")
+        secs = time.perf_counter() - t0
+        rec = {"epoch": epoch, "loss": tot / n, "ce": ce_tot / n, "aux": aux_tot / n, "n": n,
+               "seconds": secs, "images_per_s": n / secs if secs > 0 else None}
+        history.append(rec)
+        if on_epoch is not None:
+            on_epoch(rec)
+    return history

@@ -1,0 +1,46 @@
+"""Chest X-ray data layer: reading images, scanning data roots, hospital-site partitions, MONAI transforms.
+
+The transform helpers (``build_transforms``, ``make_site_dataset``, ``default_augment_classes``,
+``ApplyToClassesd``) import torch and MONAI, so they are loaded lazily on first access.
+"""
+from __future__ import annotations
+
+from .dataset import CLASS_NAMES, LabelError, detect_layout, label_index, patient_id_from_name, scan_dataset
+from .io import ImageReadError, dicom_patient_id, read_image
+from .partition import (
+    PartitionResult,
+    load_partition,
+    partition_records,
+    read_site_manifest,
+    site_summary,
+    write_partition,
+)
+
+_LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "ApplyToClassesd"}
+
+__all__ = [
+    "CLASS_NAMES",
+    "ImageReadError",
+    "LabelError",
+    "PartitionResult",
+    "detect_layout",
+    "dicom_patient_id",
+    "label_index",
+    "load_partition",
+    "partition_records",
+    "patient_id_from_name",
+    "read_image",
+    "read_site_manifest",
+    "scan_dataset",
+    "site_summary",
+    "write_partition",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import transforms
+
+        return getattr(transforms, name)
+    raise AttributeError(f"module 'chest_xray' has no attribute {name!r}")

@@ -1,0 +1,380 @@
+"""Splitting scanned records into simulated hospital sites, each with patient-grouped train/val/test splits.
+
+Schemes:
+
+- ``width`` (OHFL, Table 1): within each class, patients are sorted by the median width of their images and cut
+  into N contiguous groups of near-equal image count; group k of every class goes to site k. Site 1 holds the
+  narrowest images, site N the widest, and every site has the same class ratio.
+- ``dirichlet``: per class, site proportions ~ Dir(alpha * 1_N), re-drawn until every site has at least
+  ``min_per_site`` images (alpha = 0.1 strong label skew, 0.5 mild).
+- ``pathological``: every site holds only ``classes_per_site`` classes (assigned round-robin over a seeded class
+  order); each class is shared equally among the sites that hold it.
+
+The unit of assignment is always the patient: a patient belongs to one site (and to one split within it). A
+patient whose images carry different labels is stratified by the majority label (ties -> smaller index).
+Everything is a pure function of (records, arguments, seed): the same seed gives byte-identical output files.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMES = ("width", "dirichlet", "pathological")
+SPLITS = ("train", "val", "test")
+MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "width", "height")
+
+
+@dataclass
+class PartitionResult:
+    """Output of :func:`partition_records`.
+
+    Attributes:
+        scheme, seed, alpha: as requested.
+        class_names: names of the label indices (``str(k)`` when not given).
+        sites: ``site-1`` .. ``site-N`` -> rows (dicts with the :data:`MANIFEST_COLUMNS`), sorted by path.
+        probe: probe-pool rows (``split == "probe"``), empty unless ``probe_fraction > 0``.
+        params: the remaining arguments (JSON-safe), recorded in ``partition.json``.
+    """
+
+    scheme: str
+    seed: int
+    alpha: float
+    class_names: list[str]
+    sites: dict[str, list[dict[str, Any]]]
+    probe: list[dict[str, Any]] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _patients(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by[str(r["patient_id"])].append(r)
+    return {k: sorted(v, key=lambda r: r["path"]) for k, v in sorted(by.items())}
+
+
+def _majority_label(rows: list[dict[str, Any]]) -> int:
+    c = Counter(int(r["label"]) for r in rows)
+    return min(c, key=lambda k: (-c[k], k))
+
+
+def _cut_contiguous(sizes: list[int], n_groups: int) -> list[int]:
+    """Group index for each item of an ordered list so the groups are contiguous with near-equal total size.
+
+    Item i goes to group floor(N * (cumulative size before i + size_i / 2) / total), i.e. by the position of its
+    midpoint; with unit sizes this is the usual near-equal contiguous cut.
+    """
+    total = float(sum(sizes))
+    out, cum = [], 0.0
+    for s in sizes:
+        g = int(n_groups * (cum + s / 2.0) / total) if total > 0 else 0
+        out.append(min(max(g, 0), n_groups - 1))
+        cum += s
+    return out
+
+
+def _cut_by_fractions(sizes: list[int], fractions: list[float]) -> list[int]:
+    """Like :func:`_cut_contiguous` with group widths given by ``fractions`` (summing to 1)."""
+    edges = np.cumsum(np.asarray(fractions, dtype=np.float64))
+    edges[-1] = 1.0 + 1e-12
+    total = float(sum(sizes))
+    out, cum = [], 0.0
+    for s in sizes:
+        pos = (cum + s / 2.0) / total if total > 0 else 0.0
+        out.append(int(np.searchsorted(edges, pos, side="right")))
+        cum += s
+    return [min(g, len(fractions) - 1) for g in out]
+
+
+def _split_patients(
+    patients: dict[str, list[dict[str, Any]]], rng: np.random.Generator, fractions: tuple[float, ...]
+) -> dict[str, str]:
+    """Patient -> split, stratified by majority label and grouped by patient, sizes by image count."""
+    by_class: dict[int, list[str]] = defaultdict(list)
+    for pid, rows in patients.items():
+        by_class[_majority_label(rows)].append(pid)
+    out: dict[str, str] = {}
+    for k in sorted(by_class):
+        pids = sorted(by_class[k])
+        pids = [pids[i] for i in rng.permutation(len(pids))]
+        groups = _cut_by_fractions([len(patients[p]) for p in pids], list(fractions))
+        for p, g in zip(pids, groups):
+            out[p] = SPLITS[g]
+    return out
+
+
+def partition_records(
+    records: list[dict[str, Any]],
+    n_sites: int,
+    scheme: str,
+    alpha: float = 0.5,
+    seed: int = 0,
+    probe_fraction: float = 0.0,
+    *,
+    class_names: list[str] | None = None,
+    classes_per_site: int | None = None,
+    min_per_site: int = 10,
+    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    max_tries: int = 1000,
+) -> PartitionResult:
+    """Partition records into ``n_sites`` hospital sites with per-site patient-grouped 80/10/10 splits.
+
+    Args:
+        records: dicts with at least ``path``, ``label`` (int), ``patient_id``, ``width``, ``height``
+            (as from :func:`chest_xray.scan_dataset`).
+        n_sites: number of sites N >= 1, named ``site-1`` .. ``site-N``.
+        scheme: ``"width"``, ``"dirichlet"`` or ``"pathological"`` (see the module docstring).
+        alpha: Dirichlet concentration (dirichlet only); smaller = more label skew.
+        seed: seeds every random choice (probe pool, Dirichlet draws, class order, splits).
+        probe_fraction: fraction in [0, 1) of the images reserved, stratified by class and patient-disjoint, as a
+            probe pool that belongs to no site (chosen before sites are formed).
+        class_names: label names for the outputs; default ``str(k)``.
+        classes_per_site: pathological only; default ``max(1, C - 1)`` (1 for binary, 2 for subtype).
+        min_per_site: dirichlet only: re-draw until every site holds at least this many images.
+        split_fractions: train/val/test fractions of each site's images per class (by image count, patients kept
+            whole, so the fractions are approximate for small sites).
+        max_tries: dirichlet re-draw limit.
+
+    Returns:
+        a :class:`PartitionResult`.
+
+    Raises:
+        ValueError: unknown scheme, n_sites < 1, more sites than patients, bad fractions, a pathological setting
+            that leaves a class with no site, or no Dirichlet draw meeting ``min_per_site`` in ``max_tries``.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown partition scheme {scheme!r}; expected one of {SCHEMES}")
+    if n_sites < 1:
+        raise ValueError(f"n_sites must be >= 1, got {n_sites}")
+    if not 0.0 <= probe_fraction < 1.0:
+        raise ValueError(f"probe_fraction must be in [0, 1), got {probe_fraction}")
+    if len(split_fractions) != 3 or abs(sum(split_fractions) - 1.0) > 1e-6 or min(split_fractions) < 0:
+        raise ValueError(f"split_fractions must be three non-negative numbers summing to 1, got {split_fractions}")
+    if not records:
+        raise ValueError("no records to partition")
+    n_classes = max(int(r["label"]) for r in records) + 1
+    if class_names is not None:
+        if len(class_names) < n_classes:
+            raise ValueError(f"class_names {class_names} has fewer entries than the labels present ({n_classes})")
+        n_classes = len(class_names)
+    names = list(class_names) if class_names is not None else [str(k) for k in range(n_classes)]
+    rng = np.random.default_rng(seed)
+    patients = _patients(records)
+    plabel = {p: _majority_label(rows) for p, rows in patients.items()}
+
+    # 1. probe pool: per class, a seeded random set of patients covering ~probe_fraction of the class's images
+    probe_pids: set[str] = set()
+    if probe_fraction > 0:
+        for k in range(n_classes):
+            pids = sorted(p for p in patients if plabel[p] == k)
+            pids = [pids[i] for i in rng.permutation(len(pids))]
+            groups = _cut_by_fractions([len(patients[p]) for p in pids], [probe_fraction, 1.0 - probe_fraction])
+            probe_pids.update(p for p, g in zip(pids, groups) if g == 0)
+    pool = {p: rows for p, rows in patients.items() if p not in probe_pids}
+    if len(pool) < n_sites:
+        raise ValueError(f"{len(pool)} patients cannot fill {n_sites} sites")
+
+    # 2. patients -> sites
+    params: dict[str, Any] = {"n_sites": n_sites, "probe_fraction": probe_fraction,
+                              "split_fractions": list(split_fractions)}
+    site_of: dict[str, int] = {}
+    if scheme == "width":
+        for k in range(n_classes):
+            pids = [p for p in pool if plabel[p] == k]
+            pids.sort(key=lambda p: (float(np.median([r["width"] for r in pool[p]])), p))
+            for p, g in zip(pids, _cut_contiguous([len(pool[p]) for p in pids], n_sites)):
+                site_of[p] = g
+    elif scheme == "dirichlet":
+        params.update(alpha=alpha, min_per_site=min_per_site)
+        for attempt in range(max_tries):
+            trial: dict[str, int] = {}
+            for k in range(n_classes):
+                pids = sorted(p for p in pool if plabel[p] == k)
+                if not pids:
+                    continue
+                pids = [pids[i] for i in rng.permutation(len(pids))]
+                props = rng.dirichlet(np.full(n_sites, float(alpha)))
+                for p, g in zip(pids, _cut_by_fractions([len(pool[p]) for p in pids], list(props))):
+                    trial[p] = g
+            counts = Counter()
+            for p, g in trial.items():
+                counts[g] += len(pool[p])
+            if all(counts[s] >= min_per_site for s in range(n_sites)):
+                site_of = trial
+                params["dirichlet_draws"] = attempt + 1
+                break
+        else:
+            raise ValueError(
+                f"no Dirichlet(alpha={alpha}) draw gave every one of {n_sites} sites >= {min_per_site} images "
+                f"in {max_tries} tries; raise alpha or lower min_per_site"
+            )
+    else:  # pathological
+        m = classes_per_site if classes_per_site is not None else max(1, n_classes - 1)
+        if not 1 <= m <= n_classes:
+            raise ValueError(f"classes_per_site must be in 1..{n_classes}, got {m}")
+        if n_sites * m < n_classes:
+            raise ValueError(f"{n_sites} sites x {m} classes cannot cover {n_classes} classes")
+        order = [int(c) for c in rng.permutation(n_classes)]
+        holders: dict[int, list[int]] = defaultdict(list)
+        site_classes = {}
+        for s in range(n_sites):
+            site_classes[s] = sorted(order[(s * m + j) % n_classes] for j in range(m))
+            for c in site_classes[s]:
+                holders[c].append(s)
+        params.update(classes_per_site=m, site_classes={f"site-{s + 1}": site_classes[s] for s in range(n_sites)})
+        for k in range(n_classes):
+            pids = sorted(p for p in pool if plabel[p] == k)
+            pids = [pids[i] for i in rng.permutation(len(pids))]
+            hs = holders[k]
+            for p, g in zip(pids, _cut_contiguous([len(pool[p]) for p in pids], len(hs))):
+                site_of[p] = hs[g]
+
+    # 3. per-site patient-grouped stratified splits (each site its own RNG stream, so sites are independent)
+    sites: dict[str, list[dict[str, Any]]] = {}
+    for s in range(n_sites):
+        sp = {p: pool[p] for p in pool if site_of.get(p) == s}
+        split = _split_patients(sp, np.random.default_rng([seed, s + 1]), split_fractions)
+        rows = [_row(r, split[p]) for p in sp for r in sp[p]]
+        sites[f"site-{s + 1}"] = sorted(rows, key=lambda r: r["path"])
+    probe = sorted((_row(r, "probe") for p in sorted(probe_pids) for r in patients[p]), key=lambda r: r["path"])
+    return PartitionResult(scheme=scheme, seed=int(seed), alpha=float(alpha), class_names=names, sites=sites,
+                           probe=probe, params=params)
+
+
+def _row(r: dict[str, Any], split: str) -> dict[str, Any]:
+    return {"path": str(r["path"]), "label": int(r["label"]), "split": split, "patient_id": str(r["patient_id"]),
+            "width": int(r["width"]), "height": int(r["height"])}
+
+
+def site_summary(rows: list[dict[str, Any]], class_names: list[str]) -> dict[str, Any]:
+    """Counts and width statistics of one site's (or the probe pool's) rows.
+
+    Returns:
+        JSON-safe dict: ``n_images``, ``n_patients``, ``per_class`` (name -> images), ``per_split`` (split ->
+        name -> images), ``width`` and ``height`` (``min``/``median``/``max`` in pixels; None when empty).
+    """
+    def stats(vals):
+        if not vals:
+            return {"min": None, "median": None, "max": None}
+        return {"min": int(min(vals)), "median": float(np.median(vals)), "max": int(max(vals))}
+
+    per_split: dict[str, dict[str, int]] = {}
+    for sp in sorted({r["split"] for r in rows}, key=lambda x: (SPLITS + ("probe",)).index(x)
+                     if x in SPLITS + ("probe",) else 99):
+        per_split[sp] = {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k)
+                         for k, n in enumerate(class_names)}
+    return {
+        "n_images": len(rows),
+        "n_patients": len({r["patient_id"] for r in rows}),
+        "per_class": {n: sum(1 for r in rows if r["label"] == k) for k, n in enumerate(class_names)},
+        "per_split": per_split,
+        "width": stats([r["width"] for r in rows]),
+        "height": stats([r["height"] for r in rows]),
+    }
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(MANIFEST_COLUMNS), lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r[c] for c in MANIFEST_COLUMNS})
+
+
+def write_partition(result: PartitionResult, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write a partition to disk.
+
+    Files: ``OUT/partition.json`` (scheme, seed, alpha, class names, parameters, and per site: counts per class
+    and split, patients, width/height ranges), ``OUT/sites/<site>.csv`` with columns
+    ``path,label,split,patient_id,width,height`` (absolute paths, sorted), and ``OUT/probe.csv`` when a probe pool
+    exists. Stale site CSVs from an earlier run in the same folder are removed. No timestamps are written, so the
+    same result gives byte-identical files.
+
+    Args:
+        result: from :func:`partition_records`.
+        out_dir: created if missing.
+        extra: additional JSON-safe fields for ``partition.json`` (e.g. data root, label scheme, scan report
+            summary).
+
+    Returns:
+        the path of ``partition.json``.
+    """
+    out = Path(out_dir)
+    (out / "sites").mkdir(parents=True, exist_ok=True)
+    for old in (out / "sites").glob("*.csv"):
+        if old.stem not in result.sites:
+            old.unlink()
+    for name, rows in result.sites.items():
+        _write_rows(out / "sites" / f"{name}.csv", rows)
+    probe_csv = out / "probe.csv"
+    if result.probe:
+        _write_rows(probe_csv, result.probe)
+    elif probe_csv.exists():
+        probe_csv.unlink()
+    doc = {
+        "scheme": result.scheme,
+        "seed": result.seed,
+        "alpha": result.alpha if result.scheme == "dirichlet" else None,
+        "class_names": result.class_names,
+        "params": result.params,
+        "sites": {n: site_summary(rows, result.class_names) for n, rows in result.sites.items()},
+        "probe": site_summary(result.probe, result.class_names) if result.probe else None,
+    }
+    if extra:
+        doc.update(extra)
+    path = out / "partition.json"
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a site manifest written by :func:`write_partition`.
+
+    Returns:
+        rows as dicts: ``path`` (str; a relative path is resolved against the CSV's folder), ``label`` (int),
+        ``split`` (str), ``patient_id`` (str), ``width``, ``height`` (int).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a required column is missing or a value is malformed (the message names the file and line).
+    """
+    p = Path(csv_path)
+    rows: list[dict[str, Any]] = []
+    with open(p, newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = set(MANIFEST_COLUMNS) - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{p}: manifest lacks columns {sorted(missing)}")
+        for i, r in enumerate(reader, start=2):
+            try:
+                path = Path(r["path"])
+                if not path.is_absolute():
+                    path = p.parent / path
+                rows.append({"path": str(path), "label": int(r["label"]), "split": r["split"],
+                             "patient_id": r["patient_id"], "width": int(r["width"]), "height": int(r["height"])})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{p}:{i}: malformed row ({e})") from None
+    return rows
+
+
+def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """Read ``OUT/partition.json`` and every ``OUT/sites/*.csv``.
+
+    Returns:
+        ``(info, sites)``: the JSON document and site name -> rows (sites in natural order site-1, site-2, ...).
+
+    Raises:
+        FileNotFoundError: ``partition.json`` or the ``sites`` folder is missing.
+    """
+    out = Path(out_dir)
+    info = json.loads((out / "partition.json").read_text())
+    files = sorted((out / "sites").glob("*.csv"), key=lambda f: (len(f.stem), f.stem))
+    if not files:
+        raise FileNotFoundError(f"{out / 'sites'}: no site manifests")
+    return info, {f.stem: read_site_manifest(f) for f in files}

@@ -1,0 +1,197 @@
+"""Per-site preprocessing with MONAI: load, resize the longer side, pad to square, scale, augment chosen classes.
+
+The pipeline is a MONAI ``Compose`` of dictionary transforms on keys ``image`` (a file path in, a float32
+tensor (1, S, S) out) and ``label`` (int). Its deterministic prefix (decode, resize, pad, scale) is cached by
+:func:`make_site_dataset` (``CacheDataset`` in memory or ``PersistentDataset`` on disk), so later epochs do not
+decode the 2,000-px JPEGs again; the random suffix (flip, rotation, translation) runs every epoch and only for
+the samples whose label is in ``augment_classes``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from functools import partial
+from pathlib import Path
+from typing import Any, Hashable, Mapping, Sequence
+
+import numpy as np
+import torch
+from monai.data import CacheDataset, PersistentDataset
+from monai.transforms import (
+    Compose,
+    EnsureChannelFirstd,
+    EnsureTyped,
+    Lambdad,
+    RandAffined,
+    RandFlipd,
+    Randomizable,
+    ResizeWithPadOrCropd,
+    Resized,
+    ScaleIntensityd,
+    Transform,
+)
+
+from .io import read_image
+
+MODES = ("train", "eval")
+#: Augmentation ranges: rotation up to +-10 degrees, translation up to +-6 % of the side, horizontal flip p=0.5.
+MAX_ROTATION_DEG = 10.0
+MAX_TRANSLATE_FRACTION = 0.06
+
+
+def _load(path: str | os.PathLike, target_size: int | None = None) -> np.ndarray:
+    """``read_image`` as a transform function: path -> float32 (H, W) in [0, 1] (JPEG draft-decoded when large)."""
+    return read_image(path, target_size=target_size)[0]
+
+
+class ApplyToClassesd(Randomizable, Transform):
+    """Apply a (random) dictionary transform only to samples whose label is in ``classes``.
+
+    Args:
+        transform: the transform to apply, typically a ``Compose`` of MONAI random dictionary transforms.
+        classes: label indices to transform, or None for every class; other samples pass through unchanged
+            (same object).
+        label_key: dictionary key holding the int label.
+
+    Being ``Randomizable``, it marks the end of the cacheable prefix for MONAI's cache datasets, and
+    ``set_random_state`` seeds the wrapped transform.
+    """
+
+    def __init__(self, transform: Compose, classes: Sequence[int] | None, label_key: str = "label"):
+        self.transform = transform
+        self.classes = None if classes is None else frozenset(int(c) for c in classes)
+        self.label_key = label_key
+
+    def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None):
+        super().set_random_state(seed, state)
+        if isinstance(self.transform, Randomizable):
+            self.transform.set_random_state(seed, state)
+        return self
+
+    def randomize(self, data: Any) -> None:  # the wrapped transform draws its own parameters
+        return None
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> Mapping[Hashable, Any]:
+        if self.classes is None or int(data[self.label_key]) in self.classes:
+            return self.transform(dict(data))
+        return data
+
+
+def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] | None = None) -> Compose:
+    """MONAI ``Compose`` of dictionary transforms for one site's input size.
+
+    Steps (keys ``image``, ``label``): ``Lambdad`` calling :func:`chest_xray.read_image` (path -> (H, W), JPEG draft
+    decode at >= ``input_size``), ``EnsureChannelFirstd`` -> (1, H, W), ``Resized(size_mode="longest",
+    mode="area")`` so the longer side is ``input_size`` and the aspect ratio is kept, ``ResizeWithPadOrCropd``
+    to (``input_size``, ``input_size``) with zero padding split evenly on both sides of the shorter dimension,
+    ``ScaleIntensityd`` to [0, 1] (per image min-max; padding stays 0), ``EnsureTyped`` -> float32 ``torch.Tensor``.
+    In ``train`` mode followed by :class:`ApplyToClassesd` wrapping ``RandFlipd`` (horizontal, p=0.5) and
+    ``RandAffined`` (p=0.8: rotation up to +-10 degrees, translation up to +-6 % of the side, zero padding), then
+    ``EnsureTyped`` again.
+
+    Args:
+        input_size: S, the site's square input side in pixels (>= 8).
+        mode: ``"train"`` or ``"eval"`` (eval is fully deterministic).
+        augment_classes: label indices to augment in train mode; None = every class (pass
+            :func:`default_augment_classes` for the OHFL rule); ignored in eval mode.
+
+    Returns:
+        the ``Compose``; applied to ``{"image": path, "label": int}`` it gives ``{"image": FloatTensor (1, S, S)
+        in [0, 1], "label": int}``.
+
+    Raises:
+        ValueError: unknown mode or input_size < 8.
+        chest_xray.ImageReadError: when applied to an unreadable file (names the file).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown transform mode {mode!r}; expected one of {MODES}")
+    s = int(input_size)
+    if s < 8:
+        raise ValueError(f"input_size must be >= 8, got {input_size}")
+    steps: list = [
+        Lambdad(keys="image", func=partial(_load, target_size=s)),
+        EnsureChannelFirstd(keys="image", channel_dim="no_channel"),
+        Resized(keys="image", spatial_size=s, size_mode="longest", mode="area"),
+        ResizeWithPadOrCropd(keys="image", spatial_size=(s, s), mode="constant"),
+        ScaleIntensityd(keys="image", minv=0.0, maxv=1.0),
+        EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False),
+    ]
+    if mode == "train":
+        shift = MAX_TRANSLATE_FRACTION * s
+        augment = Compose(
+            [
+                RandFlipd(keys="image", prob=0.5, spatial_axis=1),
+                RandAffined(
+                    keys="image",
+                    prob=0.8,
+                    rotate_range=math.radians(MAX_ROTATION_DEG),
+                    translate_range=(shift, shift),
+                    mode="bilinear",
+                    padding_mode="zeros",
+                ),
+            ]
+        )
+        steps.append(ApplyToClassesd(augment, augment_classes))
+        steps.append(EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False))
+    return Compose(steps)
+
+
+def default_augment_classes(train_rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Classes with fewer training images than the largest class (OHFL: NORMAL on the full binary data).
+
+    Args:
+        train_rows: rows with an int ``label`` (only the training split should be passed).
+
+    Returns:
+        sorted label indices k with 0 < n_k < max_j n_j; empty when all present classes are equally large.
+    """
+    counts = Counter(int(r["label"]) for r in train_rows)
+    if not counts:
+        return []
+    top = max(counts.values())
+    return sorted(k for k, n in counts.items() if n < top)
+
+
+def make_site_dataset(
+    rows: Sequence[Mapping[str, Any]],
+    input_size: int,
+    mode: str,
+    augment_classes: Sequence[int] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    seed: int | None = None,
+    cache_workers: int = 1,
+) -> torch.utils.data.Dataset:
+    """A cached torch Dataset of one site's images at its input size.
+
+    Args:
+        rows: manifest rows (``path``, ``label`` int; other keys ignored), e.g. one split of
+            :func:`chest_xray.read_site_manifest`.
+        input_size: S, the square side in pixels.
+        mode: ``"train"`` (class-restricted augmentation) or ``"eval"``.
+        augment_classes: classes to augment in train mode; None = :func:`default_augment_classes` of the rows
+            whose ``split`` is ``train`` (all rows when none has a split).
+        cache_dir: None -> ``CacheDataset`` (decoded, resized images held in memory: N x S^2 x 4 bytes);
+            a folder -> ``PersistentDataset`` under ``cache_dir/s<S>`` (survives restarts; keyed by path and label).
+        seed: seeds the augmentation random state (reproducible epochs); None leaves MONAI's default.
+        cache_workers: threads used to fill the in-memory cache.
+
+    Returns:
+        a Dataset whose items are ``{"image": FloatTensor (1, S, S) in [0, 1], "label": int}``.
+
+    Raises:
+        chest_xray.ImageReadError: an image cannot be read (in-memory caching decodes every image up front).
+    """
+    data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
+    if mode == "train" and augment_classes is None:
+        train = [r for r in rows if r.get("split") == "train"]
+        augment_classes = default_augment_classes(train if train else rows)
+    transform = build_transforms(input_size, mode, augment_classes)
+    if seed is not None:
+        transform.set_random_state(seed=seed)
+    if cache_dir is not None:
+        d = Path(cache_dir) / f"s{int(input_size)}"
+        d.mkdir(parents=True, exist_ok=True)
+        return PersistentDataset(data, transform, cache_dir=d)
+    return CacheDataset(data, transform, cache_rate=1.0, num_workers=cache_workers, progress=False)

@@ -1,0 +1,166 @@
+"""``cxr-hfl partition`` and ``cxr-hfl inspect``: simulated hospital sites from a chest X-ray data root.
+
+``partition`` scans a data root (Kaggle layout, class folders, or CSV manifest), splits it into N sites
+(width / dirichlet / pathological) with patient-grouped 80/10/10 splits, and writes ``OUT/partition.json``,
+``OUT/sites/<site>.csv`` and optionally ``OUT/probe.csv`` plus ``OUT/scan_report.json`` (skipped files and
+reasons). ``inspect`` prints a per-site table and writes a PNG chart of widths and class counts.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    """Add the ``partition`` and ``inspect`` subcommands to the ``cxr-hfl`` parser."""
+    p = subparsers.add_parser(
+        "partition",
+        help="split a chest X-ray data set into simulated hospital sites",
+        description="Scan a data root and write per-site manifests with patient-grouped train/val/test splits.",
+    )
+    p.add_argument("--data", required=True, help="data root: Kaggle layout, NORMAL/PNEUMONIA folders, or a CSV")
+    p.add_argument("--sites", type=int, required=True, help="number of sites N")
+    p.add_argument("--scheme", choices=["width", "dirichlet", "pathological"], default="width",
+                   help="width: OHFL resolution split (site-1 narrowest); dirichlet: label skew; pathological: "
+                        "a fixed number of classes per site (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default: %(default)s)")
+    p.add_argument("--labels", choices=["binary", "subtype"], default="binary",
+                   help="binary NORMAL/PNEUMONIA or subtype NORMAL/BACTERIAL/VIRAL (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--probe-fraction", type=float, default=0.0,
+                   help="fraction reserved as a patient-disjoint probe pool in no site (default: %(default)s)")
+    p.add_argument("--classes-per-site", type=int, default=None,
+                   help="pathological scheme: classes per site (default: number of classes - 1, at least 1)")
+    p.add_argument("--min-per-site", type=int, default=10,
+                   help="dirichlet scheme: minimum images per site (default: %(default)s)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="read image headers only (faster; corrupt files are then found only at training)")
+    p.add_argument("--allow-lateral", action="store_true", help="keep lateral DICOM views")
+    p.add_argument("--allow-any-modality", action="store_true", help="keep DICOM modalities other than CR/DX/DR")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=run_partition)
+
+    q = subparsers.add_parser(
+        "inspect",
+        help="print a partition's per-site table and chart it",
+        description="Print site, images per class, width min/median/max and patients; write a PNG chart.",
+    )
+    q.add_argument("out", help="a folder written by `cxr-hfl partition`")
+    q.add_argument("--png", default=None, help="chart path (default: OUT/inspect.png)")
+    q.set_defaults(func=run_inspect)
+
+
+def run_partition(args: argparse.Namespace) -> int:
+    """Scan, partition and write; print a one-line summary per site. Returns the exit code."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
+
+    try:
+        records, report = scan_dataset(args.data, labels=args.labels, verify=not args.no_verify,
+                                       allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"cxr-hfl partition: {e}", file=sys.stderr)
+        return 2
+    if report["skipped"]:
+        print(f"skipped {len(report['skipped'])} file(s) (see scan_report.json):", file=sys.stderr)
+        for s in report["skipped"][:10]:
+            print(f"  {s['path']}: {s['reason']}", file=sys.stderr)
+    try:
+        result = partition_records(
+            records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
+            probe_fraction=args.probe_fraction, class_names=CLASS_NAMES[args.labels],
+            classes_per_site=args.classes_per_site, min_per_site=args.min_per_site,
+        )
+    except ValueError as e:
+        print(f"cxr-hfl partition: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    extra = {"data_root": report["root"], "labels": args.labels, "layout": report["layout"],
+             "n_scanned": report["n_records"], "n_skipped": len(report["skipped"])}
+    path = write_partition(result, out, extra=extra)
+    (out / "scan_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"{report['n_records']} images, {report['n_patients']} patients, {len(result.sites)} sites "
+          f"({args.scheme}) -> {path}")
+    return 0
+
+
+def format_table(info: dict, sites: dict) -> str:
+    """The inspect table as text: one line per site (and the probe pool), columns site, images per class,
+    width min/median/max (pixels), patients, train/val/test images."""
+    from chest_xray import site_summary
+
+    names = info["class_names"]
+    head = ["site", *names, "total", "w_min", "w_median", "w_max", "patients", "train/val/test"]
+    lines = []
+    for name, rows in sites.items():
+        s = site_summary(rows, names)
+        tvt = "/".join(str(sum(s["per_split"].get(sp, {}).values())) for sp in ("train", "val", "test"))
+        w = s["width"]
+        lines.append([name, *[str(s["per_class"][n]) for n in names], str(s["n_images"]), str(w["min"]),
+                      f"{w['median']:.0f}" if w["median"] is not None else "-", str(w["max"]),
+                      str(s["n_patients"]), tvt])
+    probe = info.get("probe")
+    if probe:
+        w = probe["width"]
+        lines.append(["probe", *[str(probe["per_class"][n]) for n in names], str(probe["n_images"]),
+                      str(w["min"]), f"{w['median']:.0f}", str(w["max"]), str(probe["n_patients"]), "-"])
+    widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(r))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * x for x in widths]), *map(fmt, lines)])
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print the site table and write the chart. Returns the exit code."""
+    import sys
+    from pathlib import Path
+
+    from chest_xray import load_partition
+
+    out = Path(args.out)
+    try:
+        info, sites = load_partition(out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"cxr-hfl inspect: {out}: not a partition folder ({e})", file=sys.stderr)
+        return 2
+    print(f"scheme {info['scheme']}, seed {info['seed']}, labels {info.get('labels', '?')}, "
+          f"data {info.get('data_root', '?')}")
+    print(format_table(info, sites))
+    png = Path(args.png) if args.png else out / "inspect.png"
+    _plot(info, sites, png)
+    print(f"chart -> {png}")
+    return 0
+
+
+def _plot(info: dict, sites: dict, png) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = info["class_names"]
+    site_names = list(sites)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(site_names) + 4), 4.5))
+    ax1.boxplot([[r["width"] for r in sites[s]] for s in site_names], tick_labels=site_names, showfliers=True)
+    ax1.set_ylabel("image width (px)")
+    ax1.set_title("width per site")
+    x = np.arange(len(site_names))
+    bottom = np.zeros(len(site_names))
+    for k, n in enumerate(names):
+        c = np.array([sum(1 for r in sites[s] if r["label"] == k) for s in site_names], dtype=float)
+        ax2.bar(x, c, bottom=bottom, label=n)
+        bottom += c
+    ax2.set_xticks(x, site_names)
+    ax2.set_ylabel("images")
+    ax2.set_title("class counts per site")
+    ax2.set_ylim(0, 1.25 * max(float(bottom.max()), 1.0))
+    ax2.legend(loc="upper right", ncol=len(names))
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.suptitle(f"partition: {info['scheme']} (seed {info['seed']})")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,412 @@
+"""Server-side workflows (NVFlare ``ModelController`` subclasses), one per method.
+
+Each controller's ``run()`` tells the method's story round by round; the maths is delegated to the pure
+functions in ``hfl_components``. Common plumbing lives in :class:`HFLController`:
+
+* ``broadcast(task, params, meta)`` sends one task to every site, waits, and returns only the successful answers;
+  a site that answers with an error, or whose upload fails validation, is logged by name and left out of that
+  round (the federation continues while at least ``min_sites`` remain).
+* payload bytes up/down are counted per round (array bytes only);
+* every result is written as JSON under ``<server run dir>/cxr_hfl_results/`` so the simulator, POC download and
+  production all turn into the same ``metrics.json`` (``nvflare_jobs.results``).
+
+Constructor arguments are stored under their own names (NVFlare's job export reads ``self.<arg>``, trap 3).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from nvflare.app_common.abstract.fl_model import FLModel
+from nvflare.app_common.workflows.model_controller import ModelController
+
+from hfl_components.flare.site_tasks import GLOBAL_PREFIX, payload_bytes
+
+RESULTS_DIR = "cxr_hfl_results"
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return v if np.isfinite(v) else None
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    return x
+
+
+class HFLController(ModelController):
+    """Base workflow: task broadcast with per-site error tolerance, byte accounting, results on disk.
+
+    Args:
+        num_rounds (int): rounds of training (methods with one-shot upload ignore it). Default 1.
+        min_sites (int): fewest usable site answers for a round to proceed. Default 1.
+        task_config (dict): method settings sent to every site in ``meta["task_config"]``. Default {}.
+        task_timeout (int): seconds to wait for a task (0 = no limit). Default 0.
+        seed (int): server-side seed (initial global models, random strategies). Default 0.
+    """
+
+    method = "base"
+
+    def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
+                 task_timeout: int = 0, seed: int = 0):
+        super().__init__(persistor_id="")
+        self.num_rounds = int(num_rounds)
+        self.min_sites = int(min_sites)
+        self.task_config = dict(task_config or {})
+        self.task_timeout = int(task_timeout)
+        self.seed = int(seed)
+        self.record = {"method": self.method, "task_config": self.task_config, "rounds": [], "excluded": {},
+                       "bytes_uploaded": 0, "bytes_downloaded": 0, "server_seconds": {}, "sites": {}}
+
+    # ------------------------------------------------------------------ plumbing
+    def results_dir(self) -> Path:
+        d = Path(self.get_run_dir()) / RESULTS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def validate_result(self, task: str, result: FLModel) -> None:
+        """Hook: raise ValueError to reject a site's upload for this task."""
+
+    def broadcast(self, task: str, rnd: int, params: dict | None = None, meta: dict | None = None) -> dict:
+        """Send ``task`` to all sites; return {site: FLModel} of the usable answers (sorted by site)."""
+        meta = dict(meta or {})
+        meta["task_config"] = self.task_config
+        meta["round"] = rnd
+        params = params or {}
+        t0 = time.perf_counter()
+        results = self.send_model_and_wait(
+            task_name=task, data=FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds),
+            timeout=self.task_timeout)
+        good, errors, up = {}, {}, 0
+        for r in results:
+            site = (r.meta or {}).get("client_name", "?")
+            up += payload_bytes(r.params)
+            if (r.meta or {}).get("status") != "ok":
+                errors[site] = (r.meta or {}).get("error", "no status in answer")
+            else:
+                try:
+                    self.validate_result(task, r)
+                    good[site] = r
+                except ValueError as e:
+                    errors[site] = f"upload rejected: {e}"
+        for site, reason in sorted(errors.items()):
+            self.warning(f"round {rnd} task {task}: site {site} left out: {reason}")
+            self.record["excluded"].setdefault(site, []).append({"round": rnd, "task": task, "reason": reason})
+        down = payload_bytes(params) * len(results)
+        self.record["bytes_uploaded"] += up
+        self.record["bytes_downloaded"] += down
+        self.record["rounds"].append({
+            "round": rnd, "task": task, "seconds": time.perf_counter() - t0, "bytes_up": up, "bytes_down": down,
+            "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
+        if len(good) < self.min_sites:
+            raise RuntimeError(f"round {rnd} task {task}: only {len(good)} usable site answers "
+                               f"(min_sites={self.min_sites}); errors: {errors}")
+        self.info(f"round {rnd} task {task}: {len(good)} sites ok, {len(errors)} left out, "
+                  f"{up} bytes up, {down} bytes down")
+        return dict(sorted(good.items()))
+
+    def final_evaluation(self, rnd: int, params: dict | None = None, meta: dict | None = None) -> None:
+        """Every site evaluates the model it deploys on its own test split; results go to record['sites']."""
+        res = self.broadcast("evaluate", rnd, params, meta)
+        for site, r in res.items():
+            m = r.metrics or {}
+            self.record["sites"].setdefault(site, {}).update({
+                "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
+                "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
+                "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+
+    def save_record(self) -> None:
+        p = self.results_dir() / "server_results.json"
+        p.write_text(json.dumps(_jsonable(self.record), indent=1))
+        self.info(f"results written to {p}")
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.run_method()
+        finally:
+            self.record["server_seconds"]["total"] = time.perf_counter() - t0
+            self.save_record()
+
+    def run_method(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# ============================================================================ Local
+class LocalController(HFLController):
+    """Local baseline: each site trains its own model alone for ``num_rounds`` x local epochs; nothing is
+    aggregated, only metrics travel."""
+
+    method = "local"
+
+    def run_method(self):
+        for rnd in range(self.num_rounds):
+            self.broadcast("local_train", rnd)
+        self.final_evaluation(self.num_rounds)
+
+
+# ============================================================================ FedAvg
+class FedAvgController(HFLController):
+    """FedAvg (McMahan et al., 2017) with every site forced onto one architecture, as OHFL's baseline (Sec. 4.3):
+    the deepest spec in the profile. Sample-weighted averaging by ``meta["NUM_STEPS_CURRENT_ROUND"]`` (the
+    sites' training sample counts).
+
+    Args:
+        global_spec (dict): the architecture every site trains.
+        (others as :class:`HFLController`)
+    """
+
+    method = "fedavg"
+
+    def __init__(self, global_spec: dict, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
+                 task_timeout: int = 0, seed: int = 0):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+        self.global_spec = dict(global_spec)
+
+    def validate_result(self, task, result):
+        if task != "fedavg_train":
+            return
+        if set(result.params or {}) != set(self._expected):
+            raise ValueError("parameter names differ from the global architecture")
+        for k, v in result.params.items():
+            if np.shape(v) != self._expected[k]:
+                raise ValueError(f"{k} has shape {np.shape(v)}, expected {self._expected[k]}")
+            if not np.all(np.isfinite(v)):
+                raise ValueError(f"{k} has non-finite values")
+        if not result.meta.get("NUM_STEPS_CURRENT_ROUND", 0) > 0:
+            raise ValueError("no positive sample count in NUM_STEPS_CURRENT_ROUND")
+
+    def run_method(self):
+        import torch
+
+        from hfl_components.aggregation import weighted_average
+        from hfl_components.flare.site_tasks import to_numpy_state
+        from hfl_components.models import build_model
+
+        self.info(f"FedAvg: every site trains the deepest architecture in the profile: {self.global_spec}")
+        torch.manual_seed(self.seed)
+        weights = to_numpy_state(build_model(self.global_spec).state_dict())
+        self._expected = {k: v.shape for k, v in weights.items()}
+        meta = {"global_spec": self.global_spec}
+        for rnd in range(self.num_rounds):
+            res = self.broadcast("fedavg_train", rnd, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+            t0 = time.perf_counter()
+            weights = weighted_average([r.params for r in res.values()],
+                                       [float(r.meta["NUM_STEPS_CURRENT_ROUND"]) for r in res.values()])
+            self.record["server_seconds"].setdefault("aggregation", 0.0)
+            self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
+        self.record["global_spec"] = self.global_spec
+        self.final_evaluation(self.num_rounds, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+        _save_model(self.results_dir() / "global_model.pt", self.global_spec, weights)
+
+
+def _save_model(path, spec, numpy_state):
+    import torch
+
+    torch.save({"spec": spec, "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in numpy_state.items()}}, path)
+
+
+# ============================================================================ OHFL
+class OHFLController(HFLController):
+    """OHFL (paper 003): one-shot upload of depth/width-varying site models, cross-layer OT fusion on the server
+    (CKA layer alignment Sec. 3.1, identity balancing Sec. 3.2, OT neuron alignment Sec. 3.3-3.4, multi-model
+    aggregation Sec. 3.5 / Algorithm 1), then each site fine-tunes the global model.
+
+    Args:
+        strategy (str): ``cid`` | ``cdd`` | ``cia`` | ``rand``. Default ``cid``.
+        alignment (str): ``cka`` | ``random``. Default ``cka``.
+        ot_solver (str): ``emd`` | ``sinkhorn``. Default ``emd``.
+        ground_metric (str): ``wts`` | ``acts``. Default ``wts``.
+        probe (str): folder of public images for CKA, or ``generated`` (logged warning). Required.
+        probe_size (int): number of probe images. Default 64.
+        weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
+    """
+
+    method = "ohfl"
+
+    def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
+                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples",
+                 num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
+                 seed: int = 0):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+        self.probe = probe
+        self.strategy = strategy
+        self.alignment = alignment
+        self.ot_solver = ot_solver
+        self.ground_metric = ground_metric
+        self.probe_size = int(probe_size)
+        self.weighting = weighting
+
+    def validate_result(self, task, result):
+        if task != "ohfl_train":
+            return
+        from hfl_components.fusion import validate_upload
+
+        from hfl_components.flare.site_tasks import from_numpy_state
+
+        meta = result.meta or {}
+        validate_upload(meta.get("spec"), from_numpy_state(result.params or {}), meta.get("n_train", 0))
+
+    def run_method(self):
+        from hfl_components.flare.site_tasks import from_numpy_state, to_numpy_state
+        from hfl_components.flare.probe import load_probe
+        from hfl_components.fusion import aggregate_models
+
+        uploads = self.broadcast("ohfl_train", 0)
+        models = []
+        for site, r in uploads.items():
+            self.record["sites"].setdefault(site, {})["local"] = _jsonable((r.metrics or {}).get("local"))
+            models.append({"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
+                           "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
+                           "input_size": int(r.meta.get("input_size", 64))})
+        size = max(m["input_size"] for m in models)
+        t0 = time.perf_counter()
+        probe = load_probe(self.probe, size, self.probe_size, in_channels=int(models[0]["spec"].get("in_channels", 1)),
+                           seed=self.seed, warn=self.warning)
+        self.record["server_seconds"]["probe"] = time.perf_counter() - t0
+        self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
+                  f"{self.alignment}, OT {self.ot_solver}/{self.ground_metric}, probe {tuple(probe.shape)}")
+        t0 = time.perf_counter()
+        spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
+                                               alignment=self.alignment, ot_solver=self.ot_solver,
+                                               ground_metric=self.ground_metric, weighting=self.weighting,
+                                               seed=self.seed)
+        self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
+        self.record["server_fusion_s"] = _jsonable(record.get("timings", {}))
+        self.record["global_spec"] = spec
+        (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
+        weights = to_numpy_state(state)
+        _save_model(self.results_dir() / "global_model.pt", spec, weights)
+        meta = {"global_spec": spec}
+        ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+        for site, r in ft.items():
+            m = r.metrics or {}
+            self.record["sites"].setdefault(site, {}).update({
+                "global_zero_shot": _jsonable(m.get("global_zero_shot")),
+                "finetune_loss": _jsonable(m.get("finetune_loss"))})
+        self.final_evaluation(2)
+
+
+# ============================================================================ FedSAF / FedProto
+class FedSAFController(HFLController):
+    """FedSAF (paper 000, Sec. III): sites keep heterogeneous models and exchange only class prototypes (C x d)
+    and counts; the server builds global prototypes (FedProto weighted mean Eq. 3, fixed hypersphere Eq. 4, or
+    trainable FedTGP-style Eq. 5) and logs their effective dimensionality (Fig. 1).
+
+    Args:
+        num_classes (int), feature_dim (int): prototype shape C x d.
+        prototypes (str): ``fedproto`` | ``fixed`` | ``tgp``. Default ``fedproto``.
+    """
+
+    method = "fedsaf"
+
+    def __init__(self, num_classes: int, feature_dim: int, prototypes: str = "fedproto", num_rounds: int = 1,
+                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+        self.num_classes = int(num_classes)
+        self.feature_dim = int(feature_dim)
+        self.prototypes = prototypes
+
+    def validate_result(self, task, result):
+        if task != "fedsaf_train":
+            return
+        from hfl_components.alignment import validate_prototype_upload
+
+        p = result.params or {}
+        validate_prototype_upload(p.get("prototypes"), p.get("counts"), self.num_classes, self.feature_dim)
+
+    def run_method(self):
+        import torch
+
+        from hfl_components.alignment import (aggregate_fedproto, effective_rank, fixed_hypersphere_prototypes,
+                                              train_tgp_prototypes)
+
+        C, d = self.num_classes, self.feature_dim
+        gp, gmask, tgp_state = None, None, None
+        self.record["effective_rank"] = []
+        for rnd in range(self.num_rounds):
+            params = {}
+            if gp is not None:
+                params = {"global_prototypes": np.asarray(gp, np.float32), "global_mask": np.asarray(gmask, np.float32)}
+            elif self.prototypes == "fixed":
+                gp = np.asarray(fixed_hypersphere_prototypes(C, d, seed=self.seed), np.float32)
+                gmask = np.ones(C, np.float32)
+                params = {"global_prototypes": gp, "global_mask": gmask}
+            res = self.broadcast("fedsaf_train", rnd, params)
+            t0 = time.perf_counter()
+            P = [torch.as_tensor(r.params["prototypes"]) for r in res.values()]
+            N = [torch.as_tensor(r.params["counts"]) for r in res.values()]
+            stacked = torch.cat([p[n > 0] for p, n in zip(P, N)])
+            self.record["effective_rank"].append(float(effective_rank(stacked)) if len(stacked) > 1 else None)
+            if self.prototypes == "fedproto":
+                gp, gmask = aggregate_fedproto(P, N)
+            elif self.prototypes == "tgp":
+                gp, gmask = train_tgp_prototypes(P, N, C, d, seed=self.seed, init=tgp_state)
+                tgp_state = gp
+            # fixed: unchanged
+            self.record["server_seconds"].setdefault("aggregation", 0.0)
+            self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
+        self.record["global_prototypes"] = None if gp is None else np.asarray(gp).tolist()
+        self.final_evaluation(self.num_rounds)
+
+
+# ============================================================================ FedTopo
+class FedTopoController(HFLController):
+    """FedTopo (paper 002, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
+    server aggregates them with observation masks and harmonic reliability weights (Eq. 4-7), smooths with EMA
+    (Eq. 8) and broadcasts (R^g, S^g).
+
+    Args:
+        num_classes (int): C.
+        rho (float): EMA factor (Eq. 8). Default 0.7.
+        ablate (list): any of ``no_reliability``, ``no_ema`` (server side) and the site-side switches.
+    """
+
+    method = "fedtopo"
+
+    def __init__(self, num_classes: int, rho: float = 0.7, ablate: list | None = None, num_rounds: int = 1,
+                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+        self.num_classes = int(num_classes)
+        self.rho = float(rho)
+        self.ablate = list(ablate or [])
+
+    def validate_result(self, task, result):
+        if task != "fedtopo_train":
+            return
+        from hfl_components.topology import validate_topology_upload
+
+        p = result.params or {}
+        validate_topology_upload(p.get("R"), p.get("counts"), self.num_classes)
+
+    def run_method(self):
+        import torch
+
+        from hfl_components.topology import aggregate_topology, initial_topology
+
+        C = self.num_classes
+        R, S = initial_topology(C)
+        rho = 0.0 if "no_ema" in self.ablate else self.rho
+        self.record["topology_history"] = []
+        for rnd in range(self.num_rounds):
+            params = {"R_global": np.asarray(R, np.float32), "S_global": np.asarray(S, np.float32)}
+            res = self.broadcast("fedtopo_train", rnd, params)
+            t0 = time.perf_counter()
+            R, S = aggregate_topology([torch.as_tensor(r.params["R"]) for r in res.values()],
+                                      [torch.as_tensor(r.params["counts"]) for r in res.values()],
+                                      torch.as_tensor(np.asarray(R)), torch.as_tensor(np.asarray(S)), rho=rho,
+                                      reliability="no_reliability" not in self.ablate)
+            self.record["server_seconds"].setdefault("aggregation", 0.0)
+            self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
+            self.record["topology_history"].append({"round": rnd, "R": np.asarray(R).tolist(), "S": np.asarray(S).tolist()})
+        self.record["R_global"] = np.asarray(R).tolist()
+        self.record["S_global"] = np.asarray(S).tolist()
+        self.final_evaluation(self.num_rounds)

@@ -1,0 +1,55 @@
+"""NVFlare Client API script run by every site, for every method (the only site code that imports NVFlare).
+
+It learns its site name from NVFlare, finds the hospital's own config locally (``nvflare_jobs.site_config``),
+and answers tasks by name with the handlers of :mod:`hfl_components.flare.site_methods`. A task that fails (bad
+config, missing data, a bug) is answered with ``meta["status"] = "error"`` and a message naming the site, so the
+server can log it and carry on with the other sites instead of the whole federation aborting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import nvflare.client as flare
+from nvflare.app_common.abstract.fl_model import FLModel
+
+from hfl_components.flare.site_methods import HANDLERS
+from hfl_components.flare.site_tasks import SiteRuntime
+from nvflare_jobs.site_config import load_site_config
+
+log = logging.getLogger("cxr_hfl.site")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stdout)
+    flare.init()
+    site = flare.get_site_name()
+    workdir = os.getcwd()
+    runtime = None
+    while flare.is_running():
+        msg = flare.receive()
+        if msg is None:
+            break
+        task = flare.get_task_name()
+        meta = dict(msg.meta or {})
+        meta.setdefault("round", msg.current_round or 0)
+        try:
+            if runtime is None:
+                runtime = SiteRuntime(load_site_config(site), workdir)
+            handler = HANDLERS.get(task)
+            if handler is None:
+                raise ValueError(f"unknown task {task!r} (known: {sorted(HANDLERS)})")
+            log.info("site %s: task %s round %s", site, task, meta["round"])
+            params, metrics, meta_out = handler(runtime, dict(msg.params or {}), meta)
+            flare.send(FLModel(params=params, metrics=metrics, meta=meta_out, current_round=msg.current_round))
+        except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
+            reason = f"site {site}: task {task} failed: {type(e).__name__}: {e}"
+            log.error("%s\n%s", reason, traceback.format_exc())
+            flare.send(FLModel(params={}, metrics={}, meta={"status": "error", "error": reason},
+                               current_round=msg.current_round))
+
+
+if __name__ == "__main__":
+    main()

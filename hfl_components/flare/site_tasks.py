@@ -1,0 +1,173 @@
+"""What a hospital site does for each task, independent of NVFlare (the Client API script only moves messages).
+
+One :class:`SiteRuntime` per site process holds the site's config, its data pipeline and the model it keeps
+between tasks. Everything a site keeps between tasks is also persisted in the site's own workspace
+(``<workdir>/cxr_hfl_state/``), so a restarted site process continues where it left off.
+
+Message conventions (plain numpy / JSON values only, see ../shared/docs/NVFLARE.md):
+
+* server -> site: ``params`` = ``{"global.<key>": ndarray}`` for a global model (own key prefix, so a different
+  architecture never collides with the site's own names); ``meta["task_config"]`` = method settings shared by all
+  sites; ``meta["global_spec"]`` = the architecture of the global model; other arrays (prototypes, topology) as
+  ``params`` under their own names.
+* site -> server: ``params`` = arrays the method uploads; ``meta`` = ``{"status": "ok"|"error", "error": str,
+  "n_train": int, ...}``; ``metrics`` = JSON-able evaluation results. A failing site answers with status
+  ``error`` and a message naming the site, rather than crashing the federation.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hfl_components.models import build_model
+
+log = logging.getLogger("cxr_hfl.site")
+
+STATE_DIR = "cxr_hfl_state"
+GLOBAL_PREFIX = "global."
+
+
+def to_numpy_state(state_dict: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """state dict of tensors -> {prefix+key: float32 ndarray}."""
+    return {prefix + k: v.detach().cpu().numpy().astype(np.float32) for k, v in state_dict.items()}
+
+
+def from_numpy_state(params: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{prefix+key: ndarray} -> state dict of tensors (keys without the prefix); other keys are ignored."""
+    return {k[len(prefix):]: torch.as_tensor(np.asarray(v)) for k, v in params.items() if k.startswith(prefix)}
+
+
+def payload_bytes(params: dict | None) -> int:
+    """Bytes of the arrays in a message's params (the communication cost we report)."""
+    if not params:
+        return 0
+    return int(sum(np.asarray(v).nbytes for v in params.values()))
+
+
+class SiteRuntime:
+    """A site's data, model and task handlers.
+
+    Args:
+        cfg: validated site config (see ``nvflare_jobs.site_config``).
+        workdir: the site's workspace folder; state is kept under ``workdir/cxr_hfl_state``.
+    """
+
+    def __init__(self, cfg: dict, workdir: str | Path):
+        self.cfg = cfg
+        self.site = cfg["site"]
+        self.state_dir = Path(workdir) / STATE_DIR
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(int(cfg["threads"]))
+        self.labels = cfg["data"]["labels"]
+        self.num_classes = int(cfg["model"]["num_classes"])
+        self._loaders: dict = {}
+        self._rows = None
+        self.model = None
+        self.spec = None
+        self._load_state()
+
+    # ---------------------------------------------------------------- data
+    def rows(self, split: str) -> list[dict]:
+        from chest_xray import read_site_manifest
+
+        if self._rows is None:
+            rows = read_site_manifest(self.cfg["data"]["manifest"])
+            if self.labels == "subtype" and rows and max(r["label"] for r in rows) > 2:
+                raise ValueError(f"site {self.site}: labels out of range for subtype in {self.cfg['data']['manifest']}")
+            self._rows = rows
+        out = [r for r in self._rows if r["split"] == split]
+        if split == "train" and self.cfg.get("max_train_images"):
+            out = out[: int(self.cfg["max_train_images"])]
+        return out
+
+    def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):
+        """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""
+        from chest_xray import default_augment_classes, make_site_dataset
+
+        size = int(input_size or self.cfg["input_size"])
+        train_mode = (split == "train") if train_mode is None else train_mode
+        key = (split, size, train_mode)
+        if key not in self._loaders:
+            rows = self.rows(split)
+            if not rows:
+                raise ValueError(f"site {self.site}: the {split} split of {self.cfg['data']['manifest']} is empty")
+            aug = self.cfg["augment_classes"]
+            if aug == "auto":
+                aug = default_augment_classes(self.rows("train"))
+            ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
+                                   cache_dir=self.cfg.get("cache_dir"))
+            g = torch.Generator().manual_seed(int(self.cfg["seed"]))
+            self._loaders[key] = torch.utils.data.DataLoader(
+                ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode, num_workers=0, generator=g)
+        return self._loaders[key]
+
+    def n_train(self) -> int:
+        return len(self.rows("train"))
+
+    def class_counts(self) -> np.ndarray:
+        c = np.zeros(self.num_classes, dtype=np.int64)
+        for r in self.rows("train"):
+            c[int(r["label"])] += 1
+        return c
+
+    # ---------------------------------------------------------------- model state
+    def _load_state(self):
+        p = self.state_dir / "model.pt"
+        if p.is_file():
+            blob = torch.load(p, map_location="cpu", weights_only=True)
+            self.set_model(blob["spec"], blob["state_dict"])
+
+    def set_model(self, spec: dict, state_dict: dict | None = None):
+        self.spec = dict(spec)
+        self.model = build_model(self.spec)
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict)
+
+    def ensure_own_model(self):
+        if self.model is None:
+            torch.manual_seed(int(self.cfg["seed"]) + hash(self.site) % 1000)
+            self.set_model(self.cfg["model"])
+        return self.model
+
+    def save_state(self, deployed: bool = False):
+        blob = {"spec": self.spec, "state_dict": self.model.state_dict(),
+                "input_size": int(self.cfg["input_size"]), "labels": self.labels, "site": self.site}
+        torch.save(blob, self.state_dir / "model.pt")
+        if deployed:
+            torch.save(blob, self.state_dir / "deployed_model.pt")
+
+    # ---------------------------------------------------------------- training / evaluation
+    def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train") -> list[dict]:
+        from hfl_components.training import train_local
+
+        model = self.ensure_own_model()
+        if epochs <= 0:
+            return []
+        cw = self.cfg["class_weights"]
+
+        def on_epoch(rec):
+            log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
+
+        return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
+                           class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch, seed=int(self.cfg["seed"]))
+
+    def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:
+        """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""
+        from hfl_components.training import compute_metrics, predict_proba
+
+        probs, y = predict_proba(self.model, self.loader(split, train_mode=False))
+        m = compute_metrics(y, probs, self.num_classes)
+        m["n"] = int(len(y))
+        if with_predictions:
+            m["_probs"] = probs.astype(np.float32).tolist()
+            m["_labels"] = y.astype(int).tolist()
+        return m
+
+    def timed(self, fn, *a, **k):
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        return out, time.perf_counter() - t0

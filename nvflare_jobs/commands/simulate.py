@@ -1,0 +1,235 @@
+"""``cxr-hfl simulate`` (run a method in the NVFlare simulator) and ``cxr-hfl export-job``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("local", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
+ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", "local_topology")
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not v or any(x < 16 for x in v):
+        raise argparse.ArgumentTypeError(f"input sizes must be integers >= 16, got {s!r}")
+    return v
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data")
+    p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning)")
+    p.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
+    p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme)")
+    p.add_argument("--labels", choices=("binary", "subtype"),
+                   help="label scheme (default: binary; subtype for fedsaf/fedproto/fedtopo)")
+    p.add_argument("--rounds", type=int, help="federated rounds (default 3; OHFL is one-shot)")
+    p.add_argument("--local-epochs", type=int, help="local epochs per round (OHFL: before upload)")
+    p.add_argument("--finetune-epochs", type=int, help="OHFL fine-tuning epochs at each site")
+    p.add_argument("--input-sizes", type=_ints, default=[64, 96, 128],
+                   help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
+    g = p.add_argument_group("OHFL")
+    g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
+    g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
+    g.add_argument("--ot", choices=("emd", "sinkhorn"), default="emd")
+    g.add_argument("--ground-metric", choices=("wts", "acts"), default="wts")
+    g.add_argument("--probe", help="folder/CSV of public images for CKA, or 'generated' "
+                                   "(default: ../shared/data/chest_xray_224 beside chest_xray_original)")
+    g.add_argument("--probe-size", type=int, default=64)
+    g.add_argument("--weighting", choices=("samples", "half"), default="samples")
+    g = p.add_argument_group("FedSAF / FedTopo")
+    g.add_argument("--lambda", dest="lam", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--prototypes", choices=("fedproto", "fixed", "tgp"), default="fedproto")
+    g.add_argument("--feature-dim", type=int, default=64)
+    g.add_argument("--top-q", type=int, default=3)
+    g.add_argument("--rho", type=float, default=0.7)
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--ablate", action="append", choices=ABLATIONS, default=[])
+    g.add_argument("--noisy-counts", type=float, help="Laplace noise scale added to uploaded class counts")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="run a method on simulated hospital sites in the NVFlare simulator")
+    _add_method_args(p)
+    p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
+    p.set_defaults(func=run_simulate)
+    e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
+    _add_method_args(e)
+    e.add_argument("--out", required=True, help="folder to export the job into")
+    e.set_defaults(func=run_export)
+
+
+def _defaults(args) -> None:
+    proto = args.method in ("fedsaf", "fedproto", "fedtopo")
+    if args.labels is None:
+        args.labels = "subtype" if proto else "binary"
+    if args.rounds is None:
+        args.rounds = 5 if proto else 3
+    if args.alignment is None:
+        args.alignment = "cka" if args.method == "ohfl" else "gcsa"
+    if args.method == "ohfl" and args.alignment not in ("cka", "random"):
+        sys.exit(f"cxr-hfl: --alignment for OHFL must be cka or random, got {args.alignment}")
+    if args.method in ("fedsaf", "fedproto") and args.alignment not in ("gcsa", "rcsa", "mse", "cosine"):
+        sys.exit(f"cxr-hfl: --alignment for FedSAF must be gcsa, rcsa, mse or cosine, got {args.alignment}")
+    if args.method in ("fedsaf", "fedproto") and args.labels == "binary":
+        print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
+              "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
+    if args.local_epochs is None:
+        args.local_epochs = 5 if args.method == "ohfl" else (3 if proto else 2)
+    if args.finetune_epochs is None:
+        args.finetune_epochs = 3
+
+
+def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path | None]:
+    """Partition (unless --profile) and write the site-config profile. Returns (profile_dir, profile, data_root,
+    partition_dir)."""
+    from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
+    from nvflare_jobs.profiles import resolve_data, write_profile
+    from nvflare_jobs.site_config import load_profile
+
+    if args.profile:
+        profile_dir = Path(args.profile).resolve()
+        profile = load_profile(profile_dir)
+        return profile_dir, profile, None, None
+    data = resolve_data(args.data)
+    print(f"[cxr-hfl] data: {data}")
+    records, report = scan_dataset(data, labels=args.labels)
+    skipped = report.get("skipped", []) if isinstance(report, dict) else []
+    print(f"[cxr-hfl] scanned {len(records)} usable images ({len(skipped)} skipped, see partition/scan_report.json)")
+    if not records:
+        raise SystemExit(f"cxr-hfl: no usable images under {data}")
+    part_dir = run_dir / "partition"
+    res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
+                            class_names=CLASS_NAMES[args.labels])
+    write_partition(res, part_dir)
+    (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
+    settings = {"batch_size": args.batch_size, "local_epochs": args.local_epochs,
+                "finetune_epochs": args.finetune_epochs, "seed": args.seed, "threads": 1,
+                "max_train_images": args.max_train_images, "feature_dim": args.feature_dim}
+    profile_dir = write_profile(part_dir, run_dir / "site_configs", args.method, args.labels, args.input_sizes, settings)
+    return profile_dir, load_profile(profile_dir), data, part_dir
+
+
+def _options(args, data_root, part_dir) -> dict:
+    from nvflare_jobs.profiles import default_probe
+
+    probe = args.probe
+    if args.method == "ohfl" and not probe:
+        probe = default_probe(data_root, part_dir) if data_root else None
+        if not probe:
+            raise SystemExit("cxr-hfl: OHFL needs a public probe set for CKA: pass --probe DIR (public images, no "
+                             "site's patients), a probe.csv from `cxr-hfl partition --probe-fraction`, or "
+                             "--probe generated")
+    if probe and probe != "generated":
+        probe = str(Path(probe).resolve())
+        if not Path(probe).exists():
+            raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
+    return {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
+            "seed": args.seed, "min_sites": args.min_sites, "strategy": args.strategy, "alignment": args.alignment,
+            "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
+            "weighting": args.weighting, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
+            "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
+            "noisy_counts": args.noisy_counts}
+
+
+def run_simulate(args) -> int:
+    from chest_xray import CLASS_NAMES
+    from nvflare_jobs.jobs import build_job
+    from nvflare_jobs.profiles import DataNotFoundError
+    from nvflare_jobs.results import assemble_run, find_server_results
+    from nvflare_jobs.site_config import ENV_DIR, SiteConfigError
+
+    _defaults(args)
+    t0 = time.perf_counter()
+    run_dir = Path(args.out).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
+    except (DataNotFoundError, SiteConfigError) as e:
+        print(f"cxr-hfl: {e}", file=sys.stderr)
+        return 2
+    labels = next(iter(profile.values()))["data"]["labels"]
+    if args.profile and labels != args.labels:
+        print(f"[cxr-hfl] labels {labels} taken from the profile")
+    opts = _options(args, data_root, part_dir)
+    (run_dir / "resolved_configs").mkdir(exist_ok=True)
+    for site, cfg in profile.items():
+        (run_dir / "resolved_configs" / f"{site}.json").write_text(json.dumps(cfg, indent=1))
+    (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
+    print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
+        f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px" for s, c in profile.items()))
+    job = build_job(args.method, profile, opts)
+    ws = run_dir / "workspace"
+    if ws.exists():
+        shutil.rmtree(ws)
+    os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
+    rc = job.simulator_run(str(ws), threads=len(profile))
+    try:
+        server_results = find_server_results(ws)
+    except FileNotFoundError as e:
+        print(f"cxr-hfl: the simulation failed (rc={rc}): {e}; see {ws}/*/log.txt", file=sys.stderr)
+        return 1
+    models_dir = run_dir / "models"
+    models_dir.mkdir(exist_ok=True)
+    for site in profile:
+        for name in ("deployed_model.pt", "local_model.pt"):
+            src = ws / site / "cxr_hfl_state" / name
+            if src.is_file():
+                shutil.copy2(src, models_dir / f"{site}_{name.replace('_model.pt', '')}.pt")
+    metrics = assemble_run(server_results, run_dir, labels=labels, seed=args.seed,
+                           wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
+                           extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
+    _print_summary(metrics, run_dir)
+    return 0 if rc in (0, None) else int(rc)
+
+
+def _print_summary(m: dict, run_dir: Path) -> None:
+    print(f"\n[cxr-hfl] {m['method']} finished in {m['wall_time_s']:.0f} s -> {run_dir}")
+    print(f"{'site':<10}{'model':<22}{'size':>5}{'n_test':>8}{'acc':>8}{'bal_acc':>9}{'auc':>7}")
+    for site, b in m["sites"].items():
+        t = b.get("test") or {}
+        spec = b.get("model") or {}
+        name = f"{spec.get('family')}/{spec.get('depth', spec.get('feature_dim', ''))}"
+
+        def f(v):
+            return "   -" if v is None else f"{v:.3f}"
+        print(f"{site:<10}{name:<22}{b.get('input_size') or '':>5}{b.get('n_test') or '':>8}{f(t.get('accuracy')):>8}"
+              f"{f(t.get('balanced_accuracy')):>9}{f(t.get('auc')):>7}")
+    if m.get("pooled"):
+        acc = m["pooled"].get("accuracy") or {}
+        if isinstance(acc, dict) and acc.get("value") is not None:
+            print(f"pooled accuracy {acc['value']:.3f} (95% CI {acc['ci_low']:.3f}-{acc['ci_high']:.3f})")
+    if m.get("excluded_sites"):
+        print(f"sites left out of some rounds: {m['excluded_sites']}")
+
+
+def run_export(args) -> int:
+    from nvflare_jobs.jobs import build_job
+    from nvflare_jobs.site_config import load_profile
+
+    _defaults(args)
+    if not args.profile:
+        print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
+              file=sys.stderr)
+        return 2
+    profile = load_profile(args.profile, check_files=False)
+    opts = _options(args, None, None)
+    job = build_job(args.method, profile, opts)
+    out = Path(args.out).resolve()
+    job.export_job(str(out))
+    print(f"[cxr-hfl] exported job {job.name} to {out / job.name}; submit with: nvflare job submit -j {out / job.name}")
+    return 0

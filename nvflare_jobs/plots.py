@@ -1,0 +1,148 @@
+"""PNG plots of a run (matplotlib, headless)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def site_accuracy_bars(out: Path, metrics: dict) -> Path:
+    sites = list(metrics["sites"])
+    acc = [((metrics["sites"][s].get("test") or {}).get("accuracy") or 0.0) * 100 for s in sites]
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(sites)), 3.5))
+    ax.bar(sites, acc, color="tab:blue", label="deployed model")
+    local = [((metrics["sites"][s].get("local") or {}).get("accuracy")) for s in sites]
+    if any(v is not None for v in local):
+        ax.scatter(sites, [100 * (v or 0) for v in local], color="tab:orange", zorder=3, label="local model (before fusion)")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{metrics['method']}: per-site test accuracy")
+    for i, v in enumerate(acc):
+        ax.text(i, v + 1, f"{v:.1f}", ha="center", fontsize=8)
+    fig.tight_layout()
+    p = out / "site_accuracy.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def round_curves(out: Path, metrics: dict) -> Path | None:
+    rounds = [r for r in metrics.get("rounds", []) if r["task"] != "evaluate" and r["val_accuracy"]]
+    if len(rounds) < 2:
+        return None
+    sites = sorted({s for r in rounds for s in r["val_accuracy"]})
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for s in sites:
+        xs = [r["round"] for r in rounds if r["val_accuracy"].get(s) is not None]
+        ys = [100 * r["val_accuracy"][s] for r in rounds if r["val_accuracy"].get(s) is not None]
+        ax.plot(xs, ys, marker="o", label=s)
+    ax.set_xlabel("round")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{metrics['method']}: validation accuracy per round")
+    fig.tight_layout()
+    p = out / "round_curves.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def finetune_curves(out: Path, metrics: dict) -> Path | None:
+    curves = {s: b.get("finetune_loss") for s, b in metrics["sites"].items() if b.get("finetune_loss")}
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for s, c in curves.items():
+        ax.plot(range(1, len(c) + 1), c, marker=".", label=s)
+    ax.set_xlabel("fine-tuning epoch")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7)
+    ax.set_title("OHFL: fine-tuning the global model at each site")
+    fig.tight_layout()
+    p = out / "finetune_loss.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def cka_heatmaps(out: Path) -> list[Path]:
+    """One heatmap per pairwise fusion: the CKA cost matrix with the chosen layer map drawn on it."""
+    rec_path = out / "alignment_record.json"
+    if not rec_path.is_file():
+        return []
+    rec = json.loads(rec_path.read_text())
+    paths = []
+    for i, pair in enumerate(rec.get("pairs", [])):
+        cost = pair.get("cost")
+        if not cost:
+            continue
+        cost = np.asarray(cost, dtype=float)
+        fig, ax = plt.subplots(figsize=(1 + 0.5 * cost.shape[1], 1 + 0.5 * cost.shape[0]))
+        im = ax.imshow(cost, cmap="viridis", vmin=0, vmax=1)
+        lm = pair.get("layer_map") or []
+        if lm:
+            ys, xs = zip(*[(a, b) for a, b in lm])
+            ax.plot(xs, ys, "r-o", ms=4, lw=1)
+        ax.set_xlabel(f"deeper model layer ({pair.get('deep', '')})")
+        ax.set_ylabel(f"shallower model layer ({pair.get('shallow', '')})")
+        ax.set_title(f"1 - CKA, fusion step {i + 1}", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.tight_layout()
+        p = out / f"cka_cost_step{i + 1}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def topology_heatmaps(out: Path, metrics: dict, class_names: list[str]) -> list[Path]:
+    paths = []
+    for key, title in (("R_global", "global relation topology R^g"), ("S_global", "reliability S^g")):
+        m = metrics.get(key)
+        if m is None:
+            continue
+        m = np.asarray(m, dtype=float)
+        fig, ax = plt.subplots(figsize=(3.8, 3.2))
+        im = ax.imshow(m, cmap="magma", vmin=0, vmax=1)
+        ax.set_xticks(range(len(class_names)), class_names, rotation=45, fontsize=7)
+        ax.set_yticks(range(len(class_names)), class_names, fontsize=7)
+        for i in range(m.shape[0]):
+            for j in range(m.shape[1]):
+                ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", color="w" if m[i, j] < 0.6 else "k", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.tight_layout()
+        p = out / f"{key}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def effective_rank_curve(out: Path, metrics: dict) -> Path | None:
+    er = metrics.get("effective_rank")
+    if not er:
+        return None
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    ax.plot(range(len(er)), [np.nan if v is None else v for v in er], marker="o")
+    ax.set_xlabel("round")
+    ax.set_ylabel("effective rank of site prototypes")
+    ax.set_title("FedSAF: prototype effective dimensionality (Fig. 1)", fontsize=9)
+    fig.tight_layout()
+    p = out / "effective_rank.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def make_all(out: Path, metrics: dict, rec: dict, class_names: list[str]) -> list[Path]:
+    out = Path(out)
+    made = [site_accuracy_bars(out, metrics), round_curves(out, metrics), finetune_curves(out, metrics),
+            effective_rank_curve(out, metrics), *cka_heatmaps(out), *topology_heatmaps(out, metrics, class_names)]
+    return [p for p in made if p]

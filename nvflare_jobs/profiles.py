@@ -1,0 +1,111 @@
+"""Data discovery, partitioning and site-config profiles for simulated federations."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nvflare_jobs.site_config import write_site_config
+
+DEPTHS = ("shallow", "medium", "deep")
+HETERO_FAMILIES = ("hetero_cnn", "densenet", "resnet", "efficientnet")
+
+NO_DATA_HELP = """no chest X-ray data found.
+Looked at --data, then $CXR_DATA, then ../shared/data (beside the repository).
+Get the Kermany chest X-ray set (Kaggle "Chest X-Ray Images (Pneumonia)", CC BY 4.0,
+doi:10.17632/rscbjbr9sj.2) and point --data at a folder in the Kaggle layout:
+    DATA/train/NORMAL/*.jpeg  DATA/train/PNEUMONIA/person*_bacteria_*.jpeg ...
+(also accepted: DATA/NORMAL, DATA/PNEUMONIA class folders, or a CSV with path,label columns).
+Generated images are never substituted for real data."""
+
+
+class DataNotFoundError(FileNotFoundError):
+    pass
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def resolve_data(arg: str | None) -> Path:
+    """The data root: ``--data``, then ``$CXR_DATA``, then ``../shared/data``; the shared folder resolves to its
+    ``chest_xray_original`` (the resolution-heterogeneous set). Raises DataNotFoundError with instructions."""
+    candidates = []
+    if arg:
+        p = Path(arg).expanduser()
+        if not p.exists():
+            raise DataNotFoundError(f"--data {arg}: no such file or folder.\n" + NO_DATA_HELP)
+        candidates.append(p)
+    else:
+        if os.environ.get("CXR_DATA"):
+            candidates.append(Path(os.environ["CXR_DATA"]).expanduser())
+        candidates += [Path.cwd() / ".." / "shared" / "data", repo_root().parent / "shared" / "data"]
+    for p in candidates:
+        if p.exists():
+            if (p / "chest_xray_original").is_dir():
+                p = p / "chest_xray_original"
+            return p.resolve()
+    raise DataNotFoundError(NO_DATA_HELP)
+
+
+def default_probe(data_root: Path, partition_dir: Path | None = None) -> str | None:
+    """A public probe pool for OHFL's CKA: the reserved probe.csv of the partition if any, else the
+    patient-disjoint sibling ``chest_xray_224`` when the sites come from ``chest_xray_original``."""
+    if partition_dir and (partition_dir / "probe.csv").is_file():
+        return str(partition_dir / "probe.csv")
+    sib = data_root.parent / "chest_xray_224"
+    if data_root.name == "chest_xray_original" and sib.is_dir():
+        return str(sib)
+    return None
+
+
+def assign_models(sites: list[str], method: str, input_sizes: list[int], num_classes: int,
+                  feature_dim: int = 64, family: str = "cnn", width: float = 1.0) -> dict[str, dict]:
+    """Default per-site model and input size.
+
+    Fusable methods (local/fedavg/ohfl), OHFL's assignment: sites in name order (site-1 = narrowest images) are cut
+    into up to three contiguous groups -> shallow / medium / deep, at the smallest / middle / largest input size
+    (6 sites: two each). Prototype methods (fedsaf/fedproto/fedtopo): backbones cycle through the heterogeneous
+    pool (hetero_cnn, densenet, resnet, efficientnet) with a common feature_dim, input sizes as above.
+
+    Returns:
+        {site: {"model": spec, "input_size": int}}
+    """
+    import numpy as np
+
+    n = len(sites)
+    groups = np.array_split(np.arange(n), min(n, 3))
+    depth_idx = np.linspace(0, 2, num=len(groups)).round().astype(int) if len(groups) > 1 else [0]
+    size_idx = np.linspace(0, len(input_sizes) - 1, num=len(groups)).round().astype(int) if len(groups) > 1 else [0]
+    out = {}
+    for g, (di, si) in enumerate(zip(depth_idx, size_idx)):
+        for i in groups[g]:
+            site = sites[i]
+            if method in ("fedsaf", "fedproto", "fedtopo"):
+                spec = {"family": HETERO_FAMILIES[i % len(HETERO_FAMILIES)], "feature_dim": feature_dim}
+            else:
+                spec = {"family": family, "depth": DEPTHS[di], "width": width}
+            spec.update({"in_channels": 1, "num_classes": num_classes})
+            out[site] = {"model": spec, "input_size": int(input_sizes[si])}
+    return out
+
+
+def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, input_sizes: list[int],
+                  settings: dict) -> Path:
+    """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder)."""
+    sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
+    num_classes = 3 if labels == "subtype" else 2
+    models = assign_models(sites, method, input_sizes, num_classes, feature_dim=int(settings.pop("feature_dim", 64)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.yaml"):
+        old.unlink()
+    for site in sites:
+        cfg = {"data": {"manifest": str((partition_dir / "sites" / f"{site}.csv").resolve()), "labels": labels},
+               "model": models[site]["model"], "input_size": models[site]["input_size"]}
+        cfg.update({k: v for k, v in settings.items() if v is not None})
+        write_site_config(cfg, out_dir / f"{site}.yaml")
+    return out_dir
+
+
+def _site_key(name: str):
+    head, _, tail = name.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (name, 0)

@@ -1,0 +1,154 @@
+"""Turn a job's server results (``cxr_hfl_results/``) into the run folder a hospital engineer reads.
+
+Canonical ``RUN/metrics.json`` (every method extends it, none redefines it)::
+
+    {"method", "labels", "seed", "wall_time_s",
+     "sites": {"<site>": {"model": <spec>, "input_size", "n_train", "n_test", "test": {...}}},
+     "pooled": {<metrics over all sites' test images, each {"value", "ci_low", "ci_high"}>},
+     "mean": {...}, "std": {...}, "bytes_uploaded", "bytes_downloaded", ...method extras}
+
+Reported values are those of the final round. Also ``RUN/sites.csv``, ``RUN/rounds.csv`` and PNG plots.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+SCALARS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
+
+
+def _strip_predictions(m: dict | None) -> dict | None:
+    if not isinstance(m, dict):
+        return m
+    return {k: v for k, v in m.items() if not k.startswith("_")}
+
+
+def _mean_std(site_tests: list[dict]) -> tuple[dict, dict]:
+    mean, std = {}, {}
+    for k in SCALARS:
+        vals = [t[k] for t in site_tests if isinstance(t, dict) and t.get(k) is not None]
+        mean[k] = float(np.mean(vals)) if vals else None
+        std[k] = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+    return mean, std
+
+
+def find_server_results(workspace: str | Path) -> Path:
+    """Locate ``server_results.json`` under a simulator workspace or a downloaded job folder."""
+    hits = sorted(Path(workspace).rglob("cxr_hfl_results/server_results.json"))
+    if not hits:
+        raise FileNotFoundError(f"no cxr_hfl_results/server_results.json under {workspace}: the job did not finish")
+    return hits[-1]
+
+
+def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str, seed: int, wall_time_s: float,
+                 class_names: list[str], extra: dict | None = None) -> dict:
+    """Write ``metrics.json``, ``sites.csv``, ``rounds.csv``, plots and copies of the server's model files.
+
+    Args:
+        server_results: path of ``server_results.json`` written by the controller.
+        out_dir: the run folder.
+        labels: label scheme name; class_names: its class names (for plots).
+        seed, wall_time_s: recorded as is. extra: added to metrics.json (e.g. the command line).
+
+    Returns:
+        The metrics dict that was written.
+    """
+    from hfl_components.training import pooled_metrics_with_ci
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(server_results)
+    rec = json.loads(src.read_text())
+    for name in ("global_model.pt", "alignment_record.json"):
+        if (src.parent / name).is_file():
+            shutil.copy2(src.parent / name, out / name)
+    sites, all_p, all_y = {}, [], []
+    for site, s in sorted(rec.get("sites", {}).items()):
+        test = s.get("test") or {}
+        if test.get("_probs"):
+            all_p.extend(test["_probs"])
+            all_y.extend(test["_labels"])
+        block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
+                 "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
+        for k in ("local", "global_zero_shot", "finetune_loss"):
+            if k in s:
+                block[k] = _strip_predictions(s[k])
+        sites[site] = block
+    num_classes = len(class_names)
+    pooled = (pooled_metrics_with_ci(np.asarray(all_y), np.asarray(all_p), num_classes)
+              if all_y else None)
+    tests = [b["test"] for b in sites.values() if b.get("test")]
+    mean, std = _mean_std(tests)
+    metrics = {"method": rec.get("method"), "labels": labels, "seed": seed, "wall_time_s": round(wall_time_s, 2),
+               "sites": sites, "pooled": pooled, "mean": mean, "std": std,
+               "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
+               "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
+               "rounds": _round_curves(rec)}
+    if rec.get("method") == "ohfl":
+        accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
+        metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
+        metrics["server_fusion_s"] = rec.get("server_fusion_s", {})
+        metrics["global_model"] = rec.get("global_spec")
+    for k in ("global_spec", "effective_rank", "R_global", "S_global", "task_config"):
+        if k in rec and k not in metrics:
+            metrics[k] = rec[k]
+    if extra:
+        metrics.update(extra)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    _write_sites_csv(out / "sites.csv", sites)
+    _write_rounds_csv(out / "rounds.csv", metrics["rounds"])
+    if all_y:
+        _write_predictions(out / "test_predictions.csv", rec, class_names)
+    from nvflare_jobs import plots
+
+    plots.make_all(out, metrics, rec, class_names)
+    return metrics
+
+
+def _round_curves(rec: dict) -> list[dict]:
+    rows = []
+    for r in rec.get("rounds", []):
+        accs = {s: (m.get("val") or {}).get("accuracy") for s, m in r.get("sites", {}).items()}
+        rows.append({"round": r["round"], "task": r["task"], "seconds": round(r.get("seconds", 0.0), 2),
+                     "bytes_up": r.get("bytes_up", 0), "bytes_down": r.get("bytes_down", 0),
+                     "val_accuracy": accs, "errors": r.get("errors", {}),
+                     **({"diagnostics": {s: {k: m[k] for k in ("D_r", "D_rs") if k in m}
+                                         for s, m in r.get("sites", {}).items()}}
+                        if any("D_r" in m for m in r.get("sites", {}).values()) else {})})
+    return rows
+
+
+def _write_sites_csv(path: Path, sites: dict) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["site", "model", "input_size", "n_train", "n_test", *SCALARS])
+        for site, b in sites.items():
+            t = b.get("test") or {}
+            m = b.get("model") or {}
+            name = "/".join(str(m.get(k)) for k in ("family", "depth", "width") if m.get(k) is not None)
+            w.writerow([site, name, b.get("input_size"), b.get("n_train"), b.get("n_test"),
+                        *[("" if t.get(k) is None else round(t[k], 4)) for k in SCALARS]])
+
+
+def _write_rounds_csv(path: Path, rounds: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["round", "task", "site", "val_accuracy", "bytes_up", "bytes_down", "seconds"])
+        for r in rounds:
+            for site, acc in sorted(r["val_accuracy"].items()):
+                w.writerow([r["round"], r["task"], site, "" if acc is None else round(acc, 4), r["bytes_up"],
+                            r["bytes_down"], r["seconds"]])
+
+
+def _write_predictions(path: Path, rec: dict, class_names: list[str]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["site", "index", "label", *[f"p_{c}" for c in class_names]])
+        for site, s in sorted(rec.get("sites", {}).items()):
+            t = s.get("test") or {}
+            for i, (p, y) in enumerate(zip(t.get("_probs", []), t.get("_labels", []))):
+                w.writerow([site, i, y, *[round(float(v), 5) for v in p]])

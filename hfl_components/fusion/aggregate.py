@@ -1,0 +1,189 @@
+"""Multi-model aggregation strategies of OHFL (Sec. 3.5, Algorithm 1; alternatives of Sec. 4.3 / Table 4).
+
+Every strategy is a sequence of pairwise fusions (:func:`~.pairwise.fuse_pair`, result = target architecture):
+
+* ``cid`` (the paper's method, Algorithm 1): fuse same-depth models first, one representative per depth layout;
+  sort the representatives by depth, ascending; the running model is the *source* fused into the next deeper
+  representative (the *target*). Result: the deepest architecture.
+* ``cdd``: the same from deep to shallow (the running model is merged into the next shallower one). Result: the
+  shallowest architecture.
+* ``cia``: no depth grouping; sites ordered by validation accuracy, low to high (ties by name); each step's target is
+  the next model. Result: the architecture of the most accurate site.
+* ``rand``: a random base model (seeded) is the target of every other model; the n − 1 fused models (all of the
+  base's architecture) are averaged parameter-wise.
+
+Same-depth grouping (cid/cdd): members sorted by name; the group's architecture is that of its widest member (most
+parameters, ties by name), into which the others are fused one by one.
+
+Weights. ``weighting="samples"`` (default): the running model carries the cumulative sample count of the models
+fused into it, so each step is w_fused : w_new and every site ends with weight ∝ its sample count regardless of the
+order (a fixed 0.5 over-weights the models fused last, see PITFALLS). ``weighting="half"``: every step 0.5 : 0.5.
+For ``rand`` the n − 1 results are averaged with weights (n_base + n_k) under ``samples`` and equally under ``half``.
+"""
+from __future__ import annotations
+
+import copy
+import random as _random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hfl_components.fusion._arch import hidden_rows, layer_table, spec_signature
+from hfl_components.fusion.pairwise import PHASES, fuse_pair
+
+StateDict = dict[str, torch.Tensor]
+STRATEGIES = ("cid", "cdd", "cia", "rand")
+
+
+@dataclass
+class SiteModel:
+    """One uploaded site model.
+
+    Attributes:
+        name: site name (orders ties deterministically).
+        spec: fusable spec (``hfl_components.models.fusable``).
+        state_dict: parameter tensors (float).
+        n_samples: positive training-sample count (fusion weight).
+        val_acc: validation accuracy in [0, 1] (needed by ``cia``).
+    """
+
+    name: str
+    spec: dict
+    state_dict: StateDict
+    n_samples: float
+    val_acc: float | None = None
+
+
+@dataclass
+class _Running:
+    label: str
+    spec: dict
+    state_dict: StateDict
+    weight: float
+    members: list[str] = field(default_factory=list)
+
+
+def _as_site(m) -> SiteModel:
+    if isinstance(m, SiteModel):
+        return m
+    if isinstance(m, dict):
+        missing = [k for k in ("name", "spec", "state_dict", "n_samples") if k not in m]
+        if missing:
+            raise ValueError(f"model entry lacks {missing}")
+        return SiteModel(m["name"], m["spec"], m["state_dict"], m["n_samples"], m.get("val_acc"))
+    raise ValueError(f"models must be SiteModel or dict entries, got {type(m).__name__}")
+
+
+def _n_params(spec: dict) -> int:
+    return sum(r.n_out * (r.n_in * (9 if r.kind == "conv" else 1) + 1) for r in layer_table(spec))
+
+
+def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
+                     alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
+                     sinkhorn_reg: float = 0.01) -> tuple[dict, StateDict, dict]:
+    """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
+
+    Args:
+        models: list of :class:`SiteModel` or dicts ``{name, spec, state_dict, n_samples, val_acc}``; names unique.
+        strategy: ``"cid"``, ``"cdd"``, ``"cia"`` or ``"rand"`` (see the module docstring).
+        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages, for CKA (models of different depth) and the
+            ``"acts"`` metric.
+        weighting: ``"samples"`` (cumulative sample counts) or ``"half"`` (fixed 0.5 steps).
+        alignment, ot_solver, ground_metric, sinkhorn_reg: passed to :func:`fuse_pair`.
+        seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
+
+    Returns:
+        ``(spec, state_dict, record)``: the global model (spec of the final target, float32 tensors) and a JSON-able
+        record with ``strategy``, ``weighting``, ``alignment``, ``ot_solver``, ``ground_metric``, ``order`` (site
+        names in fusion order), ``groups`` (cid/cdd same-depth groups), ``base`` (rand), ``pairs`` (every
+        pairwise record of :func:`fuse_pair` plus ``step``, ``src``, ``tgt``, ``weight_src``, ``weight_tgt``),
+        ``phase_seconds`` ({cka, alignment, ot, averaging}, summed) and ``total_seconds``.
+
+    Raises:
+        ValueError: no models, duplicate names, non-positive sample counts, unknown strategy/weighting, missing
+            val_acc for ``cia``; errors of :func:`fuse_pair` (incompatible models, missing probe, ...).
+    """
+    t_start = time.perf_counter()
+    sites = [_as_site(m) for m in models]
+    if not sites:
+        raise ValueError("aggregate_models needs at least one model")
+    names = [s.name for s in sites]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be unique, got {names}")
+    for s in sites:
+        if not (float(s.n_samples) > 0):
+            raise ValueError(f"{s.name}: n_samples must be positive, got {s.n_samples!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if weighting not in ("samples", "half"):
+        raise ValueError(f"weighting must be 'samples' or 'half', got {weighting!r}")
+    phase = dict.fromkeys(PHASES, 0.0)
+    pairs: list[dict] = []
+    record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
+                    "ground_metric": ground_metric}
+
+    def fuse(src: _Running, tgt: _Running) -> _Running:
+        k = len(pairs)
+        w_s, w_t = (src.weight, tgt.weight) if weighting == "samples" else (0.5, 0.5)
+        spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe, w_s, w_t,
+                                  alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
+                                  seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg)
+        for p in PHASES:
+            phase[p] += rec["seconds"][p]
+        pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})
+        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, src.members + tgt.members)
+
+    def run(s: SiteModel) -> _Running:
+        return _Running(s.name, s.spec, s.state_dict, float(s.n_samples), [s.name])
+
+    def chain(items: list[_Running]) -> _Running:
+        cur = items[0]
+        for nxt in items[1:]:
+            cur = fuse(cur, nxt)
+        return cur
+
+    if strategy in ("cid", "cdd"):
+        groups: dict[tuple, list[SiteModel]] = {}
+        for s in sorted(sites, key=lambda s: s.name):
+            groups.setdefault(spec_signature(s.spec), []).append(s)
+        reps = []
+        for sig, members in groups.items():
+            base = min(members, key=lambda s: (-_n_params(s.spec), s.name))
+            cur = run(base)
+            for other in members:
+                if other is not base:
+                    cur = fuse(run(other), cur)
+            reps.append((len(hidden_rows(members[0].spec)), sig, cur))
+        reps.sort(key=lambda t: (t[0], t[1]), reverse=(strategy == "cdd"))
+        record["groups"] = [r[2].members for r in reps]
+        final = chain([r[2] for r in reps])
+        order = final.members
+    elif strategy == "cia":
+        missing = [s.name for s in sites if s.val_acc is None]
+        if missing:
+            raise ValueError(f"strategy 'cia' needs val_acc for every model; missing for {missing}")
+        ordered = sorted(sites, key=lambda s: (float(s.val_acc), s.name))
+        final = chain([run(s) for s in ordered])
+        order = [s.name for s in ordered]
+    else:  # rand
+        ordered = sorted(sites, key=lambda s: s.name)
+        base = _random.Random(seed).choice(ordered)
+        record["base"] = base.name
+        results = [fuse(run(s), run(base)) for s in ordered if s is not base]
+        order = [base.name] + [s.name for s in ordered if s is not base]
+        if not results:
+            final = run(base)
+        else:
+            t0 = time.perf_counter()
+            ws = [r.weight if weighting == "samples" else 1.0 for r in results]
+            tot = sum(ws)
+            sd = {k: (sum(w * r.state_dict[k].to(torch.float64) for w, r in zip(ws, results)) / tot)
+                  .to(torch.float32) for k in results[0].state_dict}
+            phase["averaging"] += time.perf_counter() - t0
+            final = _Running(f"mean{[r.label for r in results]}", copy.deepcopy(base.spec), sd,
+                             sum(s.n_samples for s in sites), order)
+    state_dict = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in final.state_dict.items()}
+    record.update({"order": order, "pairs": pairs, "phase_seconds": phase,
+                   "total_seconds": time.perf_counter() - t_start})
+    return copy.deepcopy(final.spec), state_dict, record

@@ -1,0 +1,180 @@
+"""Linear CKA between layer pre-activations (OHFL Sec. 3.1, Eq. 1).
+
+For two activation matrices X (n x p) and Y (n x q) computed on the *same* n probe inputs, with columns centred
+(X̂ = H X, H = I - 11ᵀ/n), OHFL's Eq. 1 is
+
+    CKA(X, Y) = ‖Ŷᵀ X̂‖_F² / (‖X̂ᵀ X̂‖_F · ‖Ŷᵀ Ŷ‖_F),        cost C_ij = 1 − CKA(layer i of A, layer j of B).
+
+We evaluate it in the n x n Gram form (Kornblith et al., 2019): with K = X Xᵀ and L = Y Yᵀ, ‖Ŷᵀ X̂‖_F² = ⟨HKH, HLH⟩,
+so CKA = HSIC(K, L) / sqrt(HSIC(K, K) · HSIC(L, L)) with the biased estimator HSIC(K, L) = ⟨HKH, HLH⟩ / (n − 1)²
+(the (n − 1)² cancels). Activations stay float32; Gram matrices and sums are float64; centring is explicit; a layer
+whose centred Gram has (near-)zero norm (a constant layer) gets CKA 0 against everything instead of 0/0.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+_EPS = 1e-12
+_CHUNK = 1 << 16  # columns per float64 Gram chunk (bounds the float64 copy of wide conv activations)
+
+
+def _as_2d_tensor(X, name: str) -> torch.Tensor:
+    t = torch.as_tensor(X)
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have a sample dimension, got a scalar")
+    t = t.reshape(t.shape[0], -1)
+    if t.shape[0] < 2:
+        raise ValueError(f"{name} needs at least 2 samples for CKA, got {t.shape[0]}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains non-finite values")
+    return t
+
+
+def centred_gram(X) -> np.ndarray:
+    """Centred linear Gram matrix H (X Xᵀ) H of an activation matrix.
+
+    Args:
+        X: array-like (n, ...) of activations, any float dtype; trailing dims are flattened per sample.
+
+    Returns:
+        np.ndarray float64 (n, n), symmetric, rows and columns summing to 0.
+
+    Raises:
+        ValueError: fewer than 2 samples or non-finite values.
+    """
+    t = _as_2d_tensor(X, "X")
+    n, p = t.shape
+    K = torch.zeros((n, n), dtype=torch.float64)
+    for start in range(0, p, _CHUNK):
+        c = t[:, start:start + _CHUNK].to(torch.float64)
+        K += c @ c.T
+    K = K.numpy()
+    # explicit double centring: H K H = K - row means - column means + grand mean
+    K = K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
+    return K
+
+
+def cka_from_grams(Kc: np.ndarray, Lc: np.ndarray, eps: float = _EPS) -> float:
+    """Linear CKA from two *centred* Gram matrices (n x n float64); 0.0 when either norm is below ``eps``."""
+    if Kc.shape != Lc.shape:
+        raise ValueError(f"Gram matrices differ in shape: {Kc.shape} vs {Lc.shape} (same probe needed)")
+    n = Kc.shape[0]
+    hsic_kl = float(np.sum(Kc * Lc)) / (n - 1) ** 2
+    hsic_kk = float(np.sum(Kc * Kc)) / (n - 1) ** 2
+    hsic_ll = float(np.sum(Lc * Lc)) / (n - 1) ** 2
+    denom = np.sqrt(hsic_kk) * np.sqrt(hsic_ll)
+    if not denom > eps:
+        return 0.0
+    return float(min(max(hsic_kl / denom, 0.0), 1.0))
+
+
+def linear_cka(X, Y, eps: float = _EPS) -> float:
+    """Linear CKA similarity of two activation matrices on the same inputs (OHFL Eq. 1, Gram form).
+
+    Args:
+        X: array-like (n, p...) — n samples, features flattened per sample (torch or NumPy, any float dtype).
+        Y: array-like (n, q...) — the same n samples in the same order.
+        eps: guard: if sqrt(HSIC(K,K) HSIC(L,L)) <= eps (a constant layer) the similarity is 0.0.
+
+    Returns:
+        float in [0, 1]; 1.0 for X = Y (up to rounding); invariant to orthogonal transforms and isotropic
+        scaling of either argument.
+
+    Raises:
+        ValueError: different sample counts, fewer than 2 samples, non-finite values.
+    """
+    X = _as_2d_tensor(X, "X")
+    Y = _as_2d_tensor(Y, "Y")
+    if X.shape[0] != Y.shape[0]:
+        raise ValueError(f"X and Y must have the same number of samples, got {X.shape[0]} and {Y.shape[0]}")
+    return cka_from_grams(centred_gram(X), centred_gram(Y), eps)
+
+
+def _check_probe(model: nn.Module, probe) -> torch.Tensor:
+    if not isinstance(probe, torch.Tensor) or probe.dim() != 4:
+        raise ValueError("probe must be a float tensor of shape (n, in_channels, S, S)")
+    if not torch.is_floating_point(probe):
+        raise ValueError(f"probe must be a float tensor, got {probe.dtype}")
+    if probe.shape[0] < 2:
+        raise ValueError(f"probe needs at least 2 images, got {probe.shape[0]}")
+    c_in = model.convs[0].in_channels if hasattr(model, "convs") else None
+    if c_in is not None and probe.shape[1] != c_in:
+        raise ValueError(f"probe has {probe.shape[1]} channels, the model expects {c_in}")
+    return probe.to(torch.float32)
+
+
+@torch.no_grad()
+def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tensor]:
+    """Pre-activations (conv / linear outputs before ReLU) of every layer of a fusable model on a probe batch.
+
+    Forward hooks on each ``LayerInfo.module`` of ``model.layers()``; the model is run once in eval mode without
+    gradients (its training flag is restored afterwards).
+
+    Args:
+        model: a :class:`~hfl_components.models.fusable.FusableNet` (anything with ``layers()``).
+        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages, n >= 2.
+
+    Returns:
+        list, one entry per ``model.layers()`` entry (class layer last): float32 tensor (n, features), conv
+        outputs flattened per sample in (C, H, W) order.
+
+    Raises:
+        ValueError: malformed probe.
+    """
+    probe = _check_probe(model, probe)
+    layers = model.layers()
+    outs: list[torch.Tensor | None] = [None] * len(layers)
+    handles = []
+
+    def hook(idx):
+        def fn(_module, _inp, out):
+            outs[idx] = out.detach().to(torch.float32).reshape(out.shape[0], -1).clone()
+        return fn
+
+    for k, info in enumerate(layers):
+        handles.append(info.module.register_forward_hook(hook(k)))
+    was_training = model.training
+    try:
+        model.eval()
+        model(probe)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return outs  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def hidden_centred_grams(model: nn.Module, probe: torch.Tensor) -> list[np.ndarray]:
+    """Centred Gram matrices (n x n float64) of each *hidden* layer's pre-activations (class layer excluded)."""
+    acts = layer_activations(model, probe)[:-1]
+    grams = []
+    for k in range(len(acts)):
+        grams.append(centred_gram(acts[k]))
+        acts[k] = None  # free as we go
+    return grams
+
+
+def cka_cost_matrix(model_a: nn.Module, model_b: nn.Module, probe: torch.Tensor) -> np.ndarray:
+    """OHFL cost matrix C_ij = 1 − CKA(hidden layer i of A, hidden layer j of B) (Sec. 3.1, Eq. 1).
+
+    Args:
+        model_a, model_b: fusable models with the same input channels.
+        probe: float tensor (n, in_channels, S, S) fed identically to both models (eval mode, no grad).
+
+    Returns:
+        np.ndarray float64 (n_hidden_a, n_hidden_b) with entries in [0, 1]; hidden layers in ``layers()`` order
+        (the class layer is not part of the alignment).
+
+    Raises:
+        ValueError: malformed probe.
+    """
+    Ga = hidden_centred_grams(model_a, probe)
+    Gb = hidden_centred_grams(model_b, probe)
+    C = np.empty((len(Ga), len(Gb)), dtype=np.float64)
+    for i, K in enumerate(Ga):
+        for j, L in enumerate(Gb):
+            C[i, j] = 1.0 - cka_from_grams(K, L)
+    return C

@@ -1,0 +1,206 @@
+"""Optimal-transport neuron alignment and weighted fusion of two depth-balanced models (OHFL Sec. 3.3–3.4).
+
+Problem (Eq. 2–4). For one layer, the source's n neurons and the target's m neurons carry uniform masses
+α_i = 1/n and β_j = 1/m; with a ground cost M (n x m) the transport plan is
+
+    T* = argmin_{T >= 0, T 1_m = α, Tᵀ 1_n = β} ⟨T, M⟩_F                         (Eq. 4)
+    (Sinkhorn: ⟨T, M⟩_F − ε H(T) with ε = 0.01, the paper's setting, solved in the log domain.)
+
+Normalisation convention (the one under which a model with duplicated neurons fuses back exactly; see
+../shared/docs/PITFALLS.md). With W_src^l (n_l x n_{l−1}[x 3 x 3]) and the previous layer's plan T^{l−1}:
+
+    Ŵ^l  = W_src^l · (T^{l−1} / α^{l−1})      incoming weights, *row*-normalised previous plan (each source
+                                               neuron passes its whole weight on to the target neurons it maps to)
+    W̄^l  = (T^l / β^l)ᵀ · Ŵ^l,  b̄^l = (T^l / β^l)ᵀ · b^l
+                                               *column*-normalised current plan (each target neuron receives a
+                                               convex combination of the source neurons mapped to it)
+    W_fused^l = (w_src · W̄^l + w_tgt · W_tgt^l) / (w_src + w_tgt),   biases likewise.
+
+The paper writes Ŵ = W T^{l−1} and W̄ = (T^l)ᵀ Ŵ with the raw plan, whose entries are ~1/(n m) and would shrink the
+weights; dividing by α (rows) and β (columns) is exactly what makes T/α and T/β a permutation matrix when the plan is
+one, and makes duplicated neurons (outgoing weights halved) fuse back to the original function. (We divide by the
+plan's achieved row / column sums, equal to α, β up to the asserted tolerance.)
+
+Boundaries. The input layer's previous plan is the identity over image channels. At the conv -> fc boundary the
+channel plan is expanded over the adaptive pool's h·w positions, P ⊗ I_{h·w}, matching PyTorch's channel-major
+flatten. The class layer uses the identity plan (class k stays class k).
+
+Ground metrics. ``"wts"`` (the paper's setting): Euclidean distance between the rows [Ŵ_i, b_i] of the
+incoming-aligned source and [W_tgt_j, b_j] of the target. ``"acts"``: Euclidean distance between the neurons'
+pre-activations on the probe batch (all samples x positions). Costs are divided by their maximum (float64) before
+solving, which leaves the emd plan unchanged and keeps exp(−M/ε) representable for Sinkhorn.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import ot
+import torch
+
+from hfl_components.fusion._arch import LayerRow, layer_table, resolve
+from hfl_components.fusion.cka import layer_activations
+
+StateDict = dict[str, torch.Tensor]
+
+
+class OTMarginalError(RuntimeError):
+    """Raised when a solved transport plan violates its marginals beyond the tolerance (solver failure)."""
+
+
+def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | None = None,
+             marginal_rtol: float | None = None) -> tuple[np.ndarray, dict]:
+    """Transport plan between uniform measures for a ground cost (OHFL Eq. 2–4).
+
+    Args:
+        cost: array-like (n, m), finite, non-negative ground cost (any scale; divided by its max internally).
+        solver: ``"emd"`` (exact network simplex, ``ot.emd``) or ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
+            ``method="sinkhorn_log"``, regularisation ``reg`` relative to the max-normalised cost).
+        reg: entropic regularisation ε for Sinkhorn (paper: 0.01).
+        num_itermax: solver iteration cap (default 10_000_000 for emd, 20_000 for Sinkhorn).
+        marginal_rtol: allowed max |T 1 − α| / α and |Tᵀ 1 − β| / β (default 1e-6 emd, 1e-3 Sinkhorn).
+
+    Returns:
+        ``(T, info)``: T float64 (n, m) with T 1 = 1/n, Tᵀ 1 = 1/m; info dict with ``solver``, ``cost_scale``
+        (the max used to normalise), ``transport_cost`` (⟨T, M/scale⟩), ``marginal_rel_err``, ``warnings``.
+
+    Raises:
+        ValueError: bad cost (shape, non-finite, negative) or unknown solver.
+        OTMarginalError: the plan violates its marginals beyond ``marginal_rtol`` (e.g. Sinkhorn not converged).
+    """
+    M = np.array(cost, dtype=np.float64)
+    if M.ndim != 2 or M.shape[0] == 0 or M.shape[1] == 0:
+        raise ValueError(f"cost must be a non-empty 2-D array, got shape {M.shape}")
+    if not np.isfinite(M).all():
+        raise ValueError("OT cost contains non-finite values")
+    if (M < 0).any():
+        raise ValueError("OT cost must be non-negative")
+    n, m = M.shape
+    scale = float(M.max())
+    if scale > 0:
+        M /= scale
+    a, b = np.full(n, 1.0 / n), np.full(m, 1.0 / m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if solver == "emd":
+            T = ot.emd(a, b, M, numItermax=int(num_itermax or 10_000_000))
+            rtol = 1e-6 if marginal_rtol is None else marginal_rtol
+        elif solver == "sinkhorn":
+            T = ot.sinkhorn(a, b, M, reg, method="sinkhorn_log", numItermax=int(num_itermax or 20_000),
+                            stopThr=1e-10)
+            rtol = 1e-3 if marginal_rtol is None else marginal_rtol
+        else:
+            raise ValueError(f"ot_solver must be 'emd' or 'sinkhorn', got {solver!r}")
+    T = np.asarray(T, dtype=np.float64)
+    msgs = [str(w.message) for w in caught]
+    err = max(float(np.max(np.abs(T.sum(1) - a))) * n, float(np.max(np.abs(T.sum(0) - b))) * m)
+    if not np.isfinite(T).all() or not err <= rtol:
+        raise OTMarginalError(f"{solver} plan ({n}x{m}) violates its marginals: max relative error {err:.3g} > "
+                              f"{rtol:g}; solver warnings: {msgs or 'none'}")
+    for msg in msgs:
+        warnings.warn(f"{solver} ({n}x{m}): {msg} (marginals within tolerance, rel err {err:.2g})", RuntimeWarning)
+    return T, {"solver": solver, "cost_scale": scale, "transport_cost": float(np.sum(T * M)),
+               "marginal_rel_err": err, "warnings": msgs}
+
+
+def _neuron_acts(acts: torch.Tensor, row: LayerRow) -> torch.Tensor:
+    """(n, C*H*W) or (n, C) float32 -> (C, n*H*W) float64 neuron activation vectors."""
+    n = acts.shape[0]
+    a = acts.reshape(n, row.n_out, -1).permute(1, 0, 2).reshape(row.n_out, -1)
+    return a.to(torch.float64)
+
+
+def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: StateDict, weight_src: float,
+                     weight_tgt: float, solver: str = "emd", ground_metric: str = "wts", probe=None,
+                     reg: float = 0.01) -> tuple[StateDict, list[dict], dict]:
+    """Align the source's neurons to the target's layer by layer with OT and average (OHFL Sec. 3.4).
+
+    Args:
+        src_spec, src_sd: the depth-balanced source (same hidden-layer layout as the target, any widths).
+        tgt_spec, tgt_sd: the target; the result has its architecture and state-dict keys.
+        weight_src, weight_tgt: positive averaging weights (normalised to sum to 1).
+        solver: ``"emd"`` or ``"sinkhorn"`` (see :func:`solve_ot`); reg: Sinkhorn ε.
+        ground_metric: ``"wts"`` (incoming weights + bias) or ``"acts"`` (pre-activations on ``probe``).
+        probe: float tensor (n, in_channels, S, S); required for ``"acts"``.
+
+    Returns:
+        ``(state_dict, layer_records, seconds)``: fused float32 tensors with the target's keys and shapes; one
+        record per weight layer (``layer``, ``n_src``, ``n_tgt``, ``plan`` = ``"ot"``/``"identity"`` and, for OT
+        layers, ``transport_cost``, ``cost_scale``, ``marginal_rel_err``); seconds ``{"ot": s, "averaging": s}``.
+
+    Raises:
+        ValueError: different layer layouts, bad weights/metric, missing probe for ``"acts"``.
+        OTMarginalError: from :func:`solve_ot`.
+    """
+    rows_s, rows_t = layer_table(src_spec), layer_table(tgt_spec)
+    lay_s = [(r.kind, r.stage) for r in rows_s]
+    if lay_s != [(r.kind, r.stage) for r in rows_t]:
+        raise ValueError("OT fusion needs depth-balanced models (same hidden-layer layout); balance them first")
+    ws, wt = float(weight_src), float(weight_tgt)
+    if not (np.isfinite(ws) and np.isfinite(wt) and ws > 0 and wt > 0):
+        raise ValueError(f"fusion weights must be positive and finite, got {weight_src!r}, {weight_tgt!r}")
+    ws, wt = ws / (ws + wt), wt / (ws + wt)
+    if ground_metric not in ("wts", "acts"):
+        raise ValueError(f"ground_metric must be 'wts' or 'acts', got {ground_metric!r}")
+    secs = {"ot": 0.0, "averaging": 0.0}
+    t0 = time.perf_counter()
+    acts_s = acts_t = None
+    if ground_metric == "acts":
+        if probe is None:
+            raise ValueError("ground_metric='acts' needs a probe batch")
+        from hfl_components.models.fusable import build_fusable
+        ms, mt = build_fusable(src_spec), build_fusable(tgt_spec)
+        ms.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in src_sd.items()})
+        mt.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tgt_sd.items()})
+        acts_s, acts_t = layer_activations(ms, probe), layer_activations(mt, probe)
+    pool2 = resolve(tgt_spec)["pool"] ** 2
+    P = torch.eye(resolve(src_spec)["in_channels"], dtype=torch.float64)  # row-normalised previous plan
+    prev_kind = "conv"
+    out: StateDict = {}
+    records: list[dict] = []
+    for idx, (rs, rt) in enumerate(zip(rows_s, rows_t)):
+        t1 = time.perf_counter()
+        W = torch.as_tensor(src_sd[f"{rs.name}.weight"]).to(torch.float64)
+        b = torch.as_tensor(src_sd[f"{rs.name}.bias"]).to(torch.float64)
+        Wt = torch.as_tensor(tgt_sd[f"{rt.name}.weight"])
+        bt = torch.as_tensor(tgt_sd[f"{rt.name}.bias"])
+        if rs.kind == "fc" and prev_kind == "conv" and pool2 > 1:
+            P = torch.kron(P, torch.eye(pool2, dtype=torch.float64))  # channel plan ⊗ I_{h·w}
+        if W.shape[1] != P.shape[0]:
+            raise ValueError(f"{rs.name}: {W.shape[1]} inputs but the carried plan has {P.shape[0]} rows")
+        W_hat = torch.einsum("oi...,ij->oj...", W, P)  # W · (T_prev / α_prev)
+        if tuple(W_hat.shape[1:]) != tuple(Wt.shape[1:]) or (rs.is_output and W.shape[0] != Wt.shape[0]):
+            raise ValueError(f"{rs.name}: aligned source shape {tuple(W_hat.shape)} does not fit target "
+                             f"{rt.name} {tuple(Wt.shape)}")
+        rec = {"layer": rt.name, "src_layer": rs.name, "n_src": int(W.shape[0]), "n_tgt": int(Wt.shape[0])}
+        if rs.is_output:
+            W_bar, b_bar = W_hat, b  # identity plan: class k -> class k
+            rec["plan"] = "identity"
+        else:
+            if ground_metric == "wts":
+                xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
+                xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
+            else:
+                xs, xt = _neuron_acts(acts_s[idx], rs), _neuron_acts(acts_t[idx], rt)
+            M = torch.cdist(xs, xt).numpy()
+            T, info = solve_ot(M, solver=solver, reg=reg)
+            Tt = torch.from_numpy(T)
+            col = Tt.sum(0, keepdim=True)
+            row = Tt.sum(1, keepdim=True)
+            Tb = Tt / col  # column-normalised: T / β
+            W_bar = torch.einsum("ij,i...->j...", Tb, W_hat)
+            b_bar = Tb.T @ b
+            P = Tt / row  # row-normalised: T / α, carried into the next layer
+            rec.update({"plan": "ot", **{k: info[k] for k in ("transport_cost", "cost_scale", "marginal_rel_err")}})
+        t2 = time.perf_counter()
+        out[f"{rt.name}.weight"] = (ws * W_bar + wt * Wt.to(torch.float64)).to(torch.float32)
+        out[f"{rt.name}.bias"] = (ws * b_bar + wt * bt.to(torch.float64)).to(torch.float32)
+        t3 = time.perf_counter()
+        secs["ot"] += t2 - t1
+        secs["averaging"] += t3 - t2
+        records.append(rec)
+        prev_kind = rs.kind
+    # everything not spent averaging (including the 'acts' forward passes) counts as OT time
+    secs["ot"] = (time.perf_counter() - t0) - secs["averaging"]
+    return out, records, secs

@@ -1,0 +1,107 @@
+"""Fusion of one source model into one target model (OHFL Sec. 3.1–3.4): CKA -> DP layer map -> depth balancing ->
+OT neuron alignment -> weighted average. The result always has the target's architecture."""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from hfl_components.fusion._arch import check_compatible, hidden_rows, spec_signature
+from hfl_components.fusion.balancing import insert_identity_layers, merge_layers
+from hfl_components.fusion.cka import cka_cost_matrix
+from hfl_components.fusion.layer_alignment import align_layers, map_cost
+from hfl_components.fusion.ot_fusion import ot_fuse_balanced
+from hfl_components.models.fusable import build_fusable
+
+StateDict = dict[str, torch.Tensor]
+PHASES = ("cka", "alignment", "ot", "averaging")
+
+
+def _load(spec: dict, sd: StateDict) -> torch.nn.Module:
+    m = build_fusable(spec)
+    m.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in sd.items()})
+    return m
+
+
+def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: torch.Tensor | None = None,
+              weight_src: float = 0.5, weight_tgt: float = 0.5, alignment: str = "cka", ot_solver: str = "emd",
+              ground_metric: str = "wts", seed: int | None = 0, sinkhorn_reg: float = 0.01,
+              ) -> tuple[dict, StateDict, dict]:
+    """Fuse a source model into a target model; the result has the target's architecture (OHFL Sec. 3.1–3.4).
+
+    Steps: (1) if the two hidden-layer layouts differ, the CKA cost matrix C_ij = 1 − CKA (Eq. 1) on ``probe``;
+    (2) the strictly increasing layer map by DP (Sec. 3.1; ``alignment="random"`` draws a random feasible map);
+    (3) depth balancing of the source (Sec. 3.2): identity insertion when it is shallower, layer merging when it is
+    deeper; (4) layer-wise OT alignment of the source's neurons onto the target's and the weighted average (Sec.
+    3.3–3.4, Eq. 4; normalisation convention in :mod:`.ot_fusion`). Same layouts skip (1)–(3) (identity map).
+
+    Args:
+        src, tgt: ``(spec, state_dict)`` of fusable models (same family/stage count, in_channels, classes).
+        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages; needed for CKA when layouts differ and for
+            ``ground_metric="acts"``.
+        weight_src, weight_tgt: positive averaging weights (e.g. cumulative sample counts), normalised internally.
+        alignment: ``"cka"`` or ``"random"``.  ot_solver: ``"emd"`` or ``"sinkhorn"`` (ε = ``sinkhorn_reg``).
+        ground_metric: ``"wts"`` or ``"acts"``.  seed: seed of the random alignment.
+
+    Returns:
+        ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
+        record (JSON-able) with ``src_layers``/``tgt_layers`` (hidden-layer names), ``cost`` (n_src x n_tgt list of
+        lists of 1 − CKA, or None when not computed), ``layer_map`` ([[i_src, j_tgt], ...]), ``map_cost``,
+        ``balancing`` (``"none"``, ``"insert_identity"``, ``"merge"``), ``balanced_src_spec``, ``alignment``,
+        ``ot_solver``, ``ground_metric``, ``weights`` ({src, tgt} normalised), ``layers`` (per-layer OT records),
+        ``seconds`` ({cka, alignment, ot, averaging}; alignment includes the balancing).
+
+    Raises:
+        ValueError: incompatible models, no feasible layer map, missing probe, bad options.
+        OTMarginalError: an OT plan violates its marginals.
+    """
+    spec_s, sd_s = src
+    spec_t, sd_t = tgt
+    check_compatible(spec_s, spec_t)
+    if alignment not in ("cka", "random"):
+        raise ValueError(f"alignment must be 'cka' or 'random', got {alignment!r}")
+    rows_s, rows_t = hidden_rows(spec_s), hidden_rows(spec_t)
+    secs = dict.fromkeys(PHASES, 0.0)
+    cost = None
+    if spec_signature(spec_s) == spec_signature(spec_t):
+        pairs = [(i, i) for i in range(len(rows_s))]
+        bal_spec, bal_sd, balancing = spec_s, sd_s, "none"
+    else:
+        if alignment == "cka":
+            if probe is None:
+                raise ValueError("CKA alignment of models of different depth needs a probe batch")
+            t0 = time.perf_counter()
+            cost = cka_cost_matrix(_load(spec_s, sd_s), _load(spec_t, sd_t), probe)
+            secs["cka"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pairs = align_layers(cost, [r.kind for r in rows_s], [r.stage for r in rows_s],
+                             [r.kind for r in rows_t], [r.stage for r in rows_t], method=alignment, seed=seed)
+        if len(rows_s) < len(rows_t):
+            bal_spec, bal_sd = insert_identity_layers(spec_s, sd_s, pairs, spec_t)
+            balancing = "insert_identity"
+        else:
+            bal_spec, bal_sd = merge_layers(spec_s, sd_s, pairs, spec_t)
+            balancing = "merge"
+        secs["alignment"] = time.perf_counter() - t0
+    sd, layer_recs, ot_secs = ot_fuse_balanced(bal_spec, bal_sd, spec_t, sd_t, weight_src, weight_tgt,
+                                               solver=ot_solver, ground_metric=ground_metric, probe=probe,
+                                               reg=sinkhorn_reg)
+    secs["ot"], secs["averaging"] = ot_secs["ot"], ot_secs["averaging"]
+    w_sum = float(weight_src) + float(weight_tgt)
+    record = {
+        "src_layers": [r.name for r in rows_s],
+        "tgt_layers": [r.name for r in rows_t],
+        "cost": None if cost is None else cost.tolist(),
+        "layer_map": [[int(i), int(j)] for i, j in pairs],
+        "map_cost": None if cost is None else map_cost(cost, pairs),
+        "balancing": balancing,
+        "balanced_src_spec": copy.deepcopy(bal_spec),
+        "alignment": alignment,
+        "ot_solver": ot_solver,
+        "ground_metric": ground_metric,
+        "weights": {"src": float(weight_src) / w_sum, "tgt": float(weight_tgt) / w_sum},
+        "layers": layer_recs,
+        "seconds": secs,
+    }
+    return copy.deepcopy(spec_t), sd, record

@@ -1,0 +1,138 @@
+"""scan_dataset: layouts, label schemes, patient ids, scan report of skipped files."""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from chest_xray import CLASS_NAMES, LabelError, detect_layout, label_index, patient_id_from_name, scan_dataset
+
+from test_data_io import write_dicom
+
+
+def _jpeg(path, w=40, h=30, value=128):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((h, w), value, np.uint8)).save(path)
+    return path
+
+
+def test_patient_ids_from_kermany_names():
+    assert patient_id_from_name("/x/person1003_virus_1685.jpeg") == "person1003"
+    assert patient_id_from_name("person7_bacteria_29.jpeg") == "person7"
+    assert patient_id_from_name("IM-0656-0001-0002.jpeg") == "IM-0656"
+    assert patient_id_from_name("NORMAL2-IM-0383-0001.jpeg") == "NORMAL2-IM-0383"
+    assert patient_id_from_name("scan_42.png") == "scan_42"
+
+
+def test_label_schemes():
+    assert label_index("NORMAL", "a.jpeg") == 0
+    assert label_index("pneumonia", "person1_virus_2.jpeg") == 1
+    assert label_index("PNEUMONIA", "person1_bacteria_2.jpeg", "subtype") == 1
+    assert label_index("PNEUMONIA", "person1_virus_2.jpeg", "subtype") == 2
+    assert label_index("NORMAL", "IM-0001-0001.jpeg", "subtype") == 0
+    assert label_index("VIRAL", "x.png", "subtype") == 2
+    assert label_index("1", "x.png") == 1
+    with pytest.raises(LabelError, match="x.jpeg.*subtype"):
+        label_index("PNEUMONIA", "x.jpeg", "subtype")
+    with pytest.raises(LabelError, match="unknown class"):
+        label_index("EDEMA", "y.png")
+    with pytest.raises(ValueError, match="label scheme"):
+        label_index("NORMAL", "y.png", "ternary")
+
+
+def test_kaggle_layout_with_bad_files_reported(tmp_path):
+    _jpeg(tmp_path / "train/NORMAL/IM-0001-0001.jpeg", 50, 40)
+    _jpeg(tmp_path / "train/NORMAL/IM-0001-0002.jpeg", 60, 40)
+    _jpeg(tmp_path / "val/PNEUMONIA/person3_virus_7.jpeg", 70, 40)
+    _jpeg(tmp_path / "test/PNEUMONIA/person4_bacteria_9.jpeg", 80, 40)
+    (tmp_path / "train/NORMAL/broken.jpeg").write_text("not an image")
+    (tmp_path / "train/NORMAL/empty.jpeg").write_bytes(b"")
+    (tmp_path / "train/NORMAL/notes.txt").write_text("hello")
+    (tmp_path / "train/NORMAL/.DS_Store").write_bytes(b"\x00")
+    assert detect_layout(tmp_path) == "kaggle"
+    recs, rep = scan_dataset(tmp_path)
+    assert [r["label"] for r in recs] == [1, 0, 0, 1]  # sorted by path: test/, train/, val/
+    assert {r["patient_id"] for r in recs} == {"IM-0001", "person3", "person4"}
+    by_name = {r["path"].rsplit("/", 1)[1]: r for r in recs}
+    assert by_name["IM-0001-0002.jpeg"]["width"] == 60 and by_name["IM-0001-0002.jpeg"]["height"] == 40
+    assert all(r["path"].startswith("/") for r in recs)
+    reasons = {s["path"].rsplit("/", 1)[1]: s["reason"] for s in rep["skipped"]}
+    assert set(reasons) == {"broken.jpeg", "empty.jpeg", "notes.txt"}
+    assert "empty" in reasons["empty.jpeg"] and "unsupported" in reasons["notes.txt"]
+    assert rep["n_records"] == 4 and rep["per_class"] == {"NORMAL": 2, "PNEUMONIA": 2} and rep["n_patients"] == 3
+    recs_s, rep_s = scan_dataset(tmp_path, labels="subtype")
+    assert sorted(r["label"] for r in recs_s) == [0, 0, 1, 2]
+    assert rep_s["class_names"] == CLASS_NAMES["subtype"]
+
+
+def test_subtype_unknown_is_an_error(tmp_path):
+    _jpeg(tmp_path / "PNEUMONIA/patient9.jpeg")
+    _jpeg(tmp_path / "NORMAL/a.jpeg")
+    recs, _ = scan_dataset(tmp_path, labels="binary")
+    assert len(recs) == 2
+    with pytest.raises(LabelError, match="patient9.jpeg"):
+        scan_dataset(tmp_path, labels="subtype")
+
+
+def test_class_folders_and_dicom_patient_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXR_PATIENT_SALT", "test-salt")
+    _jpeg(tmp_path / "NORMAL/n1.png")
+    write_dicom(tmp_path / "PNEUMONIA/p1.dcm", rows=16, cols=24)
+    write_dicom(tmp_path / "PNEUMONIA/p2.dcm", rows=16, cols=24)  # same PatientID -> same patient
+    write_dicom(tmp_path / "PNEUMONIA/ct.dcm", modality="CT")
+    write_dicom(tmp_path / "PNEUMONIA/lat.dcm", ViewPosition="LL")
+    write_dicom(tmp_path / "PNEUMONIA/sr.dcm", pixels=False)
+    assert detect_layout(tmp_path) == "classes"
+    recs, rep = scan_dataset(tmp_path)
+    names = {r["path"].rsplit("/", 1)[1]: r for r in recs}
+    assert set(names) == {"n1.png", "p1.dcm", "p2.dcm"}
+    assert names["p1.dcm"]["patient_id"] == names["p2.dcm"]["patient_id"]
+    assert names["p1.dcm"]["patient_id"].startswith("dcm-") and "SECRET" not in names["p1.dcm"]["patient_id"]
+    assert (names["p1.dcm"]["width"], names["p1.dcm"]["height"]) == (24, 16)
+    reasons = {s["path"].rsplit("/", 1)[1]: s["reason"] for s in rep["skipped"]}
+    assert "modality CT" in reasons["ct.dcm"] and "lateral" in reasons["lat.dcm"]
+    assert "no pixel data" in reasons["sr.dcm"]
+    assert "SECRET" not in repr(rep) and "Doe" not in repr(rep)
+    recs2, _ = scan_dataset(tmp_path, allow_lateral=True, allow_any_modality=True)
+    assert len(recs2) == 5
+
+
+def test_csv_manifest(tmp_path):
+    _jpeg(tmp_path / "img/a.jpeg")
+    _jpeg(tmp_path / "img/b.jpeg")
+    _jpeg(tmp_path / "img/c.jpeg")
+    m = tmp_path / "list.csv"
+    with open(m, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label", "patient_id"])
+        w.writerows([["img/a.jpeg", "NORMAL", "p1"], ["img/b.jpeg", "1", "p1"], ["img/c.jpeg", "PNEUMONIA", ""],
+                     ["img/missing.jpeg", "NORMAL", "p2"]])
+    assert detect_layout(m) == "manifest"
+    recs, rep = scan_dataset(m)
+    assert [(r["label"], r["patient_id"]) for r in recs] == [(0, "p1"), (1, "p1"), (1, "c")]
+    assert [s["path"].rsplit("/", 1)[1] for s in rep["skipped"]] == ["missing.jpeg"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("file,class\nx,y\n")
+    with pytest.raises(ValueError, match="path and label"):
+        scan_dataset(bad)
+
+
+def test_unrecognised_root(tmp_path):
+    with pytest.raises(ValueError, match="unrecognised data root"):
+        scan_dataset(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        scan_dataset(tmp_path / "missing")
+
+
+def test_real_original_dataset(data_root):
+    root = data_root / "chest_xray_original"
+    if not root.is_dir():
+        pytest.skip(f"{root} missing")
+    recs, rep = scan_dataset(root, labels="subtype", verify=False)
+    assert rep["layout"] == "kaggle" and not rep["skipped"]
+    assert rep["per_class"] == {"NORMAL": 330, "BACTERIAL": 260, "VIRAL": 260}
+    assert rep["n_patients"] == 774
+    widths = [r["width"] for r in recs]
+    assert min(widths) == 437 and max(widths) == 2890

@@ -1,0 +1,192 @@
+"""partition_records / write_partition / the partition and inspect CLI."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+from chest_xray import (
+    CLASS_NAMES,
+    load_partition,
+    partition_records,
+    read_site_manifest,
+    scan_dataset,
+    write_partition,
+)
+
+
+def synthetic_records(n_patients=300, seed=0, n_classes=2):
+    """Patients with 1-3 images each, one label per patient, widths 400-3000 px."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for p in range(n_patients):
+        label = int(rng.integers(n_classes)) if p >= n_classes else p
+        base = int(rng.integers(400, 3000))
+        for j in range(int(rng.integers(1, 4))):
+            recs.append({"path": f"/data/c{label}/p{p:04d}_{j}.jpeg", "label": label, "patient_id": f"p{p:04d}",
+                         "width": base + int(rng.integers(-50, 50)), "height": int(base * 0.8)})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def real_records(data_root):
+    root = data_root / "chest_xray_original"
+    if not root.is_dir():
+        pytest.skip(f"{root} missing")
+    return scan_dataset(root, verify=False)[0]
+
+
+def _all_rows(res):
+    return [(site, r) for site, rows in res.sites.items() for r in rows]
+
+
+def check_invariants(records, res, n_sites):
+    """No image in two sites (or lost), a patient in one site and one split."""
+    assert list(res.sites) == [f"site-{k}" for k in range(1, n_sites + 1)]
+    paths = [r["path"] for _, r in _all_rows(res)] + [r["path"] for r in res.probe]
+    assert len(paths) == len(set(paths)) == len(records)
+    site_of, split_of = defaultdict(set), defaultdict(set)
+    for site, r in _all_rows(res):
+        site_of[r["patient_id"]].add(site)
+        split_of[r["patient_id"]].add(r["split"])
+        assert r["split"] in ("train", "val", "test")
+    assert all(len(s) == 1 for s in site_of.values())
+    assert all(len(s) == 1 for s in split_of.values())
+    assert not {r["patient_id"] for r in res.probe} & set(site_of)
+
+
+def _median_widths(rows, label):
+    by = defaultdict(list)
+    for r in rows:
+        if r["label"] == label:
+            by[r["patient_id"]].append(r["width"])
+    return [float(np.median(v)) for v in by.values()]
+
+
+def test_width_scheme_ordering_and_ratios(real_records):
+    n = 6
+    res = partition_records(real_records, n, "width", class_names=CLASS_NAMES["binary"])
+    check_invariants(real_records, res, n)
+    sites = list(res.sites.values())
+    for label in (0, 1):
+        for a, b in zip(sites, sites[1:]):  # contiguous width groups per class: max(site k) <= min(site k+1)
+            assert max(_median_widths(a, label)) <= min(_median_widths(b, label))
+    medians = [np.median([r["width"] for r in rows]) for rows in sites]
+    assert all(x < y for x, y in zip(medians, medians[1:])), medians
+    sizes = [len(rows) for rows in sites]
+    assert max(sizes) - min(sizes) <= 6
+    ratios = [sum(r["label"] == 1 for r in rows) / len(rows) for rows in sites]
+    overall = sum(r["label"] == 1 for r in real_records) / len(real_records)
+    assert max(abs(x - overall) for x in ratios) < 0.02, ratios
+
+
+def test_splits_are_80_10_10_stratified_and_patient_disjoint(real_records):
+    res = partition_records(real_records, 6, "width")
+    for rows in res.sites.values():
+        n = len(rows)
+        c = Counter(r["split"] for r in rows)
+        assert abs(c["train"] / n - 0.8) < 0.05 and abs(c["val"] / n - 0.1) < 0.05 and abs(c["test"] / n - 0.1) < 0.05
+        for label in (0, 1):
+            per = Counter(r["split"] for r in rows if r["label"] == label)
+            assert per["val"] > 0 and per["test"] > 0 and per["train"] > per["val"]
+        pats = {s: {r["patient_id"] for r in rows if r["split"] == s} for s in ("train", "val", "test")}
+        assert not (pats["train"] & pats["val"]) and not (pats["train"] & pats["test"]) and not (pats["val"] & pats["test"])
+
+
+def test_same_seed_byte_identical_files(real_records, tmp_path):
+    kw = dict(class_names=CLASS_NAMES["binary"], probe_fraction=0.1, seed=3)
+    a = write_partition(partition_records(real_records, 4, "dirichlet", alpha=0.5, **kw), tmp_path / "a").parent
+    b = write_partition(partition_records(list(reversed(real_records)), 4, "dirichlet", alpha=0.5, **kw),
+                        tmp_path / "b").parent
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert {str(f) for f in files} >= {"partition.json", "probe.csv", "sites/site-1.csv", "sites/site-4.csv"}
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    c = write_partition(partition_records(real_records, 4, "dirichlet", alpha=0.5,
+                                          **{**kw, "seed": 4}), tmp_path / "c").parent
+    assert (a / "sites/site-1.csv").read_bytes() != (c / "sites/site-1.csv").read_bytes()
+
+
+def test_dirichlet_skew_and_minimum():
+    recs = synthetic_records(400, n_classes=3)
+    strong = partition_records(recs, 5, "dirichlet", alpha=0.1, seed=1, min_per_site=20)
+    mild = partition_records(recs, 5, "dirichlet", alpha=100.0, seed=1, min_per_site=20)
+    check_invariants(recs, strong, 5)
+
+    def skew(res):  # mean total-variation distance of site label distributions from the global one
+        glob = np.bincount([r["label"] for r in recs], minlength=3) / len(recs)
+        return np.mean([0.5 * np.abs(np.bincount([r["label"] for r in rows], minlength=3) / len(rows) - glob).sum()
+                        for rows in res.sites.values()])
+
+    assert all(len(rows) >= 20 for rows in strong.sites.values())
+    assert skew(strong) > skew(mild) + 0.1
+    with pytest.raises(ValueError, match="Dirichlet"):
+        partition_records(recs, 5, "dirichlet", alpha=0.01, min_per_site=10_000, max_tries=5)
+
+
+def test_pathological_classes_per_site():
+    recs = synthetic_records(300, n_classes=3)
+    res = partition_records(recs, 3, "pathological", classes_per_site=2, seed=0)
+    check_invariants(recs, res, 3)
+    for rows in res.sites.values():
+        assert len({r["label"] for r in rows}) == 2
+    res1 = partition_records(recs, 3, "pathological", classes_per_site=1, seed=0)
+    assert sorted(len({r["label"] for r in rows}) for rows in res1.sites.values()) == [1, 1, 1]
+    with pytest.raises(ValueError, match="cannot cover"):
+        partition_records(recs, 2, "pathological", classes_per_site=1)
+
+
+def test_probe_pool_is_stratified_and_patient_disjoint():
+    recs = synthetic_records(400)
+    res = partition_records(recs, 3, "width", probe_fraction=0.2, seed=2)
+    check_invariants(recs, res, 3)
+    assert abs(len(res.probe) / len(recs) - 0.2) < 0.03
+    share = [sum(r["label"] == k for r in res.probe) / sum(r["label"] == k for r in recs) for k in (0, 1)]
+    assert all(abs(s - 0.2) < 0.03 for s in share)
+    assert {r["split"] for r in res.probe} == {"probe"}
+
+
+def test_bad_arguments():
+    recs = synthetic_records(20)
+    for kwargs, msg in [(dict(n_sites=2, scheme="random"), "unknown partition scheme"),
+                        (dict(n_sites=0, scheme="width"), "n_sites"),
+                        (dict(n_sites=2, scheme="width", probe_fraction=1.0), "probe_fraction"),
+                        (dict(n_sites=100, scheme="width"), "cannot fill")]:
+        with pytest.raises(ValueError, match=msg):
+            partition_records(recs, **kwargs)
+
+
+def test_write_and_read_back(tmp_path):
+    recs = synthetic_records(60)
+    res = partition_records(recs, 3, "width", class_names=["NORMAL", "PNEUMONIA"])
+    write_partition(res, tmp_path, extra={"labels": "binary"})
+    rows = read_site_manifest(tmp_path / "sites" / "site-2.csv")
+    assert rows == res.sites["site-2"]
+    assert (tmp_path / "sites" / "site-2.csv").read_text().splitlines()[0] == "path,label,split,patient_id,width,height"
+    info, sites = load_partition(tmp_path)
+    assert list(sites) == ["site-1", "site-2", "site-3"] and info["scheme"] == "width" and info["labels"] == "binary"
+    assert info["sites"]["site-1"]["width"]["max"] <= info["sites"]["site-3"]["width"]["max"]
+    # rewriting with fewer sites removes stale manifests
+    write_partition(partition_records(recs, 2, "width"), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "sites").iterdir()) == ["site-1.csv", "site-2.csv"]
+
+
+def test_cli_partition_and_inspect(data_root, tmp_path, capsys):
+    from nvflare_jobs.cli import main
+
+    root = data_root / "chest_xray_original"
+    if not root.is_dir():
+        pytest.skip(f"{root} missing")
+    out = tmp_path / "p6"
+    assert main(["partition", "--data", str(root), "--sites", "6", "--scheme", "width", "--no-verify",
+                 "--out", str(out)]) == 0
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = [ln.split() for ln in text.splitlines() if ln.startswith("site-")]
+    assert [ln[0] for ln in lines] == [f"site-{k}" for k in range(1, 7)]
+    medians = [float(ln[5]) for ln in lines]  # site NORMAL PNEUMONIA total w_min w_median ...
+    assert medians == sorted(medians) and medians[0] < medians[-1]
+    png = out / "inspect.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2

@@ -2,7 +2,6 @@
 
 Expected values are hand-computed from Eq. 3–13 and 25–26 (see the arithmetic in the comments).
 """
-import math
 
 import numpy as np
 import pytest

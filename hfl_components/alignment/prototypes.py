@@ -16,7 +16,7 @@ Decisions (PITFALLS.md, "Prototypes"):
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

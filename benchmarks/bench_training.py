@@ -1,0 +1,151 @@
+"""Training throughput benchmark (not a test; training issue, "Benchmark").
+
+1. Model-only: SGD training steps (forward + backward + update, batch 16) on random tensors, for the fusable
+   ``cnn`` depths and every heterogeneous backbone, at each input size -> images/s and seconds per batch.
+2. Data pipeline: the same training step fed by ``chest_xray.make_site_dataset`` (MONAI CacheDataset, train-mode
+   augmentation) on real images; ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
+   the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
+
+The simulator-overhead ratio of the issue (simulator wall time vs the sum of site compute) belongs to the NVFlare
+benchmark, which has the simulator runs.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
+        [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hfl_components.models import build_model, count_parameters  # noqa: E402
+from hfl_components.models.hetero import hetero_pool_specs  # noqa: E402
+from hfl_components.training import train_local  # noqa: E402
+
+BATCH = 16
+
+
+def model_specs(num_classes: int = 2) -> list[dict]:
+    """cnn shallow/medium/deep plus the default heterogeneous pool."""
+    cnn = [{"family": "cnn", "depth": d, "width": 1.0, "in_channels": 1, "num_classes": num_classes}
+           for d in ("shallow", "medium", "deep")]
+    return cnn + [s for s in hetero_pool_specs(num_classes=num_classes) if s["family"] != "hetero_cnn"
+                  or s["depth"] == "shallow"]
+
+
+def spec_name(spec: dict) -> str:
+    return spec["family"] + (f"/{spec['depth']}" if "depth" in spec else "")
+
+
+def model_only(spec: dict, size: int, batches: int, warmup: int = 2) -> dict:
+    """Seconds per SGD step and images/s on random (BATCH, 1, size, size) inputs."""
+    torch.manual_seed(0)
+    model = build_model(spec).train()
+    x = torch.rand(BATCH, 1, size, size)
+    y = torch.randint(0, spec["num_classes"], (BATCH,))
+    loader = [(x, y)] * (warmup + batches)
+    train_local(model, loader[:warmup], epochs=1)
+    t0 = time.perf_counter()
+    train_local(model, loader[warmup:], epochs=1)
+    secs = (time.perf_counter() - t0) / batches
+    return {"model": spec_name(spec), "size": size, "params": count_parameters(model), "s_per_batch": secs,
+            "images_per_s": BATCH / secs}
+
+
+def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
+    """Training images/s through make_site_dataset (in-memory cache; augmentation in train mode).
+
+    The rate is that of the last of ``epochs`` epochs (the first warms up); ``loader_images_per_s`` is one pass
+    over the loader without a model (augmentation + collation alone).
+    """
+    from chest_xray import make_site_dataset
+
+    t0 = time.perf_counter()
+    ds = make_site_dataset(rows, size, "train", seed=0)
+    cache_s = time.perf_counter() - t0
+    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=0)
+    t0 = time.perf_counter()
+    n_loader = sum(len(b["label"]) for b in loader)
+    loader_rate = n_loader / (time.perf_counter() - t0)
+    torch.manual_seed(0)
+    model = build_model(spec)
+    hist = train_local(model, loader, epochs=epochs, seed=0)
+    return {"model": spec_name(spec), "size": size, "n_images": len(rows), "cache_fill_s": cache_s,
+            "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"]}
+
+
+def load_rows(data: Path, n_images: int) -> list[dict]:
+    from chest_xray import scan_dataset
+
+    records, _ = scan_dataset(data, labels="binary", verify=False)
+    step = max(1, len(records) // n_images)
+    return records[::step][:n_images]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,96,128")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 shared cores: 1 per site)")
+    ap.add_argument("--batches", type=int, default=10, help="timed batches per model and size")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "chest_xray_original"))
+    ap.add_argument("--n-images", type=int, default=128, help="real images for the pipeline measurement")
+    ap.add_argument("--pipeline-models", default="cnn/shallow,cnn/deep",
+                    help="comma list of model names measured through the data pipeline")
+    ap.add_argument("--out", default=None, help="write all results as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    specs = model_specs()
+
+    print(f"model-only training throughput (batch {BATCH}, {args.threads} thread(s), SGD step incl. backward)")
+    print(f"{'model':<20}{'params':>10}" + "".join(f"{f'{s}px s/b':>12}{'img/s':>8}" for s in sizes))
+    model_rows = []
+    for spec in specs:
+        res = [model_only(spec, s, args.batches) for s in sizes]
+        model_rows += res
+        print(f"{res[0]['model']:<20}{res[0]['params']:>10,}"
+              + "".join(f"{r['s_per_batch']:>12.3f}{r['images_per_s']:>8.0f}" for r in res), flush=True)
+
+    pipe_rows = []
+    data = Path(args.data)
+    try:
+        import chest_xray
+
+        have_pipeline = hasattr(chest_xray, "make_site_dataset") and data.exists()
+    except ImportError:
+        have_pipeline = False
+    if not have_pipeline:
+        print(f"\ndata pipeline: skipped (no chest_xray.make_site_dataset or no data at {data})")
+    else:
+        rows = load_rows(data, args.n_images)
+        wanted = [s for s in specs if spec_name(s) in args.pipeline_models.split(",")]
+        print(f"\ndata-pipeline efficiency on {len(rows)} images of {data} (ratio = pipeline / model-only img/s)")
+        print(f"{'model':<20}{'size':>6}{'cache fill s':>14}{'loader img/s':>14}{'pipe img/s':>12}"
+              f"{'model img/s':>13}{'ratio':>8}")
+        for spec in wanted:
+            for s in sizes:
+                p = pipeline(spec, s, rows)
+                m = next(r for r in model_rows if r["model"] == p["model"] and r["size"] == s)
+                p["ratio"] = p["images_per_s"] / m["images_per_s"]
+                pipe_rows.append(p)
+                print(f"{p['model']:<20}{s:>6}{p['cache_fill_s']:>14.2f}{p['loader_images_per_s']:>14.0f}"
+                      f"{p['images_per_s']:>12.0f}"
+                      f"{m['images_per_s']:>13.0f}{p['ratio']:>8.2f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "batch": BATCH, "model_only": model_rows,
+                                              "pipeline": pipe_rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -102,7 +102,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
 
     Raises:
         ValueError: unknown mode or input_size < 8.
-        chest_xray.ImageReadError: when applied to an unreadable file (names the file).
+        RuntimeError: when applied to an unreadable file; MONAI wraps every transform error, and the
+            ``__cause__`` is the :class:`chest_xray.ImageReadError` naming the file.
     """
     if mode not in MODES:
         raise ValueError(f"unknown transform mode {mode!r}; expected one of {MODES}")
@@ -181,7 +182,9 @@ def make_site_dataset(
         a Dataset whose items are ``{"image": FloatTensor (1, S, S) in [0, 1], "label": int}``.
 
     Raises:
-        chest_xray.ImageReadError: an image cannot be read (in-memory caching decodes every image up front).
+        RuntimeError: an image cannot be read (in-memory caching decodes every image up front); its ``__cause__``
+            is the :class:`chest_xray.ImageReadError` naming the file. Scan with :func:`chest_xray.scan_dataset`
+            first: it skips unreadable files.
     """
     data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
     if mode == "train" and augment_classes is None:

@@ -91,7 +91,9 @@ def test_splits_are_80_10_10_stratified_and_patient_disjoint(real_records):
             per = Counter(r["split"] for r in rows if r["label"] == label)
             assert per["val"] > 0 and per["test"] > 0 and per["train"] > per["val"]
         pats = {s: {r["patient_id"] for r in rows if r["split"] == s} for s in ("train", "val", "test")}
-        assert not (pats["train"] & pats["val"]) and not (pats["train"] & pats["test"]) and not (pats["val"] & pats["test"])
+        assert not pats["train"] & pats["val"]
+        assert not pats["train"] & pats["test"]
+        assert not pats["val"] & pats["test"]
 
 
 def test_same_seed_byte_identical_files(real_records, tmp_path):

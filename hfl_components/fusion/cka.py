@@ -8,7 +8,8 @@ For two activation matrices X (n x p) and Y (n x q) computed on the *same* n pro
 We evaluate it in the n x n Gram form (Kornblith et al., 2019): with K = X Xᵀ and L = Y Yᵀ, ‖Ŷᵀ X̂‖_F² = ⟨HKH, HLH⟩,
 so CKA = HSIC(K, L) / sqrt(HSIC(K, K) · HSIC(L, L)) with the biased estimator HSIC(K, L) = ⟨HKH, HLH⟩ / (n − 1)²
 (the (n − 1)² cancels). Activations stay float32; Gram matrices and sums are float64; centring is explicit; a layer
-whose centred Gram has (near-)zero norm (a constant layer) gets CKA 0 against everything instead of 0/0.
+whose centred Gram is negligible relative to its raw Gram (constant across the probe) gets CKA 0 against everything
+instead of 0/0 (a relative epsilon, so that small-scale but varying activations keep scale invariance).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-_EPS = 1e-12
+_EPS = 1e-300  # absolute guard on sqrt(HSIC(K,K) HSIC(L,L)) (only exact zeros / underflow)
+_REL_EPS = 1e-10  # ||HKH||_F <= _REL_EPS ||K||_F: the layer is constant across the probe
 _CHUNK = 1 << 16  # columns per float64 Gram chunk (bounds the float64 copy of wide conv activations)
 
 
@@ -39,7 +41,8 @@ def centred_gram(X) -> np.ndarray:
         X: array-like (n, ...) of activations, any float dtype; trailing dims are flattened per sample.
 
     Returns:
-        np.ndarray float64 (n, n), symmetric, rows and columns summing to 0.
+        np.ndarray float64 (n, n), symmetric, rows and columns summing to 0; all zeros when the layer is constant
+        across the samples (||HKH||_F <= 1e-10 ||K||_F, i.e. only rounding noise is left after centring).
 
     Raises:
         ValueError: fewer than 2 samples or non-finite values.
@@ -52,8 +55,11 @@ def centred_gram(X) -> np.ndarray:
         K += c @ c.T
     K = K.numpy()
     # explicit double centring: H K H = K - row means - column means + grand mean
-    K = K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
-    return K
+    Kc = K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
+    # a layer constant across the probe leaves only rounding noise after centring: zero it (scale-free guard)
+    if not np.linalg.norm(Kc) > _REL_EPS * np.linalg.norm(K):
+        Kc = np.zeros_like(Kc)
+    return Kc
 
 
 def cka_from_grams(Kc: np.ndarray, Lc: np.ndarray, eps: float = _EPS) -> float:
@@ -76,7 +82,9 @@ def linear_cka(X, Y, eps: float = _EPS) -> float:
     Args:
         X: array-like (n, p...) — n samples, features flattened per sample (torch or NumPy, any float dtype).
         Y: array-like (n, q...) — the same n samples in the same order.
-        eps: guard: if sqrt(HSIC(K,K) HSIC(L,L)) <= eps (a constant layer) the similarity is 0.0.
+        eps: absolute guard: if sqrt(HSIC(K,K) HSIC(L,L)) <= eps the similarity is 0.0. Constant layers are
+            caught scale-free before that (see :func:`centred_gram`), so tiny but varying activations keep
+            their exact CKA.
 
     Returns:
         float in [0, 1]; 1.0 for X = Y (up to rounding); invariant to orthogonal transforms and isotropic

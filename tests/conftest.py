@@ -25,3 +25,10 @@ def data_root() -> Path:
     if not root.is_dir():
         pytest.skip(f"real data not found at {root} (set $CXR_DATA or put the shared data at ../shared/data)")
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that uses ``data_root`` as ``realdata`` (select with ``-m realdata`` / ``-m "not realdata"``)."""
+    for item in items:
+        if "data_root" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.realdata)

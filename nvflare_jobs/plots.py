@@ -89,8 +89,8 @@ def cka_heatmaps(out: Path) -> list[Path]:
         if lm:
             ys, xs = zip(*[(a, b) for a, b in lm])
             ax.plot(xs, ys, "r-o", ms=4, lw=1)
-        ax.set_xlabel(f"deeper model layer ({pair.get('deep', '')})")
-        ax.set_ylabel(f"shallower model layer ({pair.get('shallow', '')})")
+        ax.set_xlabel(f"target hidden layer ({pair.get('tgt', '')})", fontsize=8)
+        ax.set_ylabel(f"source hidden layer ({pair.get('src', '')})", fontsize=8)
         ax.set_title(f"1 - CKA, fusion step {i + 1}", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.05)
         fig.tight_layout()

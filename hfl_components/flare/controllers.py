@@ -280,7 +280,7 @@ class OHFLController(HFLController):
                                                ground_metric=self.ground_metric, weighting=self.weighting,
                                                seed=self.seed)
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
-        self.record["server_fusion_s"] = _jsonable(record.get("timings", {}))
+        self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
         self.record["global_spec"] = spec
         (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
         weights = to_numpy_state(state)

@@ -31,7 +31,7 @@ def _ok(rt, **meta):
 # ---------------------------------------------------------------------------- Local / FedAvg
 def local_train(rt, params, meta):
     tc = meta.get("task_config", {})
-    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}")
+    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)))
     rt.save_state(deployed=True)
     return {}, {"loss": [h["loss"] for h in hist], "val": rt.evaluate("val")}, _ok(rt, spec=rt.spec)
 
@@ -39,7 +39,7 @@ def local_train(rt, params, meta):
 def fedavg_train(rt, params, meta):
     tc = meta.get("task_config", {})
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
-    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}")
+    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)))
     rt.save_state()
     n = rt.n_train()
     # NVFlare's FedAvg convention: NUM_STEPS_CURRENT_ROUND carries the aggregation weight (trap 10).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +130,7 @@ class SiteRuntime:
 
     def ensure_own_model(self):
         if self.model is None:
-            torch.manual_seed(int(self.cfg["seed"]) + hash(self.site) % 1000)
+            torch.manual_seed(int(self.cfg["seed"]) + zlib.crc32(self.site.encode()) % 1000)  # stable across processes
             self.set_model(self.cfg["model"])
         return self.model
 
@@ -141,7 +142,7 @@ class SiteRuntime:
             torch.save(blob, self.state_dir / "deployed_model.pt")
 
     # ---------------------------------------------------------------- training / evaluation
-    def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train") -> list[dict]:
+    def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0) -> list[dict]:
         from hfl_components.training import train_local
 
         model = self.ensure_own_model()
@@ -153,7 +154,8 @@ class SiteRuntime:
             log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
-                           class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch, seed=int(self.cfg["seed"]))
+                           class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
+                           seed=int(self.cfg["seed"]) * 1000 + int(rnd))
 
     def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:
         """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""

@@ -66,6 +66,7 @@ def register(sub) -> None:
     p = sub.add_parser("simulate", help="run a method on simulated hospital sites in the NVFlare simulator")
     _add_method_args(p)
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
+    p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
     _add_method_args(e)
@@ -102,9 +103,17 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     from nvflare_jobs.site_config import load_profile
 
     if args.profile:
+        from nvflare_jobs.site_config import SiteConfigError, load_site_config
+
         profile_dir = Path(args.profile).resolve()
-        profile = load_profile(profile_dir)
-        return profile_dir, profile, None, None
+        profile = load_profile(profile_dir, check_files=False)
+        for site, cfg in profile.items():  # the sites check their own files; warn here, but let the run go on
+            try:
+                load_site_config(site, cfg["config_path"])
+            except SiteConfigError as e:
+                print(f"WARNING: {e} -- this site will fail its tasks and be left out", file=sys.stderr)
+        data = Path(args.data).resolve() if args.data else None
+        return profile_dir, profile, data, None
     data = resolve_data(args.data)
     print(f"[cxr-hfl] data: {data}")
     records, report = scan_dataset(data, labels=args.labels)
@@ -177,7 +186,7 @@ def run_simulate(args) -> int:
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    rc = job.simulator_run(str(ws), threads=len(profile))
+    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config)
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:

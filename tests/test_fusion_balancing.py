@@ -35,7 +35,12 @@ def real_images(data_root):
 
 def _model(spec, seed):
     torch.manual_seed(seed)
-    return build_fusable(spec)
+    m = build_fusable(spec)
+    with torch.no_grad():  # He init: outputs depend on the input through the whole depth
+        for p in m.parameters():
+            if p.dim() > 1:
+                torch.nn.init.kaiming_normal_(p, nonlinearity="relu")
+    return m
 
 
 def _forward(spec, sd, x):

@@ -96,7 +96,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     Returns:
         ``(spec, state_dict, record)``: the global model (spec of the final target, float32 tensors) and a JSON-able
         record with ``strategy``, ``weighting``, ``alignment``, ``ot_solver``, ``ground_metric``, ``order`` (site
-        names in fusion order), ``groups`` (cid/cdd same-depth groups), ``base`` (rand), ``pairs`` (every
+        names in the order they join the fusion), ``groups`` (cid/cdd same-depth groups, in chain order), ``base`` (rand), ``pairs`` (every
         pairwise record of :func:`fuse_pair` plus ``step``, ``src``, ``tgt``, ``weight_src``, ``weight_tgt``),
         ``phase_seconds`` ({cka, alignment, ot, averaging}, summed) and ``total_seconds``.
 
@@ -123,7 +123,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
                     "ground_metric": ground_metric}
 
-    def fuse(src: _Running, tgt: _Running) -> _Running:
+    def fuse(src: _Running, tgt: _Running, running_is_src: bool = True) -> _Running:
         k = len(pairs)
         w_s, w_t = (src.weight, tgt.weight) if weighting == "samples" else (0.5, 0.5)
         spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe, w_s, w_t,
@@ -132,7 +132,8 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})
-        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, src.members + tgt.members)
+        members = src.members + tgt.members if running_is_src else tgt.members + src.members
+        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members)
 
     def run(s: SiteModel) -> _Running:
         return _Running(s.name, s.spec, s.state_dict, float(s.n_samples), [s.name])
@@ -153,10 +154,10 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
             cur = run(base)
             for other in members:
                 if other is not base:
-                    cur = fuse(run(other), cur)
+                    cur = fuse(run(other), cur, running_is_src=False)
             reps.append((len(hidden_rows(members[0].spec)), sig, cur))
         reps.sort(key=lambda t: (t[0], t[1]), reverse=(strategy == "cdd"))
-        record["groups"] = [r[2].members for r in reps]
+        record["groups"] = [sorted(r[2].members) for r in reps]
         final = chain([r[2] for r in reps])
         order = final.members
     elif strategy == "cia":

@@ -56,19 +56,45 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
         dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}
         if len(dims) != 1 or None in dims:
             raise ValueError(f"FedSAF needs one common feature_dim in every site's model spec, got {dims}")
-        alignment = "mse" if method == "fedproto" else opts.get("alignment", "gcsa")
-        tc.update({"alignment": alignment, "lambda": float(opts.get("lam", 1.0)), "gamma": float(opts.get("gamma", 1.0))})
-        ctl = C.FedSAFController(num_classes=num_classes, feature_dim=int(dims.pop()),
-                                 prototypes=opts.get("prototypes", "fedproto"), task_config=tc, **common)
-        ctl.method = method
-        return ctl
+        # --method fedproto is shorthand for the coordinate (MSE) alignment with FedProto's weighted-mean prototypes,
+        # run through the same two-level framework as FedSAF (the paper's "Ours-MSE"; issue 5).
+        alignment = "mse" if method == "fedproto" else (opts.get("alignment") or "gcsa")
+        if alignment not in ("gcsa", "rcsa", "mse", "cosine"):
+            raise ValueError(f"FedSAF alignment must be gcsa, rcsa, mse or cosine, got {alignment!r}")
+        prototypes = "fedproto" if method == "fedproto" else (opts.get("prototypes") or "fedproto")
+        if prototypes not in ("fedproto", "fixed", "tgp"):
+            raise ValueError(f"FedSAF prototypes must be fedproto, fixed or tgp, got {prototypes!r}")
+        ev = opts.get("eval") or "head"
+        if ev not in ("head", "nearest-prototype"):
+            raise ValueError(f"FedSAF evaluation must be 'head' or 'nearest-prototype' (the site's own local "
+                             f"prototypes; nearest-global is not offered), got {ev!r}")
+        tc.update({"alignment": alignment, "lambda": float(_opt(opts, "lam", 1.0)),
+                   "gamma": float(_opt(opts, "gamma", 1.0)), "eval": ev})
+        return C.FedSAFController(num_classes=num_classes, feature_dim=int(dims.pop()), prototypes=prototypes,
+                                  task_config=tc, method_name=method, **common)
     # fedtopo
-    ablate = list(opts.get("ablate") or [])
-    tc.update({"lambda": float(opts.get("lam", 1.0)), "gamma": float(opts.get("gamma", 1.0)),
-               "top_q": int(opts.get("top_q", 3)), "warmup": int(opts.get("warmup", 3)), "ablate": ablate,
-               "noisy_counts": opts.get("noisy_counts")})
-    return C.FedTopoController(num_classes=num_classes, rho=float(opts.get("rho", 0.7)), ablate=ablate,
-                               task_config=tc, **common)
+    from hfl_components.topology import TopologyAblation
+
+    ablate = sorted(set(opts.get("ablate") or []))
+    TopologyAblation.from_names(ablate)  # ValueError on an unknown switch
+    if (opts.get("eval") or "head") != "head":
+        raise ValueError("FedTopo evaluates with the site's own head only (--eval nearest-prototype is FedSAF's)")
+    rho = float(_opt(opts, "rho", 0.7))
+    if not 0.0 <= rho < 1.0:
+        raise ValueError(f"rho must lie in [0, 1), got {rho}")
+    noisy = opts.get("noisy_counts")
+    if noisy is not None and float(noisy) < 0:
+        raise ValueError(f"noisy-counts scale must be >= 0, got {noisy}")
+    tc.update({"lambda": float(_opt(opts, "lam", 1.0)), "gamma": float(_opt(opts, "gamma", 1.0)),
+               "top_q": int(_opt(opts, "top_q", 3)), "warmup": int(_opt(opts, "warmup", 3)), "ablate": ablate,
+               "noisy_counts": None if noisy is None else float(noisy)})
+    return C.FedTopoController(num_classes=num_classes, rho=rho, ablate=ablate, task_config=tc, **common)
+
+
+def _opt(opts: dict, key: str, default):
+    """``opts[key]`` unless missing or None."""
+    v = opts.get(key)
+    return default if v is None else v
 
 
 def build_job(method: str, profile: dict[str, dict], opts: dict):

@@ -7,6 +7,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.ticker  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -141,8 +142,59 @@ def effective_rank_curve(out: Path, metrics: dict) -> Path | None:
     return p
 
 
+def payload_per_round(out: Path, metrics: dict) -> Path | None:
+    """FedSAF/FedTopo: bytes up and down per site and round (bars) with the theoretical payload (dashed)."""
+    rows = (metrics.get("payload") or {}).get("per_round") or []
+    if not rows:
+        return None
+    xs = np.arange(len(rows))
+    up = [np.mean(list(r["up_per_site"].values())) if r["up_per_site"] else 0 for r in rows]
+    down = [r["down_per_site"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.6 * len(rows) + 2), 3.4))
+    ax.bar(xs - 0.2, up, 0.4, label="up per site (mean)")
+    ax.bar(xs + 0.2, down, 0.4, label="down per site")
+    ax.plot(xs - 0.2, [r["theory_up_per_site"] for r in rows], "k_", ms=18, mew=2, label="theory")
+    ax.plot(xs + 0.2, [r["theory_down_per_site"] for r in rows], "k_", ms=18, mew=2)
+    ax.set_xticks(xs, [str(r["round"]) for r in rows])
+    ax.set_xlabel("round")
+    ax.set_ylabel("bytes (float32)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{metrics['method']}: communication per site and round", fontsize=9)
+    fig.tight_layout()
+    p = out / "payload_per_round.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def topology_diagnostic_curves(out: Path, metrics: dict) -> Path | None:
+    """FedTopo: per-site topology inconsistency D^r (solid) and reliability-weighted D^rs (dashed) per round."""
+    rounds = [r for r in metrics.get("rounds", []) if r.get("diagnostics")]
+    if not rounds:
+        return None
+    sites = sorted({s for r in rounds for s in r["diagnostics"]})
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for i, s in enumerate(sites):
+        for key, ls in (("D_r", "-"), ("D_rs", "--")):
+            pts = [(r["round"], r["diagnostics"].get(s, {}).get(key)) for r in rounds]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), ls, marker="o", color=f"C{i}", label=f"{s} {key}")
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("topology inconsistency")
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("FedTopo: D^r (Eq. 25) and D^rs (Eq. 26) per site", fontsize=9)
+    fig.tight_layout()
+    p = out / "topology_diagnostics.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def make_all(out: Path, metrics: dict, rec: dict, class_names: list[str]) -> list[Path]:
     out = Path(out)
     made = [site_accuracy_bars(out, metrics), round_curves(out, metrics), finetune_curves(out, metrics),
-            effective_rank_curve(out, metrics), *cka_heatmaps(out), *topology_heatmaps(out, metrics, class_names)]
+            effective_rank_curve(out, metrics), *cka_heatmaps(out), *topology_heatmaps(out, metrics, class_names),
+            payload_per_round(out, metrics), topology_diagnostic_curves(out, metrics)]
     return [p for p in made if p]

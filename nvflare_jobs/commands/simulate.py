@@ -101,10 +101,10 @@ def _defaults(args) -> None:
     if args.method in ("fedsaf", "fedproto") and args.labels == "binary":
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
-    if args.local_epochs is None:
-        args.local_epochs = 5 if args.method == "ohfl" else (3 if proto else 2)
-    if args.finetune_epochs is None:
-        args.finetune_epochs = 3
+    # Epochs given on the command line apply to every site (job-level task_config); otherwise each site's own config
+    # decides, and partition-generated profiles get these defaults written into every site config.
+    args.default_local_epochs = 20 if args.method == "ohfl" else (3 if proto else 2)
+    args.default_finetune_epochs = 10
 
 
 def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path | None]:
@@ -138,8 +138,10 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
                             class_names=CLASS_NAMES[args.labels])
     write_partition(res, part_dir)
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
-    settings = {"batch_size": args.batch_size, "local_epochs": args.local_epochs,
-                "finetune_epochs": args.finetune_epochs, "seed": args.seed, "threads": 1,
+    settings = {"batch_size": args.batch_size,
+                "local_epochs": args.local_epochs if args.local_epochs is not None else args.default_local_epochs,
+                "finetune_epochs": (args.finetune_epochs if args.finetune_epochs is not None
+                                    else args.default_finetune_epochs), "seed": args.seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": args.feature_dim}
     profile_dir = write_profile(part_dir, run_dir / "site_configs", args.method, args.labels, args.input_sizes, settings)
     return profile_dir, load_profile(profile_dir), data, part_dir
@@ -251,6 +253,8 @@ def run_export(args) -> int:
     opts = _options(args, None, None)
     job = build_job(args.method, profile, opts)
     out = Path(args.out).resolve()
-    job.export_job(str(out))
+    from nvflare_jobs.deploy import export_portable
+
+    export_portable(job, out)  # site script path made relative to the app's custom/ folder (portable to sites)
     print(f"[cxr-hfl] exported job {job.name} to {out / job.name}; submit with: nvflare job submit -j {out / job.name}")
     return 0

@@ -238,6 +238,8 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             print(f"pooled accuracy {acc['value']:.3f} (95% CI {acc['ci_low']:.3f}-{acc['ci_high']:.3f})")
     if m.get("excluded_sites"):
         print(f"sites left out of some rounds: {m['excluded_sites']}")
+    for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
+        print(f"note: {note}")
 
 
 def run_export(args) -> int:

@@ -20,6 +20,7 @@ Example::
     local_epochs: 2
     finetune_epochs: 2
     threads: 1
+    share_predictions: true   # false: per-image test probabilities stay at the site (no pooled metrics)
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ DEFAULTS = {
     "seed": 0,
     "cache_dir": None,
     "max_train_images": None,
+    # final `evaluate` task: send per-image test probabilities and labels (no images, no ids) to the server
+    # for pooled metrics; false keeps them at the site (the server then reports per-site metrics only)
+    "share_predictions": True,
 }
 TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
 DATA_KEYS = {"manifest", "labels"}
@@ -151,6 +155,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         v = cfg[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 10):
             raise _err(site, path, key, f"must be a number in [0, 10), got {v!r}")
+    if not isinstance(cfg["share_predictions"], bool):
+        raise _err(site, path, "share_predictions", f"must be true or false, got {cfg['share_predictions']!r}")
     if cfg["class_weights"] not in (None, "balanced"):
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]

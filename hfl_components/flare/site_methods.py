@@ -240,7 +240,8 @@ def evaluate_deployed(rt, params, meta):
     else:
         rt.save_state(deployed=True)
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)
-    test = site_evaluate(rt, "test", tc, with_predictions=True)
+    # per-image test probabilities + labels go to the server for pooled metrics unless the site opts out
+    test = site_evaluate(rt, "test", tc, with_predictions=bool(rt.cfg.get("share_predictions", True)))
     return {}, {"test": test, "val": site_evaluate(rt, "val", tc)}, _ok(rt, spec=rt.spec)
 
 

@@ -18,6 +18,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from hfl_components.flare.site_methods import HANDLERS
 from hfl_components.flare.site_tasks import SiteRuntime
 from nvflare_jobs.site_config import load_site_config
+from nvflare_jobs.privacy import redact_paths
 
 log = logging.getLogger("cxr_hfl.site")
 
@@ -27,6 +28,11 @@ def main() -> None:
     flare.init()
     site = flare.get_site_name()
     workdir = os.getcwd()
+    job_id = flare.get_job_id()
+    if job_id and job_id != "simulate_job" and os.path.isdir(os.path.join(workdir, job_id)):
+        # a POC / provisioned site: cwd is the site's workspace, shared by every job; keep this job's state
+        # (models, prototypes) in the job's own run folder so no job picks up another job's model
+        workdir = os.path.join(workdir, job_id)
     runtime = None
     while flare.is_running():
         msg = flare.receive()
@@ -47,7 +53,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
             reason = f"site {site}: task {task} failed: {type(e).__name__}: {e}"
             log.error("%s\n%s", reason, traceback.format_exc())
-            flare.send(FLModel(params={}, metrics={}, meta={"status": "error", "error": reason},
+            # the server gets the reason without file paths / image names (they stay in this site's log)
+            flare.send(FLModel(params={}, metrics={}, meta={"status": "error", "error": redact_paths(reason)},
                                current_round=msg.current_round))
 
 

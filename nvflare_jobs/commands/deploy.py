@@ -1,0 +1,169 @@
+"""``cxr-hfl provision`` (NVFlare startup kits for the consortium) and ``cxr-hfl poc ...`` (a local consortium).
+
+See docs/DEPLOYMENT.md for the coordinator's and the hospital operator's walk-through.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+POC_ENV = "CXR_HFL_POC_DIR"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
+    p.add_argument("--project", help="NVFlare project.yml (default: site_configs/project.yml of this repository)")
+    p.add_argument("--out", required=True, help="folder for the startup kits")
+    p.set_defaults(func=run_provision)
+
+    poc = sub.add_parser("poc", help="a local proof-of-concept consortium (nvflare poc) named after a profile")
+    psub = poc.add_subparsers(dest="poc_command", metavar="ACTION")
+
+    def add(name, help_, func):
+        q = psub.add_parser(name, help=help_)
+        q.add_argument("--workspace", "-w", default=os.environ.get(POC_ENV),
+                       help=f"the POC folder (required; or ${POC_ENV}); NVFlare's state and a private HOME live "
+                            "inside it, never in your home folder")
+        q.set_defaults(func=func)
+        return q
+
+    q = add("prepare", "provision the POC consortium and place each site's config in its local/cxr_hfl/", run_prepare)
+    q.add_argument("--profile", required=True, help="folder of <site>.yaml site configs; the sites are its file names")
+    q.add_argument("--project", help="project.yml whose coordinator role/orgs to use (default site_configs/project.yml)")
+    q = add("start", "start the POC server and sites (returns when the sites are connected)", run_start)
+    q.add_argument("--timeout", type=int, default=120)
+    q = add("submit", "submit an exported job folder as the coordinator", run_submit)
+    q.add_argument("--job", "-j", required=True, help="job folder written by `cxr-hfl export-job` (OUT/<job name>)")
+    q.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="wait up to SECONDS for the job to finish")
+    q = add("status", "POC processes and the jobs on the server", run_status)
+    q.add_argument("job_id", nargs="?", help="a job id (default: every job)")
+    q = add("download", "download a job's results and write metrics.json + plots (as `cxr-hfl simulate`)",
+            run_download)
+    q.add_argument("job_id", nargs="?", help="job id (default: the last job submitted from this POC folder)")
+    q.add_argument("--out", help="run folder (default WORKSPACE/runs/<job id>)")
+    q.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="first wait up to SECONDS for the job")
+    add("stop", "stop the POC and end any of its processes still running", run_stop)
+    poc.set_defaults(func=lambda a: (poc.print_help(), 2)[1])
+
+
+def _poc(args):
+    from nvflare_jobs.deploy import Poc
+
+    if not args.workspace:
+        print(f"cxr-hfl poc: --workspace DIR is required (or set ${POC_ENV}); NVFlare's POC state goes there",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return Poc(args.workspace)
+
+
+def _guard(fn):
+    def wrapped(args):
+        from nvflare_jobs.deploy import DeployError
+        from nvflare_jobs.site_config import SiteConfigError
+
+        try:
+            return fn(args)
+        except (DeployError, SiteConfigError, FileNotFoundError) as e:
+            print(f"cxr-hfl: {e}", file=sys.stderr)
+            return 1
+    return wrapped
+
+
+@_guard
+def run_provision(args) -> int:
+    from nvflare_jobs.deploy import provision
+
+    res = provision(args.project, args.out)
+    print(f"[cxr-hfl] provisioned {res['project']} -> {res['prod_dir']}")
+    print("Give each participant ONLY its own kit (it holds that participant's private key):")
+    for k in res["kits"]:
+        who = {"server": "server operator", "client": f"hospital {k['name']} ({k['org']})",
+               "admin": f"coordinator {k['name']} (role {k['role']})"}[k["type"]]
+        print(f"  {who:<48} kit: {k['kit']}")
+    print("Each participant runs, in the folder where it unpacked its kit:")
+    for k in res["kits"]:
+        n = k["name"]
+        if k["type"] == "client":
+            print(f"  {n:<40} bash {n}/startup/start.sh   (site config: {n}/local/cxr_hfl/{n}.yaml)")
+        elif k["type"] == "server":
+            print(f"  {'server':<40} bash {n}/startup/start.sh")
+        else:
+            print(f"  {n:<40} nvflare job submit -j JOB --startup-kit {n}")
+    return 0
+
+
+@_guard
+def run_prepare(args) -> int:
+    poc = _poc(args)
+    st = poc.prepare(args.profile, args.project)
+    print(f"[cxr-hfl] POC prepared in {poc.dir} (NVFlare workspace {st['nvflare_poc_workspace']})")
+    for site in st["sites"]:
+        print(f"  {site}: workspace {poc.site_workspace(site)}; config {poc.site_workspace(site)}/local/cxr_hfl/{site}.yaml")
+    print(f"  coordinator {st['coordinator']} (role {st['coordinator_role']}), kit {st['admin_kit']}")
+    print(f"next: cxr-hfl poc start --workspace {poc.dir}")
+    return 0
+
+
+@_guard
+def run_start(args) -> int:
+    poc = _poc(args)
+    text = poc.start(timeout=args.timeout)
+    print(text.strip().splitlines()[-1] if text.strip() else "")
+    print(f"[cxr-hfl] POC running; sites {', '.join(poc.state()['sites'])}; logs under {poc.prod_dir}/<site>/")
+    return 0
+
+
+@_guard
+def run_submit(args) -> int:
+    poc = _poc(args)
+    job_id = poc.submit(args.job)
+    print(f"[cxr-hfl] submitted {Path(args.job).name} as {poc.state()['coordinator']}: job id {job_id}")
+    if args.wait:
+        data = poc.wait(job_id, timeout=args.wait)
+        print(f"[cxr-hfl] job {job_id}: {data.get('status')}")
+        return 0 if str(data.get("status", "")).endswith("COMPLETED") else 1
+    return 0
+
+
+@_guard
+def run_status(args) -> int:
+    poc = _poc(args)
+    st = poc.state()
+    pids = poc.own_pids()
+    print(f"[cxr-hfl] POC {poc.dir}: {'running' if pids else 'stopped'} ({len(pids)} processes); "
+          f"sites {', '.join(st['sites'])}")
+    if not pids:
+        return 0
+    if args.job_id:
+        print(json.dumps(poc.meta(args.job_id), indent=1))
+    else:
+        for j in poc.list_jobs():
+            print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}")
+    return 0
+
+
+@_guard
+def run_download(args) -> int:
+    poc = _poc(args)
+    job_id = args.job_id or poc.last_job()
+    if args.wait:
+        poc.wait(job_id, timeout=args.wait)
+    run_dir, m = poc.download(job_id, args.out)
+    print(f"[cxr-hfl] job {job_id} ({m.get('job_status')}) -> {run_dir}/metrics.json")
+    for site, b in m["sites"].items():
+        t = b.get("test") or {}
+        acc = t.get("accuracy")
+        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    return 0
+
+
+@_guard
+def run_stop(args) -> int:
+    poc = _poc(args)
+    killed = poc.stop()
+    left = poc.own_pids()
+    print(f"[cxr-hfl] POC in {poc.dir} stopped" + (f"; ended leftover processes {killed}" if killed else "")
+          + (f"; STILL RUNNING: {left}" if left else ""))
+    return 1 if left else 0

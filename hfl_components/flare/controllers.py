@@ -230,12 +230,14 @@ class OHFLController(HFLController):
         probe (str): folder of public images for CKA, or ``generated`` (logged warning). Required.
         probe_size (int): number of probe images. Default 64.
         weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
+        repair (bool): rescale fused layers' activation spread on the probe (``hfl_components.fusion.repair``;
+            not in the paper). Default True.
     """
 
     method = "ohfl"
 
     def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
-                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples",
+                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples", repair: bool = True,
                  num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
                  seed: int = 0):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
@@ -246,6 +248,7 @@ class OHFLController(HFLController):
         self.ground_metric = ground_metric
         self.probe_size = int(probe_size)
         self.weighting = weighting
+        self.repair = bool(repair)
 
     def validate_result(self, task, result):
         if task != "ohfl_train":
@@ -280,7 +283,7 @@ class OHFLController(HFLController):
         spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
                                                alignment=self.alignment, ot_solver=self.ot_solver,
                                                ground_metric=self.ground_metric, weighting=self.weighting,
-                                               seed=self.seed)
+                                               seed=self.seed, repair=self.repair)
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
         self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
         self.record["global_spec"] = spec

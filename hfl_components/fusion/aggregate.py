@@ -81,7 +81,7 @@ def _n_params(spec: dict) -> int:
 
 def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
                      alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
-                     sinkhorn_reg: float = 0.01) -> tuple[dict, StateDict, dict]:
+                     sinkhorn_reg: float = 0.01, repair: bool = False) -> tuple[dict, StateDict, dict]:
     """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
 
     Args:
@@ -90,7 +90,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         probe: float tensor (n, in_channels, S, S), S >= 2**n_stages, for CKA (models of different depth) and the
             ``"acts"`` metric.
         weighting: ``"samples"`` (cumulative sample counts) or ``"half"`` (fixed 0.5 steps).
-        alignment, ot_solver, ground_metric, sinkhorn_reg: passed to :func:`fuse_pair`.
+        alignment, ot_solver, ground_metric, sinkhorn_reg, repair: passed to :func:`fuse_pair`.
         seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
 
     Returns:
@@ -121,14 +121,15 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     phase = dict.fromkeys(PHASES, 0.0)
     pairs: list[dict] = []
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
-                    "ground_metric": ground_metric}
+                    "ground_metric": ground_metric, "repair": repair}
 
     def fuse(src: _Running, tgt: _Running, running_is_src: bool = True) -> _Running:
         k = len(pairs)
         w_s, w_t = (src.weight, tgt.weight) if weighting == "samples" else (0.5, 0.5)
         spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe, w_s, w_t,
                                   alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
-                                  seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg)
+                                  seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
+                                  repair=repair)
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})

@@ -27,7 +27,7 @@ def _load(spec: dict, sd: StateDict) -> torch.nn.Module:
 def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: torch.Tensor | None = None,
               weight_src: float = 0.5, weight_tgt: float = 0.5, alignment: str = "cka", ot_solver: str = "emd",
               ground_metric: str = "wts", seed: int | None = 0, sinkhorn_reg: float = 0.01,
-              ) -> tuple[dict, StateDict, dict]:
+              repair: bool = False) -> tuple[dict, StateDict, dict]:
     """Fuse a source model into a target model; the result has the target's architecture (OHFL Sec. 3.1–3.4).
 
     Steps: (1) if the two hidden-layer layouts differ, the CKA cost matrix C_ij = 1 − CKA (Eq. 1) on ``probe``;
@@ -43,6 +43,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         weight_src, weight_tgt: positive averaging weights (e.g. cumulative sample counts), normalised internally.
         alignment: ``"cka"`` or ``"random"``.  ot_solver: ``"emd"`` or ``"sinkhorn"`` (ε = ``sinkhorn_reg``).
         ground_metric: ``"wts"`` or ``"acts"``.  seed: seed of the random alignment.
+        repair: after averaging, rescale each hidden layer so its pre-activation std on the probe matches the
+            weighted mean of the parents' (:mod:`.repair`; not in the paper, off gives the paper's pipeline).
 
     Returns:
         ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
@@ -89,6 +91,15 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
                                                reg=sinkhorn_reg)
     secs["ot"], secs["averaging"] = ot_secs["ot"], ot_secs["averaging"]
     w_sum = float(weight_src) + float(weight_tgt)
+    scales = None
+    if repair and probe is not None:  # activation-scale repair (not in the paper; see .repair)
+        from hfl_components.fusion.repair import hidden_stds, repair_scales
+
+        t0 = time.perf_counter()
+        a, b = hidden_stds(_load(bal_spec, bal_sd), probe), hidden_stds(_load(spec_t, sd_t), probe)
+        goal = [(float(weight_src) * x + float(weight_tgt) * y) / w_sum for x, y in zip(a, b)]
+        sd, scales = repair_scales(spec_t, sd, goal, probe)
+        secs["averaging"] += time.perf_counter() - t0
     record = {
         "src_layers": [r.name for r in rows_s],
         "tgt_layers": [r.name for r in rows_t],
@@ -102,6 +113,7 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         "ground_metric": ground_metric,
         "weights": {"src": float(weight_src) / w_sum, "tgt": float(weight_tgt) / w_sum},
         "layers": layer_recs,
+        "repair_scales": scales,
         "seconds": secs,
     }
     return copy.deepcopy(spec_t), sd, record

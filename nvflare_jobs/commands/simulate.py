@@ -50,6 +50,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                                    "(default: ../shared/data/chest_xray_224 beside chest_xray_original)")
     g.add_argument("--probe-size", type=int, default=64)
     g.add_argument("--weighting", choices=("samples", "half"), default="samples")
+    g.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
+                   help="rescale fused layers' activation spread on the probe (not in the paper; --no-repair gives "
+                        "the paper's pipeline exactly)")
     g = p.add_argument_group("FedSAF / FedTopo")
     g.add_argument("--lambda", dest="lam", type=float, default=1.0,
                    help="FedSAF: weight of the prototype-level term; FedTopo: weight of the modulated CE (default 1)")
@@ -164,7 +167,7 @@ def _options(args, data_root, part_dir) -> dict:
     return {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
             "seed": args.seed, "min_sites": args.min_sites, "strategy": args.strategy, "alignment": args.alignment,
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
-            "weighting": args.weighting, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
+            "weighting": args.weighting, "repair": args.repair, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
             "noisy_counts": args.noisy_counts, "eval": args.eval}
 

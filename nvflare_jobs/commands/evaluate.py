@@ -1,0 +1,118 @@
+"""``cxr-hfl compare``, ``evaluate``, ``predict`` and ``report``: side-by-side comparison, external validation,
+prediction on unlabelled images, and a self-contained HTML report."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _csv_ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def register(sub) -> None:
+    c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
+    c.add_argument("--methods", default="local,local+ft,fedavg,ohfl",
+                   help="comma-separated: local, local+ft, fedavg, ohfl, fedsaf, fedproto, fedtopo "
+                        "(default local,local+ft,fedavg,ohfl)")
+    c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
+    c.add_argument("--sites", type=int, default=6)
+    c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
+    c.add_argument("--alpha", type=float, default=0.5)
+    c.add_argument("--labels", choices=("binary", "subtype"), default="binary",
+                   help="one label scheme for every method (default binary)")
+    c.add_argument("--seeds", type=_csv_ints, default=[0], help="comma-separated seeds (default 0)")
+    c.add_argument("--out", required=True, help="comparison folder (one run folder per seed and method)")
+    c.add_argument("--rounds", type=int, help="pass-through: federated rounds")
+    c.add_argument("--local-epochs", type=int, help="pass-through: local epochs (per round)")
+    c.add_argument("--finetune-epochs", type=int, help="pass-through: OHFL fine-tuning epochs (also local+ft's extra)")
+    c.add_argument("--max-train-images", type=int, help="pass-through: cap each site's training images")
+    c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
+    c.add_argument("--batch-size", type=int, help="pass-through")
+    c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
+    c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
+    c.set_defaults(func=run_compare)
+
+    e = sub.add_parser("evaluate", help="evaluate every saved model of a run on an external labelled image set")
+    e.add_argument("--run", required=True, help="run folder written by `cxr-hfl simulate`")
+    e.add_argument("--data", required=True, help="external labelled set (Kaggle layout, class folders or CSV)")
+    e.add_argument("--labels", choices=("binary", "subtype"), help="label scheme (default: the run's)")
+    e.add_argument("--force", action="store_true",
+                   help="evaluate even when the set shares file names / patient ids with the run's data (NOT external)")
+    e.add_argument("--global-sizes", choices=("all", "largest"), default="all",
+                   help="evaluate the global model at every input size of the run (default) or the largest only")
+    e.add_argument("--max-images", type=int, help="class-stratified subset of the external set (quick checks)")
+    e.set_defaults(func=run_evaluate)
+
+    p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
+    p.add_argument("--model", required=True, help="a model file, e.g. RUN/models/site-1_deployed.pt")
+    p.add_argument("--data", required=True, nargs="+", help="folder(s) and/or files")
+    p.add_argument("--out", required=True, help="CSV to write")
+    p.add_argument("--threshold", type=float, help="binary: predict PNEUMONIA when p >= threshold (default argmax)")
+    p.set_defaults(func=run_predict)
+
+    r = sub.add_parser("report", help="one self-contained HTML report of a run or a comparison folder")
+    r.add_argument("path", help="run folder (metrics.json) or compare folder (comparison.csv)")
+    r.add_argument("--out", help="HTML file (default PATH/report.html)")
+    r.set_defaults(func=run_report)
+
+
+def run_evaluate(args) -> int:
+    from nvflare_jobs.evaluation import LeakageError, evaluate_run
+
+    run = Path(args.run)
+    if not run.is_dir():
+        print(f"cxr-hfl evaluate: no run folder {run}", file=sys.stderr)
+        return 2
+    if not Path(args.data).exists():
+        print(f"cxr-hfl evaluate: no data at {args.data}", file=sys.stderr)
+        return 2
+    try:
+        res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
+                           global_sizes=args.global_sizes)
+    except LeakageError as e:
+        print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
+        return 3
+    except (FileNotFoundError, ValueError) as e:
+        print(f"cxr-hfl evaluate: {e}", file=sys.stderr)
+        return 2
+    print(f"[cxr-hfl] wrote {len(res['models'])} model results to {res['summary'].parent}")
+    return 0
+
+
+def run_predict(args) -> int:
+    from nvflare_jobs.evaluation import predict_files
+
+    if not Path(args.model).is_file():
+        print(f"cxr-hfl predict: no model file {args.model}", file=sys.stderr)
+        return 2
+    try:
+        s = predict_files(args.model, args.data, args.out, threshold=args.threshold)
+    except ValueError as e:
+        print(f"cxr-hfl predict: {e}", file=sys.stderr)
+        return 2
+    print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
+          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}")
+    return 0 if s["n_files"] else 1
+
+
+def run_report(args) -> int:
+    from nvflare_jobs.report import render_report
+
+    try:
+        out = render_report(args.path, args.out)
+    except FileNotFoundError as e:
+        print(f"cxr-hfl report: {e}", file=sys.stderr)
+        return 2
+    print(f"[cxr-hfl] report: {out}")
+    return 0
+
+
+def run_compare(args) -> int:
+    from nvflare_jobs.compare import run_compare as _run
+
+    return _run(args)

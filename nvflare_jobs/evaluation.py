@@ -1,0 +1,371 @@
+"""External validation of a run's saved models (``cxr-hfl evaluate``) and prediction on unlabelled images
+(``cxr-hfl predict``).
+
+``evaluate_run`` loads every model a run saved (``models/<site>_deployed.pt``, ``models/<site>_local.pt``,
+``global_model.pt`` at each input size the run used), evaluates it on an external labelled set at the model's own
+input size with :func:`hfl_components.training.compute_metrics` (the same metrics as the sites' test splits, argmax
+decision) and, for binary labels, again at the decision threshold chosen (Youden's J) on the validation split of
+the model's own site (the global model: all sites' validation splits pooled), and writes ``RUN/external/<name>.json``.
+
+Leakage guard: :func:`training_overlap` compares the external set's file names and patient ids with every row of
+the run's site manifests; ``evaluate_run`` refuses an overlapping set unless ``force=True``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chest_xray.io import SUPPORTED_SUFFIXES
+
+
+class LeakageError(RuntimeError):
+    """The external set shares file names or patient ids with the run's training data."""
+
+
+# ----------------------------------------------------------------------------------------------- run contents
+def run_manifests(run: Path) -> dict[str, Path]:
+    """Site -> manifest CSV the run trained on: ``resolved_configs/<site>.json`` (data.manifest), else
+    ``partition/sites/<site>.csv``."""
+    run = Path(run)
+    out: dict[str, Path] = {}
+    for f in sorted((run / "resolved_configs").glob("*.json")):
+        try:
+            man = json.loads(f.read_text())["data"]["manifest"]
+        except (KeyError, ValueError, TypeError):
+            continue
+        if Path(man).is_file():
+            out[f.stem] = Path(man)
+    if not out:
+        for f in sorted((run / "partition" / "sites").glob("*.csv")):
+            out[f.stem] = f
+    return out
+
+
+def site_rows(run: Path) -> dict[str, list[dict]]:
+    from chest_xray import read_site_manifest
+
+    return {s: read_site_manifest(p) for s, p in run_manifests(run).items()}
+
+
+def run_input_sizes(run: Path) -> list[int]:
+    sizes = set()
+    for f in (Path(run) / "resolved_configs").glob("*.json"):
+        try:
+            sizes.add(int(json.loads(f.read_text())["input_size"]))
+        except (KeyError, ValueError, TypeError):
+            pass
+    if not sizes and (Path(run) / "metrics.json").is_file():
+        m = json.loads((Path(run) / "metrics.json").read_text())
+        sizes = {int(b["input_size"]) for b in m.get("sites", {}).values() if b.get("input_size")}
+    return sorted(sizes)
+
+
+def run_labels(run: Path) -> str | None:
+    p = Path(run) / "metrics.json"
+    if p.is_file():
+        return json.loads(p.read_text()).get("labels")
+    return None
+
+
+def load_model_file(path: str | Path):
+    """``(model in eval mode, blob)`` from a run's ``.pt`` file (``torch.load(weights_only=True)``)."""
+    import torch
+
+    from hfl_components.models import build_model
+
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or "spec" not in blob or "state_dict" not in blob:
+        raise ValueError(f"{path}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
+    model = build_model(blob["spec"])
+    model.load_state_dict(blob["state_dict"])
+    model.eval()
+    return model, blob
+
+
+def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:
+    """Every saved model of a run as ``{"name", "path", "kind", "site", "input_size"}``.
+
+    ``kind`` is ``deployed``, ``local`` or ``global``; the global model (no input size of its own) is listed once per
+    input size the run used (``global_sizes="all"``) or once at the largest (``"largest"``).
+    """
+    run = Path(run)
+    out = []
+    for f in sorted((run / "models").glob("*.pt")):
+        site, _, kind = f.stem.rpartition("_")
+        out.append({"name": f.stem, "path": f, "kind": kind, "site": site or None, "input_size": None})
+    g = run / "global_model.pt"
+    if g.is_file():
+        sizes = run_input_sizes(run) or [64]
+        if global_sizes == "largest":
+            sizes = sizes[-1:]
+        for s in sizes:
+            out.append({"name": f"global_{s}px", "path": g, "kind": "global", "site": None, "input_size": s})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- leakage
+def _stem_key(path: str) -> str:
+    return Path(path).name.lower()
+
+
+def training_overlap(run: Path, records: list[dict]) -> dict[str, Any]:
+    """File names and patient ids the external ``records`` share with the run's site manifests (all splits)."""
+    rows = [r for rs in site_rows(run).values() for r in rs]
+    names = {_stem_key(r["path"]) for r in rows}
+    pids = {str(r["patient_id"]) for r in rows if r.get("patient_id")}
+    shared_names = sorted({_stem_key(r["path"]) for r in records} & names)
+    shared_pids = sorted({str(r["patient_id"]) for r in records if r.get("patient_id")} & pids)
+    n_img = sum(1 for r in records if _stem_key(r["path"]) in names or str(r.get("patient_id")) in pids)
+    return {"n_run_rows": len(rows), "shared_file_names": len(shared_names), "shared_patient_ids": len(shared_pids),
+            "n_external_images_affected": n_img, "examples": (shared_names[:5] + shared_pids[:5])}
+
+
+def probe_overlap(run: Path, records: list[dict]) -> int:
+    """Number of external images whose file name is in the OHFL probe pool (unlabelled images the server used)."""
+    opts = Path(run) / "job_options.json"
+    if not opts.is_file():
+        return 0
+    probe = json.loads(opts.read_text()).get("probe")
+    if not probe or probe == "generated" or not Path(probe).exists():
+        return 0
+    p = Path(probe)
+    if p.is_file():
+        with open(p, newline="") as fh:
+            names = {_stem_key(r.get("path", "")) for r in csv.DictReader(fh)}
+    else:
+        names = {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES}
+    return sum(1 for r in records if _stem_key(r["path"]) in names)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
+    """A class-stratified subset of at most ``max_images`` records (deterministic)."""
+    if not max_images or len(records) <= max_images:
+        return records
+    rng = np.random.default_rng(seed)
+    by: dict[int, list] = {}
+    for r in records:
+        by.setdefault(int(r["label"]), []).append(r)
+    out = []
+    for k, rows in sorted(by.items()):
+        n = max(1, round(max_images * len(rows) / len(records)))
+        idx = rng.choice(len(rows), size=min(n, len(rows)), replace=False)
+        out.extend(rows[i] for i in sorted(idx))
+    return out[:max_images]
+
+
+class _ProbCache:
+    """Probabilities per (model name) and image tensors per input size, computed once."""
+
+    def __init__(self, batch_size: int = 64):
+        self.batch_size = batch_size
+        self._ds: dict[tuple, Any] = {}
+
+    def loader(self, key: str, rows: list[dict], size: int):
+        import torch
+
+        from chest_xray import make_site_dataset
+
+        k = (key, size)
+        if k not in self._ds:
+            self._ds[k] = make_site_dataset(rows, size, "eval")
+        return torch.utils.data.DataLoader(self._ds[k], batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+
+def _collapse(probs: np.ndarray, model_classes: int, want_classes: int) -> np.ndarray:
+    """Subtype (NORMAL, BACTERIAL, VIRAL) probabilities -> binary (NORMAL, PNEUMONIA) when the data are binary."""
+    if model_classes == want_classes:
+        return probs
+    if model_classes == 3 and want_classes == 2:
+        return np.stack([probs[:, 0], probs[:, 1:].sum(axis=1)], axis=1)
+    raise ValueError(f"a {model_classes}-class model cannot be evaluated on {want_classes}-class labels")
+
+
+def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
+                 max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
+                 log=print) -> dict[str, Any]:
+    """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/``.
+
+    Returns:
+        ``{"summary": path, "models": {name: result dict}, "overlap": {...}}``.
+
+    Raises:
+        LeakageError: the external set shares file names / patient ids with the run's manifests (unless force).
+        FileNotFoundError / ValueError: no models, unreadable data root.
+    """
+    import torch
+
+    from chest_xray import CLASS_NAMES, scan_dataset
+    from hfl_components.training import choose_threshold, compute_metrics, pooled_metrics_with_ci, predict_proba
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    run = Path(run).resolve()
+    labels = labels or run_labels(run) or "binary"
+    models = list_run_models(run, global_sizes)
+    if not models:
+        raise FileNotFoundError(f"{run}: no saved models (models/*.pt or global_model.pt)")
+    records, report = scan_dataset(data, labels=labels)
+    if not records:
+        raise ValueError(f"{data}: no usable labelled images ({len(report.get('skipped', []))} skipped)")
+    overlap = training_overlap(run, records)
+    overlap["probe_file_names"] = probe_overlap(run, records)
+    if overlap["shared_file_names"] or overlap["shared_patient_ids"]:
+        msg = (f"the external set {data} shares {overlap['shared_file_names']} file names and "
+               f"{overlap['shared_patient_ids']} patient ids ({overlap['n_external_images_affected']} images) with "
+               f"the run's site data (e.g. {', '.join(overlap['examples'][:4])}): these are not external images")
+        if not force:
+            raise LeakageError(msg + "; use a disjoint set, or --force to evaluate anyway")
+        log("WARNING " + "!" * 60)
+        log(f"WARNING: --force: {msg}. The metrics below are optimistic and NOT an external validation.")
+        log("WARNING " + "!" * 60)
+    if overlap["probe_file_names"]:
+        log(f"note: {overlap['probe_file_names']} external images are in the OHFL probe pool (unlabelled images the "
+            f"server used for CKA layer alignment); no labels of them were used")
+    records = _subset(records, max_images)
+    names = CLASS_NAMES[labels]
+    C = len(names)
+    ext_y = np.asarray([r["label"] for r in records], dtype=np.int64)
+    rows_by_site = site_rows(run)
+    val_rows = {s: [r for r in rs if r["split"] == "val"] for s, rs in rows_by_site.items()}
+    run_labels_name = run_labels(run) or labels
+    out_dir = run / "external"
+    out_dir.mkdir(exist_ok=True)
+    cache = _ProbCache()
+    results: dict[str, dict] = {}
+    for m in models:
+        model, blob = load_model_file(m["path"])
+        size = int(m["input_size"] or blob.get("input_size") or 64)
+        mc = int(blob["spec"].get("num_classes", C))
+        p, y = predict_proba(model, cache.loader("ext", records, size))
+        p = _collapse(p, mc, C)
+        argmax = compute_metrics(y, p, C)
+        res: dict[str, Any] = {"model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
+                               "spec": blob["spec"], "input_size": size, "data": str(Path(data).resolve()),
+                               "labels": labels, "class_names": list(names), "n": int(len(y)),
+                               "test": argmax}
+        # threshold from the validation split of the model's own site (global: every site's validation split)
+        vrows = (val_rows.get(m["site"], []) if m["site"] else [r for rs in val_rows.values() for r in rs])
+        thr = None
+        if C == 2 and vrows and run_labels_name in ("binary", "subtype"):
+            vlab = [{"path": r["path"], "label": r["label"] if run_labels_name == "binary" else int(r["label"] > 0)}
+                    for r in vrows]
+            vp, vy = predict_proba(model, cache.loader(f"val:{m['site']}", vlab, size))
+            vp = _collapse(vp, mc, C)
+            thr = choose_threshold(vy, vp[:, 1])
+            res["val_n"] = int(len(vy))
+            res["test_at_val_threshold"] = compute_metrics(y, p, C, threshold=thr)
+        res["val_threshold"] = thr
+        res["pooled_ci"] = pooled_metrics_with_ci(y, p, C, n_boot=n_boot, threshold=None)
+        res["overlap"] = overlap
+        (out_dir / f"{m['name']}.json").write_text(json.dumps(res, indent=1))
+        results[m["name"]] = res
+        log(_line(m["name"], size, res))
+    assert ext_y.size == len(records)
+    summary = {"run": str(run), "data": str(Path(data).resolve()), "labels": labels, "n_images": len(records),
+               "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
+               "models": {k: {key: v["test"].get(key) for key in ("accuracy", "balanced_accuracy", "auc",
+                                                                    "sensitivity", "specificity")}
+                          | {"input_size": v["input_size"], "val_threshold": v["val_threshold"],
+                             **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
+                                 "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
+                                if "test_at_val_threshold" in v else {})}
+                          for k, v in results.items()}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap}
+
+
+def _line(name: str, size: int, res: dict) -> str:
+    t = res["test"]
+
+    def f(v):
+        return "  -  " if v is None else f"{v:.3f}"
+    s = (f"{name:<18}{size:>5}px  n={res['n']:<5} acc {f(t['accuracy'])}  bal_acc {f(t['balanced_accuracy'])}  "
+         f"auc {f(t['auc'])}")
+    if "test_at_val_threshold" in res:
+        tv = res["test_at_val_threshold"]
+        s += f"  | thr {res['val_threshold']:.3f}: sens {f(tv['sensitivity'])} spec {f(tv['specificity'])}"
+    return s
+
+
+# ----------------------------------------------------------------------------------------------- predict
+def collect_files(inputs: list[str]) -> list[Path]:
+    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder
+    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom)."""
+    out: list[Path] = []
+    for s in inputs:
+        p = Path(s)
+        if p.is_dir():
+            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES))
+        else:
+            out.append(p)  # missing files are reported as skipped, not raised
+    return out
+
+
+def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
+                  threshold: float | None = None) -> dict[str, int]:
+    """Write per-image class probabilities and the predicted class to ``out_csv``.
+
+    Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
+    written with status ``skipped`` and the reason; it never stops the run. ``threshold`` (binary only): predict
+    PNEUMONIA when p >= threshold; default argmax.
+    """
+    import torch
+
+    from chest_xray import CLASS_NAMES, build_transforms
+    from hfl_components.training import predict_labels
+
+    model, blob = load_model_file(model_path)
+    size = int(blob.get("input_size") or 64)
+    labels = blob.get("labels") or ("subtype" if blob["spec"].get("num_classes") == 3 else "binary")
+    names = CLASS_NAMES.get(labels, [f"class{i}" for i in range(int(blob["spec"]["num_classes"]))])
+    tf = build_transforms(size, "eval")
+    files = collect_files(inputs)
+    rows: list[dict] = []
+    batch: list[tuple[int, torch.Tensor]] = []
+
+    def flush():
+        if not batch:
+            return
+        with torch.no_grad():
+            x = torch.stack([t for _, t in batch])
+            p = torch.softmax(model.head(model.features(x)), dim=1).numpy().astype(np.float64)
+        pred = predict_labels(p, threshold)
+        for (i, _), pi, ci in zip(batch, p, pred):
+            rows[i].update({f"p_{n}": round(float(v), 5) for n, v in zip(names, pi)})
+            rows[i]["predicted"] = names[int(ci)]
+        batch.clear()
+
+    for f in files:
+        row = {"path": str(f), "status": "ok", "reason": ""}
+        rows.append(row)
+        try:
+            x = tf({"image": str(f), "label": 0})["image"]
+        except Exception as e:  # noqa: BLE001 -- one bad file never stops the run
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            reason = getattr(cause, "reason", None) or f"{type(cause).__name__}: {cause}"
+            row.update({"status": "skipped", "reason": str(reason).replace("\n", " ")[:300]})
+            continue
+        batch.append((len(rows) - 1, x))
+        if len(batch) >= batch_size:
+            flush()
+    flush()
+    out = Path(out_csv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cols = ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"]
+    with out.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    n_ok = sum(r["status"] == "ok" for r in rows)
+    return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `cxr-hfl evaluate` / `cxr-hfl predict`")

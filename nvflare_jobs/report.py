@@ -1,0 +1,286 @@
+"""``cxr-hfl report``: one self-contained HTML file (PNG figures embedded as base64) for a run or a comparison.
+
+Run report: header (exact command, package versions, seeds, sha256 of the data manifests), per-site results,
+figures (per-site accuracy, round curves, confusion matrices made from metrics.json, OHFL CKA heatmaps and
+fine-tuning curves, FedTopo topology/reliability heatmaps, FedSAF effective rank, payload), external validation
+results when ``RUN/external/`` exists, and a model card. Comparison report: the comparison tables, a per-method
+accuracy figure and each run's site-accuracy figure.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import io
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("cxr-hfl", "nvflare", "torch", "monai", "numpy", "scikit-learn", "scipy", "pydicom", "pillow", "POT",
+            "matplotlib")
+
+FIGURE_FILES = [  # (file in the run folder, caption)
+    ("site_accuracy.png", "Per-site test accuracy"),
+    ("round_curves.png", "Validation accuracy per round"),
+    ("finetune_loss.png", "OHFL fine-tuning curves"),
+    ("effective_rank.png", "FedSAF effective rank of the site prototypes per round"),
+    ("R_global.png", "FedTopo global relation topology"),
+    ("S_global.png", "FedTopo reliability"),
+    ("topology_diagnostics.png", "FedTopo topology inconsistency per site"),
+    ("payload_per_round.png", "Communication per site and round"),
+]
+
+CITATION = ("Kermany D, Zhang K, Goldbaum M. Labeled Optical Coherence Tomography (OCT) and Chest X-Ray Images for "
+            "Classification. Mendeley Data, v2, 2018. doi:10.17632/rscbjbr9sj.2 (CC BY 4.0)")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def manifest_hash(run: Path) -> tuple[str | None, list[str]]:
+    """sha256 over the run's site manifest CSVs (sorted by site; name and bytes of each)."""
+    from nvflare_jobs.evaluation import run_manifests
+
+    mans = run_manifests(run)
+    if not mans:
+        return None, []
+    h = hashlib.sha256()
+    for site in sorted(mans):
+        h.update(site.encode() + b"\0" + mans[site].read_bytes() + b"\0")
+    return h.hexdigest(), [str(mans[s]) for s in sorted(mans)]
+
+
+def _png_b64(path_or_fig) -> str:
+    if isinstance(path_or_fig, (str, Path)):
+        data = Path(path_or_fig).read_bytes()
+    else:
+        import matplotlib.pyplot as plt
+
+        buf = io.BytesIO()
+        path_or_fig.savefig(buf, format="png", dpi=100)
+        plt.close(path_or_fig)
+        data = buf.getvalue()
+    return base64.b64encode(data).decode("ascii")
+
+
+def _figure(b64: str, caption: str) -> str:
+    return (f'<figure><img src="data:image/png;base64,{b64}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def confusion_figure(cm, class_names: list[str], title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cm = np.asarray(cm, dtype=float)
+    fig, ax = plt.subplots(figsize=(2.2 + 0.5 * len(class_names), 2.0 + 0.5 * len(class_names)))
+    ax.imshow(cm, cmap="Blues")
+    ticks = range(len(class_names))
+    ax.set_xticks(ticks, class_names, rotation=30, fontsize=7)
+    ax.set_yticks(ticks, class_names, fontsize=7)
+    for i in range(cm.shape[0]):
+        for j in range(cm.shape[1]):
+            ax.text(j, i, f"{int(cm[i, j])}", ha="center", va="center",
+                    color="white" if cm[i, j] > cm.max() / 2 else "black", fontsize=9)
+    ax.set_xlabel("predicted", fontsize=8)
+    ax.set_ylabel("true", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _f(v, nd=3) -> str:
+    return "–" if v is None else f"{v:.{nd}f}"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    h = "".join(f"<th>{html.escape(str(c))}</th>" for c in header)
+    b = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.2em}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}
+th{background:#f2f2f2}figure{display:inline-block;margin:.5em;vertical-align:top;text-align:center}
+figure img{max-width:520px}figcaption{font-size:12px;color:#555}code{background:#f5f5f5;padding:1px 3px}
+.card{border:1px solid #999;padding:.5em 1em;background:#fafafa}.warn{color:#a00}"""
+
+
+def _page(title: str, body: list[str]) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+
+
+def _model_name(spec: dict | None) -> str:
+    spec = spec or {}
+    return "/".join(str(spec[k]) for k in ("family", "depth", "width") if spec.get(k) is not None) or "?"
+
+
+def model_card(m: dict) -> str:
+    sites = m.get("sites", {})
+    rows = [[s, _model_name(b.get("model")), b.get("input_size"), b.get("n_train"), b.get("n_test"),
+             _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc"))]
+            for s, b in sites.items()]
+    return ("<div class='card'><h2>Model card</h2>"
+            f"<p><b>Models:</b> {len(sites)} site models trained with <code>{html.escape(str(m.get('method')))}</code> "
+            f"(label scheme <code>{html.escape(str(m.get('labels')))}</code>), one per simulated hospital site, each at "
+            "its own architecture and input resolution.</p>"
+            "<p><b>Intended use:</b> research on heterogeneous federated learning for chest X-ray classification "
+            "(normal vs pneumonia, or pneumonia subtype). <b>Not a medical device; not for clinical decisions.</b></p>"
+            f"<p><b>Training data:</b> the Kermany chest X-ray set — paediatric patients (ages 1–5) from a single "
+            f"centre (Guangzhou Women and Children's Medical Center), anterior–posterior JPEGs. {html.escape(CITATION)}. "
+            "The sites are simulated partitions of this one set, not different hospitals.</p>"
+            "<p><b>Not validated on:</b> adults; other centres, scanners or populations; DICOM from other vendors or "
+            "acquisition protocols; lateral views; portable/ICU films; other findings (COVID-19, tuberculosis, "
+            "effusion, ...); images with devices or annotations. Pneumonia labels come from the dataset's grading, "
+            "not from a reference standard such as CT or culture.</p>"
+            "<p><b>Per-site results</b> (each site's own held-out test split, argmax decision):</p>"
+            + _table(["site", "model", "input px", "n train", "n test", "accuracy", "AUC"], rows)
+            + "<p><b>Limitations:</b> small test splits give wide confidence intervals; the pooled 95% CIs below are "
+              "bootstrap intervals over images, not over sites or centres.</p></div>")
+
+
+def render_run(run: Path) -> str:
+    from chest_xray import CLASS_NAMES
+
+    m = json.loads((run / "metrics.json").read_text())
+    labels = m.get("labels") or "binary"
+    names = CLASS_NAMES.get(labels, [])
+    digest, mans = manifest_hash(run)
+    opts = json.loads((run / "job_options.json").read_text()) if (run / "job_options.json").is_file() else {}
+    body = [f"<h1>cxr-hfl run report: {html.escape(str(m.get('method')))}</h1>",
+            "<h2>How to repeat this run</h2>",
+            _table(["field", "value"], [
+                ["command", m.get("command", "(not recorded)")],
+                ["run folder", str(run)],
+                ["method / labels", f"{m.get('method')} / {labels}"],
+                ["seed", m.get("seed")],
+                ["job options", json.dumps({k: v for k, v in opts.items() if v not in (None, [], "")})],
+                ["data manifest sha256", digest or "(no manifests found)"],
+                ["manifests", "; ".join(mans)],
+                ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
+                ["wall time (s)", m.get("wall_time_s")]])]
+    body.append(model_card(m))
+    # results tables
+    rows = []
+    for s, b in m.get("sites", {}).items():
+        t = b.get("test") or {}
+        loc = b.get("local") or {}
+        rows.append([s, _model_name(b.get("model")), b.get("input_size"), b.get("n_test"),
+                     *[_f(t.get(k)) for k in ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")],
+                     _f(loc.get("accuracy"))])
+    body += ["<h2>Per-site test results</h2>",
+             _table(["site", "model", "px", "n test", "accuracy", "balanced acc.", "AUC", "sensitivity",
+                     "specificity", "local model acc."], rows)]
+    pooled = m.get("pooled") or {}
+    prow = [[k.replace("_", " "), _f((pooled.get(k) or {}).get("value")),
+             f"{_f((pooled.get(k) or {}).get('ci_low'))}–{_f((pooled.get(k) or {}).get('ci_high'))}"]
+            for k in ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")]
+    body += ["<h2>Pooled test metrics (95% bootstrap CI)</h2>", _table(["metric", "value", "95% CI"], prow)]
+    extra = []
+    if m.get("bytes_uploaded") is not None:
+        extra.append(["bytes uploaded / downloaded", f"{m.get('bytes_uploaded'):,} / {m.get('bytes_downloaded', 0):,}"])
+    if m.get("server_seconds"):
+        extra.append(["server seconds", json.dumps(m["server_seconds"])])
+    if m.get("fairness_variance") is not None:
+        extra.append(["fairness variance (acc %^2)", _f(m["fairness_variance"], 2)])
+    if extra:
+        body.append(_table(["", ""], extra))
+    # figures
+    body.append("<h2>Figures</h2>")
+    for fname, cap in FIGURE_FILES:
+        if (run / fname).is_file():
+            body.append(_figure(_png_b64(run / fname), cap))
+    for p in sorted(run.glob("cka_cost_step*.png"), key=lambda p: int(p.stem.removeprefix("cka_cost_step") or 0)):
+        body.append(_figure(_png_b64(p), f"OHFL CKA cost heatmap with the layer map, fusion {p.stem.removeprefix('cka_cost_step')}"))
+    body.append("<h3>Confusion matrices (test split)</h3>")
+    for s, b in m.get("sites", {}).items():
+        cm = (b.get("test") or {}).get("confusion_matrix")
+        if cm:
+            body.append(_figure(_png_b64(confusion_figure(cm, names or [str(i) for i in range(len(cm))], s)),
+                                f"Confusion matrix {s}"))
+    ext = run / "external" / "summary.json"
+    if ext.is_file():
+        e = json.loads(ext.read_text())
+        erows = [[k, v.get("input_size"), *[_f(v.get(x)) for x in ("accuracy", "balanced_accuracy", "auc")],
+                  _f(v.get("val_threshold")), _f(v.get("sensitivity_at_val_threshold")),
+                  _f(v.get("specificity_at_val_threshold"))] for k, v in e.get("models", {}).items()]
+        body += [f"<h2>External validation: {html.escape(e.get('data', ''))} ({e.get('n_images')} images)</h2>",
+                 *(["<p class='warn'>WARNING: evaluated with --force on a set that overlaps the run's data; "
+                    "these are not external results.</p>"] if e.get("forced") else []),
+                 _table(["model", "px", "accuracy", "balanced acc.", "AUC", "val threshold", "sensitivity @thr",
+                         "specificity @thr"], erows)]
+    return _page(f"cxr-hfl report {m.get('method')}", body)
+
+
+def render_compare(cdir: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from nvflare_jobs.compare import _order, collect_runs, comparison_rows
+
+    runs = collect_runs(cdir)
+    rows = comparison_rows(runs)
+    md = (cdir / "comparison.md").read_text() if (cdir / "comparison.md").is_file() else ""
+    cj = json.loads((cdir / "compare.json").read_text()) if (cdir / "compare.json").is_file() else {}
+    digests = []
+    for sd in sorted(cdir.glob("seed*")):
+        if (sd / "partition" / "sites").is_dir():
+            h = hashlib.sha256()
+            for f in sorted((sd / "partition" / "sites").glob("*.csv")):
+                h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+            digests.append([sd.name, h.hexdigest()])
+    body = ["<h1>cxr-hfl method comparison</h1>",
+            _table(["field", "value"], [["command", cj.get("command", "(not recorded)")],
+                                        ["seeds", ", ".join(map(str, cj.get("seeds", [])))],
+                                        ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())]]),
+            "<h2>Data manifest sha256 per seed</h2>", _table(["seed", "sha256 of partition/sites/*.csv"], digests)]
+    methods = _order(r["method"] for r in rows)
+    if rows:
+        fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(methods)), 3.5))
+        data = [[100 * r["accuracy"] for r in rows if r["method"] == m and r["accuracy"] is not None]
+                for m in methods]
+        ax.boxplot(data)
+        ax.set_xticks(range(1, len(methods) + 1), methods)
+        for i, d in enumerate(data, start=1):
+            ax.scatter(np.full(len(d), i), d, s=12, alpha=.6)
+        ax.set_ylabel("site test accuracy (%)")
+        ax.set_title("Per-site test accuracy by method (all seeds)")
+        fig.tight_layout()
+        body.append(_figure(_png_b64(fig), "Per-site accuracy by method"))
+    body.append("<h2>Tables</h2><pre>" + html.escape(md) + "</pre>")
+    body.append("<h2>Runs</h2>")
+    for method, seed, m in runs:
+        p = cdir / f"seed{seed}" / method / "site_accuracy.png"
+        if p.is_file():
+            body.append(_figure(_png_b64(p), f"{method} seed {seed}: per-site test accuracy"))
+    if runs:
+        body.append(model_card(runs[0][2]).replace("Model card", "Model card (first run; every run shares the data)"))
+    return _page("cxr-hfl comparison", body)
+
+
+def render_report(path: str | Path, out: str | Path | None = None) -> Path:
+    p = Path(path).resolve()
+    if (p / "metrics.json").is_file():
+        text = render_run(p)
+    elif (p / "comparison.csv").is_file() or list(p.glob("seed*/*/metrics.json")):
+        text = render_compare(p)
+    else:
+        raise FileNotFoundError(f"{p}: neither a run folder (metrics.json) nor a compare folder (comparison.csv)")
+    dest = Path(out) if out else p / "report.html"
+    dest.write_text(text, encoding="utf-8")
+    return dest

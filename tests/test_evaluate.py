@@ -1,0 +1,149 @@
+"""External validation (`cxr-hfl evaluate`), prediction (`cxr-hfl predict`) and the HTML report on a run folder
+built from a real partition and real model files (untrained weights; no simulator, so these are fast)."""
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sim_helpers import make_partition, run_cli
+
+torch.set_num_threads(1)
+
+SPECS = {"site-1": ({"family": "cnn", "depth": "shallow", "width": 1.0}, 32),
+         "site-2": ({"family": "cnn", "depth": "deep", "width": 1.0}, 48)}
+
+
+def _save(path: Path, spec: dict, size: int | None, site: str | None, seed: int) -> None:
+    from hfl_components.models import build_model
+
+    torch.manual_seed(seed)
+    m = build_model(spec)
+    blob = {"spec": spec, "state_dict": m.state_dict()}
+    if size is not None:
+        blob.update({"input_size": size, "labels": "binary", "site": site})
+    torch.save(blob, path)
+
+
+@pytest.fixture(scope="module")
+def fake_run(data_root, tmp_path_factory) -> Path:
+    """A run folder in the simulate layout: partition/, resolved_configs/, models/, global_model.pt,
+    metrics.json -- real manifests and real model files with untrained weights."""
+    run = tmp_path_factory.mktemp("run")
+    part = make_partition(data_root, run / "partition", 2, max_images=80)
+    (run / "resolved_configs").mkdir()
+    (run / "models").mkdir()
+    sites = {}
+    for i, (site, (spec, size)) in enumerate(SPECS.items()):
+        spec = {**spec, "in_channels": 1, "num_classes": 2}
+        cfg = {"data": {"manifest": str(part / "sites" / f"{site}.csv"), "labels": "binary"}, "model": spec,
+               "input_size": size}
+        (run / "resolved_configs" / f"{site}.json").write_text(json.dumps(cfg))
+        _save(run / "models" / f"{site}_deployed.pt", spec, size, site, i)
+        _save(run / "models" / f"{site}_local.pt", spec, size, site, 10 + i)
+        sites[site] = {"model": spec, "input_size": size, "n_train": 1, "n_test": 2,
+                       "test": {"n": 2, "accuracy": 0.5, "balanced_accuracy": 0.5, "auc": 0.5, "sensitivity": 1.0,
+                                "specificity": 0.0, "confusion_matrix": [[0, 1], [0, 1]]}}
+    _save(run / "global_model.pt", SPECS["site-2"][0] | {"in_channels": 1, "num_classes": 2}, None, None, 99)
+    (run / "metrics.json").write_text(json.dumps({"method": "ohfl", "labels": "binary", "seed": 0, "sites": sites,
+                                                  "pooled": {}, "command": "cxr-hfl simulate --method ohfl"}))
+    return run
+
+
+def _external_csv(data_root: Path, out: Path, n_per_class: int = 8) -> Path:
+    """A small labelled external set: chest_xray_224 images (patient-disjoint from chest_xray_original)."""
+    root = data_root / "chest_xray_224"
+    rows = []
+    for cls in ("NORMAL", "PNEUMONIA"):
+        files = sorted((root / "train" / cls).glob("*.jpeg"))[:n_per_class]
+        rows += [{"path": str(f), "label": cls} for f in files]
+    with out.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["path", "label"])
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
+def test_evaluate_writes_every_model_with_val_threshold(fake_run, data_root, tmp_path):
+    from nvflare_jobs.evaluation import evaluate_run
+
+    ext = _external_csv(data_root, tmp_path / "ext.csv")
+    res = evaluate_run(fake_run, ext, n_boot=50, log=lambda *_: None)
+    names = set(res["models"])
+    assert names == {"site-1_deployed", "site-1_local", "site-2_deployed", "site-2_local", "global_32px",
+                     "global_48px"}
+    for name in names:
+        d = json.loads((fake_run / "external" / f"{name}.json").read_text())
+        assert d["n"] == 16 and sum(map(sum, d["test"]["confusion_matrix"])) == 16
+        assert {"accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity", "log_loss"} <= set(d["test"])
+        assert d["test"]["threshold"] is None  # same rule as the sites' own test splits (argmax)
+        assert 0.0 <= d["val_threshold"] <= 1.0 and d["val_n"] > 0
+        assert d["test_at_val_threshold"]["threshold"] == pytest.approx(d["val_threshold"])
+    assert res["models"]["site-1_deployed"]["input_size"] == 32
+    assert res["models"]["site-2_local"]["input_size"] == 48
+    assert res["models"]["global_48px"]["input_size"] == 48
+    s = json.loads((fake_run / "external" / "summary.json").read_text())
+    assert s["overlap"]["shared_file_names"] == 0 and not s["forced"]
+
+
+def test_evaluate_refuses_training_images_unless_forced(fake_run, tmp_path):
+    from chest_xray import read_site_manifest
+
+    rows = read_site_manifest(fake_run / "partition" / "sites" / "site-1.csv")[:6]
+    leak = tmp_path / "leak.csv"
+    with leak.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["path", "label"])
+        w.writeheader()
+        w.writerows({"path": r["path"], "label": str(r["label"])} for r in rows)
+    r = run_cli("evaluate", "--run", str(fake_run), "--data", str(leak), timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "REFUSED" in r.stderr and "file names" in r.stderr and "--force" in r.stderr
+    r = run_cli("evaluate", "--run", str(fake_run), "--data", str(leak), "--force", "--global-sizes", "largest",
+                timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING" in r.stdout and "NOT an external validation" in r.stdout
+    assert json.loads((fake_run / "external" / "summary.json").read_text())["forced"] is True
+    assert "global_32px" not in json.loads((fake_run / "external" / "summary.json").read_text())["models"]
+
+
+def test_predict_skips_unreadable_files_with_reason(fake_run, data_root, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    good = sorted((data_root / "chest_xray_224" / "train" / "NORMAL").glob("*.jpeg"))[0]
+    shutil.copy(good, src / "a.jpeg")
+    (src / "broken.jpg").write_bytes(b"not an image")
+    (src / "empty.png").write_bytes(b"")
+    dicoms = sorted((data_root / "dicom").glob("*.dcm")) if (data_root / "dicom").is_dir() else []
+    out = tmp_path / "pred.csv"
+    r = run_cli("predict", "--model", str(fake_run / "models" / "site-1_deployed.pt"), "--data", str(src),
+                *map(str, dicoms), str(tmp_path / "missing.png"), "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {Path(x["path"]).name: x for x in csv.DictReader(out.open())}
+    assert len(rows) == 4 + len(dicoms)
+    ok = rows["a.jpeg"]
+    assert ok["status"] == "ok" and ok["predicted"] in ("NORMAL", "PNEUMONIA")
+    assert abs(float(ok["p_NORMAL"]) + float(ok["p_PNEUMONIA"]) - 1) < 1e-3
+    for bad in ("broken.jpg", "empty.png", "missing.png"):
+        assert rows[bad]["status"] == "skipped" and rows[bad]["reason"] and rows[bad]["predicted"] == ""
+    assert "empty" in rows["empty.png"]["reason"]
+    for d in dicoms:  # every DICOM either predicted or skipped with a reason, never a crash
+        row = rows[d.name]
+        assert (row["status"] == "ok" and row["predicted"]) or (row["status"] == "skipped" and row["reason"])
+
+
+def test_report_embeds_figures_and_model_card(fake_run):
+    from nvflare_jobs.report import render_report
+
+    out = render_report(fake_run)
+    text = out.read_text()
+    assert text.count('<img src="data:image/png;base64,') >= 2  # one confusion matrix per site
+    assert "Confusion matrix site-1" in text and "Confusion matrix site-2" in text
+    assert "doi:10.17632/rscbjbr9sj.2" in text and "CC BY 4.0" in text and "paediatric" in text
+    assert "Not validated on" in text and "data manifest sha256" in text and "torch" in text
+    b64 = text.split('<img src="data:image/png;base64,')[1].split('"')[0]
+    assert base64.b64decode(b64)[:8] == b"\x89PNG\r\n\x1a\n"

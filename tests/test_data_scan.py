@@ -9,7 +9,7 @@ from PIL import Image
 
 from chest_xray import CLASS_NAMES, LabelError, detect_layout, label_index, patient_id_from_name, scan_dataset
 
-from test_data_io import write_dicom
+from tests.test_data_io import write_dicom
 
 
 def _jpeg(path, w=40, h=30, value=128):

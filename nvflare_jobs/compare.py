@@ -8,6 +8,7 @@ Layout of ``OUT``::
     OUT/comparison.md               mean +- std, pooled metrics with 95% CIs, per-site tables, paired differences
     OUT/compare.json                the command and the epoch budget of every method
 
+A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
 Resumable: a run whose ``metrics.json`` exists is not run again. ``local+ft`` is the compute-matched control: the
 local method with ``local_epochs + finetune_epochs`` epochs per round (each site's local model trained for as many
 extra epochs as OHFL's fine-tuning).
@@ -32,10 +33,27 @@ COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy"
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
+def split_variant(method: str) -> tuple[str, list[str]]:
+    """``"ohfl:strategy=cdd:weighting=half"`` -> ``("ohfl", ["--strategy", "cdd", "--weighting", "half"])``: a method
+    variant passes extra ``cxr-hfl simulate`` options (the run folder and table rows keep the full name)."""
+    name, *opts = method.split(":")
+    extra = []
+    for o in opts:
+        k, _, v = o.partition("=")
+        extra += [f"--{k.strip().replace('_', '-')}"] + ([v.strip()] if v else [])
+    return name, extra
+
+
+def _base(method: str) -> str:
+    name = split_variant(method)[0]
+    return "local" if name == "local+ft" else name
+
+
 def epoch_plan(method: str, args) -> dict[str, int]:
     """Rounds, local epochs per round and fine-tuning epochs a method runs under (simulate's defaults unless
     given)."""
-    base = "local" if method == "local+ft" else method
+    base = _base(method)
+    method = split_variant(method)[0]
     rounds = 1 if base == "ohfl" else (args.rounds or (5 if base in PROTO else 3))
     local = args.local_epochs if args.local_epochs is not None else (20 if base == "ohfl" else 3 if base in PROTO else 2)
     ft = args.finetune_epochs if args.finetune_epochs is not None else 10
@@ -70,7 +88,7 @@ def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
 
 def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: int, args) -> list[str]:
     plan = epoch_plan(method, args)
-    base = "local" if method == "local+ft" else method
+    base = _base(method)
     argv = ["simulate", "--method", base, "--profile", str(profile), "--data", str(data), "--labels", args.labels,
             "--seed", str(seed), "--out", str(run_dir), "--local-epochs", str(plan["local_epochs"])]
     if base != "ohfl":
@@ -81,7 +99,7 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
         argv += ["--max-train-images", str(args.max_train_images)]
     if args.batch_size:
         argv += ["--batch-size", str(args.batch_size)]
-    return argv
+    return argv + split_variant(method)[1]
 
 
 def _input_sizes(args) -> list[int]:
@@ -91,7 +109,7 @@ def _input_sizes(args) -> list[int]:
 def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args) -> Path:
     from nvflare_jobs.profiles import write_profile
 
-    base = "local" if method == "local+ft" else method
+    base = _base(method)
     plan = epoch_plan(method, args)
     settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
                 "finetune_epochs": plan["finetune_epochs"] or 10, "seed": seed, "threads": 1,
@@ -103,7 +121,7 @@ def run_compare(args) -> int:
     from nvflare_jobs.profiles import DataNotFoundError, resolve_data
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if split_variant(m)[0] not in METHODS]
     if bad or not methods:
         print(f"cxr-hfl compare: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
@@ -143,9 +161,9 @@ def run_compare(args) -> int:
                 rc = subprocess.call([sys.executable, "-m", "nvflare_jobs.cli", *argv], stdout=log,
                                      stderr=subprocess.STDOUT)
             ok = (run_dir / "metrics.json").is_file()
-            if ok and m == "local+ft":  # the run folder says which control it is
+            if ok and m != _base(m):  # the run folder says which control / variant it is
                 met = json.loads((run_dir / "metrics.json").read_text())
-                met["method"] = "local+ft"
+                met["method"] = m
                 met["compare_plan"] = plans[m]
                 (run_dir / "metrics.json").write_text(json.dumps(met, indent=1))
             print(f"[compare] seed {seed} {m}: rc={rc} in {time.perf_counter() - t0:.0f} s"
@@ -243,7 +261,10 @@ def write_tables(out: Path, plans: dict | None = None) -> list[dict]:
 
 
 def _order(methods) -> list[str]:
-    return sorted(set(methods), key=lambda m: (METHODS.index(m) if m in METHODS else 99, m))
+    def key(m):
+        name = split_variant(m)[0]
+        return (METHODS.index(name) if name in METHODS else 99, m)
+    return sorted(set(methods), key=key)
 
 
 def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str:
@@ -279,7 +300,7 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str
                               for k in ("wall_seconds", "server_seconds", "bytes_up", "bytes_down")) + " |")
     L += ["", "## Pooled test metrics with 95% bootstrap CI", "",
           "| method | seed | n | accuracy | balanced accuracy | AUC |", "|---|---|---|---|---|---|"]
-    for method, seed, m in sorted(runs, key=lambda x: (METHODS.index(x[0]) if x[0] in METHODS else 99, x[1])):
+    for method, seed, m in sorted(runs, key=lambda x: (_order([r[0] for r in runs]).index(x[0]), x[1])):
         p = m.get("pooled") or {}
 
         def ci(k):

@@ -1,0 +1,118 @@
+"""`cxr-hfl compare`: the local+ft control's epoch budget, paired differences, and a real 2-method comparison on a
+tiny subset (both methods on the identical partition), its tables, resumption, and the reports it feeds."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+
+from tests.sim_helpers import run_cli
+
+IMG = '<img src="data:image/png;base64,'
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
+            "batch_size": None, "labels": "binary", "input_sizes": None}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
+    from nvflare_jobs.compare import epoch_plan, simulate_argv
+
+    a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20)
+    assert epoch_plan("local", a)["local_epochs"] == 4
+    assert epoch_plan("local+ft", a) == {"rounds": 2, "local_epochs": 7, "finetune_epochs": 0,
+                                         "total_epochs_per_site": 14}
+    assert epoch_plan("ohfl", a) == {"rounds": 1, "local_epochs": 4, "finetune_epochs": 3, "total_epochs_per_site": 7}
+    argv = simulate_argv("local+ft", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
+    assert argv[argv.index("--method") + 1] == "local" and argv[argv.index("--local-epochs") + 1] == "7"
+    assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
+    ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
+    assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
+    # defaults: OHFL's 20 + 10 epochs; local+ft = local's 2 + OHFL's 10 fine-tuning epochs per round
+    assert epoch_plan("ohfl", _args())["total_epochs_per_site"] == 30
+    assert epoch_plan("local+ft", _args())["local_epochs"] == 12
+
+
+def test_paired_difference_ci():
+    from nvflare_jobs.compare import paired_diff
+
+    diffs = {(0, 0): 0.05, (0, 1): 0.1, (0, 2): 0.15, (1, 0): 0.08, (1, 1): 0.12, (1, 2): 0.1}
+    rows = [{"method": "local", "seed": s, "site": f"site-{i}", "accuracy": 0.6} for s, i in diffs]
+    rows += [{"method": "ohfl", "seed": s, "site": f"site-{i}", "accuracy": 0.6 + d} for (s, i), d in diffs.items()]
+    d = paired_diff(rows, "ohfl", "accuracy")
+    assert d["n"] == 6 and d["mean"] == pytest.approx(0.1)
+    half = 2.5706 * 0.0340587727318528 / 6 ** 0.5  # t(0.975, 5) * sd / sqrt(n)
+    assert d["ci_low"] == pytest.approx(0.1 - half, abs=1e-4) and d["ci_high"] == pytest.approx(0.1 + half, abs=1e-4)
+    assert paired_diff(rows, "fedavg", "accuracy")["n"] == 0
+
+
+def test_unknown_method_is_refused(tmp_path):
+    r = run_cli("compare", "--methods", "local,fedfoo", "--out", str(tmp_path))
+    assert r.returncode == 2 and "fedfoo" in r.stderr
+
+
+@pytest.mark.slow
+def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
+    out = tmp_path / "cmp"
+    args = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
+            "--seeds", "0", "--max-images", "120", "--max-train-images", "16", "--local-epochs", "1",
+            "--finetune-epochs", "1", "--rounds", "1", "--input-sizes", "32,48", "--out", str(out)]
+    r = run_cli(*args, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = list(csv.DictReader((out / "comparison.csv").open()))
+    assert {(x["method"], x["site"]) for x in rows} == {(m, s) for m in ("local", "ohfl") for s in ("site-1", "site-2")}
+    assert set(rows[0]) >= {"accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity", "wall_seconds",
+                            "server_seconds", "bytes_up", "bytes_down"}
+    ohfl = [x for x in rows if x["method"] == "ohfl"]
+    assert all(int(x["bytes_up"]) > 0 for x in ohfl)
+    assert all(int(x["bytes_up"]) == 0 for x in rows if x["method"] == "local")
+    # identical partition: every method's sites read the same manifests
+    for m in ("local", "ohfl"):
+        cfg = json.loads((out / "seed0" / m / "resolved_configs" / "site-1.json").read_text())
+        assert cfg["data"]["manifest"] == str(out / "seed0" / "partition" / "sites" / "site-1.csv")
+    md = (out / "comparison.md").read_text()
+    for part in ("## Mean ± std per method", "95% bootstrap CI", "## Per-site accuracy", "## Paired difference vs Local",
+                 "| ohfl | 2 |"):
+        assert part in md, part
+    # resumable: nothing is run again
+    r = run_cli(*args, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("done already, skipped") == 2
+    # the reports of one run (OHFL figures) and of the comparison
+    r = run_cli("report", str(out / "seed0" / "ohfl"))
+    assert r.returncode == 0, r.stderr
+    html = (out / "seed0" / "ohfl" / "report.html").read_text()
+    for cap in ("Per-site test accuracy", "OHFL fine-tuning curves", "OHFL CKA cost heatmap with the layer map, fusion 1",
+                "Confusion matrix site-1", "Confusion matrix site-2"):
+        assert f"<figcaption>{cap}</figcaption>" in html, cap
+    assert html.count(IMG) >= 5 and "data manifest sha256" in html
+    r = run_cli("report", str(out))
+    assert r.returncode == 0, r.stderr
+    html = (out / "report.html").read_text()
+    assert "<figcaption>Per-site accuracy by method</figcaption>" in html and html.count(IMG) >= 3
+    assert "Paired difference vs Local" in html
+
+
+def test_method_variants_and_reproduce_budget():
+    import subprocess
+    import sys
+
+    from nvflare_jobs.compare import split_variant
+    from tests.sim_helpers import REPO_ROOT
+
+    assert split_variant("ohfl:strategy=cdd:alignment=random") == ("ohfl", ["--strategy", "cdd", "--alignment",
+                                                                             "random"])
+    assert split_variant("local+ft") == ("local+ft", [])
+    r = subprocess.run([sys.executable, "benchmarks/reproduce.py", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "40 simulator runs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from reproduce import ordering_note
+
+    assert "differs" in ordering_note([("a", "80.0", "90"), ("b", "85.0", "88")])[0]
+    assert "Same ordering" in ordering_note([("a", "91.0", "90"), ("b", "85.0", "88")])[0]

@@ -307,16 +307,19 @@ def collect_files(inputs: list[str]) -> list[Path]:
 
 
 def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
-                  threshold: float | None = None) -> dict[str, int]:
+                  threshold: float | None = None, allow_any_modality: bool = False,
+                  allow_lateral: bool = False) -> dict[str, int]:
     """Write per-image class probabilities and the predicted class to ``out_csv``.
 
     Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
-    written with status ``skipped`` and the reason; it never stops the run. ``threshold`` (binary only): predict
-    PNEUMONIA when p >= threshold; default argmax.
+    written with status ``skipped`` and the reason; it never stops the run. DICOM objects that are not CR/DX/DR
+    projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
+    only): predict PNEUMONIA when p >= threshold; default argmax.
     """
     import torch
 
-    from chest_xray import CLASS_NAMES, build_transforms
+    from chest_xray import CLASS_NAMES, ImageReadError, build_transforms
+    from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
     from hfl_components.training import predict_labels
 
     model, blob = load_model_file(model_path)
@@ -344,6 +347,10 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         row = {"path": str(f), "status": "ok", "reason": ""}
         rows.append(row)
         try:
+            if _is_dicom(f) and f.is_file():  # same rule as the training scan: projection radiographs, no laterals
+                why = dicom_skip_reason(dicom_header(f), allow_any_modality, allow_lateral)
+                if why:
+                    raise ImageReadError(f, why)
             x = tf({"image": str(f), "label": 0})["image"]
         except Exception as e:  # noqa: BLE001 -- one bad file never stops the run
             cause = e

@@ -53,6 +53,8 @@ def register(sub) -> None:
     p.add_argument("--data", required=True, nargs="+", help="folder(s) and/or files")
     p.add_argument("--out", required=True, help="CSV to write")
     p.add_argument("--threshold", type=float, help="binary: predict PNEUMONIA when p >= threshold (default argmax)")
+    p.add_argument("--allow-any-modality", action="store_true", help="predict on DICOM objects other than CR/DX/DR")
+    p.add_argument("--allow-lateral", action="store_true", help="predict on lateral DICOM views")
     p.set_defaults(func=run_predict)
 
     r = sub.add_parser("report", help="one self-contained HTML report of a run or a comparison folder")
@@ -91,7 +93,8 @@ def run_predict(args) -> int:
         print(f"cxr-hfl predict: no model file {args.model}", file=sys.stderr)
         return 2
     try:
-        s = predict_files(args.model, args.data, args.out, threshold=args.threshold)
+        s = predict_files(args.model, args.data, args.out, threshold=args.threshold,
+                          allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral)
     except ValueError as e:
         print(f"cxr-hfl predict: {e}", file=sys.stderr)
         return 2

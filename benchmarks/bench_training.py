@@ -6,13 +6,15 @@
    augmentation) on real images; ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
-The simulator-overhead ratio of the issue (simulator wall time vs the sum of site compute) belongs to the NVFlare
-benchmark, which has the simulator runs.
+3. Federation overhead (``--simulate``): one ``cxr-hfl simulate`` run (default: Local, 6 width sites, 1 round)
+   and, from its metrics.json ``timing`` block, simulator wall time / the sites' critical-path compute (the slowest
+   site per round, summed) and / the summed compute of all sites (ratio = federation overhead; 1.0 = free).
 
 Usage::
 
     .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
+        [--simulate local] [--sim-args "--sites 6 --rounds 1 --local-epochs 2"]
 """
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline-models", default="cnn/shallow,cnn/deep",
                     help="comma list of model names measured through the data pipeline")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
+    ap.add_argument("--simulate", default=None, help="also run `cxr-hfl simulate --method M` for the overhead ratio")
+    ap.add_argument("--sim-args", default="--sites 6 --rounds 1 --local-epochs 2")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -141,10 +145,37 @@ def main(argv=None) -> int:
                 print(f"{p['model']:<20}{s:>6}{p['cache_fill_s']:>14.2f}{p['loader_images_per_s']:>14.0f}"
                       f"{p['images_per_s']:>12.0f}"
                       f"{m['images_per_s']:>13.0f}{p['ratio']:>8.2f}", flush=True)
+    overhead = simulate_overhead(args.simulate, args.sim_args, data) if args.simulate else None
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": args.threads, "batch": BATCH, "model_only": model_rows,
-                                              "pipeline": pipe_rows}, indent=2))
+                                              "pipeline": pipe_rows, "federation": overhead}, indent=2))
     return 0
+
+
+def simulate_overhead(method: str, sim_args: str, data: Path) -> dict:
+    """Run the simulator once and print wall time against the sites' own compute time."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="bench_sim_")) / "run"
+    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", method, "--data", str(data),
+           "--out", str(out), *shlex.split(sim_args)]
+    print(f"\nfederation overhead: {' '.join(cmd[2:])}", flush=True)
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        print(f"simulation failed (rc={r.returncode}): {r.stderr[-2000:]}")
+        return {"error": r.returncode}
+    t = json.loads((out / "metrics.json").read_text())["timing"]
+    t["process_wall_s"] = round(wall, 2)
+    print(f"wall {t['wall_s']:.1f} s (process {wall:.1f} s); site compute: critical path "
+          f"{t['site_compute_critical_path_s']:.1f} s, all sites summed {t['site_compute_total_s']:.1f} s; server "
+          f"{t['server_total_s']:.1f} s")
+    print(f"ratio wall / critical path = {t['overhead_ratio']}; wall / summed compute = "
+          f"{t['wall_s'] / max(t['site_compute_total_s'], 1e-9):.2f} (below 1: sites overlapped)")
+    return t
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
                "sites": sites, "pooled": pooled, "mean": mean, "std": std,
                "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
                "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
-               "rounds": _round_curves(rec)}
+               "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s)}
     if rec.get("method") == "ohfl":
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
@@ -110,11 +110,25 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     return metrics
 
 
+def _timing(rec: dict, wall_time_s: float) -> dict:
+    """Where the wall time went: the sites' own compute (summed, and the per-round slowest site = the critical
+    path when sites run in parallel) and the server's seconds; the rest is federation overhead (process start,
+    messaging, waiting)."""
+    per_round = [[v for v in (r.get("site_compute_s") or {}).values() if v is not None] for r in rec.get("rounds", [])]
+    total = sum(sum(v) for v in per_round)
+    critical = sum(max(v) for v in per_round if v)
+    server = float((rec.get("server_seconds") or {}).get("total", 0.0))
+    return {"wall_s": round(wall_time_s, 2), "site_compute_total_s": round(total, 2),
+            "site_compute_critical_path_s": round(critical, 2), "server_total_s": round(server, 2),
+            "overhead_ratio": round(wall_time_s / critical, 2) if critical > 0 else None}
+
+
 def _round_curves(rec: dict) -> list[dict]:
     rows = []
     for r in rec.get("rounds", []):
         accs = {s: (m.get("val") or {}).get("accuracy") for s, m in r.get("sites", {}).items()}
         rows.append({"round": r["round"], "task": r["task"], "seconds": round(r.get("seconds", 0.0), 2),
+                     "site_compute_s": r.get("site_compute_s", {}),
                      "bytes_up": r.get("bytes_up", 0), "bytes_down": r.get("bytes_down", 0),
                      "val_accuracy": accs, "errors": r.get("errors", {}),
                      **({"diagnostics": {s: {k: m[k] for k in ("D_r", "D_rs") if k in m}

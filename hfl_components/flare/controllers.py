@@ -106,6 +106,7 @@ class HFLController(ModelController):
         self.record["bytes_downloaded"] += down
         self.record["rounds"].append({
             "round": rnd, "task": task, "seconds": time.perf_counter() - t0, "bytes_up": up, "bytes_down": down,
+            "site_compute_s": {s: (r.meta or {}).get("compute_s") for s, r in sorted(good.items())},
             "bytes_up_per_site": dict(sorted(up_site.items())), "bytes_down_per_site": payload_bytes(params),
             "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
         if len(good) < self.min_sites:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 import nvflare.client as flare
@@ -48,7 +49,9 @@ def main() -> None:
             if handler is None:
                 raise ValueError(f"unknown task {task!r} (known: {sorted(HANDLERS)})")
             log.info("site %s: task %s round %s", site, task, meta["round"])
+            t0 = time.perf_counter()
             params, metrics, meta_out = handler(runtime, dict(msg.params or {}), meta)
+            meta_out["compute_s"] = round(time.perf_counter() - t0, 3)  # the site's own work on this task
             flare.send(FLModel(params=params, metrics=metrics, meta=meta_out, current_round=msg.current_round))
         except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
             reason = f"site {site}: task {task} failed: {type(e).__name__}: {e}"

@@ -105,22 +105,36 @@ def _num(text: str) -> float | None:
         return None
 
 
+def _ranked(both, idx: int) -> str:
+    """``"A = B > C"``: labels by decreasing value, equal values grouped."""
+    out, prev = [], None
+    for lab, *vals in sorted(both, key=lambda t: -t[idx]):
+        v = vals[idx - 1]
+        out.append(("" if prev is None else (" = " if v == prev else " > ")) + lab)
+        prev = v
+    return "".join(out)
+
+
 def ordering_note(pairs: list[tuple[str, str, str]]) -> list[str]:
     """Compare the ranking of ``(label, ours, paper)`` rows where both numbers exist; say where it differs."""
     both = [(lab, _num(o), _num(p)) for lab, o, p in pairs if _num(o) is not None and _num(p) is not None]
     if len(both) < 2:
         return ["Not enough finished rows with a paper number to compare orderings yet."]
-    ours = [lab for lab, o, _ in sorted(both, key=lambda t: -t[1])]
-    paper = [lab for lab, _, p in sorted(both, key=lambda t: -t[2])]
-    if len({o for _, o, _ in both}) < len(both):
-        return [f"Ties in our column ({', '.join(f'{lab} {o:.2f}' for lab, o, _ in both)}): no ordering to compare."]
-    if ours == paper:
-        return [f"Same ordering as the paper: {' > '.join(ours)}."]
-    return [f"**Our ordering differs from the paper's.** Ours: {' > '.join(ours)}; paper: {' > '.join(paper)}.",
+    flipped = [(a[0], b[0]) for a in both for b in both if a[1] > b[1] and a[2] < b[2]]
+    ties = [(a[0], b[0]) for i, a in enumerate(both) for b in both[i + 1:] if a[1] == b[1] and a[2] != b[2]]
+    head = f"Ours: {_ranked(both, 1)}; paper: {_ranked(both, 2)}."
+    if not flipped and not ties:
+        return [f"Same ordering as the paper. {head}"]
+    what = []
+    if flipped:
+        what.append("reversed pairs " + ", ".join(f"{a} > {b}" for a, b in flipped) + " (ours)")
+    if ties:
+        what.append("ties where the paper separates " + ", ".join(f"{a}/{b}" for a, b in ties))
+    return [f"**Our ordering differs from the paper's** ({'; '.join(what)}). {head}",
             "", "Likely reason: the CPU budget trains each model for a few epochs on tens of images at <= 128 px, so "
-            "the models are under-trained and each site's test split is tiny (wide CIs, see each compare folder's "
-            "comparison.md); the paper trained at full resolution for many more epochs. No number here is tuned "
-            "per seed."]
+            "the models are under-trained (often predicting one class: balanced accuracy 0.50 in the compare "
+            "folder's comparison.md) and each site's test split is tiny (wide CIs); the paper trained at full "
+            "resolution for many more epochs. No number here is tuned per seed."]
 
 
 def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
@@ -149,7 +163,7 @@ def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
                                                    f"{p['values'].get((method, k), 'n/a')}" for k in (2, 4, 6)) + " |")
         L += ["", "FedMD and DENSE (paper) are not implemented; Local and local+ft (compute-matched) are ours."]
     elif table == "ohfl_table4":
-        rows = comparison_rows(collect_runs(root / "strategies"))
+        rows = comparison_rows(collect_runs(root / "strategies"), thresholds=False)
         sites = sorted({r["site"] for r in rows}, key=lambda s: (len(s), s))
         L += ["| strategy | " + " | ".join(sites) + " | average (ours) | variance (ours) | average (paper) | "
               "variance (paper) |", "|---|" + "---|" * (len(sites) + 4)]

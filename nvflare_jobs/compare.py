@@ -29,7 +29,7 @@ import numpy as np
 METHODS = ("local", "local+ft", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
 PROTO = ("fedsaf", "fedproto", "fedtopo")
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
-           "sensitivity", "specificity", "wall_seconds", "server_seconds", "bytes_up", "bytes_down"]
+           "sensitivity", "specificity", "threshold", "wall_seconds", "server_seconds", "bytes_up", "bytes_down"]
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
@@ -197,20 +197,76 @@ def collect_runs(out: Path) -> list[tuple[str, int, dict]]:
     for f in sorted(Path(out).glob("seed*/*/metrics.json")):
         m = json.loads(f.read_text())
         seed = int(f.parent.parent.name.removeprefix("seed"))
+        m["_run_dir"] = str(f.parent)
         runs.append((f.parent.name, seed, m))
     return runs
 
 
-def comparison_rows(runs: list[tuple[str, int, dict]]) -> list[dict[str, Any]]:
+def val_threshold_metrics(run_dir: str | Path) -> dict[str, dict]:
+    """Binary runs: each site's deployed model re-evaluated on its own test split at the decision threshold chosen
+    (Youden's J) on its own validation split. Cached in ``RUN/val_threshold_metrics.json``; ``{}`` when the run has
+    no deployed models or is not binary.
+
+    Returns:
+        ``{site: {"threshold", "n_val", "test": compute_metrics(..., threshold), "argmax_accuracy"}}``; the argmax
+        accuracy is the reloaded model's and must equal the site's own reported accuracy.
+    """
+    import torch
+
+    from chest_xray import make_site_dataset
+    from hfl_components.training import choose_threshold, compute_metrics, predict_proba
+    from nvflare_jobs.evaluation import load_model_file, site_rows
+
+    run = Path(run_dir)
+    cache = run / "val_threshold_metrics.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    met = json.loads((run / "metrics.json").read_text())
+    out: dict[str, dict] = {}
+    if met.get("labels") != "binary":
+        return out
+    rows = site_rows(run)
+    for site in met.get("sites", {}):
+        f = run / "models" / f"{site}_deployed.pt"
+        if not f.is_file() or site not in rows:
+            continue
+        model, blob = load_model_file(f)
+        size = int(blob.get("input_size") or met["sites"][site].get("input_size") or 64)
+        probs = {}
+        for split in ("val", "test"):
+            part = [r for r in rows[site] if r["split"] == split]
+            dl = torch.utils.data.DataLoader(make_site_dataset(part, size, "eval"), batch_size=64) if part else []
+            probs[split] = predict_proba(model, dl)
+        (pv, yv), (pt, yt) = probs["val"], probs["test"]
+        if yt.size == 0:
+            continue
+        thr = choose_threshold(yv, pv[:, 1]) if yv.size else 0.5
+        out[site] = {"threshold": thr, "n_val": int(yv.size), "test": compute_metrics(yt, pt, 2, threshold=thr),
+                     "argmax_accuracy": compute_metrics(yt, pt, 2)["accuracy"]}
+    cache.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) -> list[dict[str, Any]]:
+    """One row per (method, seed, site). Sensitivity/specificity: at the threshold chosen on the site's validation
+    split (binary runs with saved models, ``thresholds=True``), else the argmax rule of the site's own metrics."""
     rows = []
     for method, seed, m in runs:
+        vt = {}
+        if thresholds and m.get("_run_dir"):
+            try:
+                vt = val_threshold_metrics(m["_run_dir"])
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                print(f"[compare] {method} seed {seed}: no validation thresholds ({e})")
         for site, b in m.get("sites", {}).items():
-            t = b.get("test") or {}
+            t = dict(b.get("test") or {})
+            if site in vt:
+                t.update({k: vt[site]["test"][k] for k in ("sensitivity", "specificity", "threshold")})
             spec = b.get("model") or {}
             rows.append({"method": method, "seed": seed, "site": site,
                          "model": "/".join(str(spec[k]) for k in ("family", "depth") if spec.get(k)),
                          "input_size": b.get("input_size"), "n_test": b.get("n_test"),
-                         **{k: t.get(k) for k in METRICS}, "wall_seconds": m.get("wall_time_s"),
+                         **{k: t.get(k) for k in METRICS}, "threshold": t.get("threshold"), "wall_seconds": m.get("wall_time_s"),
                          "server_seconds": _server_seconds(m), "bytes_up": m.get("bytes_uploaded"),
                          "bytes_down": m.get("bytes_downloaded")})
     return rows
@@ -285,8 +341,10 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str
           f"{', '.join(sorted(x for x in labels if x))}. Every method ran on the identical partition per seed "
           "(`seed<k>/partition`).", ""]
     L += ["## Mean ± std per method", "",
-          "Over all (seed, site) test sets; sensitivity/specificity use the argmax rule (no threshold is chosen "
-          "on test; `cxr-hfl evaluate` adds thresholds chosen on each site's validation split).", "",
+          "Over all (seed, site) test sets. Sensitivity/specificity (binary labels) are at the decision threshold "
+          "chosen (Youden's J) on each site's own validation split, never on test (`threshold` column of "
+          "comparison.csv; empty = argmax rule); accuracy, balanced accuracy and AUC are the sites' own argmax "
+          "metrics.", "",
           "| method | epochs/site | " + " | ".join(METRICS) + " | wall s | server s | bytes up | bytes down |",
           "|---|---|" + "---|" * (len(METRICS) + 4)]
     for m in methods:

@@ -234,7 +234,7 @@ def render_compare(cdir: Path) -> str:
     from nvflare_jobs.compare import _order, collect_runs, comparison_rows
 
     runs = collect_runs(cdir)
-    rows = comparison_rows(runs)
+    rows = comparison_rows(runs, thresholds=False)
     md = (cdir / "comparison.md").read_text() if (cdir / "comparison.md").is_file() else ""
     cj = json.loads((cdir / "compare.json").read_text()) if (cdir / "compare.json").is_file() else {}
     digests = []

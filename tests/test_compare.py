@@ -75,6 +75,15 @@ def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     for m in ("local", "ohfl"):
         cfg = json.loads((out / "seed0" / m / "resolved_configs" / "site-1.json").read_text())
         assert cfg["data"]["manifest"] == str(out / "seed0" / "partition" / "sites" / "site-1.csv")
+    # sensitivity/specificity at thresholds chosen on each site's validation split; the reloaded deployed models
+    # reproduce the accuracy each site reported
+    for m in ("local", "ohfl"):
+        vt = json.loads((out / "seed0" / m / "val_threshold_metrics.json").read_text())
+        met = json.loads((out / "seed0" / m / "metrics.json").read_text())
+        for site, v in vt.items():
+            assert v["argmax_accuracy"] == pytest.approx(met["sites"][site]["test"]["accuracy"])
+            assert v["n_val"] > 0 and 0.0 <= v["threshold"] <= 1.0
+    assert all(x["threshold"] != "" for x in rows)
     md = (out / "comparison.md").read_text()
     for part in ("## Mean ± std per method", "95% bootstrap CI", "## Per-site accuracy", "## Paired difference vs Local",
                  "| ohfl | 2 |"):
@@ -116,3 +125,5 @@ def test_method_variants_and_reproduce_budget():
 
     assert "differs" in ordering_note([("a", "80.0", "90"), ("b", "85.0", "88")])[0]
     assert "Same ordering" in ordering_note([("a", "91.0", "90"), ("b", "85.0", "88")])[0]
+    tie = ordering_note([("a", "60.0", "90"), ("b", "60.0", "88"), ("c", "40.0", "89")])[0]
+    assert "differs" in tie and "a = b > c" in tie and "a > c > b" in tie

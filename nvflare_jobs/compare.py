@@ -10,8 +10,8 @@ Layout of ``OUT``::
 
 A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
 Resumable: a run whose ``metrics.json`` exists is not run again. ``local+ft`` is the compute-matched control: the
-local method with ``local_epochs + finetune_epochs`` epochs per round (each site's local model trained for as many
-extra epochs as OHFL's fine-tuning).
+local method in one round of ``rounds x local_epochs + finetune_epochs`` epochs (Local's budget plus as many extra
+epochs as OHFL's fine-tuning; a Local round continues the same model, so this is Local trained F epochs longer).
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     rounds = 1 if base == "ohfl" else (args.rounds or (5 if base in PROTO else 3))
     local = args.local_epochs if args.local_epochs is not None else (20 if base == "ohfl" else 3 if base in PROTO else 2)
     ft = args.finetune_epochs if args.finetune_epochs is not None else 10
-    if method == "local+ft":
-        local += ft
+    if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs
+        rounds, local = 1, rounds * local + ft
     plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft if base == "ohfl" else 0}
     plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"]
     return plan
@@ -398,8 +398,9 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str
         L.append("- FedAvg runs under its own rule: every site trains the deepest architecture (one shared model), "
                  "so its sites do not keep their own depth/width as under Local, local+ft and OHFL.")
     if "local+ft" in methods:
-        L.append("- `local+ft` is the compute-matched control: the Local method with `local_epochs + finetune_epochs` "
-                 "epochs per round, i.e. as many extra epochs as OHFL's fine-tuning.")
+        L.append("- `local+ft` is the compute-matched control: each site's local model trained for Local's epochs "
+                 "plus as many extra epochs as OHFL's fine-tuning (one round of rounds x local_epochs + "
+                 "finetune_epochs).")
     for m in methods:
         if m in plans:
             p = plans[m]

@@ -25,17 +25,19 @@ def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
 
     a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20)
     assert epoch_plan("local", a)["local_epochs"] == 4
-    assert epoch_plan("local+ft", a) == {"rounds": 2, "local_epochs": 7, "finetune_epochs": 0,
-                                         "total_epochs_per_site": 14}
+    assert epoch_plan("local", a)["total_epochs_per_site"] == 8
+    assert epoch_plan("local+ft", a) == {"rounds": 1, "local_epochs": 11, "finetune_epochs": 0,
+                                         "total_epochs_per_site": 11}  # Local's 8 + OHFL's 3 fine-tuning epochs
     assert epoch_plan("ohfl", a) == {"rounds": 1, "local_epochs": 4, "finetune_epochs": 3, "total_epochs_per_site": 7}
     argv = simulate_argv("local+ft", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
-    assert argv[argv.index("--method") + 1] == "local" and argv[argv.index("--local-epochs") + 1] == "7"
+    assert argv[argv.index("--method") + 1] == "local" and argv[argv.index("--local-epochs") + 1] == "11"
+    assert argv[argv.index("--rounds") + 1] == "1"
     assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
     ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
     assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
-    # defaults: OHFL's 20 + 10 epochs; local+ft = local's 2 + OHFL's 10 fine-tuning epochs per round
+    # defaults: OHFL's 20 + 10 epochs; local+ft = Local's 3 rounds x 2 epochs + OHFL's 10 fine-tuning epochs
     assert epoch_plan("ohfl", _args())["total_epochs_per_site"] == 30
-    assert epoch_plan("local+ft", _args())["local_epochs"] == 12
+    assert epoch_plan("local+ft", _args())["total_epochs_per_site"] == 16
 
 
 def test_paired_difference_ci():

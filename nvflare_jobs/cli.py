@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand modules, in help order; each has register(subparsers)
@@ -43,6 +44,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, OSError) as e:  # user-facing problems (bad input, missing files): one clear line
+        if os.environ.get("CXR_HFL_DEBUG"):
+            raise
+        print(f"cxr-hfl {args.command}: error: {e}", file=sys.stderr)
+        print("(set CXR_HFL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

@@ -90,7 +90,7 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
     plan = epoch_plan(method, args)
     base = _base(method)
     argv = ["simulate", "--method", base, "--profile", str(profile), "--data", str(data), "--labels", args.labels,
-            "--seed", str(seed), "--out", str(run_dir), "--local-epochs", str(plan["local_epochs"])]
+            "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--local-epochs", str(plan["local_epochs"])]
     if base != "ohfl":
         argv += ["--rounds", str(plan["rounds"])]
     else:

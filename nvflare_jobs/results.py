@@ -79,7 +79,9 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
                 block[k] = _strip_predictions(s[k])
         sites[site] = block
     num_classes = len(class_names)
-    pooled = (pooled_metrics_with_ci(np.asarray(all_y), np.asarray(all_p), num_classes)
+    # plain (not class-stratified) bootstrap over the pooled test images, so a model that predicts one class for
+    # everything does not get a zero-width interval from fixed class prevalence
+    pooled = (pooled_metrics_with_ci(np.asarray(all_y), np.asarray(all_p), num_classes, stratified=False)
               if all_y else None)
     tests = [b["test"] for b in sites.values() if b.get("test")]
     mean, std = _mean_std(tests)

@@ -104,7 +104,8 @@ def test_site_config_errors_name_site_file_and_key(tmp_path, monkeypatch):
     assert load_site_config("hospital-a", p)["input_size"] == 64
     cases = [({**good, "inputsize": 64}, "inputsize"), ({**good, "input_size": 4}, "input_size"),
              ({**good, "data": {"manifest": str(tmp_path / "gone.csv")}}, "data.manifest"),
-             ({**good, "model": {"family": "nope"}}, "model"), ({"model": good["model"]}, "data")]
+             ({**good, "model": {"family": "nope"}}, "model"), ({"model": good["model"]}, "data"),
+             ({**good, "model": {"family": "cnn", "depht": "deep"}}, "model")]  # nested typo, not a silent default
     for raw, key in cases:
         p.write_text(yaml.safe_dump(raw))
         with pytest.raises(SiteConfigError) as e:
@@ -126,3 +127,16 @@ def test_site_config_errors_name_site_file_and_key(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     shutil.copy(kit / "local" / "cxr_hfl" / "hospital-b.yaml", tmp_path / "hospital-b.yaml")
     assert find_site_config("hospital-b", kit) == tmp_path / "hospital-b.yaml"
+
+
+def test_simulate_refuses_to_mix_runs_and_reports_bad_arguments_in_one_line(tmp_path, data_root):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text("{}")
+    r = run_cli("simulate", "--method", "local", "--data", str(data_root / "chest_xray_original"), "--out", str(run))
+    assert r.returncode == 2 and "already holds a run" in r.stderr and "--overwrite" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_cli("simulate", "--method", "local", "--sites", "0", "--out", str(tmp_path / "r0"))
+    assert r.returncode == 2 and "--sites must be at least 1" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("export-job", "--method", "local", "--profile", str(tmp_path / "nope"), "--out", str(tmp_path / "j"))
+    assert r.returncode == 2 and "no <site>.yaml files found" in r.stderr and "Traceback" not in r.stderr

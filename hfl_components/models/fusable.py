@@ -37,6 +37,7 @@ FAMILIES: dict[str, dict] = {
     },
 }
 DEPTH_ORDER = {"shallow": 0, "medium": 1, "deep": 2}
+SPEC_KEYS = {"family", "depth", "width", "in_channels", "num_classes", "stages", "hidden", "pool"}
 
 
 @dataclass
@@ -79,6 +80,9 @@ def resolve_fusable_spec(spec: dict) -> dict:
     family = spec.get("family")
     if family not in FAMILIES:
         raise ValueError(f"unknown fusable family {family!r}; known: {sorted(FAMILIES)}")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:  # a typo such as 'depht' must not silently build the default depth
+        raise ValueError(f"unknown key(s) {unknown} in {family!r} model spec; allowed: {sorted(SPEC_KEYS)}")
     fam = FAMILIES[family]
     width = float(spec.get("width", 1.0))
     if not (width > 0 and math.isfinite(width)):

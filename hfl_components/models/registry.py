@@ -6,7 +6,7 @@ from typing import Callable
 
 from torch import nn
 
-from hfl_components.models.fusable import FAMILIES, build_fusable
+from hfl_components.models.fusable import FAMILIES, build_fusable, resolve_fusable_spec
 
 # family name -> builder(spec) -> nn.Module. Heterogeneous backbones register themselves in hetero.py.
 BUILDERS: dict[str, Callable[[dict], nn.Module]] = {name: build_fusable for name in FAMILIES}
@@ -33,6 +33,12 @@ def validate_spec(spec: dict) -> dict:
     if fam not in BUILDERS:
         raise ValueError(f"unknown model family {fam!r}; known: {sorted(BUILDERS)}")
     json.dumps(spec)  # raises TypeError on non-JSON-able content
+    if fam in FAMILIES:  # full check of keys and sizes without building the network
+        resolve_fusable_spec(spec)
+    else:
+        from hfl_components.models.hetero import resolve_hetero_spec
+
+        resolve_hetero_spec(spec)
     return spec
 
 

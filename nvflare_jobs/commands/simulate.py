@@ -79,6 +79,7 @@ def register(sub) -> None:
     p = sub.add_parser("simulate", help="run a method on simulated hospital sites in the NVFlare simulator")
     _add_method_args(p)
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
@@ -139,7 +140,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     part_dir = run_dir / "partition"
     res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
                             class_names=CLASS_NAMES[args.labels])
-    write_partition(res, part_dir)
+    write_partition(res, part_dir, extra={"labels": args.labels, "data_root": str(data)})
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
     settings = {"batch_size": args.batch_size,
                 "local_epochs": args.local_epochs if args.local_epochs is not None else args.default_local_epochs,
@@ -148,6 +149,26 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
                 "max_train_images": args.max_train_images, "feature_dim": args.feature_dim}
     profile_dir = write_profile(part_dir, run_dir / "site_configs", args.method, args.labels, args.input_sizes, settings)
     return profile_dir, load_profile(profile_dir), data, part_dir
+
+
+RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
+               "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
+               "partition", "external")
+
+
+def _prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run with an earlier one in the same folder, unless --overwrite clears the old one."""
+    old = [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+    if old and not overwrite:
+        raise FileExistsError(f"run folder {run_dir} already holds a run ({', '.join(old[:4])}...); "
+                              "choose another --out or pass --overwrite")
+    for n in old:
+        p = run_dir / n
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if old:
+        for png in run_dir.glob("*.png"):
+            png.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _options(args, data_root, part_dir) -> dict:
@@ -181,8 +202,13 @@ def run_simulate(args) -> int:
 
     _defaults(args)
     t0 = time.perf_counter()
+    if args.sites < 1:
+        raise ValueError(f"--sites must be at least 1, got {args.sites}")
+    if args.probe and args.probe != "generated" and not Path(args.probe).exists():
+        raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
+                                "or 'generated')")
     run_dir = Path(args.out).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_run_dir(run_dir, args.overwrite)
     try:
         profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
     except (DataNotFoundError, SiteConfigError) as e:
@@ -216,11 +242,17 @@ def run_simulate(args) -> int:
             src = ws / site / "cxr_hfl_state" / name
             if src.is_file():
                 shutil.copy2(src, models_dir / f"{site}_{name.replace('_model.pt', '')}.pt")
+    for stale in [p for p in models_dir.glob("*.pt") if p.name.split("_")[0] not in _final_sites(server_results)]:
+        stale.unlink()  # a site that failed the final evaluation deploys nothing from this run
     metrics = assemble_run(server_results, run_dir, labels=labels, seed=args.seed,
                            wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
                            extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
     _print_summary(metrics, run_dir)
     return 0 if rc in (0, None) else int(rc)
+
+
+def _final_sites(server_results: Path) -> set[str]:
+    return set(json.loads(Path(server_results).read_text()).get("sites", {}))
 
 
 def _print_summary(m: dict, run_dir: Path) -> None:
@@ -239,8 +271,15 @@ def _print_summary(m: dict, run_dir: Path) -> None:
         acc = m["pooled"].get("accuracy") or {}
         if isinstance(acc, dict) and acc.get("value") is not None:
             print(f"pooled accuracy {acc['value']:.3f} (95% CI {acc['ci_low']:.3f}-{acc['ci_high']:.3f})")
+    for site, b in m["sites"].items():
+        cm = (b.get("test") or {}).get("confusion_matrix")
+        if cm and sum(1 for col in zip(*cm) if sum(col) > 0) == 1:
+            print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
+                  f"(confusion matrix {cm}); it has not learned a usable decision rule")
     if m.get("excluded_sites"):
-        print(f"sites left out of some rounds: {m['excluded_sites']}")
+        for site, events in m["excluded_sites"].items():
+            for ev in events:
+                print(f"site {site} left out of round {ev.get('round')} ({ev.get('task')}): {ev.get('reason')}")
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
 

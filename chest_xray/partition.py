@@ -12,6 +12,9 @@ Schemes:
 
 The unit of assignment is always the patient: a patient belongs to one site (and to one split within it). A
 patient whose images carry different labels is stratified by the majority label (ties -> smaller index).
+Splits are cut by image count per class; a site with at least 3 patients always gets at least one patient in val
+and one in test (taken from train when the cut leaves them empty, as it does for classes with < ~10 patients);
+:func:`partition_warnings` names sites with fewer than 3 patients and every empty split.
 Everything is a pure function of (records, arguments, seed): the same seed gives byte-identical output files.
 """
 from __future__ import annotations
@@ -100,13 +103,41 @@ def _split_patients(
     for pid, rows in patients.items():
         by_class[_majority_label(rows)].append(pid)
     out: dict[str, str] = {}
+    order: dict[int, list[str]] = {}
     for k in sorted(by_class):
         pids = sorted(by_class[k])
         pids = [pids[i] for i in rng.permutation(len(pids))]
+        order[k] = pids
         groups = _cut_by_fractions([len(patients[p]) for p in pids], list(fractions))
         for p, g in zip(pids, groups):
             out[p] = SPLITS[g]
+    _fill_empty_splits(out, order, {p: len(rows) for p, rows in patients.items()}, fractions)
     return out
+
+
+def _fill_empty_splits(out: dict[str, str], order: dict[int, list[str]], sizes: dict[str, int],
+                       fractions: tuple[float, ...]) -> None:
+    """Give val and then test at least one patient each (in place) when the site has >= 3 patients.
+
+    The image-count cut leaves val/test empty when a class has fewer than ~10 patients (no patient's midpoint falls
+    in the narrow 0.8-0.9 / 0.9-1.0 bands). Each empty split with a non-zero fraction takes one patient from
+    train: from the class with the most train patients (ties -> smaller label index, which keeps the classes
+    balanced across the filled splits), the train patient with the fewest images (ties -> the last in that class's
+    seeded order, nearest the val/test boundary). Train always keeps at least one patient. Deterministic: no
+    random draws.
+    """
+    if len(out) < 3:
+        return
+    for split, frac in zip(SPLITS[1:], fractions[1:]):
+        if frac <= 0 or split in out.values():
+            continue
+        train = {k: [p for p in pids if out[p] == "train"] for k, pids in order.items()}
+        if sum(len(v) for v in train.values()) < 2:
+            return
+        k = min(train, key=lambda c: (-len(train[c]), c))
+        cand = train[k]
+        i = min(range(len(cand)), key=lambda j: (sizes[cand[j]], -j))  # fewest images; ties -> last in order
+        out[cand[i]] = split
 
 
 def partition_records(
@@ -138,7 +169,8 @@ def partition_records(
         classes_per_site: pathological only; default ``max(1, C - 1)`` (1 for binary, 2 for subtype).
         min_per_site: dirichlet only: re-draw until every site holds at least this many images.
         split_fractions: train/val/test fractions of each site's images per class (by image count, patients kept
-            whole, so the fractions are approximate for small sites).
+            whole, so the fractions are approximate for small sites). A site with >= 3 patients gets at least
+            one patient in each split whose fraction is non-zero (moved from train when needed).
         max_tries: dirichlet re-draw limit.
 
     Returns:
@@ -245,6 +277,50 @@ def partition_records(
     probe = sorted((_row(r, "probe") for p in sorted(probe_pids) for r in patients[p]), key=lambda r: r["path"])
     return PartitionResult(scheme=scheme, seed=int(seed), alpha=float(alpha), class_names=names, sites=sites,
                            probe=probe, params=params)
+
+
+#: ``width`` scheme: warn when the middle 90% of image widths (5th-95th percentile) spans less than this fraction of
+#: the median width -- the images then have (nearly) one width and the width split is arbitrary, not a resolution
+#: split (e.g. chest_xray_224, all 224 px wide).
+MIN_WIDTH_SPREAD = 0.05
+
+
+def width_spread(widths: list[int]) -> float | None:
+    """(95th - 5th percentile) / median of the widths; None when there are none."""
+    if not widths:
+        return None
+    w = np.asarray(widths, dtype=np.float64)
+    med = float(np.median(w))
+    return float((np.percentile(w, 95) - np.percentile(w, 5)) / med) if med > 0 else 0.0
+
+
+def partition_warnings(sites: dict[str, list[dict[str, Any]]], scheme: str | None = None) -> list[str]:
+    """Human-readable warnings about a partition's sites (empty list when there is nothing to say).
+
+    - a site with fewer than 3 patients (it cannot have a patient in each of train, val and test);
+    - every empty split of every site (named: site and split);
+    - ``scheme == "width"`` and the images have (nearly) the same width (see :data:`MIN_WIDTH_SPREAD`).
+    """
+    out: list[str] = []
+    for name, rows in sites.items():
+        n_pat = len({r["patient_id"] for r in rows})
+        if n_pat < 3:
+            out.append(f"WARNING: {name} has only {n_pat} patient(s); a site needs at least 3 for non-empty "
+                       "train, val and test splits (use fewer sites or more data)")
+        empty = [sp for sp in SPLITS if not any(r["split"] == sp for r in rows)]
+        for sp in empty:
+            out.append(f"WARNING: {name} has no {sp} images (split {sp!r} of {name} is empty; "
+                       f"{len(rows)} images, {n_pat} patients in the site)")
+    if scheme == "width":
+        spread = width_spread([int(r["width"]) for rows in sites.values() for r in rows])
+        if spread is not None and spread < MIN_WIDTH_SPREAD:
+            ws = sorted({int(r["width"]) for rows in sites.values() for r in rows})
+            shown = f"{ws[0]} px" if len(ws) == 1 else f"{ws[0]}-{ws[-1]} px"
+            out.append(f"WARNING: --scheme width on images that (nearly) all have the same width ({shown}; "
+                       f"5th-95th percentile spread {100 * spread:.1f}% of the median, under "
+                       f"{100 * MIN_WIDTH_SPREAD:.0f}%): the width split is then meaningless (sites differ in no "
+                       "resolution); use original-resolution images, or --scheme dirichlet/pathological")
+    return out
 
 
 def _row(r: dict[str, Any], split: str) -> dict[str, Any]:
@@ -370,10 +446,15 @@ def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         ``(info, sites)``: the JSON document and site name -> rows (sites in natural order site-1, site-2, ...).
 
     Raises:
-        FileNotFoundError: ``partition.json`` or the ``sites`` folder is missing.
+        FileNotFoundError: ``out_dir`` is not a folder, or ``partition.json`` or the ``sites`` folder is missing.
+        ValueError: ``partition.json`` is not JSON or not a partition document; a manifest is malformed.
     """
     out = Path(out_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"{out}: not a folder" if out.exists() else f"{out}: no such folder")
     info = json.loads((out / "partition.json").read_text())
+    if not isinstance(info, dict) or "class_names" not in info or "scheme" not in info:
+        raise ValueError(f"{out / 'partition.json'}: not a partition document (no scheme / class_names)")
     files = sorted((out / "sites").glob("*.csv"), key=lambda f: (len(f.stem), f.stem))
     if not files:
         raise FileNotFoundError(f"{out / 'sites'}: no site manifests")

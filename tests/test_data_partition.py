@@ -192,3 +192,113 @@ def test_cli_partition_and_inspect(data_root, tmp_path, capsys):
     png = out / "inspect.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+# ------------------------------------------------------------------ small sites: every split non-empty, warnings
+def _copy_small_set(data_root, dest, n_per_class=15):
+    """~15 real chest_xray_224 images per class (class-folder layout) copied into ``dest`` (tmp_path only)."""
+    import shutil
+
+    src = data_root / "chest_xray_224" / "train"
+    if not src.is_dir():
+        pytest.skip(f"{src} missing")
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (dest / cls).mkdir(parents=True)
+        for f in sorted((src / cls).glob("*.jpeg"))[:n_per_class]:
+            shutil.copy(f, dest / cls / f.name)
+    return dest
+
+
+def test_small_sites_get_val_and_test_patients(data_root, tmp_path, capsys):
+    """15 images per class into 3 sites: the midpoint cut alone gave site-1 train/val/test = 8/0/1."""
+    from nvflare_jobs.cli import main
+
+    root = _copy_small_set(data_root, tmp_path / "small")
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    assert main(["partition", "--data", str(root), "--sites", "3", "--out", str(out_a)]) == 0
+    err = capsys.readouterr().err
+    # chest_xray_224 is all 224 px wide: the width scheme is told to be meaningless
+    assert "WARNING" in err and "same width" in err and "meaningless" in err
+    assert "has no val" not in err and "has no test" not in err
+    info, sites = load_partition(out_a)
+    assert sum(len(rows) for rows in sites.values()) == 30
+    for name, rows in sites.items():
+        splits = Counter(r["split"] for r in rows)
+        assert splits["val"] >= 1 and splits["test"] >= 1 and splits["train"] >= 1, (name, splits)
+        assert splits["train"] > splits["val"] and splits["train"] > splits["test"], (name, splits)
+        pats = {s: {r["patient_id"] for r in rows if r["split"] == s} for s in ("train", "val", "test")}
+        assert not (pats["train"] & pats["val"] or pats["train"] & pats["test"] or pats["val"] & pats["test"])
+    # determinism: the same seed gives byte-identical files
+    assert main(["partition", "--data", str(root), "--sites", "3", "--out", str(out_b)]) == 0
+    for f in ("partition.json", "sites/site-1.csv", "sites/site-2.csv", "sites/site-3.csv"):
+        assert (out_a / f).read_bytes() == (out_b / f).read_bytes(), f
+
+
+def test_fill_takes_one_train_patient_per_empty_split():
+    """5 single-image patients, one class, one site: image midpoints 0.1, 0.3, 0.5, 0.7, 0.9 put 4 in train (< 0.8)
+    and the last (0.9, on the val/test edge) in val or test, leaving the other split empty; the fill moves one
+    train patient there -> 3/1/1."""
+    recs = [{"path": f"/d/p{i}.png", "label": 0, "patient_id": f"p{i}", "width": 500, "height": 500}
+            for i in range(5)]
+    res = partition_records(recs, 1, "width", seed=0)
+    assert Counter(r["split"] for r in res.sites["site-1"]) == {"train": 3, "val": 1, "test": 1}
+    # a 10-image patient is never the one moved when single-image train patients exist
+    recs += [{"path": f"/d/big{j}.png", "label": 0, "patient_id": "big", "width": 500, "height": 500}
+             for j in range(10)]
+    for seed in range(5):
+        rows = partition_records(recs, 1, "width", seed=seed).sites["site-1"]
+        for sp in ("val", "test"):
+            assert 1 <= sum(r["split"] == sp for r in rows) <= 2, (seed, sp)
+
+
+def test_warnings_name_site_and_empty_split():
+    from chest_xray.partition import partition_warnings
+
+    def row(p, split, w=500):
+        return {"path": f"/d/{p}.png", "label": 0, "split": split, "patient_id": p, "width": w, "height": w}
+
+    sites = {"site-1": [row("a", "train"), row("b", "val"), row("c", "test")],
+             "site-2": [row("d", "train"), row("e", "test")]}
+    w = partition_warnings(sites, "dirichlet")
+    assert len(w) == 2 and all(x.startswith("WARNING") for x in w)
+    assert "site-2" in w[0] and "2 patient" in w[0]
+    assert "site-2" in w[1] and "no val" in w[1]
+    assert partition_warnings({"site-1": sites["site-1"]}, "width")[0].count("same width") == 1
+    spread = {"site-1": [row("a", "train", 400), row("b", "val", 1500), row("c", "test", 3000)]}
+    assert partition_warnings(spread, "width") == []
+
+
+def test_partition_of_too_few_patients_warns(tmp_path, capsys):
+    """2 patients per class into 2 sites: each site has 2 patients -> a warning naming the site and its empty
+    split, printed by both partition and inspect."""
+    from nvflare_jobs.cli import main
+    from PIL import Image
+
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (tmp_path / "d" / cls).mkdir(parents=True)
+        for i, w in enumerate((300, 900)):
+            Image.new("L", (w, 256), 128).save(tmp_path / "d" / cls / f"{cls}{i}.png")
+    out = tmp_path / "p"
+    assert main(["partition", "--data", str(tmp_path / "d"), "--sites", "2", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    for site in ("site-1", "site-2"):
+        assert f"WARNING: {site} has only 2 patient(s)" in err
+        assert f"WARNING: {site} has no val images" in err or f"WARNING: {site} has no test images" in err
+    assert "same width" not in err
+    assert main(["inspect", str(out)]) == 0
+    assert "WARNING: site-1 has only 2 patient(s)" in capsys.readouterr().err
+
+
+def test_inspect_rejects_a_file_and_a_bad_folder(tmp_path, capsys):
+    from nvflare_jobs.cli import main
+
+    f = tmp_path / "manifest.csv"
+    f.write_text("path,label\n")
+    assert main(["inspect", str(f)]) == 2
+    assert "not a partition folder" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "partition.json").write_text("[1, 2]")
+    assert main(["inspect", str(tmp_path / "bad")]) == 2
+    (tmp_path / "bad" / "partition.json").write_text("{not json")
+    assert main(["inspect", str(tmp_path / "bad")]) == 2
+    assert main(["partition", "--data", str(f), "--sites", "2", "--out", str(f)]) == 2

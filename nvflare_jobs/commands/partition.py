@@ -56,6 +56,7 @@ def run_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
+    from chest_xray.partition import partition_warnings
 
     try:
         records, report = scan_dataset(args.data, labels=args.labels, verify=not args.no_verify,
@@ -79,10 +80,16 @@ def run_partition(args: argparse.Namespace) -> int:
     out = Path(args.out)
     extra = {"data_root": report["root"], "labels": args.labels, "layout": report["layout"],
              "n_scanned": report["n_records"], "n_skipped": len(report["skipped"])}
-    path = write_partition(result, out, extra=extra)
-    (out / "scan_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    try:
+        path = write_partition(result, out, extra=extra)
+        (out / "scan_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    except OSError as e:
+        print(f"cxr-hfl partition: cannot write to {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"{report['n_records']} images, {report['n_patients']} patients, {len(result.sites)} sites "
           f"({args.scheme}) -> {path}")
+    for w in partition_warnings(result.sites, args.scheme):
+        print(w, file=sys.stderr)
     return 0
 
 
@@ -117,18 +124,26 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from chest_xray import load_partition
+    from chest_xray.partition import partition_warnings
 
     out = Path(args.out)
     try:
         info, sites = load_partition(out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"cxr-hfl inspect: {out}: not a partition folder ({e})", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"cxr-hfl inspect: {out}: not a partition folder written by `cxr-hfl partition` ({e})",
+              file=sys.stderr)
         return 2
-    print(f"scheme {info['scheme']}, seed {info['seed']}, labels {info.get('labels', '?')}, "
+    print(f"scheme {info['scheme']}, seed {info.get('seed')}, labels {info.get('labels', '?')}, "
           f"data {info.get('data_root', '?')}")
     print(format_table(info, sites))
+    for w in partition_warnings(sites, info.get("scheme")):
+        print(w, file=sys.stderr)
     png = Path(args.png) if args.png else out / "inspect.png"
-    _plot(info, sites, png)
+    try:
+        _plot(info, sites, png)
+    except OSError as e:
+        print(f"cxr-hfl inspect: cannot write the chart {png}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"chart -> {png}")
     return 0
 

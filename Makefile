@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/cxr-hfl simulate --method ohfl --sites 6 --scheme width --out runs/demo
+	$(BIN)/cxr-hfl simulate --method ohfl --sites 6 --scheme width --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

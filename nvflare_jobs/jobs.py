@@ -33,7 +33,8 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
         raise ValueError(f"unknown method {method!r}; known: {METHODS}")
     n = len(profile)
     common = {"num_rounds": int(opts.get("rounds", 1)), "min_sites": int(opts.get("min_sites") or max(1, n - 1)),
-              "task_timeout": int(opts.get("task_timeout", 0)), "seed": int(opts.get("seed", 0))}
+              "task_timeout": int(opts.get("task_timeout", 0)), "seed": int(opts.get("seed", 0)),
+              "late_wait_s": int(opts.get("late_wait_s", 900))}
     tc = {k: opts[k] for k in ("local_epochs", "finetune_epochs", "finetune_lr") if opts.get(k) is not None}
     num_classes = next(iter(profile.values()))["model"]["num_classes"]
     if method == "local":

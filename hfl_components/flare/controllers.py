@@ -50,14 +50,17 @@ class HFLController(ModelController):
         min_sites (int): fewest usable site answers for a round to proceed. Default 1.
         task_config (dict): method settings sent to every site in ``meta["task_config"]``. Default {}.
         task_timeout (int): seconds to wait for a task (0 = no limit). Default 0.
+        late_wait_s (int): once ``min_sites`` sites have answered a task, how long to wait for the others before the
+            round goes on without them (logged by name as late); 0 waits for every site. Default 900.
         seed (int): server-side seed (initial global models, random strategies). Default 0.
     """
 
     method = "base"
 
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0):
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int = 900):
         super().__init__(persistor_id="")
+        self.late_wait_s = int(late_wait_s)
         self.num_rounds = int(num_rounds)
         self.min_sites = int(min_sites)
         self.task_config = dict(task_config or {})
@@ -72,6 +75,16 @@ class HFLController(ModelController):
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def send_model_and_wait(self, task_name: str = "train", data: FLModel = None, targets=None,
+                            min_responses: int = None, timeout: int = 0) -> list:
+        """NVFlare's send-and-wait, except that once ``min_responses`` sites have answered it waits at most
+        ``late_wait_s`` for the others and then goes on without them."""
+        if min_responses is not None and self.late_wait_s > 0:
+            return self.broadcast_model(task_name=task_name, data=data, targets=targets, min_responses=min_responses,
+                                        timeout=timeout, wait_time_after_min_received=self.late_wait_s)
+        return super().send_model_and_wait(task_name=task_name, data=data, targets=targets,
+                                           min_responses=min_responses, timeout=timeout)
+
     def validate_result(self, task: str, result: FLModel) -> None:
         """Hook: raise ValueError to reject a site's upload for this task."""
 
@@ -82,9 +95,9 @@ class HFLController(ModelController):
         meta["round"] = rnd
         params = params or {}
         t0 = time.perf_counter()
-        results = self.send_model_and_wait(
-            task_name=task, data=FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds),
-            timeout=self.task_timeout)
+        data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
+        results = self.send_model_and_wait(task_name=task, data=data, timeout=self.task_timeout,
+                                           min_responses=self.min_sites if self.late_wait_s > 0 else None)
         good, errors, up, up_site = {}, {}, 0, {}
         for r in results:
             site = (r.meta or {}).get("client_name", "?")
@@ -98,6 +111,13 @@ class HFLController(ModelController):
                     good[site] = r
                 except ValueError as e:
                     errors[site] = f"upload rejected: {e}"
+        try:
+            expected = {c.name for c in self.engine.get_clients()}
+        except Exception:  # noqa: BLE001 - outside a running job (unit tests)
+            expected = set()
+        answered = {(r.meta or {}).get("client_name") for r in results}
+        for site in sorted(expected - answered):
+            errors[site] = "no answer in time (late or down)"
         for site, reason in sorted(errors.items()):
             self.warning(f"round {rnd} task {task}: site {site} left out: {reason}")
             self.record["excluded"].setdefault(site, []).append({"round": rnd, "task": task, "reason": reason})
@@ -170,8 +190,8 @@ class FedAvgController(HFLController):
     method = "fedavg"
 
     def __init__(self, global_spec: dict, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int = 900):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.global_spec = dict(global_spec)
 
     def validate_result(self, task, result):
@@ -240,8 +260,8 @@ class OHFLController(HFLController):
     def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
                  ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples", repair: bool = True,
                  num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
-                 seed: int = 0):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+                 seed: int = 0, late_wait_s: int = 900):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.probe = probe
         self.strategy = strategy
         self.alignment = alignment
@@ -338,8 +358,8 @@ class FedSAFController(HFLController):
 
     def __init__(self, num_classes: int, feature_dim: int, prototypes: str = "fedproto", num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 method_name: str = "fedsaf"):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+                 method_name: str = "fedsaf", late_wait_s: int = 900):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.method_name = method_name
         self.method = method_name
         self.record["method"] = method_name
@@ -433,8 +453,9 @@ class FedTopoController(HFLController):
     method = "fedtopo"
 
     def __init__(self, num_classes: int, rho: float = 0.7, ablate: list | None = None, num_rounds: int = 1,
-                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed)
+                 min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
+                 late_wait_s: int = 900):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.num_classes = int(num_classes)
         self.rho = float(rho)
         self.ablate = list(ablate or [])

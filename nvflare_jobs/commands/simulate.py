@@ -41,6 +41,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
+    p.add_argument("--late-wait", type=int, default=900,
+                   help="seconds to wait for the remaining sites once --min-sites have answered (0 = wait for all)")
     g = p.add_argument_group("OHFL")
     g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
     g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
@@ -186,7 +188,7 @@ def _options(args, data_root, part_dir) -> dict:
         if not Path(probe).exists():
             raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
     return {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
-            "seed": args.seed, "min_sites": args.min_sites, "strategy": args.strategy, "alignment": args.alignment,
+            "seed": args.seed, "min_sites": args.min_sites, "late_wait_s": args.late_wait, "strategy": args.strategy, "alignment": args.alignment,
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
             "weighting": args.weighting, "repair": args.repair, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,24 @@ def load_model_file(path: str | Path):
 
     from hfl_components.models import build_model
 
-    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{p}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
+    try:
+        blob = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- pickle / zip / EOF errors of a file that is not a saved model
+        raise ValueError(f"{p}: not a cxr-hfl model file (torch.load failed: {type(e).__name__}); expected a .pt "
+                         "file written by `cxr-hfl simulate`, e.g. RUN/models/site-1_deployed.pt") from None
     if not isinstance(blob, dict) or "spec" not in blob or "state_dict" not in blob:
-        raise ValueError(f"{path}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
-    model = build_model(blob["spec"])
-    model.load_state_dict(blob["state_dict"])
+        raise ValueError(f"{p}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
+    try:
+        model = build_model(blob["spec"])
+        model.load_state_dict(blob["state_dict"])
+    except Exception as e:  # noqa: BLE001 -- a spec / weights mismatch is a bad file, not a crash
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ValueError(f"{p}: model file does not match its own spec ({type(e).__name__}: {first})") from None
     model.eval()
     return model, blob
 
@@ -293,17 +307,87 @@ def _line(name: str, size: int, res: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- predict
+#: ``predict`` skips images whose shorter side is below this many pixels: no chest radiograph is that small (the
+#: models' smallest input size is 32 px, and a thumbnail or icon carries no diagnostic detail).
+MIN_IMAGE_SIDE = 64
+#: ``predict`` skips colour images: per pixel, the channel spread is max(R, G, B) - min(R, G, B) on a 0-255
+#: scale (0 for a greyscale radiograph saved as RGB; every JPEG/PNG in the shared data set has 0). An image is
+#: "colourful" when its mean spread exceeds MAX_MEAN_COLOUR_SPREAD, or more than MAX_COLOUR_PIXEL_FRACTION of its
+#: pixels have a spread above COLOUR_PIXEL_SPREAD (a chart of coloured lines on white: ~1.7 %; a red arrow or
+#: label burnt into a radiograph stays well under 1 %). Measured on a 256-px thumbnail.
+MAX_MEAN_COLOUR_SPREAD = 8.0
+COLOUR_PIXEL_SPREAD = 40
+MAX_COLOUR_PIXEL_FRACTION = 0.01
+
+
+def screen_image(path: str | Path) -> str | None:
+    """Why a JPEG/PNG is not a plausible chest radiograph (too small, or colourful), or None.
+
+    Unreadable files return None here: the image reader then gives its own reason. DICOM is not screened here
+    (its Modality / ViewPosition / size are checked from the header).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+            if min(w, h) < MIN_IMAGE_SIDE:
+                return (f"image too small to be a chest radiograph: {w}x{h} px (shorter side under "
+                        f"{MIN_IMAGE_SIDE} px)")
+            if img.mode in ("L", "LA", "1", "I", "F") or img.mode.startswith("I;16"):
+                return None
+            if img.format == "JPEG":
+                img.draft("RGB", (256, 256))
+            rgb = img.convert("RGB")
+            rgb.thumbnail((256, 256))
+            a = np.asarray(rgb, dtype=np.int16)
+    except Exception:  # noqa: BLE001 -- left to the reader, which names the problem
+        return None
+    spread = a.max(axis=2) - a.min(axis=2)
+    mean, frac = float(spread.mean()), float((spread > COLOUR_PIXEL_SPREAD).mean())
+    if mean > MAX_MEAN_COLOUR_SPREAD or frac > MAX_COLOUR_PIXEL_FRACTION:
+        return (f"colour image, not a greyscale radiograph (mean channel spread {mean:.1f}/255, "
+                f"{100 * frac:.1f}% strongly coloured pixels; limits {MAX_MEAN_COLOUR_SPREAD:g} and "
+                f"{100 * MAX_COLOUR_PIXEL_FRACTION:g}%)")
+    return None
+
+
 def collect_files(inputs: list[str]) -> list[Path]:
     """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder
-    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom)."""
+    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom; broken symbolic links with those suffixes are listed
+    too, so that they are reported as skipped rather than silently left out)."""
     out: list[Path] = []
     for s in inputs:
         p = Path(s)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES))
+            out.extend(sorted(f for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES
+                              and (f.is_file() or (f.is_symlink() and not f.exists()))))
         else:
             out.append(p)  # missing files are reported as skipped, not raised
     return out
+
+
+def check_predict_args(inputs: list[str], out_csv: str | Path) -> None:
+    """Up-front checks of ``predict``'s arguments, before any model is loaded.
+
+    Raises:
+        FileNotFoundError: none of the inputs exists.
+        ValueError: ``out_csv`` is a folder or lies under a file; the inputs hold no image files at all.
+    """
+    out = Path(out_csv)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a CSV file name, e.g. {out / 'predictions.csv'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+            break
+    missing = [s for s in inputs if not Path(s).exists() and not Path(s).is_symlink()]
+    if len(missing) == len(inputs):
+        raise FileNotFoundError(f"no such file or folder: {', '.join(missing)}")
+    if not collect_files(inputs):
+        exts = "/".join(x.lstrip(".") for x in SUPPORTED_SUFFIXES)
+        raise ValueError(f"no image files ({exts}) found in {', '.join(inputs)}")
 
 
 def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
@@ -312,7 +396,13 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     """Write per-image class probabilities and the predicted class to ``out_csv``.
 
     Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
-    written with status ``skipped`` and the reason; it never stops the run. DICOM objects that are not CR/DX/DR
+    written with status ``skipped`` and the reason; it never stops the run. So is an image that is not a plausible
+    chest radiograph: shorter side under :data:`MIN_IMAGE_SIDE` px, or colourful (see :func:`screen_image`), and
+    a broken symbolic link.
+
+    Raises:
+        FileNotFoundError: no input exists. ValueError: ``out_csv`` is a folder, no image files in the inputs,
+            or ``model_path`` is not a cxr-hfl model file (all checked before inference). DICOM objects that are not CR/DX/DR
     projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
     only): predict PNEUMONIA when p >= threshold; default argmax.
     """
@@ -322,6 +412,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
     from hfl_components.training import predict_labels
 
+    check_predict_args(inputs, out_csv)
     model, blob = load_model_file(model_path)
     size = int(blob.get("input_size") or 64)
     labels = blob.get("labels") or ("subtype" if blob["spec"].get("num_classes") == 3 else "binary")
@@ -347,8 +438,19 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         row = {"path": str(f), "status": "ok", "reason": ""}
         rows.append(row)
         try:
+            if f.is_symlink() and not f.exists():
+                raise ImageReadError(f, f"broken symbolic link (its target {os.readlink(f)} does not exist)")
             if _is_dicom(f) and f.is_file():  # same rule as the training scan: projection radiographs, no laterals
-                why = dicom_skip_reason(dicom_header(f), allow_any_modality, allow_lateral)
+                hdr = dicom_header(f)
+                why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
+                side = min(int(hdr.get("rows") or 0), int(hdr.get("columns") or 0))
+                if not why and 0 < side < MIN_IMAGE_SIDE:
+                    why = (f"image too small to be a chest radiograph: {hdr.get('columns')}x{hdr.get('rows')} px "
+                           f"(shorter side under {MIN_IMAGE_SIDE} px)")
+                if why:
+                    raise ImageReadError(f, why)
+            elif f.is_file():
+                why = screen_image(f)
                 if why:
                     raise ImageReadError(f, why)
             x = tf({"image": str(f), "label": 0})["image"]

@@ -151,16 +151,55 @@ def model_card(m: dict) -> str:
               "bootstrap intervals over images, not over sites or centres.</p></div>")
 
 
+def excluded_rows(m: dict) -> list[list]:
+    """``[site, round, task, reason]`` per exclusion in ``metrics.json``'s ``excluded_sites`` (site -> list of
+    ``{"round", "task", "reason"}``; a bare string or a list of strings is accepted too)."""
+    rows = []
+    for site, entries in (m.get("excluded_sites") or {}).items():
+        for e in entries if isinstance(entries, list) else [entries]:
+            if isinstance(e, dict):
+                rows.append([site, e.get("round", "–"), e.get("task", "–"), e.get("reason", "(no reason recorded)")])
+            else:
+                rows.append([site, "–", "–", str(e)])
+    return rows
+
+
+def sites_with_results(m: dict) -> list[str]:
+    """Sites of ``metrics.json`` that have test results."""
+    return [s for s, b in (m.get("sites") or {}).items() if isinstance(b, dict) and b.get("test")]
+
+
+def no_results_message(m: dict) -> str | None:
+    """A one-line explanation when a run has no site results (e.g. every site was excluded), else None."""
+    if sites_with_results(m):
+        return None
+    exc = sorted((m.get("excluded_sites") or {}))
+    why = (f"{len(exc)} site(s) excluded: {', '.join(exc)} (reasons in the report)" if exc
+           else "no site reported test results")
+    return f"the run has NO site results -- no model was trained and evaluated; {why}"
+
+
 def render_run(run: Path) -> str:
     from chest_xray import CLASS_NAMES
 
     m = json.loads((run / "metrics.json").read_text())
+    if not isinstance(m, dict):
+        raise ValueError(f"{run / 'metrics.json'}: not a metrics document (expected a JSON object)")
     labels = m.get("labels") or "binary"
     names = CLASS_NAMES.get(labels, [])
     digest, mans = manifest_hash(run)
     opts = json.loads((run / "job_options.json").read_text()) if (run / "job_options.json").is_file() else {}
-    body = [f"<h1>cxr-hfl run report: {html.escape(str(m.get('method')))}</h1>",
-            "<h2>How to repeat this run</h2>",
+    body = [f"<h1>cxr-hfl run report: {html.escape(str(m.get('method')))}</h1>"]
+    empty = no_results_message(m)
+    if empty:
+        body.append(f"<p class='warn'><b>WARNING: {html.escape(empty)}.</b> Nothing below is a result.</p>")
+    exc = excluded_rows(m)
+    if exc:
+        body += [f"<h2 class='warn'>Excluded sites ({len({r[0] for r in exc})})</h2>",
+                 "<p class='warn'>These sites were left out of the federation (the rounds and reasons as the "
+                 "server recorded them); their data did not contribute to the results below.</p>",
+                 _table(["site", "round", "task", "reason"], exc)]
+    body += ["<h2>How to repeat this run</h2>",
             _table(["field", "value"], [
                 ["command", m.get("command", "(not recorded)")],
                 ["run folder", str(run)],
@@ -200,6 +239,8 @@ def render_run(run: Path) -> str:
     # figures
     body.append("<h2>Figures</h2>")
     for fname, cap in FIGURE_FILES:
+        if fname == "site_accuracy.png" and empty:
+            continue  # an empty chart
         if (run / fname).is_file():
             body.append(_figure(_png_b64(run / fname), cap))
     for p in sorted(run.glob("cka_cost_step*.png"), key=lambda p: int(p.stem.removeprefix("cka_cost_step") or 0)):

@@ -147,3 +147,74 @@ def test_report_embeds_figures_and_model_card(fake_run):
     assert "Not validated on" in text and "data manifest sha256" in text and "torch" in text
     b64 = text.split('<img src="data:image/png;base64,')[1].split('"')[0]
     assert base64.b64decode(b64)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predict_skips_what_is_not_a_chest_radiograph(fake_run, data_root, tmp_path):
+    """A 1x1 PNG, colourful charts and a broken symlink are skipped with a reason; a real X-ray saved as RGB
+    (chest_xray_224 is RGB with R=G=B) is predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from nvflare_jobs.evaluation import MIN_IMAGE_SIDE, screen_image
+
+    src = tmp_path / "in"
+    src.mkdir()
+    xray = sorted((data_root / "chest_xray_224" / "train" / "PNEUMONIA").glob("*.jpeg"))[0]
+    shutil.copy(xray, src / "xray.jpeg")
+    assert Image.open(src / "xray.jpeg").mode == "RGB"
+    Image.new("L", (1, 1), 0).save(src / "dot.png")
+    Image.new("L", (MIN_IMAGE_SIDE - 1, 500), 90).save(src / "strip.png")
+    fig, ax = plt.subplots()
+    ax.bar([1, 2, 3], [3, 1, 2], color=["C0", "C1", "C2"])
+    fig.savefig(src / "bars.png")
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    ax.plot([1, 3, 2])
+    ax.plot([2, 1, 3])
+    fig.savefig(src / "lines.png")
+    plt.close(fig)
+    (src / "dead.png").symlink_to(tmp_path / "gone.png")
+    out = tmp_path / "pred.csv"
+    r = run_cli("predict", "--model", str(fake_run / "models" / "site-1_deployed.pt"), "--data", str(src),
+                "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {Path(x["path"]).name: x for x in csv.DictReader(out.open())}
+    assert set(rows) == {"xray.jpeg", "dot.png", "strip.png", "bars.png", "lines.png", "dead.png"}
+    assert rows["xray.jpeg"]["status"] == "ok" and rows["xray.jpeg"]["predicted"]
+    for name, why in [("dot.png", "too small"), ("strip.png", "too small"), ("bars.png", "colour"),
+                      ("lines.png", "colour"), ("dead.png", "broken symbolic link")]:
+        assert rows[name]["status"] == "skipped" and why in rows[name]["reason"], (name, rows[name])
+        assert rows[name]["predicted"] == ""
+    # every real JPEG of the data set passes the screen (a sample of each set; the full set is checked offline)
+    for sub in ("chest_xray_224", "chest_xray_original"):
+        for cls in ("NORMAL", "PNEUMONIA"):
+            for f in sorted((data_root / sub / "train" / cls).glob("*.jpeg"))[::25]:
+                assert screen_image(f) is None, f
+
+
+def test_predict_bad_arguments_give_one_line_errors(fake_run, data_root, tmp_path):
+    model = str(fake_run / "models" / "site-1_deployed.pt")
+    xray = sorted((data_root / "chest_xray_224" / "train" / "NORMAL").glob("*.jpeg"))[0]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "outdir").mkdir()
+    cases = [
+        (["--model", model, "--data", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "a.csv")],
+         "no such file or folder"),
+        (["--model", model, "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "b.csv")], "no image files"),
+        (["--model", str(xray), "--data", str(xray), "--out", str(tmp_path / "c.csv")], "not a cxr-hfl model file"),
+        (["--model", model, "--data", str(xray), "--out", str(tmp_path / "outdir")], "is a folder"),
+    ]
+    for argv, msg in cases:
+        r = run_cli("predict", *argv, timeout=300)
+        assert r.returncode == 2, (argv, r.stdout + r.stderr)
+        assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "a.csv").exists() and not (tmp_path / "c.csv").exists()
+    # every file skipped: rc 1 with the reason said
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "x.png").write_bytes(b"")
+    r = run_cli("predict", "--model", model, "--data", str(tmp_path / "only"), "--out", str(tmp_path / "d.csv"))
+    assert r.returncode == 1 and "no file could be predicted" in r.stderr

@@ -49,3 +49,57 @@ def test_report_cli_rejects_other_folders(tmp_path):
 
     r = run_cli("report", str(tmp_path))
     assert r.returncode == 2 and "neither a run folder" in r.stderr
+
+
+def _aborted_run(tmp: Path, sites: dict | None = None) -> Path:
+    """A run the server aborted: both sites excluded in round 0 (the reasons as the controller records them)."""
+    from nvflare_jobs import plots
+
+    run = tmp / "aborted"
+    run.mkdir()
+    m = {"method": "ohfl", "labels": "binary", "seed": 0, "command": "cxr-hfl simulate --method ohfl",
+         "sites": sites or {}, "pooled": None, "rounds": [],
+         "excluded_sites": {"site-1": [{"round": 0, "task": "train", "reason": "site-1: data.manifest missing"}],
+                            "site-2": [{"round": 0, "task": "train", "reason": "site-2: out of memory"}]}}
+    (run / "metrics.json").write_text(json.dumps(m))
+    plots.make_all(run, m, {}, ["NORMAL", "PNEUMONIA"])
+    return run
+
+
+def test_report_of_an_aborted_run_says_so_and_fails(tmp_path):
+    from tests.sim_helpers import run_cli
+
+    run = _aborted_run(tmp_path)
+    r = run_cli("report", str(run))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "NO site results" in r.stderr and "site-1" in r.stderr and "site-2" in r.stderr
+    assert "data.manifest missing" in r.stderr and "out of memory" in r.stderr
+    text = (run / "report.html").read_text()
+    top = text.split("How to repeat this run")[0]  # shown before everything else
+    assert "NO site results" in top and "Excluded sites (2)" in top
+    assert "site-1: data.manifest missing" in top and "site-2: out of memory" in top
+    assert "Per-site test accuracy</figcaption>" not in text  # no empty accuracy chart
+
+
+def test_report_lists_excluded_sites_of_a_run_with_results(tmp_path):
+    from tests.sim_helpers import run_cli
+
+    run = _aborted_run(tmp_path, sites={"site-3": _site(0.75)})
+    r = run_cli("report", str(run), "--out", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: site-2 excluded" in r.stderr
+    text = (tmp_path / "r.html").read_text()
+    assert "Excluded sites (2)" in text and "site-2: out of memory" in text and "NO site results" not in text
+
+
+def test_report_cli_bad_arguments_give_messages(tmp_path):
+    from tests.sim_helpers import run_cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text("{broken")
+    r = run_cli("report", str(run))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "unreadable" in r.stderr
+    good = _aborted_run(tmp_path, sites={"site-3": _site(0.75)})
+    r = run_cli("report", str(good), "--out", str(tmp_path))
+    assert r.returncode == 2 and "is a folder" in r.stderr and "Traceback" not in r.stderr

@@ -87,31 +87,62 @@ def run_evaluate(args) -> int:
 
 
 def run_predict(args) -> int:
-    from nvflare_jobs.evaluation import predict_files
+    from nvflare_jobs.evaluation import check_predict_args, predict_files
 
-    if not Path(args.model).is_file():
-        print(f"cxr-hfl predict: no model file {args.model}", file=sys.stderr)
+    model = Path(args.model)
+    if not model.is_file():
+        what = "is a folder, not a model file" if model.is_dir() else "no such model file"
+        print(f"cxr-hfl predict: {model}: {what}", file=sys.stderr)
         return 2
     try:
+        check_predict_args(args.data, args.out)
         s = predict_files(args.model, args.data, args.out, threshold=args.threshold,
                           allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral)
-    except ValueError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"cxr-hfl predict: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"cxr-hfl predict: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
           f"({s['n_skipped']} skipped, see the reason column) -> {args.out}")
-    return 0 if s["n_files"] else 1
+    if not s["n_ok"]:
+        print(f"cxr-hfl predict: no file could be predicted: all {s['n_files']} were skipped (reasons in "
+              f"{args.out})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_report(args) -> int:
-    from nvflare_jobs.report import render_report
+    import json
 
+    from nvflare_jobs.report import excluded_rows, no_results_message, render_report
+
+    if args.out and Path(args.out).is_dir():
+        print(f"cxr-hfl report: --out {args.out} is a folder; give an HTML file name, e.g. "
+              f"{Path(args.out) / 'report.html'}", file=sys.stderr)
+        return 2
     try:
         out = render_report(args.path, args.out)
     except FileNotFoundError as e:
         print(f"cxr-hfl report: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # including json.JSONDecodeError of a damaged metrics.json
+        print(f"cxr-hfl report: {args.path}: unreadable run or compare files ({e})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"cxr-hfl report: {e.filename or args.path}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"[cxr-hfl] report: {out}")
+    mpath = Path(args.path) / "metrics.json"
+    if mpath.is_file():
+        m = json.loads(mpath.read_text())
+        for site, rnd, task, reason in excluded_rows(m):
+            print(f"WARNING: {site} excluded (round {rnd}, {task}): {reason}", file=sys.stderr)
+        msg = no_results_message(m)
+        if msg:
+            print(f"cxr-hfl report: {msg}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -30,6 +30,9 @@ log = logging.getLogger("cxr_hfl.site")
 
 STATE_DIR = "cxr_hfl_state"
 GLOBAL_PREFIX = "global."
+# Gradient-norm clip for training with an auxiliary (prototype / topology) loss: without it a FedProto-MSE run on
+# chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
+AUX_GRAD_CLIP = 10.0
 
 
 def to_numpy_state(state_dict: dict, prefix: str = "") -> dict[str, np.ndarray]:
@@ -176,6 +179,7 @@ class SiteRuntime:
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
+                           grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
                            seed=int(self.cfg["seed"]) * 1000 + int(rnd))
 
     def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:

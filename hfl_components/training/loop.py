@@ -122,6 +122,7 @@ def train_local(
     weight_decay: float = 0.0,
     optimizer: torch.optim.Optimizer | None = None,
     device: str | torch.device | None = None,
+    grad_clip: float | None = None,
 ) -> list[dict]:
     """Train ``model`` in place on one site's loader for ``epochs`` epochs.
 
@@ -147,6 +148,8 @@ def train_local(
         optimizer: an existing optimiser over ``model.parameters()`` to continue (keeps its momentum buffers across
             rounds); when None a fresh SGD is made.
         device: where to train; default the device of the model's first parameter.
+        grad_clip: if given, clip the global gradient norm to this value before each step (the prototype methods
+            use it: an alignment term pulling features towards far-away prototypes can otherwise blow them up).
 
     Returns:
         one dict per epoch: ``{"epoch": 1-based int, "loss": mean total loss, "ce": mean CE, "aux": mean aux loss
@@ -193,6 +196,8 @@ def train_local(
                 raise FloatingPointError(f"non-finite loss {loss.item()} at epoch {epoch}, step {step}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
             opt.step()
             b = y.shape[0]
             n += b

@@ -264,3 +264,15 @@ def test_predict_proba_features_and_evaluate_on_dict_loader():
     m = evaluate(model, loader, num_classes=2)
     assert m["n"] == 20 and m["class_counts"] == [10, 10]
     json.dumps(m, allow_nan=False)
+
+
+def test_grad_clip_bounds_the_first_sgd_step():
+    """With momentum the first SGD step is lr * g; clipping makes ||step|| = lr * clip when ||g|| > clip."""
+    torch.manual_seed(0)
+    model = build_model({"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2})
+    x, y = torch.rand(8, 1, 32, 32), torch.tensor([0, 1] * 4)
+    huge = lambda z, logits, yy: 1e6 * (z ** 2).mean()  # noqa: E731 - an aux loss with an enormous gradient
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    train_local(model, DataLoader(TensorDataset(x, y), batch_size=8), 1, lr=0.01, aux_loss=huge, grad_clip=2.0)
+    step = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    assert float(step.norm()) == pytest.approx(0.01 * 2.0, rel=1e-3)

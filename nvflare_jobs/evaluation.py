@@ -240,6 +240,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     if overlap["probe_file_names"]:
         log(f"note: {overlap['probe_file_names']} external images are in the OHFL probe pool (unlabelled images the "
             f"server used for CKA layer alignment); no labels of them were used")
+    if max_images is not None and max_images < 1:
+        raise ValueError(f"max_images must be >= 1, got {max_images}")
     records = _subset(records, max_images)
     names = CLASS_NAMES[labels]
     C = len(names)

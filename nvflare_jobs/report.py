@@ -323,5 +323,6 @@ def render_report(path: str | Path, out: str | Path | None = None) -> Path:
     else:
         raise FileNotFoundError(f"{p}: neither a run folder (metrics.json) nor a compare folder (comparison.csv)")
     dest = Path(out) if out else p / "report.html"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(text, encoding="utf-8")
     return dest

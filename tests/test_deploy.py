@@ -168,3 +168,13 @@ def test_cli_lists_deploy_commands_and_needs_a_poc_folder(monkeypatch):
         assert action in r.stdout
     r = run_cli("poc", "start")
     assert r.returncode == 2 and "--workspace" in r.stderr
+
+
+def test_provision_and_poc_reject_a_file_where_a_folder_is_needed(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    r = run_cli("provision", "--out", str(f))
+    assert r.returncode == 2 and "is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("poc", "status", "--workspace", str(f))
+    assert r.returncode == 2 and "is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+    assert f.read_text() == "x"

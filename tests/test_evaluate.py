@@ -218,3 +218,11 @@ def test_predict_bad_arguments_give_one_line_errors(fake_run, data_root, tmp_pat
     (tmp_path / "only" / "x.png").write_bytes(b"")
     r = run_cli("predict", "--model", model, "--data", str(tmp_path / "only"), "--out", str(tmp_path / "d.csv"))
     assert r.returncode == 1 and "no file could be predicted" in r.stderr
+
+
+def test_evaluate_and_predict_reject_out_of_range_numbers(tmp_path):
+    r = run_cli("evaluate", "--run", str(tmp_path), "--data", str(tmp_path), "--max-images", "0")
+    assert r.returncode == 2 and "--max-images" in r.stderr and "positive integer" in r.stderr
+    r = run_cli("predict", "--model", "m.pt", "--data", str(tmp_path), "--out", str(tmp_path / "p.csv"),
+                "--threshold", "5")
+    assert r.returncode == 2 and "--threshold" in r.stderr and "[0, 1]" in r.stderr

@@ -55,6 +55,10 @@ def _poc(args):
         print(f"cxr-hfl poc: --workspace DIR is required (or set ${POC_ENV}); NVFlare's POC state goes there",
               file=sys.stderr)
         raise SystemExit(2)
+    ws = Path(args.workspace)
+    if ws.exists() and not ws.is_dir():
+        print(f"cxr-hfl poc: --workspace {ws} is a file, not a folder", file=sys.stderr)
+        raise SystemExit(2)
     return Poc(args.workspace)
 
 
@@ -75,6 +79,9 @@ def _guard(fn):
 def run_provision(args) -> int:
     from nvflare_jobs.deploy import provision
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"cxr-hfl provision: --out {args.out} is a file, not a folder", file=sys.stderr)
+        return 2
     res = provision(args.project, args.out)
     print(f"[cxr-hfl] provisioned {res['project']} -> {res['prod_dir']}")
     print("Give each participant ONLY its own kit (it holds that participant's private key):")

@@ -14,6 +14,26 @@ def _csv_ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _probability(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {v}")
+    return v
+
+
 def register(sub) -> None:
     c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
     c.add_argument("--methods", default="local,local+ft,fedavg,ohfl",
@@ -45,14 +65,16 @@ def register(sub) -> None:
                    help="evaluate even when the set shares file names / patient ids with the run's data (NOT external)")
     e.add_argument("--global-sizes", choices=("all", "largest"), default="all",
                    help="evaluate the global model at every input size of the run (default) or the largest only")
-    e.add_argument("--max-images", type=int, help="class-stratified subset of the external set (quick checks)")
+    e.add_argument("--max-images", type=_positive_int,
+                   help="class-stratified subset of the external set (quick checks)")
     e.set_defaults(func=run_evaluate)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
     p.add_argument("--model", required=True, help="a model file, e.g. RUN/models/site-1_deployed.pt")
     p.add_argument("--data", required=True, nargs="+", help="folder(s) and/or files")
     p.add_argument("--out", required=True, help="CSV to write")
-    p.add_argument("--threshold", type=float, help="binary: predict PNEUMONIA when p >= threshold (default argmax)")
+    p.add_argument("--threshold", type=_probability,
+                   help="binary: predict PNEUMONIA when p >= threshold, a number in [0, 1] (default argmax)")
     p.add_argument("--allow-any-modality", action="store_true", help="predict on DICOM objects other than CR/DX/DR")
     p.add_argument("--allow-lateral", action="store_true", help="predict on lateral DICOM views")
     p.set_defaults(func=run_predict)
@@ -68,7 +90,8 @@ def run_evaluate(args) -> int:
 
     run = Path(args.run)
     if not run.is_dir():
-        print(f"cxr-hfl evaluate: no run folder {run}", file=sys.stderr)
+        print(f"cxr-hfl evaluate: no run folder {run}" + (" (it is a file)" if run.exists() else ""),
+              file=sys.stderr)
         return 2
     if not Path(args.data).exists():
         print(f"cxr-hfl evaluate: no data at {args.data}", file=sys.stderr)
@@ -81,6 +104,9 @@ def run_evaluate(args) -> int:
         return 3
     except (FileNotFoundError, ValueError) as e:
         print(f"cxr-hfl evaluate: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"cxr-hfl evaluate: {e.filename or run}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] wrote {len(res['models'])} model results to {res['summary'].parent}")
     return 0

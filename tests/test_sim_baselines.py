@@ -140,3 +140,21 @@ def test_simulate_refuses_to_mix_runs_and_reports_bad_arguments_in_one_line(tmp_
     assert r.returncode == 2 and "--sites must be at least 1" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("export-job", "--method", "local", "--profile", str(tmp_path / "nope"), "--out", str(tmp_path / "j"))
     assert r.returncode == 2 and "no <site>.yaml files found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_overwrite_keeps_a_profile_that_lives_in_the_run_folder(tmp_path):
+    from nvflare_jobs.commands.simulate import _prepare_run_dir
+
+    run = tmp_path / "run"
+    (run / "site_configs").mkdir(parents=True)
+    (run / "site_configs" / "site-1.yaml").write_text("x: 1\n")
+    (run / "models").mkdir()
+    (run / "metrics.json").write_text("{}")
+    (run / "site_accuracy.png").write_bytes(b"png")
+    _prepare_run_dir(run, overwrite=True, keep=(run / "site_configs").resolve())
+    assert (run / "site_configs" / "site-1.yaml").is_file()
+    assert not (run / "models").exists() and not (run / "metrics.json").exists()
+    assert not (run / "site_accuracy.png").exists()
+    with pytest.raises(FileExistsError):
+        (run / "metrics.json").write_text("{}")
+        _prepare_run_dir(run, overwrite=False)

@@ -158,9 +158,10 @@ RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv"
                "partition", "external")
 
 
-def _prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run with an earlier one in the same folder, unless --overwrite clears the old one."""
-    old = [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:
+    """Refuse to mix a new run with an earlier one in the same folder, unless --overwrite clears the old one.
+    ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
+    old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
         raise FileExistsError(f"run folder {run_dir} already holds a run ({', '.join(old[:4])}...); "
                               "choose another --out or pass --overwrite")
@@ -210,7 +211,7 @@ def run_simulate(args) -> int:
         raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
                                 "or 'generated')")
     run_dir = Path(args.out).resolve()
-    _prepare_run_dir(run_dir, args.overwrite)
+    _prepare_run_dir(run_dir, args.overwrite, Path(args.profile).resolve() if args.profile else None)
     try:
         profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
     except (DataNotFoundError, SiteConfigError) as e:

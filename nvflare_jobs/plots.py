@@ -12,6 +12,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write as a 110-dpi PNG and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def site_accuracy_bars(out: Path, metrics: dict) -> Path:
     sites = list(metrics["sites"])
     acc = [((metrics["sites"][s].get("test") or {}).get("accuracy") or 0.0) * 100 for s in sites]
@@ -26,10 +34,7 @@ def site_accuracy_bars(out: Path, metrics: dict) -> Path:
     ax.set_title(f"{metrics['method']}: per-site test accuracy")
     for i, v in enumerate(acc):
         ax.text(i, v + 1, f"{v:.1f}", ha="center", fontsize=8)
-    fig.tight_layout()
-    p = out / "site_accuracy.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "site_accuracy.png")
     return p
 
 
@@ -47,10 +52,7 @@ def round_curves(out: Path, metrics: dict) -> Path | None:
     ax.set_ylabel("validation accuracy (%)")
     ax.legend(fontsize=7)
     ax.set_title(f"{metrics['method']}: validation accuracy per round")
-    fig.tight_layout()
-    p = out / "round_curves.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "round_curves.png")
     return p
 
 
@@ -65,10 +67,7 @@ def finetune_curves(out: Path, metrics: dict) -> Path | None:
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7)
     ax.set_title("OHFL: fine-tuning the global model at each site")
-    fig.tight_layout()
-    p = out / "finetune_loss.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "finetune_loss.png")
     return p
 
 
@@ -94,10 +93,7 @@ def cka_heatmaps(out: Path) -> list[Path]:
         ax.set_ylabel(f"source hidden layer ({pair.get('src', '')})", fontsize=8)
         ax.set_title(f"1 - CKA, fusion step {i + 1}", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.05)
-        fig.tight_layout()
-        p = out / f"cka_cost_step{i + 1}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        p = _save(fig, out / f"cka_cost_step{i + 1}.png")
         paths.append(p)
     return paths
 
@@ -118,10 +114,7 @@ def topology_heatmaps(out: Path, metrics: dict, class_names: list[str]) -> list[
                 ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", color="w" if m[i, j] < 0.6 else "k", fontsize=7)
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.05)
-        fig.tight_layout()
-        p = out / f"{key}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        p = _save(fig, out / f"{key}.png")
         paths.append(p)
     return paths
 
@@ -135,10 +128,7 @@ def effective_rank_curve(out: Path, metrics: dict) -> Path | None:
     ax.set_xlabel("round")
     ax.set_ylabel("effective rank of site prototypes")
     ax.set_title("FedSAF: prototype effective dimensionality (Fig. 1)", fontsize=9)
-    fig.tight_layout()
-    p = out / "effective_rank.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "effective_rank.png")
     return p
 
 
@@ -160,10 +150,7 @@ def payload_per_round(out: Path, metrics: dict) -> Path | None:
     ax.set_ylabel("bytes (float32)")
     ax.legend(fontsize=7)
     ax.set_title(f"{metrics['method']}: communication per site and round", fontsize=9)
-    fig.tight_layout()
-    p = out / "payload_per_round.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "payload_per_round.png")
     return p
 
 
@@ -185,10 +172,7 @@ def topology_diagnostic_curves(out: Path, metrics: dict) -> Path | None:
     ax.set_ylabel("topology inconsistency")
     ax.legend(fontsize=6, ncol=2)
     ax.set_title("FedTopo: D^r (Eq. 25) and D^rs (Eq. 26) per site", fontsize=9)
-    fig.tight_layout()
-    p = out / "topology_diagnostics.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = _save(fig, out / "topology_diagnostics.png")
     return p
 
 

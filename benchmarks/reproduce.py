@@ -544,7 +544,7 @@ def main(argv=None) -> int:
     if steps:
         data = resolve_data(a.data)
         for table, folder, k, methods in steps:
-            root = out / table
+            root = out / a.budget / table  # runs of different budgets never mix
             if table == "ohfl_table2":
                 for s in seeds:
                     first_k_partition(data, root, s, k)
@@ -559,7 +559,7 @@ def main(argv=None) -> int:
             dest = write_bench_table(table, bench_store(g, a.budget, out), seeds, a.budget, cmd,
                                      bench_argv(g, a.budget, seeds, out))
         else:
-            dest = write_table(table, out / table, seeds, a.budget, cmd)
+            dest = write_table(table, out / a.budget / table, seeds, a.budget, cmd)
         print(f"[reproduce] wrote {dest}")
     print(f"[reproduce] done in {(time.perf_counter() - t0) / 60:.1f} min")
     return rc

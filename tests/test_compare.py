@@ -35,9 +35,10 @@ def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
     assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
     ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
     assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
-    # defaults: OHFL's 20 + 10 epochs; local+ft = Local's 3 rounds x 2 epochs + OHFL's 10 fine-tuning epochs
+    # defaults: OHFL's 20 + 10 epochs; Local = OHFL's local phase (20); local+ft = 20 + OHFL's 10 = OHFL's total
     assert epoch_plan("ohfl", _args())["total_epochs_per_site"] == 30
-    assert epoch_plan("local+ft", _args())["total_epochs_per_site"] == 16
+    assert epoch_plan("local", _args())["total_epochs_per_site"] == 20
+    assert epoch_plan("local+ft", _args())["total_epochs_per_site"] == 30
 
 
 def test_paired_difference_ci():

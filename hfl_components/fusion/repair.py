@@ -28,6 +28,29 @@ def hidden_stds(model: torch.nn.Module, probe: torch.Tensor) -> list[float]:
     return [float(a.double().std()) for a in layer_activations(model, probe)[:-1]]
 
 
+class _Reached(Exception):
+    pass
+
+
+def _layer_std(model: torch.nn.Module, module: torch.nn.Module, probe: torch.Tensor) -> float:
+    """Std of one layer's pre-activations on the probe; the forward pass stops at that layer."""
+    out = {}
+
+    def hook(_m, _inp, y):
+        out["y"] = y
+        raise _Reached
+
+    h = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(probe)
+    except _Reached:
+        pass
+    finally:
+        h.remove()
+    return float(out["y"].double().std())
+
+
 def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe: torch.Tensor,
                   eps: float = 1e-12, max_scale: float = 100.0) -> tuple[dict, list[float]]:
     """Rescale hidden layers of ``(spec, state_dict)`` so their pre-activation stds match ``target_stds``.
@@ -53,7 +76,7 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
         raise ValueError(f"repair: {len(target_stds)} target stds for {len(layers)} hidden layers")
     scales = []
     for i, info in enumerate(layers):
-        cur = hidden_stds(model, probe)[i]
+        cur = _layer_std(model, info.module, probe)
         s = 1.0 if cur < eps or target_stds[i] < eps else min(max(target_stds[i] / cur, 1 / max_scale), max_scale)
         with torch.no_grad():
             info.module.weight.mul_(s)

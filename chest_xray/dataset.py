@@ -165,12 +165,24 @@ def _skip(path, reason: str, kind: str) -> dict[str, str]:
     return {"path": str(path), "reason": reason, "kind": kind}
 
 
-def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]]) -> list[Path]:
+def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
+                blocked: set[tuple[int, int]] = frozenset()) -> list[Path]:
     """Every file under ``top``, following symbolic links to folders, each real folder visited once.
 
     The paths returned are the paths *as found* (through the links, never resolved). A folder reached a second
     time (a symbolic-link cycle, or two links to one folder) is listed in ``skipped`` once per extra path and not
-    scanned again, so no image is counted twice. Junk folders and broken links are listed in ``skipped``.
+    scanned again, so no image is counted twice. A link to a folder in ``blocked`` (the data root, its parent
+    folders, the other class folders) is listed and not followed: following it would loop or give another class's
+    images this folder's label. Junk folders and broken links are listed in ``skipped``.
     """
     out: list[Path] = []
     stack = [top]
@@ -182,6 +194,11 @@ def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, i
             skipped.append(_skip(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
             continue
         key = (st.st_dev, st.st_ino)
+        if d is not top and key in blocked:
+            skipped.append(_skip(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
+                                    "folders or another class folder: not followed (a cycle, or images of another "
+                                    "class)", "symbolic-link cycle"))
+            continue
         if key in seen:
             skipped.append(_skip(d, f"folder already scanned through another path (symbolic-link cycle or a "
                                     f"second link to {os.path.realpath(d)})", "symbolic-link cycle"))
@@ -274,11 +291,14 @@ def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> 
         return sorted(out, key=lambda t: str(t[0]))
     dirs = [root] if layout == "classes" else [root / s for s in _SPLIT_DIRS]
     seen: set[tuple[int, int]] = set()
+    # never entered through a link: the data root and every folder above it, the split and class folders
+    real = Path(os.path.realpath(root))
+    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(d / c for d in dirs for c in known)]) if k}
     for d in dirs:
         for c in known:
             cd = d / c
             if cd.is_dir():
-                out.extend((f, c, None) for f in _walk_files(cd, skipped, seen))
+                out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
     return sorted(out, key=lambda t: str(t[0]))
 
 

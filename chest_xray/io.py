@@ -95,18 +95,24 @@ def read_image(
 
     Returns:
         ``(image, meta)``: ``image`` is float32 of shape (H, W) with values in [0, 1] (H, W = decoded rows and
-        columns, in the file's own orientation, i.e. never transposed); ``meta`` is a dict with technical fields
-        only: ``format`` ("JPEG", "PNG", "DICOM", ...), ``original_height``/``original_width`` (pixels, from the
-        header), ``height``/``width`` (decoded, smaller than the original only in draft mode), ``bit_depth``
+        columns, upright: a JPEG/PNG's EXIF Orientation is applied first, otherwise the file's own orientation,
+        never transposed); ``meta`` is a dict with technical fields only: ``format`` ("JPEG", "PNG", "MPO",
+        "DICOM", ...), ``original_height``/``original_width`` (pixels, from the header, upright),
+        ``height``/``width`` (decoded, smaller than the original only in draft mode), ``bit_depth``
         (bits per stored sample), ``mode`` (Pillow mode, or "DICOM"), ``photometric_interpretation``
         ("MONOCHROME1"/"MONOCHROME2" for DICOM, "MONOCHROME2" for grayscale Pillow modes, else the Pillow mode),
-        ``draft`` (bool). DICOM adds ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut",
-        "window" or "none") and ``inverted``.
+        ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent). DICOM adds
+        ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"),
+        ``voi_fallback`` (why an invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own
+        range, see :func:`voi_problem`; None when not needed) and ``inverted``. A JPEG whose other MPF images are
+        only previews is read as its primary image.
 
     Raises:
-        ImageReadError: the file is missing, empty, not a supported image, truncated or corrupt, larger than
-            ``max_pixels``, or a DICOM object that is multi-frame, colour, or has no pixel data. The message starts
-            with the path.
+        ImageReadError: the only exception raised (any error from pydicom, Pillow or a decoder is converted):
+            the file is missing, empty, not a supported image, truncated or corrupt, larger than ``max_pixels``, a
+            true multi-frame stack, or a DICOM object that is colour, has no pixel data, invalid Rows/Columns, or
+            a transfer syntax no installed decoder handles. The message is one line and starts with the path;
+            ``kind`` is one of :data:`READ_ERROR_KINDS`.
     """
     try:
         p = Path(os.fsdecode(path))
@@ -286,23 +292,42 @@ def _dcmread(p: Path, stop_before_pixels: bool = False):
     from pydicom.errors import InvalidDicomError
 
     try:
-        return pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
+            ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
+        _check_complete(p, ds, caught)
+        return ds
+    except ImageReadError:
+        raise
     except InvalidDicomError:
         pass
     except Exception as e:  # pydicom raises a wide range of errors on truncated files
         raise ImageReadError(p, f"cannot parse DICOM file ({type(e).__name__}: {e})", "corrupt or truncated") from None
     # no Part-10 header: a raw data set (what some PACS exports and old archives write) is read with force
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels, force=True)
             looks_valid = ("Rows" in ds and "Columns" in ds) or "SOPClassUID" in ds
     except Exception:  # noqa: BLE001 -- random bytes: not DICOM at all
         looks_valid, ds = False, None
     if not looks_valid:
         raise ImageReadError(p, "not a valid DICOM file (no Part-10 header and no DICOM data set)", "not an image")
+    _check_complete(p, ds, caught)
     _set_transfer_syntax(ds)
     return ds
+
+
+def _check_complete(p: Path, ds, caught: list) -> None:
+    """Raise when pydicom reached the end of the file inside an element (a truncated file: pydicom then returns a
+    partial, often empty, data set with only a warning)."""
+    for w in caught:
+        msg = str(w.message)
+        if "End of file reached" in msg or "ended unexpectedly" in msg:
+            raise ImageReadError(p, f"truncated DICOM file ({msg.split(' found in file')[0]})",
+                                 "corrupt or truncated")
+    if len(ds) == 0:
+        raise ImageReadError(p, "DICOM file holds no data elements (truncated?)", "corrupt or truncated")
 
 
 def _set_transfer_syntax(ds) -> None:

@@ -402,6 +402,9 @@ def write_partition(result: PartitionResult, out_dir: str | os.PathLike, extra: 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a renamed-in OUT gets the usual permissions
     try:
         (tmp / "sites").mkdir()
         for name, rows in result.sites.items():

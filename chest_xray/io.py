@@ -490,10 +490,12 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
                              "no pixel data")
     try:
-        n_frames = int(ds.get("NumberOfFrames", 1) or 1)
-        rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
-        samples = int(ds.get("SamplesPerPixel", 1) or 1)
-        bits_stored = int(ds.get("BitsStored", 0) or 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydicom warns before it raises on an invalid IS/US value
+            n_frames = int(ds.get("NumberOfFrames", 1) or 1)
+            rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
+            samples = int(ds.get("SamplesPerPixel", 1) or 1)
+            bits_stored = int(ds.get("BitsStored", 0) or 0)
     except (TypeError, ValueError) as e:
         raise ImageReadError(p, f"invalid DICOM attribute (Rows/Columns/NumberOfFrames/SamplesPerPixel/BitsStored): "
                              f"{e}", "invalid DICOM attribute") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -247,6 +248,8 @@ def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
     upright.save(d / "upright.png")
     sideways.save(d / "sideways_exif6.png", exif=exif)
     sideways.save(d / "sideways_no_exif.png")
+    raw_name = os.fsencode(d) + b"/upright-t\xf3rax.png"  # cp1252 bytes from a Windows zip: not UTF-8
+    shutil.copy(d / "upright.png", raw_name)
     # an untrained model's classifier starts at zero (p = 0.5 for every input); random classifier weights make
     # the probabilities depend on the input
     from hfl_components.models import build_model
@@ -262,8 +265,10 @@ def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
     out = tmp_path / "pred.csv"
     r = run_cli("predict", "--model", str(model), "--data", str(d), "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = {Path(x["path"]).name: x for x in csv.DictReader(out.open())}
+    with out.open(newline="", encoding="utf-8", errors="surrogateescape") as fh:
+        rows = {Path(x["path"]).name: x for x in csv.DictReader(fh)}
     assert all(x["status"] == "ok" for x in rows.values()), rows
     p = {n: (float(x["p_NORMAL"]), float(x["p_PNEUMONIA"])) for n, x in rows.items()}
-    assert p["sideways_exif6.png"] == p["upright.png"]
+    assert p["sideways_exif6.png"] == p["upright.png"] == p[os.fsdecode(b"upright-t\xf3rax.png")]
+    assert out.read_bytes().count(raw_name) == 1  # the exact bytes of the name
     assert p["sideways_no_exif.png"] != p["upright.png"]

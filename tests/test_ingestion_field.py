@@ -476,6 +476,11 @@ def test_cp1252_file_name_keeps_exact_bytes_through_partition(data_root, tmp_pat
     hit = [r for r in back if os.fsencode(r["path"]) == raw_path][0]
     np.testing.assert_array_equal(read_image(hit["path"])[0], read_image(files["NORMAL"][0])[0])
     json.loads((out / "scan_report.json").read_text())
+    # an OHFL probe CSV in the same format is read back with the same bytes
+    from hfl_components.flare.probe import list_probe_files
+
+    probe = [f for s in sorted((out / "sites").glob("*.csv")) for f in list_probe_files(s)]
+    assert sum(os.fsencode(f) == raw_path for f in probe) == 1
 
 
 # ===================================================================================== atomic partition write

@@ -6,11 +6,20 @@ Three layouts are understood:
 - class folders: ``ROOT/NORMAL/``, ``ROOT/PNEUMONIA/`` (and, for the subtype scheme, optionally
   ``ROOT/BACTERIAL/``, ``ROOT/VIRAL/``);
 - a CSV manifest (``ROOT`` is the ``.csv`` file) with columns ``path`` (relative to the CSV's folder, or absolute)
-  and ``label`` (a class name or an integer index), optionally ``patient_id``.
+  and ``label`` (a class name or an integer index), optionally ``patient_id``; as spreadsheets save it (BOM,
+  CRLF, ``;`` or tab delimiters: :func:`read_csv_rows`).
+
+Folders are walked following symbolic links to sub-folders (each real folder once: a link cycle is listed, not
+followed), and a link to a file is kept under its own name (Hugging Face hub caches, git-annex and DataLad
+datasets link suffix-less blobs). Every file is either a record or listed in the report's ``skipped`` by name with
+a reason; operating-system debris (``Thumbs.db``, ``desktop.ini``, ``.DS_Store``, ``._*``, ``__MACOSX/``) is listed
+as junk.
 """
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import os
 import re
 from pathlib import Path
@@ -119,31 +128,177 @@ def detect_layout(root: str | os.PathLike) -> str:
     )
 
 
-def _iter_candidates(root: Path, layout: str) -> list[tuple[Path, str, str | None]]:
-    """(file, class name, manifest patient id or None), sorted by path."""
+#: File names that operating systems, file managers and archivers leave in exported folders (lower case): never
+#: images; listed in the scan report as junk.
+JUNK_FILE_NAMES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini", ".ds_store", ".localized",
+                   "icon\r", ".directory")
+#: Folders of such debris (lower case), never scanned: Mac zip resource forks, macOS volume metadata, Windows
+#: recycle bin, Synology thumbnails, Jupyter checkpoints.
+JUNK_DIR_NAMES = ("__macosx", ".trashes", ".spotlight-v100", ".fseventsd", "$recycle.bin", "@eadir",
+                  ".ipynb_checkpoints")
+
+
+def junk_reason(path: str | os.PathLike, is_dir: bool = False) -> str | None:
+    """Why a file or folder is operating-system / archive debris rather than data, or None.
+
+    ``Thumbs.db``, ``desktop.ini``, ``.DS_Store`` and the like (:data:`JUNK_FILE_NAMES`), Mac resource forks
+    ``._*``, other hidden names (leading dot), and the folders in :data:`JUNK_DIR_NAMES`.
+    """
+    name = os.fsdecode(Path(path).name)
+    low = name.lower()
+    if is_dir:
+        if low in JUNK_DIR_NAMES:
+            return f"operating-system / archive debris folder {name}, not scanned"
+        if name.startswith("."):
+            return f"hidden folder {name}, not scanned"
+        return None
+    if low in JUNK_FILE_NAMES:
+        return f"operating-system junk file {name!r}"
+    if name.startswith("._"):
+        return "Mac resource fork (._*), not an image"
+    if name.startswith("."):
+        return "hidden file"
+    return None
+
+
+def _skip(path, reason: str, kind: str) -> dict[str, str]:
+    return {"path": str(path), "reason": reason, "kind": kind}
+
+
+def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
+                blocked: set[tuple[int, int]] = frozenset()) -> list[Path]:
+    """Every file under ``top``, following symbolic links to folders, each real folder visited once.
+
+    The paths returned are the paths *as found* (through the links, never resolved). A folder reached a second
+    time (a symbolic-link cycle, or two links to one folder) is listed in ``skipped`` once per extra path and not
+    scanned again, so no image is counted twice. A link to a folder in ``blocked`` (the data root, its parent
+    folders, the other class folders) is listed and not followed: following it would loop or give another class's
+    images this folder's label. Junk folders and broken links are listed in ``skipped``.
+    """
+    out: list[Path] = []
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            st = os.stat(d)
+        except OSError as e:
+            skipped.append(_skip(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
+            continue
+        key = (st.st_dev, st.st_ino)
+        if d is not top and key in blocked:
+            skipped.append(_skip(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
+                                    "folders or another class folder: not followed (a cycle, or images of another "
+                                    "class)", "symbolic-link cycle"))
+            continue
+        if key in seen:
+            skipped.append(_skip(d, f"folder already scanned through another path (symbolic-link cycle or a "
+                                    f"second link to {os.path.realpath(d)})", "symbolic-link cycle"))
+            continue
+        seen.add(key)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            skipped.append(_skip(d, f"cannot list folder ({e.strerror or e})", "unreadable"))
+            continue
+        subdirs = []
+        for e in entries:
+            p = Path(e.path)
+            try:
+                is_dir = e.is_dir(follow_symlinks=True)
+                is_file = e.is_file(follow_symlinks=True)
+                is_link = e.is_symlink()
+            except OSError as err:
+                skipped.append(_skip(p, f"cannot stat ({err.strerror or err})", "unreadable"))
+                continue
+            if is_dir:
+                why = junk_reason(p, is_dir=True)
+                if why:
+                    skipped.append(_skip(p, why, "junk"))
+                else:
+                    subdirs.append(p)
+            elif is_file:
+                out.append(p)
+            elif is_link:
+                skipped.append(_skip(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
+                                     "broken symbolic link"))
+            else:
+                skipped.append(_skip(p, "not a regular file", "not a regular file"))
+        stack.extend(reversed(subdirs))
+    return out
+
+
+def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
+    """A CSV table as spreadsheet software saves it: ``(field names, rows)``.
+
+    Accepted: UTF-8 with or without a byte-order mark (bytes that are not UTF-8, e.g. a cp1252 file name, are
+    kept as surrogate escapes, so a path keeps its exact bytes on POSIX), UTF-16 with a BOM, LF / CRLF / CR line
+    ends, and comma, semicolon (the default in many European locales) or tab delimiters, detected from the header
+    line (the most frequent of the three; comma on a tie). Field names are stripped and lower-cased; values are
+    stripped of surrounding whitespace.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: not parseable as CSV (the message names the file and line).
+    """
+    p = Path(path)
+    data = p.read_bytes()
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        text = data.decode("utf-16", errors="surrogateescape")
+    else:
+        text = data.decode("utf-8-sig", errors="surrogateescape")
+    header = text.splitlines()[0] if text else ""
+    delim = max((",", ";", "\t"), key=lambda c: (header.count(c), c == ","))
+    try:
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim)
+        rows = list(reader)
+    except csv.Error as e:
+        raise ValueError(f"{p}: not a readable CSV file ({e})") from None
+    if not rows:
+        return [], []
+    names = [h.strip().lower() for h in rows[0]]
+    out = []
+    for r in rows[1:]:
+        if not any(c.strip() for c in r):
+            continue  # blank line (spreadsheets add them at the end)
+        out.append({n: (r[i].strip() if i < len(r) else "") for i, n in enumerate(names)})
+    return names, out
+
+
+def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
+    """(file, class name, manifest patient id or None), sorted by path; junk, cycles and broken links go to
+    ``skipped``."""
     known = CLASS_NAMES["binary"] + CLASS_NAMES["subtype"][1:]
     out: list[tuple[Path, str, str | None]] = []
     if layout == "manifest":
-        with open(root, newline="") as fh:
-            reader = csv.DictReader(fh)
-            cols = set(reader.fieldnames or [])
-            if not {"path", "label"} <= cols:
-                raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
-            for row in reader:
-                p = Path(row["path"])
-                if not p.is_absolute():
-                    p = root.parent / p
-                pid = (row.get("patient_id") or "").strip() or None
-                out.append((p, row["label"], pid))
+        cols, rows = read_csv_rows(root)
+        if not {"path", "label"} <= set(cols):
+            raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
+        for row in rows:
+            p = Path(row["path"])
+            if not p.is_absolute():
+                p = root.parent / p
+            pid = (row.get("patient_id") or "").strip() or None
+            out.append((Path(os.path.abspath(p)), row["label"], pid))
         return sorted(out, key=lambda t: str(t[0]))
     dirs = [root] if layout == "classes" else [root / s for s in _SPLIT_DIRS]
+    seen: set[tuple[int, int]] = set()
+    # never entered through a link: the data root and every folder above it, the split and class folders
+    real = Path(os.path.realpath(root))
+    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(d / c for d in dirs for c in known)]) if k}
     for d in dirs:
         for c in known:
             cd = d / c
             if cd.is_dir():
-                for f in cd.rglob("*"):
-                    if f.is_file() and not f.name.startswith("."):
-                        out.append((f, c, None))
+                out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
     return sorted(out, key=lambda t: str(t[0]))
 
 
@@ -182,34 +337,54 @@ def scan_dataset(
     """
     if labels not in CLASS_NAMES:
         raise ValueError(f"unknown label scheme {labels!r}; expected one of {sorted(CLASS_NAMES)}")
-    r = Path(root).resolve()
+    r = Path(os.path.abspath(root))  # not resolved: a linked data root keeps its own path
     layout = detect_layout(r)
-    candidates = _iter_candidates(r, layout)
-    records: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+    candidates = _iter_candidates(r, layout, skipped)
+    n_walk_skipped = len(skipped)
+    records: list[dict[str, Any]] = []
+    notes: list[dict[str, str]] = []
     for path, cls, pid in candidates:
-        path = path.resolve()
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            skipped.append({"path": str(path), "reason": f"unsupported file type {path.suffix or '(none)'}"})
+        # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
+        # patient id; only the bytes are read through the link
+        why = junk_reason(path) if layout != "manifest" else None
+        if why:
+            skipped.append(_skip(path, why, "junk"))
+            continue
+        suffix = path.suffix.lower()
+        is_dicom = suffix in DICOM_SUFFIXES or (suffix == "" and _sniff_dicom(path))
+        if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
+            skipped.append(_skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
+                                 "unsupported file type"))
             continue
         label = label_index(cls, path, labels)
         try:
-            if path.suffix.lower() in DICOM_SUFFIXES:
+            if is_dicom:
                 hdr = dicom_header(path)
                 why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
                 if why:
-                    skipped.append({"path": str(path), "reason": why})
+                    skipped.append(_skip(path, why, "lateral view" if "lateral" in why
+                                         else "not a projection radiograph"))
                     continue
                 width, height = hdr["columns"], hdr["rows"]
+                note = hdr.get("voi_fallback")
                 if verify:
                     _, meta = read_image(path)
                     width, height = meta["original_width"], meta["original_height"]
+                    note = meta.get("voi_fallback") or note
+                if note:
+                    notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
+                                                             f"its own range: {note}", "kind": "voi fallback"})
                 pid = pid or dicom_patient_id(path, salt) or path.stem
             else:
                 width, height = _pil_size(path) if not verify else _verified_size(path)
                 pid = pid or patient_id_from_name(path)
         except ImageReadError as e:
-            skipped.append({"path": str(path), "reason": e.reason})
+            skipped.append(_skip(path, e.reason, e.kind))
+            continue
+        except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
+            skipped.append(_skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+                                 "unreadable"))
             continue
         records.append(
             {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
@@ -220,13 +395,34 @@ def scan_dataset(
         "layout": layout,
         "labels": labels,
         "class_names": list(names),
-        "n_files": len(candidates),
+        "n_files": len(candidates) + n_walk_skipped,
         "n_records": len(records),
         "per_class": {n: sum(1 for x in records if x["label"] == k) for k, n in enumerate(names)},
         "n_patients": len({x["patient_id"] for x in records}),
-        "skipped": skipped,
+        "skipped": sorted(skipped, key=lambda s: s["path"]),
+        "skipped_by_reason": count_by_kind(skipped),
+        "notes": notes,
     }
     return records, report
+
+
+def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
+    """Number of scan-report entries per ``kind`` (most frequent first, then by name)."""
+    c: dict[str, int] = {}
+    for s in entries:
+        k = s.get("kind") or "unreadable"
+        c[k] = c.get(k, 0) + 1
+    return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _sniff_dicom(path: Path) -> bool:
+    """A file without a suffix is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(132)
+    except OSError:
+        return False
+    return len(head) == 132 and head[128:132] == b"DICM"
 
 
 def _verified_size(path: Path) -> tuple[int, int]:
@@ -235,19 +431,27 @@ def _verified_size(path: Path) -> tuple[int, int]:
 
 
 def _pil_size(path: Path) -> tuple[int, int]:
+    """Upright (EXIF-oriented) width and height from the header alone."""
     from PIL import Image, UnidentifiedImageError
 
-    from .io import MAX_PIXELS
+    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, exif_orientation
 
-    if path.stat().st_size == 0:
-        raise ImageReadError(path, "empty file (0 bytes)")
     try:
+        if path.stat().st_size == 0:
+            raise ImageReadError(path, "empty file (0 bytes)", "empty file")
         with Image.open(path) as img:
             w, h = img.size
+            if exif_orientation(img) in EXIF_SWAPS_AXES:
+                w, h = h, w
+    except ImageReadError:
+        raise
     except UnidentifiedImageError:
-        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)") from None
-    except Exception as e:
-        raise ImageReadError(path, f"cannot open image: {e}") from None
+        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
+                             "not an image") from None
+    except FileNotFoundError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "missing file") from None
+    except Exception as e:  # noqa: BLE001
+        raise ImageReadError(path, f"cannot open image: {e}", "corrupt or truncated") from None
     if w * h > MAX_PIXELS:
-        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels")
+        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
     return w, h

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,18 +35,36 @@ LATERAL_VIEWS = ("LL", "RL", "LAT", "LATERAL", "LLD", "RLD", "RLO", "LLO")
 SALT_ENV = "CXR_PATIENT_SALT"
 
 
+#: Categories of :attr:`ImageReadError.kind` (and of the scan report's ``skipped_by_reason`` counts).
+READ_ERROR_KINDS = (
+    "missing file", "not a regular file", "empty file", "not an image", "corrupt or truncated", "too large",
+    "multi-frame", "no pixel data", "colour image", "no decoder", "invalid DICOM attribute", "unreadable",
+)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` with every run of whitespace (newlines included) collapsed to one space, cut to ``limit`` chars."""
+    t = " ".join(str(text).split())
+    return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
 class ImageReadError(Exception):
     """A file could not be read as a chest X-ray image.
 
     Attributes:
-        path: the file, as given.
-        reason: what went wrong, in words (never contains patient-identifying DICOM fields).
+        path: the file, as given (a non-UTF-8 name keeps its bytes as surrogate escapes, as ``os.fsdecode``).
+        reason: what went wrong, in words, on one line (never contains patient-identifying DICOM fields).
+        kind: the category of the problem, one of :data:`READ_ERROR_KINDS` (scan reports count skips by it).
     """
 
-    def __init__(self, path: str | os.PathLike, reason: str):
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
+    def __init__(self, path: str | os.PathLike, reason: str, kind: str = "unreadable"):
+        self.path = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+        self.reason = _one_line(reason)
+        self.kind = kind
+        super().__init__(f"{self.path!s}: {self.reason}")
+
+    def __reduce__(self):  # picklable across DataLoader workers
+        return (type(self), (self.path, self.reason, self.kind))
 
 
 def _is_dicom(path: Path) -> bool:
@@ -76,31 +95,50 @@ def read_image(
 
     Returns:
         ``(image, meta)``: ``image`` is float32 of shape (H, W) with values in [0, 1] (H, W = decoded rows and
-        columns, in the file's own orientation, i.e. never transposed); ``meta`` is a dict with technical fields
-        only: ``format`` ("JPEG", "PNG", "DICOM", ...), ``original_height``/``original_width`` (pixels, from the
-        header), ``height``/``width`` (decoded, smaller than the original only in draft mode), ``bit_depth``
+        columns, upright: a JPEG/PNG's EXIF Orientation is applied first, otherwise the file's own orientation,
+        never transposed); ``meta`` is a dict with technical fields only: ``format`` ("JPEG", "PNG", "MPO",
+        "DICOM", ...), ``original_height``/``original_width`` (pixels, from the header, upright),
+        ``height``/``width`` (decoded, smaller than the original only in draft mode), ``bit_depth``
         (bits per stored sample), ``mode`` (Pillow mode, or "DICOM"), ``photometric_interpretation``
         ("MONOCHROME1"/"MONOCHROME2" for DICOM, "MONOCHROME2" for grayscale Pillow modes, else the Pillow mode),
-        ``draft`` (bool). DICOM adds ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut",
-        "window" or "none") and ``inverted``.
+        ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent). DICOM adds
+        ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"),
+        ``voi_fallback`` (why an invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own
+        range, see :func:`voi_problem`; None when not needed) and ``inverted``. A JPEG whose other MPF images are
+        only previews is read as its primary image.
 
     Raises:
-        ImageReadError: the file is missing, empty, not a supported image, truncated or corrupt, larger than
-            ``max_pixels``, or a DICOM object that is multi-frame, colour, or has no pixel data. The message starts
-            with the path.
+        ImageReadError: the only exception raised (any error from pydicom, Pillow or a decoder is converted):
+            the file is missing, empty, not a supported image, truncated or corrupt, larger than ``max_pixels``, a
+            true multi-frame stack, or a DICOM object that is colour, has no pixel data, invalid Rows/Columns, or
+            a transfer syntax no installed decoder handles. The message is one line and starts with the path;
+            ``kind`` is one of :data:`READ_ERROR_KINDS`.
     """
-    p = Path(path)
     try:
-        size = p.stat().st_size
-    except OSError as e:
-        raise ImageReadError(p, f"cannot open file ({e.strerror or e})") from None
-    if not p.is_file():
-        raise ImageReadError(p, "not a regular file")
-    if size == 0:
-        raise ImageReadError(p, "empty file (0 bytes)")
-    if _is_dicom(p):
-        return _read_dicom(p, max_pixels)
-    return _read_pil(p, target_size, max_pixels)
+        p = Path(os.fsdecode(path))
+    except TypeError:
+        raise ImageReadError(str(path), f"not a file path ({type(path).__name__})", "missing file") from None
+    try:
+        try:
+            size = p.stat().st_size
+        except OSError as e:
+            if p.is_symlink():
+                raise ImageReadError(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
+                                     "missing file") from None
+            raise ImageReadError(p, f"cannot open file ({e.strerror or e})", "missing file") from None
+        if not p.is_file():
+            raise ImageReadError(p, "not a regular file", "not a regular file")
+        if size == 0:
+            raise ImageReadError(p, "empty file (0 bytes)", "empty file")
+        if _is_dicom(p):
+            return _read_dicom(p, max_pixels)
+        return _read_pil(p, target_size, max_pixels)
+    except ImageReadError:
+        raise
+    except MemoryError:
+        raise ImageReadError(p, "out of memory while decoding (image too large?)", "too large") from None
+    except Exception as e:  # noqa: BLE001 -- the contract: nothing but ImageReadError leaves read_image
+        raise ImageReadError(p, f"cannot read image ({type(e).__name__}: {e})", "unreadable") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,38 +147,70 @@ def read_image(
 _GRAY_MODES = {"L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32, "F": 32, "1": 1, "LA": 8}
 
 
+#: EXIF Orientation values (TIFF/EXIF tag 0x0112) that swap width and height (90/270-degree rotations).
+EXIF_SWAPS_AXES = (5, 6, 7, 8)
+#: MPF (CIPA DC-007) image types that are previews of the primary image, not further radiographs.
+_MPF_PREVIEW_TYPES = ("Large Thumbnail",)
+
+
+def exif_orientation(img) -> int:
+    """EXIF Orientation (1..8) of an open Pillow image; 1 (upright) when absent or unreadable."""
+    try:
+        value = int(img.getexif().get(0x0112, 1) or 1)
+    except Exception:  # noqa: BLE001 -- malformed EXIF: treat as absent
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def _true_frames(img) -> int:
+    """Number of frames that are separate images (1 for a JPEG whose other MPF entries are only previews)."""
+    n = int(getattr(img, "n_frames", 1) or 1)
+    if n <= 1 or img.format != "MPO":
+        return n
+    try:
+        entries = img.mpinfo[0xB002]
+        types = [str(e["Attribute"]["MPType"]) for e in entries]
+    except Exception:  # noqa: BLE001 -- no readable MP index: count every frame
+        return n
+    extra = [t for t in types[1:] if not t.startswith(_MPF_PREVIEW_TYPES)]
+    return 1 + len(extra)
+
+
 def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
             # never let Pillow's bomb check degrade to a warning; our own guard below gives the clear error
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(p)
-    except Image.DecompressionBombError as e:
-        raise ImageReadError(p, f"image too large (decompression-bomb guard): {e}") from None
-    except Image.DecompressionBombWarning as e:
-        raise ImageReadError(p, f"image too large (decompression-bomb guard): {e}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageReadError(p, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
-        raise ImageReadError(p, "not a recognised image format (JPEG, PNG or DICOM expected)") from None
-    except OSError as e:
-        raise ImageReadError(p, f"cannot open image: {e}") from None
+        raise ImageReadError(p, "not a recognised image format (JPEG, PNG or DICOM expected)", "not an image") from None
+    except (OSError, ValueError, SyntaxError, struct.error, EOFError) as e:
+        raise ImageReadError(p, f"cannot open image: {e}", "corrupt or truncated") from None
     with img:
         fmt = img.format or "UNKNOWN"
         width, height = img.size
         mode0 = img.mode
         if width <= 0 or height <= 0:
-            raise ImageReadError(p, f"invalid dimensions {width}x{height}")
+            raise ImageReadError(p, f"invalid dimensions {width}x{height}", "corrupt or truncated")
         if width * height > max_pixels:
             raise ImageReadError(
                 p,
                 f"image too large: {width}x{height} = {width * height:,} pixels exceeds the limit of "
                 f"{max_pixels:,} (decompression-bomb guard)",
+                "too large",
             )
-        if getattr(img, "n_frames", 1) > 1:
-            raise ImageReadError(p, f"multi-frame image ({img.n_frames} frames) is not a single radiograph")
+        n_frames = _true_frames(img)
+        if n_frames > 1:
+            raise ImageReadError(p, f"multi-frame image ({n_frames} frames) is not a single radiograph",
+                                 "multi-frame")
+        # an MPO's primary image is frame 0; Pillow reads it as a plain JPEG from here on
+        orientation = exif_orientation(img)
         draft = False
-        if fmt == "JPEG" and target_size and max(width, height) >= 2 * int(target_size):
+        if fmt in ("JPEG", "MPO") and target_size and max(width, height) >= 2 * int(target_size):
             scale = int(target_size) / max(width, height)
             req = (max(1, int(np.ceil(width * scale))), max(1, int(np.ceil(height * scale))))
             res = img.draft("L" if mode0 in ("L", "RGB") else mode0, req)
@@ -149,9 +219,15 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.nda
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 img.load()
-            arr, bit_depth = _pil_to_gray(img)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as e:
-            raise ImageReadError(p, f"corrupt or truncated {fmt} data: {e}") from None
+            upright = img
+            if orientation != 1:
+                # the EXIF orientation applies before anything else reads the pixels (draft scaling commutes)
+                upright = ImageOps.exif_transpose(img)
+            arr, bit_depth = _pil_to_gray(upright)
+        except (OSError, ValueError, SyntaxError, struct.error, EOFError, Image.DecompressionBombWarning) as e:
+            raise ImageReadError(p, f"corrupt or truncated {fmt} data: {e}", "corrupt or truncated") from None
+    if orientation in EXIF_SWAPS_AXES:
+        width, height = height, width
     h, w = arr.shape
     meta = {
         "format": fmt,
@@ -163,6 +239,7 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.nda
         "mode": mode0,
         "photometric_interpretation": "MONOCHROME2" if mode0 in _GRAY_MODES else mode0,
         "draft": bool(draft),
+        "exif_orientation": int(orientation),
     }
     return arr, meta
 
@@ -209,15 +286,65 @@ def _minmax(a: np.ndarray) -> np.ndarray:
 
 
 def _dcmread(p: Path, stop_before_pixels: bool = False):
+    """pydicom dataset of ``p``; a data set without the Part-10 header (no preamble, no ``DICM``) is read with
+    ``force=True`` and accepted only when it holds an image (Rows, Columns) or a SOP Class UID."""
     import pydicom
     from pydicom.errors import InvalidDicomError
 
     try:
-        return pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
+            ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
+        _check_complete(p, ds, caught)
+        return ds
+    except ImageReadError:
+        raise
     except InvalidDicomError:
-        raise ImageReadError(p, "not a valid DICOM file") from None
+        pass
     except Exception as e:  # pydicom raises a wide range of errors on truncated files
-        raise ImageReadError(p, f"cannot parse DICOM file ({type(e).__name__})") from None
+        raise ImageReadError(p, f"cannot parse DICOM file ({type(e).__name__}: {e})", "corrupt or truncated") from None
+    # no Part-10 header: a raw data set (what some PACS exports and old archives write) is read with force
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels, force=True)
+            looks_valid = ("Rows" in ds and "Columns" in ds) or "SOPClassUID" in ds
+    except Exception:  # noqa: BLE001 -- random bytes: not DICOM at all
+        looks_valid, ds = False, None
+    if not looks_valid:
+        raise ImageReadError(p, "not a valid DICOM file (no Part-10 header and no DICOM data set)", "not an image")
+    _check_complete(p, ds, caught)
+    _set_transfer_syntax(ds)
+    return ds
+
+
+def _check_complete(p: Path, ds, caught: list) -> None:
+    """Raise when pydicom reached the end of the file inside an element (a truncated file: pydicom then returns a
+    partial, often empty, data set with only a warning)."""
+    for w in caught:
+        msg = str(w.message)
+        if "End of file reached" in msg or "ended unexpectedly" in msg:
+            raise ImageReadError(p, f"truncated DICOM file ({msg.split(' found in file')[0]})",
+                                 "corrupt or truncated")
+    if len(ds) == 0:
+        raise ImageReadError(p, "DICOM file holds no data elements (truncated?)", "corrupt or truncated")
+
+
+def _set_transfer_syntax(ds) -> None:
+    """Give a force-read data set (no file meta) the Transfer Syntax UID its encoding was read with."""
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
+
+    meta = getattr(ds, "file_meta", None)
+    if meta is None:
+        meta = ds.file_meta = FileMetaDataset()
+    if meta.get("TransferSyntaxUID"):
+        return
+    implicit, little = ds.original_encoding
+    if implicit is None:
+        implicit, little = True, True
+    meta.TransferSyntaxUID = (ImplicitVRLittleEndian if implicit else
+                              ExplicitVRLittleEndian if little else ExplicitVRBigEndian)
 
 
 def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
@@ -225,19 +352,89 @@ def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
 
     Returns:
         dict with ``modality`` (str, "" if absent), ``view_position`` (str), ``rows``, ``columns`` (int, 0 if
-        absent). No patient-identifying field is included.
+        absent), ``voi_fallback`` (why the VOI window/LUT will be ignored, see :func:`voi_problem`; None when it
+        is usable). No patient-identifying field is included.
 
     Raises:
-        ImageReadError: not a parseable DICOM file.
+        ImageReadError: not a parseable DICOM file, or Rows/Columns that are not integers.
     """
     p = Path(path)
     ds = _dcmread(p, stop_before_pixels=True)
-    return {
-        "modality": str(ds.get("Modality", "") or "").upper(),
-        "view_position": str(ds.get("ViewPosition", "") or "").upper(),
-        "rows": int(ds.get("Rows", 0) or 0),
-        "columns": int(ds.get("Columns", 0) or 0),
-    }
+    try:
+        return {
+            "modality": str(ds.get("Modality", "") or "").strip().upper(),
+            "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
+            "rows": int(ds.get("Rows", 0) or 0),
+            "columns": int(ds.get("Columns", 0) or 0),
+            "voi_fallback": voi_problem(ds),
+        }
+    except (TypeError, ValueError) as e:
+        raise ImageReadError(p, f"invalid DICOM attribute: {e}", "invalid DICOM attribute") from None
+
+
+def _values(v) -> list:
+    """A DICOM attribute value as a list (a multi-value is a list, a single value a one-item list)."""
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue":
+        return list(v)
+    return [v]
+
+
+def _number(v) -> float | None:
+    """``v`` as a finite float, or None (a decimal comma ``"15000,5"`` is not a DICOM number: None)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if np.isfinite(x) else None
+
+
+def voi_problem(ds) -> str | None:
+    """Why this data set's VOI transform (VOI LUT Sequence or Window Center/Width) cannot be applied, or None.
+
+    Checked (PS3.3 C.11.2.1.2): a VOI LUT Sequence item needs a three-value LUT Descriptor (bits 8..16) and LUT
+    Data; Window Center and Window Width come together, with the same number of values, every value a finite
+    number (DS: a decimal comma such as ``15000,5`` is not one), and the width used (the first, which the
+    standard makes the default of several alternative windows) >= 1 for LINEAR (> 0 for LINEAR_EXACT / SIGMOID).
+
+    Returns:
+        a one-line reason naming the attribute, or None when the transform is valid or absent. When a reason is
+        returned, :func:`read_image` ignores the VOI transform and scales the modality-LUT output to its own
+        range (the documented fallback), recording the reason as ``meta["voi_fallback"]``.
+    """
+    lut = ds.get("VOILUTSequence")
+    if lut:
+        try:
+            item = lut[0]
+            desc = _values(item.get("LUTDescriptor"))
+            if len(desc) != 3 or not 8 <= int(desc[2]) <= 16 or "LUTData" not in item:
+                return "invalid VOI LUT Sequence (LUT Descriptor / LUT Data malformed)"
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return "invalid VOI LUT Sequence (LUT Descriptor / LUT Data malformed)"
+        return None
+    wc, ww = ds.get("WindowCenter"), ds.get("WindowWidth")
+    if wc is None and ww is None:
+        return None
+    if wc is None or ww is None or wc == "" or ww == "":
+        return f"Window {'Width' if wc is not None and wc != '' else 'Center'} missing (Window Center and " \
+               "Width come together)"
+    centres, widths = _values(wc), _values(ww)
+    if len(centres) != len(widths):
+        return f"Window Center has {len(centres)} values but Window Width has {len(widths)}"
+    for name, vals in (("Window Center", centres), ("Window Width", widths)):
+        bad = [v for v in vals if _number(v) is None]
+        if bad:
+            return f"non-numeric {name} {str(bad[0])!r}"
+    func = str(ds.get("VOILUTFunction", "LINEAR") or "LINEAR").strip().upper()
+    if func not in ("LINEAR", "LINEAR_EXACT", "SIGMOID"):
+        return f"unknown VOI LUT Function {func!r}"
+    w0 = _number(widths[0])
+    if func == "LINEAR" and w0 < 1:
+        return f"Window Width {w0:g} < 1 (invalid for a LINEAR window)"
+    if func != "LINEAR" and w0 <= 0:
+        return f"Window Width {w0:g} <= 0 (invalid for {func})"
+    return None
 
 
 def _has_pixel_tag(ds) -> bool:
@@ -263,56 +460,104 @@ def dicom_skip_reason(header: dict[str, Any], allow_any_modality: bool = False, 
     return None
 
 
+#: The decoder package this project pins for compressed DICOM (JPEG Lossless, JPEG-LS, JPEG 2000, RLE).
+DICOM_DECODER_HINT = "python-gdcm==3.2.6"
+
+
+def _decoder_problem(ds) -> str | None:
+    """Why pydicom has no usable decoder for this data set's transfer syntax, or None."""
+    from pydicom.pixels import get_decoder
+
+    uid = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
+    if not uid:
+        return "no Transfer Syntax UID in the file meta information"
+    name = getattr(uid, "name", str(uid))
+    try:
+        decoder = get_decoder(uid)
+    except NotImplementedError:
+        return f"unsupported transfer syntax {name} ({uid})"
+    if not decoder.is_available:
+        return f"no decoder installed for {name} (install {DICOM_DECODER_HINT})"
+    return None
+
+
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = _dcmread(p)
     if not _has_pixel_tag(ds):
         sop = str(ds.get("SOPClassUID", "")) and getattr(ds.SOPClassUID, "name", str(ds.SOPClassUID))
-        raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})")
-    n_frames = int(ds.get("NumberOfFrames", 1) or 1)
+        raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
+                             "no pixel data")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydicom warns before it raises on an invalid IS/US value
+            n_frames = int(ds.get("NumberOfFrames", 1) or 1)
+            rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
+            samples = int(ds.get("SamplesPerPixel", 1) or 1)
+            bits_stored = int(ds.get("BitsStored", 0) or 0)
+    except (TypeError, ValueError) as e:
+        raise ImageReadError(p, f"invalid DICOM attribute (Rows/Columns/NumberOfFrames/SamplesPerPixel/BitsStored): "
+                             f"{e}", "invalid DICOM attribute") from None
     if n_frames > 1:
-        raise ImageReadError(p, f"multi-frame DICOM ({n_frames} frames) is not a single radiograph")
-    rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
+        raise ImageReadError(p, f"multi-frame DICOM ({n_frames} frames) is not a single radiograph", "multi-frame")
     if rows <= 0 or cols <= 0:
-        raise ImageReadError(p, f"invalid DICOM dimensions {rows}x{cols}")
+        raise ImageReadError(p, f"invalid DICOM dimensions {rows}x{cols}", "invalid DICOM attribute")
     if rows * cols > max_pixels:
         raise ImageReadError(
             p,
             f"image too large: {cols}x{rows} = {rows * cols:,} pixels exceeds the limit of {max_pixels:,} "
             "(decompression-bomb guard)",
+            "too large",
         )
-    photometric = str(ds.get("PhotometricInterpretation", "") or "").upper()
-    if int(ds.get("SamplesPerPixel", 1) or 1) != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
-        raise ImageReadError(p, f"colour DICOM ({photometric or 'unknown photometric'}) is not a radiograph")
-    tsyntax = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
+    photometric = str(ds.get("PhotometricInterpretation", "") or "").strip().upper()
+    if samples != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        raise ImageReadError(p, f"colour DICOM ({photometric or 'unknown photometric'}) is not a radiograph",
+                             "colour image")
+    why = _decoder_problem(ds)
+    if why:
+        raise ImageReadError(p, why, "no decoder")
+    tsyntax = ds.file_meta.get("TransferSyntaxUID")
+    ts_name = getattr(tsyntax, "name", str(tsyntax))
     try:
-        raw = ds.pixel_array
-    except Exception as e:
-        raise ImageReadError(
-            p, f"cannot decode DICOM pixel data ({getattr(tsyntax, 'name', tsyntax)}): {type(e).__name__}: {e}"
-        ) from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
+            raw = ds.pixel_array
+    except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one line naming the syntax
+        raise ImageReadError(p, f"cannot decode DICOM pixel data ({ts_name}): {type(e).__name__}: {e}",
+                             "corrupt or truncated") from None
     if raw.ndim != 2:
-        raise ImageReadError(p, f"unexpected DICOM pixel array shape {raw.shape}")
+        raise ImageReadError(p, f"unexpected DICOM pixel array shape {raw.shape}", "multi-frame")
     # DICOM grayscale pipeline, in the standard's order: modality LUT -> VOI LUT / window -> presentation
-    arr = apply_modality_lut(raw, ds)
-    voi = "none"
-    if ds.get("VOILUTSequence"):
-        voi = "lut"
-    elif ds.get("WindowCenter") is not None and ds.get("WindowWidth") is not None:
-        voi = "window"
-    if voi == "lut":
-        arr = apply_voi_lut(arr, ds)
-        bits = int(ds.VOILUTSequence[0].LUTDescriptor[2])
-        lo, hi = 0.0, float(2**bits - 1)
-    elif voi == "window":
-        arr = apply_voi_lut(arr, ds, prefer_lut=False)
-        lo, hi = _window_output_range(ds)
-    else:
-        arr = np.asarray(arr, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-    arr = np.asarray(arr, dtype=np.float64)
-    out = np.zeros(arr.shape, np.float32) if hi <= lo else np.clip((arr - lo) / (hi - lo), 0.0, 1.0)
+    try:
+        arr = apply_modality_lut(raw, ds)
+    except Exception as e:  # noqa: BLE001
+        raise ImageReadError(p, f"invalid modality LUT / Rescale Slope, Intercept ({type(e).__name__}: {e})",
+                             "invalid DICOM attribute") from None
+    voi, fallback = "none", voi_problem(ds)
+    if fallback is None:
+        if ds.get("VOILUTSequence"):
+            voi = "lut"
+        elif ds.get("WindowCenter") is not None and ds.get("WindowWidth") is not None:
+            voi = "window"
+    out = None
+    if voi != "none":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if voi == "lut":
+                    windowed = apply_voi_lut(arr, ds)
+                    lo, hi = 0.0, float(2 ** int(ds.VOILUTSequence[0].LUTDescriptor[2]) - 1)
+                else:
+                    windowed = apply_voi_lut(arr, ds, prefer_lut=False)
+                    lo, hi = _window_output_range(ds, bits_stored or raw.dtype.itemsize * 8)
+            out = _scale(windowed, lo, hi)
+        except Exception as e:  # noqa: BLE001 -- documented fallback below
+            fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
+    if out is None:
+        # no (usable) VOI transform: the modality-LUT output scaled to its own range
+        a = np.asarray(arr, dtype=np.float64)
+        out = _scale(a, float(a.min()), float(a.max()))
     inverted = photometric == "MONOCHROME1"
     if inverted:
         out = 1.0 - out
@@ -322,25 +567,33 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         "original_width": cols,
         "height": int(out.shape[0]),
         "width": int(out.shape[1]),
-        "bit_depth": int(ds.get("BitsStored", raw.dtype.itemsize * 8)),
+        "bit_depth": int(bits_stored or raw.dtype.itemsize * 8),
         "mode": "DICOM",
         "photometric_interpretation": photometric,
         "draft": False,
-        "modality": str(ds.get("Modality", "") or "").upper(),
-        "view_position": str(ds.get("ViewPosition", "") or "").upper(),
-        "transfer_syntax": getattr(tsyntax, "name", str(tsyntax) if tsyntax else ""),
+        "modality": str(ds.get("Modality", "") or "").strip().upper(),
+        "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
+        "transfer_syntax": ts_name,
         "voi": voi,
+        "voi_fallback": _one_line(fallback) if fallback else None,
         "inverted": inverted,
     }
     return out.astype(np.float32, copy=False), meta
 
 
-def _window_output_range(ds) -> tuple[float, float]:
+def _scale(a, lo: float, hi: float) -> np.ndarray:
+    """``(a - lo) / (hi - lo)`` clipped to [0, 1]; zeros when ``hi <= lo`` (a constant image)."""
+    a = np.asarray(a, dtype=np.float64)
+    if hi <= lo:
+        return np.zeros(a.shape, np.float32)
+    return np.clip((a - lo) / (hi - lo), 0.0, 1.0)
+
+
+def _window_output_range(ds, bits: int) -> tuple[float, float]:
     """Output range [y_min, y_max] of pydicom's ``apply_windowing`` for this dataset (PS3.3 C.11.2.1.2)."""
     if ds.get("ModalityLUTSequence"):
         return 0.0, float(2 ** int(ds.ModalityLUTSequence[0].LUTDescriptor[2]) - 1)
-    bits = int(ds.BitsStored)
-    if int(ds.get("PixelRepresentation", 0)) == 0:
+    if int(ds.get("PixelRepresentation", 0) or 0) == 0:
         y_min, y_max = 0.0, float(2**bits - 1)
     else:
         y_min, y_max = float(-(2 ** (bits - 1))), float(2 ** (bits - 1) - 1)

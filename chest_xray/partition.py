@@ -356,57 +356,109 @@ def site_summary(rows: list[dict[str, Any]], class_names: list[str]) -> dict[str
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as fh:
+    # surrogateescape: a file name that is not UTF-8 (e.g. cp1252 from a Windows zip) is written as its exact bytes
+    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as fh:
         w = csv.DictWriter(fh, fieldnames=list(MANIFEST_COLUMNS), lineterminator="\n")
         w.writeheader()
         for r in rows:
             w.writerow({c: r[c] for c in MANIFEST_COLUMNS})
 
 
-def write_partition(result: PartitionResult, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write a partition to disk.
+#: Entries of a partition folder that :func:`write_partition` owns (and replaces as a whole).
+PARTITION_ENTRIES = ("partition.json", "sites", "probe.csv", "scan_report.json")
+
+
+def write_partition(result: PartitionResult, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    *, scan_report: dict[str, Any] | None = None) -> Path:
+    """Write a partition to disk, atomically: nothing half-written is ever left behind.
 
     Files: ``OUT/partition.json`` (scheme, seed, alpha, class names, parameters, and per site: counts per class
     and split, patients, width/height ranges), ``OUT/sites/<site>.csv`` with columns
-    ``path,label,split,patient_id,width,height`` (absolute paths, sorted), and ``OUT/probe.csv`` when a probe pool
-    exists. Stale site CSVs from an earlier run in the same folder are removed. No timestamps are written, so the
-    same result gives byte-identical files.
+    ``path,label,split,patient_id,width,height`` (absolute paths, sorted; UTF-8, except that a path whose name is
+    not UTF-8 keeps its exact bytes), ``OUT/probe.csv`` when a probe pool exists, and ``OUT/scan_report.json``
+    when ``scan_report`` is given. No timestamps are written, so the same result gives byte-identical files.
+
+    Everything is first written into a temporary folder next to ``OUT``; only when every file is complete are the
+    entries of :data:`PARTITION_ENTRIES` swapped in by rename (a whole new ``OUT`` is one rename). A failure while
+    writing (e.g. a disk full, an unencodable value) leaves ``OUT`` exactly as it was. Entries of an earlier run
+    that this result does not have (stale site CSVs, a probe pool) are removed; other files in ``OUT`` are kept.
 
     Args:
         result: from :func:`partition_records`.
         out_dir: created if missing.
         extra: additional JSON-safe fields for ``partition.json`` (e.g. data root, label scheme, scan report
             summary).
+        scan_report: the scan report (from :func:`chest_xray.scan_dataset`) to write as ``scan_report.json``.
 
     Returns:
         the path of ``partition.json``.
+
+    Raises:
+        OSError: ``OUT`` cannot be written (``OUT`` unchanged).
     """
+    import shutil
+    import tempfile
+
     out = Path(out_dir)
-    (out / "sites").mkdir(parents=True, exist_ok=True)
-    for old in (out / "sites").glob("*.csv"):
-        if old.stem not in result.sites:
-            old.unlink()
-    for name, rows in result.sites.items():
-        _write_rows(out / "sites" / f"{name}.csv", rows)
-    probe_csv = out / "probe.csv"
-    if result.probe:
-        _write_rows(probe_csv, result.probe)
-    elif probe_csv.exists():
-        probe_csv.unlink()
-    doc = {
-        "scheme": result.scheme,
-        "seed": result.seed,
-        "alpha": result.alpha if result.scheme == "dirichlet" else None,
-        "class_names": result.class_names,
-        "params": result.params,
-        "sites": {n: site_summary(rows, result.class_names) for n, rows in result.sites.items()},
-        "probe": site_summary(result.probe, result.class_names) if result.probe else None,
-    }
-    if extra:
-        doc.update(extra)
-    path = out / "partition.json"
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    return path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a renamed-in OUT gets the usual permissions
+    try:
+        (tmp / "sites").mkdir()
+        for name, rows in result.sites.items():
+            _write_rows(tmp / "sites" / f"{name}.csv", rows)
+        if result.probe:
+            _write_rows(tmp / "probe.csv", result.probe)
+        doc = {
+            "scheme": result.scheme,
+            "seed": result.seed,
+            "alpha": result.alpha if result.scheme == "dirichlet" else None,
+            "class_names": result.class_names,
+            "params": result.params,
+            "sites": {n: site_summary(rows, result.class_names) for n, rows in result.sites.items()},
+            "probe": site_summary(result.probe, result.class_names) if result.probe else None,
+        }
+        if extra:
+            doc.update(extra)
+        (tmp / "partition.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        if scan_report is not None:
+            # ensure_ascii (the default) writes a non-UTF-8 name's surrogate escapes as \\udcXX: valid JSON
+            (tmp / "scan_report.json").write_text(json.dumps(scan_report, indent=2, sort_keys=True) + "\n")
+        if not out.exists():
+            os.rename(tmp, out)
+            return out / "partition.json"
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "partition.json"
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Move the :data:`PARTITION_ENTRIES` of ``tmp`` into ``out`` (old ones to ``tmp/.old``, restored on error)."""
+    import shutil
+
+    old = tmp / ".old"
+    old.mkdir()
+    moved: list[str] = []
+    try:
+        for name in PARTITION_ENTRIES:
+            if (out / name).exists() or (out / name).is_symlink():
+                os.rename(out / name, old / name)
+                moved.append(name)
+        for name in PARTITION_ENTRIES:
+            if (tmp / name).exists():
+                os.rename(tmp / name, out / name)
+    except OSError:
+        for name in PARTITION_ENTRIES:  # put the earlier run back
+            if (old / name).exists():
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                elif (out / name).exists():
+                    (out / name).unlink()
+                os.rename(old / name, out / name)
+        raise
 
 
 def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -420,22 +472,23 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a required column is missing or a value is malformed (the message names the file and line).
     """
+    from .dataset import read_csv_rows
+
     p = Path(csv_path)
     rows: list[dict[str, Any]] = []
-    with open(p, newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = set(MANIFEST_COLUMNS) - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{p}: manifest lacks columns {sorted(missing)}")
-        for i, r in enumerate(reader, start=2):
-            try:
-                path = Path(r["path"])
-                if not path.is_absolute():
-                    path = p.parent / path
-                rows.append({"path": str(path), "label": int(r["label"]), "split": r["split"],
-                             "patient_id": r["patient_id"], "width": int(r["width"]), "height": int(r["height"])})
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{p}:{i}: malformed row ({e})") from None
+    fields, table = read_csv_rows(p)
+    missing = set(MANIFEST_COLUMNS) - set(fields)
+    if missing:
+        raise ValueError(f"{p}: manifest lacks columns {sorted(missing)}")
+    for i, r in enumerate(table, start=2):
+        try:
+            path = Path(r["path"])
+            if not path.is_absolute():
+                path = p.parent / path
+            rows.append({"path": str(path), "label": int(r["label"]), "split": r["split"],
+                         "patient_id": r["patient_id"], "width": int(r["width"]), "height": int(r["height"])})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{p}:{i}: malformed row ({e})") from None
     return rows
 
 

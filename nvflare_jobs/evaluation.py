@@ -149,7 +149,7 @@ def probe_overlap(run: Path, records: list[dict]) -> int:
         return 0
     p = Path(probe)
     if p.is_file():
-        with open(p, newline="") as fh:
+        with open(p, newline="", encoding="utf-8", errors="surrogateescape") as fh:  # as write_partition wrote it
             names = {_stem_key(r.get("path", "")) for r in csv.DictReader(fh)}
     else:
         names = {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES}
@@ -470,7 +470,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     out = Path(out_csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     cols = ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"]
-    with out.open("w", newline="") as fh:
+    # surrogateescape: a file name that is not UTF-8 (e.g. cp1252 from a Windows zip) is written as its exact bytes
+    with out.open("w", newline="", encoding="utf-8", errors="surrogateescape") as fh:
         w = csv.DictWriter(fh, fieldnames=cols, restval="")
         w.writeheader()
         w.writerows(rows)

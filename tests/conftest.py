@@ -1,7 +1,8 @@
 """Shared pytest fixtures.
 
 ``data_root``: the real data folder, ``$CXR_DATA`` if set, else ``../shared/data`` relative to the repository root;
-tests that use it are skipped with a message when it is missing. Nothing from it is ever copied into the repo.
+``ingestion_cases``: the ingestion field cases (``../shared/cases/ingestion``); tests that use them are skipped
+with a message when they are missing. Nothing from it is ever copied into the repo.
 """
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ def data_root() -> Path:
     root = find_data_root()
     if not root.is_dir():
         pytest.skip(f"real data not found at {root} (set $CXR_DATA or put the shared data at ../shared/data)")
+    return root
+
+
+def find_cases_root() -> Path:
+    """The ingestion field cases: ``$CXR_CASES`` if set, else ``cases/ingestion`` beside the data folder
+    (``<repo>/../shared/cases/ingestion`` by default)."""
+    env = os.environ.get("CXR_CASES")
+    return Path(env).resolve() if env else find_data_root().parent / "cases" / "ingestion"
+
+
+@pytest.fixture(scope="session")
+def ingestion_cases(data_root) -> Path:
+    root = find_cases_root()
+    if not (root / "README.md").is_file():
+        pytest.skip(f"ingestion field cases not found at {root} (set $CXR_CASES or put them at "
+                    "../shared/cases/ingestion)")
     return root
 
 

@@ -59,8 +59,10 @@ def test_kaggle_layout_with_bad_files_reported(tmp_path):
     assert by_name["IM-0001-0002.jpeg"]["width"] == 60 and by_name["IM-0001-0002.jpeg"]["height"] == 40
     assert all(r["path"].startswith("/") for r in recs)
     reasons = {s["path"].rsplit("/", 1)[1]: s["reason"] for s in rep["skipped"]}
-    assert set(reasons) == {"broken.jpeg", "empty.jpeg", "notes.txt"}
+    assert set(reasons) == {"broken.jpeg", "empty.jpeg", "notes.txt", ".DS_Store"}
     assert "empty" in reasons["empty.jpeg"] and "unsupported" in reasons["notes.txt"]
+    assert "junk" in reasons[".DS_Store"]
+    assert rep["skipped_by_reason"] == {"empty file": 1, "junk": 1, "not an image": 1, "unsupported file type": 1}
     assert rep["n_records"] == 4 and rep["per_class"] == {"NORMAL": 2, "PNEUMONIA": 2} and rep["n_patients"] == 3
     recs_s, rep_s = scan_dataset(tmp_path, labels="subtype")
     assert sorted(r["label"] for r in recs_s) == [0, 0, 1, 2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -226,3 +227,48 @@ def test_evaluate_and_predict_reject_out_of_range_numbers(tmp_path):
     r = run_cli("predict", "--model", "m.pt", "--data", str(tmp_path), "--out", str(tmp_path / "p.csv"),
                 "--threshold", "5")
     assert r.returncode == 2 and "--threshold" in r.stderr and "[0, 1]" in r.stderr
+
+
+def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
+    """A sideways-stored image with EXIF Orientation 6 gets exactly the upright image's probabilities (it goes
+    through ``read_image``, which applies the orientation first); the same sideways pixels without the EXIF tag
+    do not. Built from a real image as lossless PNGs, so "exactly" is exact."""
+    from PIL import Image
+
+    src = sorted((data_root / "chest_xray_original" / "train" / "NORMAL").glob("*.jpeg"))
+    if not src:
+        pytest.skip("chest_xray_original missing")
+    d = tmp_path / "in"
+    d.mkdir()
+    with Image.open(src[0]) as im:
+        upright = im.convert("L")
+    sideways = upright.transpose(Image.Transpose.ROTATE_90)  # stored turned; Orientation 6 turns it back
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    upright.save(d / "upright.png")
+    sideways.save(d / "sideways_exif6.png", exif=exif)
+    sideways.save(d / "sideways_no_exif.png")
+    raw_name = os.fsencode(d) + b"/upright-t\xf3rax.png"  # cp1252 bytes from a Windows zip: not UTF-8
+    shutil.copy(d / "upright.png", raw_name)
+    # an untrained model's classifier starts at zero (p = 0.5 for every input); random classifier weights make
+    # the probabilities depend on the input
+    from hfl_components.models import build_model
+
+    spec = {**SPECS["site-1"][0], "in_channels": 1, "num_classes": 2}
+    torch.manual_seed(0)
+    m = build_model(spec)
+    with torch.no_grad():
+        torch.nn.init.normal_(m.classifier.weight, std=0.5)
+    model = tmp_path / "sharp.pt"
+    torch.save({"spec": spec, "state_dict": m.state_dict(), "input_size": 32, "labels": "binary",
+                "site": "site-1"}, model)
+    out = tmp_path / "pred.csv"
+    r = run_cli("predict", "--model", str(model), "--data", str(d), "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with out.open(newline="", encoding="utf-8", errors="surrogateescape") as fh:
+        rows = {Path(x["path"]).name: x for x in csv.DictReader(fh)}
+    assert all(x["status"] == "ok" for x in rows.values()), rows
+    p = {n: (float(x["p_NORMAL"]), float(x["p_PNEUMONIA"])) for n, x in rows.items()}
+    assert p["sideways_exif6.png"] == p["upright.png"] == p[os.fsdecode(b"upright-t\xf3rax.png")]
+    assert out.read_bytes().count(raw_name) == 1  # the exact bytes of the name
+    assert p["sideways_no_exif.png"] != p["upright.png"]

@@ -21,7 +21,7 @@ def list_probe_files(source: str | Path) -> list[Path]:
     """Image files of a probe folder (recursive) or a probe CSV (column ``path``, relative to the CSV)."""
     p = Path(source)
     if p.is_file() and p.suffix.lower() == ".csv":
-        with p.open(newline="") as f:
+        with p.open(newline="", encoding="utf-8", errors="surrogateescape") as f:  # non-UTF-8 names kept as bytes
             return [(p.parent / r["path"]).resolve() if not Path(r["path"]).is_absolute() else Path(r["path"])
                     for r in csv.DictReader(f)]
     if p.is_dir():

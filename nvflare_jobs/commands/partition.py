@@ -51,7 +51,6 @@ def register(subparsers) -> None:
 
 def run_partition(args: argparse.Namespace) -> int:
     """Scan, partition and write; print a one-line summary per site. Returns the exit code."""
-    import json
     import sys
     from pathlib import Path
 
@@ -65,9 +64,14 @@ def run_partition(args: argparse.Namespace) -> int:
         print(f"cxr-hfl partition: {e}", file=sys.stderr)
         return 2
     if report["skipped"]:
-        print(f"skipped {len(report['skipped'])} file(s) (see scan_report.json):", file=sys.stderr)
-        for s in report["skipped"][:10]:
+        counts = ", ".join(f"{k} {n}" for k, n in report["skipped_by_reason"].items())
+        print(f"skipped {len(report['skipped'])} file(s) ({counts}; all listed in scan_report.json):",
+              file=sys.stderr)
+        shown = [s for s in report["skipped"] if s.get("kind") != "junk"][:10]
+        for s in shown:
             print(f"  {s['path']}: {s['reason']}", file=sys.stderr)
+    for n in report.get("notes", [])[:10]:
+        print(f"note: {n['path']}: {n['note']}", file=sys.stderr)
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
@@ -79,10 +83,10 @@ def run_partition(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     extra = {"data_root": report["root"], "labels": args.labels, "layout": report["layout"],
-             "n_scanned": report["n_records"], "n_skipped": len(report["skipped"])}
+             "n_scanned": report["n_records"], "n_skipped": len(report["skipped"]),
+             "skipped_by_reason": report["skipped_by_reason"], "n_notes": len(report.get("notes", []))}
     try:
-        path = write_partition(result, out, extra=extra)
-        (out / "scan_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        path = write_partition(result, out, extra=extra, scan_report=report)  # atomic: all files or none
     except OSError as e:
         print(f"cxr-hfl partition: cannot write to {out}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -118,6 +122,18 @@ def format_table(info: dict, sites: dict) -> str:
     return "\n".join([fmt(head), fmt(["-" * x for x in widths]), *map(fmt, lines)])
 
 
+def skipped_summary(info: dict) -> str:
+    """One line: how many files the scan skipped, counted by reason (from ``partition.json``)."""
+    n = info.get("n_skipped")
+    if n is None:
+        return "skipped files: not recorded (partition written by an older version)"
+    if not n:
+        return "skipped files: none"
+    counts = info.get("skipped_by_reason") or {}
+    detail = ", ".join(f"{k} {v}" for k, v in counts.items())
+    return f"skipped files: {n} ({detail}; paths and reasons in scan_report.json)"
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the site table and write the chart. Returns the exit code."""
     import sys
@@ -136,6 +152,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"scheme {info['scheme']}, seed {info.get('seed')}, labels {info.get('labels', '?')}, "
           f"data {info.get('data_root', '?')}")
     print(format_table(info, sites))
+    print(skipped_summary(info))
     for w in partition_warnings(sites, info.get("scheme")):
         print(w, file=sys.stderr)
     png = Path(args.png) if args.png else out / "inspect.png"

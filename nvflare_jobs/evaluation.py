@@ -410,15 +410,15 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     """
     import torch
 
-    from chest_xray import CLASS_NAMES, ImageReadError, build_transforms
+    from chest_xray import ImageReadError, build_transforms, class_names, scheme_for_num_classes
     from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
     from hfl_components.training import predict_labels
 
     check_predict_args(inputs, out_csv)
     model, blob = load_model_file(model_path)
     size = int(blob.get("input_size") or 64)
-    labels = blob.get("labels") or ("subtype" if blob["spec"].get("num_classes") == 3 else "binary")
-    names = CLASS_NAMES.get(labels, [f"class{i}" for i in range(int(blob["spec"]["num_classes"]))])
+    labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
+    names = class_names(labels)
     tf = build_transforms(size, "eval")
     files = collect_files(inputs)
     rows: list[dict] = []

@@ -101,6 +101,7 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     Raises:
         SiteConfigError: unknown keys, missing data/model, impossible sizes, missing files.
     """
+    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES, num_classes
     from hfl_components.models import validate_spec
 
     if not isinstance(raw, dict):
@@ -126,16 +127,16 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         manifest = (Path(path).parent / manifest).resolve()
     if check_files and not manifest.is_file():
         raise _err(site, path, "data.manifest", f"file does not exist: {manifest}")
-    labels = data.get("labels", "binary")
-    if labels not in ("binary", "subtype"):
-        raise _err(site, path, "data.labels", f"must be binary or subtype, got {labels!r}")
+    labels = data.get("labels", DEFAULT_LABEL_SCHEME)
+    if labels not in LABEL_SCHEMES:
+        raise _err(site, path, "data.labels", f"must be one of {', '.join(LABEL_SCHEMES)}, got {labels!r}")
     cfg["data"] = {"manifest": str(manifest), "labels": labels}
     model = raw.get("model")
     if not isinstance(model, dict):
         raise _err(site, path, "model", "missing; e.g. {family: cnn, depth: shallow, width: 1.0}")
     model = dict(model)
     model.setdefault("in_channels", 1)
-    model["num_classes"] = 3 if labels == "subtype" else 2
+    model["num_classes"] = num_classes(labels)
     try:
         validate_spec(model)
     except (ValueError, TypeError) as e:

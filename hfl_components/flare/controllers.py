@@ -22,6 +22,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from chest_xray.labels import one_label_scheme
 from hfl_components.flare.site_tasks import GLOBAL_PREFIX, payload_bytes
 
 RESULTS_DIR = "cxr_hfl_results"
@@ -88,6 +89,21 @@ class HFLController(ModelController):
     def validate_result(self, task: str, result: FLModel) -> None:
         """Hook: raise ValueError to reject a site's upload for this task."""
 
+    def check_label_schemes(self, results: list) -> None:
+        """Refuse a federation whose sites declare different label schemes (``meta["labels"]`` of their answers,
+        this round and earlier ones); the scheme goes to ``record["labels"]``. Raises ``LabelSchemeMismatch``
+        (a ValueError) naming the sites of each scheme."""
+        seen = self.record.setdefault("site_labels", {})
+        for r in results:
+            m = r.meta or {}
+            if m.get("status") == "ok" and m.get("labels") is not None:
+                seen.setdefault(m.get("client_name", "?"), m["labels"])
+        try:
+            self.record["labels"] = one_label_scheme(seen)
+        except ValueError as e:
+            self.error(f"refusing the federation: {e}")
+            raise
+
     def broadcast(self, task: str, rnd: int, params: dict | None = None, meta: dict | None = None) -> dict:
         """Send ``task`` to all sites; return {site: FLModel} of the usable answers (sorted by site)."""
         meta = dict(meta or {})
@@ -98,6 +114,7 @@ class HFLController(ModelController):
         data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
         results = self.send_model_and_wait(task_name=task, data=data, timeout=self.task_timeout,
                                            min_responses=self.min_sites if self.late_wait_s > 0 else None)
+        self.check_label_schemes(results)
         good, errors, up, up_site = {}, {}, 0, {}
         for r in results:
             site = (r.meta or {}).get("client_name", "?")

@@ -27,7 +27,7 @@ def _val_acc(rt: SiteRuntime) -> float:
 
 
 def _ok(rt, **meta):
-    out = {"status": "ok", "n_train": rt.n_train(), "input_size": int(rt.cfg["input_size"])}
+    out = {"status": "ok", "n_train": rt.n_train(), "input_size": int(rt.cfg["input_size"]), "labels": rt.labels}
     out.update(meta)
     return out
 

@@ -74,31 +74,10 @@ def run_labels(run: Path) -> str | None:
 
 
 def load_model_file(path: str | Path):
-    """``(model in eval mode, blob)`` from a run's ``.pt`` file (``torch.load(weights_only=True)``)."""
-    import torch
+    """``(model in eval mode, header)`` of a model file; see :func:`hfl_components.models.load_model_file`."""
+    from hfl_components.models import load_model_file as _load
 
-    from hfl_components.models import build_model
-
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{p}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
-    try:
-        blob = torch.load(p, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- pickle / zip / EOF errors of a file that is not a saved model
-        raise ValueError(f"{p}: not a cxr-hfl model file (torch.load failed: {type(e).__name__}); expected a .pt "
-                         "file written by `cxr-hfl simulate`, e.g. RUN/models/site-1_deployed.pt") from None
-    if not isinstance(blob, dict) or "spec" not in blob or "state_dict" not in blob:
-        raise ValueError(f"{p}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
-    try:
-        model = build_model(blob["spec"])
-        model.load_state_dict(blob["state_dict"])
-    except Exception as e:  # noqa: BLE001 -- a spec / weights mismatch is a bad file, not a crash
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise ValueError(f"{p}: model file does not match its own spec ({type(e).__name__}: {first})") from None
-    model.eval()
-    return model, blob
+    return _load(path)
 
 
 def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:

@@ -109,6 +109,7 @@ class HFLController(ModelController):
         meta = dict(meta or {})
         meta["task_config"] = self.task_config
         meta["round"] = rnd
+        meta.setdefault("method", self.method)
         params = params or {}
         t0 = time.perf_counter()
         data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
@@ -162,6 +163,15 @@ class HFLController(ModelController):
                 "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+
+    def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
+        """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the
+        sites' label scheme, method and seed)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(self.results_dir() / "global_model.pt", spec, numpy_state,
+                               labels=self.record.get("labels"), kind="global",
+                               provenance={"method": self.method, "seed": self.seed})
 
     def save_record(self) -> None:
         p = self.results_dir() / "server_results.json"
@@ -245,13 +255,7 @@ class FedAvgController(HFLController):
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
         self.record["global_spec"] = self.global_spec
         self.final_evaluation(self.num_rounds, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-        _save_model(self.results_dir() / "global_model.pt", self.global_spec, weights)
-
-
-def _save_model(path, spec, numpy_state):
-    import torch
-
-    torch.save({"spec": spec, "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in numpy_state.items()}}, path)
+        self.save_global_model(self.global_spec, weights)
 
 
 # ============================================================================ OHFL
@@ -327,7 +331,7 @@ class OHFLController(HFLController):
         self.record["global_spec"] = spec
         (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
         weights = to_numpy_state(state)
-        _save_model(self.results_dir() / "global_model.pt", spec, weights)
+        self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
         for site, r in ft.items():

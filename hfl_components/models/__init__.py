@@ -14,6 +14,7 @@ from hfl_components.models.fusable import (  # noqa: F401
     explicit_spec,
     resolve_fusable_spec,
 )
+from hfl_components.models.files import load_model_file, read_model_header, save_model_file  # noqa: F401
 from hfl_components.models.registry import (  # noqa: F401
     FAMILY_TABLE,
     build_model,

@@ -17,8 +17,8 @@ Example::
     model: {family: cnn, depth: shallow, width: 1.0}
     input_size: 64
     batch_size: 16
-    local_epochs: 2
-    finetune_epochs: 2
+    local_epochs: 20                      # omit for the method's default (hfl_components/flare/catalogue.py)
+    finetune_epochs: 10
     threads: 1
     share_predictions: true   # false: per-image test probabilities stay at the site (no pooled metrics)
 """
@@ -35,8 +35,10 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 DEFAULTS = {
     "input_size": 64,
     "batch_size": 16,
-    "local_epochs": 2,
-    "finetune_epochs": 2,
+    # None: the running method's default (hfl_components.flare.catalogue, the simulator's values), resolved at the
+    # site when a task arrives; a job's task_config (CLI --local-epochs ...) overrides both
+    "local_epochs": None,
+    "finetune_epochs": None,
     "lr": 0.01,
     "momentum": 0.9,
     "finetune_lr": 0.001,
@@ -150,6 +152,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "input_size", f"must be between 16 and 1024 px, got {cfg['input_size']}")
     for key in ("local_epochs", "finetune_epochs"):
         v = cfg[key]
+        if v is None:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
     for key in ("lr", "finetune_lr", "momentum"):

@@ -19,8 +19,19 @@ log = logging.getLogger("cxr_hfl.site")
 
 
 def _epochs(rt: SiteRuntime, tc: dict, key: str, cfg_key: str) -> int:
+    """Epochs for a task: the job's ``task_config[key]``, else the site config's ``cfg_key``, else the running
+    method's default (:mod:`hfl_components.flare.catalogue`). Raises ValueError naming the site when none applies."""
     v = tc.get(key)
-    return int(rt.cfg[cfg_key] if v is None else v)
+    if v is None:
+        v = rt.cfg.get(cfg_key)
+    if v is None:
+        if rt.method is None:
+            raise ValueError(f"site {rt.site}: {key} is set neither by the job nor in the site config, and the task "
+                             f"names no method to take the default from")
+        from hfl_components.flare.catalogue import method_defaults
+
+        v = method_defaults(rt.method)[key]
+    return int(v)
 
 
 def _val_acc(rt: SiteRuntime) -> float:

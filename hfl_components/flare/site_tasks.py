@@ -53,24 +53,10 @@ def payload_bytes(params: dict | None) -> int:
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
-    """At most ``n`` rows, class-stratified and seeded, in their original order.
+    """At most ``n`` rows, class-stratified and seeded: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
 
-    Manifests are written grouped by class, so a plain ``rows[:n]`` keeps a single class; here each class keeps a
-    share proportional to its size (a seeded random choice within the class), so a capped site still sees every
-    class it holds (as long as ``n`` >= the number of classes).
-    """
-    if n >= len(rows):
-        return list(rows)
-    rng = np.random.default_rng(seed)
-    by_class: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_class.setdefault(int(r["label"]), []).append(i)
-    keyed = []
-    for c, idx in sorted(by_class.items()):
-        perm = rng.permutation(len(idx))
-        keyed += [((k + 0.5) / len(idx), c, idx[j]) for k, j in enumerate(perm)]
-    keep = sorted(i for _, _, i in sorted(keyed)[:n])
-    return [rows[i] for i in keep]
+    return stratified_subset(rows, n, seed)
 
 
 class SiteRuntime:

@@ -137,19 +137,10 @@ def probe_overlap(run: Path, records: list[dict]) -> int:
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
-    """A class-stratified subset of at most ``max_images`` records (deterministic)."""
-    if not max_images or len(records) <= max_images:
-        return records
-    rng = np.random.default_rng(seed)
-    by: dict[int, list] = {}
-    for r in records:
-        by.setdefault(int(r["label"]), []).append(r)
-    out = []
-    for k, rows in sorted(by.items()):
-        n = max(1, round(max_images * len(rows) / len(records)))
-        idx = rng.choice(len(rows), size=min(n, len(rows)), replace=False)
-        out.extend(rows[i] for i in sorted(idx))
-    return out[:max_images]
+    """A class-stratified subset of at most ``max_images`` records: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
+
+    return stratified_subset(records, max_images, seed)
 
 
 class _ProbCache:

@@ -35,8 +35,7 @@ from .io import (
     read_image,
 )
 
-#: Class names per label scheme; the label of a record is the index into this list.
-CLASS_NAMES: dict[str, list[str]] = {"binary": ["NORMAL", "PNEUMONIA"], "subtype": ["NORMAL", "BACTERIAL", "VIRAL"]}
+from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _SPLIT_DIRS = ("train", "val", "test")
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)

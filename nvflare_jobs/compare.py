@@ -54,11 +54,14 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     given)."""
     base = _base(method)
     method = split_variant(method)[0]
-    rounds = 1 if base == "ohfl" else (args.rounds or (5 if base in PROTO else 3))
-    local = args.local_epochs if args.local_epochs is not None else (20 if base == "ohfl" else 3 if base in PROTO else 2)
+    from hfl_components.flare.catalogue import method_defaults
+
+    d = method_defaults(base)
+    rounds = 1 if base == "ohfl" else (args.rounds or d["rounds"])
+    local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
     if base == "local" and args.rounds is None and args.local_epochs is None:
         rounds, local = 1, 20  # Local = each site's own model trained as in OHFL's local phase (20 epochs)
-    ft = args.finetune_epochs if args.finetune_epochs is not None else 10
+    ft = args.finetune_epochs if args.finetune_epochs is not None else d["finetune_epochs"]
     if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs (= OHFL's total)
         rounds, local = 1, rounds * local + ft
     plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft if base == "ohfl" else 0}

@@ -493,13 +493,13 @@ def _duration_s(meta: dict) -> float:
 def assemble_downloaded(download_dir: str | os.PathLike, run_dir: str | os.PathLike, *, labels_hint: str | None = None,
                         job_meta: dict | None = None) -> dict:
     """Turn a downloaded job (``nvflare job download``) into the simulator's run layout via ``assemble_run``."""
-    from chest_xray import CLASS_NAMES
+    from chest_xray import CLASS_NAMES, scheme_for_num_classes
     from nvflare_jobs.results import assemble_run, find_server_results
 
     src = find_server_results(download_dir)
     rec = json.loads(src.read_text())
     ncls = {((s.get("model") or {}).get("num_classes")) for s in rec.get("sites", {}).values()} - {None}
-    labels = {2: "binary", 3: "subtype"}.get(ncls.pop()) if len(ncls) == 1 else None
+    labels = rec.get("labels") or (scheme_for_num_classes(ncls.pop()) if len(ncls) == 1 else None)
     labels = labels or labels_hint or "binary"
     job_meta = job_meta or {}
     run_dir = Path(run_dir)

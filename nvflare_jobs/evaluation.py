@@ -74,31 +74,10 @@ def run_labels(run: Path) -> str | None:
 
 
 def load_model_file(path: str | Path):
-    """``(model in eval mode, blob)`` from a run's ``.pt`` file (``torch.load(weights_only=True)``)."""
-    import torch
+    """``(model in eval mode, header)`` of a model file; see :func:`hfl_components.models.load_model_file`."""
+    from hfl_components.models import load_model_file as _load
 
-    from hfl_components.models import build_model
-
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{p}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
-    try:
-        blob = torch.load(p, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- pickle / zip / EOF errors of a file that is not a saved model
-        raise ValueError(f"{p}: not a cxr-hfl model file (torch.load failed: {type(e).__name__}); expected a .pt "
-                         "file written by `cxr-hfl simulate`, e.g. RUN/models/site-1_deployed.pt") from None
-    if not isinstance(blob, dict) or "spec" not in blob or "state_dict" not in blob:
-        raise ValueError(f"{p}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
-    try:
-        model = build_model(blob["spec"])
-        model.load_state_dict(blob["state_dict"])
-    except Exception as e:  # noqa: BLE001 -- a spec / weights mismatch is a bad file, not a crash
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise ValueError(f"{p}: model file does not match its own spec ({type(e).__name__}: {first})") from None
-    model.eval()
-    return model, blob
+    return _load(path)
 
 
 def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:
@@ -158,19 +137,10 @@ def probe_overlap(run: Path, records: list[dict]) -> int:
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
-    """A class-stratified subset of at most ``max_images`` records (deterministic)."""
-    if not max_images or len(records) <= max_images:
-        return records
-    rng = np.random.default_rng(seed)
-    by: dict[int, list] = {}
-    for r in records:
-        by.setdefault(int(r["label"]), []).append(r)
-    out = []
-    for k, rows in sorted(by.items()):
-        n = max(1, round(max_images * len(rows) / len(records)))
-        idx = rng.choice(len(rows), size=min(n, len(rows)), replace=False)
-        out.extend(rows[i] for i in sorted(idx))
-    return out[:max_images]
+    """A class-stratified subset of at most ``max_images`` records: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
+
+    return stratified_subset(records, max_images, seed)
 
 
 class _ProbCache:
@@ -309,49 +279,15 @@ def _line(name: str, size: int, res: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- predict
-#: ``predict`` skips images whose shorter side is below this many pixels: no chest radiograph is that small (the
-#: models' smallest input size is 32 px, and a thumbnail or icon carries no diagnostic detail).
-MIN_IMAGE_SIDE = 64
-#: ``predict`` skips colour images: per pixel, the channel spread is max(R, G, B) - min(R, G, B) on a 0-255
-#: scale (0 for a greyscale radiograph saved as RGB; every JPEG/PNG in the shared data set has 0). An image is
-#: "colourful" when its mean spread exceeds MAX_MEAN_COLOUR_SPREAD, or more than MAX_COLOUR_PIXEL_FRACTION of its
-#: pixels have a spread above COLOUR_PIXEL_SPREAD (a chart of coloured lines on white: ~1.7 %; a red arrow or
-#: label burnt into a radiograph stays well under 1 %). Measured on a 256-px thumbnail.
-MAX_MEAN_COLOUR_SPREAD = 8.0
-COLOUR_PIXEL_SPREAD = 40
-MAX_COLOUR_PIXEL_FRACTION = 0.01
-
-
-def screen_image(path: str | Path) -> str | None:
-    """Why a JPEG/PNG is not a plausible chest radiograph (too small, or colourful), or None.
-
-    Unreadable files return None here: the image reader then gives its own reason. DICOM is not screened here
-    (its Modality / ViewPosition / size are checked from the header).
-    """
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            w, h = img.size
-            if min(w, h) < MIN_IMAGE_SIDE:
-                return (f"image too small to be a chest radiograph: {w}x{h} px (shorter side under "
-                        f"{MIN_IMAGE_SIDE} px)")
-            if img.mode in ("L", "LA", "1", "I", "F") or img.mode.startswith("I;16"):
-                return None
-            if img.format == "JPEG":
-                img.draft("RGB", (256, 256))
-            rgb = img.convert("RGB")
-            rgb.thumbnail((256, 256))
-            a = np.asarray(rgb, dtype=np.int16)
-    except Exception:  # noqa: BLE001 -- left to the reader, which names the problem
-        return None
-    spread = a.max(axis=2) - a.min(axis=2)
-    mean, frac = float(spread.mean()), float((spread > COLOUR_PIXEL_SPREAD).mean())
-    if mean > MAX_MEAN_COLOUR_SPREAD or frac > MAX_COLOUR_PIXEL_FRACTION:
-        return (f"colour image, not a greyscale radiograph (mean channel spread {mean:.1f}/255, "
-                f"{100 * frac:.1f}% strongly coloured pixels; limits {MAX_MEAN_COLOUR_SPREAD:g} and "
-                f"{100 * MAX_COLOUR_PIXEL_FRACTION:g}%)")
-    return None
+# Screening of JPEG/PNG files lives in chest_xray.screening (next to the DICOM check in chest_xray.io); these
+# names stay importable from here.
+from chest_xray.screening import (  # noqa: E402,F401
+    COLOUR_PIXEL_SPREAD,
+    MAX_COLOUR_PIXEL_FRACTION,
+    MAX_MEAN_COLOUR_SPREAD,
+    MIN_IMAGE_SIDE,
+    screen_image,
+)
 
 
 def collect_files(inputs: list[str]) -> list[Path]:
@@ -410,15 +346,15 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     """
     import torch
 
-    from chest_xray import CLASS_NAMES, ImageReadError, build_transforms
+    from chest_xray import ImageReadError, build_transforms, class_names, scheme_for_num_classes
     from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
     from hfl_components.training import predict_labels
 
     check_predict_args(inputs, out_csv)
     model, blob = load_model_file(model_path)
     size = int(blob.get("input_size") or 64)
-    labels = blob.get("labels") or ("subtype" if blob["spec"].get("num_classes") == 3 else "binary")
-    names = CLASS_NAMES.get(labels, [f"class{i}" for i in range(int(blob["spec"]["num_classes"]))])
+    labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
+    names = class_names(labels)
     tf = build_transforms(size, "eval")
     files = collect_files(inputs)
     rows: list[dict] = []

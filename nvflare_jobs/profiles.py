@@ -93,7 +93,9 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
                   settings: dict) -> Path:
     """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder)."""
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
-    num_classes = 3 if labels == "subtype" else 2
+    from chest_xray.labels import num_classes as scheme_classes
+
+    num_classes = scheme_classes(labels)
     models = assign_models(sites, method, input_sizes, num_classes, feature_dim=int(settings.pop("feature_dim", 64)))
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.yaml"):

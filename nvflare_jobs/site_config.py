@@ -17,8 +17,8 @@ Example::
     model: {family: cnn, depth: shallow, width: 1.0}
     input_size: 64
     batch_size: 16
-    local_epochs: 2
-    finetune_epochs: 2
+    local_epochs: 20                      # omit for the method's default (hfl_components/flare/catalogue.py)
+    finetune_epochs: 10
     threads: 1
     share_predictions: true   # false: per-image test probabilities stay at the site (no pooled metrics)
 """
@@ -35,8 +35,10 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 DEFAULTS = {
     "input_size": 64,
     "batch_size": 16,
-    "local_epochs": 2,
-    "finetune_epochs": 2,
+    # None: the running method's default (hfl_components.flare.catalogue, the simulator's values), resolved at the
+    # site when a task arrives; a job's task_config (CLI --local-epochs ...) overrides both
+    "local_epochs": None,
+    "finetune_epochs": None,
     "lr": 0.01,
     "momentum": 0.9,
     "finetune_lr": 0.001,
@@ -101,6 +103,7 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     Raises:
         SiteConfigError: unknown keys, missing data/model, impossible sizes, missing files.
     """
+    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES, num_classes
     from hfl_components.models import validate_spec
 
     if not isinstance(raw, dict):
@@ -126,16 +129,16 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         manifest = (Path(path).parent / manifest).resolve()
     if check_files and not manifest.is_file():
         raise _err(site, path, "data.manifest", f"file does not exist: {manifest}")
-    labels = data.get("labels", "binary")
-    if labels not in ("binary", "subtype"):
-        raise _err(site, path, "data.labels", f"must be binary or subtype, got {labels!r}")
+    labels = data.get("labels", DEFAULT_LABEL_SCHEME)
+    if labels not in LABEL_SCHEMES:
+        raise _err(site, path, "data.labels", f"must be one of {', '.join(LABEL_SCHEMES)}, got {labels!r}")
     cfg["data"] = {"manifest": str(manifest), "labels": labels}
     model = raw.get("model")
     if not isinstance(model, dict):
         raise _err(site, path, "model", "missing; e.g. {family: cnn, depth: shallow, width: 1.0}")
     model = dict(model)
     model.setdefault("in_channels", 1)
-    model["num_classes"] = 3 if labels == "subtype" else 2
+    model["num_classes"] = num_classes(labels)
     try:
         validate_spec(model)
     except (ValueError, TypeError) as e:
@@ -149,6 +152,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "input_size", f"must be between 16 and 1024 px, got {cfg['input_size']}")
     for key in ("local_epochs", "finetune_epochs"):
         v = cfg[key]
+        if v is None:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
     for key in ("lr", "finetune_lr", "momentum"):

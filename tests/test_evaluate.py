@@ -21,14 +21,11 @@ SPECS = {"site-1": ({"family": "cnn", "depth": "shallow", "width": 1.0}, 32),
 
 
 def _save(path: Path, spec: dict, size: int | None, site: str | None, seed: int) -> None:
-    from hfl_components.models import build_model
+    from hfl_components.models import build_model, save_model_file
 
     torch.manual_seed(seed)
     m = build_model(spec)
-    blob = {"spec": spec, "state_dict": m.state_dict()}
-    if size is not None:
-        blob.update({"input_size": size, "labels": "binary", "site": site})
-    torch.save(blob, path)
+    save_model_file(path, spec, m.state_dict(), input_size=size, labels=None if size is None else "binary", site=site)
 
 
 @pytest.fixture(scope="module")

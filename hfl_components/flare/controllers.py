@@ -22,6 +22,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from chest_xray.labels import one_label_scheme
 from hfl_components.flare.site_tasks import GLOBAL_PREFIX, payload_bytes
 
 RESULTS_DIR = "cxr_hfl_results"
@@ -88,16 +89,33 @@ class HFLController(ModelController):
     def validate_result(self, task: str, result: FLModel) -> None:
         """Hook: raise ValueError to reject a site's upload for this task."""
 
+    def check_label_schemes(self, results: list) -> None:
+        """Refuse a federation whose sites declare different label schemes (``meta["labels"]`` of their answers,
+        this round and earlier ones); the scheme goes to ``record["labels"]``. Raises ``LabelSchemeMismatch``
+        (a ValueError) naming the sites of each scheme."""
+        seen = self.record.setdefault("site_labels", {})
+        for r in results:
+            m = r.meta or {}
+            if m.get("status") == "ok" and m.get("labels") is not None:
+                seen.setdefault(m.get("client_name", "?"), m["labels"])
+        try:
+            self.record["labels"] = one_label_scheme(seen)
+        except ValueError as e:
+            self.error(f"refusing the federation: {e}")
+            raise
+
     def broadcast(self, task: str, rnd: int, params: dict | None = None, meta: dict | None = None) -> dict:
         """Send ``task`` to all sites; return {site: FLModel} of the usable answers (sorted by site)."""
         meta = dict(meta or {})
         meta["task_config"] = self.task_config
         meta["round"] = rnd
+        meta.setdefault("method", self.method)
         params = params or {}
         t0 = time.perf_counter()
         data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
         results = self.send_model_and_wait(task_name=task, data=data, timeout=self.task_timeout,
                                            min_responses=self.min_sites if self.late_wait_s > 0 else None)
+        self.check_label_schemes(results)
         good, errors, up, up_site = {}, {}, 0, {}
         for r in results:
             site = (r.meta or {}).get("client_name", "?")
@@ -145,6 +163,15 @@ class HFLController(ModelController):
                 "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+
+    def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
+        """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the
+        sites' label scheme, method and seed)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(self.results_dir() / "global_model.pt", spec, numpy_state,
+                               labels=self.record.get("labels"), kind="global",
+                               provenance={"method": self.method, "seed": self.seed})
 
     def save_record(self) -> None:
         p = self.results_dir() / "server_results.json"
@@ -228,13 +255,7 @@ class FedAvgController(HFLController):
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
         self.record["global_spec"] = self.global_spec
         self.final_evaluation(self.num_rounds, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-        _save_model(self.results_dir() / "global_model.pt", self.global_spec, weights)
-
-
-def _save_model(path, spec, numpy_state):
-    import torch
-
-    torch.save({"spec": spec, "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in numpy_state.items()}}, path)
+        self.save_global_model(self.global_spec, weights)
 
 
 # ============================================================================ OHFL
@@ -310,7 +331,7 @@ class OHFLController(HFLController):
         self.record["global_spec"] = spec
         (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
         weights = to_numpy_state(state)
-        _save_model(self.results_dir() / "global_model.pt", spec, weights)
+        self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
         for site, r in ft.items():

@@ -53,24 +53,10 @@ def payload_bytes(params: dict | None) -> int:
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
-    """At most ``n`` rows, class-stratified and seeded, in their original order.
+    """At most ``n`` rows, class-stratified and seeded: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
 
-    Manifests are written grouped by class, so a plain ``rows[:n]`` keeps a single class; here each class keeps a
-    share proportional to its size (a seeded random choice within the class), so a capped site still sees every
-    class it holds (as long as ``n`` >= the number of classes).
-    """
-    if n >= len(rows):
-        return list(rows)
-    rng = np.random.default_rng(seed)
-    by_class: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_class.setdefault(int(r["label"]), []).append(i)
-    keyed = []
-    for c, idx in sorted(by_class.items()):
-        perm = rng.permutation(len(idx))
-        keyed += [((k + 0.5) / len(idx), c, idx[j]) for k, j in enumerate(perm)]
-    keep = sorted(i for _, _, i in sorted(keyed)[:n])
-    return [rows[i] for i in keep]
+    return stratified_subset(rows, n, seed)
 
 
 class SiteRuntime:
@@ -93,6 +79,8 @@ class SiteRuntime:
         self._rows = None
         self.model = None
         self.spec = None
+        self.method = None  # the method of the task being run (meta["method"], set by site_methods.HANDLERS)
+        self._manifest_sha = None
         self._load_state()
 
     # ---------------------------------------------------------------- data
@@ -141,10 +129,33 @@ class SiteRuntime:
 
     # ---------------------------------------------------------------- model state
     def _load_state(self):
+        from hfl_components.models import load_model_file
+
         p = self.state_dir / "model.pt"
         if p.is_file():
-            blob = torch.load(p, map_location="cpu", weights_only=True)
-            self.set_model(blob["spec"], blob["state_dict"])
+            model, header = load_model_file(p)
+            self.spec, self.model = dict(header["spec"]), model.train()
+
+    def manifest_sha256(self) -> str | None:
+        """SHA-256 of the site's manifest file (provenance of the models it saves); None if unreadable."""
+        from hfl_components.models.files import file_sha256
+
+        if self._manifest_sha is None:
+            try:
+                self._manifest_sha = file_sha256(self.cfg["data"]["manifest"])
+            except OSError:
+                return None
+        return self._manifest_sha
+
+    def save_model(self, path: str | Path, kind: str) -> Path:
+        """Save the current model as a model file (``hfl_components.models.save_model_file``) with this site's
+        input size, label scheme and provenance (method of the last task, seed, manifest hash)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(path, self.spec, self.model.state_dict(), input_size=int(self.cfg["input_size"]),
+                               labels=self.labels, site=self.site, kind=kind,
+                               provenance={"method": self.method, "seed": int(self.cfg["seed"]),
+                                           "manifest_sha256": self.manifest_sha256()})
 
     def set_model(self, spec: dict, state_dict: dict | None = None):
         self.spec = dict(spec)
@@ -159,11 +170,9 @@ class SiteRuntime:
         return self.model
 
     def save_state(self, deployed: bool = False):
-        blob = {"spec": self.spec, "state_dict": self.model.state_dict(),
-                "input_size": int(self.cfg["input_size"]), "labels": self.labels, "site": self.site}
-        torch.save(blob, self.state_dir / "model.pt")
+        self.save_model(self.state_dir / "model.pt", kind="state")
         if deployed:
-            torch.save(blob, self.state_dir / "deployed_model.pt")
+            self.save_model(self.state_dir / "deployed_model.pt", kind="deployed")
 
     # ---------------------------------------------------------------- training / evaluation
     def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0) -> list[dict]:

@@ -91,11 +91,13 @@ def register(sub) -> None:
 
 
 def _defaults(args) -> None:
-    proto = args.method in ("fedsaf", "fedproto", "fedtopo")
+    from hfl_components.flare.catalogue import method_defaults
+
+    d = method_defaults(args.method)
     if args.labels is None:
-        args.labels = "subtype" if proto else "binary"
+        args.labels = d["labels"]
     if args.rounds is None:
-        args.rounds = 5 if proto else 3
+        args.rounds = d["rounds"]
     if args.alignment is None:
         args.alignment = "cka" if args.method == "ohfl" else "gcsa"
     if args.method == "ohfl" and args.alignment not in ("cka", "random"):
@@ -108,9 +110,10 @@ def _defaults(args) -> None:
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
     # Epochs given on the command line apply to every site (job-level task_config); otherwise each site's own config
-    # decides, and partition-generated profiles get these defaults written into every site config.
-    args.default_local_epochs = 20 if args.method == "ohfl" else (3 if proto else 2)
-    args.default_finetune_epochs = 10
+    # decides (a config without them: the method default, hfl_components.flare.catalogue), and partition-generated
+    # profiles get these defaults written into every site config.
+    args.default_local_epochs = d["local_epochs"]
+    args.default_finetune_epochs = d["finetune_epochs"]
 
 
 def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path | None]:

@@ -257,8 +257,9 @@ def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
     with torch.no_grad():
         torch.nn.init.normal_(m.classifier.weight, std=0.5)
     model = tmp_path / "sharp.pt"
-    torch.save({"spec": spec, "state_dict": m.state_dict(), "input_size": 32, "labels": "binary",
-                "site": "site-1"}, model)
+    from hfl_components.models import save_model_file
+
+    save_model_file(model, spec, m.state_dict(), input_size=32, labels="binary", site="site-1", kind="deployed")
     out = tmp_path / "pred.csv"
     r = run_cli("predict", "--model", str(model), "--data", str(d), "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

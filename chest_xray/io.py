@@ -67,6 +67,19 @@ class ImageReadError(Exception):
         return (type(self), (self.path, self.reason, self.kind))
 
 
+def check_readable(path: str | os.PathLike) -> None:
+    """Open ``path`` for reading once, so that a file the process may not read is named as such.
+
+    Raises:
+        ImageReadError: kind ``"unreadable"``, e.g. "cannot open file (Permission denied)".
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "unreadable") from None
+
+
 def _is_dicom(path: Path) -> bool:
     if path.suffix.lower() in DICOM_SUFFIXES:
         return True
@@ -130,6 +143,7 @@ def read_image(
             raise ImageReadError(p, "not a regular file", "not a regular file")
         if size == 0:
             raise ImageReadError(p, "empty file (0 bytes)", "empty file")
+        check_readable(p)
         if _is_dicom(p):
             return _read_dicom(p, max_pixels)
         return _read_pil(p, target_size, max_pixels)
@@ -291,6 +305,7 @@ def _dcmread(p: Path, stop_before_pixels: bool = False):
     import pydicom
     from pydicom.errors import InvalidDicomError
 
+    check_readable(p)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
@@ -437,6 +452,25 @@ def voi_problem(ds) -> str | None:
     return None
 
 
+def rescale_problem(ds) -> str | None:
+    """Why this data set's Rescale Slope / Intercept (the linear modality LUT, PS3.3 C.11.1) cannot be applied, or
+    None: a value that is not one finite number (pydicom would skip it silently and the window would then be
+    applied in the wrong units), or a slope of 0 (every pixel maps to one value: a blank image)."""
+    if ds.get("ModalityLUTSequence"):
+        return None
+    for name in ("RescaleSlope", "RescaleIntercept"):
+        v = ds.get(name)
+        if v is None or v == "":
+            continue
+        vals = _values(v)
+        if len(vals) != 1 or _number(vals[0]) is None:
+            return f"invalid {name.replace('Rescale', 'Rescale ')} {str(v)!r} (not one number)"
+    slope = ds.get("RescaleSlope")
+    if slope is not None and slope != "" and _number(_values(slope)[0]) == 0:
+        return "Rescale Slope 0 maps every pixel to one value (a blank image)"
+    return None
+
+
 def _has_pixel_tag(ds) -> bool:
     return any(k in ds for k in ("PixelData", "FloatPixelData", "DoubleFloatPixelData"))
 
@@ -511,6 +545,9 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
             "too large",
         )
     photometric = str(ds.get("PhotometricInterpretation", "") or "").strip().upper()
+    if samples == 1 and not photometric:
+        raise ImageReadError(p, "Photometric Interpretation missing: cannot tell MONOCHROME1 (inverted) from "
+                             "MONOCHROME2", "invalid DICOM attribute")
     if samples != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise ImageReadError(p, f"colour DICOM ({photometric or 'unknown photometric'}) is not a radiograph",
                              "colour image")
@@ -527,8 +564,13 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         raise ImageReadError(p, f"cannot decode DICOM pixel data ({ts_name}): {type(e).__name__}: {e}",
                              "corrupt or truncated") from None
     if raw.ndim != 2:
-        raise ImageReadError(p, f"unexpected DICOM pixel array shape {raw.shape}", "multi-frame")
+        # Number of Frames is 1 here: more values than Rows x Columns means the header does not describe the data
+        raise ImageReadError(p, f"pixel data does not match Rows {rows} x Columns {cols} (decoded shape "
+                             f"{tuple(raw.shape)}): invalid Rows / Columns", "invalid DICOM attribute")
     # DICOM grayscale pipeline, in the standard's order: modality LUT -> VOI LUT / window -> presentation
+    why = rescale_problem(ds)
+    if why:
+        raise ImageReadError(p, why, "invalid DICOM attribute")
     try:
         arr = apply_modality_lut(raw, ds)
     except Exception as e:  # noqa: BLE001

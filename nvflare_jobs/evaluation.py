@@ -356,14 +356,21 @@ def screen_image(path: str | Path) -> str | None:
 
 def collect_files(inputs: list[str]) -> list[Path]:
     """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder
-    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom; broken symbolic links with those suffixes are listed
-    too, so that they are reported as skipped rather than silently left out)."""
+    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom, and for files with any other name that carry the DICOM
+    ``DICM`` marker, as PACS and CD exports name them: ``IM000001``, ``1.2.840.10008....``; broken symbolic links with those suffixes are
+    listed too, so that they are reported as skipped rather than silently left out)."""
+    from chest_xray.dataset import _sniff_dicom
+
+    def wanted(f: Path) -> bool:
+        if f.suffix.lower() in SUPPORTED_SUFFIXES:
+            return f.is_file() or (f.is_symlink() and not f.exists())
+        return f.is_file() and _sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
+
     out: list[Path] = []
     for s in inputs:
         p = Path(s)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES
-                              and (f.is_file() or (f.is_symlink() and not f.exists()))))
+            out.extend(sorted(f for f in p.rglob("*") if wanted(f)))
         else:
             out.append(p)  # missing files are reported as skipped, not raised
     return out

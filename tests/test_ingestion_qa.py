@@ -1,0 +1,195 @@
+"""Ingestion QA (after issue 12): hospital-export inputs a first-time user tried that were lost, mislabelled or
+mis-explained. Every file is built in ``tmp_path`` from the shared real images; nothing enters the repository.
+
+Each test checks a value derived independently of the scanner: the known class counts of the files copied, the
+PatientID written into a DICOM copy, the exact rows of a hand-written manifest.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chest_xray import ImageReadError, detect_layout, read_image, scan_dataset
+from tests.test_ingestion_field import _edit_dicom, _patch_bytes, _real_jpegs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rg1(data_root: Path) -> Path:
+    f = data_root / "dicom" / "RG1_UNCR.dcm"
+    if not f.is_file():
+        pytest.skip(f"real DICOM not found: {f}")
+    return f
+
+
+# ------------------------------------------------------------------------ class folders in any case, strays
+def test_class_and_split_folders_match_in_any_case_and_unlabelled_images_are_listed(data_root, tmp_path):
+    """A Linux export with ``train/Normal``, ``train/pneumonia`` and ``Test/NORMAL`` lost the lower-case classes
+    without a word (whole PNEUMONIA class gone); an image in an unknown class folder (COVID) or loose in a split
+    folder was not listed either."""
+    normal = _real_jpegs(data_root, "NORMAL", 4)
+    pneu = _real_jpegs(data_root, "PNEUMONIA", 4)
+    root = tmp_path / "export"
+    for d, files in ((root / "train" / "Normal", normal[:2]), (root / "train" / "pneumonia", pneu[:3]),
+                     (root / "Test" / "NORMAL", normal[2:3]), (root / "train" / "COVID", pneu[3:])):
+        d.mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, d / f.name)
+    shutil.copy(normal[3], root / "train" / normal[3].name)  # loose in a split folder
+    (root / "README.txt").write_text("export of 2026-11-30\n")  # documentation: not listed
+    (root / "MANIFEST.csv").write_text("file,label\n")
+
+    assert detect_layout(root) == "kaggle"
+    recs, rep = scan_dataset(root, verify=False)
+    assert rep["per_class"] == {"NORMAL": 3, "PNEUMONIA": 3}
+    assert {Path(r["path"]).name for r in recs} == {f.name for f in normal[:3] + pneu[:3]}
+    skipped = {s["path"]: s for s in rep["skipped"]}
+    assert set(skipped) == {str(root / "train" / "COVID"), str(root / "train" / normal[3].name)}
+    assert all(s["kind"] == "not in a class folder" for s in skipped.values())
+    assert "COVID" in skipped[str(root / "train" / "COVID")]["reason"]
+    assert rep["n_files"] == 6 + 2
+
+    flat = tmp_path / "flat"
+    for d, files in ((flat / "normal", normal[:2]), (flat / "Pneumonia", pneu[:2])):
+        d.mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, d / f.name)
+    assert detect_layout(flat) == "classes"
+    _, rep = scan_dataset(flat, verify=False)
+    assert rep["per_class"] == {"NORMAL": 2, "PNEUMONIA": 2} and rep["skipped"] == []
+
+
+# ------------------------------------------------------------------ DICOM whatever its name: checks + patient id
+def test_dicom_named_like_a_jpeg_gets_dicom_checks_and_its_patient_id(data_root, tmp_path):
+    """A DICOM object saved as ``.jpg`` / ``.png`` (or under a UID name) was read, but as a non-DICOM file: its
+    PatientID was ignored (a patient's images could land in train and test) and a lateral view was kept."""
+    src = _rg1(data_root)
+    d = tmp_path / "d" / "PNEUMONIA"
+    d.mkdir(parents=True)
+    _edit_dicom(src, d / "a.dcm", PatientID="QA-PATIENT-7")
+    _edit_dicom(src, d / "b.jpg", PatientID="QA-PATIENT-7")
+    _edit_dicom(src, d / "1.2.840.99.7", PatientID="QA-PATIENT-7")  # UID name: suffix ".7"
+    _edit_dicom(src, d / "c.png", PatientID="QA-PATIENT-8", ViewPosition="LL")
+    for f in _real_jpegs(data_root, "NORMAL", 1):
+        (tmp_path / "d" / "NORMAL").mkdir()
+        shutil.copy(f, tmp_path / "d" / "NORMAL" / f.name)
+    recs, rep = scan_dataset(tmp_path / "d", verify=False, salt="s")
+    by = {Path(r["path"]).name: r for r in recs if r["label"] == 1}
+    assert set(by) == {"a.dcm", "b.jpg", "1.2.840.99.7"}
+    assert len({r["patient_id"] for r in by.values()}) == 1 and by["a.dcm"]["patient_id"].startswith("dcm-")
+    assert [(Path(s["path"]).name, s["kind"]) for s in rep["skipped"]] == [("c.png", "lateral view")]
+
+
+# ---------------------------------------------------------------------------- manifest rows: dup, conflict
+def test_manifest_duplicate_conflicting_empty_and_folder_rows_are_listed(data_root, tmp_path):
+    """A manifest listing a file twice trained on it twice; a file listed as NORMAL and as PNEUMONIA was used with
+    both labels; an empty path or a folder was called an 'unsupported file type'."""
+    n = _real_jpegs(data_root, "NORMAL", 3)
+    p = _real_jpegs(data_root, "PNEUMONIA", 2)
+    lines = ["path,label", f"{n[0]},normal", f"{n[1]},NORMAL", f"{p[0]},Pneumonia", f"{n[0]},NORMAL",
+             f"{n[2]},NORMAL", f"{p[1]},PNEUMONIA", f"{n[2]},PNEUMONIA", ",NORMAL", f"{n[0].parent},NORMAL"]
+    m = tmp_path / "m.csv"
+    m.write_text("\n".join(lines) + "\n")
+    recs, rep = scan_dataset(m, verify=False)
+    assert sorted((r["path"], r["label"]) for r in recs) == sorted(
+        [(str(n[0]), 0), (str(n[1]), 0), (str(p[0]), 1), (str(p[1]), 1)])
+    got = sorted((s["kind"], s["reason"].split(":")[0]) for s in rep["skipped"])
+    assert got == sorted([("duplicate manifest row", "manifest line 5"), ("conflicting labels", "manifest line 6"),
+                          ("conflicting labels", "manifest line 8"), ("manifest row", "manifest line 9"),
+                          ("not a regular file", "a folder, not an image file")])
+    dup = next(s for s in rep["skipped"] if s["kind"] == "duplicate manifest row")
+    assert dup["path"] == str(n[0]) and "line 2" in dup["reason"]
+    for conf in (s for s in rep["skipped"] if s["kind"] == "conflicting labels"):
+        assert conf["path"] == str(n[2]) and "NORMAL, PNEUMONIA" in conf["reason"]
+    assert rep["n_files"] == len(lines) - 1
+
+
+# ------------------------------------------------------------------------------- DICOM attribute problems
+def test_dicom_attribute_problems_are_named_not_misfiled(data_root, tmp_path):
+    """Missing Photometric Interpretation was called a 'colour DICOM'; Rows that do not match the pixel data were
+    called 'multi-frame'; a Rescale Slope of 0 gave an all-white image that was trained on; a Rescale Slope with a
+    decimal comma was silently ignored."""
+    src = _rg1(data_root)
+    cases = {
+        "nophoto.dcm": (_edit_dicom(src, tmp_path / "nophoto.dcm", PhotometricInterpretation=None),
+                        "Photometric Interpretation missing"),
+        "rows.dcm": (_edit_dicom(src, tmp_path / "rows.dcm", Rows=10), "does not match Rows 10"),
+        "slope0.dcm": (_edit_dicom(src, tmp_path / "slope0.dcm", RescaleSlope="0", RescaleIntercept="0"),
+                       "Rescale Slope 0"),
+        "comma.dcm": (_patch_bytes(_edit_dicom(src, tmp_path / "comma.dcm", RescaleSlope="7.25",
+                                               RescaleIntercept="0"), b"7.25", b"7,25"), "'7,25'"),
+    }
+    for name, (path, words) in cases.items():
+        with pytest.raises(ImageReadError) as ei:
+            read_image(path)
+        assert ei.value.kind == "invalid DICOM attribute", (name, ei.value.kind, ei.value.reason)
+        assert words in ei.value.reason and str(path) in str(ei.value), (name, str(ei.value))
+    # a valid slope still reads (values: the stored pixels x 2, scaled; the same picture as slope 1)
+    a1, _ = read_image(_edit_dicom(src, tmp_path / "s1.dcm", RescaleSlope="1", RescaleIntercept="0",
+                                   WindowCenter=None, WindowWidth=None))
+    a2, _ = read_image(_edit_dicom(src, tmp_path / "s2.dcm", RescaleSlope="2", RescaleIntercept="0",
+                                   WindowCenter=None, WindowWidth=None))
+    assert float(abs(a1 - a2).max()) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- permissions
+_READ_UNREADABLE = """
+import sys
+from chest_xray import ImageReadError, read_image, scan_dataset
+try:
+    read_image(sys.argv[1])
+except ImageReadError as e:
+    print("READ", e.kind, "|", e.reason)
+for verify in (True, False):
+    _, rep = scan_dataset(sys.argv[2], verify=verify)
+    print("SCAN", [(s["kind"], s["reason"]) for s in rep["skipped"]])
+"""
+
+
+def test_unreadable_file_is_named_unreadable_not_corrupt(data_root, tmp_path):
+    """A file the process may not read (mode 000) was listed as 'corrupt or truncated' with a Python errno text."""
+    root = tmp_path / "d"
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (root / cls).mkdir(parents=True)
+        for f in _real_jpegs(data_root, cls, 1):
+            shutil.copy(f, root / cls / f.name)
+    locked = root / "NORMAL" / "locked.jpeg"
+    shutil.copy(_real_jpegs(data_root, "NORMAL", 2)[1], locked)
+    os.chmod(locked, 0)
+    os.chmod(tmp_path, 0o755)
+    cmd = [sys.executable, "-c", _READ_UNREADABLE, str(locked), str(root)]
+    if os.geteuid() == 0:  # root reads mode-000 files: drop the capabilities that allow it
+        setpriv = shutil.which("setpriv")
+        if not setpriv:
+            pytest.skip("running as root without setpriv: cannot make a file unreadable")
+        caps = "-dac_override,-dac_read_search"
+        cmd = [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", *cmd]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "READ unreadable | cannot open file (Permission denied)" in r.stdout, r.stdout
+    want = "SCAN [('unreadable', 'cannot open file (Permission denied)')]"
+    assert r.stdout.count(want) == 2, r.stdout
+
+
+# ----------------------------------------------------------------------- predict: DICOM exported without suffix
+def test_predict_collects_dicom_files_without_an_image_suffix(data_root, tmp_path):
+    """``cxr-hfl predict --data folder`` skipped, without a word, DICOM files named as PACS and CD exports name
+    them (``IM000001``, a UID), while ``partition`` read them."""
+    from nvflare_jobs.evaluation import collect_files
+
+    src = _rg1(data_root)
+    d = tmp_path / "scans" / "SE0001"
+    d.mkdir(parents=True)
+    shutil.copy(src, d / "IM000001")
+    shutil.copy(src, d / "1.2.840.99.8")
+    (d / "notes").write_text("not an image\n")
+    jpg = _real_jpegs(data_root, "NORMAL", 1)[0]
+    shutil.copy(jpg, tmp_path / "scans" / "a.jpeg")
+    got = [f.relative_to(tmp_path / "scans").as_posix() for f in collect_files([str(tmp_path / "scans")])]
+    assert got == ["SE0001/1.2.840.99.8", "SE0001/IM000001", "a.jpeg"]

@@ -500,15 +500,25 @@ def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
 
     Raises:
         FileNotFoundError: ``out_dir`` is not a folder, or ``partition.json`` or the ``sites`` folder is missing.
-        ValueError: ``partition.json`` is not JSON or not a partition document; a manifest is malformed.
+        ValueError: ``partition.json`` is not JSON or not a partition document (a scheme and a list of class
+            names); a manifest is malformed or holds a label outside the class names (file and line named).
     """
     out = Path(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: not a folder" if out.exists() else f"{out}: no such folder")
     info = json.loads((out / "partition.json").read_text())
-    if not isinstance(info, dict) or "class_names" not in info or "scheme" not in info:
-        raise ValueError(f"{out / 'partition.json'}: not a partition document (no scheme / class_names)")
+    names = info.get("class_names") if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or not isinstance(info.get("scheme"), str) or not isinstance(names, list)
+            or not names or not all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{out / 'partition.json'}: not a partition document (needs a scheme and a list of "
+                         "class_names)")
     files = sorted((out / "sites").glob("*.csv"), key=lambda f: (len(f.stem), f.stem))
     if not files:
         raise FileNotFoundError(f"{out / 'sites'}: no site manifests")
-    return info, {f.stem: read_site_manifest(f) for f in files}
+    sites = {f.stem: read_site_manifest(f) for f in files}
+    for f in files:
+        for i, r in enumerate(sites[f.stem], start=2):
+            if not 0 <= r["label"] < len(names):
+                raise ValueError(f"{f}:{i}: label {r['label']} is not one of the {len(names)} classes {names} "
+                                 "of partition.json")
+    return info, sites

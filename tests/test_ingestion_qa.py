@@ -193,3 +193,42 @@ def test_predict_collects_dicom_files_without_an_image_suffix(data_root, tmp_pat
     shutil.copy(jpg, tmp_path / "scans" / "a.jpeg")
     got = [f.relative_to(tmp_path / "scans").as_posix() for f in collect_files([str(tmp_path / "scans")])]
     assert got == ["SE0001/1.2.840.99.8", "SE0001/IM000001", "a.jpeg"]
+
+
+# ------------------------------------------------------------------------------- inspect on edited folders
+def test_inspect_on_hand_edited_partition_folders(data_root, tmp_path, capsys):
+    """``inspect`` gave a traceback for a partition.json without seed or with class_names null, counted a row
+    whose label is outside the classes in no class (silently), and for ``--png FOLDER`` wrote FOLDER.png beside
+    the folder while printing 'chart -> FOLDER'."""
+    import json
+
+    from nvflare_jobs.cli import main
+    from tests.sim_helpers import make_partition
+
+    part = make_partition(data_root, tmp_path / "p", 2, max_images=24)
+    charts = tmp_path / "charts"
+    charts.mkdir()
+    assert main(["inspect", str(part), "--png", str(charts)]) == 0
+    assert (charts / "inspect.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "charts.png").exists()
+    assert main(["inspect", str(part), "--png", str(tmp_path / "chart")]) == 0  # no suffix: exactly that path
+    assert (tmp_path / "chart").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+
+    doc = json.loads((part / "partition.json").read_text())
+    (part / "partition.json").write_text(json.dumps({k: v for k, v in doc.items() if k != "seed"}))
+    assert main(["inspect", str(part)]) == 0
+    capsys.readouterr()
+    (part / "partition.json").write_text(json.dumps({**doc, "class_names": None}))
+    assert main(["inspect", str(part)]) == 2
+    assert "class_names" in capsys.readouterr().err
+
+    (part / "partition.json").write_text(json.dumps(doc))
+    site = part / "sites" / "site-1.csv"
+    lines = site.read_text().splitlines()
+    cells = lines[1].split(",")
+    cells[1] = "7"
+    site.write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    assert main(["inspect", str(part)]) == 2
+    err = capsys.readouterr().err
+    assert f"{site}:2: label 7" in err and "Traceback" not in err

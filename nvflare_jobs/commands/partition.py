@@ -156,6 +156,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     for w in partition_warnings(sites, info.get("scheme")):
         print(w, file=sys.stderr)
     png = Path(args.png) if args.png else out / "inspect.png"
+    if png.is_dir():  # --png FOLDER: the chart goes inside it (matplotlib would write FOLDER.png beside it)
+        png = png / "inspect.png"
     try:
         _plot(info, sites, png)
     except OSError as e:
@@ -191,8 +193,8 @@ def _plot(info: dict, sites: dict, png) -> None:
     ax2.legend(loc="upper right", ncol=len(names))
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=30)
-    fig.suptitle(f"partition: {info['scheme']} (seed {info['seed']})")
+    fig.suptitle(f"partition: {info['scheme']} (seed {info.get('seed')})")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")  # exactly the path printed, whatever its suffix
     plt.close(fig)

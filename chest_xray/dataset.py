@@ -435,7 +435,9 @@ def scan_dataset(
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
             unknown.
         LabelError: a file's label cannot be determined (e.g. a PNEUMONIA file without subtype under
-            ``subtype``); a labelling problem is a data-set error, not a file to skip silently.
+            ``subtype``, an unknown or empty class in a manifest); a labelling problem is a data-set error, not a
+            file to skip silently. Raised after the whole scan, once: the message gives how many files and names
+            the first three, so that one run shows what to fix.
     """
     if labels not in CLASS_NAMES:
         raise ValueError(f"unknown label scheme {labels!r}; expected one of {sorted(CLASS_NAMES)}")
@@ -446,6 +448,7 @@ def scan_dataset(
     n_walk_skipped = len(skipped)
     records: list[dict[str, Any]] = []
     notes: list[dict[str, str]] = []
+    label_errors: list[str] = []
     for path, cls, pid in candidates:
         # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
         # patient id; only the bytes are read through the link
@@ -464,7 +467,11 @@ def scan_dataset(
             skipped.append(_skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
                                  "unsupported file type"))
             continue
-        label = label_index(cls, path, labels)
+        try:
+            label = label_index(cls, path, labels)
+        except LabelError as e:  # collected: one error naming every such file, not the first only
+            label_errors.append(str(e))
+            continue
         try:
             if is_dicom:
                 hdr = dicom_header(path)
@@ -496,6 +503,11 @@ def scan_dataset(
         records.append(
             {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
         )
+    if label_errors:
+        shown = "; ".join(" ".join(m.split()) for m in label_errors[:3])
+        more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
+        raise LabelError(f"{len(label_errors)} file(s) have a label that cannot be used under the {labels} scheme "
+                         f"(fix the class folders or the manifest): {shown}{more}")
     names = CLASS_NAMES[labels]
     report = {
         "root": str(r),

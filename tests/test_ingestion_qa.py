@@ -232,3 +232,37 @@ def test_inspect_on_hand_edited_partition_folders(data_root, tmp_path, capsys):
     assert main(["inspect", str(part)]) == 2
     err = capsys.readouterr().err
     assert f"{site}:2: label 7" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------- every bad label at once, one-line listing
+def test_every_unusable_manifest_label_is_named_in_one_error(data_root, tmp_path, capsys):
+    """A manifest with several unusable labels stopped at the first one, so each fix cost a full rerun."""
+    from nvflare_jobs.cli import main
+
+    n = _real_jpegs(data_root, "NORMAL", 6)
+    rows = ["path,label", f"{n[0]},NORMAL", f"{n[1]},cat", f"{n[2]},", f"{n[3]},Normal", f"{n[4]},7",
+            f"{n[5]},EDEMA"]
+    m = tmp_path / "m.csv"
+    m.write_text("\n".join(rows) + "\n")
+    assert main(["partition", "--data", str(m), "--sites", "1", "--out", str(tmp_path / "p"), "--no-verify"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "4 file(s) have a label that cannot be used" in err, err
+    assert all(str(f) in err for f in (n[1], n[2], n[4])) and "and 1 more" in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_skipped_file_listing_stays_one_line_per_file(data_root, tmp_path, capsys):
+    """A skipped file whose name holds a newline split the partition's listing over two lines."""
+    from nvflare_jobs.cli import main
+
+    root = tmp_path / "d"
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (root / cls).mkdir(parents=True)
+        for f in _real_jpegs(data_root, cls, 3):
+            shutil.copy(f, root / cls / f.name)
+    (root / "NORMAL" / "two\nlines.jpeg").write_bytes(b"not a jpeg")
+    assert main(["partition", "--data", str(root), "--sites", "1", "--out", str(tmp_path / "p")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    listed = [line for line in err if "lines.jpeg" in line]
+    assert listed == [f"  {root / 'NORMAL'}/two\\nlines.jpeg: not a recognised image format (JPEG, PNG or DICOM "
+                      "expected)"], err

@@ -69,9 +69,9 @@ def run_partition(args: argparse.Namespace) -> int:
               file=sys.stderr)
         shown = [s for s in report["skipped"] if s.get("kind") != "junk"][:10]
         for s in shown:
-            print(f"  {s['path']}: {s['reason']}", file=sys.stderr)
+            print(f"  {printable_path(s['path'])}: {s['reason']}", file=sys.stderr)
     for n in report.get("notes", [])[:10]:
-        print(f"note: {n['path']}: {n['note']}", file=sys.stderr)
+        print(f"note: {printable_path(n['path'])}: {n['note']}", file=sys.stderr)
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
@@ -95,6 +95,13 @@ def run_partition(args: argparse.Namespace) -> int:
     for w in partition_warnings(result.sites, args.scheme):
         print(w, file=sys.stderr)
     return 0
+
+
+def printable_path(path: str) -> str:
+    """``path`` on one line: control characters (a newline in a file name) and undecodable bytes (a cp1252 name,
+    kept as surrogate escapes) written as Python escapes, e.g. ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode()
+                   for c in str(path))
 
 
 def format_table(info: dict, sites: dict) -> str:

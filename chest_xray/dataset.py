@@ -486,6 +486,10 @@ def scan_dataset(
                     _, meta = read_image(path)
                     width, height = meta["original_width"], meta["original_height"]
                     note = meta.get("voi_fallback") or note
+                    if meta.get("decoder_warnings"):
+                        notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
+                                                                 f"harmless extra bytes: {meta['decoder_warnings']}",
+                                      "kind": "decoder warning"})
                 if note:
                     notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
                                                              f"its own range: {note}", "kind": "voi fallback"})

@@ -266,3 +266,58 @@ def test_skipped_file_listing_stays_one_line_per_file(data_root, tmp_path, capsy
     listed = [line for line in err if "lines.jpeg" in line]
     assert listed == [f"  {root / 'NORMAL'}/two\\nlines.jpeg: not a recognised image format (JPEG, PNG or DICOM "
                       "expected)"], err
+
+
+# ------------------------------------------------------------------- compressed DICOM that the decoder only warns on
+def _jpeg_baseline_dicom_with_frame(data_root: Path, dest: Path, edit) -> Path:
+    """Copy of the real JPEG Baseline CR with its JPEG frame edited (re-encapsulated, so the DICOM is valid)."""
+    import pydicom
+    from pydicom.encaps import encapsulate, generate_fragments
+
+    src = data_root / "dicom" / "1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819.dcm"
+    if not src.is_file():
+        pytest.skip(f"real DICOM not found: {src}")
+    ds = pydicom.dcmread(src)
+    frame = b"".join(generate_fragments(ds.PixelData))
+    frame = frame[: frame.rfind(b"\xff\xd9") + 2]  # without the even-length pad byte
+    ds.PixelData = encapsulate([edit(frame)])
+    ds.save_as(dest)
+    return src
+
+
+def test_truncated_jpeg_in_dicom_is_refused_and_decoder_noise_is_captured(data_root, tmp_path, capfd):
+    """A JPEG Baseline DICOM whose JPEG stream stops at 60 % decoded 'OK' (the rest of the image grey) because
+    libjpeg only warns; its warning went straight to the terminal naming no file. A harmless warning (extra bytes
+    before the end marker: the pixels are identical) is kept as a note, not printed."""
+    cut = tmp_path / "cut.dcm"
+    src = _jpeg_baseline_dicom_with_frame(data_root, cut, lambda f: f[: int(len(f) * 0.6)] + b"\xff\xd9")
+    extra = tmp_path / "extra.dcm"
+    _jpeg_baseline_dicom_with_frame(data_root, extra, lambda f: f[:-2] + b"\x00" * 16 + f[-2:])
+    capfd.readouterr()
+    with pytest.raises(ImageReadError) as ei:
+        read_image(cut)
+    assert ei.value.kind == "corrupt or truncated" and "premature end of data segment" in ei.value.reason
+    ref, _ = read_image(src)
+    img, meta = read_image(extra)
+    assert np_max_abs(img - ref) == 0.0
+    assert meta["decoder_warnings"].startswith("Corrupt JPEG data: ")
+    assert meta["decoder_warnings"].endswith(" extraneous bytes before marker 0xd9")
+    out = capfd.readouterr()
+    assert "JPEG" not in out.err and "JPEG" not in out.out, out
+
+    root = tmp_path / "d"
+    (root / "PNEUMONIA").mkdir(parents=True)
+    (root / "NORMAL").mkdir()
+    shutil.copy(cut, root / "PNEUMONIA" / "cut.dcm")
+    shutil.copy(extra, root / "PNEUMONIA" / "extra.dcm")
+    shutil.copy(_real_jpegs(data_root, "NORMAL", 1)[0], root / "NORMAL" / "n.jpeg")
+    recs, rep = scan_dataset(root)
+    assert sorted(Path(r["path"]).name for r in recs) == ["extra.dcm", "n.jpeg"]
+    assert [(Path(s["path"]).name, s["kind"]) for s in rep["skipped"]] == [("cut.dcm", "corrupt or truncated")]
+    assert [(Path(n["path"]).name, n["kind"]) for n in rep["notes"]] == [("extra.dcm", "decoder warning")]
+
+
+def np_max_abs(a) -> float:
+    import numpy as np
+
+    return float(np.abs(a).max())

@@ -321,3 +321,37 @@ def np_max_abs(a) -> float:
     import numpy as np
 
     return float(np.abs(a).max())
+
+
+# ----------------------------------------------------------------------- predict: symbolic links like partition
+def test_predict_follows_linked_folders_once_and_never_leaves_the_input(data_root, tmp_path):
+    """``predict --data folder`` silently skipped images in a symbolically linked sub-folder (which ``partition``
+    reads), and must not follow a link up to a parent folder (that would predict files outside the input)."""
+    import csv
+
+    import torch
+
+    from hfl_components.models import build_model
+    from nvflare_jobs.evaluation import predict_files
+
+    a, b, c = _real_jpegs(data_root, "NORMAL", 3)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "in").mkdir()
+    shutil.copy(a, tmp_path / "in" / "a.jpeg")
+    shutil.copy(b, tmp_path / "real" / "b.jpeg")
+    shutil.copy(c, tmp_path / "outside" / "c.jpeg")
+    (tmp_path / "in" / "linked").symlink_to("../real")
+    (tmp_path / "in" / "up").symlink_to("..")
+    spec = {"family": "cnn", "depth": "shallow", "width": 1.0, "in_channels": 1, "num_classes": 2}
+    torch.manual_seed(0)
+    torch.save({"spec": spec, "state_dict": build_model(spec).state_dict(), "input_size": 32, "labels": "binary"},
+               tmp_path / "m.pt")
+    s = predict_files(tmp_path / "m.pt", [str(tmp_path / "in")], tmp_path / "p.csv")
+    rows = {r["path"]: r for r in csv.DictReader((tmp_path / "p.csv").open())}
+    assert set(rows) == {str(tmp_path / "in" / "a.jpeg"), str(tmp_path / "in" / "linked" / "b.jpeg"),
+                         str(tmp_path / "in" / "up")}
+    assert rows[str(tmp_path / "in" / "linked" / "b.jpeg")]["status"] == "ok"
+    assert rows[str(tmp_path / "in" / "up")]["status"] == "skipped" and "not followed" in rows[
+        str(tmp_path / "in" / "up")]["reason"]
+    assert (s["n_ok"], s["n_skipped"]) == (2, 1)

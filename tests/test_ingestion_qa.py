@@ -355,3 +355,30 @@ def test_predict_follows_linked_folders_once_and_never_leaves_the_input(data_roo
     assert rows[str(tmp_path / "in" / "up")]["status"] == "skipped" and "not followed" in rows[
         str(tmp_path / "in" / "up")]["reason"]
     assert (s["n_ok"], s["n_skipped"]) == (2, 1)
+
+
+# ----------------------------------------------------------------------------- hand-written site manifests
+def test_hand_written_site_manifest_with_the_columns_the_readme_names(data_root, tmp_path):
+    """The README's site manifest is ``path,label,split[,patient_id,width,height]``, but a hand-written one without
+    the optional columns was refused ('manifest lacks columns'); a split written 'Train' gave the site no training
+    images without a word; an unknown split or an empty path was kept."""
+    from chest_xray import read_site_manifest
+
+    n = _real_jpegs(data_root, "NORMAL", 2)
+    m = tmp_path / "site.csv"
+    m.write_text(f"path,label,split\n{n[0]},0,Train\n{n[1].name},1,TEST\n")
+    rows = read_site_manifest(m)
+    assert rows == [
+        {"path": str(n[0]), "label": 0, "split": "train", "patient_id": n[0].name.split("-0001")[0], "width": 0,
+         "height": 0},
+        {"path": str(tmp_path / n[1].name), "label": 1, "split": "test", "patient_id": n[1].name.split("-0001")[0],
+         "width": 0, "height": 0}]
+    m.write_text(f"path,label,split\n{n[0]},0,training\n")
+    with pytest.raises(ValueError, match=r"site.csv:2: .*split 'training'"):
+        read_site_manifest(m)
+    m.write_text("path,label,split\n,0,train\n")
+    with pytest.raises(ValueError, match=r"site.csv:2: .*empty path"):
+        read_site_manifest(m)
+    m.write_text(f"path,label\n{n[0]},0\n")
+    with pytest.raises(ValueError, match=r"lacks columns \['split'\]"):
+        read_site_manifest(m)

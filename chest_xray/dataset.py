@@ -29,6 +29,7 @@ import csv
 import io
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -563,12 +564,16 @@ def _pil_size(path: Path) -> tuple[int, int]:
         if path.stat().st_size == 0:
             raise ImageReadError(path, "empty file (0 bytes)", "empty file")
         check_readable(path)
-        with Image.open(path) as img:
-            w, h = img.size
-            if exif_orientation(img) in EXIF_SWAPS_AXES:
-                w, h = h, w
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
+            with Image.open(path) as img:
+                w, h = img.size
+                if exif_orientation(img) in EXIF_SWAPS_AXES:
+                    w, h = h, w
     except ImageReadError:
         raise
+    except Image.DecompressionBombError as e:
+        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
         raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
                              "not an image") from None

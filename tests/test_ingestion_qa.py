@@ -382,3 +382,26 @@ def test_hand_written_site_manifest_with_the_columns_the_readme_names(data_root,
     m.write_text(f"path,label\n{n[0]},0\n")
     with pytest.raises(ValueError, match=r"lacks columns \['split'\]"):
         read_site_manifest(m)
+
+
+def test_header_only_scan_names_a_decompression_bomb_too_large(data_root, tmp_path):
+    """With ``--no-verify`` a 20000 x 20000 PNG (a few kB on disk) was listed as 'corrupt or truncated'; an
+    8000 x 8000 one (over our 50 MP limit, under Pillow's error limit) printed Pillow's warning."""
+    import warnings
+
+    from PIL import Image
+
+    root = tmp_path / "d"
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (root / cls).mkdir(parents=True)
+        for f in _real_jpegs(data_root, cls, 1):
+            shutil.copy(f, root / cls / f.name)
+    Image.new("L", (20000, 20000)).save(root / "NORMAL" / "bomb.png")
+    Image.new("L", (8000, 8000)).save(root / "NORMAL" / "big.png")
+    for verify in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            recs, rep = scan_dataset(root, verify=verify)
+        assert len(recs) == 2
+        assert {Path(s["path"]).name: s["kind"] for s in rep["skipped"]} == {"bomb.png": "too large",
+                                                                              "big.png": "too large"}

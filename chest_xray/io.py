@@ -11,6 +11,7 @@ import hashlib
 import os
 import secrets
 import struct
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -644,10 +645,15 @@ _DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantiz
                           "tile", "premature end", "gdcm", "warning:", "error:")
 
 
+_FD2_LOCK = threading.Lock()
+
+
 class _decoder_messages:
     """Context manager: while decoding, what C libraries write to file descriptor 2 (libjpeg's "Corrupt JPEG data:
     ..." lines, which name no file) is captured; decoder messages are appended to ``into`` (one line each) and
-    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged."""
+    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged. File descriptor
+    2 is process-wide: a lock makes concurrent decodes in threads take turns, so that none restores another's
+    redirection."""
 
     def __init__(self, into: list[str]):
         self.into = into
@@ -656,6 +662,7 @@ class _decoder_messages:
         import sys
         import tempfile
 
+        _FD2_LOCK.acquire()
         self.tmp = None
         try:
             sys.stderr.flush()
@@ -670,9 +677,13 @@ class _decoder_messages:
 
     def __exit__(self, *exc):
         if self.tmp is None:
+            _FD2_LOCK.release()
             return False
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
+        try:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+        finally:
+            _FD2_LOCK.release()
         self.tmp.seek(0)
         text = self.tmp.read().decode("utf-8", errors="replace")
         self.tmp.close()

@@ -405,3 +405,26 @@ def test_header_only_scan_names_a_decompression_bomb_too_large(data_root, tmp_pa
         assert len(recs) == 2
         assert {Path(s["path"]).name: s["kind"] for s in rep["skipped"]} == {"bomb.png": "too large",
                                                                               "big.png": "too large"}
+
+
+def test_decoder_message_capture_is_safe_across_threads(data_root, tmp_path):
+    """The capture redirects the process-wide file descriptor 2; decodes in threads must take turns, or one thread
+    restores another's redirection and stderr ends in a deleted temporary file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cut, extra = tmp_path / "cut.dcm", tmp_path / "extra.dcm"
+    _jpeg_baseline_dicom_with_frame(data_root, cut, lambda f: f[: int(len(f) * 0.6)] + b"\xff\xd9")
+    _jpeg_baseline_dicom_with_frame(data_root, extra, lambda f: f[:-2] + b"\x00" * 16 + f[-2:])
+    before = os.fstat(2)
+
+    def kind(p):
+        try:
+            return "ok" if read_image(p)[1]["decoder_warnings"] else "silent"
+        except ImageReadError as e:
+            return e.kind
+
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(kind, [cut, extra] * 8))
+    assert got == ["corrupt or truncated", "ok"] * 8
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)

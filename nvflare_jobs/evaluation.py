@@ -290,16 +290,41 @@ from chest_xray.screening import (  # noqa: E402,F401
 )
 
 
-def collect_files(inputs: list[str]) -> list[Path]:
-    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder
-    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom; broken symbolic links with those suffixes are listed
-    too, so that they are reported as skipped rather than silently left out)."""
+def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[Path]:
+    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder,
+    searched recursively, following symbolic links to folders (each real folder once, as ``partition`` does), for
+    .jpg/.jpeg/.png/.dcm/.dicom and for files with any other name that carry the DICOM ``DICM`` marker, as PACS
+    and CD exports name them (``IM000001``, ``1.2.840.10008....``). Broken symbolic links with an image suffix are
+    returned too, so that they are reported as skipped rather than silently left out.
+
+    Args:
+        skipped: when given, receives ``{"path", "reason", "kind"}`` for what the folder walk could not enter: a
+            symbolic-link cycle or second link to a folder already searched, a folder that cannot be listed, a
+            broken link without an image suffix (operating-system junk folders such as ``__MACOSX`` are left out
+            silently).
+    """
+    from chest_xray.dataset import _dir_key, _sniff_dicom, _walk_files
+
+    def wanted(f: Path) -> bool:
+        if f.suffix.lower() in SUPPORTED_SUFFIXES:
+            return True
+        return _sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
+
     out: list[Path] = []
+    seen: set[tuple[int, int]] = set()
     for s in inputs:
         p = Path(s)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES
-                              and (f.is_file() or (f.is_symlink() and not f.exists()))))
+            walk_skips: list[dict] = []
+            real = Path(os.path.realpath(p))  # a link up to the folder or a parent would leave the input: not followed
+            blocked = {k for k in map(_dir_key, [real, *real.parents]) if k}
+            files = [f for f in _walk_files(p, walk_skips, seen, blocked) if wanted(f)]
+            for e in walk_skips:
+                if e["kind"] == "broken symbolic link" and Path(e["path"]).suffix.lower() in SUPPORTED_SUFFIXES:
+                    files.append(Path(e["path"]))
+                elif e["kind"] != "junk" and skipped is not None:
+                    skipped.append(e)
+            out.extend(sorted(files))
         else:
             out.append(p)  # missing files are reported as skipped, not raised
     return out
@@ -356,7 +381,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
     tf = build_transforms(size, "eval")
-    files = collect_files(inputs)
+    folder_skips: list[dict] = []
+    files = collect_files(inputs, folder_skips)
     rows: list[dict] = []
     batch: list[tuple[int, torch.Tensor]] = []
 
@@ -403,6 +429,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         if len(batch) >= batch_size:
             flush()
     flush()
+    rows.extend({"path": e["path"], "status": "skipped", "reason": e["reason"]} for e in folder_skips)
     out = Path(out_csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     cols = ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"]

@@ -89,8 +89,11 @@ class SiteRuntime:
 
         if self._rows is None:
             rows = read_site_manifest(self.cfg["data"]["manifest"])
-            if self.labels == "subtype" and rows and max(r["label"] for r in rows) > 2:
-                raise ValueError(f"site {self.site}: labels out of range for subtype in {self.cfg['data']['manifest']}")
+            n_classes = 3 if self.labels == "subtype" else 2
+            bad = next((r for r in rows if not 0 <= r["label"] < n_classes), None)
+            if bad is not None:
+                raise ValueError(f"site {self.site}: label {bad['label']} of {bad['path']} is out of range for the "
+                                 f"{self.labels} scheme (0..{n_classes - 1}) in {self.cfg['data']['manifest']}")
             self._rows = rows
         out = [r for r in self._rows if r["split"] == split]
         if split == "train" and self.cfg.get("max_train_images"):

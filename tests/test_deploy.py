@@ -137,12 +137,13 @@ def test_site_finds_its_config_in_its_own_kit_local_folder(tmp_path, monkeypatch
     assert find_site_config("hospital-a", start=deep) == alt / "hospital-a.yaml"
 
 
-def test_share_predictions_switch_is_validated():
+def test_share_predictions_switch_is_validated_and_off_by_default(tmp_path):
     from nvflare_jobs.site_config import SiteConfigError, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
-    assert validate_site_config(base, "s", check_files=False)["share_predictions"] is True
-    assert validate_site_config({**base, "share_predictions": False}, "s", check_files=False)["share_predictions"] is False
+    # a real site keeps its per-image predictions unless it opts in
+    assert validate_site_config(base, "s", check_files=False)["share_predictions"] is False
+    assert validate_site_config({**base, "share_predictions": True}, "s", check_files=False)["share_predictions"] is True
     with pytest.raises(SiteConfigError, match="share_predictions"):
         validate_site_config({**base, "share_predictions": "no"}, "s", check_files=False)
 

@@ -58,7 +58,8 @@ def ohfl_train(rt, params, meta):
     rt.ensure_own_model()
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
     rt.save_state()
-    torch.save({"spec": rt.spec, "state_dict": rt.model.state_dict(), "input_size": int(rt.cfg["input_size"]),
+    torch.save({"spec": rt.spec, "state_dict": {k: v.detach().cpu() for k, v in rt.model.state_dict().items()},
+                "input_size": int(rt.cfg["input_size"]),
                 "labels": rt.labels, "site": rt.site}, rt.state_dir / "local_model.pt")
     val = rt.evaluate("val")
     local_test = rt.evaluate("test")
@@ -235,8 +236,9 @@ def evaluate_deployed(rt, params, meta):
     if any(k.startswith(GLOBAL_PREFIX) for k in params):
         rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
         rt.save_state(deployed=True)
-    elif rt.model is None:
-        raise ValueError(f"site {rt.site}: no trained model to evaluate")
+    elif rt.model is None or not (rt.state_dir / "deployed_model.pt").is_file():
+        # an earlier task failed here (e.g. an unreadable image): never report an untrained model's metrics
+        raise ValueError(f"site {rt.site}: no trained model to evaluate (an earlier task failed at this site)")
     else:
         rt.save_state(deployed=True)
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)

@@ -76,9 +76,9 @@ def test_mixed_precision_on_cpu_runs_in_bfloat16_close_to_float32():
     the weights stay float32."""
     from hfl_components.training import train_local
 
-    ref = train_local(_model(), _tiny_loader(), 2, lr=0.01, seed=0)
+    ref = train_local(_model(), _tiny_loader(16), 1, lr=0.01, seed=0)
     m = _model()
-    amp = train_local(m, _tiny_loader(), 2, lr=0.01, seed=0, amp=True)
+    amp = train_local(m, _tiny_loader(16), 1, lr=0.01, seed=0, amp=True)
     assert all(p.dtype == torch.float32 for p in m.parameters())
     a, b = np.array([h["loss"] for h in ref]), np.array([h["loss"] for h in amp])
     assert np.all(np.isfinite(b))
@@ -245,13 +245,16 @@ def test_example_consortium_profiles_name_the_six_hospitals_and_export(tmp_path)
     assert "--startup-kit" in r.stdout and "each site sends: one trained model" in r.stdout
 
 
-def test_export_job_refuses_site_options_with_a_profile(tmp_path):
-    r = run_cli("export-job", "--method", "local", "--profile", "site_configs/consortium/", "--batch-size", "8",
-                "--max-train-images", "10", "--input-sizes", "64", "--out", str(tmp_path / "jobs"))
-    assert r.returncode == 2
+def test_export_job_refuses_site_options_with_a_profile(tmp_path, capsys):
+    from nvflare_jobs.cli import main
+
+    rc = main(["export-job", "--method", "local", "--profile", str(REPO_ROOT / "site_configs" / "consortium"),
+               "--batch-size", "8", "--max-train-images", "10", "--input-sizes", "64", "--out", str(tmp_path / "jobs")])
+    err = capsys.readouterr().err
+    assert rc == 2
     for opt, key in (("--batch-size", "batch_size"), ("--max-train-images", "max_train_images"),
                      ("--input-sizes", "input_size")):
-        assert f"{opt} (site key {key})" in r.stderr
+        assert f"{opt} (site key {key})" in err
     assert not (tmp_path / "jobs").exists(), "nothing is exported when options would be dropped"
 
 
@@ -275,7 +278,7 @@ def test_poc_prepare_reports_every_problem_at_once(tmp_path, data_root):
     assert not (tmp_path / "poc" / "nvflare_poc").exists(), "nothing provisioned for a broken profile"
 
 
-def test_poc_commands_answer_in_one_line_when_the_poc_is_down(tmp_path):
+def test_poc_commands_answer_in_one_line_when_the_poc_is_down(tmp_path, capsys):
     """A prepared POC whose server is not running: submit/download/status say so in one line; stop says it was
     already stopped."""
     ws = tmp_path / "poc"
@@ -289,14 +292,18 @@ def test_poc_commands_answer_in_one_line_when_the_poc_is_down(tmp_path):
     job = tmp_path / "job"
     (job / "app_site-1" / "config").mkdir(parents=True, exist_ok=True)
     (job / "meta.json").write_text(json.dumps({"name": "j", "deploy_map": {"app_site-1": ["site-1"]}}))
+    from nvflare_jobs.cli import main
+
     for args in (["submit", "--job", str(job)], ["download"]):
-        r = run_cli("poc", *args, "--workspace", str(ws))
-        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-        assert "is not running: its server is down" in r.stderr and "{" not in r.stderr and "nvflare " not in r.stderr
-    r = run_cli("poc", "status", "--workspace", str(ws))
-    assert r.returncode == 0 and ": stopped;" in r.stdout and "running" not in r.stdout
-    r = run_cli("poc", "stop", "--workspace", str(ws))
-    assert r.returncode == 0 and "already stopped" in r.stdout
+        rc = main(["poc", *args, "--workspace", str(ws)])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.count("\n") == 1, err
+        assert "is not running: its server is down" in err and "{" not in err and "nvflare " not in err
+    rc = main(["poc", "status", "--workspace", str(ws)])
+    out = capsys.readouterr().out
+    assert rc == 0 and ": stopped;" in out and "running" not in out
+    rc = main(["poc", "stop", "--workspace", str(ws)])
+    assert rc == 0 and "already stopped" in capsys.readouterr().out
 
 
 def test_run_findings_name_excluded_sites_and_single_class_models():

@@ -234,7 +234,7 @@ def check_profile(profile_dir: str | os.PathLike, check_files: bool = True, requ
     """
     d = Path(profile_dir)
     if not d.is_dir():
-        return {}, [f"profile {d}: no such folder"]
+        return {}, [f"profile {d}: no <site>.yaml files found (no such folder)"]
     files = sorted(d.glob("*.yaml"))
     if not files:
         return {}, [f"profile {d}: no <site>.yaml files found"]

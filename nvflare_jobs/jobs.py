@@ -53,6 +53,7 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
                                 ground_metric=opts.get("ground_metric", "wts"),
                                 probe_size=int(opts.get("probe_size", 64)), weighting=opts.get("weighting", "samples"),
                                 repair=bool(opts.get("repair", True)),
+                                fusion_device=opts.get("server_device") or "auto",
                                 task_config=tc, **common)
     if method in ("fedsaf", "fedproto"):
         dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}

@@ -91,7 +91,13 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
 
 def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, input_sizes: list[int],
                   settings: dict) -> Path:
-    """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder)."""
+    """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder).
+
+    These are *simulated* sites: unless ``settings`` says otherwise they set ``share_predictions: true`` so the
+    run reports pooled test metrics with confidence intervals (a real site's default is false; see
+    docs/DEPLOYMENT.md, Privacy)."""
+    settings = dict(settings)
+    settings.setdefault("share_predictions", True)
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
     from chest_xray.labels import num_classes as scheme_classes
 

@@ -274,6 +274,8 @@ class OHFLController(HFLController):
         weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
         repair (bool): rescale fused layers' activation spread on the probe (``hfl_components.fusion.repair``;
             not in the paper). Default True.
+        fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair):
+            ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
     """
 
     method = "ohfl"
@@ -281,8 +283,11 @@ class OHFLController(HFLController):
     def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
                  ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples", repair: bool = True,
                  num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
-                 seed: int = 0, late_wait_s: int = 900):
+                 seed: int = 0, late_wait_s: int = 900, fusion_device: str = "auto"):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+        from hfl_components.training.device import check_device_name
+
+        self.fusion_device = check_device_name(fusion_device)
         self.probe = probe
         self.strategy = strategy
         self.alignment = alignment
@@ -321,11 +326,16 @@ class OHFLController(HFLController):
         self.record["server_seconds"]["probe"] = time.perf_counter() - t0
         self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
                   f"{self.alignment}, OT {self.ot_solver}/{self.ground_metric}, probe {tuple(probe.shape)}")
+        from hfl_components.training.device import describe_device, resolve_device
+
+        device = resolve_device(self.fusion_device)
+        self.record["fusion_device"] = describe_device(device)
+        self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
         t0 = time.perf_counter()
         spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
                                                alignment=self.alignment, ot_solver=self.ot_solver,
                                                ground_metric=self.ground_metric, weighting=self.weighting,
-                                               seed=self.seed, repair=self.repair)
+                                               seed=self.seed, repair=self.repair, device=device)
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
         self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
         self.record["global_spec"] = spec

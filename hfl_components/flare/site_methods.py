@@ -246,8 +246,9 @@ def evaluate_deployed(rt, params, meta):
     if any(k.startswith(GLOBAL_PREFIX) for k in params):
         rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
         rt.save_state(deployed=True)
-    elif rt.model is None:
-        raise ValueError(f"site {rt.site}: no trained model to evaluate")
+    elif rt.model is None or not (rt.state_dir / "deployed_model.pt").is_file():
+        # an earlier task failed here (e.g. an unreadable image): never report an untrained model's metrics
+        raise ValueError(f"site {rt.site}: no trained model to evaluate (an earlier task failed at this site)")
     else:
         rt.save_state(deployed=True)
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)

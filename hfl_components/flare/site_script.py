@@ -17,7 +17,7 @@ import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from hfl_components.flare.site_methods import HANDLERS
-from hfl_components.flare.site_tasks import SiteRuntime
+from hfl_components.flare.site_tasks import SiteRuntime, describe_error
 from nvflare_jobs.site_config import load_site_config
 from nvflare_jobs.privacy import redact_paths
 
@@ -54,7 +54,9 @@ def main() -> None:
             meta_out["compute_s"] = round(time.perf_counter() - t0, 3)  # the site's own work on this task
             flare.send(FLModel(params=params, metrics=metrics, meta=meta_out, current_round=msg.current_round))
         except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
-            reason = f"site {site}: task {task} failed: {type(e).__name__}: {e}"
+            # an unreadable image is reported as the ImageReadError (file, reason, manifest line), not as the
+            # transform wrapper MONAI raises around it
+            reason = f"site {site}: task {task} failed: {describe_error(e)}"
             log.error("%s\n%s", reason, traceback.format_exc())
             # the server gets the reason without file paths / image names (they stay in this site's log)
             flare.send(FLModel(params={}, metrics={}, meta={"status": "error", "error": redact_paths(reason)},

@@ -59,17 +59,54 @@ def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
     return stratified_subset(rows, n, seed)
 
 
+def find_image_error(exc: BaseException):
+    """The :class:`chest_xray.ImageReadError` behind ``exc`` (itself, or anywhere in its ``__cause__`` /
+    ``__context__`` chain, e.g. under MONAI's ``RuntimeError: applying transform <...Lambdad object at 0x...>``),
+    else None."""
+    from chest_xray import ImageReadError
+
+    seen = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ImageReadError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"<Type>: <message>"`` of a task failure, with an underlying ImageReadError (file and reason) in place of
+    the wrappers MONAI puts around it. Used for the site log and (after path redaction) the reason the server
+    records."""
+    img = find_image_error(exc)
+    if img is not None:
+        return f"ImageReadError: {img}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 class SiteRuntime:
     """A site's data, model and task handlers.
 
     Args:
         cfg: validated site config (see ``nvflare_jobs.site_config``).
         workdir: the site's workspace folder; state is kept under ``workdir/cxr_hfl_state``.
+
+    Raises:
+        ValueError: the config's ``device`` cannot be used here (the message names the config file).
     """
 
     def __init__(self, cfg: dict, workdir: str | Path):
+        from hfl_components.training.device import describe_device, resolve_device
+
         self.cfg = cfg
         self.site = cfg["site"]
+        try:
+            self.device = resolve_device(cfg.get("device", "auto"))
+        except ValueError as e:
+            raise ValueError(f"site {self.site}: config {cfg.get('config_path', '<memory>')} key 'device': {e}") from None
+        self.amp = bool(cfg.get("amp", False))
+        log.info("site %s: device %s%s", self.site, describe_device(self.device), ", mixed precision" if self.amp else "")
         self.state_dir = Path(workdir) / STATE_DIR
         self.state_dir.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(int(cfg["threads"]))
@@ -114,12 +151,29 @@ class SiteRuntime:
             aug = self.cfg["augment_classes"]
             if aug == "auto":
                 aug = default_augment_classes(self.rows("train"))
-            ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
-                                   cache_dir=self.cfg.get("cache_dir"))
+            try:
+                ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
+                                       cache_dir=self.cfg.get("cache_dir"))
+            except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
+                img = find_image_error(e)
+                if img is None:
+                    raise
+                raise self._located(img, split) from None
             g = torch.Generator().manual_seed(int(self.cfg["seed"]))
             self._loaders[key] = torch.utils.data.DataLoader(
                 ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode, num_workers=0, generator=g)
         return self._loaders[key]
+
+    def _located(self, err, split: str):
+        """The ImageReadError ``err`` with its manifest row (1-based line of the CSV, header = line 1) added."""
+        from chest_xray import ImageReadError
+
+        where = ""
+        for i, r in enumerate(self._rows or []):
+            if str(r["path"]) == err.path:
+                where = f" (manifest {self.cfg['data']['manifest']} line {i + 2}, {split} split)"
+                break
+        return ImageReadError(err.path, f"{err.reason}{where}; `cxr-hfl site check` lists every unreadable file")
 
     def n_train(self) -> int:
         return len(self.rows("train"))
@@ -155,7 +209,8 @@ class SiteRuntime:
         input size, label scheme and provenance (method of the last task, seed, manifest hash)."""
         from hfl_components.models import save_model_file
 
-        return save_model_file(path, self.spec, self.model.state_dict(), input_size=int(self.cfg["input_size"]),
+        return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                               input_size=int(self.cfg["input_size"]),
                                labels=self.labels, site=self.site, kind=kind,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
                                            "manifest_sha256": self.manifest_sha256()})
@@ -165,6 +220,7 @@ class SiteRuntime:
         self.model = build_model(self.spec)
         if state_dict is not None:
             self.model.load_state_dict(state_dict)
+        self.model.to(self.device)
 
     def ensure_own_model(self):
         if self.model is None:
@@ -192,13 +248,13 @@ class SiteRuntime:
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
                            grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
-                           seed=int(self.cfg["seed"]) * 1000 + int(rnd))
+                           seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp)
 
     def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:
         """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""
         from hfl_components.training import compute_metrics, predict_proba
 
-        probs, y = predict_proba(self.model, self.loader(split, train_mode=False))
+        probs, y = predict_proba(self.model, self.loader(split, train_mode=False), device=self.device)
         m = compute_metrics(y, probs, self.num_classes)
         m["n"] = int(len(y))
         if with_predictions:

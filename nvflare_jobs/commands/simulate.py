@@ -23,6 +23,31 @@ def _ints(s: str) -> list[int]:
     return v
 
 
+def _gpu_ids(s: str) -> str:
+    ids = [x.strip() for x in s.split(",")]
+    if not ids or not all(x.isdigit() for x in ids):
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids such as 0 or 0,1, got {s!r}")
+    return ",".join(ids)
+
+
+def _device(s: str) -> str:
+    from hfl_components.training.device import check_device_name
+
+    try:
+        return check_device_name(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# options that describe the simulated sites (partition and per-site configs); with --profile the site configs
+# decide them, so export-job refuses them instead of silently dropping them
+SITE_OPTIONS = {"data": "--data", "sites": "--sites", "scheme": "--scheme", "alpha": "--alpha",
+                "input_sizes": "--input-sizes", "batch_size": "--batch-size", "max_train_images": "--max-train-images",
+                "feature_dim": "--feature-dim", "labels": "--labels"}
+SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train_images": "max_train_images",
+             "feature_dim": "model.feature_dim", "labels": "data.labels"}
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data")
@@ -41,6 +66,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
+    p.add_argument("--server-device", type=_device, default="auto",
+                   help="where the server runs OHFL's fusion probe passes (CKA, repair): auto|cpu|cuda|cuda:N "
+                        "(default auto = CUDA when present); sites choose theirs with the site-config key device")
     p.add_argument("--late-wait", type=int, default=900,
                    help="seconds to wait for the remaining sites once --min-sites have answered (0 = wait for all)")
     g = p.add_argument_group("OHFL")
@@ -83,11 +111,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
     p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
+    p.add_argument("--gpu", type=_gpu_ids,
+                   help="NVFlare simulator GPU option: GPU ids for the site processes, e.g. 0 or 0,1 (sites are "
+                        "spread over them); a site uses its GPU when its config says device: auto or cuda")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
     _add_method_args(e)
     e.add_argument("--out", required=True, help="folder to export the job into")
-    e.set_defaults(func=run_export)
+    # site options given with --profile are refused (see SITE_OPTIONS): None tells "not given" from a default
+    e.set_defaults(func=run_export, sites=None, scheme=None, alpha=None, input_sizes=None, batch_size=None,
+                   feature_dim=None)
 
 
 def _defaults(args) -> None:
@@ -196,7 +229,7 @@ def _options(args, data_root, part_dir) -> dict:
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
             "weighting": args.weighting, "repair": args.repair, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
-            "noisy_counts": args.noisy_counts, "eval": args.eval}
+            "noisy_counts": args.noisy_counts, "eval": args.eval, "server_device": args.server_device}
 
 
 def run_simulate(args) -> int:
@@ -230,12 +263,16 @@ def run_simulate(args) -> int:
     (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
     print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
         f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px" for s, c in profile.items()))
+    sharing = [s for s, c in profile.items() if c.get("share_predictions")]
+    if sharing:
+        print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
+              "to the server for pooled metrics (share_predictions: true); a real site's default is false")
     job = build_job(args.method, profile, opts)
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config)
+    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config, gpu=getattr(args, "gpu", None))
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:
@@ -294,17 +331,30 @@ def run_export(args) -> int:
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.site_config import load_profile
 
-    _defaults(args)
     if not args.profile:
         print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
               file=sys.stderr)
         return 2
-    profile = load_profile(args.profile, check_files=False)
+    given = [k for k in SITE_OPTIONS if getattr(args, k, None) is not None]
+    if given:
+        keys = ", ".join(f"{SITE_OPTIONS[k]} (site key {SITE_KEYS[k]})" if k in SITE_KEYS else SITE_OPTIONS[k]
+                         for k in given)
+        print(f"cxr-hfl export-job: {keys}: with --profile each hospital's <site>.yaml decides this; a job does "
+              "not carry it. Set it in the profile's site configs (and in each hospital's own config), or drop "
+              "the option.", file=sys.stderr)
+        return 2
+    _defaults(args)
+    profile = load_profile(args.profile, check_files=False, require_data=False)
     opts = _options(args, None, None)
     job = build_job(args.method, profile, opts)
     out = Path(args.out).resolve()
     from nvflare_jobs.deploy import export_portable
 
     export_portable(job, out)  # site script path made relative to the app's custom/ folder (portable to sites)
-    print(f"[cxr-hfl] exported job {job.name} to {out / job.name}; submit with: nvflare job submit -j {out / job.name}")
+    from nvflare_jobs.privacy import what_leaves
+
+    print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
+    print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")
+    print(f"submit with: nvflare job submit -j {out / job.name} --startup-kit <your coordinator kit folder>")
+    print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {out / job.name})")
     return 0

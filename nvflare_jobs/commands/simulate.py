@@ -41,8 +41,11 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
-    p.add_argument("--late-wait", type=int, default=900,
-                   help="seconds to wait for the remaining sites once --min-sites have answered (0 = wait for all)")
+    p.add_argument("--late-wait", type=int, default=None,
+                   help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
+                        "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
+                        "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
+                        "silent are dropped at once either way.")
     g = p.add_argument_group("OHFL")
     g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
     g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
@@ -82,7 +85,11 @@ def register(sub) -> None:
     _add_method_args(p)
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
-    p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
+    p.add_argument("--verbose", action="store_true",
+                   help="show NVFlare's INFO logs on the console (by default they go only to the workspace's "
+                        "log files and the console shows live progress)")
+    p.add_argument("--log-config", help="NVFlare log mode or config file (concise|msg_only|full|verbose|FILE); "
+                                        "overrides the quiet default and --verbose")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
     _add_method_args(e)
@@ -153,7 +160,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     return profile_dir, load_profile(profile_dir), data, part_dir
 
 
-RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
+RUN_OUTPUTS = ("metrics.json", "nvflare_log_config.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
                "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
                "partition", "external")
 
@@ -163,8 +170,11 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
     old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
-        raise FileExistsError(f"run folder {run_dir} already holds a run ({', '.join(old[:4])}...); "
-                              "choose another --out or pass --overwrite")
+        what = ("a finished run" if (run_dir / "metrics.json").exists() else
+                "an unfinished (interrupted or failed) run")
+        raise FileExistsError(f"run folder {run_dir} already holds {what} ({', '.join(old[:4])}...). A simulate run "
+                              "cannot be resumed: rerun with --overwrite to replace it, or choose another --out "
+                              "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
     for n in old:
         p = run_dir / n
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -232,12 +242,22 @@ def run_simulate(args) -> int:
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config)
+    from nvflare_jobs.progress import LiveProgress
+    from nvflare_jobs.proctree import INTERRUPTED
+
+    log_config = args.log_config or ("concise" if args.verbose else str(quiet_log_config(run_dir)))
+    print(f"[cxr-hfl] NVFlare logs: {ws}/<server|site>/log.txt" + ("" if args.verbose or args.log_config else
+                                                                     " (--verbose shows them here)"))
+    with LiveProgress(ws, list(profile), stream=sys.stdout if args.verbose else sys.stderr) as live:
+        rc = job.simulator_run(str(ws), threads=len(profile), log_config=log_config)
+    if INTERRUPTED.is_set():  # NVFlare's runner swallows the KeyboardInterrupt and returns -9
+        raise KeyboardInterrupt
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:
         print(f"cxr-hfl: the simulation failed (rc={rc}): {e}; see {ws}/*/log.txt", file=sys.stderr)
         return 1
+    record = json.loads(Path(server_results).read_text())
     models_dir = run_dir / "models"
     models_dir.mkdir(exist_ok=True)
     for site in profile:
@@ -251,7 +271,29 @@ def run_simulate(args) -> int:
                            wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
                            extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
     _print_summary(metrics, run_dir)
+    if record.get("failed"):
+        print(f"cxr-hfl: the run failed: {record['failed']} (fewer than --min-sites usable sites); partial results "
+              f"in {run_dir}, logs in {ws}/*/log.txt", file=sys.stderr)
+        return 3
+    if live.last_status and live.last_status.get("phase") not in ("done", None):
+        print(f"cxr-hfl: the server stopped in phase {live.last_status.get('phase')!r}; see {ws}/server/log.txt",
+              file=sys.stderr)
     return 0 if rc in (0, None) else int(rc)
+
+
+def quiet_log_config(run_dir: Path) -> Path:
+    """NVFlare's log config with the console handler at ERROR: INFO/WARNING lines go only to the workspace's
+    ``log.txt`` files (simulator server and every site), the console keeps errors and the live progress."""
+    import copy
+
+    from nvflare.fuel.utils.log_utils import concise_log_dict
+
+    cfg = copy.deepcopy(concise_log_dict)
+    cfg["handlers"]["consoleHandler"]["level"] = "ERROR"
+    cfg["handlers"]["consoleHandler"]["stream"] = "ext://sys.stderr"
+    path = run_dir / "nvflare_log_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
 
 
 def _final_sites(server_results: Path) -> set[str]:

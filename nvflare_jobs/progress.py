@@ -143,7 +143,7 @@ class LiveProgress:
             self._last_lines["server"] = key
             self._write(f"[cxr-hfl] {server}")
         for site, p in sorted((st.get("sites") or {}).items()):
-            line = f"{p.get('task')} r{p.get('round')} {p.get('stage') or ''}"
+            line = f"{p.get('task')} r{p.get('round')} {p.get('stage') or ''} {p.get('epoch')}"
             if self._last_lines.get(site) != line:
                 self._last_lines[site] = line
                 self._write(f"[cxr-hfl] {site}: {describe_site(p)}")

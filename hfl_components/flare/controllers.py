@@ -94,15 +94,16 @@ class HFLController(ModelController):
         if event_type != PROGRESS_EVENT:
             return
         try:
+            from nvflare.apis.analytix import TrackConst
             from nvflare.apis.dxo import from_shareable
             from nvflare.apis.fl_constant import FLContextKey, ReservedKey
 
             data = fl_ctx.get_prop(FLContextKey.EVENT_DATA, None)
             site = data.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
-            dxo = from_shareable(data)
-            raw = (dxo.data or {}).get(PROGRESS_KEY)
-            if site is None or raw is None:
+            body = from_shareable(data).data or {}
+            if site is None or body.get(TrackConst.TRACK_KEY) != PROGRESS_KEY:
                 return
+            raw = body.get(TrackConst.TRACK_VALUE)
             self._heard[site] = time.monotonic()
             self._progress[site] = json.loads(raw) if isinstance(raw, str) else dict(raw)
         except Exception as e:  # noqa: BLE001 - a malformed heartbeat must not stop the server
@@ -155,7 +156,8 @@ class HFLController(ModelController):
         self._current_failed_clients = set()
         task = self._prepare_task(data=data, task_name=task_name, timeout=timeout, callback=on_result)
         start, wall0 = time.monotonic(), time.time()
-        self.broadcast(task=task, fl_ctx=self.fl_ctx, targets=clients, min_responses=0)
+        # NVFlare's non-blocking Controller.broadcast (our own broadcast() is the per-round helper below)
+        super().broadcast(task=task, fl_ctx=self.fl_ctx, targets=clients, min_responses=0)
         decision = None
         while True:
             finished = task.completion_status is not None

@@ -272,7 +272,7 @@ def run_simulate(args) -> int:
                            extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
     _print_summary(metrics, run_dir)
     if record.get("failed"):
-        print(f"cxr-hfl: the run failed: {record['failed']} (fewer than --min-sites usable sites); partial results "
+        print(f"cxr-hfl: the run failed: {record['failed']}; partial results "
               f"in {run_dir}, logs in {ws}/*/log.txt", file=sys.stderr)
         return 3
     if live.last_status and live.last_status.get("phase") not in ("done", None):

@@ -80,3 +80,51 @@ def handle_interrupts():
 def exit_code() -> int:
     """130 after SIGINT, 143 after SIGTERM (the shell convention), 130 when no signal was recorded."""
     return SIGNAL_EXIT.get(received[-1], 130) if received else 130
+
+
+_PORT_LOCK = threading.Lock()
+_PORTS_HANDED_OUT: set[int] = set()
+
+
+def unique_simulator_ports() -> None:
+    """Make the NVFlare simulator hand every site worker a port no other worker of this run got.
+
+    Diagnosis of ``SimulatorClientRunner - ERROR - Communication error with client site-2: [Errno 104] Connection
+    reset by peer`` (NVFlare 2.9, ``simulator_runner.py``): each client thread picks its worker's port with
+    ``get_open_ports(1)``, which binds port 0 and *closes* the socket, then starts the worker (which binds that
+    port only after a few seconds of imports) and connects to ``localhost:port`` at once, retrying. All client threads
+    start together (threads == sites). Once closed, the port can be handed out again before the first worker
+    binds it; then both client threads connect to the same worker, which accepts one connection and drops its
+    listener, and the other thread's connection is reset: that site never starts. This patch (applied before the
+    simulator forks) never hands out a port twice within a run and only one that is free on 127.0.0.1 as well.
+    It narrows the race; it cannot close it against other programs on the machine, so the server still treats a
+    site that never fetches its task as not running (``hfl_components.wait_policy``) and says so by name.
+    """
+    import socket
+
+    from nvflare.private.fed.app.simulator import simulator_runner
+
+    original = simulator_runner.get_open_ports
+    if getattr(original, "_cxr_hfl_unique", False):
+        return
+
+    def get_unique_open_ports(number) -> list:
+        out = []
+        with _PORT_LOCK:
+            for _ in range(1000):
+                if len(out) >= number:
+                    break
+                port = original(1)[0]
+                if port in _PORTS_HANDED_OUT:
+                    continue
+                try:
+                    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                        s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                _PORTS_HANDED_OUT.add(port)
+                out.append(port)
+        return out or original(number)
+
+    get_unique_open_ports._cxr_hfl_unique = True
+    simulator_runner.get_open_ports = get_unique_open_ports

@@ -243,7 +243,9 @@ def run_simulate(args) -> int:
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
     from nvflare_jobs.progress import LiveProgress
-    from nvflare_jobs.proctree import INTERRUPTED
+    from nvflare_jobs.proctree import INTERRUPTED, unique_simulator_ports
+
+    unique_simulator_ports()  # see its docstring: the port race behind "Connection reset by peer" at start
 
     log_config = args.log_config or ("concise" if args.verbose else str(quiet_log_config(run_dir)))
     print(f"[cxr-hfl] NVFlare logs: {ws}/<server|site>/log.txt" + ("" if args.verbose or args.log_config else

@@ -84,5 +84,38 @@ def test_rerun_into_an_unfinished_run_folder_says_how_to_replace_it(tmp_path):
     msg = str(e.value)
     assert "unfinished" in msg and "--overwrite" in msg and "cannot be resumed" in msg
     (run / "metrics.json").write_text("{}")
-    with pytest.raises(FileExistsError, match="a finished run"):
+    with pytest.raises(FileExistsError, match="already holds a run \\(finished"):
         _prepare_run_dir(run, overwrite=False)
+
+
+def test_live_progress_bars_show_server_and_site_state(tmp_path):
+    """Terminal mode (tqdm bars): the server bar says what it waits for, a site bar shows epoch/epochs and loss, an
+    excluded site is marked, and the exclusion line is still printed."""
+    from nvflare_jobs.progress import LiveProgress
+
+    out = io.StringIO()
+    live = LiveProgress(tmp_path, ["site-1", "site-2"], stream=out, bars=True)
+    _status(tmp_path, phase="waiting", task="ohfl_train", round=0, waiting_for=["site-1"], down=["site-2"],
+            excluded={"site-2": "silent for 30 s while working on the task"},
+            sites={"site-1": {"task": "ohfl_train", "round": 0, "stage": "local", "epoch": 7, "epochs": 20,
+                              "loss": 0.25}})
+    live.poll()
+    assert live._tq["site-1"].n == 7 and live._tq["site-1"].total == 20
+    text = out.getvalue()
+    assert "round 0 ohfl_train: waiting for site-1" in text and "loss 0.250" in text
+    assert "site site-2 excluded: silent for 30 s" in text and "excluded" in live._tq["site-2"].postfix
+    live.stop()
+
+
+def test_simulator_ports_are_never_handed_out_twice():
+    from nvflare.private.fed.app.simulator import simulator_runner
+
+    from nvflare_jobs.proctree import unique_simulator_ports
+
+    original = simulator_runner.get_open_ports
+    try:
+        unique_simulator_ports()
+        ports = [simulator_runner.get_open_ports(1)[0] for _ in range(300)]
+        assert len(set(ports)) == 300 and all(1024 <= p < 65536 for p in ports)
+    finally:
+        simulator_runner.get_open_ports = original

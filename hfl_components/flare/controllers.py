@@ -6,6 +6,12 @@ functions in ``hfl_components``. Common plumbing lives in :class:`HFLController`
 * ``broadcast(task, params, meta)`` sends one task to every site, waits, and returns only the successful answers;
   a site that answers with an error, or whose upload fails validation, is logged by name and left out of that
   round (the federation continues while at least ``min_sites`` remain).
+* how long it waits is decided by :class:`hfl_components.wait_policy.WaitPolicy` (``send_model_and_wait``): a site
+  that is not running or has gone silent (no progress heartbeat) is dropped at once, a slow site that still
+  heart-beats is kept, and once ``min_sites`` answered the rest get max(60 s, 3 x the slowest answer's compute
+  seconds) or the fixed ``late_wait_s``;
+* the server's state (phase, sites waited for, exclusions, each site's last progress) is rewritten to
+  ``cxr_hfl_results/status.json`` for the live console (``nvflare_jobs.progress``);
 * payload bytes up/down are counted per round (array bytes only);
 * every result is written as JSON under ``<server run dir>/cxr_hfl_results/`` so the simulator, POC download and
   production all turn into the same ``metrics.json`` (``nvflare_jobs.results``).

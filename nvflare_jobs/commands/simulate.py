@@ -160,8 +160,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     return profile_dir, load_profile(profile_dir), data, part_dir
 
 
-RUN_OUTPUTS = ("metrics.json", "nvflare_log_config.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
+RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
+               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
                "partition", "external")
 
 
@@ -170,10 +170,9 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
     old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
-        what = ("a finished run" if (run_dir / "metrics.json").exists() else
-                "an unfinished (interrupted or failed) run")
-        raise FileExistsError(f"run folder {run_dir} already holds {what} ({', '.join(old[:4])}...). A simulate run "
-                              "cannot be resumed: rerun with --overwrite to replace it, or choose another --out "
+        what = "finished" if (run_dir / "metrics.json").exists() else "unfinished: interrupted or failed"
+        raise FileExistsError(f"run folder {run_dir} already holds a run ({what}; {', '.join(old[:4])}...). "
+                              "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose another --out "
                               "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
     for n in old:
         p = run_dir / n
@@ -324,9 +323,11 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
                   f"(confusion matrix {cm}); it has not learned a usable decision rule")
     if m.get("excluded_sites"):
+        print("excluded sites (metrics.json: excluded_sites):")
         for site, events in m["excluded_sites"].items():
-            for ev in events:
-                print(f"site {site} left out of round {ev.get('round')} ({ev.get('task')}): {ev.get('reason')}")
+            reasons = list(dict.fromkeys(ev.get("reason") for ev in events))
+            where = ", ".join(f"round {ev.get('round')} {ev.get('task')}" for ev in events)
+            print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
 

@@ -161,8 +161,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
 
 
 RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
-               "partition", "external")
+               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+               "resolved_configs", "site_configs", "partition", "external")
 
 
 def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:
@@ -172,7 +172,8 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     if old and not overwrite:
         what = "finished" if (run_dir / "metrics.json").exists() else "unfinished: interrupted or failed"
         raise FileExistsError(f"run folder {run_dir} already holds a run ({what}; {', '.join(old[:4])}...). "
-                              "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose another --out "
+                              "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose "
+                              "another --out "
                               "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
     for n in old:
         p = run_dir / n

@@ -138,3 +138,27 @@ def test_sigterm_stops_the_whole_tree_and_a_rerun_says_how_to_replace(partition3
     assert not _run_processes(run)
     r = run_cli("simulate", "--method", "local", "--profile", str(profile), "--rounds", "2", "--out", str(run))
     assert r.returncode == 2 and "unfinished" in r.stderr and "--overwrite" in r.stderr
+
+
+def test_sigterm_on_compare_stops_every_run_process_and_a_rerun_resumes(data_root, tmp_path):
+    out = tmp_path / "cmp"
+    proc = _start("compare", "--methods", "local", "--data", str(data_root / "chest_xray_original"), "--sites", "3",
+                  "--max-images", "90", "--max-train-images", "16", "--local-epochs", "50", "--out", str(out))
+    run = out / "seed0" / "local"
+    try:
+        assert _wait_for(lambda: len((_status(run).get("sites") or {})) == 3, proc, timeout=400), proc.communicate()
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert sum("simulator_worker" in " ".join(p.cmdline()) for p in tree) == 3
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "rerun the same command to resume" in err
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not _run_processes(out)
+    r = run_cli("compare", "--methods", "local", "--data", str(data_root / "chest_xray_original"), "--sites", "3",
+                "--max-images", "90", "--out", str(out), "--dry-run")
+    assert r.returncode == 0 and "resuming" in r.stdout and "0 finished run(s)" in r.stdout

@@ -154,18 +154,18 @@ class LiveProgress:
         if not self._tq:
             self._tq["server"] = tqdm(total=0, position=0, bar_format="{desc}", file=self.stream, leave=False)
             for i, s in enumerate(self.sites, start=1):
-                self._tq[s] = tqdm(total=1, position=i, desc=f"{s:<10}", file=self.stream, leave=False,
-                                   bar_format="{desc} {bar:20} {n_fmt}/{total_fmt} {postfix}")
+                self._tq[s] = tqdm(total=1, position=i, desc=f"{s}: starting", file=self.stream, leave=False,
+                                   bar_format="  {bar:20} {desc}")
         self._tq["server"].set_description_str(describe_server(st), refresh=True)
         for s in self.sites:
             p = (st.get("sites") or {}).get(s)
             b = self._tq[s]
             if s in (st.get("excluded") or {}) and (p is None or s in (st.get("down") or [])):
-                b.set_postfix_str("excluded", refresh=False)
+                b.set_description_str(f"{s}: excluded ({st['excluded'][s]})", refresh=False)
             elif p:
                 b.total = max(1, int(p.get("epochs") or 1))
                 b.n = int(p.get("epoch") or 0)
-                b.set_postfix_str(describe_site(p), refresh=False)
+                b.set_description_str(f"{s}: {describe_site(p)}", refresh=False)
             else:
-                b.set_postfix_str("starting", refresh=False)
+                b.set_description_str(f"{s}: starting", refresh=False)
             b.refresh()

@@ -103,7 +103,7 @@ def test_live_progress_bars_show_server_and_site_state(tmp_path):
     assert live._tq["site-1"].n == 7 and live._tq["site-1"].total == 20
     text = out.getvalue()
     assert "round 0 ohfl_train: waiting for site-1" in text and "loss 0.250" in text
-    assert "site site-2 excluded: silent for 30 s" in text and "excluded" in live._tq["site-2"].postfix
+    assert "site site-2 excluded: silent for 30 s" in text and live._tq["site-2"].desc.startswith("site-2: excluded (silent")
     live.stop()
 
 

@@ -40,11 +40,21 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from nvflare_jobs.proctree import exit_code, handle_interrupts, kill_tree
+
     try:
-        rc = args.func(args)
+        with handle_interrupts():
+            rc = args.func(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        kill_tree()  # anything started after the signal handler's sweep
+        out = getattr(args, "out", None)
+        hint = ""
+        if args.command == "simulate" and out:
+            hint = f"; rerun with --overwrite to replace the unfinished run in {out}"
+        elif args.command == "compare" and out:
+            hint = f"; rerun the same command to resume (finished runs in {out} are kept)"
+        print(f"cxr-hfl {args.command}: interrupted, all its processes stopped{hint}", file=sys.stderr)
+        return exit_code()
     except (ValueError, OSError) as e:  # user-facing problems (bad input, missing files): one clear line
         if os.environ.get("CXR_HFL_DEBUG"):
             raise

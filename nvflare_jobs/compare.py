@@ -139,6 +139,11 @@ def run_compare(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plans = {m: epoch_plan(m, args) for m in methods}
     prev = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
+    if prev:
+        done = len(list(out.glob("seed*/*/metrics.json")))
+        print(f"[compare] {out} holds an earlier comparison ({done} finished run(s)): resuming -- finished runs are "
+              f"kept, unfinished ones are run again. To replace it instead, delete {out} or choose another --out.",
+              flush=True)
     (out / "compare.json").write_text(json.dumps({"command": prev.get("command", " ".join(sys.argv)),
                                                   "resumed_by": prev.get("resumed_by", []) + ([" ".join(sys.argv)]
                                                                                               if prev else []),

@@ -118,6 +118,8 @@ class SiteRuntime:
         self.spec = None
         self.method = None  # the method of the task being run (meta["method"], set by site_methods.HANDLERS)
         self._manifest_sha = None
+        # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
+        self.progress: dict = {}
         self._load_state()
 
     # ---------------------------------------------------------------- data
@@ -242,7 +244,10 @@ class SiteRuntime:
             return []
         cw = self.cfg["class_weights"]
 
+        self.progress.update({"stage": tag, "epoch": 0, "epochs": int(epochs), "loss": None})
+
         def on_epoch(rec):
+            self.progress.update({"epoch": rec.get("epoch"), "loss": rec.get("loss")})
             log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),

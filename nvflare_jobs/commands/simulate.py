@@ -69,8 +69,11 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-device", type=_device, default="auto",
                    help="where the server runs OHFL's fusion probe passes (CKA, repair): auto|cpu|cuda|cuda:N "
                         "(default auto = CUDA when present); sites choose theirs with the site-config key device")
-    p.add_argument("--late-wait", type=int, default=900,
-                   help="seconds to wait for the remaining sites once --min-sites have answered (0 = wait for all)")
+    p.add_argument("--late-wait", type=int, default=None,
+                   help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
+                        "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
+                        "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
+                        "silent are dropped at once either way.")
     g = p.add_argument_group("OHFL")
     g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
     g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
@@ -110,7 +113,11 @@ def register(sub) -> None:
     _add_method_args(p)
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
-    p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
+    p.add_argument("--verbose", action="store_true",
+                   help="show NVFlare's INFO logs on the console (by default they go only to the workspace's "
+                        "log files and the console shows live progress)")
+    p.add_argument("--log-config", help="NVFlare log mode or config file (concise|msg_only|full|verbose|FILE); "
+                                        "overrides the quiet default and --verbose")
     p.add_argument("--gpu", type=_gpu_ids,
                    help="NVFlare simulator GPU option: GPU ids for the site processes, e.g. 0 or 0,1 (sites are "
                         "spread over them); a site uses its GPU when its config says device: auto or cuda")
@@ -190,8 +197,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
 
 
 RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
-               "partition", "external")
+               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+               "resolved_configs", "site_configs", "partition", "external")
 
 
 def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:
@@ -199,8 +206,11 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
     old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
-        raise FileExistsError(f"run folder {run_dir} already holds a run ({', '.join(old[:4])}...); "
-                              "choose another --out or pass --overwrite")
+        what = "finished" if (run_dir / "metrics.json").exists() else "unfinished: interrupted or failed"
+        raise FileExistsError(f"run folder {run_dir} already holds a run ({what}; {', '.join(old[:4])}...). "
+                              "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose "
+                              "another --out "
+                              "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
     for n in old:
         p = run_dir / n
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -272,12 +282,25 @@ def run_simulate(args) -> int:
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config, gpu=getattr(args, "gpu", None))
+    from nvflare_jobs.progress import LiveProgress
+    from nvflare_jobs.proctree import INTERRUPTED, unique_simulator_ports
+
+    unique_simulator_ports()  # see its docstring: the port race behind "Connection reset by peer" at start
+
+    log_config = args.log_config or ("concise" if args.verbose else str(quiet_log_config(run_dir)))
+    print(f"[cxr-hfl] NVFlare logs: {ws}/<server|site>/log.txt" + ("" if args.verbose or args.log_config else
+                                                                     " (--verbose shows them here)"))
+    with LiveProgress(ws, list(profile), stream=sys.stdout if args.verbose else sys.stderr) as live:
+        rc = job.simulator_run(str(ws), threads=len(profile), log_config=log_config,
+                                   gpu=getattr(args, "gpu", None))
+    if INTERRUPTED.is_set():  # NVFlare's runner swallows the KeyboardInterrupt and returns -9
+        raise KeyboardInterrupt
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:
         print(f"cxr-hfl: the simulation failed (rc={rc}): {e}; see {ws}/*/log.txt", file=sys.stderr)
         return 1
+    record = json.loads(Path(server_results).read_text())
     models_dir = run_dir / "models"
     models_dir.mkdir(exist_ok=True)
     for site in profile:
@@ -291,7 +314,29 @@ def run_simulate(args) -> int:
                            wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
                            extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
     _print_summary(metrics, run_dir)
+    if record.get("failed"):
+        print(f"cxr-hfl: the run failed: {record['failed']}; partial results "
+              f"in {run_dir}, logs in {ws}/*/log.txt", file=sys.stderr)
+        return 3
+    if live.last_status and live.last_status.get("phase") not in ("done", None):
+        print(f"cxr-hfl: the server stopped in phase {live.last_status.get('phase')!r}; see {ws}/server/log.txt",
+              file=sys.stderr)
     return 0 if rc in (0, None) else int(rc)
+
+
+def quiet_log_config(run_dir: Path) -> Path:
+    """NVFlare's log config with the console handler at ERROR: INFO/WARNING lines go only to the workspace's
+    ``log.txt`` files (simulator server and every site), the console keeps errors and the live progress."""
+    import copy
+
+    from nvflare.fuel.utils.log_utils import concise_log_dict
+
+    cfg = copy.deepcopy(concise_log_dict)
+    cfg["handlers"]["consoleHandler"]["level"] = "ERROR"
+    cfg["handlers"]["consoleHandler"]["stream"] = "ext://sys.stderr"
+    path = run_dir / "nvflare_log_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
 
 
 def _final_sites(server_results: Path) -> set[str]:
@@ -320,9 +365,11 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
                   f"(confusion matrix {cm}); it has not learned a usable decision rule")
     if m.get("excluded_sites"):
+        print("excluded sites (metrics.json: excluded_sites):")
         for site, events in m["excluded_sites"].items():
-            for ev in events:
-                print(f"site {site} left out of round {ev.get('round')} ({ev.get('task')}): {ev.get('reason')}")
+            reasons = list(dict.fromkeys(ev.get("reason") for ev in events))
+            where = ", ".join(f"round {ev.get('round')} {ev.get('task')}" for ev in events)
+            print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
 

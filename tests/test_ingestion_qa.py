@@ -345,8 +345,9 @@ def test_predict_follows_linked_folders_once_and_never_leaves_the_input(data_roo
     (tmp_path / "in" / "up").symlink_to("..")
     spec = {"family": "cnn", "depth": "shallow", "width": 1.0, "in_channels": 1, "num_classes": 2}
     torch.manual_seed(0)
-    torch.save({"spec": spec, "state_dict": build_model(spec).state_dict(), "input_size": 32, "labels": "binary"},
-               tmp_path / "m.pt")
+    from hfl_components.models import save_model_file
+
+    save_model_file(tmp_path / "m.pt", spec, build_model(spec).state_dict(), input_size=32, labels="binary")
     s = predict_files(tmp_path / "m.pt", [str(tmp_path / "in")], tmp_path / "p.csv")
     rows = {r["path"]: r for r in csv.DictReader((tmp_path / "p.csv").open())}
     assert set(rows) == {str(tmp_path / "in" / "a.jpeg"), str(tmp_path / "in" / "linked" / "b.jpeg"),

@@ -34,6 +34,9 @@ def _probability(s: str) -> float:
     return v
 
 
+PARTS = ("probe", "tuning", "evaluation")  # chest_xray.splits.PARTS (kept here so --help stays fast)
+
+
 def register(sub) -> None:
     c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
     c.add_argument("--methods", default="local,local+ft,fedavg,ohfl",
@@ -60,6 +63,9 @@ def register(sub) -> None:
     e = sub.add_parser("evaluate", help="evaluate every saved model of a run on an external labelled image set")
     e.add_argument("--run", required=True, help="run folder written by `cxr-hfl simulate`")
     e.add_argument("--data", required=True, help="external labelled set (Kaggle layout, class folders or CSV)")
+    e.add_argument("--part", choices=PARTS,
+                   help="only this committed part of chest_xray_224 (--data must be its root): 'evaluation' for "
+                        "headline numbers (nothing is tuned on it), 'tuning' for choosing defaults")
     e.add_argument("--labels", choices=("binary", "subtype"), help="label scheme (default: the run's)")
     e.add_argument("--force", action="store_true",
                    help="evaluate even when the set shares file names / patient ids with the run's data (NOT external)")
@@ -98,7 +104,7 @@ def run_evaluate(args) -> int:
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
-                           global_sizes=args.global_sizes)
+                           global_sizes=args.global_sizes, part=args.part)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3
@@ -108,7 +114,8 @@ def run_evaluate(args) -> int:
     except OSError as e:
         print(f"cxr-hfl evaluate: {e.filename or run}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"[cxr-hfl] wrote {len(res['models'])} model results to {res['summary'].parent}")
+    print(f"[cxr-hfl] {res['n_images']} images ({res['probe_images_excluded']} probe images left out); wrote "
+          f"{len(res['models'])} model results to {res['summary'].parent}")
     return 0
 
 

@@ -15,15 +15,41 @@ IMG = '<img src="data:image/png;base64,'
 
 def _args(**kw) -> argparse.Namespace:
     base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
-            "batch_size": None, "labels": "binary", "input_sizes": None}
+            "batch_size": None, "labels": "binary", "input_sizes": None, "unequal_budgets": False}
     base.update(kw)
     return argparse.Namespace(**base)
 
 
-def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
-    from nvflare_jobs.compare import epoch_plan, simulate_argv
+def test_equal_epoch_budgets_by_default(tmp_path):
+    """FedAvg rounds x local epochs = Local's epochs = OHFL's local + fine-tuning epochs."""
+    from nvflare_jobs.compare import BudgetError, budget_lines, epoch_plan, simulate_argv
 
-    a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20)
+    plans = {m: epoch_plan(m, _args()) for m in ("local", "local+ft", "fedavg", "ohfl", "fedsaf")}
+    assert plans["ohfl"] == {"rounds": 1, "local_epochs": 20, "finetune_epochs": 10, "total_epochs_per_site": 30}
+    assert plans["local"] == plans["local+ft"] == {"rounds": 1, "local_epochs": 30, "finetune_epochs": 0,
+                                                   "total_epochs_per_site": 30}
+    assert plans["fedavg"] == {"rounds": 15, "local_epochs": 2, "finetune_epochs": 0, "total_epochs_per_site": 30}
+    assert plans["fedsaf"] == {"rounds": 10, "local_epochs": 3, "finetune_epochs": 0, "total_epochs_per_site": 30}
+    assert budget_lines(plans, False)[0] == "equal budgets: every method trains 30 epochs per site"
+    a = _args(local_epochs=4, finetune_epochs=3, rounds=7)  # E = 7
+    assert epoch_plan("fedavg", a) == {"rounds": 7, "local_epochs": 1, "finetune_epochs": 0,
+                                       "total_epochs_per_site": 7}
+    assert epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3))["rounds"] == 7  # 7 is odd: 1 epoch/round
+    with pytest.raises(BudgetError, match="--unequal-budgets"):
+        epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3, rounds=2))
+    argv = simulate_argv("fedavg", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5,
+                         _args(local_epochs=1, finetune_epochs=1, rounds=1, late_wait=60))
+    assert argv[argv.index("--rounds") + 1] == "1" and argv[argv.index("--local-epochs") + 1] == "2"
+    assert argv[argv.index("--late-wait") + 1] == "60"
+    r = run_cli("compare", "--methods", "fedavg,ohfl", "--local-epochs", "4", "--finetune-epochs", "3", "--rounds", "2",
+                "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "does not divide" in r.stderr
+
+
+def test_unequal_budgets_need_the_flag(tmp_path):
+    from nvflare_jobs.compare import budget_lines, epoch_plan, simulate_argv
+
+    a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20, unequal_budgets=True)
     assert epoch_plan("local", a)["local_epochs"] == 4
     assert epoch_plan("local", a)["total_epochs_per_site"] == 8
     assert epoch_plan("local+ft", a) == {"rounds": 1, "local_epochs": 11, "finetune_epochs": 0,
@@ -35,10 +61,10 @@ def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
     assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
     ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
     assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
-    # defaults: OHFL's 20 + 10 epochs; Local = OHFL's local phase (20); local+ft = 20 + OHFL's 10 = OHFL's total
-    assert epoch_plan("ohfl", _args())["total_epochs_per_site"] == 30
-    assert epoch_plan("local", _args())["total_epochs_per_site"] == 20
-    assert epoch_plan("local+ft", _args())["total_epochs_per_site"] == 30
+    u = _args(unequal_budgets=True)
+    plans = {m: epoch_plan(m, u) for m in ("local", "fedavg", "ohfl")}
+    assert [p["total_epochs_per_site"] for p in plans.values()] == [20, 6, 30]  # each method's own defaults
+    assert budget_lines(plans, True)[0].startswith("UNEQUAL budgets")
 
 
 def test_paired_difference_ci():

@@ -39,9 +39,9 @@ PARTS = ("probe", "tuning", "evaluation")  # chest_xray.splits.PARTS (kept here 
 
 def register(sub) -> None:
     c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
-    c.add_argument("--methods", default="local,local+ft,fedavg,ohfl",
+    c.add_argument("--methods", default="local,fedavg,ohfl",
                    help="comma-separated: local, local+ft, fedavg, ohfl, fedsaf, fedproto, fedtopo "
-                        "(default local,local+ft,fedavg,ohfl)")
+                        "(default local,fedavg,ohfl; under equal budgets local is the local+ft control)")
     c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
     c.add_argument("--sites", type=int, default=6)
     c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
@@ -50,9 +50,25 @@ def register(sub) -> None:
                    help="one label scheme for every method (default binary)")
     c.add_argument("--seeds", type=_csv_ints, default=[0], help="comma-separated seeds (default 0)")
     c.add_argument("--out", required=True, help="comparison folder (one run folder per seed and method)")
-    c.add_argument("--rounds", type=int, help="pass-through: federated rounds")
-    c.add_argument("--local-epochs", type=int, help="pass-through: local epochs (per round)")
-    c.add_argument("--finetune-epochs", type=int, help="pass-through: OHFL fine-tuning epochs (also local+ft's extra)")
+    c.add_argument("--rounds", type=int,
+                   help="rounds of FedAvg / prototype methods; under equal budgets they must divide the budget E "
+                        "(each round then trains E / rounds epochs)")
+    c.add_argument("--local-epochs", type=int,
+                   help="OHFL's local epochs L (default 20); the common budget is E = L + fine-tuning epochs. With "
+                        "--unequal-budgets: every method's local epochs per round, passed through")
+    c.add_argument("--finetune-epochs", type=int, help="OHFL's fine-tuning epochs F (default 10)")
+    c.add_argument("--unequal-budgets", action="store_true",
+                   help="let every method keep its own default epochs (not compute-matched; the tables say so)")
+    c.add_argument("--external", metavar="DIR",
+                   help="after the runs, evaluate every saved model of every run on this labelled set (e.g. "
+                        "../shared/data/chest_xray_224 with --part evaluation); paired CIs against local+ft and FedAvg")
+    c.add_argument("--part", choices=PARTS, help="a committed part of chest_xray_224 (--external must be its root)")
+    c.add_argument("--external-max-images", type=_positive_int,
+                   help="class-stratified subset of the external set (quick checks only)")
+    c.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
+    c.add_argument("--late-wait", type=int, help="pass-through: seconds to wait for late sites")
+    c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
+                                   "when the data are chest_xray_original)")
     c.add_argument("--max-train-images", type=int, help="pass-through: cap each site's training images")
     c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
     c.add_argument("--batch-size", type=int, help="pass-through")

@@ -280,7 +280,7 @@ def run_compare(args) -> int:
         args.probe = probe_part_csv(data, out)
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
-    record_command(out, command_line(), args.dry_run, {
+    record_command(out, command_line(getattr(args, "_argv", None)), args.dry_run, {
         "data": str(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
         "labels": args.labels, "epoch_plan": plans, "unequal_budgets": unequal,
         "external": str(Path(ext).resolve()) if ext else None, "part": getattr(args, "part", None),

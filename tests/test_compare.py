@@ -156,3 +156,106 @@ def test_method_variants_and_reproduce_budget():
     assert "Same ordering" in ordering_note([("a", "91.0", "90"), ("b", "85.0", "88")])[0]
     tie = ordering_note([("a", "60.0", "90"), ("b", "60.0", "88"), ("c", "40.0", "89")])[0]
     assert "differs" in tie and "a = b > c" in tie and "a > c > b" in tie
+
+
+# ------------------------------------------------------------------------------------ fake compare folders (fast)
+def _fake_run(run, part, method: str, seed: int) -> None:
+    """A finished run in the simulate layout with real manifests and untrained model files (no simulator)."""
+    import torch
+
+    from hfl_components.models import build_model
+
+    specs = {"site-1": ({"family": "cnn", "depth": "shallow", "width": 1.0}, 32),
+             "site-2": ({"family": "cnn", "depth": "deep", "width": 1.0}, 48)}
+    (run / "resolved_configs").mkdir(parents=True)
+    (run / "models").mkdir()
+    sites = {}
+
+    def save(path, spec, size, site, k):
+        torch.manual_seed(1000 * seed + k + 37 * len(method))
+        blob = {"spec": spec, "state_dict": build_model(spec).state_dict()}
+        if size:
+            blob.update({"input_size": size, "labels": "binary", "site": site})
+        torch.save(blob, path)
+    for i, (site, (spec, size)) in enumerate(specs.items()):
+        spec = {**spec, "in_channels": 1, "num_classes": 2}
+        (run / "resolved_configs" / f"{site}.json").write_text(json.dumps(
+            {"data": {"manifest": str(part / "sites" / f"{site}.csv"), "labels": "binary"}, "model": spec,
+             "input_size": size}))
+        save(run / "models" / f"{site}_deployed.pt", spec, size, site, i)
+        if method == "ohfl":
+            save(run / "models" / f"{site}_local.pt", spec, size, site, 10 + i)
+        sites[site] = {"model": spec, "input_size": size, "n_test": 2,
+                       "test": {"accuracy": 0.5, "balanced_accuracy": 0.5, "auc": 0.5}}
+    if method != "local":
+        save(run / "global_model.pt", specs["site-2"][0] | {"in_channels": 1, "num_classes": 2}, None, None, 99)
+    (run / "metrics.json").write_text(json.dumps({"method": method, "labels": "binary", "seed": seed,
+                                                  "sites": sites, "pooled": {}}))
+
+
+def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(data_root, tmp_path, capsys):
+    """Runs already done (fake, untrained models): `compare --dry-run` then the real `compare --external` -- the
+    comparison.md and report.html show the command that ran; every saved model is evaluated on the external set;
+    the paired differences equal the mean of the per-(seed, site) differences of the runs' own summaries."""
+    import numpy as np
+
+    from tests.sim_helpers import make_partition
+
+    out = tmp_path / "cmp"
+    for seed in (0, 1):
+        part = make_partition(data_root, out / f"seed{seed}" / "partition", 2, max_images=40)
+        for m in ("local", "fedavg", "ohfl"):
+            _fake_run(out / f"seed{seed}" / m, part, m, seed)
+    ext = tmp_path / "ext.csv"
+    rows = [{"path": str(f), "label": cls} for cls in ("NORMAL", "PNEUMONIA")
+            for f in sorted((data_root / "chest_xray_224" / "train" / cls).glob("*.jpeg"))[:6]]
+    with ext.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["path", "label"])
+        w.writeheader()
+        w.writerows(rows)
+    base = ["compare", "--methods", "local,fedavg,ohfl", "--data", str(data_root / "chest_xray_original"),
+            "--sites", "2", "--seeds", "0,1", "--local-epochs", "1", "--finetune-epochs", "1", "--out", str(out)]
+    from nvflare_jobs.cli import main
+
+    assert main([*base, "--dry-run"]) == 0  # in-process: the same parser and records as the CLI, no start-up
+    assert "budget: equal budgets: every method trains 2 epochs per site" in capsys.readouterr().out
+    real = base + ["--external", str(ext), "--n-boot", "40"]
+    assert main(real) == 0, capsys.readouterr()
+    cj = json.loads((out / "compare.json").read_text())
+    assert "--dry-run" not in cj["command"] and "--external" in cj["command"] and len(cj["dry_runs"]) == 1
+    md = (out / "comparison.md").read_text()
+    assert f"Command: `cxr-hfl {' '.join(real[:1])}" in md and "--dry-run" not in md and "--n-boot 40" in md
+    assert "- ohfl: 1 round(s) x 1 local epochs + 1 fine-tuning epochs = 2 epochs per site" in md
+    # every saved model of every run, on the external set (12 images)
+    ext_rows = list(csv.DictReader((out / "comparison_external.csv").open()))
+    got = {(x["method"], x["seed"], x["model"]) for x in ext_rows}
+    for seed in ("0", "1"):
+        assert {("local", seed, "site-1_deployed"), ("fedavg", seed, "global"), ("ohfl", seed, "site-2_local"),
+                ("ohfl", seed, "global_48px")} <= got
+        assert not {("local", seed, "global")} & got
+    assert all(x["n"] == "12" for x in ext_rows)
+    paired = {p["comparison"]: p for p in json.loads((out / "paired_external.json").read_text())["paired"]}
+    assert set(paired) == {"fedavg vs local+ft (local, same E epochs)", "ohfl vs local+ft (local, same E epochs)",
+                           "ohfl vs FedAvg", "ohfl deployed vs its own pre-fusion local models"}
+
+    def summ(m, seed):
+        return json.loads((out / f"seed{seed}" / m / "external" / "ext" / "summary.json").read_text())["models"]
+    for metric in ("auc", "balanced_accuracy"):
+        want = np.mean([summ("ohfl", s)[f"{k}_deployed"][metric] - summ("fedavg", s)[f"{k}_deployed"][metric]
+                        for s in (0, 1) for k in ("site-1", "site-2")])
+        d = paired["ohfl vs FedAvg"][metric]
+        assert d["n_pairs"] == 4 and d["diff"] == pytest.approx(want, abs=1e-6)
+        assert d["ci_low"] <= d["diff"] <= d["ci_high"] and d["verdict"] in ("better", "worse",
+                                                                            "no difference detected")
+    for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
+                  "| ohfl vs FedAvg | 2 | 4 |", "global (site mean)", "pre-fusion local (per site)"):
+        assert part_ in md, part_
+    assert main(["report", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "--dry-run" not in html and "--n-boot 40" in html
+    # resumed: nothing is run or evaluated again
+    capsys.readouterr()
+    assert main(real) == 0
+    so = capsys.readouterr().out
+    assert so.count("done already, skipped") == 6 and "models evaluated" not in so
+    assert json.loads((out / "compare.json").read_text())["command"] == cj["command"]

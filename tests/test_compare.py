@@ -148,7 +148,7 @@ def test_method_variants_and_reproduce_budget():
     r = subprocess.run([sys.executable, "benchmarks/reproduce.py", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "40 simulator runs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
+    assert "34 simulator runs" in r.stdout and "equal budgets: every method trains 3 epochs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     from reproduce import ordering_note
 

@@ -161,31 +161,41 @@ def _probe_part(source: str) -> str | None:
 def probe_pool(run: Path) -> tuple[set[str], str | None]:
     """File names (lower case) of every image the run's OHFL server could draw its probe from, and the source.
 
-    The source is ``job_options.json``'s ``probe``: a folder (every image under it), a CSV (its ``path`` column,
-    e.g. a partition's probe.csv or the committed ``chest_xray_224_probe.csv``), or the committed ``probe`` part of
-    ``chest_xray_224`` named as ``probe`` / ``part:probe``. A run without a probe (not OHFL, or ``generated``
-    inputs) gives an empty set. Whole pools are left out, not only the images one draw took: the server may have
-    drawn any of them.
+    The source is ``job_options.json``'s ``probe``: a folder (every image under it; the root of the shared
+    ``chest_xray_224`` pool stands for its committed ``probe`` part, as the server reads it), a CSV (its ``path``
+    column, e.g. a partition's probe.csv or the committed ``chest_xray_224_probe.csv``), or the committed ``probe``
+    part named as ``probe`` / ``part:probe``. File names the server recorded as used (``metrics.json`` ->
+    ``probe.files``) are added. A run without a probe (not OHFL, or ``generated`` inputs) gives an empty set. Whole
+    pools are left out, not only the images one draw took: the server may have drawn any of them.
 
     Raises:
         FileNotFoundError: the recorded probe folder / CSV no longer exists (the exclusion cannot be honoured).
     """
-    opts = Path(run) / "job_options.json"
+    from chest_xray.splits import POOL, split_rows
+
+    run = Path(run)
+    used: set[str] = set()
+    if (run / "metrics.json").is_file():
+        rec = json.loads((run / "metrics.json").read_text()).get("probe")
+        if isinstance(rec, dict):
+            used = {_stem_key(str(f)) for f in rec.get("files") or []}
+    opts = run / "job_options.json"
     if not opts.is_file():
-        return set(), None
+        return used, None
     probe = json.loads(opts.read_text()).get("probe")
     if not probe or probe == "generated":
-        return set(), probe
-    if _probe_part(probe):
-        from chest_xray.splits import split_rows
-
-        return {_stem_key(r["path"]) for r in split_rows("probe")}, str(probe)
+        return used, probe
     p = Path(probe)
+    part = {_stem_key(r["path"]) for r in split_rows("probe")}
+    if _probe_part(probe):
+        return part | used, str(probe)
+    if p.is_dir() and p.name == POOL and any((p / r["path"]).is_file() for r in split_rows("probe")[:20]):
+        return part | used, f"{p} (its committed probe part)"
     if p.is_file():
         with open(p, newline="") as fh:
-            return {_stem_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")}, str(p)
+            return {_stem_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")} | used, str(p)
     if p.is_dir():
-        return {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES}, str(p)
+        return {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES} | used, str(p)
     raise FileNotFoundError(f"{run}: the probe pool its server used ({probe}) no longer exists, so its images "
                             "cannot be left out of the evaluation; restore it or evaluate on a set without them")
 

@@ -148,16 +148,24 @@ def test_probe_images_are_never_scored(fake_run, data_root, tmp_path):
         w.writerow(["path", "label"])
         w.writerows([[r["path"], ""] for r in ext_rows[5:10]])
     committed = Path(__file__).resolve().parents[1] / "chest_xray" / "splits" / "chest_xray_224_probe.csv"
-    cases = [(folder.parent, 3), (pcsv, 5), ("part:probe", 2), (committed, 2), ("generated", 0)]
+    # the chest_xray_224 root as the probe folder stands for its probe part (the server reads only that part)
+    cases = [(folder.parent, 3), (pcsv, 5), ("part:probe", 2), (committed, 2), (root, 2), ("generated", 0)]
     for i, (probe, n_out) in enumerate(cases):
         run = _probe_run(fake_run, tmp_path / f"c{i}", probe)
         names, _ = probe_pool(run)
-        assert len(names) == {0: 3, 1: 5, 4: 0}.get(i, 320), probe
+        assert len(names) == {0: 3, 1: 5, 5: 0}.get(i, 320), probe
         res = evaluate_run(run, ext, n_boot=0, log=lambda *_: None, global_sizes="largest")
         s = json.loads(res["summary"].read_text())
         assert s["probe_images_excluded"] == n_out and s["n_images"] == 18 - n_out, probe
         npz = np.load(res["dir"] / "predictions.npz")
         assert not {Path(p).name.lower() for p in npz["paths"]} & names
+    # file names the server recorded as used (metrics.json probe.files) are left out too
+    run = _probe_run(fake_run, tmp_path / "rec", "generated")
+    met = json.loads((run / "metrics.json").read_text())
+    met["probe"] = {"source": "x", "files": [Path(r["path"]).name for r in ext_rows[:4]]}
+    (run / "metrics.json").write_text(json.dumps(met))
+    res = evaluate_run(run, ext, n_boot=0, log=lambda *_: None, global_sizes="largest")
+    assert json.loads(res["summary"].read_text())["probe_images_excluded"] == 4
     # a set made only of probe images: a clear error, nothing scored
     run = _probe_run(fake_run, tmp_path / "all", pcsv)
     only = tmp_path / "only.csv"

@@ -90,8 +90,8 @@ def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     out = tmp_path / "cmp"
     args = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
             "--seeds", "0", "--max-images", "120", "--max-train-images", "16", "--local-epochs", "1",
-            "--finetune-epochs", "1", "--rounds", "1", "--input-sizes", "32,48", "--out", str(out)]
-    r = run_cli(*args, timeout=400)
+            "--finetune-epochs", "1", "--rounds", "1", "--input-sizes", "32,48", "--late-wait", "60", "--out", str(out)]
+    r = run_cli(*args, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert {(x["method"], x["site"]) for x in rows} == {(m, s) for m in ("local", "ohfl") for s in ("site-1", "site-2")}

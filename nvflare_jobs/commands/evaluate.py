@@ -89,6 +89,8 @@ def register(sub) -> None:
                    help="evaluate the global model at every input size of the run (default) or the largest only")
     e.add_argument("--max-images", type=_positive_int,
                    help="class-stratified subset of the external set (quick checks)")
+    e.add_argument("--n-boot", type=int, default=500,
+                   help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
     e.set_defaults(func=run_evaluate)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
@@ -120,7 +122,7 @@ def run_evaluate(args) -> int:
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
-                           global_sizes=args.global_sizes, part=args.part)
+                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3

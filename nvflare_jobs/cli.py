@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for the records
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

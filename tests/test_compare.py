@@ -177,10 +177,9 @@ def _fake_run(run, part, method: str, seed: int) -> None:
         with torch.no_grad():  # untrained but image-dependent outputs (a fresh head may answer a constant)
             for prm in model.parameters():
                 prm.normal_(0.0, 0.05 if prm.dim() > 1 else 0.1)  # larger saturates the softmax
-        blob = {"spec": spec, "state_dict": model.state_dict()}
-        if size:
-            blob.update({"input_size": size, "labels": "binary", "site": site})
-        torch.save(blob, path)
+        from hfl_components.models import save_model_file
+
+        save_model_file(path, spec, model.state_dict(), input_size=size or None, labels="binary", site=site)
     for i, (site, (spec, size)) in enumerate(specs.items()):
         spec = {**spec, "in_channels": 1, "num_classes": 2}
         (run / "resolved_configs" / f"{site}.json").write_text(json.dumps(

@@ -72,6 +72,7 @@ LEVERS = {
     "cka=debiased": {"cka": "debiased"},
     "cka=pooled": {"cka": "pooled"},
     "paper": {"ot_solver": "sinkhorn", "repair": "none"},
+    "acts+channel": {"ground_metric": "acts", "repair": "channel"},  # a finalist combination, not a single lever
 }
 
 

@@ -51,8 +51,10 @@ def run_server(monkeypatch, tmp_path, uploads: dict, probe: str, **ctl_kw):
     return ctl, sent["ohfl_finetune"]
 
 
-@pytest.mark.parametrize("repair", [True, False])
-def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatch, tmp_path, data_root, repair):
+@pytest.mark.parametrize("options", [{}, {"repair": "none", "ground_metric": "wts"},
+                                     {"repair": "channel", "cka": "debiased"}])
+def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatch, tmp_path, data_root, options):
+    """Defaults (acts, layer repair), the paper's wts without repair, and REPAIR with debiased CKA."""
     from hfl_components.flare.site_tasks import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
     from hfl_components.models import build_model
     from nvflare_jobs.evaluation import load_model_file
@@ -61,11 +63,16 @@ def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatc
     parent = _model(spec, 0)
     sd = parent.state_dict()
     uploads = {"site-1": (spec, to_numpy_state(sd), 64), "site-2": (spec, to_numpy_state(permuted_copy(spec, sd, 3)), 128)}
-    ctl, sent = run_server(monkeypatch, tmp_path, uploads, str(data_root / "chest_xray_224"), repair=repair)
+    ctl, sent = run_server(monkeypatch, tmp_path, uploads, str(data_root / "chest_xray_224"), **options)
     # the site's view: global weights from the broadcast, rebuilt from the spec in meta (SiteRuntime.set_model)
     site_model = build_model(sent.meta["global_spec"])
     site_model.load_state_dict(from_numpy_state(sent.params, GLOBAL_PREFIX))
     saved, _ = load_model_file(tmp_path / "cxr_hfl_results" / "global_model.pt")
+    # the probe came from the committed probe part only
+    from chest_xray.splits import split_rows
+
+    probe_names = {r["path"].rsplit("/", 1)[-1] for r in split_rows("probe")}
+    assert ctl.record["probe"]["files"] and set(ctl.record["probe"]["files"]) <= probe_names
     parent.eval()
     site_model.eval()
     for size in (64, 96, 128):

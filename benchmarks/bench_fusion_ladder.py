@@ -72,7 +72,8 @@ LEVERS = {
     "cka=debiased": {"cka": "debiased"},
     "cka=pooled": {"cka": "pooled"},
     "paper": {"ot_solver": "sinkhorn", "repair": "none"},
-    "acts+channel": {"ground_metric": "acts", "repair": "channel"},  # a finalist combination, not a single lever
+    "acts+channel": {"ground_metric": "acts", "repair": "channel"},  # finalist combinations, not single levers
+    "acts+probe=own": {"ground_metric": "acts", "probe": "own"},
 }
 
 

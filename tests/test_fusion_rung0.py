@@ -51,10 +51,10 @@ def run_server(monkeypatch, tmp_path, uploads: dict, probe: str, **ctl_kw):
     return ctl, sent["ohfl_finetune"]
 
 
-@pytest.mark.parametrize("options", [{}, {"repair": "none", "ground_metric": "wts"},
+@pytest.mark.parametrize("options", [{}, {"repair": "none", "ground_metric": "acts"},
                                      {"repair": "channel", "cka": "debiased"}])
 def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatch, tmp_path, data_root, options):
-    """Defaults (acts, layer repair), the paper's wts without repair, and REPAIR with debiased CKA."""
+    """Defaults (wts, layer repair), acts without repair, and REPAIR with debiased CKA."""
     from hfl_components.flare.site_tasks import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
     from hfl_components.models import build_model
     from nvflare_jobs.evaluation import load_model_file

@@ -52,9 +52,11 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
                                 alignment=opts.get("alignment", "cka"), ot_solver=opts.get("ot", "emd"),
                                 ground_metric=opts.get("ground_metric", "wts"),
                                 probe_size=int(opts.get("probe_size", 64)), weighting=opts.get("weighting", "samples"),
-                                repair=bool(opts.get("repair", True)),
+                                repair=opts.get("repair", "layer"), cka=opts.get("cka", "linear"),
+                                probe_at=opts.get("probe_at", "largest"),
                                 fusion_device=opts.get("server_device") or "auto",
-                                task_config=tc, **common)
+                                task_config={**tc, "init": opts.get("init", "site"), "init_seed": common["seed"],
+                                             "gate": bool(opts.get("gate", True))}, **common)
     if method in ("fedsaf", "fedproto"):
         dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}
         if len(dims) != 1 or None in dims:

@@ -29,11 +29,14 @@ def test_ohfl_three_depths_in_simulator(partition3, data_root, tmp_path):
     assert_canonical(m, sites)
     depths = [json.loads((run / "resolved_configs" / f"{s}.json").read_text())["model"]["depth"] for s in sites]
     assert depths == ["shallow", "medium", "deep"]
-    # CID: the global model has the deepest architecture, and every site fine-tunes and deploys it
+    # CID: the global model has the deepest architecture; every site fine-tunes it and deploys it if the deployment
+    # gate (on by default) finds it better than the site's local model on validation, else keeps its own model
     assert m["global_model"]["depth"] == "deep"
-    for s in sites:
+    assert m["gate"]["sites"] == 3 and m["gate"]["adopted"] == len(m["gate"]["adopted_sites"])
+    for s, own in zip(sites, depths):
         b = m["sites"][s]
-        assert b["model"]["depth"] == "deep"
+        assert b["gate"]["adopted"] is (s in m["gate"]["adopted_sites"])
+        assert b["model"]["depth"] == ("deep" if b["gate"]["adopted"] else own)
         assert {"local", "global_zero_shot"} <= set(b) and len(b["finetune_loss"]) == 1
         assert b["local"]["n"] == b["global_zero_shot"]["n"] == b["n_test"]
     accs = [100 * m["sites"][s]["test"]["accuracy"] for s in sites]

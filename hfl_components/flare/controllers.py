@@ -398,22 +398,34 @@ class OHFLController(HFLController):
         strategy (str): ``cid`` | ``cdd`` | ``cia`` | ``rand``. Default ``cid``.
         alignment (str): ``cka`` | ``random``. Default ``cka``.
         ot_solver (str): ``emd`` | ``sinkhorn``. Default ``emd``.
-        ground_metric (str): ``wts`` | ``acts``. Default ``wts``.
+        ground_metric (str): ``wts`` (the paper) | ``acts``. Default ``wts``: ``acts`` wins the fusion ladder's
+            two-model rungs but loses rung f, the main job's six-site fusion (``benchmarks/results/fusion_ladder.md``).
         probe (str): folder of public images for CKA, or ``generated`` (logged warning). Required.
         probe_size (int): number of probe images. Default 64.
         weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
-        repair (bool): rescale fused layers' activation spread on the probe (``hfl_components.fusion.repair``;
-            not in the paper). Default True.
+        repair (str): ``none`` (the paper) | ``layer`` (one scale per fused hidden layer) | ``channel`` (REPAIR:
+            every neuron's mean and std through the OT plan); ``hfl_components.fusion.repair``. True/False are read
+            as ``layer``/``none``. Default ``layer``.
+        cka (str): ``linear`` (the paper's Eq. 1) | ``debiased`` | ``pooled``. Default ``linear``.
+        probe_at (str): ``largest`` (every model probed at the largest site input size) | ``own`` (each model at
+            its own input size, the same images; fused models at their target's size). Default ``largest``.
+
         fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair):
             ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
+
+    Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
+    job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
+    deploys the fine-tuned global model only if it beats the site's own local model on its validation split). The
+    gate's outcome per site is recorded under ``record["gate"]``.
     """
 
     method = "ohfl"
 
     def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
-                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples", repair: bool = True,
-                 num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
-                 seed: int = 0, late_wait_s: int | None = None, fusion_device: str = "auto"):
+                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples",
+                 repair: str | bool = "layer", num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, cka: str = "linear",
+                 probe_at: str = "largest", fusion_device: str = "auto"):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         from hfl_components.training.device import check_device_name
 
@@ -425,7 +437,13 @@ class OHFLController(HFLController):
         self.ground_metric = ground_metric
         self.probe_size = int(probe_size)
         self.weighting = weighting
-        self.repair = bool(repair)
+        from hfl_components.fusion.pairwise import repair_mode
+
+        self.repair = repair_mode(repair)
+        self.cka = cka
+        if probe_at not in ("largest", "own"):
+            raise ValueError(f"probe_at must be 'largest' or 'own', got {probe_at!r}")
+        self.probe_at = probe_at
 
     def validate_result(self, task, result):
         if task != "ohfl_train":
@@ -449,14 +467,23 @@ class OHFLController(HFLController):
             models.append({"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
                            "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
                            "input_size": int(r.meta.get("input_size", 64))})
-        size = max(m["input_size"] for m in models)
+        sizes = sorted({m["input_size"] for m in models})
         self.set_phase("probing")
         t0 = time.perf_counter()
-        probe = load_probe(self.probe, size, self.probe_size, in_channels=int(models[0]["spec"].get("in_channels", 1)),
-                           seed=self.seed, warn=self.warning)
+        in_ch = int(models[0]["spec"].get("in_channels", 1))
+        names: list = []
+        probe = {sz: load_probe(self.probe, sz, self.probe_size, in_channels=in_ch, seed=self.seed,
+                                warn=self.warning if sz == sizes[-1] else None, files_out=names if sz == sizes[-1] else None)
+                 for sz in (sizes if self.probe_at == "own" else sizes[-1:])}
+        if self.probe_at == "largest":
+            probe = probe[sizes[-1]]
         self.record["server_seconds"]["probe"] = time.perf_counter() - t0
+        self.record["probe"] = {"source": str(self.probe), "n": len(names) if names else self.probe_size,
+                                "sizes": sizes if self.probe_at == "own" else sizes[-1:], "files": names}
+        shape = {k: tuple(v.shape) for k, v in probe.items()} if isinstance(probe, dict) else tuple(probe.shape)
         self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
-                  f"{self.alignment}, OT {self.ot_solver}/{self.ground_metric}, probe {tuple(probe.shape)}")
+                  f"{self.alignment} ({self.cka} CKA), OT {self.ot_solver}/{self.ground_metric}, repair {self.repair}, "
+                  f"probe {shape}")
         from hfl_components.training.device import describe_device, resolve_device
 
         device = resolve_device(self.fusion_device)
@@ -467,7 +494,7 @@ class OHFLController(HFLController):
         spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
                                                alignment=self.alignment, ot_solver=self.ot_solver,
                                                ground_metric=self.ground_metric, weighting=self.weighting,
-                                               seed=self.seed, repair=self.repair, device=device)
+                                               seed=self.seed, repair=self.repair, cka=self.cka, device=device)
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
         self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
         self.record["global_spec"] = spec
@@ -476,11 +503,22 @@ class OHFLController(HFLController):
         self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+        gate = {}
         for site, r in ft.items():
             m = r.metrics or {}
             self.record["sites"].setdefault(site, {}).update({
                 "global_zero_shot": _jsonable(m.get("global_zero_shot")),
-                "finetune_loss": _jsonable(m.get("finetune_loss"))})
+                "finetune_loss": _jsonable(m.get("finetune_loss")),
+                "gate": _jsonable(m.get("gate"))})
+            if m.get("gate") is not None:
+                gate[site] = m["gate"]
+        if gate:
+            adopted = sorted(s for s, g in gate.items() if g.get("adopted"))
+            self.record["gate"] = {"adopted": len(adopted), "sites": len(gate), "adopted_sites": adopted,
+                                   "kept_local": sorted(set(gate) - set(adopted))}
+            self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
+                      + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
+                         if len(adopted) < len(gate) else ""))
         self.final_evaluation(2)
 
 

@@ -18,8 +18,18 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".dcm"}
 
 
 def list_probe_files(source: str | Path) -> list[Path]:
-    """Image files of a probe folder (recursive) or a probe CSV (column ``path``, relative to the CSV)."""
+    """Image files of a probe folder (recursive) or a probe CSV (column ``path``, relative to the CSV).
+
+    The shared ``chest_xray_224`` pool is special: given its root folder, only its committed ``probe`` part
+    (``chest_xray/splits.py``, 320 images) is used, so the server never sees the tuning or evaluation images.
+    """
     p = Path(source)
+    if p.is_dir() and p.name == "chest_xray_224":
+        from chest_xray.splits import split_files
+
+        files = [f for f in split_files("probe", p) if f.is_file()]
+        if files:
+            return files
     if p.is_file() and p.suffix.lower() == ".csv":
         with p.open(newline="", encoding="utf-8", errors="surrogateescape") as f:  # non-UTF-8 names kept as bytes
             return [(p.parent / r["path"]).resolve() if not Path(r["path"]).is_absolute() else Path(r["path"])
@@ -30,7 +40,8 @@ def list_probe_files(source: str | Path) -> list[Path]:
                             "or 'generated'")
 
 
-def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, seed: int = 0, warn=None) -> torch.Tensor:
+def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, seed: int = 0, warn=None,
+               files_out: list | None = None) -> torch.Tensor:
     """Build the probe batch.
 
     Args:
@@ -40,6 +51,7 @@ def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, 
         in_channels: channels the models expect.
         seed: which images are drawn.
         warn: callable for warnings (e.g. the controller's ``warning``).
+        files_out: if a list, the file names of the images used are appended to it (in batch order).
 
     Returns:
         float32 tensor (n, in_channels, S, S).
@@ -65,6 +77,8 @@ def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, 
         try:
             item = tf({"image": str(f), "label": 0})
             out.append(torch.as_tensor(item["image"]).float())
+            if files_out is not None:
+                files_out.append(f.name)
         except Exception as e:  # noqa: BLE001 - a bad public image is skipped and reported
             skipped.append(f"{f}: {e}")
     if skipped and warn:

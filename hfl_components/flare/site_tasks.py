@@ -224,10 +224,28 @@ class SiteRuntime:
             self.model.load_state_dict(state_dict)
         self.model.to(self.device)
 
-    def ensure_own_model(self):
+    def ensure_own_model(self, init: str = "site", init_seed: int | None = None):
+        """The site's own model, built on first use.
+
+        ``init="site"``: seeded by the site's seed and name (every site starts elsewhere). ``init="shared"``: the
+        job's shared, nested initialisation from ``init_seed`` (``models.fusable.shared_init_state``; fusable
+        families only), so sites of the same architecture start from identical weights.
+        """
         if self.model is None:
-            torch.manual_seed(int(self.cfg["seed"]) + zlib.crc32(self.site.encode()) % 1000)  # stable across processes
-            self.set_model(self.cfg["model"])
+            if init == "shared":
+                from hfl_components.models.fusable import shared_init_state
+                from hfl_components.models.registry import is_fusable
+
+                if not is_fusable(self.cfg["model"]):
+                    raise ValueError(f"site {self.site}: shared initialisation needs a fusable model (cnn/vgg11), "
+                                     f"got {self.cfg['model'].get('family')!r}")
+                seed = int(self.cfg["seed"] if init_seed is None else init_seed)
+                self.set_model(self.cfg["model"], shared_init_state(self.cfg["model"], seed))
+            elif init == "site":
+                torch.manual_seed(int(self.cfg["seed"]) + zlib.crc32(self.site.encode()) % 1000)  # stable across processes
+                self.set_model(self.cfg["model"])
+            else:
+                raise ValueError(f"site {self.site}: unknown initialisation {init!r} (site or shared)")
         return self.model
 
     def save_state(self, deployed: bool = False):

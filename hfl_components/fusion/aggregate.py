@@ -46,6 +46,7 @@ class SiteModel:
         state_dict: parameter tensors (float).
         n_samples: positive training-sample count (fusion weight).
         val_acc: validation accuracy in [0, 1] (needed by ``cia``).
+        input_size: the site's input side in pixels; selects its probe when probes are given per size.
     """
 
     name: str
@@ -53,6 +54,7 @@ class SiteModel:
     state_dict: StateDict
     n_samples: float
     val_acc: float | None = None
+    input_size: int | None = None
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Running:
     state_dict: StateDict
     weight: float
     members: list[str] = field(default_factory=list)
+    size: int | None = None
 
 
 def _as_site(m) -> SiteModel:
@@ -71,7 +74,7 @@ def _as_site(m) -> SiteModel:
         missing = [k for k in ("name", "spec", "state_dict", "n_samples") if k not in m]
         if missing:
             raise ValueError(f"model entry lacks {missing}")
-        return SiteModel(m["name"], m["spec"], m["state_dict"], m["n_samples"], m.get("val_acc"))
+        return SiteModel(m["name"], m["spec"], m["state_dict"], m["n_samples"], m.get("val_acc"), m.get("input_size"))
     raise ValueError(f"models must be SiteModel or dict entries, got {type(m).__name__}")
 
 
@@ -81,16 +84,19 @@ def _n_params(spec: dict) -> int:
 
 def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
                      alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
-                     sinkhorn_reg: float = 0.01, repair: bool = False, device=None) -> tuple[dict, StateDict, dict]:
+                     sinkhorn_reg: float = 0.01, repair: bool | str = False,
+                     cka: str = "linear", device=None) -> tuple[dict, StateDict, dict]:
     """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
 
     Args:
         models: list of :class:`SiteModel` or dicts ``{name, spec, state_dict, n_samples, val_acc}``; names unique.
         strategy: ``"cid"``, ``"cdd"``, ``"cia"`` or ``"rand"`` (see the module docstring).
-        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages, for CKA (models of different depth) and the
-            ``"acts"`` metric.
+        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages, for CKA (models of different depth), the
+            ``"acts"`` metric and repair; or a dict {input_size: tensor} holding the *same images* prepared at every
+            site's input size, so that each model is probed at its own size (a fused model inherits its target's
+            size); then every model needs ``input_size``.
         weighting: ``"samples"`` (cumulative sample counts) or ``"half"`` (fixed 0.5 steps).
-        alignment, ot_solver, ground_metric, sinkhorn_reg, repair: passed to :func:`fuse_pair`.
+        alignment, ot_solver, ground_metric, sinkhorn_reg, repair, cka: passed to :func:`fuse_pair`.
         seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
         device: where the probe forward passes run (``torch.device`` or name; default CPU), see :func:`fuse_pair`.
 
@@ -119,26 +125,36 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if weighting not in ("samples", "half"):
         raise ValueError(f"weighting must be 'samples' or 'half', got {weighting!r}")
+    if isinstance(probe, dict):
+        lacking = [s.name for s in sites if s.input_size is None or int(s.input_size) not in probe]
+        if lacking:
+            raise ValueError(f"probes given per input size {sorted(probe)}, but no probe fits {lacking}")
+
+    def probe_for(size):
+        return probe[int(size)] if isinstance(probe, dict) else probe
+
     phase = dict.fromkeys(PHASES, 0.0)
     pairs: list[dict] = []
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
-                    "ground_metric": ground_metric, "repair": repair}
+                    "ground_metric": ground_metric, "repair": repair, "cka": cka,
+                    "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
 
     def fuse(src: _Running, tgt: _Running, running_is_src: bool = True) -> _Running:
         k = len(pairs)
         w_s, w_t = (src.weight, tgt.weight) if weighting == "samples" else (0.5, 0.5)
-        spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe, w_s, w_t,
-                                  alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
+        spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe_for(src.size),
+                                  w_s, w_t, alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
                                   seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
-                                  repair=repair, device=device)
+                                  repair=repair, probe_tgt=probe_for(tgt.size), cka=cka, device=device)
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})
         members = src.members + tgt.members if running_is_src else tgt.members + src.members
-        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members)
+        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members, tgt.size)
 
     def run(s: SiteModel) -> _Running:
-        return _Running(s.name, s.spec, s.state_dict, float(s.n_samples), [s.name])
+        return _Running(s.name, s.spec, s.state_dict, float(s.n_samples), [s.name],
+                        None if s.input_size is None else int(s.input_size))
 
     def chain(items: list[_Running]) -> _Running:
         cur = items[0]

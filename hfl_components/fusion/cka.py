@@ -156,35 +156,115 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
     return outs  # type: ignore[return-value]
 
 
+CKA_KINDS = ("linear", "debiased", "pooled")
+
+
+def unbiased_hsic(K: np.ndarray, L: np.ndarray) -> float:
+    """Unbiased HSIC estimator of two *raw* (uncentred) Gram matrices (Song et al., 2012, Eq. 5).
+
+    With K̃, L̃ the Grams with zeroed diagonals and n >= 4 samples:
+    HSIC_1 = [tr(K̃L̃) + (1ᵀK̃1)(1ᵀL̃1) / ((n−1)(n−2)) − 2/(n−2) · 1ᵀK̃L̃1] / (n(n−3)).
+    Unlike the biased estimator behind linear CKA, its expectation is 0 for independent features, so CKA built
+    from it ("debiased CKA", Kornblith et al., 2019, App.) does not saturate near 1 for unrelated layers on a
+    small probe.
+
+    Raises:
+        ValueError: fewer than 4 samples or different shapes.
+    """
+    if K.shape != L.shape or K.ndim != 2 or K.shape[0] != K.shape[1]:
+        raise ValueError(f"Gram matrices must be square and equal in shape, got {K.shape} and {L.shape}")
+    n = K.shape[0]
+    if n < 4:
+        raise ValueError(f"the unbiased HSIC needs at least 4 samples, got {n}")
+    Kt = K - np.diag(np.diag(K))
+    Lt = L - np.diag(np.diag(L))
+    t1 = float(np.sum(Kt * Lt))
+    t2 = float(Kt.sum()) * float(Lt.sum()) / ((n - 1) * (n - 2))
+    t3 = 2.0 / (n - 2) * float(Kt.sum(0) @ Lt.sum(1))
+    return (t1 + t2 - t3) / (n * (n - 3))
+
+
+def debiased_cka_from_grams(K: np.ndarray, L: np.ndarray, eps: float = _EPS) -> float:
+    """Debiased CKA = HSIC_1(K, L) / sqrt(HSIC_1(K, K) HSIC_1(L, L)) from raw Grams, clipped to [0, 1]."""
+    kk, ll = unbiased_hsic(K, K), unbiased_hsic(L, L)
+    if not (kk > 0 and ll > 0) or not np.sqrt(kk) * np.sqrt(ll) > eps:
+        return 0.0
+    return float(min(max(unbiased_hsic(K, L) / (np.sqrt(kk) * np.sqrt(ll)), 0.0), 1.0))
+
+
+def _raw_gram(t: torch.Tensor) -> np.ndarray:
+    n, p = t.shape
+    K = torch.zeros((n, n), dtype=torch.float64)
+    for start in range(0, p, _CHUNK):
+        c = t[:, start:start + _CHUNK].to(torch.float64)
+        K += c @ c.T
+    return K.numpy()
+
+
+def _pooled(model: nn.Module, acts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Conv pre-activations (n, C*H*W) -> channel means over positions (n, C); fc layers unchanged."""
+    out = []
+    for a, info in zip(acts, model.layers()):
+        c = info.module.out_channels if info.kind == "conv" else a.shape[1]
+        out.append(a.reshape(a.shape[0], c, -1).mean(2) if info.kind == "conv" else a)
+    return out
+
+
 @torch.no_grad()
-def hidden_centred_grams(model: nn.Module, probe: torch.Tensor) -> list[np.ndarray]:
-    """Centred Gram matrices (n x n float64) of each *hidden* layer's pre-activations (class layer excluded)."""
+def hidden_grams(model: nn.Module, probe: torch.Tensor, kind: str = "linear") -> list[np.ndarray]:
+    """Per hidden layer, the Gram matrix (n x n float64) used by CKA of ``kind`` (class layer excluded).
+
+    ``linear``: centred Gram of the flattened pre-activations (:func:`centred_gram`). ``pooled``: the same after
+    averaging each conv channel over positions (one feature per channel, so the image-wide intensity pattern that all
+    positions share no longer dominates). ``debiased``: the *raw* Gram of the flattened pre-activations, for
+    :func:`debiased_cka_from_grams`.
+    """
+    if kind not in CKA_KINDS:
+        raise ValueError(f"cka must be one of {CKA_KINDS}, got {kind!r}")
     acts = layer_activations(model, probe)[:-1]
+    if kind == "pooled":
+        acts = _pooled(model, acts)
     grams = []
     for k in range(len(acts)):
-        grams.append(centred_gram(acts[k]))
+        t = _as_2d_tensor(acts[k], "activations")
+        grams.append(_raw_gram(t) if kind == "debiased" else centred_gram(t))
         acts[k] = None  # free as we go
     return grams
 
 
-def cka_cost_matrix(model_a: nn.Module, model_b: nn.Module, probe: torch.Tensor) -> np.ndarray:
+@torch.no_grad()
+def hidden_centred_grams(model: nn.Module, probe: torch.Tensor) -> list[np.ndarray]:
+    """Centred Gram matrices (n x n float64) of each *hidden* layer's pre-activations (class layer excluded)."""
+    return hidden_grams(model, probe, "linear")
+
+
+def cka_cost_matrix(model_a: nn.Module, model_b: nn.Module, probe: torch.Tensor, probe_b: torch.Tensor | None = None,
+                    kind: str = "linear") -> np.ndarray:
     """OHFL cost matrix C_ij = 1 − CKA(hidden layer i of A, hidden layer j of B) (Sec. 3.1, Eq. 1).
 
     Args:
         model_a, model_b: fusable models with the same input channels.
-        probe: float tensor (n, in_channels, S, S) fed identically to both models (eval mode, no grad).
+        probe: float tensor (n, in_channels, S, S) fed to A (and to B unless ``probe_b`` is given), eval, no grad.
+        probe_b: the *same n images* prepared at B's own input size (n, in_channels, S_b, S_b); CKA compares
+            n x n Gram matrices, so the two models may see different resolutions (and have any feature counts).
+        kind: ``"linear"`` (the paper's Eq. 1), ``"debiased"`` (unbiased-HSIC CKA) or ``"pooled"`` (linear CKA on
+            channel means of conv layers); see :func:`hidden_grams`.
 
     Returns:
         np.ndarray float64 (n_hidden_a, n_hidden_b) with entries in [0, 1]; hidden layers in ``layers()`` order
         (the class layer is not part of the alignment).
 
     Raises:
-        ValueError: malformed probe.
+        ValueError: malformed probe, different probe image counts, unknown kind, < 4 images for ``debiased``.
     """
-    Ga = hidden_centred_grams(model_a, probe)
-    Gb = hidden_centred_grams(model_b, probe)
+    probe_b = probe if probe_b is None else probe_b
+    if probe_b.shape[0] != probe.shape[0]:
+        raise ValueError(f"the two probes must hold the same images, got {probe.shape[0]} and {probe_b.shape[0]}")
+    Ga = hidden_grams(model_a, probe, kind)
+    Gb = hidden_grams(model_b, probe_b, kind)
+    sim = debiased_cka_from_grams if kind == "debiased" else cka_from_grams
     C = np.empty((len(Ga), len(Gb)), dtype=np.float64)
     for i, K in enumerate(Ga):
         for j, L in enumerate(Gb):
-            C[i, j] = 1.0 - cka_from_grams(K, L)
+            C[i, j] = 1.0 - sim(K, L)
     return C

@@ -129,16 +129,25 @@ def _sinkhorn_log(a: np.ndarray, b: np.ndarray, M: np.ndarray, reg: float, num_i
     return T
 
 
-def _neuron_acts(acts: torch.Tensor, row: LayerRow) -> torch.Tensor:
-    """(n, C*H*W) or (n, C) float32 -> (C, n*H*W) float64 neuron activation vectors."""
+def _neuron_acts(acts: torch.Tensor, row: LayerRow, side: int | None = None) -> torch.Tensor:
+    """(n, C*H*W) or (n, C) float32 -> (C, n*h*w) float64 neuron activation vectors; conv maps are average-pooled
+    to ``side`` x ``side`` first when given (so two models probed at different input sizes give comparable
+    vectors: each entry is the mean pre-activation over the same image region)."""
     n = acts.shape[0]
-    a = acts.reshape(n, row.n_out, -1).permute(1, 0, 2).reshape(row.n_out, -1)
-    return a.to(torch.float64)
+    a = acts.reshape(n, row.n_out, -1)
+    if side is not None and row.kind == "conv" and a.shape[2] > 1:
+        s = int(round(a.shape[2] ** 0.5))
+        a = torch.nn.functional.adaptive_avg_pool2d(a.reshape(n, row.n_out, s, s), side).reshape(n, row.n_out, -1)
+    return a.permute(1, 0, 2).reshape(row.n_out, -1).to(torch.float64)
+
+
+def _conv_side(acts: torch.Tensor, n_out: int) -> int:
+    return int(round((acts.shape[1] // n_out) ** 0.5))
 
 
 def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: StateDict, weight_src: float,
                      weight_tgt: float, solver: str = "emd", ground_metric: str = "wts", probe=None,
-                     reg: float = 0.01) -> tuple[StateDict, list[dict], dict]:
+                     reg: float = 0.01, probe_tgt=None, plans: list | None = None) -> tuple[StateDict, list[dict], dict]:
     """Align the source's neurons to the target's layer by layer with OT and average (OHFL Sec. 3.4).
 
     Args:
@@ -147,7 +156,12 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
         weight_src, weight_tgt: positive averaging weights (normalised to sum to 1).
         solver: ``"emd"`` or ``"sinkhorn"`` (see :func:`solve_ot`); reg: Sinkhorn ε.
         ground_metric: ``"wts"`` (incoming weights + bias) or ``"acts"`` (pre-activations on ``probe``).
-        probe: float tensor (n, in_channels, S, S); required for ``"acts"``.
+        probe: float tensor (n, in_channels, S, S); required for ``"acts"`` (fed to the source, and to the target
+            unless ``probe_tgt`` is given).
+        probe_tgt: the same images at the target's own input size; conv activations of both models are then
+            average-pooled to the smaller of the two maps before the distances are taken.
+        plans: if a list, the column-normalised plan T / β (float64 (n_src, n_tgt)) of every hidden layer is
+            appended to it, in layer order (used by the per-channel repair, :mod:`.repair`).
 
     Returns:
         ``(state_dict, layer_records, seconds)``: fused float32 tensors with the target's keys and shapes; one
@@ -178,7 +192,8 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
         ms, mt = build_fusable(src_spec), build_fusable(tgt_spec)
         ms.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in src_sd.items()})
         mt.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tgt_sd.items()})
-        acts_s, acts_t = layer_activations(ms, probe), layer_activations(mt, probe)
+        acts_s = layer_activations(ms, probe)
+        acts_t = layer_activations(mt, probe if probe_tgt is None else probe_tgt)
     pool2 = resolve(tgt_spec)["pool"] ** 2
     P = torch.eye(resolve(src_spec)["in_channels"], dtype=torch.float64)  # row-normalised previous plan
     prev_kind = "conv"
@@ -207,7 +222,10 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
                 xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
                 xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
             else:
-                xs, xt = _neuron_acts(acts_s[idx], rs), _neuron_acts(acts_t[idx], rt)
+                side = None
+                if rs.kind == "conv":
+                    side = min(_conv_side(acts_s[idx], rs.n_out), _conv_side(acts_t[idx], rt.n_out))
+                xs, xt = _neuron_acts(acts_s[idx], rs, side), _neuron_acts(acts_t[idx], rt, side)
             M = torch.cdist(xs, xt).numpy()
             T, info = solve_ot(M, solver=solver, reg=reg)
             Tt = torch.from_numpy(T)
@@ -217,6 +235,8 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
             W_bar = torch.einsum("ij,i...->j...", Tb, W_hat)
             b_bar = Tb.T @ b
             P = Tt / row  # row-normalised: T / α, carried into the next layer
+            if plans is not None:
+                plans.append(Tb)
             rec.update({"plan": "ot", **{k: info[k] for k in ("transport_cost", "cost_scale", "marginal_rel_err",
                                                               "warnings")}})
         t2 = time.perf_counter()

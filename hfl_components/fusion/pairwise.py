@@ -16,6 +16,18 @@ from hfl_components.models.fusable import build_fusable
 
 StateDict = dict[str, torch.Tensor]
 PHASES = ("cka", "alignment", "ot", "averaging")
+REPAIR_MODES = ("none", "layer", "channel")
+
+
+def repair_mode(repair) -> str:
+    """Normalise a repair option: False/None -> ``"none"``, True -> ``"layer"``, or one of :data:`REPAIR_MODES`."""
+    if repair is None or repair is False:
+        return "none"
+    if repair is True:
+        return "layer"
+    if repair not in REPAIR_MODES:
+        raise ValueError(f"repair must be one of {REPAIR_MODES}, got {repair!r}")
+    return repair
 
 
 def _load(spec: dict, sd: StateDict, device=None) -> torch.nn.Module:
@@ -27,7 +39,8 @@ def _load(spec: dict, sd: StateDict, device=None) -> torch.nn.Module:
 def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: torch.Tensor | None = None,
               weight_src: float = 0.5, weight_tgt: float = 0.5, alignment: str = "cka", ot_solver: str = "emd",
               ground_metric: str = "wts", seed: int | None = 0, sinkhorn_reg: float = 0.01,
-              repair: bool = False, device=None) -> tuple[dict, StateDict, dict]:
+              repair: bool | str = False, probe_tgt: torch.Tensor | None = None,
+              cka: str = "linear", device=None) -> tuple[dict, StateDict, dict]:
     """Fuse a source model into a target model; the result has the target's architecture (OHFL Sec. 3.1–3.4).
 
     Steps: (1) if the two hidden-layer layouts differ, the CKA cost matrix C_ij = 1 − CKA (Eq. 1) on ``probe``;
@@ -38,13 +51,17 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
 
     Args:
         src, tgt: ``(spec, state_dict)`` of fusable models (same family/stage count, in_channels, classes).
-        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages; needed for CKA when layouts differ and for
-            ``ground_metric="acts"``.
+        probe: float tensor (n, in_channels, S, S), S >= 2**n_stages; needed for CKA when layouts differ, for
+            ``ground_metric="acts"`` and for repair. It is the source's probe, and the target's too unless
+            ``probe_tgt`` (the same images at the target's input size) is given.
         weight_src, weight_tgt: positive averaging weights (e.g. cumulative sample counts), normalised internally.
         alignment: ``"cka"`` or ``"random"``.  ot_solver: ``"emd"`` or ``"sinkhorn"`` (ε = ``sinkhorn_reg``).
         ground_metric: ``"wts"`` or ``"acts"``.  seed: seed of the random alignment.
-        repair: after averaging, rescale each hidden layer so its pre-activation std on the probe matches the
-            weighted mean of the parents' (:mod:`.repair`; not in the paper, off gives the paper's pipeline).
+        repair: ``"none"``/False (the paper), ``"layer"``/True (one scale per hidden layer matches the weighted mean
+            of the parents' pre-activation std) or ``"channel"`` (REPAIR: every neuron's mean and std matched to
+            its parents', carried through the OT plan); see :mod:`.repair`. All three models (balanced source,
+            target, fused) are measured on the target's probe, so the statistics compare like with like.
+        cka: ``"linear"`` (Eq. 1), ``"debiased"`` or ``"pooled"`` (:func:`.cka.cka_cost_matrix`).
         device: where the probe forward passes (CKA, repair) run, e.g. ``"cuda"``; default the CPU. OT and
             averaging stay on the CPU (NumPy / POT); results are CPU tensors either way.
 
@@ -62,6 +79,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     """
     spec_s, sd_s = src
     spec_t, sd_t = tgt
+    repair = repair_mode(repair)
+    probe_t = probe if probe_tgt is None else probe_tgt
     check_compatible(spec_s, spec_t)
     if alignment not in ("cka", "random"):
         raise ValueError(f"alignment must be 'cka' or 'random', got {alignment!r}")
@@ -76,7 +95,7 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             if probe is None:
                 raise ValueError("CKA alignment of models of different depth needs a probe batch")
             t0 = time.perf_counter()
-            cost = cka_cost_matrix(_load(spec_s, sd_s, device), _load(spec_t, sd_t, device), probe)
+            cost = cka_cost_matrix(_load(spec_s, sd_s, device), _load(spec_t, sd_t, device), probe, probe_t, kind=cka)
             secs["cka"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pairs = align_layers(cost, [r.kind for r in rows_s], [r.stage for r in rows_s],
@@ -88,19 +107,33 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             bal_spec, bal_sd = merge_layers(spec_s, sd_s, pairs, spec_t)
             balancing = "merge"
         secs["alignment"] = time.perf_counter() - t0
+    plans: list = []
     sd, layer_recs, ot_secs = ot_fuse_balanced(bal_spec, bal_sd, spec_t, sd_t, weight_src, weight_tgt,
                                                solver=ot_solver, ground_metric=ground_metric, probe=probe,
-                                               reg=sinkhorn_reg)
+                                               reg=sinkhorn_reg, probe_tgt=probe_t, plans=plans)
     secs["ot"], secs["averaging"] = ot_secs["ot"], ot_secs["averaging"]
     w_sum = float(weight_src) + float(weight_tgt)
+    ws, wt = float(weight_src) / w_sum, float(weight_tgt) / w_sum
     scales = None
-    if repair and probe is not None:  # activation-scale repair (not in the paper; see .repair)
+    if repair != "none" and probe is None:
+        raise ValueError(f"repair={repair!r} needs a probe batch")
+    if repair == "layer":  # activation-scale repair (not in the paper; see .repair)
         from hfl_components.fusion.repair import hidden_stds, repair_scales
 
         t0 = time.perf_counter()
-        a, b = hidden_stds(_load(bal_spec, bal_sd, device), probe), hidden_stds(_load(spec_t, sd_t, device), probe)
-        goal = [(float(weight_src) * x + float(weight_tgt) * y) / w_sum for x, y in zip(a, b)]
-        sd, scales = repair_scales(spec_t, sd, goal, probe, device=device)
+        a, b = hidden_stds(_load(bal_spec, bal_sd, device), probe_t), hidden_stds(_load(spec_t, sd_t, device), probe_t)
+        goal = [ws * x + wt * y for x, y in zip(a, b)]
+        sd, scales = repair_scales(spec_t, sd, goal, probe_t, device=device)
+        secs["averaging"] += time.perf_counter() - t0
+    elif repair == "channel":  # REPAIR: per-neuron mean/std through the plan (see .repair)
+        from hfl_components.fusion.repair import hidden_channel_stats, repair_channels
+
+        t0 = time.perf_counter()
+        st_s = hidden_channel_stats(_load(bal_spec, bal_sd), probe_t)
+        st_t = hidden_channel_stats(_load(spec_t, sd_t), probe_t)
+        goals = [(ws * (Tb.T @ ms) + wt * mt, ws * (Tb.T @ ss) + wt * stt)
+                 for Tb, (ms, ss), (mt, stt) in zip(plans, st_s, st_t)]
+        sd, scales = repair_channels(spec_t, sd, goals, probe_t)
         secs["averaging"] += time.perf_counter() - t0
     record = {
         "src_layers": [r.name for r in rows_s],
@@ -113,6 +146,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         "alignment": alignment,
         "ot_solver": ot_solver,
         "ground_metric": ground_metric,
+        "cka": cka,
+        "repair": repair,
         "weights": {"src": float(weight_src) / w_sum, "tgt": float(weight_tgt) / w_sum},
         "layers": layer_recs,
         "repair_scales": scales,

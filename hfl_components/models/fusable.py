@@ -208,3 +208,52 @@ def explicit_spec(spec: dict, stages=None, hidden=None) -> dict:
                 "stages": stages if stages is not None else r["stages"],
                 "hidden": hidden if hidden is not None else r["hidden"]})
     return out
+
+
+def shared_init_state(spec: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A site's starting weights under a *shared* initialisation (the server hands every site one seed).
+
+    Every site builds the same reference model, its spec's family and depth at width ``max(1, width)``, from
+    ``torch.manual_seed(seed)`` (He-normal hidden weights, zero biases, zero class layer, as
+    :meth:`FusableNet.reset_parameters`), and takes the leading slice of every tensor for its own width ("nested"
+    initialisation: a half-width site starts as the first half of the channels of the full-width one). A sliced
+    hidden weight is multiplied by sqrt(fan_in_ref / fan_in_own) so its He standard deviation stays right. Two
+    sites with the same spec therefore start from identical weights; sites of different widths start nested. Specs
+    with explicit ``stages``/``hidden`` use themselves as the reference.
+
+    Args:
+        spec: fusable spec (see :func:`resolve_fusable_spec`).
+        seed: the job's shared initialisation seed.
+
+    Returns:
+        a state dict for ``build_fusable(spec)`` (float32).
+    """
+    ref_spec = dict(spec)
+    if "stages" not in spec and "hidden" not in spec:
+        ref_spec["width"] = max(1.0, float(spec.get("width", 1.0)))
+    g = torch.get_rng_state()
+    try:
+        torch.manual_seed(int(seed))
+        ref = build_fusable(ref_spec).state_dict()
+    finally:
+        torch.set_rng_state(g)
+    own = build_fusable(spec).state_dict()
+    out = {}
+    for k, v in own.items():
+        r = ref[k]
+        if r.dim() > 1:
+            # slice (out, in[, kh, kw]); at the conv -> fc boundary the inputs are channel-major blocks of pool^2
+            if k.startswith("fcs.0.") or (k.startswith("classifier.") and not any(x.startswith("fcs.") for x in ref)):
+                pool2 = resolve_fusable_spec(spec)["pool"] ** 2
+                c_ref, c_own = r.shape[1] // pool2, v.shape[1] // pool2
+                r = r.reshape(r.shape[0], c_ref, pool2)[:, :c_own].reshape(r.shape[0], -1)
+            else:
+                r = r[:, :v.shape[1]]
+            r = r[:v.shape[0]]
+            fan_ref = ref[k][0].numel()
+            fan_own = r[0].numel()
+            r = r * (fan_ref / fan_own) ** 0.5
+        else:
+            r = r[:v.shape[0]]
+        out[k] = r.clone().to(torch.float32)
+    return out

@@ -10,6 +10,13 @@ import time
 from pathlib import Path
 
 METHODS = ("local", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
+# OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only).
+OHFL_DEFAULTS = {"ot": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear", "probe_at": "largest",
+                 "init": "site", "gate": True}
+# The OHFL paper's pipeline (paper 003, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
+PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
+         "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
+         "finetune_epochs": 50}
 ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", "local_topology")
 
 
@@ -77,15 +84,35 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OHFL")
     g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
     g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
-    g.add_argument("--ot", choices=("emd", "sinkhorn"), default="emd")
-    g.add_argument("--ground-metric", choices=("wts", "acts"), default="wts")
+    g.add_argument("--ot", choices=("emd", "sinkhorn"),
+                   help=f"OT solver (default {OHFL_DEFAULTS['ot']}; Sinkhorn uses the paper's eps = 0.01)")
+    g.add_argument("--ground-metric", choices=("wts", "acts"),
+                   help=f"OT ground metric: incoming weights or probe activations (default {OHFL_DEFAULTS['ground_metric']})")
+    g.add_argument("--cka", choices=("linear", "debiased", "pooled"),
+                   help="CKA for the layer alignment: linear (the paper's Eq. 1), debiased (unbiased HSIC), pooled "
+                        f"(linear on conv channel means) (default {OHFL_DEFAULTS['cka']})")
+    g.add_argument("--probe-at", choices=("largest", "own"),
+                   help="probe every model at the largest site input size, or each at its own size (same images) "
+                        f"(default {OHFL_DEFAULTS['probe_at']})")
+    g.add_argument("--init", choices=("site", "shared"),
+                   help="OHFL sites start from their own random initialisation, or from one shared (nested for "
+                        f"different widths) initialisation drawn from --seed (default {OHFL_DEFAULTS['init']})")
+    g.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None,
+                   help="deployment gate: a site deploys the federated model only if it beats the site's own local "
+                        "model on its validation split, otherwise it keeps its local model and says so "
+                        f"(default {'on' if OHFL_DEFAULTS['gate'] else 'off'})")
+    g.add_argument("--paper", action="store_true",
+                   help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
+                        "the largest size, per-site initialisation, no gate, 20 local + 50 fine-tuning epochs")
     g.add_argument("--probe", help="folder/CSV of public images for CKA, or 'generated' "
                                    "(default: ../shared/data/chest_xray_224 beside chest_xray_original)")
     g.add_argument("--probe-size", type=int, default=64)
     g.add_argument("--weighting", choices=("samples", "half"), default="samples")
-    g.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
-                   help="rescale fused layers' activation spread on the probe (not in the paper; --no-repair gives "
-                        "the paper's pipeline exactly)")
+    g.add_argument("--repair", choices=("none", "layer", "channel"),
+                   help="after each pairwise fusion, match the fused model's activation statistics on the probe to its "
+                        "parents' (not in the paper): none, layer (one scale per layer) or channel (REPAIR: each "
+                        f"neuron's mean and std through the OT plan) (default {OHFL_DEFAULTS['repair']})")
+    g.add_argument("--no-repair", dest="repair", action="store_const", const="none", help="same as --repair none")
     g = p.add_argument_group("FedSAF / FedTopo")
     g.add_argument("--lambda", dest="lam", type=float, default=1.0,
                    help="FedSAF: weight of the prototype-level term; FedTopo: weight of the modulated CE (default 1)")
@@ -130,7 +157,29 @@ def register(sub) -> None:
                    feature_dim=None)
 
 
+def _ohfl_defaults(args) -> None:
+    """Fill the OHFL fusion options left unset: from PAPER with --paper (an explicit conflicting option is an
+    error), else from OHFL_DEFAULTS."""
+    names = {"ot": "--ot", "ground_metric": "--ground-metric", "cka": "--cka", "probe_at": "--probe-at",
+             "init": "--init", "gate": "--gate", "repair": "--repair", "strategy": "--strategy",
+             "alignment": "--alignment"}
+    if getattr(args, "paper", False):
+        if args.method != "ohfl":
+            sys.exit("cxr-hfl: --paper is an OHFL option (the OHFL paper's pipeline)")
+        for k, v in PAPER.items():
+            cur = getattr(args, k, None)
+            if cur is not None and cur != v and k in names:
+                sys.exit(f"cxr-hfl: --paper runs the paper's pipeline ({names[k]} {v}); drop {names[k]} {cur}")
+            if k in ("local_epochs", "finetune_epochs") and cur is not None and cur != v:
+                sys.exit(f"cxr-hfl: --paper uses the paper's {v} {k.replace('_', ' ')}; drop --{k.replace('_', '-')}")
+            setattr(args, k, v)
+    for k, v in OHFL_DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
 def _defaults(args) -> None:
+    _ohfl_defaults(args)
     from hfl_components.flare.catalogue import method_defaults
 
     d = method_defaults(args.method)
@@ -237,7 +286,8 @@ def _options(args, data_root, part_dir) -> dict:
     return {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
             "seed": args.seed, "min_sites": args.min_sites, "late_wait_s": args.late_wait, "strategy": args.strategy, "alignment": args.alignment,
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
-            "weighting": args.weighting, "repair": args.repair, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
+            "weighting": args.weighting, "repair": args.repair, "cka": args.cka, "probe_at": args.probe_at,
+            "init": args.init, "gate": args.gate, "paper": bool(getattr(args, "paper", False)), "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
             "noisy_counts": args.noisy_counts, "eval": args.eval, "server_device": args.server_device}
 
@@ -355,6 +405,10 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             return "   -" if v is None else f"{v:.3f}"
         print(f"{site:<10}{name:<22}{b.get('input_size') or '':>5}{b.get('n_test') or '':>8}{f(t.get('accuracy')):>8}"
               f"{f(t.get('balanced_accuracy')):>9}{f(t.get('auc')):>7}")
+    gate = m.get("gate")
+    if gate:
+        print(f"deployment gate: {gate['adopted']} of {gate['sites']} sites adopted the federated model"
+              + (f"; kept their own local model: {', '.join(gate['kept_local'])}" if gate.get("kept_local") else ""))
     if m.get("pooled"):
         acc = m["pooled"].get("accuracy") or {}
         if isinstance(acc, dict) and acc.get("value") is not None:

@@ -255,24 +255,26 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
     assert deployment_gate({"auc": 0.8, "balanced_accuracy": 0.8}, {"auc": 0.8, "balanced_accuracy": 0.7})["adopted"]
     assert not deployment_gate({"auc": None}, {"auc": 0.6})["adopted"]
 
+    from hfl_components.models import load_model_file, save_model_file
+
     x, y = _separable()
     good, useless = _good_model(), build_fusable(SPEC)  # zero class layer: constant output, AUC 0.5
     for local, fed, adopt in ((good, useless, False), (useless, good, True)):
         t = _TensorRuntime(tmp_path / f"{adopt}", x, y)
         rt = t.rt
-        torch.save({"spec": SPEC, "state_dict": local.state_dict()}, rt.state_dir / "local_model.pt")
+        save_model_file(rt.state_dir / "local_model.pt", SPEC, local.state_dict(), input_size=16, labels="binary")
         params = to_numpy_state(fed.state_dict(), GLOBAL_PREFIX)
         _, metrics, _ = ohfl_finetune(rt, params, {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
         gate = metrics["gate"]
         assert gate["adopted"] is adopt
         assert ("does not beat" in gate["reason"]) is (not adopt)
-        deployed = torch.load(rt.state_dir / "deployed_model.pt", weights_only=True)["state_dict"]
+        deployed = load_model_file(rt.state_dir / "deployed_model.pt")[0].state_dict()
         want = fed if adopt else local
         assert all(torch.equal(deployed[k], v) for k, v in want.state_dict().items())
         assert metrics["val"]["auc"] == pytest.approx(1.0)
     # the gate off: the federated model is deployed whatever it scores
     t = _TensorRuntime(tmp_path / "off", x, y)
-    torch.save({"spec": SPEC, "state_dict": good.state_dict()}, t.rt.state_dir / "local_model.pt")
+    save_model_file(t.rt.state_dir / "local_model.pt", SPEC, good.state_dict(), input_size=16, labels="binary")
     _, metrics, _ = ohfl_finetune(t.rt, to_numpy_state(useless.state_dict(), GLOBAL_PREFIX),
                                   {"global_spec": SPEC, "task_config": {"finetune_epochs": 0, "gate": False}})
     assert metrics["gate"] is None and metrics["val"]["auc"] == pytest.approx(0.5)

@@ -539,13 +539,10 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
 
 
 def _sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(132)
-    except OSError:
-        return False
-    return len(head) == 132 and head[128:132] == b"DICM"
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128 (``io.sniff_dicom``)."""
+    from .io import sniff_dicom
+
+    return sniff_dicom(path)
 
 
 def _verified_size(path: Path) -> tuple[int, int]:

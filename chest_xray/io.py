@@ -81,15 +81,18 @@ def check_readable(path: str | os.PathLike) -> None:
         raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "unreadable") from None
 
 
-def _is_dicom(path: Path) -> bool:
-    if path.suffix.lower() in DICOM_SUFFIXES:
-        return True
+def sniff_dicom(path: Path) -> bool:
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(132)
     except OSError:
         return False
     return len(head) == 132 and head[128:132] == b"DICM"
+
+
+def _is_dicom(path: Path) -> bool:
+    return path.suffix.lower() in DICOM_SUFFIXES or sniff_dicom(path)
 
 
 def read_image(

@@ -13,6 +13,7 @@ and, in both modes, one line at once for every site the server excludes, with th
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -54,6 +55,17 @@ def describe_site(p: dict) -> str:
     return s
 
 
+def _usable_terminal(stream) -> bool:
+    """True when ``stream`` is a terminal that tqdm can draw bars on: a tty with a known, non-zero width (a pty
+    opened by ``script`` or some CI consoles reports 0 columns, where tqdm draws nothing; those get line mode)."""
+    try:
+        if not stream.isatty():
+            return False
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 class LiveProgress:
     """Poll ``status.json`` under ``workspace`` and show the run's progress on ``stream`` (default stderr).
 
@@ -69,7 +81,7 @@ class LiveProgress:
         self.sites = list(sites)
         self.interval = float(interval)
         self.stream = stream or sys.stderr
-        self.bars = self.stream.isatty() if bars is None else bool(bars)
+        self.bars = _usable_terminal(self.stream) if bars is None else bool(bars)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cxr_hfl_progress", daemon=True)
         self._path: Path | None = None

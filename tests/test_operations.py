@@ -119,3 +119,25 @@ def test_simulator_ports_are_never_handed_out_twice():
         assert len(set(ports)) == 300 and all(1024 <= p < 65536 for p in ports)
     finally:
         simulator_runner.get_open_ports = original
+
+
+def test_progress_uses_line_mode_on_a_zero_width_terminal():
+    """A pty that reports 0 columns (``script``, some CI consoles) gets line mode, not invisible tqdm bars; the
+    same pty given a width gets bars."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from nvflare_jobs.progress import _usable_terminal
+
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 0, 0, 0))
+            assert tty.isatty() and not _usable_terminal(tty)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+            assert _usable_terminal(tty)
+    finally:
+        os.close(master)
+        os.close(slave)

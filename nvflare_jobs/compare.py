@@ -489,18 +489,23 @@ def paired_diff(rows: list[dict], method: str, metric: str, ref: str = "local") 
     return {"n": int(d.size), "mean": mean, "ci_low": mean - half, "ci_high": mean + half}
 
 
+def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    """Write ``rows`` as a CSV with ``columns``: None as empty, floats rounded to 4 decimals."""
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else (round(r[k], 4) if isinstance(r[k], float) else r[k]))
+                        for k in columns})
+
+
 def write_tables(out: Path, plans: dict | None = None, n_boot: int = 1000) -> list[dict]:
     """Write ``comparison.csv`` and ``comparison.md`` (and, after an external evaluation,
     ``comparison_external.csv`` and ``paired_external.json``) from the run folders under ``out``."""
     out = Path(out)
     runs = collect_runs(out)
     rows = comparison_rows(runs)
-    with (out / "comparison.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r[k] is None else (round(r[k], 4) if isinstance(r[k], float) else r[k]))
-                        for k in COLUMNS})
+    _write_csv(out / "comparison.csv", rows, COLUMNS)
     ext = external_tables(out, runs, n_boot=n_boot)
     (out / "comparison.md").write_text(comparison_markdown(out, runs, rows, plans, ext))
     return rows
@@ -588,12 +593,7 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
                          **{k: v.get(k) for k in EXT_COLUMNS[7:]}})
     if not rows:
         return None
-    with (out / "comparison_external.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=EXT_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r[k] is None else (round(r[k], 4) if isinstance(r[k], float) else r[k]))
-                        for k in EXT_COLUMNS})
+    _write_csv(out / "comparison_external.csv", rows, EXT_COLUMNS)
     methods = _order({m for m, _ in runs_by})
     control = control_method(methods, cj)
     pairs = []

@@ -49,14 +49,26 @@ def _base(method: str) -> str:
     return "local" if name == "local+ft" else name
 
 
+def proto_protocol(methods: list[str]) -> bool:
+    """True when the methods are prototype methods, with or without Local (issue 16's protocol): sites from
+    ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
+    training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
+    bases = {_base(m) for m in methods}
+    return bool(bases & set(PROTO)) and bases <= set(PROTO) | {"local"}
+
+
 def epoch_plan(method: str, args) -> dict[str, int]:
     """Rounds, local epochs per round and fine-tuning epochs a method runs under (simulate's defaults unless
     given)."""
+    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
+
     base = _base(method)
     method = split_variant(method)[0]
-    rounds = 1 if base == "ohfl" else (args.rounds or (5 if base in PROTO else 3))
-    local = args.local_epochs if args.local_epochs is not None else (20 if base == "ohfl" else 3 if base in PROTO else 2)
-    if base == "local" and args.rounds is None and args.local_epochs is None:
+    proto = base in PROTO or (base == "local" and getattr(args, "proto_protocol", False))
+    rounds = 1 if base == "ohfl" else (args.rounds or (PROTO_ROUNDS if proto else 3))
+    local = args.local_epochs if args.local_epochs is not None else (
+        20 if base == "ohfl" else PROTO_LOCAL_EPOCHS if proto else 2)
+    if base == "local" and not proto and args.rounds is None and args.local_epochs is None:
         rounds, local = 1, 20  # Local = each site's own model trained as in OHFL's local phase (20 epochs)
     ft = args.finetune_epochs if args.finetune_epochs is not None else 10
     if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs (= OHFL's total)
@@ -105,7 +117,13 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
 
 
 def _input_sizes(args) -> list[int]:
-    return [int(x) for x in args.input_sizes.split(",")] if getattr(args, "input_sizes", None) else [64, 96, 128]
+    if getattr(args, "input_sizes", None):
+        return [int(x) for x in args.input_sizes.split(",")]
+    if getattr(args, "proto_protocol", False):
+        from nvflare_jobs.profiles import PROTO_TRAINING
+
+        return [PROTO_TRAINING["input_size"]]
+    return [64, 96, 128]
 
 
 def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args) -> Path:
@@ -116,7 +134,8 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
     settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
                 "finetune_epochs": plan["finetune_epochs"] or 10, "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64}
-    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings)
+    proto = True if getattr(args, "proto_protocol", False) else None  # Local on the prototype methods' backbones
+    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto)
 
 
 def run_compare(args) -> int:
@@ -127,13 +146,19 @@ def run_compare(args) -> int:
     if bad or not methods:
         print(f"cxr-hfl compare: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
+    args.proto_protocol = proto_protocol(methods)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        data = resolve_data(args.data)
+        data = None
+        if args.proto_protocol and not args.data:  # issue 16: chest_xray_224's tuning + probe parts
+            from nvflare_jobs.profiles import proto_training_data
+
+            data = proto_training_data(out / "data_pool.csv")
+        data = data or resolve_data(args.data)
     except DataNotFoundError as e:
         print(f"cxr-hfl compare: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     plans = {m: epoch_plan(m, args) for m in methods}
     prev = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
     (out / "compare.json").write_text(json.dumps({"command": prev.get("command", " ".join(sys.argv)),
@@ -176,6 +201,18 @@ def run_compare(args) -> int:
         return 0
     rows = write_tables(out, plans)
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
+    if args.proto_protocol:
+        from nvflare_jobs.proto_eval import write_section
+
+        try:
+            summary = write_section(out, _order(methods))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"[compare] site models not scored on the evaluation part: {e}", file=sys.stderr)
+        else:
+            for m, v in summary["methods"].items():
+                print(f"[compare] {m}: mean site balanced accuracy test {v['test_bal_acc']:.3f}, external "
+                      f"{v['external_bal_acc']:.3f}; single-class sites {v['single_class_test']} (test) / "
+                      f"{v['single_class_external']} (external); floor {'met' if v['floor_met'] else 'NOT met'}")
     if failed:
         print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
         return 1

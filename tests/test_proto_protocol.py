@@ -154,3 +154,33 @@ def test_paired_site_bootstrap_verdicts():
     assert g["a"] == 1.0 and g["n_pairs"] == 6 and g["verdict"] == "better"
     r = paired_site_bootstrap([dict(q, pa=q["pb"], pb=q["pa"]) for q in pairs_good], "balanced_accuracy", n_boot=50)
     assert r["verdict"] == "worse" and r["a"] == pytest.approx(r["b"] + r["diff"]) and r["b"] == 1.0
+
+
+def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_path, data_root, monkeypatch):
+    import argparse as ap
+
+    from chest_xray import read_site_manifest
+    from chest_xray.splits import split_rows
+    from nvflare_jobs.commands.simulate import _defaults, prepare_profile, register
+    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
+
+    if not (data_root / "chest_xray_224").is_dir():
+        pytest.skip(f"no chest_xray_224 under {data_root}")
+    monkeypatch.setenv("CXR_DATA", str(data_root))
+    parser = ap.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--method", "fedtopo", "--scheme", "dirichlet", "--out", str(tmp_path)])
+    _defaults(args)
+    assert (args.labels, args.rounds, args.default_local_epochs, args.input_sizes) == (
+        "subtype", PROTO_ROUNDS, PROTO_LOCAL_EPOCHS, [64])
+    _, profile, data, _ = prepare_profile(args, tmp_path)
+    assert data == tmp_path / "data_pool.csv"
+    evaluation = {r["path"].rsplit("/", 1)[-1] for r in split_rows("evaluation")}
+    n = 0
+    for site, cfg in profile.items():
+        assert cfg["input_size"] == 64 and cfg["balanced_sampling"] and cfg["fast_augment"]
+        rows = read_site_manifest(cfg["data"]["manifest"])
+        n += len(rows)
+        assert not {str(r["path"]).rsplit("/", 1)[-1] for r in rows} & evaluation
+    assert n == 1055
+    assert [c["model"]["family"] for c in profile.values()][:4] == ["hetero_cnn", "densenet", "resnet", "efficientnet"]

@@ -39,9 +39,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-BUDGETS = {  # pass-through to compare; seconds per simulator run measured on 2 shared CPU cores (approximate)
+BUDGETS = {  # to compare (equal budgets: E = local + fine-tuning epochs per site for every method; FedAvg runs
+    # `rounds` rounds of E / rounds epochs); seconds per simulator run measured on 2 shared CPU cores (approximate)
     "tiny": {"max_train_images": 24, "local_epochs": 1, "finetune_epochs": 1, "rounds": 2, "s_per_run": 60},
-    "quick": {"max_train_images": 40, "local_epochs": 2, "finetune_epochs": 1, "rounds": 2, "s_per_run": 90},
+    "quick": {"max_train_images": 40, "local_epochs": 2, "finetune_epochs": 1, "rounds": 3, "s_per_run": 90},
     "full": {"max_train_images": None, "local_epochs": None, "finetune_epochs": None, "rounds": None,
              "s_per_run": 900},
 }
@@ -113,18 +114,23 @@ TOPO_T2_ROWS = [("fedtopo", "FedTopo (full)"), ("fedtopo:local_topology", "w/ lo
                 ("fedtopo:no_missing_mask", "w/o missing mask"), ("fedtopo:no_ema", "w/o topology EMA"),
                 ("local", "w/o topology loss (= Local)")]
 
-TABLE2_METHODS = ["local", "local+ft", "fedavg", "ohfl"]
+TABLE2_METHODS = ["local", "fedavg", "ohfl"]  # equal budgets: local is the local+ft control
 TABLE4_METHODS = [f"ohfl:strategy={s}" for s in ("cid", "cdd", "cia", "rand")]
 TABLE5_METHODS = [f"ohfl:alignment={a}:strategy={s}" for a in ("random", "cka") for s in ("rand", "cid")]
 
 
-def compare_args(methods, sites, seeds, out, budget, data) -> argparse.Namespace:
+def compare_args(methods, sites, seeds, out, budget, data, external=None, part=None) -> argparse.Namespace:
+    """``cxr-hfl compare``'s options for one table: equal epoch budgets, and (when ``external``) every saved model
+    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of issue 11, Sec. 3."""
     b = BUDGETS[budget]
+    argv = ["compare", "--methods", ",".join(methods), "--sites", str(sites), "--seeds", ",".join(map(str, seeds)),
+            "--out", str(out)] + (["--external", str(external)] + (["--part", part] if part else []) if external else [])
     return argparse.Namespace(methods=",".join(methods), data=data, sites=sites, scheme="width", alpha=0.5,
                               labels="binary", seeds=seeds, out=str(out), rounds=b["rounds"],
                               local_epochs=b["local_epochs"], finetune_epochs=b["finetune_epochs"],
                               max_train_images=b["max_train_images"], input_sizes=None, batch_size=None,
-                              max_images=None, dry_run=False)
+                              max_images=None, dry_run=False, unequal_budgets=False, external=external, part=part,
+                              external_max_images=None, n_boot=1000, late_wait=60, probe=None, _argv=argv)
 
 
 def plan(tables, seeds) -> list[tuple[str, str, int, list[str]]]:
@@ -272,10 +278,32 @@ def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
     for g, rows in (groups or {"": pairs}).items():
         note = ordering_note(rows, reason)
         L += [f"{g + ': ' if g else ''}" + note[0], *note[1:], ""]
+    L += external_section(root)
     dest = REPO / "benchmarks" / "results" / f"{table}.md"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L) + "\n")
     return dest
+
+
+def external_section(root: Path) -> list[str]:
+    """The paired external-evaluation rows of every compare folder under ``root`` (``paired_external.json``)."""
+    L = []
+    for f in sorted(root.glob("*/paired_external.json")):
+        e = json.loads(f.read_text())
+        if not L:
+            L += ["## External evaluation (chest_xray_224 evaluation part)", "",
+                  "Each site's deployed model, paired (same seed, same site); 95% bootstrap CI over seeds and images "
+                  "jointly; verdict better / no difference detected / worse.", "",
+                  "| folder | comparison | pairs | Δ AUC (95% CI) | verdict | Δ balanced acc. (95% CI) | verdict |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in e.get("paired", []):
+            cells = []
+            for k in ("auc", "balanced_accuracy"):
+                d = p[k]
+                ci = f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d.get("ci_low") is not None else ""
+                cells += [f"{d['diff']:+.3f}{ci}", d.get("verdict") or "–"]
+            L.append(f"| {f.parent.name} | {p['comparison']} | {p['auc']['n_pairs']} | " + " | ".join(cells) + " |")
+    return L + ([""] if L else [])
 
 
 # ---- FedSAF / FedTopo tables: delegate to bench_alignment / bench_topology ----------------------------------------
@@ -501,12 +529,14 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tables", default=",".join(PAPER), help=f"comma-separated, from {', '.join(PAPER)} (default all)")
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2: the protocol's minimum)")
     ap.add_argument("--budget", choices=sorted(BUDGETS), default="quick")
     ap.add_argument("--data", help="OHFL tables: data root (default ../shared/data -> chest_xray_original); the FedSAF/"
                                    "FedTopo drivers read chest_xray_224 there (or $CXR_DATA)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "runs"))
     ap.add_argument("--dry-run", action="store_true", help="print the budget and exit")
+    ap.add_argument("--no-external", action="store_true",
+                    help="OHFL tables: skip the external evaluation on chest_xray_224's evaluation part")
     a = ap.parse_args(argv)
     from nvflare_jobs.compare import run_compare
     from nvflare_jobs.profiles import resolve_data
@@ -530,8 +560,16 @@ def main(argv=None) -> int:
           f"finished ones skipped; {sum(n - t for n, t, _ in bench.values())} FedSAF/FedTopo runs already done), "
           f"~{est_all / 60:.0f} min on 2 CPU cores")
     if steps:
+        from nvflare_jobs.compare import budget_lines, epoch_plan
+
         print(f"[reproduce] OHFL: {len(steps)} comparisons, {n_runs} simulator runs x ~"
-              f"{BUDGETS[a.budget]['s_per_run']} s = ~{est / 60:.0f} min")
+              f"{BUDGETS[a.budget]['s_per_run']} s = ~{est / 60:.0f} min; protocol: equal epoch budgets, every "
+              "saved model evaluated on chest_xray_224's evaluation part"
+              + (" (off: --no-external)" if a.no_external else "") + ", paired 95% bootstrap CIs over seeds and "
+              "images")
+        ns = compare_args(TABLE2_METHODS, 6, seeds, out, a.budget, None)
+        for line in budget_lines({m: epoch_plan(m, ns) for m in TABLE2_METHODS}, False):
+            print(f"  budget: {line}")
     for table, folder, k, methods in steps:
         print(f"  {table:<12} {folder:<11} {k} sites: {', '.join(methods)}")
     for g in groups:
@@ -551,12 +589,15 @@ def main(argv=None) -> int:
     rc = 0
     if steps:
         data = resolve_data(a.data)
+        pool = Path(data).parent / "chest_xray_224"
+        external = None if a.no_external or not pool.is_dir() else pool
         for table, folder, k, methods in steps:
             root = out / a.budget / table  # runs of different budgets never mix
             if table == "ohfl_table2":
                 for s in seeds:
                     first_k_partition(data, root, s, k)
-            rc |= run_compare(compare_args(methods, k, seeds, root / folder, a.budget, str(data)))
+            rc |= run_compare(compare_args(methods, k, seeds, root / folder, a.budget, str(data), external,
+                                           "evaluation" if external else None))
     for g in groups:
         mod = _drivers()[0 if g == "fedsaf" else 1]
         print(f"[reproduce] {g}: {mod.__name__}.main({' '.join(bench_argv(g, a.budget, seeds, out))})", flush=True)

@@ -7,6 +7,15 @@ from __future__ import annotations
 
 from .dataset import CLASS_NAMES, LabelError, detect_layout, label_index, patient_id_from_name, scan_dataset
 from .io import ImageReadError, dicom_patient_id, read_image
+from .labels import (
+    LABEL_SCHEMES,
+    LabelSchemeMismatch,
+    check_label_scheme,
+    class_names,
+    num_classes,
+    one_label_scheme,
+    scheme_for_num_classes,
+)
 from .partition import (
     PartitionResult,
     load_partition,
@@ -21,17 +30,24 @@ _LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "Ap
 __all__ = [
     "CLASS_NAMES",
     "ImageReadError",
+    "LABEL_SCHEMES",
     "LabelError",
+    "LabelSchemeMismatch",
     "PartitionResult",
     "detect_layout",
     "dicom_patient_id",
+    "check_label_scheme",
+    "class_names",
     "label_index",
     "load_partition",
+    "num_classes",
+    "one_label_scheme",
     "partition_records",
     "patient_id_from_name",
     "read_image",
     "read_site_manifest",
     "scan_dataset",
+    "scheme_for_num_classes",
     "site_summary",
     "write_partition",
     *sorted(_LAZY),

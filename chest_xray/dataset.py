@@ -7,7 +7,14 @@ Three layouts are understood:
   ``ROOT/BACTERIAL/``, ``ROOT/VIRAL/``);
 - a CSV manifest (``ROOT`` is the ``.csv`` file) with columns ``path`` (relative to the CSV's folder, or absolute)
   and ``label`` (a class name or an integer index), optionally ``patient_id``; as spreadsheets save it (BOM,
-  CRLF, ``;`` or tab delimiters: :func:`read_csv_rows`).
+  CRLF, ``;`` or tab delimiters: :func:`read_csv_rows`). A repeated row, every row of a file listed with
+  different labels, and an empty path are listed in the report with their CSV line, not used.
+
+Split and class folder names match in any case (``train/Normal``, ``pneumonia/``). A folder beside them that is
+no class folder (``COVID/``) and an image lying outside the class folders are listed (kind ``not in a class
+folder``); other files there (README, MANIFEST.csv) are documentation and are not. A file carrying the DICOM
+``DICM`` marker is read as DICOM whatever its name (``IM000001``, a UID, ``x.jpg``), with the modality / view
+checks and its hashed PatientID.
 
 Folders are walked following symbolic links to sub-folders (each real folder once: a link cycle is listed, not
 followed), and a link to a file is kept under its own name (Hugging Face hub caches, git-annex and DataLad
@@ -22,6 +29,7 @@ import csv
 import io
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +43,7 @@ from .io import (
     read_image,
 )
 
-#: Class names per label scheme; the label of a record is the index into this list.
-CLASS_NAMES: dict[str, list[str]] = {"binary": ["NORMAL", "PNEUMONIA"], "subtype": ["NORMAL", "BACTERIAL", "VIRAL"]}
+from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _SPLIT_DIRS = ("train", "val", "test")
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
@@ -103,8 +110,31 @@ def label_index(class_name: str, path: str | os.PathLike, labels: str = "binary"
     raise LabelError(f"{path}: unknown class {class_name!r} for the subtype scheme {names}")
 
 
+#: Class folder names (upper case) a folder layout may hold; matched in any case (``normal/``, ``Pneumonia/``).
+_CLASS_DIRS = tuple(dict.fromkeys(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"]))
+
+
+def _named_subdirs(folder: Path, names) -> list[tuple[Path, str]]:
+    """``(path, canonical name)`` of each sub-folder of ``folder`` (links followed) whose name is one of ``names``
+    in any case, sorted by name; the canonical name is the one in ``names``."""
+    wanted = {n.lower(): n for n in names}
+    out: list[tuple[Path, str]] = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return out
+    for e in entries:
+        try:
+            if e.name.lower() in wanted and e.is_dir(follow_symlinks=True):
+                out.append((Path(e.path), wanted[e.name.lower()]))
+        except OSError:
+            continue
+    return out
+
+
 def detect_layout(root: str | os.PathLike) -> str:
-    """``"manifest"``, ``"classes"`` or ``"kaggle"``.
+    """``"manifest"``, ``"classes"`` or ``"kaggle"``. Class and split folder names match in any case
+    (``normal/``, ``Pneumonia/``, ``Train/``).
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -117,10 +147,9 @@ def detect_layout(root: str | os.PathLike) -> str:
         if r.suffix.lower() == ".csv":
             return "manifest"
         raise ValueError(f"{r}: a data root file must be a CSV manifest")
-    known = set(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"])
-    if any((r / c).is_dir() for c in known):
+    if _named_subdirs(r, _CLASS_DIRS):
         return "classes"
-    if any((r / s / c).is_dir() for s in _SPLIT_DIRS for c in known):
+    if any(_named_subdirs(d, _CLASS_DIRS) for d, _ in _named_subdirs(r, _SPLIT_DIRS)):
         return "kaggle"
     raise ValueError(
         f"{r}: unrecognised data root; expected {{train,val,test}}/{{NORMAL,PNEUMONIA}}/, NORMAL/ and PNEUMONIA/, "
@@ -273,32 +302,103 @@ def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, st
     return names, out
 
 
-def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
-    """(file, class name, manifest patient id or None), sorted by path; junk, cycles and broken links go to
-    ``skipped``."""
-    known = CLASS_NAMES["binary"] + CLASS_NAMES["subtype"][1:]
+def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list[dict[str, str]]) -> None:
+    """List in ``skipped`` what a folder layout does not scan at this level: every sub-folder whose name is not in
+    ``accepted`` (lower case), and every image file (by suffix or DICOM marker). Other files (README,
+    MANIFEST.csv, licences) are documentation and are not listed."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        skipped.append(_skip(folder, f"cannot list folder ({e.strerror or e})", "unreadable"))
+        return
+    for e in entries:
+        p = Path(e.path)
+        try:
+            is_dir = e.is_dir(follow_symlinks=True)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            if e.name.lower() in accepted:
+                continue
+            why = junk_reason(p, is_dir=True)
+            skipped.append(_skip(p, why, "junk") if why else _skip(
+                p, f"folder {e.name!r} is not {expected}: not scanned (its images have no label)",
+                "not in a class folder"))
+        elif p.suffix.lower() in SUPPORTED_SUFFIXES or _sniff_dicom(p):
+            if junk_reason(p):
+                skipped.append(_skip(p, junk_reason(p), "junk"))
+            else:
+                skipped.append(_skip(p, f"image not inside {expected}: not scanned (no label)",
+                                     "not in a class folder"))
+
+
+def _manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
+    """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
+    an earlier row (same file, same label), and every row of a file listed with different labels are listed in
+    ``skipped`` with their row number (line of the CSV, header = line 1)."""
+    cols, rows = read_csv_rows(root)
+    if not {"path", "label"} <= set(cols):
+        raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
+    first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
+    conflicting: dict[str, set[str]] = {}
+    kept: list[tuple[int, Path, str, str | None]] = []
+    later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
+    for line, row in enumerate(rows, start=2):
+        raw = row["path"]
+        if not raw:
+            skipped.append(_skip(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
+            continue
+        p = Path(raw)
+        if not p.is_absolute():
+            p = root.parent / p
+        p = Path(os.path.abspath(p))
+        label = row["label"]
+        key = str(p)
+        if key in first:
+            line0, label0 = first[key]
+            if label0.strip().upper() == label.strip().upper():
+                skipped.append(_skip(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
+                                     "duplicate manifest row"))
+            else:
+                conflicting.setdefault(key, {label0}).add(label)
+                later.append((line, p))
+            continue
+        first[key] = (line, label)
+        pid = (row.get("patient_id") or "").strip() or None
+        kept.append((line, p, label, pid))
     out: list[tuple[Path, str, str | None]] = []
+    for line, p in [(line, p) for line, p, _, _ in kept] + later:
+        if str(p) in conflicting:
+            labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
+            skipped.append(_skip(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
+                                    "none is used", "conflicting labels"))
+    out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
+    return sorted(out, key=lambda t: str(t[0]))
+
+
+def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
+    """(file, class name, manifest patient id or None), sorted by path; junk, cycles, broken links, images outside
+    the class folders and bad manifest rows go to ``skipped``."""
     if layout == "manifest":
-        cols, rows = read_csv_rows(root)
-        if not {"path", "label"} <= set(cols):
-            raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
-        for row in rows:
-            p = Path(row["path"])
-            if not p.is_absolute():
-                p = root.parent / p
-            pid = (row.get("patient_id") or "").strip() or None
-            out.append((Path(os.path.abspath(p)), row["label"], pid))
-        return sorted(out, key=lambda t: str(t[0]))
-    dirs = [root] if layout == "classes" else [root / s for s in _SPLIT_DIRS]
+        return _manifest_candidates(root, skipped)
+    out: list[tuple[Path, str, str | None]] = []
+    class_list = " / ".join(_CLASS_DIRS)
+    if layout == "classes":
+        dirs = [root]
+    else:
+        dirs = [d for d, _ in _named_subdirs(root, _SPLIT_DIRS)]
+        _list_outside(root, set(_SPLIT_DIRS), f"a split folder ({' / '.join(_SPLIT_DIRS)})", skipped)
+    class_dirs: list[tuple[Path, str]] = []
+    for d in dirs:
+        found = _named_subdirs(d, _CLASS_DIRS)
+        _list_outside(d, {c.lower() for c in _CLASS_DIRS}, f"a class folder ({class_list})", skipped)
+        class_dirs.extend(found)
     seen: set[tuple[int, int]] = set()
     # never entered through a link: the data root and every folder above it, the split and class folders
     real = Path(os.path.realpath(root))
-    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(d / c for d in dirs for c in known)]) if k}
-    for d in dirs:
-        for c in known:
-            cd = d / c
-            if cd.is_dir():
-                out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
+    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
+    for cd, c in class_dirs:
+        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
     return sorted(out, key=lambda t: str(t[0]))
 
 
@@ -327,13 +427,17 @@ def scan_dataset(
         (int index into ``CLASS_NAMES[labels]``), ``patient_id`` (str: manifest value, else Kermany name prefix,
         else salted DICOM PatientID hash, else the file stem), ``width``, ``height`` (int pixels, original).
         ``report`` is a JSON-safe dict: ``root``, ``layout``, ``labels``, ``class_names``, ``n_files``,
-        ``n_records``, ``per_class`` (name -> count), ``n_patients``, ``skipped`` (list of ``{"path", "reason"}``).
+        ``n_records``, ``per_class`` (name -> count), ``n_patients``, ``skipped`` (list of ``{"path", "reason",
+        "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``, e.g. a
+        VOI fallback).
 
     Raises:
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
             unknown.
         LabelError: a file's label cannot be determined (e.g. a PNEUMONIA file without subtype under
-            ``subtype``); a labelling problem is a data-set error, not a file to skip silently.
+            ``subtype``, an unknown or empty class in a manifest); a labelling problem is a data-set error, not a
+            file to skip silently. Raised after the whole scan, once: the message gives how many files and names
+            the first three, so that one run shows what to fix.
     """
     if labels not in CLASS_NAMES:
         raise ValueError(f"unknown label scheme {labels!r}; expected one of {sorted(CLASS_NAMES)}")
@@ -344,6 +448,7 @@ def scan_dataset(
     n_walk_skipped = len(skipped)
     records: list[dict[str, Any]] = []
     notes: list[dict[str, str]] = []
+    label_errors: list[str] = []
     for path, cls, pid in candidates:
         # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
         # patient id; only the bytes are read through the link
@@ -351,13 +456,22 @@ def scan_dataset(
         if why:
             skipped.append(_skip(path, why, "junk"))
             continue
+        if path.is_dir():  # a manifest row naming a folder
+            skipped.append(_skip(path, "a folder, not an image file", "not a regular file"))
+            continue
         suffix = path.suffix.lower()
-        is_dicom = suffix in DICOM_SUFFIXES or (suffix == "" and _sniff_dicom(path))
+        # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
+        # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
+        is_dicom = suffix in DICOM_SUFFIXES or _sniff_dicom(path)
         if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
             skipped.append(_skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
                                  "unsupported file type"))
             continue
-        label = label_index(cls, path, labels)
+        try:
+            label = label_index(cls, path, labels)
+        except LabelError as e:  # collected: one error naming every such file, not the first only
+            label_errors.append(str(e))
+            continue
         try:
             if is_dicom:
                 hdr = dicom_header(path)
@@ -372,6 +486,10 @@ def scan_dataset(
                     _, meta = read_image(path)
                     width, height = meta["original_width"], meta["original_height"]
                     note = meta.get("voi_fallback") or note
+                    if meta.get("decoder_warnings"):
+                        notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
+                                                                 f"harmless extra bytes: {meta['decoder_warnings']}",
+                                      "kind": "decoder warning"})
                 if note:
                     notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
                                                              f"its own range: {note}", "kind": "voi fallback"})
@@ -389,6 +507,11 @@ def scan_dataset(
         records.append(
             {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
         )
+    if label_errors:
+        shown = "; ".join(" ".join(m.split()) for m in label_errors[:3])
+        more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
+        raise LabelError(f"{len(label_errors)} file(s) have a label that cannot be used under the {labels} scheme "
+                         f"(fix the class folders or the manifest): {shown}{more}")
     names = CLASS_NAMES[labels]
     report = {
         "root": str(r),
@@ -416,7 +539,7 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
 
 
 def _sniff_dicom(path: Path) -> bool:
-    """A file without a suffix is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(132)
@@ -434,17 +557,22 @@ def _pil_size(path: Path) -> tuple[int, int]:
     """Upright (EXIF-oriented) width and height from the header alone."""
     from PIL import Image, UnidentifiedImageError
 
-    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, exif_orientation
+    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, check_readable, exif_orientation
 
     try:
         if path.stat().st_size == 0:
             raise ImageReadError(path, "empty file (0 bytes)", "empty file")
-        with Image.open(path) as img:
-            w, h = img.size
-            if exif_orientation(img) in EXIF_SWAPS_AXES:
-                w, h = h, w
+        check_readable(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
+            with Image.open(path) as img:
+                w, h = img.size
+                if exif_orientation(img) in EXIF_SWAPS_AXES:
+                    w, h = h, w
     except ImageReadError:
         raise
+    except Image.DecompressionBombError as e:
+        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
         raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
                              "not an image") from None

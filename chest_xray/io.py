@@ -11,6 +11,7 @@ import hashlib
 import os
 import secrets
 import struct
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,19 @@ class ImageReadError(Exception):
         return (type(self), (self.path, self.reason, self.kind))
 
 
+def check_readable(path: str | os.PathLike) -> None:
+    """Open ``path`` for reading once, so that a file the process may not read is named as such.
+
+    Raises:
+        ImageReadError: kind ``"unreadable"``, e.g. "cannot open file (Permission denied)".
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "unreadable") from None
+
+
 def _is_dicom(path: Path) -> bool:
     if path.suffix.lower() in DICOM_SUFFIXES:
         return True
@@ -104,12 +118,16 @@ def read_image(
         ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent). DICOM adds
         ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"),
         ``voi_fallback`` (why an invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own
-        range, see :func:`voi_problem`; None when not needed) and ``inverted``. A JPEG whose other MPF images are
+        range, see :func:`voi_problem`; None when not needed), ``inverted`` and ``decoder_warnings`` (what the
+        compressed-pixel decoder reported without failing, e.g. libjpeg's "N extraneous bytes before marker
+        0xd9", one line; None when silent: the decoder's messages are captured, never printed). A JPEG whose other MPF images are
         only previews is read as its primary image.
 
     Raises:
         ImageReadError: the only exception raised (any error from pydicom, Pillow or a decoder is converted):
-            the file is missing, empty, not a supported image, truncated or corrupt, larger than ``max_pixels``, a
+            the file is missing, unreadable, empty, not a supported image, truncated or corrupt (for compressed
+            DICOM also when the decoder only *warns* that data is missing: premature end, bad Huffman code), larger
+            than ``max_pixels``, a
             true multi-frame stack, or a DICOM object that is colour, has no pixel data, invalid Rows/Columns, or
             a transfer syntax no installed decoder handles. The message is one line and starts with the path;
             ``kind`` is one of :data:`READ_ERROR_KINDS`.
@@ -130,6 +148,7 @@ def read_image(
             raise ImageReadError(p, "not a regular file", "not a regular file")
         if size == 0:
             raise ImageReadError(p, "empty file (0 bytes)", "empty file")
+        check_readable(p)
         if _is_dicom(p):
             return _read_dicom(p, max_pixels)
         return _read_pil(p, target_size, max_pixels)
@@ -291,6 +310,7 @@ def _dcmread(p: Path, stop_before_pixels: bool = False):
     import pydicom
     from pydicom.errors import InvalidDicomError
 
+    check_readable(p)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
@@ -437,6 +457,25 @@ def voi_problem(ds) -> str | None:
     return None
 
 
+def rescale_problem(ds) -> str | None:
+    """Why this data set's Rescale Slope / Intercept (the linear modality LUT, PS3.3 C.11.1) cannot be applied, or
+    None: a value that is not one finite number (pydicom would skip it silently and the window would then be
+    applied in the wrong units), or a slope of 0 (every pixel maps to one value: a blank image)."""
+    if ds.get("ModalityLUTSequence"):
+        return None
+    for name in ("RescaleSlope", "RescaleIntercept"):
+        v = ds.get(name)
+        if v is None or v == "":
+            continue
+        vals = _values(v)
+        if len(vals) != 1 or _number(vals[0]) is None:
+            return f"invalid {name.replace('Rescale', 'Rescale ')} {str(v)!r} (not one number)"
+    slope = ds.get("RescaleSlope")
+    if slope is not None and slope != "" and _number(_values(slope)[0]) == 0:
+        return "Rescale Slope 0 maps every pixel to one value (a blank image)"
+    return None
+
+
 def _has_pixel_tag(ds) -> bool:
     return any(k in ds for k in ("PixelData", "FloatPixelData", "DoubleFloatPixelData"))
 
@@ -511,6 +550,9 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
             "too large",
         )
     photometric = str(ds.get("PhotometricInterpretation", "") or "").strip().upper()
+    if samples == 1 and not photometric:
+        raise ImageReadError(p, "Photometric Interpretation missing: cannot tell MONOCHROME1 (inverted) from "
+                             "MONOCHROME2", "invalid DICOM attribute")
     if samples != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise ImageReadError(p, f"colour DICOM ({photometric or 'unknown photometric'}) is not a radiograph",
                              "colour image")
@@ -519,16 +561,27 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         raise ImageReadError(p, why, "no decoder")
     tsyntax = ds.file_meta.get("TransferSyntaxUID")
     ts_name = getattr(tsyntax, "name", str(tsyntax))
+    decoder_said: list[str] = []
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
             raw = ds.pixel_array
     except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one line naming the syntax
-        raise ImageReadError(p, f"cannot decode DICOM pixel data ({ts_name}): {type(e).__name__}: {e}",
+        said = f" (decoder: {'; '.join(decoder_said)})" if decoder_said else ""
+        raise ImageReadError(p, f"cannot decode DICOM pixel data ({ts_name}){said}: {type(e).__name__}: {e}",
                              "corrupt or truncated") from None
+    fatal = [m for m in decoder_said if any(k in m.lower() for k in _FATAL_DECODER_MESSAGES)]
+    if fatal:
+        raise ImageReadError(p, f"corrupt compressed pixel data ({ts_name}): the decoder reported "
+                             f"{'; '.join(fatal)}", "corrupt or truncated")
     if raw.ndim != 2:
-        raise ImageReadError(p, f"unexpected DICOM pixel array shape {raw.shape}", "multi-frame")
+        # Number of Frames is 1 here: more values than Rows x Columns means the header does not describe the data
+        raise ImageReadError(p, f"pixel data does not match Rows {rows} x Columns {cols} (decoded shape "
+                             f"{tuple(raw.shape)}): invalid Rows / Columns", "invalid DICOM attribute")
     # DICOM grayscale pipeline, in the standard's order: modality LUT -> VOI LUT / window -> presentation
+    why = rescale_problem(ds)
+    if why:
+        raise ImageReadError(p, why, "invalid DICOM attribute")
     try:
         arr = apply_modality_lut(raw, ds)
     except Exception as e:  # noqa: BLE001
@@ -577,8 +630,72 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         "voi": voi,
         "voi_fallback": _one_line(fallback) if fallback else None,
         "inverted": inverted,
+        "decoder_warnings": _one_line("; ".join(decoder_said)) if decoder_said else None,
     }
     return out.astype(np.float32, copy=False), meta
+
+
+#: libjpeg messages (lower case) that mean part of the image is missing or garbage: the file is refused. Other
+#: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
+#: pixels) are kept in ``meta["decoder_warnings"]``.
+_FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
+#: Words (lower case) of the lines libjpeg / OpenJPEG / CharLS (inside GDCM or Pillow) write straight to the
+#: C-level stderr while decoding; a captured line holding none of them is passed on to stderr unchanged.
+_DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantization", "j2k", "jp2", "codestream",
+                          "tile", "premature end", "gdcm", "warning:", "error:")
+
+
+_FD2_LOCK = threading.Lock()
+
+
+class _decoder_messages:
+    """Context manager: while decoding, what C libraries write to file descriptor 2 (libjpeg's "Corrupt JPEG data:
+    ..." lines, which name no file) is captured; decoder messages are appended to ``into`` (one line each) and
+    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged. File descriptor
+    2 is process-wide: a lock makes concurrent decodes in threads take turns, so that none restores another's
+    redirection."""
+
+    def __init__(self, into: list[str]):
+        self.into = into
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        _FD2_LOCK.acquire()
+        self.tmp = None
+        try:
+            sys.stderr.flush()
+            self.tmp = tempfile.TemporaryFile()
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # no usable fd 2 (embedded interpreter): do not capture
+            if self.tmp is not None:
+                self.tmp.close()
+            self.tmp = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.tmp is None:
+            _FD2_LOCK.release()
+            return False
+        try:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+        finally:
+            _FD2_LOCK.release()
+        self.tmp.seek(0)
+        text = self.tmp.read().decode("utf-8", errors="replace")
+        self.tmp.close()
+        other = []
+        for line in text.splitlines():
+            if any(w in line.lower() for w in _DECODER_MESSAGE_WORDS):
+                self.into.append(_one_line(line, 200))
+            elif line.strip():
+                other.append(line)
+        if other:
+            os.write(2, ("\n".join(other) + "\n").encode("utf-8", errors="replace"))
+        return False
 
 
 def _scale(a, lo: float, hi: float) -> np.ndarray:

@@ -32,6 +32,8 @@ import numpy as np
 SCHEMES = ("width", "dirichlet", "pathological")
 SPLITS = ("train", "val", "test")
 MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "width", "height")
+#: Columns a site manifest must have (the others are optional when it is written by hand).
+REQUIRED_MANIFEST_COLUMNS = ("path", "label", "split")
 
 
 @dataclass
@@ -464,6 +466,10 @@ def _swap_in(tmp: Path, out: Path) -> None:
 def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a site manifest written by :func:`write_partition`.
 
+    A hand-written manifest needs only ``path,label,split`` (:data:`REQUIRED_MANIFEST_COLUMNS`; label an integer
+    index, split train / val / test in any case); without ``patient_id`` the id comes from the file name
+    (:func:`chest_xray.dataset.patient_id_from_name`), without ``width`` / ``height`` they are 0 (unknown).
+
     Returns:
         rows as dicts: ``path`` (str; a relative path is resolved against the CSV's folder), ``label`` (int),
         ``split`` (str), ``patient_id`` (str), ``width``, ``height`` (int).
@@ -472,21 +478,28 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a required column is missing or a value is malformed (the message names the file and line).
     """
-    from .dataset import read_csv_rows
+    from .dataset import patient_id_from_name, read_csv_rows
 
     p = Path(csv_path)
     rows: list[dict[str, Any]] = []
     fields, table = read_csv_rows(p)
-    missing = set(MANIFEST_COLUMNS) - set(fields)
+    missing = set(REQUIRED_MANIFEST_COLUMNS) - set(fields)
     if missing:
-        raise ValueError(f"{p}: manifest lacks columns {sorted(missing)}")
+        raise ValueError(f"{p}: manifest lacks columns {sorted(missing)} (needs {', '.join(REQUIRED_MANIFEST_COLUMNS)}"
+                         f"; optional {', '.join(c for c in MANIFEST_COLUMNS if c not in REQUIRED_MANIFEST_COLUMNS)})")
     for i, r in enumerate(table, start=2):
         try:
             path = Path(r["path"])
+            if not r["path"]:
+                raise ValueError("empty path")
             if not path.is_absolute():
                 path = p.parent / path
-            rows.append({"path": str(path), "label": int(r["label"]), "split": r["split"],
-                         "patient_id": r["patient_id"], "width": int(r["width"]), "height": int(r["height"])})
+            split = r["split"].strip().lower()  # "Train" from a spreadsheet is train, never silently no split
+            if split not in SPLITS + ("probe",):
+                raise ValueError(f"split {r['split']!r} is not one of {', '.join(SPLITS)}")
+            rows.append({"path": str(path), "label": int(r["label"]), "split": split,
+                         "patient_id": r.get("patient_id") or patient_id_from_name(path),
+                         "width": int(r.get("width") or 0), "height": int(r.get("height") or 0)})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{p}:{i}: malformed row ({e})") from None
     return rows
@@ -500,15 +513,25 @@ def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
 
     Raises:
         FileNotFoundError: ``out_dir`` is not a folder, or ``partition.json`` or the ``sites`` folder is missing.
-        ValueError: ``partition.json`` is not JSON or not a partition document; a manifest is malformed.
+        ValueError: ``partition.json`` is not JSON or not a partition document (a scheme and a list of class
+            names); a manifest is malformed or holds a label outside the class names (file and line named).
     """
     out = Path(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: not a folder" if out.exists() else f"{out}: no such folder")
     info = json.loads((out / "partition.json").read_text())
-    if not isinstance(info, dict) or "class_names" not in info or "scheme" not in info:
-        raise ValueError(f"{out / 'partition.json'}: not a partition document (no scheme / class_names)")
+    names = info.get("class_names") if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or not isinstance(info.get("scheme"), str) or not isinstance(names, list)
+            or not names or not all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{out / 'partition.json'}: not a partition document (needs a scheme and a list of "
+                         "class_names)")
     files = sorted((out / "sites").glob("*.csv"), key=lambda f: (len(f.stem), f.stem))
     if not files:
         raise FileNotFoundError(f"{out / 'sites'}: no site manifests")
-    return info, {f.stem: read_site_manifest(f) for f in files}
+    sites = {f.stem: read_site_manifest(f) for f in files}
+    for f in files:
+        for i, r in enumerate(sites[f.stem], start=2):
+            if not 0 <= r["label"] < len(names):
+                raise ValueError(f"{f}:{i}: label {r['label']} is not one of the {len(names)} classes {names} "
+                                 "of partition.json")
+    return info, sites

@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "nvflare_jobs.commands.partition",  # partition, inspect
     "nvflare_jobs.commands.simulate",  # simulate, export-job
     "nvflare_jobs.commands.deploy",  # provision, poc
+    "nvflare_jobs.commands.site",  # site check
     "nvflare_jobs.commands.evaluate",  # compare, evaluate, predict, report
 ]
 
@@ -36,14 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for the records
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from nvflare_jobs.proctree import exit_code, handle_interrupts, kill_tree
+
     try:
-        rc = args.func(args)
+        with handle_interrupts():
+            rc = args.func(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        kill_tree()  # anything started after the signal handler's sweep
+        out = getattr(args, "out", None)
+        hint = ""
+        if args.command == "simulate" and out:
+            hint = f"; rerun with --overwrite to replace the unfinished run in {out}"
+        elif args.command == "compare" and out:
+            hint = f"; rerun the same command to resume (finished runs in {out} are kept)"
+        print(f"cxr-hfl {args.command}: interrupted, all its processes stopped{hint}", file=sys.stderr)
+        return exit_code()
     except (ValueError, OSError) as e:  # user-facing problems (bad input, missing files): one clear line
         if os.environ.get("CXR_HFL_DEBUG"):
             raise

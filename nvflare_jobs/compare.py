@@ -1,17 +1,33 @@
-"""``cxr-hfl compare``: every method on the identical partition, label scheme and seeds; comparison tables.
+"""``cxr-hfl compare``: every method on the identical partition, label scheme and seeds, at an equal epoch budget;
+comparison tables, optionally on an external evaluation set with paired bootstrap CIs.
 
 Layout of ``OUT``::
 
     OUT/seed<k>/partition/          one partition per seed (scanned and split once, reused by every method)
     OUT/seed<k>/<method>/           a run folder written by ``cxr-hfl simulate --profile`` (metrics.json, models...)
-    OUT/comparison.csv              one row per (method, seed, site)
-    OUT/comparison.md               mean +- std, pooled metrics with 95% CIs, per-site tables, paired differences
-    OUT/compare.json                the command and the epoch budget of every method
+    OUT/seed<k>/<method>/external/<name>/   with --external: ``cxr-hfl evaluate`` of every saved model of the run
+    OUT/comparison.csv              one row per (method, seed, site): the sites' own test splits
+    OUT/comparison_external.csv     with --external: one row per (method, seed, model) on the external set
+    OUT/comparison.md               budget, mean +- std, pooled CIs, per-site tables, paired differences
+    OUT/compare.json                the command that ran (dry runs apart) and the epoch budget of every method
+
+**Equal budgets (default).** Every method trains the same number of epochs per site, E = OHFL's local epochs +
+fine-tuning epochs (``--local-epochs`` L, default 20, ``--finetune-epochs`` F, default 10): Local (and ``local+ft``,
+the same control under equal budgets) trains one run of E epochs; FedAvg and the prototype methods run R rounds of
+E / R local epochs (``--rounds`` R must divide E; default 2 epochs per round for FedAvg, 3 for the prototype
+methods, or the largest divisor of E below that); OHFL trains L local epochs, fuses, and fine-tunes F epochs.
+``--unequal-budgets`` restores each method's own defaults (``--rounds`` and ``--local-epochs`` are then passed
+through as they are), and the budget table says so.
+
+**External evaluation.** ``--external DIR`` (optionally ``--part evaluation`` of ``chest_xray_224``) evaluates every
+saved model of every run (each site's deployed and, for OHFL, pre-fusion local model, and the global model at each
+site's size) with :func:`nvflare_jobs.evaluation.evaluate_run`, which leaves out the OHFL probe pool. The primary
+endpoints are each site's deployed-model AUC and balanced accuracy on that set; the paired differences (same seed,
+same site) against ``local+ft`` and against FedAvg carry 95% bootstrap CIs over seeds and images jointly
+(:func:`hfl_components.training.paired.paired_bootstrap`) and a verdict.
 
 A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
-Resumable: a run whose ``metrics.json`` exists is not run again. ``local+ft`` is the compute-matched control: the
-local method in one round of ``rounds x local_epochs + finetune_epochs`` epochs (Local's budget plus as many extra
-epochs as OHFL's fine-tuning; a Local round continues the same model, so this is Local trained F epochs longer).
+Resumable: a run whose ``metrics.json`` exists is not run again, nor an external evaluation already written.
 """
 from __future__ import annotations
 
@@ -57,25 +73,91 @@ def proto_protocol(methods: list[str]) -> bool:
     return bool(bases & set(PROTO)) and bases <= set(PROTO) | {"local"}
 
 
-def epoch_plan(method: str, args) -> dict[str, int]:
-    """Rounds, local epochs per round and fine-tuning epochs a method runs under (simulate's defaults unless
-    given)."""
-    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
+class BudgetError(ValueError):
+    """The requested rounds cannot split the common epoch budget evenly."""
 
+
+def _divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
+
+
+def epoch_plan(method: str, args) -> dict[str, int]:
+    """Rounds, local epochs per round and fine-tuning epochs a method runs under.
+
+    Equal budgets (default, ``args.unequal_budgets`` false): E = L + F with L = ``args.local_epochs`` (default 20)
+    and F = ``args.finetune_epochs`` (default 10) -- OHFL: L local + F fine-tuning epochs; local and local+ft: one
+    round of E epochs; round-based methods: R rounds of E / R epochs (R = ``args.rounds``, which must divide E;
+    default 2 epochs per round for FedAvg, 3 for prototype methods, or the largest divisor of E below that).
+    Unequal budgets: each method's own defaults (simulate's), ``--rounds`` / ``--local-epochs`` passed through;
+    local+ft = Local's budget plus F extra epochs.
+
+    Returns:
+        ``{"rounds", "local_epochs", "finetune_epochs", "total_epochs_per_site"}``.
+
+    Prototype-method comparisons (``args.proto_protocol``, :func:`proto_protocol`): every method, Local included,
+    runs the prototype methods' default rounds x local epochs (``--rounds`` / ``--local-epochs`` override).
+
+    Raises:
+        BudgetError: ``args.rounds`` does not divide E (equal budgets).
+    """
     base = _base(method)
     method = split_variant(method)[0]
-    proto = base in PROTO or (base == "local" and getattr(args, "proto_protocol", False))
-    rounds = 1 if base == "ohfl" else (args.rounds or (PROTO_ROUNDS if proto else 3))
-    local = args.local_epochs if args.local_epochs is not None else (
-        20 if base == "ohfl" else PROTO_LOCAL_EPOCHS if proto else 2)
-    if base == "local" and not proto and args.rounds is None and args.local_epochs is None:
-        rounds, local = 1, 20  # Local = each site's own model trained as in OHFL's local phase (20 epochs)
-    ft = args.finetune_epochs if args.finetune_epochs is not None else 10
-    if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs (= OHFL's total)
-        rounds, local = 1, rounds * local + ft
-    plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft if base == "ohfl" else 0}
+    from hfl_components.flare.catalogue import method_defaults
+
+    if getattr(args, "proto_protocol", False):  # issue 16: every method at the prototype methods' rounds x epochs
+        d = method_defaults(PROTO[0])
+        plan = {"rounds": args.rounds or d["rounds"],
+                "local_epochs": args.local_epochs if args.local_epochs is not None else d["local_epochs"],
+                "finetune_epochs": 0}
+        plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"]
+        return plan
+
+    ohfl = method_defaults("ohfl")
+    ft_given = args.finetune_epochs if args.finetune_epochs is not None else ohfl["finetune_epochs"]
+    if not getattr(args, "unequal_budgets", False):
+        L = args.local_epochs if args.local_epochs is not None else ohfl["local_epochs"]
+        E = L + ft_given
+        if base == "ohfl":
+            rounds, local, ft = 1, L, ft_given
+        elif base == "local":
+            rounds, local, ft = 1, E, 0
+        else:
+            if args.rounds:
+                if E % args.rounds:
+                    raise BudgetError(f"--rounds {args.rounds} does not divide the common budget of {E} epochs per "
+                                      f"site (--local-epochs {L} + --finetune-epochs {ft_given}); choose rounds that "
+                                      "divide it, or pass --unequal-budgets")
+                rounds = args.rounds
+            else:
+                rounds = E // _divisor_at_most(E, 3 if base in PROTO else 2)
+            local, ft = E // rounds, 0
+    else:
+        d = method_defaults(base)
+        rounds = 1 if base == "ohfl" else (args.rounds or d["rounds"])
+        local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
+        if base == "local" and args.rounds is None and args.local_epochs is None:
+            rounds, local = 1, 20  # Local = each site's own model trained as in OHFL's local phase (20 epochs)
+        if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs (= OHFL's total)
+            rounds, local = 1, rounds * local + ft_given
+        ft = ft_given if base == "ohfl" else 0
+    plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft}
     plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"]
     return plan
+
+
+def budget_lines(plans: dict[str, dict], unequal: bool) -> list[str]:
+    """Human-readable budget: one line per method, and whether the budgets are equal."""
+    totals = {p["total_epochs_per_site"] for p in plans.values()}
+    head = (f"equal budgets: every method trains {totals.pop()} epochs per site" if len(totals) == 1 else
+            "UNEQUAL budgets (--unequal-budgets): epochs per site differ between methods")
+    if not unequal and len({p["total_epochs_per_site"] for p in plans.values()}) > 1:
+        head = "budgets differ between methods"
+    lines = [head]
+    for m, p in plans.items():
+        lines.append(f"{m}: {p['rounds']} round(s) x {p['local_epochs']} local epochs"
+                     + (f" + {p['finetune_epochs']} fine-tuning epochs" if p.get("finetune_epochs") else "")
+                     + f" = {p['total_epochs_per_site']} epochs per site")
+    return lines
 
 
 def _subset(records: list[dict], n: int | None) -> list[dict]:
@@ -113,7 +195,30 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
         argv += ["--max-train-images", str(args.max_train_images)]
     if args.batch_size:
         argv += ["--batch-size", str(args.batch_size)]
-    return argv + split_variant(method)[1]
+    if getattr(args, "late_wait", None) is not None:
+        argv += ["--late-wait", str(args.late_wait)]
+    extra = split_variant(method)[1]
+    probe = getattr(args, "probe", None)
+    if base == "ohfl" and probe and "--probe" not in extra:
+        argv += ["--probe", str(probe)]
+    return argv + extra
+
+
+def probe_part_csv(data: Path, out: Path) -> Path | None:
+    """When the sites come from ``chest_xray_original`` and its sibling ``chest_xray_224`` exists, write the
+    committed ``probe`` part of ``chest_xray_224`` as ``OUT/probe_part.csv`` (absolute paths) for every OHFL run, so
+    the server's probe never touches the tuning or evaluation parts. None otherwise."""
+    from chest_xray.splits import POOL, split_rows
+
+    pool = data.parent / POOL
+    if data.name != "chest_xray_original" or not pool.is_dir():
+        return None
+    dest = out / "probe_part.csv"
+    with dest.open("w", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["path", "label"])
+        w.writerows([str((pool / r["path"]).resolve()), r["label"]] for r in split_rows("probe"))
+    return dest
 
 
 def _input_sizes(args) -> list[int]:
@@ -138,6 +243,34 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
     return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto)
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed: ``cxr-hfl <args>`` (shell-quoted)."""
+    import shlex
+
+    argv = sys.argv[1:] if argv is None else argv
+    return "cxr-hfl " + " ".join(shlex.quote(a) for a in argv)
+
+
+def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
+    """Write ``OUT/compare.json``: ``command`` is the first command that actually ran (a ``--dry-run`` is listed
+    under ``dry_runs`` and never becomes the command), later real runs under ``resumed_by``."""
+    f = out / "compare.json"
+    prev = json.loads(f.read_text()) if f.is_file() else {}
+    rec = {**prev, **info, "command": prev.get("command"), "dry_runs": prev.get("dry_runs", []),
+           "resumed_by": prev.get("resumed_by", [])}
+    if prev and "dry_runs" not in prev and "--dry-run" in (prev.get("command") or ""):
+        rec["command"] = None  # written by an older version that recorded a dry run as the command
+    if dry_run:
+        rec["dry_runs"] = rec["dry_runs"] + [cmd]
+        rec.update({k: prev[k] for k in info if k in prev})  # a dry run changes nothing the real run recorded
+    elif rec["command"] is None:
+        rec["command"] = cmd
+    else:
+        rec["resumed_by"] = rec["resumed_by"] + [cmd]
+    f.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
 def run_compare(args) -> int:
     from nvflare_jobs.profiles import DataNotFoundError, resolve_data
 
@@ -149,6 +282,16 @@ def run_compare(args) -> int:
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    unequal = bool(getattr(args, "unequal_budgets", False))
+    if not unequal and "local" in methods and "local+ft" in methods:
+        methods.remove("local+ft")
+        print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
+              "as the local+ft control")
+    try:
+        plans = {m: epoch_plan(m, args) for m in methods}
+    except BudgetError as e:
+        print(f"cxr-hfl compare: {e}", file=sys.stderr)
+        return 2
     try:
         data = None
         if args.proto_protocol and not args.data:  # issue 16: chest_xray_224's tuning + probe parts
@@ -159,15 +302,30 @@ def run_compare(args) -> int:
     except DataNotFoundError as e:
         print(f"cxr-hfl compare: {e}", file=sys.stderr)
         return 2
-    plans = {m: epoch_plan(m, args) for m in methods}
+    ext = getattr(args, "external", None)
+    if ext and not Path(ext).exists():
+        print(f"cxr-hfl compare: no external data at {ext}", file=sys.stderr)
+        return 2
+    if getattr(args, "part", None) and not ext:
+        print("cxr-hfl compare: --part needs --external (the chest_xray_224 root)", file=sys.stderr)
+        return 2
     prev = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
-    (out / "compare.json").write_text(json.dumps({"command": prev.get("command", " ".join(sys.argv)),
-                                                  "resumed_by": prev.get("resumed_by", []) + ([" ".join(sys.argv)]
-                                                                                              if prev else []),
-                                                  "data": str(data),
-                                                  "methods": methods, "seeds": args.seeds, "sites": args.sites,
-                                                  "scheme": args.scheme, "labels": args.labels,
-                                                  "epoch_plan": plans}, indent=1))
+    if prev:
+        done = len(list(out.glob("seed*/*/metrics.json")))
+        print(f"[compare] {out} holds an earlier comparison ({done} finished run(s)): resuming -- finished runs are "
+              f"kept, unfinished ones are run again. To replace it instead, delete {out} or choose another --out.",
+              flush=True)
+    for line in budget_lines(plans, unequal):
+        print(f"[compare] budget: {line}")
+    if not getattr(args, "probe", None) and any(_base(m) == "ohfl" for m in methods):
+        args.probe = probe_part_csv(data, out)
+        if args.probe:
+            print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
+    record_command(out, command_line(getattr(args, "_argv", None)), args.dry_run, {
+        "data": str(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
+        "labels": args.labels, "epoch_plan": plans, "unequal_budgets": unequal,
+        "external": str(Path(ext).resolve()) if ext else None, "part": getattr(args, "part", None),
+        "probe": str(args.probe) if getattr(args, "probe", None) else None})
     failed = []
     for seed in args.seeds:
         seed_dir = out / f"seed{seed}"
@@ -198,8 +356,14 @@ def run_compare(args) -> int:
             if not ok:
                 failed.append(f"{m}/seed{seed}")
     if args.dry_run:
+        if ext:
+            print(f"[compare] then: every saved model of every run evaluated on {ext}"
+                  + (f" (part {args.part})" if getattr(args, "part", None) else ""))
         return 0
-    rows = write_tables(out, plans)
+    if ext:
+        failed += evaluate_external(out, ext, getattr(args, "part", None), getattr(args, "external_max_images", None),
+                                    args.labels)
+    rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
     if args.proto_protocol:
         from nvflare_jobs.proto_eval import write_section
@@ -217,6 +381,35 @@ def run_compare(args) -> int:
         print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def evaluate_external(out: Path, data: str | Path, part: str | None, max_images: int | None,
+                      labels: str) -> list[str]:
+    """``cxr-hfl evaluate`` of every run under ``out`` on ``data`` (skipping runs already evaluated on it with the
+    same image cap). Returns the runs that could not be evaluated."""
+    from nvflare_jobs.evaluation import LeakageError, evaluate_run, external_name
+
+    name = external_name(data, part)
+    failed = []
+    for method, seed, m in collect_runs(out):
+        run = Path(m["_run_dir"])
+        summ = run / "external" / name / "summary.json"
+        if summ.is_file() and json.loads(summ.read_text()).get("max_images") == max_images:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = evaluate_run(run, data, labels, max_images=max_images, part=part, n_boot=0, log=lambda *_: None)
+        except (LeakageError, FileNotFoundError, ValueError) as e:
+            print(f"[compare] seed {seed} {method}: external evaluation FAILED: {e}", file=sys.stderr)
+            failed.append(f"{method}/seed{seed} (external)")
+            continue
+        s = json.loads(res["summary"].read_text())
+        s["max_images"] = max_images
+        res["summary"].write_text(json.dumps(s, indent=1))
+        print(f"[compare] seed {seed} {method}: {len(res['models'])} models evaluated on {res['n_images']} external "
+              f"images ({res['probe_images_excluded']} probe images left out) in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    return failed
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -340,8 +533,9 @@ def paired_diff(rows: list[dict], method: str, metric: str, ref: str = "local") 
     return {"n": int(d.size), "mean": mean, "ci_low": mean - half, "ci_high": mean + half}
 
 
-def write_tables(out: Path, plans: dict | None = None) -> list[dict]:
-    """Write ``comparison.csv`` and ``comparison.md`` from the run folders under ``out``."""
+def write_tables(out: Path, plans: dict | None = None, n_boot: int = 1000) -> list[dict]:
+    """Write ``comparison.csv`` and ``comparison.md`` (and, after an external evaluation,
+    ``comparison_external.csv`` and ``paired_external.json``) from the run folders under ``out``."""
     out = Path(out)
     runs = collect_runs(out)
     rows = comparison_rows(runs)
@@ -351,8 +545,190 @@ def write_tables(out: Path, plans: dict | None = None) -> list[dict]:
         for r in rows:
             w.writerow({k: ("" if r[k] is None else (round(r[k], 4) if isinstance(r[k], float) else r[k]))
                         for k in COLUMNS})
-    (out / "comparison.md").write_text(comparison_markdown(out, runs, rows, plans))
+    ext = external_tables(out, runs, n_boot=n_boot)
+    (out / "comparison.md").write_text(comparison_markdown(out, runs, rows, plans, ext))
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ external
+EXT_COLUMNS = ["method", "seed", "model", "kind", "site", "input_size", "n", "auc", "balanced_accuracy", "accuracy",
+               "sensitivity", "specificity"]
+
+
+def _external_name(out: Path) -> tuple[str | None, dict]:
+    from nvflare_jobs.evaluation import external_name
+
+    cj = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
+    if not cj.get("external"):
+        return None, cj
+    return external_name(cj["external"], cj.get("part")), cj
+
+
+def control_method(methods, cj: dict) -> str | None:
+    """The local+ft control among ``methods``: ``local+ft``, or under equal budgets ``local`` (the same run)."""
+    if "local+ft" in methods:
+        return "local+ft"
+    if "local" in methods and not cj.get("unequal_budgets"):
+        return "local"
+    return None
+
+
+def _paired_arrays(runs_by: dict, ma: str, mb: str, name: str, kind_a: str = "deployed", kind_b: str = "deployed"):
+    """(y, A (S, K, N), B (S, K, N), seeds, sites) of the pneumonia-vs-normal scores of matching (seed, site) models
+    on the images both methods' evaluations share; None when nothing pairs."""
+    seeds = sorted(s for (m, s) in runs_by if m == ma and (mb, s) in runs_by)
+    if not seeds:
+        return None
+    npz = {}
+    for s in seeds:
+        for m in (ma, mb):
+            f = Path(runs_by[(m, s)]) / "external" / name / "predictions.npz"
+            if not f.is_file():
+                return None
+            npz[(m, s)] = dict(np.load(f))
+    sites = sorted({k.rsplit("_", 1)[0] for k in npz[(ma, seeds[0])] if k.endswith(f"_{kind_a}")}
+                   & {k.rsplit("_", 1)[0] for k in npz[(mb, seeds[0])] if k.endswith(f"_{kind_b}")},
+                   key=lambda x: (len(x), x))
+    if not sites:
+        return None
+    common = set.intersection(*[set(d["paths"].tolist()) for d in npz.values()])
+    paths = sorted(common)
+    if not paths:
+        return None
+    ref = npz[(ma, seeds[0])]
+    pos = {p: i for i, p in enumerate(ref["paths"].tolist())}
+    y = (ref["y"][[pos[p] for p in paths]] > 0).astype(np.int64)
+
+    def stack(m, kind):
+        arr = []
+        for s in seeds:
+            d = npz[(m, s)]
+            ix = {p: i for i, p in enumerate(d["paths"].tolist())}
+            idx = [ix[p] for p in paths]
+            arr.append([1.0 - d[f"{site}_{kind}"][idx, 0] for site in sites])
+        return np.asarray(arr, dtype=np.float64)
+    return y, stack(ma, kind_a), stack(mb, kind_b), seeds, sites
+
+
+def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
+    """Rows of every run's external evaluation (``comparison_external.csv``) and the paired differences of the
+    deployed models against the local+ft control and FedAvg (``paired_external.json``). None without one."""
+    from hfl_components.training.paired import PAIRED_METRICS, paired_bootstrap
+
+    name, cj = _external_name(out)
+    if not name:
+        return None
+    rows, runs_by, summaries = [], {}, {}
+    for method, seed, m in runs:
+        f = Path(m["_run_dir"]) / "external" / name / "summary.json"
+        if not f.is_file():
+            continue
+        summ = json.loads(f.read_text())
+        runs_by[(method, seed)] = m["_run_dir"]
+        summaries[(method, seed)] = summ
+        for model, v in summ["models"].items():
+            rows.append({"method": method, "seed": seed, "model": model, "kind": v.get("kind"), "site": v.get("site"),
+                         "input_size": v.get("input_size"), "n": summ.get("n_images"),
+                         **{k: v.get(k) for k in EXT_COLUMNS[7:]}})
+    if not rows:
+        return None
+    with (out / "comparison_external.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=EXT_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else (round(r[k], 4) if isinstance(r[k], float) else r[k]))
+                        for k in EXT_COLUMNS})
+    methods = _order({m for m, _ in runs_by})
+    control = control_method(methods, cj)
+    pairs = []
+    for ref, label in ((control, "local+ft"), ("fedavg" if "fedavg" in methods else None, "FedAvg")):
+        if not ref:
+            continue
+        for m in methods:
+            if m != ref and not (label == "FedAvg" and m == control):
+                pairs.append((m, "deployed", ref, "deployed", f"{m} vs {label}" + (" (local, same E epochs)"
+                                                                                  if ref == "local" else "")))
+    for m in methods:
+        if _base(m) == "ohfl":
+            pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
+    paired = []
+    for ma, ka, mb, kb, label in pairs:
+        arr = _paired_arrays(runs_by, ma, mb, name, ka, kb)
+        if arr is None:
+            continue
+        y, A, B, seeds, sites = arr
+        if len(set(y.tolist())) < 2:
+            continue
+        res = {"comparison": label, "a": ma, "b": mb, "kind_a": ka, "kind_b": kb, "seeds": seeds, "sites": sites}
+        for metric in PAIRED_METRICS:
+            res[metric] = paired_bootstrap(y, A, B, metric, n_boot=n_boot, seed=0)
+        paired.append(res)
+    first = next(iter(summaries.values()))
+    info = {"name": name, "data": first.get("data"), "part": first.get("part"),
+            "n_images": sorted({v.get("n_images") for v in summaries.values()}),
+            "probe_images_excluded": sorted({v.get("probe_images_excluded", 0) for v in summaries.values()}),
+            "control": control, "n_boot": n_boot, "paired": paired}
+    (out / "paired_external.json").write_text(json.dumps(info, indent=1))
+    return {**info, "rows": rows}
+
+
+def _ci_cell(d: dict) -> str:
+    if d.get("diff") is None:
+        return "–"
+    ci = (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d.get("ci_low") is not None else "")
+    return f"{d['diff']:+.3f}{ci}"
+
+
+def external_markdown(ext: dict, plans: dict) -> list[str]:
+    rows = ext["rows"]
+    methods = _order({r["method"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    L = ["", f"## External evaluation: `{ext['data']}`" + (f", part `{ext['part']}`" if ext.get("part") else ""), "",
+         f"{'/'.join(map(str, ext['n_images']))} images per run after leaving out "
+         f"{'/'.join(map(str, ext['probe_images_excluded']))} probe images; seeds {', '.join(map(str, seeds))}. "
+         "Every saved model of every run was evaluated (`cxr-hfl evaluate`, argmax decision); the global model is "
+         "scored at each site's input size and averaged over sites.", "",
+         "### Primary endpoints: each site's deployed model", "",
+         "Mean ± std over (seed, site) pairs.", "",
+         "| method | epochs/site | model | n models | AUC | balanced accuracy | accuracy |", "|---|---|---|---|---|---|---|"]
+    for m in methods:
+        ep = plans.get(m, {}).get("total_epochs_per_site", "–")
+        for kind, label in (("deployed", "deployed (per site)"), ("local", "pre-fusion local (per site)"),
+                            ("global", "global (site mean)")):
+            rs = [r for r in rows if r["method"] == m and r["kind"] == kind
+                  and (kind != "global" or r["model"] == "global")]
+            if not rs:
+                continue
+            L.append(f"| {m} | {ep} | {label} | {len(rs)} | " + " | ".join(
+                _mean_std([r[k] for r in rs]) for k in ("auc", "balanced_accuracy", "accuracy")) + " |")
+    sites = sorted({r["site"] for r in rows if r["kind"] == "deployed"}, key=lambda s: (len(s), s))
+    L += ["", "### Per-site deployed-model AUC (mean over seeds)", "",
+          "| method | " + " | ".join(sites) + " |", "|---|" + "---|" * len(sites)]
+    for m in methods:
+        cells = []
+        for s in sites:
+            v = [r["auc"] for r in rows if r["method"] == m and r["site"] == s and r["kind"] == "deployed"
+                 and r["auc"] is not None]
+            cells.append(_fmt(float(np.mean(v))) if v else "–")
+        L.append(f"| {m} | " + " | ".join(cells) + " |")
+    L += ["", "### Paired differences (same seed, same site)", "",
+          f"Mean of (A − B) over the (seed, site) pairs of the deployed models; 95% percentile bootstrap CI resampling "
+          f"seeds and images jointly ({ext['n_boot']} replicates, `hfl_components.training.paired`). Verdict: "
+          "better (CI above 0) / worse (CI below 0) / no difference detected (CI covers 0). Pneumonia vs normal; "
+          "balanced accuracy at the argmax rule.", ""]
+    if ext.get("control") == "local":
+        L += ["Under equal budgets `local` is the local+ft control (each site's own model trained the same E epochs).",
+              ""]
+    L += ["| comparison | seeds | pairs | Δ AUC (95% CI) | verdict | Δ balanced accuracy (95% CI) | verdict |",
+          "|---|---|---|---|---|---|---|"]
+    for p in ext["paired"]:
+        a, b = p["auc"], p["balanced_accuracy"]
+        L.append(f"| {p['comparison']} | {len(p['seeds'])} | {a['n_pairs']} | {_ci_cell(a)} | {a['verdict'] or '–'} "
+                 f"| {_ci_cell(b)} | {b['verdict'] or '–'} |")
+    if len(seeds) < 3:
+        L += ["", f"Only {len(seeds)} seed(s): the protocol asks for at least 3 before a verdict is reported as a "
+              "result."]
+    return L
 
 
 def _order(methods) -> list[str]:
@@ -362,20 +738,22 @@ def _order(methods) -> list[str]:
     return sorted(set(methods), key=key)
 
 
-def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str:
-    if plans is None and (out / "compare.json").is_file():
-        plans = json.loads((out / "compare.json").read_text()).get("epoch_plan")
+def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: dict | None = None) -> str:
+    cj = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
+    if plans is None:
+        plans = cj.get("epoch_plan")
     plans = plans or {}
     methods = _order(r["method"] for r in rows)
     seeds = sorted({r["seed"] for r in rows})
     sites = sorted({r["site"] for r in rows}, key=lambda s: (len(s), s))
     labels = {m.get("labels") for _, _, m in runs}
     L = ["# Method comparison", ""]
-    if (out / "compare.json").is_file():
-        cj = json.loads((out / "compare.json").read_text())
-        L += [f"Command: `{cj.get('command')}`", "",
+    if cj:
+        L += [f"Command: `{cj.get('command') or '(not recorded)'}`", "",
               f"Data: `{cj.get('data')}` · {cj.get('sites')} sites, scheme `{cj.get('scheme')}` · labels "
               f"`{cj.get('labels')}` · seeds {', '.join(map(str, cj.get('seeds', [])))}", ""]
+    if plans:
+        L += ["## Budget", ""] + [f"- {x}" for x in budget_lines(plans, bool(cj.get("unequal_budgets")))] + [""]
     L += [f"Runs: {len(runs)} ({len(methods)} methods x {len(seeds)} seeds); label scheme(s): "
           f"{', '.join(sorted(x for x in labels if x))}. Every method ran on the identical partition per seed "
           "(`seed<k>/partition`).", ""]
@@ -432,20 +810,19 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None) -> str
                              f"{d['mean']:+.3f}" + (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})"
                                                     if d["ci_low"] is not None else ""))
             L.append(f"| {m} | {n} | " + " | ".join(cells) + " |")
+    if ext:
+        L += external_markdown(ext, plans)
     L += ["", "## Notes", ""]
     if "fedavg" in methods:
         L.append("- FedAvg runs under its own rule: every site trains the deepest architecture (one shared model), "
                  "so its sites do not keep their own depth/width as under Local, local+ft and OHFL.")
-    if "local+ft" in methods:
+    if "local+ft" in methods and cj.get("unequal_budgets"):
         L.append("- `local+ft` is the compute-matched control: each site's local model trained for Local's epochs "
                  "plus as many extra epochs as OHFL's fine-tuning (one round of rounds x local_epochs + "
                  "finetune_epochs).")
-    for m in methods:
-        if m in plans:
-            p = plans[m]
-            L.append(f"- {m}: {p['rounds']} round(s) x {p['local_epochs']} local epochs"
-                     + (f" + {p['finetune_epochs']} fine-tuning epochs" if p.get("finetune_epochs") else "")
-                     + f" = {p['total_epochs_per_site']} epochs per site.")
+    elif plans and not cj.get("unequal_budgets"):
+        L.append("- Equal budgets: Local (= the local+ft control), FedAvg (rounds x local epochs) and OHFL (local + "
+                 "fine-tuning epochs) train the same number of epochs per site.")
     L.append("- With few test images per site the per-site numbers are noisy; read the pooled CIs and the paired "
              "intervals before ranking methods.")
     return "\n".join(L) + "\n"

@@ -181,9 +181,13 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike) ->
                 log=out / "provision.log")
     prod = _latest_prod(out, proj["name"])
     kits = []
+    from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+
     for q in proj["participants"]:
         if q["type"] == "server":
             allow_controllers(prod / q["name"])
+        elif q["type"] == "client":  # the hospital writes local/cxr_hfl/<site>.yaml from this template
+            write_sample_config(prod / q["name"] / LOCAL_SUBDIR, q["name"])
     for q in proj["participants"]:
         if q["type"] not in KIT_CERT:
             continue
@@ -326,13 +330,38 @@ class Poc:
         return self.prod_dir / site
 
     # prepare
-    def prepare(self, profile_dir: str | os.PathLike, project_file: str | os.PathLike | None = None) -> dict:
+    def prepare(self, profile_dir: str | os.PathLike, project_file: str | os.PathLike | None = None,
+                site_check: bool = True, allow_site_errors: bool = False, report=None) -> dict:
         """Provision a local POC consortium whose hospitals are the profile's sites and copy each site's
-        ``<site>.yaml`` into that site's ``local/cxr_hfl/`` (where a provisioned site looks)."""
-        from nvflare_jobs.site_config import load_profile
+        ``<site>.yaml`` into that site's ``local/cxr_hfl/`` (where a provisioned site looks).
+
+        Before anything is provisioned, every site config is validated and (``site_check``) every site is checked
+        as ``cxr-hfl site check`` does (its images read); ``report(site, result)`` receives each site's
+        :func:`~nvflare_jobs.site_check.check_site` result.
+
+        Raises:
+            DeployError: listing every problem of every site at once (unless ``allow_site_errors``, which goes on
+                with broken sites, e.g. to rehearse how a failing site is reported).
+        """
+        from nvflare_jobs.site_check import check_site
+        from nvflare_jobs.site_config import check_profile
 
         profile_dir = Path(profile_dir).resolve()
-        profile = load_profile(profile_dir, check_files=False)
+        profile, problems = check_profile(profile_dir, check_files=False)
+        if not profile:
+            raise DeployError("cannot prepare the POC:\n  " + "\n  ".join(problems))
+        if site_check:
+            for site, cfg in profile.items():
+                rep_ = check_site(cfg["config_path"], site)
+                if report is not None:
+                    report(site, rep_)
+                problems += [f"site {site}: {e}" if not e.startswith(f"site {site!r}") else e
+                             for e in rep_["errors"]]
+        problems = list(dict.fromkeys(problems))
+        if problems and not allow_site_errors:
+            raise DeployError(f"{len(problems)} problem(s) in the profile {profile_dir}; fix them (or pass "
+                              "--allow-site-errors to rehearse with broken sites):\n  " + "\n  ".join(problems))
+        self.problems = problems
         proj = load_project(project_file)
         coord = coordinator(proj)
         orgs = [q["org"] for q in proj["participants"] if q["type"] == "client"]
@@ -354,10 +383,13 @@ class Poc:
                     log=self.logs / "poc_prepare.log")
         prod = _latest_prod(Path(self.env["NVFLARE_POC_WORKSPACE"]), poc_proj["name"])
         allow_controllers(prod / "server")
+        from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+
         for site, cfg in profile.items():
-            dst = prod / site / "local" / "cxr_hfl"
+            dst = prod / site / LOCAL_SUBDIR
             dst.mkdir(parents=True, exist_ok=True)
             shutil.copy2(cfg["config_path"], dst / f"{site}.yaml")
+            write_sample_config(dst, site)
         labels = next(iter(profile.values()))["data"]["labels"]
         st = {"poc_dir": str(self.dir), "nvflare_poc_workspace": self.env["NVFLARE_POC_WORKSPACE"],
               "home": self.env["HOME"], "project": poc_proj["name"], "prod_dir": str(prod),
@@ -369,7 +401,56 @@ class Poc:
 
     # start / stop
     def is_running(self) -> bool:
+        """True when any process of this POC is alive (server, sites, job workers)."""
         return bool(self.own_pids())
+
+    def server_pid(self) -> int | None:
+        """PID of this POC's server process (``nvflare ... server_train -m <prod>/server``), or None."""
+        try:
+            server = str(self.prod_dir / "server")
+        except DeployError:
+            return None
+        for pid in self.own_pids():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            args = [c.decode(errors="replace") for c in cmd]
+            if any(a.endswith("server_train") for a in args) and server in args:
+                return pid
+        return None
+
+    def server_up(self) -> bool:
+        """This POC's server process is alive and its admin port answers."""
+        return self.server_pid() is not None and port_in_use(SERVER_PORTS[1])
+
+    def require_running(self) -> None:
+        """Raise a one-line DeployError unless this POC's server is up (so no raw nvflare error reaches the user)."""
+        self.state()
+        if not self.server_up():
+            raise DeployError(f"the POC in {self.dir} is not running: {self.server_state()}")
+
+    def server_state(self) -> str:
+        """One line on this POC's server: up, restarting, or down (and what to do)."""
+        if self.server_up():
+            return "its server is up"
+        if self.server_pid() is not None:
+            return ("its server process is alive but does not answer on the admin port (starting or restarting "
+                    "after a crash; try again in a minute)")
+        left = self.own_pids()
+        more = (f"; {len(left)} of its processes are still alive (`cxr-hfl poc stop --workspace {self.dir}` "
+                "ends them)") if left else ""
+        return f"its server is down{more}; start it with `cxr-hfl poc start --workspace {self.dir}`"
+
+    def submit_hint(self) -> str:
+        """The command that submits a job to this POC with NVFlare's own CLI (the coordinator's startup kit)."""
+        return f"nvflare job submit -j <job_folder> --startup-kit {self.state()['admin_kit']}"
+
+    def connected_sites(self) -> list[str]:
+        """Names of the sites connected to the server now (``nvflare system status``)."""
+        data = run_nvflare(["system", "status", *self._kit_args()], self.env, timeout=120,
+                           log=self.logs / "system_status.log", json_out=True)
+        return sorted(c.get("client_name") for c in (data or {}).get("clients", []) if c.get("client_name"))
 
     def own_pids(self) -> list[int]:
         """PIDs of processes whose command line names this POC's workspace (server, sites, job workers, daemons)."""
@@ -391,10 +472,13 @@ class Poc:
 
     def start(self, timeout: int = 120) -> str:
         st = self.state()
+        if self.server_up():
+            raise DeployError(f"this POC ({self.dir}) is already running; `cxr-hfl poc stop --workspace {self.dir}` "
+                              "first to restart it")
         busy = [p for p in SERVER_PORTS if port_in_use(p)]
         if busy:
-            raise DeployError(f"port(s) {busy} already in use: another NVFlare server/POC is running on this "
-                              "machine; stop it first")
+            raise DeployError(f"port(s) {busy} already in use by another NVFlare server/POC on this machine (not "
+                              f"the one in {self.dir}); stop it first")
         text = run_nvflare(["poc", "start", "--timeout", str(timeout)], self.env, timeout=timeout + 60,
                            log=self.logs / "poc_start.log")
         st["started"] = time.time()
@@ -435,7 +519,17 @@ class Poc:
     def submit(self, job_folder: str | os.PathLike) -> str:
         """Submit an exported job folder with the coordinator's startup kit; returns the job id."""
         folder = Path(job_folder).resolve()
-        check_job_folder(folder)
+        meta = check_job_folder(folder)
+        self.require_running()
+        wanted = sorted({s for targets in meta.get("deploy_map", {}).values() for s in targets
+                         if s != "server" and not str(s).startswith("@")})
+        connected = self.connected_sites()
+        missing = [s for s in wanted if s not in connected]
+        if missing:
+            raise DeployError(f"job {folder.name} is for sites {', '.join(wanted)}, but {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not connected to the server (connected: "
+                              f"{', '.join(connected) or 'none'}); the job would wait and fail. Start those sites, "
+                              "or export the job with a profile of the connected sites")
         data = run_nvflare(["job", "submit", "-j", str(folder), *self._kit_args()], self.env, timeout=300,
                            log=self.logs / "job_submit.log", json_out=True)
         job_id = data["job_id"]
@@ -451,15 +545,18 @@ class Poc:
         return jobs[-1]["job_id"]
 
     def wait(self, job_id: str, timeout: int = 600) -> dict:
+        self.require_running()
         data = run_nvflare(["job", "wait", job_id, "--timeout", str(timeout), *self._kit_args()], self.env,
                            timeout=timeout + 60, log=self.logs / "job_wait.log", json_out=True, check=False)
         return data
 
     def meta(self, job_id: str) -> dict:
+        self.require_running()
         return run_nvflare(["job", "meta", job_id, *self._kit_args()], self.env, timeout=120,
                            log=self.logs / "job_meta.log", json_out=True)
 
     def list_jobs(self) -> list:
+        self.require_running()
         data = run_nvflare(["job", "list", *self._kit_args()], self.env, timeout=120,
                            log=self.logs / "job_list.log", json_out=True)
         return data.get("jobs", data) if isinstance(data, dict) else data
@@ -467,6 +564,7 @@ class Poc:
     def download(self, job_id: str, out: str | os.PathLike | None = None) -> tuple[Path, dict]:
         """Download the job's server workspace and assemble ``metrics.json`` / plots into ``out`` (default
         ``<poc dir>/runs/<job id>``), exactly as ``cxr-hfl simulate`` does. Returns (run dir, metrics)."""
+        self.require_running()
         dl = self.dir / "downloads"
         data = run_nvflare(["job", "download", job_id, "-o", str(dl), "--force", *self._kit_args()], self.env,
                            timeout=300, log=self.logs / "job_download.log", json_out=True)
@@ -481,6 +579,21 @@ class Poc:
         return run_dir, metrics
 
 
+def run_findings(metrics: dict) -> list[str]:
+    """What a coordinator must see besides the metrics of a finished run: the sites left out (task, round,
+    reason) and the sites whose deployed model predicts a single class for every test image."""
+    out = []
+    for site, events in (metrics.get("excluded_sites") or {}).items():
+        for ev in events:
+            out.append(f"site {site} left out of round {ev.get('round')} ({ev.get('task')}): {ev.get('reason')}")
+    for site, b in (metrics.get("sites") or {}).items():
+        cm = (b.get("test") or {}).get("confusion_matrix")
+        if cm and sum(1 for col in zip(*cm) if sum(col) > 0) == 1:
+            out.append(f"WARNING: {site}'s deployed model predicts a single class for every test image (confusion "
+                       f"matrix {cm}); it has not learned a usable decision rule")
+    return out
+
+
 def _duration_s(meta: dict) -> float:
     d = str(meta.get("duration") or "")
     try:
@@ -493,13 +606,13 @@ def _duration_s(meta: dict) -> float:
 def assemble_downloaded(download_dir: str | os.PathLike, run_dir: str | os.PathLike, *, labels_hint: str | None = None,
                         job_meta: dict | None = None) -> dict:
     """Turn a downloaded job (``nvflare job download``) into the simulator's run layout via ``assemble_run``."""
-    from chest_xray import CLASS_NAMES
+    from chest_xray import CLASS_NAMES, scheme_for_num_classes
     from nvflare_jobs.results import assemble_run, find_server_results
 
     src = find_server_results(download_dir)
     rec = json.loads(src.read_text())
     ncls = {((s.get("model") or {}).get("num_classes")) for s in rec.get("sites", {}).values()} - {None}
-    labels = {2: "binary", 3: "subtype"}.get(ncls.pop()) if len(ncls) == 1 else None
+    labels = rec.get("labels") or (scheme_for_num_classes(ncls.pop()) if len(ncls) == 1 else None)
     labels = labels or labels_hint or "binary"
     job_meta = job_meta or {}
     run_dir = Path(run_dir)

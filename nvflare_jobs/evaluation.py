@@ -2,13 +2,21 @@
 (``cxr-hfl predict``).
 
 ``evaluate_run`` loads every model a run saved (``models/<site>_deployed.pt``, ``models/<site>_local.pt``,
-``global_model.pt`` at each input size the run used), evaluates it on an external labelled set at the model's own
-input size with :func:`hfl_components.training.compute_metrics` (the same metrics as the sites' test splits, argmax
-decision) and, for binary labels, again at the decision threshold chosen (Youden's J) on the validation split of
-the model's own site (the global model: all sites' validation splits pooled), and writes ``RUN/external/<name>.json``.
+``global_model.pt`` at each input size the run's sites used), evaluates it on an external labelled set at the
+model's own input size with :func:`hfl_components.training.compute_metrics` (the same metrics as the sites' test
+splits, argmax decision) and, for binary labels, again at the decision threshold chosen (Youden's J) on the
+validation split of the model's own site (the global model: all sites' validation splits pooled).
 
-Leakage guard: :func:`training_overlap` compares the external set's file names and patient ids with every row of
-the run's site manifests; ``evaluate_run`` refuses an overlapping set unless ``force=True``.
+Each evaluated data set has its own folder ``RUN/external/<name>/`` (:func:`external_name`: the data set's folder or
+CSV name, plus ``-<part>`` for a committed part of ``chest_xray_224``, see :mod:`chest_xray.splits`), holding one
+JSON per model, ``summary.json`` and ``predictions.npz`` (every model's per-image probabilities, for paired
+comparisons). The global model has no input size of its own: it is scored at every site's input size and the
+headline ``global`` entry is the mean over sites (no size is chosen on the test set).
+
+Leakage guards: :func:`training_overlap` compares the external set's file names and patient ids with every row of
+the run's site manifests; ``evaluate_run`` refuses an overlapping set unless ``force=True``. The probe is never
+scored: every image of the probe pool the run's OHFL server was given (:func:`probe_pool`: a folder, a probe CSV, or
+the committed ``probe`` part) is left out, and ``summary.json`` records how many as ``probe_images_excluded``.
 """
 from __future__ import annotations
 
@@ -74,31 +82,10 @@ def run_labels(run: Path) -> str | None:
 
 
 def load_model_file(path: str | Path):
-    """``(model in eval mode, blob)`` from a run's ``.pt`` file (``torch.load(weights_only=True)``)."""
-    import torch
+    """``(model in eval mode, header)`` of a model file; see :func:`hfl_components.models.load_model_file`."""
+    from hfl_components.models import load_model_file as _load
 
-    from hfl_components.models import build_model
-
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{p}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
-    try:
-        blob = torch.load(p, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- pickle / zip / EOF errors of a file that is not a saved model
-        raise ValueError(f"{p}: not a cxr-hfl model file (torch.load failed: {type(e).__name__}); expected a .pt "
-                         "file written by `cxr-hfl simulate`, e.g. RUN/models/site-1_deployed.pt") from None
-    if not isinstance(blob, dict) or "spec" not in blob or "state_dict" not in blob:
-        raise ValueError(f"{p}: not a cxr-hfl model file (expected a dict with 'spec' and 'state_dict')")
-    try:
-        model = build_model(blob["spec"])
-        model.load_state_dict(blob["state_dict"])
-    except Exception as e:  # noqa: BLE001 -- a spec / weights mismatch is a bad file, not a crash
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise ValueError(f"{p}: model file does not match its own spec ({type(e).__name__}: {first})") from None
-    model.eval()
-    return model, blob
+    return _load(path)
 
 
 def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:
@@ -139,42 +126,76 @@ def training_overlap(run: Path, records: list[dict]) -> dict[str, Any]:
             "n_external_images_affected": n_img, "examples": (shared_names[:5] + shared_pids[:5])}
 
 
-def probe_overlap(run: Path, records: list[dict]) -> int:
-    """Number of external images whose file name is in the OHFL probe pool (unlabelled images the server used)."""
-    opts = Path(run) / "job_options.json"
+def _probe_part(source: str) -> str | None:
+    """``"probe"`` when ``source`` names the committed probe part: ``probe``, ``part:probe``,
+    ``chest_xray_224:probe`` or the committed list ``chest_xray/splits/chest_xray_224_probe.csv`` itself."""
+    from chest_xray.splits import POOL
+
+    s = str(source)
+    if s in ("probe", "part:probe", f"{POOL}:probe") or Path(s).name == f"{POOL}_probe.csv":
+        return "probe"
+    return None
+
+
+def probe_pool(run: Path) -> tuple[set[str], str | None]:
+    """File names (lower case) of every image the run's OHFL server could draw its probe from, and the source.
+
+    The source is ``job_options.json``'s ``probe``: a folder (every image under it; the root of the shared
+    ``chest_xray_224`` pool stands for its committed ``probe`` part, as the server reads it), a CSV (its ``path``
+    column, e.g. a partition's probe.csv or the committed ``chest_xray_224_probe.csv``), or the committed ``probe``
+    part named as ``probe`` / ``part:probe``. File names the server recorded as used (``metrics.json`` ->
+    ``probe.files``) are added. A run without a probe (not OHFL, or ``generated`` inputs) gives an empty set. Whole
+    pools are left out, not only the images one draw took: the server may have drawn any of them.
+
+    Raises:
+        FileNotFoundError: the recorded probe folder / CSV no longer exists (the exclusion cannot be honoured).
+    """
+    from chest_xray.splits import POOL, split_rows
+
+    run = Path(run)
+    used: set[str] = set()
+    if (run / "metrics.json").is_file():
+        rec = json.loads((run / "metrics.json").read_text()).get("probe")
+        if isinstance(rec, dict):
+            used = {_stem_key(str(f)) for f in rec.get("files") or []}
+    opts = run / "job_options.json"
     if not opts.is_file():
-        return 0
+        return used, None
     probe = json.loads(opts.read_text()).get("probe")
-    if not probe or probe == "generated" or not Path(probe).exists():
-        return 0
+    if not probe or probe == "generated":
+        return used, probe
     p = Path(probe)
+    part = {_stem_key(r["path"]) for r in split_rows("probe")}
+    if _probe_part(probe):
+        return part | used, str(probe)
+    if p.is_dir() and p.name == POOL and any((p / r["path"]).is_file() for r in split_rows("probe")[:20]):
+        return part | used, f"{p} (its committed probe part)"
     if p.is_file():
         with open(p, newline="", encoding="utf-8", errors="surrogateescape") as fh:  # as write_partition wrote it
-            names = {_stem_key(r.get("path", "")) for r in csv.DictReader(fh)}
-    else:
-        names = {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES}
+            return {_stem_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")} | used, str(p)
+    if p.is_dir():
+        return {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES} | used, str(p)
+    raise FileNotFoundError(f"{run}: the probe pool its server used ({probe}) no longer exists, so its images "
+                            "cannot be left out of the evaluation; restore it or evaluate on a set without them")
+
+
+def probe_overlap(run: Path, records: list[dict]) -> int:
+    """Number of external images whose file name is in the run's OHFL probe pool (:func:`probe_pool`)."""
+    names, _ = probe_pool(run)
     return sum(1 for r in records if _stem_key(r["path"]) in names)
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
-    """A class-stratified subset of at most ``max_images`` records (deterministic)."""
-    if not max_images or len(records) <= max_images:
-        return records
-    rng = np.random.default_rng(seed)
-    by: dict[int, list] = {}
-    for r in records:
-        by.setdefault(int(r["label"]), []).append(r)
-    out = []
-    for k, rows in sorted(by.items()):
-        n = max(1, round(max_images * len(rows) / len(records)))
-        idx = rng.choice(len(rows), size=min(n, len(rows)), replace=False)
-        out.extend(rows[i] for i in sorted(idx))
-    return out[:max_images]
+    """A class-stratified subset of at most ``max_images`` records: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
+
+    return stratified_subset(records, max_images, seed)
 
 
 class _ProbCache:
-    """Probabilities per (model name) and image tensors per input size, computed once."""
+    """Image tensors per (image set, input size), decoded once and reused by every model scored at that size (a run
+    has up to 15 models on the same external images; decoding dominates the cost)."""
 
     def __init__(self, batch_size: int = 64):
         self.batch_size = batch_size
@@ -184,10 +205,17 @@ class _ProbCache:
         import torch
 
         from chest_xray import make_site_dataset
+        from hfl_components.training.loop import unpack_batch
 
         k = (key, size)
         if k not in self._ds:
-            self._ds[k] = make_site_dataset(rows, size, "eval")
+            xs, ys = [], []
+            for batch in torch.utils.data.DataLoader(make_site_dataset(rows, size, "eval"),
+                                                     batch_size=self.batch_size, shuffle=False, num_workers=0):
+                x, y = unpack_batch(batch)
+                xs.append(torch.as_tensor(x).float())
+                ys.append(torch.as_tensor(y))
+            self._ds[k] = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
         return torch.utils.data.DataLoader(self._ds[k], batch_size=self.batch_size, shuffle=False, num_workers=0)
 
 
@@ -200,21 +228,99 @@ def _collapse(probs: np.ndarray, model_classes: int, want_classes: int) -> np.nd
     raise ValueError(f"a {model_classes}-class model cannot be evaluated on {want_classes}-class labels")
 
 
+def external_name(data: str | Path, part: str | None = None) -> str:
+    """Folder name of an evaluated data set under ``RUN/external/``: the folder's name (a CSV: its stem), plus
+    ``-<part>`` for a committed part, e.g. ``chest_xray_224-evaluation``; characters other than letters, digits,
+    ``.``, ``_`` and ``-`` become ``_``."""
+    import re
+
+    p = Path(data).resolve()
+    base = p.stem if p.is_file() else p.name
+    return re.sub(r"[^A-Za-z0-9._-]", "_", base + (f"-{part}" if part else "")) or "external"
+
+
+def load_external(data: str | Path, labels: str, part: str | None = None) -> tuple[list[dict], dict]:
+    """Records of an external labelled set (``chest_xray.scan_dataset``), restricted to a committed part of
+    ``chest_xray_224`` (``probe`` / ``tuning`` / ``evaluation``, :mod:`chest_xray.splits`) when ``part`` is given,
+    in which case ``data`` must be the ``chest_xray_224`` root.
+
+    Raises:
+        ValueError: no usable images; ``part`` given but ``data`` holds none of the part's images.
+    """
+    from chest_xray import scan_dataset
+
+    # a committed part lists known images of the shared pool: headers only (a broken file still fails when loaded)
+    records, report = scan_dataset(data, labels=labels, verify=not part)
+    if part:
+        from chest_xray.splits import split_rows
+
+        # matched by class folder and file name (unique in the pool; robust to a root of symbolic links)
+        want = {Path(r["path"]).parts[-2:] for r in split_rows(part)}
+        kept = [r for r in records if Path(r["path"]).parts[-2:] in want]
+        if not kept:
+            raise ValueError(f"{data}: none of the {len(want)} images of the committed {part!r} part found; --part "
+                             "needs the chest_xray_224 root (e.g. ../shared/data/chest_xray_224)")
+        if len(kept) < len(want):
+            print(f"note: {len(want) - len(kept)} of the {len(want)} images of the {part!r} part are missing or "
+                  f"unreadable under {data}", file=sys.stderr)
+        records = kept
+        report = {**report, "part": part, "n_part": len(want)}
+    if not records:
+        raise ValueError(f"{data}: no usable labelled images ({len(report.get('skipped', []))} skipped)")
+    return records, report
+
+
+def run_site_sizes(run: Path) -> dict[str, int]:
+    """Site -> input size of a run (``resolved_configs/<site>.json``, else metrics.json)."""
+    out: dict[str, int] = {}
+    for f in sorted((Path(run) / "resolved_configs").glob("*.json")):
+        try:
+            out[f.stem] = int(json.loads(f.read_text())["input_size"])
+        except (KeyError, ValueError, TypeError):
+            pass
+    if not out and (Path(run) / "metrics.json").is_file():
+        m = json.loads((Path(run) / "metrics.json").read_text())
+        out = {s: int(b["input_size"]) for s, b in m.get("sites", {}).items() if b.get("input_size")}
+    return out
+
+
+SUMMARY_METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
+
+
+def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int]) -> dict[str, Any] | None:
+    """The global model's headline entry: each metric at every site's own input size, averaged over sites (a size
+    used by two sites counts twice). None when the global model was not scored at every site's size."""
+    per_site = {s: results.get(f"global_{z}px") for s, z in site_sizes.items()}
+    if not per_site or any(v is None for v in per_site.values()):
+        return None
+    out: dict[str, Any] = {"input_size": "per site", "site_sizes": site_sizes, "val_threshold": None}
+    for k in SUMMARY_METRICS:
+        vals = [v["test"].get(k) for v in per_site.values()]
+        out[k] = None if any(x is None for x in vals) else float(np.mean(vals))
+    return out
+
+
 def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
                  max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
-                 log=print) -> dict[str, Any]:
-    """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/``.
+                 part: str | None = None, log=print) -> dict[str, Any]:
+    """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/<name>/``.
+
+    Args:
+        part: a committed part of ``chest_xray_224`` (``evaluation`` for headline numbers), ``data`` its root.
+        global_sizes: ``all`` scores the global model at every site's size (and the site mean ``global``),
+            ``largest`` only at the largest (no ``global`` mean).
 
     Returns:
-        ``{"summary": path, "models": {name: result dict}, "overlap": {...}}``.
+        ``{"summary": path, "models": {name: result dict}, "overlap": {...}, "dir": folder, "n_images": int,
+        "probe_images_excluded": int}``.
 
     Raises:
         LeakageError: the external set shares file names / patient ids with the run's manifests (unless force).
-        FileNotFoundError / ValueError: no models, unreadable data root.
+        FileNotFoundError / ValueError: no models, unreadable data root, every image in the probe pool.
     """
     import torch
 
-    from chest_xray import CLASS_NAMES, scan_dataset
+    from chest_xray import CLASS_NAMES
     from hfl_components.training import choose_threshold, compute_metrics, pooled_metrics_with_ci, predict_proba
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -223,11 +329,10 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     models = list_run_models(run, global_sizes)
     if not models:
         raise FileNotFoundError(f"{run}: no saved models (models/*.pt or global_model.pt)")
-    records, report = scan_dataset(data, labels=labels)
-    if not records:
-        raise ValueError(f"{data}: no usable labelled images ({len(report.get('skipped', []))} skipped)")
+    if max_images is not None and max_images < 1:
+        raise ValueError(f"max_images must be >= 1, got {max_images}")
+    records, report = load_external(data, labels, part)
     overlap = training_overlap(run, records)
-    overlap["probe_file_names"] = probe_overlap(run, records)
     if overlap["shared_file_names"] or overlap["shared_patient_ids"]:
         msg = (f"the external set {data} shares {overlap['shared_file_names']} file names and "
                f"{overlap['shared_patient_ids']} patient ids ({overlap['n_external_images_affected']} images) with "
@@ -237,32 +342,45 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         log("WARNING " + "!" * 60)
         log(f"WARNING: --force: {msg}. The metrics below are optimistic and NOT an external validation.")
         log("WARNING " + "!" * 60)
-    if overlap["probe_file_names"]:
-        log(f"note: {overlap['probe_file_names']} external images are in the OHFL probe pool (unlabelled images the "
-            f"server used for CKA layer alignment); no labels of them were used")
-    if max_images is not None and max_images < 1:
-        raise ValueError(f"max_images must be >= 1, got {max_images}")
+    probe_names, probe_source = probe_pool(run)
+    n_before = len(records)
+    records = [r for r in records if _stem_key(r["path"]) not in probe_names]
+    n_probe = n_before - len(records)
+    overlap["probe_file_names"] = n_probe
+    if n_probe:
+        log(f"note: left out {n_probe} of {n_before} images: they are in the probe pool the run's server used "
+            f"({probe_source})")
+    if not records:
+        raise ValueError(f"all {n_before} images of {data} are in the probe pool the run's server used "
+                         f"({probe_source}); evaluate on images outside it (e.g. --part evaluation of chest_xray_224)")
     records = _subset(records, max_images)
     names = CLASS_NAMES[labels]
     C = len(names)
-    ext_y = np.asarray([r["label"] for r in records], dtype=np.int64)
     rows_by_site = site_rows(run)
     val_rows = {s: [r for r in rs if r["split"] == "val"] for s, rs in rows_by_site.items()}
     run_labels_name = run_labels(run) or labels
-    out_dir = run / "external"
-    out_dir.mkdir(exist_ok=True)
+    name = external_name(data, part)
+    out_dir = run / "external" / name
+    if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
+        import shutil
+
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
     cache = _ProbCache()
     results: dict[str, dict] = {}
+    preds: dict[str, np.ndarray] = {}
+    y = None
     for m in models:
         model, blob = load_model_file(m["path"])
         size = int(m["input_size"] or blob.get("input_size") or 64)
         mc = int(blob["spec"].get("num_classes", C))
         p, y = predict_proba(model, cache.loader("ext", records, size))
         p = _collapse(p, mc, C)
+        preds[m["name"]] = p.astype(np.float32)
         argmax = compute_metrics(y, p, C)
         res: dict[str, Any] = {"model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
                                "spec": blob["spec"], "input_size": size, "data": str(Path(data).resolve()),
-                               "labels": labels, "class_names": list(names), "n": int(len(y)),
+                               "part": part, "labels": labels, "class_names": list(names), "n": int(len(y)),
                                "test": argmax}
         # threshold from the validation split of the model's own site (global: every site's validation split)
         vrows = (val_rows.get(m["site"], []) if m["site"] else [r for rs in val_rows.values() for r in rs])
@@ -281,18 +399,32 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         (out_dir / f"{m['name']}.json").write_text(json.dumps(res, indent=1))
         results[m["name"]] = res
         log(_line(m["name"], size, res))
-    assert ext_y.size == len(records)
-    summary = {"run": str(run), "data": str(Path(data).resolve()), "labels": labels, "n_images": len(records),
+    np.savez_compressed(out_dir / "predictions.npz", paths=np.asarray([r["path"] for r in records]),
+                        y=np.asarray(y, dtype=np.int64), **preds)
+    summ_models = {k: {key: v["test"].get(key) for key in SUMMARY_METRICS}
+                   | {"kind": v["kind"], "site": v["site"], "input_size": v["input_size"],
+                      "val_threshold": v["val_threshold"],
+                      **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
+                          "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
+                         if "test_at_val_threshold" in v else {})}
+                   for k, v in results.items()}
+    g = global_site_mean(results, run_site_sizes(run)) if global_sizes == "all" else None
+    if g:
+        summ_models["global"] = {**g, "kind": "global", "site": None}
+        log(f"{'global':<18}{'site mean':>7}  n={len(records):<5} acc {_f3(g['accuracy'])}  bal_acc "
+            f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
+    summary = {"run": str(run), "data": str(Path(data).resolve()), "part": part, "name": name, "labels": labels,
+               "n_images": len(records), "max_images": max_images, "probe_images_excluded": n_probe,
+               "probe_source": probe_source,
                "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
-               "models": {k: {key: v["test"].get(key) for key in ("accuracy", "balanced_accuracy", "auc",
-                                                                    "sensitivity", "specificity")}
-                          | {"input_size": v["input_size"], "val_threshold": v["val_threshold"],
-                             **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
-                                 "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
-                                if "test_at_val_threshold" in v else {})}
-                          for k, v in results.items()}}
+               "models": summ_models}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap}
+    return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
+            "n_images": len(records), "probe_images_excluded": n_probe}
+
+
+def _f3(v) -> str:
+    return "  -  " if v is None else f"{v:.3f}"
 
 
 def _line(name: str, size: int, res: dict) -> str:
@@ -309,61 +441,52 @@ def _line(name: str, size: int, res: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- predict
-#: ``predict`` skips images whose shorter side is below this many pixels: no chest radiograph is that small (the
-#: models' smallest input size is 32 px, and a thumbnail or icon carries no diagnostic detail).
-MIN_IMAGE_SIDE = 64
-#: ``predict`` skips colour images: per pixel, the channel spread is max(R, G, B) - min(R, G, B) on a 0-255
-#: scale (0 for a greyscale radiograph saved as RGB; every JPEG/PNG in the shared data set has 0). An image is
-#: "colourful" when its mean spread exceeds MAX_MEAN_COLOUR_SPREAD, or more than MAX_COLOUR_PIXEL_FRACTION of its
-#: pixels have a spread above COLOUR_PIXEL_SPREAD (a chart of coloured lines on white: ~1.7 %; a red arrow or
-#: label burnt into a radiograph stays well under 1 %). Measured on a 256-px thumbnail.
-MAX_MEAN_COLOUR_SPREAD = 8.0
-COLOUR_PIXEL_SPREAD = 40
-MAX_COLOUR_PIXEL_FRACTION = 0.01
+# Screening of JPEG/PNG files lives in chest_xray.screening (next to the DICOM check in chest_xray.io); these
+# names stay importable from here.
+from chest_xray.screening import (  # noqa: E402,F401
+    COLOUR_PIXEL_SPREAD,
+    MAX_COLOUR_PIXEL_FRACTION,
+    MAX_MEAN_COLOUR_SPREAD,
+    MIN_IMAGE_SIDE,
+    screen_image,
+)
 
 
-def screen_image(path: str | Path) -> str | None:
-    """Why a JPEG/PNG is not a plausible chest radiograph (too small, or colourful), or None.
+def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[Path]:
+    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder,
+    searched recursively, following symbolic links to folders (each real folder once, as ``partition`` does), for
+    .jpg/.jpeg/.png/.dcm/.dicom and for files with any other name that carry the DICOM ``DICM`` marker, as PACS
+    and CD exports name them (``IM000001``, ``1.2.840.10008....``). Broken symbolic links with an image suffix are
+    returned too, so that they are reported as skipped rather than silently left out.
 
-    Unreadable files return None here: the image reader then gives its own reason. DICOM is not screened here
-    (its Modality / ViewPosition / size are checked from the header).
+    Args:
+        skipped: when given, receives ``{"path", "reason", "kind"}`` for what the folder walk could not enter: a
+            symbolic-link cycle or second link to a folder already searched, a folder that cannot be listed, a
+            broken link without an image suffix (operating-system junk folders such as ``__MACOSX`` are left out
+            silently).
     """
-    from PIL import Image
+    from chest_xray.dataset import _dir_key, _sniff_dicom, _walk_files
 
-    try:
-        with Image.open(path) as img:
-            w, h = img.size
-            if min(w, h) < MIN_IMAGE_SIDE:
-                return (f"image too small to be a chest radiograph: {w}x{h} px (shorter side under "
-                        f"{MIN_IMAGE_SIDE} px)")
-            if img.mode in ("L", "LA", "1", "I", "F") or img.mode.startswith("I;16"):
-                return None
-            if img.format == "JPEG":
-                img.draft("RGB", (256, 256))
-            rgb = img.convert("RGB")
-            rgb.thumbnail((256, 256))
-            a = np.asarray(rgb, dtype=np.int16)
-    except Exception:  # noqa: BLE001 -- left to the reader, which names the problem
-        return None
-    spread = a.max(axis=2) - a.min(axis=2)
-    mean, frac = float(spread.mean()), float((spread > COLOUR_PIXEL_SPREAD).mean())
-    if mean > MAX_MEAN_COLOUR_SPREAD or frac > MAX_COLOUR_PIXEL_FRACTION:
-        return (f"colour image, not a greyscale radiograph (mean channel spread {mean:.1f}/255, "
-                f"{100 * frac:.1f}% strongly coloured pixels; limits {MAX_MEAN_COLOUR_SPREAD:g} and "
-                f"{100 * MAX_COLOUR_PIXEL_FRACTION:g}%)")
-    return None
+    def wanted(f: Path) -> bool:
+        if f.suffix.lower() in SUPPORTED_SUFFIXES:
+            return True
+        return _sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
 
-
-def collect_files(inputs: list[str]) -> list[Path]:
-    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder
-    (searched recursively for .jpg/.jpeg/.png/.dcm/.dicom; broken symbolic links with those suffixes are listed
-    too, so that they are reported as skipped rather than silently left out)."""
     out: list[Path] = []
+    seen: set[tuple[int, int]] = set()
     for s in inputs:
         p = Path(s)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES
-                              and (f.is_file() or (f.is_symlink() and not f.exists()))))
+            walk_skips: list[dict] = []
+            real = Path(os.path.realpath(p))  # a link up to the folder or a parent would leave the input: not followed
+            blocked = {k for k in map(_dir_key, [real, *real.parents]) if k}
+            files = [f for f in _walk_files(p, walk_skips, seen, blocked) if wanted(f)]
+            for e in walk_skips:
+                if e["kind"] == "broken symbolic link" and Path(e["path"]).suffix.lower() in SUPPORTED_SUFFIXES:
+                    files.append(Path(e["path"]))
+                elif e["kind"] != "junk" and skipped is not None:
+                    skipped.append(e)
+            out.extend(sorted(files))
         else:
             out.append(p)  # missing files are reported as skipped, not raised
     return out
@@ -410,17 +533,18 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     """
     import torch
 
-    from chest_xray import CLASS_NAMES, ImageReadError, build_transforms
+    from chest_xray import ImageReadError, build_transforms, class_names, scheme_for_num_classes
     from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
     from hfl_components.training import predict_labels
 
     check_predict_args(inputs, out_csv)
     model, blob = load_model_file(model_path)
     size = int(blob.get("input_size") or 64)
-    labels = blob.get("labels") or ("subtype" if blob["spec"].get("num_classes") == 3 else "binary")
-    names = CLASS_NAMES.get(labels, [f"class{i}" for i in range(int(blob["spec"]["num_classes"]))])
+    labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
+    names = class_names(labels)
     tf = build_transforms(size, "eval")
-    files = collect_files(inputs)
+    folder_skips: list[dict] = []
+    files = collect_files(inputs, folder_skips)
     rows: list[dict] = []
     batch: list[tuple[int, torch.Tensor]] = []
 
@@ -467,6 +591,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         if len(batch) >= batch_size:
             flush()
     flush()
+    rows.extend({"path": e["path"], "status": "skipped", "reason": e["reason"]} for e in folder_skips)
     out = Path(out_csv)
     out.parent.mkdir(parents=True, exist_ok=True)
     cols = ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"]

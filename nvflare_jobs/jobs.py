@@ -34,7 +34,7 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
     n = len(profile)
     common = {"num_rounds": int(opts.get("rounds", 1)), "min_sites": int(opts.get("min_sites") or max(1, n - 1)),
               "task_timeout": int(opts.get("task_timeout", 0)), "seed": int(opts.get("seed", 0)),
-              "late_wait_s": int(opts.get("late_wait_s", 900))}
+              "late_wait_s": None if opts.get("late_wait_s") is None else int(opts["late_wait_s"])}
     tc = {k: opts[k] for k in ("local_epochs", "finetune_epochs", "finetune_lr") if opts.get(k) is not None}
     num_classes = next(iter(profile.values()))["model"]["num_classes"]
     if method == "local":
@@ -53,6 +53,7 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
                                 ground_metric=opts.get("ground_metric", "wts"),
                                 probe_size=int(opts.get("probe_size", 64)), weighting=opts.get("weighting", "samples"),
                                 repair=bool(opts.get("repair", True)),
+                                fusion_device=opts.get("server_device") or "auto",
                                 task_config=tc, **common)
     if method in ("fedsaf", "fedproto"):
         dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}
@@ -108,6 +109,11 @@ def build_job(method: str, profile: dict[str, dict], opts: dict):
     ctl = make_controller(method, profile, opts)
     job = FedJob(name=f"cxr_hfl_{method}", min_clients=ctl.min_sites)
     job.to_server(ctl)
+    from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
+    from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+
     for site in profile:
         job.to(ScriptRunner(script=str(SITE_SCRIPT), framework=FrameworkType.RAW), site)
+        # the site's progress heartbeats (flare.log) reach the server as fed events (liveness + live progress)
+        job.to(ConvertToFedEvent(events_to_convert=[ANALYTIC_EVENT_TYPE]), site, id="progress_to_server")
     return job

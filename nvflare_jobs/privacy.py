@@ -23,3 +23,35 @@ def redact_paths(text: str) -> str:
     """
     text = _PATH_RE.sub("<path>", str(text))
     return _FILE_RE.sub("<file>", text)
+
+
+#: What every site sends with every task answer, whatever the method.
+COMMON_UPLOAD = ("task status (ok/error; an error's reason with paths and image file names removed), training-set "
+                 "size, input size, model spec (architecture only), seconds of compute, per-epoch training losses "
+                 "and validation metrics (accuracy, AUC, ..., confusion matrix, i.e. validation class counts)")
+#: What the final ``evaluate`` task of every method adds.
+EVALUATE_UPLOAD = ("final evaluate: aggregate test metrics and confusion matrix (test class counts); per-image "
+                   "test probabilities and labels (no images, no identifiers) only if the site sets "
+                   "share_predictions: true (default false)")
+#: Per method, what a site uploads on top of :data:`COMMON_UPLOAD` and :data:`EVALUATE_UPLOAD`.
+METHOD_UPLOAD = {
+    "local": "nothing model-related",
+    "fedavg": "the full model (every weight) and its training sample count, every round",
+    "ohfl": ("one trained model (every weight), once, with its validation accuracy and its test metrics; after "
+             "fusion the global model's zero-shot test metrics and the fine-tuning losses"),
+    "fedsaf": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
+               "counts; the alignment loss terms of the last batch"),
+    "fedproto": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
+                 "counts; the alignment loss terms of the last batch"),
+    "fedtopo": ("every round: a C x C class-relation matrix and the C training class counts (Laplace-noised with "
+                "--noisy-counts); the topology-inconsistency scores D_r/D_rs"),
+}
+
+
+def what_leaves(method: str) -> str:
+    """One sentence: everything a site running ``method`` sends to the server (docs/DEPLOYMENT.md, Privacy).
+
+    Raises:
+        KeyError: unknown method.
+    """
+    return f"{METHOD_UPLOAD[method]}; plus, with every task, {COMMON_UPLOAD}; {EVALUATE_UPLOAD}"

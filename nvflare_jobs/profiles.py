@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hfl_components.flare.catalogue import method_defaults as _method_defaults
 from nvflare_jobs.site_config import write_site_config
 
 DEPTHS = ("shallow", "medium", "deep")
@@ -20,8 +21,10 @@ PROTO_BACKBONES = {
 # benchmarks/tune_proto.py (results in benchmarks/results/proto_tuning.md); never on test or evaluation images.
 PROTO_TRAINING = {"input_size": 64, "lr": 0.01, "balanced_sampling": True, "class_weights": None,
                   "fast_augment": True}
-PROTO_ROUNDS = 20  # federated rounds of the prototype methods (and of Local when compared with them)
-PROTO_LOCAL_EPOCHS = 1  # local epochs per round
+# federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
+# one source is the method catalogue
+PROTO_ROUNDS = _method_defaults("fedsaf")["rounds"]
+PROTO_LOCAL_EPOCHS = _method_defaults("fedsaf")["local_epochs"]
 
 NO_DATA_HELP = """no chest X-ray data found.
 Looked at --data, then $CXR_DATA, then ../shared/data (beside the repository).
@@ -133,11 +136,18 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
                   settings: dict, proto: bool | None = None) -> Path:
     """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder).
 
-    ``proto`` (default: ``method`` is a prototype method): the sites get the heterogeneous backbones and the
-    prototype methods' training defaults :data:`PROTO_TRAINING` (``settings`` keys win). ``cxr-hfl compare`` passes
-    ``proto=True`` for Local when it is compared with the prototype methods, so Local trains the same backbones."""
+    These are *simulated* sites: unless ``settings`` says otherwise they set ``share_predictions: true`` so the
+    run reports pooled test metrics with confidence intervals (a real site's default is false; see
+    docs/DEPLOYMENT.md, Privacy). ``proto`` (default: ``method`` is a prototype method): the sites get the
+    heterogeneous backbones and the prototype methods' training defaults :data:`PROTO_TRAINING` (``settings`` keys
+    win). ``cxr-hfl compare`` passes ``proto=True`` for Local when it is compared with the prototype methods, so
+    Local trains the same backbones."""
+    settings = dict(settings)
+    settings.setdefault("share_predictions", True)
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
-    num_classes = 3 if labels == "subtype" else 2
+    from chest_xray.labels import num_classes as scheme_classes
+
+    num_classes = scheme_classes(labels)
     proto = method in PROTO_METHODS if proto is None else bool(proto)
     if proto:
         settings = {**{k: v for k, v in PROTO_TRAINING.items() if k != "input_size"}, **settings}

@@ -86,7 +86,7 @@ def external_site_predictions(run: Path, cache_dir: Path, data_root: Path | None
         site = f.stem.rpartition("_")[0]
         if site not in classes:
             continue
-        model, blob = load_model_file(f)
+        model, blob = _load_site_model(f, load_model_file)
         X, y, _ = eval_part_tensors(cache_dir, int(blob.get("input_size") or 64), data_root)
         ids = np.flatnonzero(np.isin(y, classes[site]))
         with torch.no_grad():
@@ -94,6 +94,26 @@ def external_site_predictions(run: Path, cache_dir: Path, data_root: Path | None
         out[site] = {"ids": ids, "y": y[ids], "probs": probs.numpy().astype(np.float32)}
     np.savez_compressed(cache, **{f"{s}|{k}": v for s, d in out.items() for k, v in d.items()})
     return out
+
+
+def _load_site_model(f: Path, loader):
+    """``(model in eval mode, header)`` of a deployed model file; files written before the safetensors model format
+    (a ``torch.save`` dict of ``spec`` / ``state_dict`` / ``input_size``) are read with ``weights_only=True`` (plain
+    tensors and containers, never arbitrary unpickling)."""
+    try:
+        return loader(f)
+    except ValueError as e:
+        if "old torch.save" not in str(e):
+            raise
+    import torch
+
+    from hfl_components.models import build_model
+
+    blob = torch.load(f, map_location="cpu", weights_only=True)
+    model = build_model(blob["spec"])
+    model.load_state_dict(blob["state_dict"])
+    model.eval()
+    return model, blob
 
 
 def test_site_predictions(run: Path) -> dict[str, dict]:

@@ -251,17 +251,20 @@ def render_run(run: Path) -> str:
         if cm:
             body.append(_figure(_png_b64(confusion_figure(cm, names or [str(i) for i in range(len(cm))], s)),
                                 f"Confusion matrix {s}"))
-    ext = run / "external" / "summary.json"
-    if ext.is_file():
+    for ext in sorted(run.glob("external/*/summary.json")) + sorted(run.glob("external/summary.json")):
         e = json.loads(ext.read_text())
         erows = [[k, v.get("input_size"), *[_f(v.get(x)) for x in ("accuracy", "balanced_accuracy", "auc")],
                   _f(v.get("val_threshold")), _f(v.get("sensitivity_at_val_threshold")),
                   _f(v.get("specificity_at_val_threshold"))] for k, v in e.get("models", {}).items()]
-        body += [f"<h2>External validation: {html.escape(e.get('data', ''))} ({e.get('n_images')} images)</h2>",
+        what = html.escape(e.get("data", "")) + (f" (part {html.escape(str(e['part']))})" if e.get("part") else "")
+        body += [f"<h2>External validation: {what} ({e.get('n_images')} images, "
+                 f"{e.get('probe_images_excluded', 0)} probe images left out)</h2>",
                  *(["<p class='warn'>WARNING: evaluated with --force on a set that overlaps the run's data; "
                     "these are not external results.</p>"] if e.get("forced") else []),
                  _table(["model", "px", "accuracy", "balanced acc.", "AUC", "val threshold", "sensitivity @thr",
-                         "specificity @thr"], erows)]
+                         "specificity @thr"], erows),
+                 *(["<p>global: each metric at every site's input size, averaged over sites (no size chosen on "
+                    "the test set).</p>"] if "global" in e.get("models", {}) else [])]
     return _page(f"cxr-hfl report {m.get('method')}", body)
 
 

@@ -95,7 +95,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
         metrics["server_fusion_s"] = rec.get("server_fusion_s", {})
         metrics["global_model"] = rec.get("global_spec")
-    for k in ("global_spec", "effective_rank", "R_global", "S_global", "task_config", "payload", "notes",
+    for k in ("failed", "global_spec", "effective_rank", "R_global", "S_global", "task_config", "payload", "notes",
               "topology_history"):
         if k in rec and k not in metrics:
             metrics[k] = rec[k]

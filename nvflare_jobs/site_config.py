@@ -17,10 +17,16 @@ Example::
     model: {family: cnn, depth: shallow, width: 1.0}
     input_size: 64
     batch_size: 16
-    local_epochs: 2
-    finetune_epochs: 2
+    local_epochs: 20                      # omit for the method's default (hfl_components/flare/catalogue.py)
+    finetune_epochs: 10
     threads: 1
-    share_predictions: true   # false: per-image test probabilities stay at the site (no pooled metrics)
+    device: auto              # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)
+    amp: false                # mixed precision training (float16 on CUDA, bfloat16 on the CPU)
+    share_predictions: false  # true: per-image test probabilities go to the server for pooled metrics
+
+A coordinator's *profile* (the folder ``cxr-hfl export-job --profile`` reads) needs no ``data:`` section: only the
+site names, model specs and input sizes are used (``require_data=False``); ``data: {labels: subtype}`` without a
+manifest sets the label scheme there.
 """
 from __future__ import annotations
 
@@ -35,8 +41,10 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 DEFAULTS = {
     "input_size": 64,
     "batch_size": 16,
-    "local_epochs": 2,
-    "finetune_epochs": 2,
+    # None: the running method's default (hfl_components.flare.catalogue, the simulator's values), resolved at the
+    # site when a task arrives; a job's task_config (CLI --local-epochs ...) overrides both
+    "local_epochs": None,
+    "finetune_epochs": None,
     "lr": 0.01,
     "momentum": 0.9,
     "finetune_lr": 0.001,
@@ -49,8 +57,11 @@ DEFAULTS = {
     "cache_dir": None,
     "max_train_images": None,
     # final `evaluate` task: send per-image test probabilities and labels (no images, no ids) to the server
-    # for pooled metrics; false keeps them at the site (the server then reports per-site metrics only)
-    "share_predictions": True,
+    # for pooled metrics; false (the default) keeps them at the site (the server reports per-site metrics only).
+    # Profiles written by `cxr-hfl simulate` / `compare` set it to true (simulated sites; pooled CIs).
+    "share_predictions": False,
+    "device": "auto",  # auto | cpu | cuda | cuda:N, for training and evaluation
+    "amp": False,  # mixed precision training
 }
 TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
 DATA_KEYS = {"manifest", "labels"}
@@ -88,7 +99,8 @@ def _err(site, path, key, msg):
     return SiteConfigError(f"site {site!r}: config {path} key {key!r}: {msg}")
 
 
-def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memory>", check_files: bool = True) -> dict:
+def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memory>", check_files: bool = True,
+                         require_data: bool = True) -> dict:
     """Validate a parsed site config and fill defaults.
 
     Args:
@@ -96,6 +108,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         site: the site name (the file stem); a ``site`` key, when present, must equal it.
         path: the file, for messages.
         check_files: check that the data manifest exists.
+        require_data: a ``data.manifest`` is required (False for a coordinator's export profile: then ``data`` may
+            be absent, ``data.manifest`` is None and the labels default to ``binary``).
 
     Returns:
         dict with every key of ``DEFAULTS`` plus ``site``, ``data`` and ``model``.
@@ -103,7 +117,9 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     Raises:
         SiteConfigError: unknown keys, missing data/model, impossible sizes, missing files.
     """
+    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES, num_classes
     from hfl_components.models import validate_spec
+    from hfl_components.training.device import check_device_name
 
     if not isinstance(raw, dict):
         raise _err(site, path, "<root>", "must be a YAML mapping")
@@ -116,28 +132,32 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     cfg.update(raw)
     cfg["site"] = site
     data = raw.get("data")
+    if data is None and not require_data:
+        data = {}
     if not isinstance(data, dict):
         raise _err(site, path, "data", "missing; needs data.manifest (a site CSV)")
     unknown = set(data) - DATA_KEYS
     if unknown:
         raise _err(site, path, f"data.{sorted(unknown)[0]}", f"unknown key (known: {sorted(DATA_KEYS)})")
-    if "manifest" not in data:
+    manifest = None
+    if "manifest" in data and data["manifest"] is not None:
+        manifest = Path(str(data["manifest"])).expanduser()
+        if not manifest.is_absolute():
+            manifest = (Path(path).parent / manifest).resolve()
+        if check_files and not manifest.is_file():
+            raise _err(site, path, "data.manifest", f"file does not exist: {manifest}")
+    elif require_data:
         raise _err(site, path, "data.manifest", "missing")
-    manifest = Path(str(data["manifest"])).expanduser()
-    if not manifest.is_absolute():
-        manifest = (Path(path).parent / manifest).resolve()
-    if check_files and not manifest.is_file():
-        raise _err(site, path, "data.manifest", f"file does not exist: {manifest}")
-    labels = data.get("labels", "binary")
-    if labels not in ("binary", "subtype"):
-        raise _err(site, path, "data.labels", f"must be binary or subtype, got {labels!r}")
-    cfg["data"] = {"manifest": str(manifest), "labels": labels}
+    labels = data.get("labels", DEFAULT_LABEL_SCHEME)
+    if labels not in LABEL_SCHEMES:
+        raise _err(site, path, "data.labels", f"must be one of {', '.join(LABEL_SCHEMES)}, got {labels!r}")
+    cfg["data"] = {"manifest": None if manifest is None else str(manifest), "labels": labels}
     model = raw.get("model")
     if not isinstance(model, dict):
         raise _err(site, path, "model", "missing; e.g. {family: cnn, depth: shallow, width: 1.0}")
     model = dict(model)
     model.setdefault("in_channels", 1)
-    model["num_classes"] = 3 if labels == "subtype" else 2
+    model["num_classes"] = num_classes(labels)
     try:
         validate_spec(model)
     except (ValueError, TypeError) as e:
@@ -151,14 +171,29 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "input_size", f"must be between 16 and 1024 px, got {cfg['input_size']}")
     for key in ("local_epochs", "finetune_epochs"):
         v = cfg[key]
+        if v is None:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
     for key in ("lr", "finetune_lr", "momentum"):
         v = cfg[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 10):
             raise _err(site, path, key, f"must be a number in [0, 10), got {v!r}")
-    if not isinstance(cfg["share_predictions"], bool):
-        raise _err(site, path, "share_predictions", f"must be true or false, got {cfg['share_predictions']!r}")
+    for key in ("share_predictions", "amp"):
+        if not isinstance(cfg[key], bool):
+            raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
+    try:
+        cfg["device"] = check_device_name(cfg["device"])
+    except ValueError as e:
+        raise _err(site, path, "device", str(e)) from None
+    if cfg["max_train_images"] is not None and (not isinstance(cfg["max_train_images"], int)
+                                                or isinstance(cfg["max_train_images"], bool)
+                                                or cfg["max_train_images"] < 1):
+        raise _err(site, path, "max_train_images", f"must be null or a positive integer, got {cfg['max_train_images']!r}")
+    if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
+        raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
+    if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
+        raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
     for key in ("balanced_sampling", "fast_augment"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
@@ -170,7 +205,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     return cfg
 
 
-def load_site_config(site: str, path: str | os.PathLike | None = None, check_files: bool = True) -> dict:
+def load_site_config(site: str, path: str | os.PathLike | None = None, check_files: bool = True,
+                     require_data: bool = True) -> dict:
     """Find (unless ``path`` is given), parse and validate a site's config. Raises SiteConfigError."""
     p = Path(path) if path else find_site_config(site)
     try:
@@ -179,22 +215,85 @@ def load_site_config(site: str, path: str | os.PathLike | None = None, check_fil
         raise SiteConfigError(f"site {site!r}: config {p} does not exist") from None
     except yaml.YAMLError as e:
         raise SiteConfigError(f"site {site!r}: config {p} is not valid YAML: {e}") from None
-    cfg = validate_site_config(raw, site, p, check_files=check_files)
+    cfg = validate_site_config(raw, site, p, check_files=check_files, require_data=require_data)
     cfg["config_path"] = str(p)
     return cfg
 
 
-def load_profile(profile_dir: str | os.PathLike, check_files: bool = True) -> dict[str, dict]:
+def load_profile(profile_dir: str | os.PathLike, check_files: bool = True, require_data: bool = True,
+                 ) -> dict[str, dict]:
     """Load every ``<site>.yaml`` of a profile folder: {site: config}, sorted by site name.
 
     Raises:
-        SiteConfigError: the folder has no site files, or one file is invalid.
+        SiteConfigError: the folder has no site files, or any file is invalid (the message lists every invalid
+            file, one per line).
+    """
+    profile, errors = check_profile(profile_dir, check_files=check_files, require_data=require_data)
+    if errors:
+        raise SiteConfigError("\n".join(errors))
+    return profile
+
+
+def check_profile(profile_dir: str | os.PathLike, check_files: bool = True, require_data: bool = True,
+                  ) -> tuple[dict[str, dict], list[str]]:
+    """Load every ``<site>.yaml`` of a profile folder, collecting every error instead of stopping at the first.
+
+    Returns:
+        ``({site: config} of the valid files, [one message per invalid file])``; a folder without site files or
+        that does not exist gives one message.
     """
     d = Path(profile_dir)
+    if not d.is_dir():
+        return {}, [f"profile {d}: no <site>.yaml files found (no such folder)"]
     files = sorted(d.glob("*.yaml"))
     if not files:
-        raise SiteConfigError(f"profile {d}: no <site>.yaml files found")
-    return {f.stem: load_site_config(f.stem, f, check_files=check_files) for f in files}
+        return {}, [f"profile {d}: no <site>.yaml files found"]
+    profile, errors = {}, []
+    for f in files:
+        try:
+            profile[f.stem] = load_site_config(f.stem, f, check_files=check_files, require_data=require_data)
+        except SiteConfigError as e:
+            errors.append(str(e))
+    labels = {c["data"]["labels"] for c in profile.values()}
+    if len(labels) > 1:
+        errors.append(f"profile {d}: sites disagree on data.labels ({sorted(labels)}); a job uses one label scheme")
+    return profile, errors
+
+
+SAMPLE = """\
+# cxr-hfl site config for site {site}. Copy this file to {site}.yaml in this folder (local/cxr_hfl/ of your
+# startup kit), edit it, then check it with:   cxr-hfl site check --config local/cxr_hfl/{site}.yaml
+# It stays at your site: jobs never carry it, and no path in it is sent to the server.
+data:
+  manifest: /data/cxr/{site}.csv   # CSV: path,label,split[,patient_id,width,height] (cxr-hfl partition writes one)
+  labels: binary                   # binary (NORMAL/PNEUMONIA) | subtype (NORMAL/BACTERIAL/VIRAL): as the consortium
+model: {{family: cnn, depth: medium, width: 1.0}}   # as agreed with the coordinator (fedsaf/fedtopo: + feature_dim)
+input_size: 96                     # px; what your hardware affords (16..1024)
+batch_size: 16
+# device: auto                     # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)
+# amp: false                       # mixed precision training (float16 on CUDA, bfloat16 on CPU)
+# threads: 1                       # CPU threads for training
+# share_predictions: false         # true: per-image test probabilities go to the server for pooled metrics
+# local_epochs: 2                  # used when the job does not set them
+# finetune_epochs: 2
+# lr: 0.01                         # SGD learning rate / momentum of local training; OHFL fine-tuning lr
+# momentum: 0.9
+# finetune_lr: 0.001
+# seed: 0
+# max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
+# class_weights: null              # null | balanced (inverse class frequency in the loss)
+# augment_classes: auto            # auto (minority classes) | null | [0, 1]: classes augmented in training
+# cache_dir: null                  # a folder: decoded images are cached on disk between jobs
+"""
+
+
+def write_sample_config(folder: str | os.PathLike, site: str) -> Path:
+    """Write the commented template ``<folder>/<site>.yaml.sample`` (what a provisioned kit ships in
+    ``local/cxr_hfl/``). Returns the file."""
+    p = Path(folder) / f"{site}.yaml.sample"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(SAMPLE.format(site=site))
+    return p
 
 
 def write_site_config(cfg: dict, path: str | os.PathLike) -> Path:

@@ -15,15 +15,41 @@ IMG = '<img src="data:image/png;base64,'
 
 def _args(**kw) -> argparse.Namespace:
     base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
-            "batch_size": None, "labels": "binary", "input_sizes": None}
+            "batch_size": None, "labels": "binary", "input_sizes": None, "unequal_budgets": False}
     base.update(kw)
     return argparse.Namespace(**base)
 
 
-def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
-    from nvflare_jobs.compare import epoch_plan, simulate_argv
+def test_equal_epoch_budgets_by_default(tmp_path):
+    """FedAvg rounds x local epochs = Local's epochs = OHFL's local + fine-tuning epochs."""
+    from nvflare_jobs.compare import BudgetError, budget_lines, epoch_plan, simulate_argv
 
-    a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20)
+    plans = {m: epoch_plan(m, _args()) for m in ("local", "local+ft", "fedavg", "ohfl", "fedsaf")}
+    assert plans["ohfl"] == {"rounds": 1, "local_epochs": 20, "finetune_epochs": 10, "total_epochs_per_site": 30}
+    assert plans["local"] == plans["local+ft"] == {"rounds": 1, "local_epochs": 30, "finetune_epochs": 0,
+                                                   "total_epochs_per_site": 30}
+    assert plans["fedavg"] == {"rounds": 15, "local_epochs": 2, "finetune_epochs": 0, "total_epochs_per_site": 30}
+    assert plans["fedsaf"] == {"rounds": 10, "local_epochs": 3, "finetune_epochs": 0, "total_epochs_per_site": 30}
+    assert budget_lines(plans, False)[0] == "equal budgets: every method trains 30 epochs per site"
+    a = _args(local_epochs=4, finetune_epochs=3, rounds=7)  # E = 7
+    assert epoch_plan("fedavg", a) == {"rounds": 7, "local_epochs": 1, "finetune_epochs": 0,
+                                       "total_epochs_per_site": 7}
+    assert epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3))["rounds"] == 7  # 7 is odd: 1 epoch/round
+    with pytest.raises(BudgetError, match="--unequal-budgets"):
+        epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3, rounds=2))
+    argv = simulate_argv("fedavg", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5,
+                         _args(local_epochs=1, finetune_epochs=1, rounds=1, late_wait=60))
+    assert argv[argv.index("--rounds") + 1] == "1" and argv[argv.index("--local-epochs") + 1] == "2"
+    assert argv[argv.index("--late-wait") + 1] == "60"
+    r = run_cli("compare", "--methods", "fedavg,ohfl", "--local-epochs", "4", "--finetune-epochs", "3", "--rounds", "2",
+                "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "does not divide" in r.stderr
+
+
+def test_unequal_budgets_need_the_flag(tmp_path):
+    from nvflare_jobs.compare import budget_lines, epoch_plan, simulate_argv
+
+    a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20, unequal_budgets=True)
     assert epoch_plan("local", a)["local_epochs"] == 4
     assert epoch_plan("local", a)["total_epochs_per_site"] == 8
     assert epoch_plan("local+ft", a) == {"rounds": 1, "local_epochs": 11, "finetune_epochs": 0,
@@ -35,10 +61,10 @@ def test_local_ft_trains_as_many_extra_epochs_as_ohfl_finetuning(tmp_path):
     assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
     ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
     assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
-    # defaults: OHFL's 20 + 10 epochs; Local = OHFL's local phase (20); local+ft = 20 + OHFL's 10 = OHFL's total
-    assert epoch_plan("ohfl", _args())["total_epochs_per_site"] == 30
-    assert epoch_plan("local", _args())["total_epochs_per_site"] == 20
-    assert epoch_plan("local+ft", _args())["total_epochs_per_site"] == 30
+    u = _args(unequal_budgets=True)
+    plans = {m: epoch_plan(m, u) for m in ("local", "fedavg", "ohfl")}
+    assert [p["total_epochs_per_site"] for p in plans.values()] == [20, 6, 30]  # each method's own defaults
+    assert budget_lines(plans, True)[0].startswith("UNEQUAL budgets")
 
 
 def test_paired_difference_ci():
@@ -64,8 +90,8 @@ def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     out = tmp_path / "cmp"
     args = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
             "--seeds", "0", "--max-images", "120", "--max-train-images", "16", "--local-epochs", "1",
-            "--finetune-epochs", "1", "--rounds", "1", "--input-sizes", "32,48", "--out", str(out)]
-    r = run_cli(*args, timeout=400)
+            "--finetune-epochs", "1", "--rounds", "1", "--input-sizes", "32,48", "--late-wait", "60", "--out", str(out)]
+    r = run_cli(*args, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert {(x["method"], x["site"]) for x in rows} == {(m, s) for m in ("local", "ohfl") for s in ("site-1", "site-2")}
@@ -122,7 +148,7 @@ def test_method_variants_and_reproduce_budget():
     r = subprocess.run([sys.executable, "benchmarks/reproduce.py", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "40 simulator runs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
+    assert "34 simulator runs" in r.stdout and "equal budgets: every method trains 3 epochs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     from reproduce import ordering_note
 
@@ -130,3 +156,110 @@ def test_method_variants_and_reproduce_budget():
     assert "Same ordering" in ordering_note([("a", "91.0", "90"), ("b", "85.0", "88")])[0]
     tie = ordering_note([("a", "60.0", "90"), ("b", "60.0", "88"), ("c", "40.0", "89")])[0]
     assert "differs" in tie and "a = b > c" in tie and "a > c > b" in tie
+
+
+# ------------------------------------------------------------------------------------ fake compare folders (fast)
+def _fake_run(run, part, method: str, seed: int) -> None:
+    """A finished run in the simulate layout with real manifests and untrained model files (no simulator)."""
+    import torch
+
+    from hfl_components.models import build_model
+
+    specs = {"site-1": ({"family": "cnn", "depth": "shallow", "width": 1.0}, 32),
+             "site-2": ({"family": "cnn", "depth": "deep", "width": 1.0}, 48)}
+    (run / "resolved_configs").mkdir(parents=True)
+    (run / "models").mkdir()
+    sites = {}
+
+    def save(path, spec, size, site, k):
+        torch.manual_seed(1000 * seed + k + 37 * len(method))
+        model = build_model(spec)
+        with torch.no_grad():  # untrained but image-dependent outputs (a fresh head may answer a constant)
+            for prm in model.parameters():
+                prm.normal_(0.0, 0.05 if prm.dim() > 1 else 0.1)  # larger saturates the softmax
+        blob = {"spec": spec, "state_dict": model.state_dict()}
+        if size:
+            blob.update({"input_size": size, "labels": "binary", "site": site})
+        torch.save(blob, path)
+    for i, (site, (spec, size)) in enumerate(specs.items()):
+        spec = {**spec, "in_channels": 1, "num_classes": 2}
+        (run / "resolved_configs" / f"{site}.json").write_text(json.dumps(
+            {"data": {"manifest": str(part / "sites" / f"{site}.csv"), "labels": "binary"}, "model": spec,
+             "input_size": size}))
+        save(run / "models" / f"{site}_deployed.pt", spec, size, site, i)
+        if method == "ohfl":
+            save(run / "models" / f"{site}_local.pt", spec, size, site, 10 + i)
+        sites[site] = {"model": spec, "input_size": size, "n_test": 2,
+                       "test": {"accuracy": 0.5, "balanced_accuracy": 0.5, "auc": 0.5}}
+    if method != "local":
+        save(run / "global_model.pt", specs["site-2"][0] | {"in_channels": 1, "num_classes": 2}, None, None, 99)
+    (run / "metrics.json").write_text(json.dumps({"method": method, "labels": "binary", "seed": seed,
+                                                  "sites": sites, "pooled": {}}))
+
+
+def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(data_root, tmp_path, capsys):
+    """Runs already done (fake, untrained models): `compare --dry-run` then the real `compare --external` -- the
+    comparison.md and report.html show the command that ran; every saved model is evaluated on the external set;
+    the paired differences equal the mean of the per-(seed, site) differences of the runs' own summaries."""
+    import numpy as np
+
+    from tests.sim_helpers import make_partition
+
+    out = tmp_path / "cmp"
+    for seed in (0, 1):
+        part = make_partition(data_root, out / f"seed{seed}" / "partition", 2, max_images=40)
+        for m in ("local", "fedavg", "ohfl"):
+            _fake_run(out / f"seed{seed}" / m, part, m, seed)
+    ext = tmp_path / "ext.csv"
+    rows = [{"path": str(f), "label": cls} for cls in ("NORMAL", "PNEUMONIA")
+            for f in sorted((data_root / "chest_xray_224" / "train" / cls).glob("*.jpeg"))[:6]]
+    with ext.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["path", "label"])
+        w.writeheader()
+        w.writerows(rows)
+    base = ["compare", "--methods", "local,fedavg,ohfl", "--data", str(data_root / "chest_xray_original"),
+            "--sites", "2", "--seeds", "0,1", "--local-epochs", "1", "--finetune-epochs", "1", "--out", str(out)]
+    from nvflare_jobs.cli import main
+
+    assert main([*base, "--dry-run"]) == 0  # in-process: the same parser and records as the CLI, no start-up
+    assert "budget: equal budgets: every method trains 2 epochs per site" in capsys.readouterr().out
+    real = base + ["--external", str(ext), "--n-boot", "40"]
+    assert main(real) == 0, capsys.readouterr()
+    cj = json.loads((out / "compare.json").read_text())
+    assert "--dry-run" not in cj["command"] and "--external" in cj["command"] and len(cj["dry_runs"]) == 1
+    md = (out / "comparison.md").read_text()
+    assert f"Command: `cxr-hfl {' '.join(real[:1])}" in md and "--dry-run" not in md and "--n-boot 40" in md
+    assert "- ohfl: 1 round(s) x 1 local epochs + 1 fine-tuning epochs = 2 epochs per site" in md
+    # every saved model of every run, on the external set (12 images)
+    ext_rows = list(csv.DictReader((out / "comparison_external.csv").open()))
+    got = {(x["method"], x["seed"], x["model"]) for x in ext_rows}
+    for seed in ("0", "1"):
+        assert {("local", seed, "site-1_deployed"), ("fedavg", seed, "global"), ("ohfl", seed, "site-2_local"),
+                ("ohfl", seed, "global_48px")} <= got
+        assert not {("local", seed, "global")} & got
+    assert all(x["n"] == "12" for x in ext_rows)
+    paired = {p["comparison"]: p for p in json.loads((out / "paired_external.json").read_text())["paired"]}
+    assert set(paired) == {"fedavg vs local+ft (local, same E epochs)", "ohfl vs local+ft (local, same E epochs)",
+                           "ohfl vs FedAvg", "ohfl deployed vs its own pre-fusion local models"}
+
+    def summ(m, seed):
+        return json.loads((out / f"seed{seed}" / m / "external" / "ext" / "summary.json").read_text())["models"]
+    for metric in ("auc", "balanced_accuracy"):
+        want = np.mean([summ("ohfl", s)[f"{k}_deployed"][metric] - summ("fedavg", s)[f"{k}_deployed"][metric]
+                        for s in (0, 1) for k in ("site-1", "site-2")])
+        d = paired["ohfl vs FedAvg"][metric]
+        assert d["n_pairs"] == 4 and d["diff"] == pytest.approx(want, abs=1e-6)
+        assert d["ci_low"] <= d["ci_high"] and d["verdict"] in ("better", "worse", "no difference detected")
+    assert paired["ohfl vs FedAvg"]["auc"]["diff"] != 0  # the fake models' scores differ: not a 0 == 0 check
+    for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
+                  "| ohfl vs FedAvg | 2 | 4 |", "global (site mean)", "pre-fusion local (per site)"):
+        assert part_ in md, part_
+    assert main(["report", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "--dry-run" not in html and "--n-boot 40" in html
+    # resumed: nothing is run or evaluated again
+    capsys.readouterr()
+    assert main(real) == 0
+    so = capsys.readouterr().out
+    assert so.count("done already, skipped") == 6 and "models evaluated" not in so
+    assert json.loads((out / "compare.json").read_text())["command"] == cj["command"]

@@ -28,6 +28,8 @@ def test_project_yml_has_server_six_hospitals_and_a_coordinator():
 
 
 def test_provision_offline_writes_every_kit_with_its_certificate(tmp_path):
+    from nvflare_jobs.site_config import validate_site_config
+
     out = tmp_path / "prov"
     r = run_cli("provision", "--project", str(PROJECT), "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -53,6 +55,11 @@ def test_provision_offline_writes_every_kit_with_its_certificate(tmp_path):
             assert auth["submit_job"] == "any" and auth["byoc"] == "any"
             assert auth["download_job"] in ("n:submitter", "any")
             assert f"bash {p['name']}/startup/start.sh" in r.stdout  # the one command the hospital runs
+            # the kit ships a commented site-config template where the site looks for its config
+            sample = kit / "local" / "cxr_hfl" / f"{p['name']}.yaml.sample"
+            cfg = validate_site_config(yaml.safe_load(sample.read_text()), p["name"], sample, check_files=False)
+            assert cfg["device"] == "auto" and cfg["share_predictions"] is False
+            assert f"cxr-hfl site check --config local/cxr_hfl/{p['name']}.yaml" in sample.read_text()
 
 
 def test_provision_rejects_a_project_without_a_submitter(tmp_path):
@@ -137,12 +144,13 @@ def test_site_finds_its_config_in_its_own_kit_local_folder(tmp_path, monkeypatch
     assert find_site_config("hospital-a", start=deep) == alt / "hospital-a.yaml"
 
 
-def test_share_predictions_switch_is_validated():
+def test_share_predictions_switch_is_validated_and_off_by_default(tmp_path):
     from nvflare_jobs.site_config import SiteConfigError, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
-    assert validate_site_config(base, "s", check_files=False)["share_predictions"] is True
-    assert validate_site_config({**base, "share_predictions": False}, "s", check_files=False)["share_predictions"] is False
+    # a real site keeps its per-image predictions unless it opts in
+    assert validate_site_config(base, "s", check_files=False)["share_predictions"] is False
+    assert validate_site_config({**base, "share_predictions": True}, "s", check_files=False)["share_predictions"] is True
     with pytest.raises(SiteConfigError, match="share_predictions"):
         validate_site_config({**base, "share_predictions": "no"}, "s", check_files=False)
 

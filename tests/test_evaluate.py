@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,14 +22,11 @@ SPECS = {"site-1": ({"family": "cnn", "depth": "shallow", "width": 1.0}, 32),
 
 
 def _save(path: Path, spec: dict, size: int | None, site: str | None, seed: int) -> None:
-    from hfl_components.models import build_model
+    from hfl_components.models import build_model, save_model_file
 
     torch.manual_seed(seed)
     m = build_model(spec)
-    blob = {"spec": spec, "state_dict": m.state_dict()}
-    if size is not None:
-        blob.update({"input_size": size, "labels": "binary", "site": site})
-    torch.save(blob, path)
+    save_model_file(path, spec, m.state_dict(), input_size=size, labels=None if size is None else "binary", site=site)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +76,9 @@ def test_evaluate_writes_every_model_with_val_threshold(fake_run, data_root, tmp
     names = set(res["models"])
     assert names == {"site-1_deployed", "site-1_local", "site-2_deployed", "site-2_local", "global_32px",
                      "global_48px"}
+    assert res["dir"] == fake_run / "external" / "ext"
     for name in names:
-        d = json.loads((fake_run / "external" / f"{name}.json").read_text())
+        d = json.loads((fake_run / "external" / "ext" / f"{name}.json").read_text())
         assert d["n"] == 16 and sum(map(sum, d["test"]["confusion_matrix"])) == 16
         assert {"accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity", "log_loss"} <= set(d["test"])
         assert d["test"]["threshold"] is None  # same rule as the sites' own test splits (argmax)
@@ -88,8 +87,121 @@ def test_evaluate_writes_every_model_with_val_threshold(fake_run, data_root, tmp
     assert res["models"]["site-1_deployed"]["input_size"] == 32
     assert res["models"]["site-2_local"]["input_size"] == 48
     assert res["models"]["global_48px"]["input_size"] == 48
-    s = json.loads((fake_run / "external" / "summary.json").read_text())
-    assert s["overlap"]["shared_file_names"] == 0 and not s["forced"]
+    s = json.loads((fake_run / "external" / "ext" / "summary.json").read_text())
+    assert s["overlap"]["shared_file_names"] == 0 and not s["forced"] and s["probe_images_excluded"] == 0
+    # the global model: scored at each site's size (site-1 32 px, site-2 48 px) and averaged over the sites
+    g = s["models"]["global"]
+    for k in ("accuracy", "balanced_accuracy", "auc"):
+        assert g[k] == pytest.approx((s["models"]["global_32px"][k] + s["models"]["global_48px"][k]) / 2)
+    assert g["site_sizes"] == {"site-1": 32, "site-2": 48}
+    # per-image probabilities for paired comparisons, reproducing the stored metrics
+    from sklearn.metrics import roc_auc_score
+
+    npz = np.load(fake_run / "external" / "ext" / "predictions.npz")
+    assert npz["y"].shape == (16,) and npz["site-1_deployed"].shape == (16, 2)
+    assert roc_auc_score(npz["y"], npz["site-1_deployed"][:, 1]) == pytest.approx(s["models"]["site-1_deployed"]["auc"],
+                                                                                 abs=1e-6)
+
+
+def test_each_data_set_gets_its_own_folder(fake_run, data_root, tmp_path):
+    from nvflare_jobs.evaluation import evaluate_run, external_name
+
+    a = _external_csv(data_root, tmp_path / "set_a.csv", 4)
+    b = _external_csv(data_root, tmp_path / "set_b.csv", 6)
+    evaluate_run(fake_run, a, n_boot=0, log=lambda *_: None, global_sizes="largest")
+    evaluate_run(fake_run, b, n_boot=0, log=lambda *_: None, global_sizes="largest")
+    assert json.loads((fake_run / "external" / "set_a" / "summary.json").read_text())["n_images"] == 8
+    assert json.loads((fake_run / "external" / "set_b" / "summary.json").read_text())["n_images"] == 12
+    assert external_name(data_root / "chest_xray_224", "evaluation") == "chest_xray_224-evaluation"
+    assert external_name(tmp_path / "set_a.csv") == "set_a"
+
+
+def _probe_run(fake_run: Path, tmp_path: Path, probe) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(fake_run, run, ignore=shutil.ignore_patterns("external"))
+    (run / "job_options.json").write_text(json.dumps({"probe": str(probe), "probe_size": 64}))
+    return run
+
+
+def test_probe_images_are_never_scored(fake_run, data_root, tmp_path):
+    """The probe pool as a folder, as a probe.csv, and as the committed probe part: its images are left out and
+    counted in summary.json."""
+    from chest_xray.splits import split_rows
+    from nvflare_jobs.evaluation import evaluate_run, probe_pool
+
+    root = data_root / "chest_xray_224"
+    ext = _external_csv(data_root, tmp_path / "ext.csv")  # 16 images, 8 per class
+    ext_rows = list(csv.DictReader(ext.open()))
+    probe_part = [r for r in split_rows("probe")]
+    extra = [probe_part[0], next(r for r in probe_part if r["label"] == "PNEUMONIA")]
+    with ext.open("a", newline="") as fh:  # two images of the committed probe part join the external set
+        csv.writer(fh).writerows([[str(root / r["path"]), r["label"]] for r in extra])
+    folder = tmp_path / "probe_dir" / "x"
+    folder.mkdir(parents=True)
+    for r in ext_rows[:3]:  # a probe folder holding 3 of the external images (same file names)
+        shutil.copy(r["path"], folder / Path(r["path"]).name)
+    pcsv = tmp_path / "probe.csv"
+    with pcsv.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label"])
+        w.writerows([[r["path"], ""] for r in ext_rows[5:10]])
+    committed = Path(__file__).resolve().parents[1] / "chest_xray" / "splits" / "chest_xray_224_probe.csv"
+    # the chest_xray_224 root as the probe folder stands for its probe part (the server reads only that part)
+    cases = [(folder.parent, 3), (pcsv, 5), ("part:probe", 2), (committed, 2), (root, 2), ("generated", 0)]
+    for i, (probe, n_out) in enumerate(cases):
+        run = _probe_run(fake_run, tmp_path / f"c{i}", probe)
+        names, _ = probe_pool(run)
+        assert len(names) == {0: 3, 1: 5, 5: 0}.get(i, 320), probe
+        res = evaluate_run(run, ext, n_boot=0, log=lambda *_: None, global_sizes="largest")
+        s = json.loads(res["summary"].read_text())
+        assert s["probe_images_excluded"] == n_out and s["n_images"] == 18 - n_out, probe
+        npz = np.load(res["dir"] / "predictions.npz")
+        assert not {Path(p).name.lower() for p in npz["paths"]} & names
+    # file names the server recorded as used (metrics.json probe.files) are left out too
+    run = _probe_run(fake_run, tmp_path / "rec", "generated")
+    met = json.loads((run / "metrics.json").read_text())
+    met["probe"] = {"source": "x", "files": [Path(r["path"]).name for r in ext_rows[:4]]}
+    (run / "metrics.json").write_text(json.dumps(met))
+    res = evaluate_run(run, ext, n_boot=0, log=lambda *_: None, global_sizes="largest")
+    assert json.loads(res["summary"].read_text())["probe_images_excluded"] == 4
+    # a set made only of probe images: a clear error, nothing scored
+    run = _probe_run(fake_run, tmp_path / "all", pcsv)
+    only = tmp_path / "only.csv"
+    with only.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label"])
+        w.writerows([[r["path"], r["label"]] for r in ext_rows[5:10]])
+    with pytest.raises(ValueError, match="all 5 images .* probe pool"):
+        evaluate_run(run, only, n_boot=0, log=lambda *_: None)
+    # a probe pool that no longer exists: the exclusion cannot be honoured
+    run = _probe_run(fake_run, tmp_path / "gone", tmp_path / "no_such_probe")
+    with pytest.raises(FileNotFoundError, match="no longer exists"):
+        probe_pool(run)
+
+
+def test_part_keeps_only_the_committed_part(data_root, tmp_path):
+    """--part evaluation on a chest_xray_224-shaped root keeps exactly the evaluation part's images."""
+    from chest_xray.splits import split_rows
+    from nvflare_jobs.evaluation import load_external
+
+    src = data_root / "chest_xray_224"
+    root = tmp_path / "chest_xray_224"
+    picked = {p: split_rows(p)[:3] + [r for r in split_rows(p) if r["label"] == "PNEUMONIA"][:3]
+              for p in ("probe", "tuning", "evaluation")}
+    for rows in picked.values():
+        for r in rows:
+            (root / r["path"]).parent.mkdir(parents=True, exist_ok=True)
+            (root / r["path"]).symlink_to(src / r["path"])
+    recs, rep = load_external(root, "binary", "evaluation")
+    assert sorted(Path(r["path"]).name for r in recs) == sorted(Path(r["path"]).name for r in picked["evaluation"])
+    assert rep["part"] == "evaluation"
+    other = tmp_path / "other"  # a valid layout holding none of the part's images
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (other / cls).mkdir(parents=True)
+        f = sorted((data_root / "chest_xray_original" / "train" / cls).glob("*.jpeg"))[0]
+        (other / cls / f.name).symlink_to(f)
+    with pytest.raises(ValueError, match="chest_xray_224 root"):
+        load_external(other, "binary", "evaluation")
 
 
 def test_evaluate_refuses_training_images_unless_forced(fake_run, tmp_path):
@@ -108,8 +220,8 @@ def test_evaluate_refuses_training_images_unless_forced(fake_run, tmp_path):
                 timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "WARNING" in r.stdout and "NOT an external validation" in r.stdout
-    assert json.loads((fake_run / "external" / "summary.json").read_text())["forced"] is True
-    assert "global_32px" not in json.loads((fake_run / "external" / "summary.json").read_text())["models"]
+    s = json.loads((fake_run / "external" / "leak" / "summary.json").read_text())
+    assert s["forced"] is True and "global_32px" not in s["models"] and "global" not in s["models"]
 
 
 def test_predict_skips_unreadable_files_with_reason(fake_run, data_root, tmp_path):
@@ -260,8 +372,9 @@ def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
     with torch.no_grad():
         torch.nn.init.normal_(m.classifier.weight, std=0.5)
     model = tmp_path / "sharp.pt"
-    torch.save({"spec": spec, "state_dict": m.state_dict(), "input_size": 32, "labels": "binary",
-                "site": "site-1"}, model)
+    from hfl_components.models import save_model_file
+
+    save_model_file(model, spec, m.state_dict(), input_size=32, labels="binary", site="site-1", kind="deployed")
     out = tmp_path / "pred.csv"
     r = run_cli("predict", "--model", str(model), "--data", str(d), "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -123,3 +123,26 @@ def test_bad_specs_raise_value_error(bad):
 def test_unknown_family_message_lists_known():
     with pytest.raises(ValueError, match="unknown model family 'nope'.*densenet"):
         build_model({"family": "nope"})
+
+
+def test_family_table_is_one_owner_without_import_cycle():
+    """Every family has one (build, resolve) entry, resolve_spec fills the family defaults, and the family modules
+    import nothing from the registry (the old registry <-> hetero cycle)."""
+    import ast
+    import pathlib
+
+    from hfl_components.models import FAMILY_TABLE, resolve_spec
+    from hfl_components.models.fusable import FAMILIES, build_fusable, resolve_fusable_spec
+    from hfl_components.models.hetero import build_hetero
+
+    assert set(FAMILY_TABLE) == set(FAMILIES) | set(HETERO_DEFAULTS)
+    assert FAMILY_TABLE["cnn"] == (build_fusable, resolve_fusable_spec)
+    assert FAMILY_TABLE["densenet"] == (build_hetero, resolve_hetero_spec)
+    assert resolve_spec({"family": "densenet"})["growth_rate"] == HETERO_DEFAULTS["densenet"]["growth_rate"]
+    assert resolve_spec({"family": "cnn", "depth": "shallow"}) == resolve_fusable_spec({"family": "cnn",
+                                                                                         "depth": "shallow"})
+    pkg = pathlib.Path(__file__).resolve().parents[1] / "hfl_components" / "models"
+    for name in ("fusable.py", "hetero.py"):
+        tree = ast.parse((pkg / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "hfl_components.models.registry" not in imported, name

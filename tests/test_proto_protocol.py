@@ -90,7 +90,8 @@ def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparis
     for m in ("local", "fedproto", "fedsaf", "fedtopo"):
         assert epoch_plan(m, a) == {"rounds": PROTO_ROUNDS, "local_epochs": PROTO_LOCAL_EPOCHS, "finetune_epochs": 0,
                                     "total_epochs_per_site": PROTO_ROUNDS * PROTO_LOCAL_EPOCHS}
-    assert epoch_plan("local", _args())["total_epochs_per_site"] == 20  # outside the protocol: unchanged
+    # outside the protocol: compare's equal budgets (Local = OHFL's local + fine-tuning epochs)
+    assert epoch_plan("local", _args())["total_epochs_per_site"] == epoch_plan("ohfl", _args())["total_epochs_per_site"]
     part = tmp_path / "part"
     (part / "sites").mkdir(parents=True)
     for i in (1, 2):

@@ -35,8 +35,13 @@ def test_local_round_survives_a_site_with_missing_data(partition3, tmp_path):
     assert m["bytes_uploaded"] == 0 and m["bytes_downloaded"] == 0  # Local exchanges metrics only
     assert (run / "site_accuracy.png").stat().st_size > 1000
     for s in ("site-1", "site-2", "site-3"):  # each site's deployed model was collected from its own workspace
-        blob = torch.load(run / "models" / f"{s}_deployed.pt", weights_only=True)
+        from hfl_components.models import load_model_file
+
+        _, blob = load_model_file(run / "models" / f"{s}_deployed.pt")
         assert blob["spec"]["family"] == "cnn"
+        assert blob["site"] == s and blob["kind"] == "deployed" and blob["labels"] == "binary"
+        prov = blob["provenance"]
+        assert prov["method"] == "local" and prov["seed"] == 0 and len(prov["manifest_sha256"]) == 64
 
 
 @pytest.mark.slow
@@ -57,6 +62,11 @@ def test_fedavg_simulation_uses_deepest_architecture_and_counts_bytes(partition3
     # 2 rounds of (global down, site model up) + the final global model down for evaluation
     assert m["bytes_uploaded"] == 2 * 3 * n_bytes
     assert m["bytes_downloaded"] == 3 * 3 * n_bytes
+    from hfl_components.models import load_model_file
+
+    glob, header = load_model_file(run / "global_model.pt")  # the server's global model carries the sites' scheme
+    assert header["spec"] == spec and header["kind"] == "global" and header["labels"] == "binary"
+    assert header["provenance"]["method"] == "fedavg" and header["input_size"] is None
 
 
 def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition3, tmp_path):

@@ -6,6 +6,12 @@ functions in ``hfl_components``. Common plumbing lives in :class:`HFLController`
 * ``broadcast(task, params, meta)`` sends one task to every site, waits, and returns only the successful answers;
   a site that answers with an error, or whose upload fails validation, is logged by name and left out of that
   round (the federation continues while at least ``min_sites`` remain).
+* how long it waits is decided by :class:`hfl_components.wait_policy.WaitPolicy` (``send_model_and_wait``): a site
+  that is not running or has gone silent (no progress heartbeat) is dropped at once, a slow site that still
+  heart-beats is kept, and once ``min_sites`` answered the rest get max(60 s, 3 x the slowest answer's compute
+  seconds) or the fixed ``late_wait_s``;
+* the server's state (phase, sites waited for, exclusions, each site's last progress) is rewritten to
+  ``cxr_hfl_results/status.json`` for the live console (``nvflare_jobs.progress``);
 * payload bytes up/down are counted per round (array bytes only);
 * every result is written as JSON under ``<server run dir>/cxr_hfl_results/`` so the simulator, POC download and
   production all turn into the same ``metrics.json`` (``nvflare_jobs.results``).
@@ -15,6 +21,7 @@ Constructor arguments are stored under their own names (NVFlare's job export rea
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +29,13 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from chest_xray.labels import one_label_scheme
 from hfl_components.flare.site_tasks import GLOBAL_PREFIX, payload_bytes
 
 RESULTS_DIR = "cxr_hfl_results"
+PROGRESS_EVENT = "fed.analytix_log_stats"  # what ConvertToFedEvent makes of a site's flare.log(...)
+PROGRESS_KEY = "cxr_hfl_progress"
+POLL_S = 0.5
 
 
 def _jsonable(x):
@@ -50,17 +61,21 @@ class HFLController(ModelController):
         min_sites (int): fewest usable site answers for a round to proceed. Default 1.
         task_config (dict): method settings sent to every site in ``meta["task_config"]``. Default {}.
         task_timeout (int): seconds to wait for a task (0 = no limit). Default 0.
-        late_wait_s (int): once ``min_sites`` sites have answered a task, how long to wait for the others before the
-            round goes on without them (logged by name as late); 0 waits for every site. Default 900.
+        late_wait_s (int | None): None (default) = adaptive wait: once ``min_sites`` sites have answered a task, the
+            others get at most max(60 s, 3 x the slowest answering site's compute seconds), and a site still sending
+            heartbeats is kept (``hfl_components.wait_policy``). A number fixes that late wait in seconds (dropping
+            every site still missing when it runs out); 0 waits for every live site. Sites that are not running or
+            have gone silent are dropped at once in every mode.
         seed (int): server-side seed (initial global models, random strategies). Default 0.
     """
 
     method = "base"
 
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0, late_wait_s: int = 900):
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
         super().__init__(persistor_id="")
-        self.late_wait_s = int(late_wait_s)
+        self.late_wait_s = None if late_wait_s is None or int(late_wait_s) < 0 else int(late_wait_s)
+        self.last_dropped: dict[str, str] = {}
         self.num_rounds = int(num_rounds)
         self.min_sites = int(min_sites)
         self.task_config = dict(task_config or {})
@@ -68,6 +83,10 @@ class HFLController(ModelController):
         self.seed = int(seed)
         self.record = {"method": self.method, "task_config": self.task_config, "rounds": [], "excluded": {},
                        "bytes_uploaded": 0, "bytes_downloaded": 0, "server_seconds": {}, "sites": {}}
+        self._heard: dict[str, float] = {}  # site -> monotonic time of its last progress heartbeat
+        self._progress: dict[str, dict] = {}  # site -> last progress (task, epoch, loss) it reported
+        self._down: set[str] = set()  # sites that did not answer the last task they were sent
+        self._status = {"phase": "starting", "waiting_for": [], "task": None, "round": None}
 
     # ------------------------------------------------------------------ plumbing
     def results_dir(self) -> Path:
@@ -75,29 +94,149 @@ class HFLController(ModelController):
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def handle_event(self, event_type: str, fl_ctx) -> None:
+        """Progress heartbeats from the sites (``flare.log`` -> ``ConvertToFedEvent`` -> ``fed.analytix_log_stats``):
+        remember when each site was last heard from and what it reported."""
+        super().handle_event(event_type, fl_ctx)
+        if event_type != PROGRESS_EVENT:
+            return
+        try:
+            from nvflare.apis.analytix import TrackConst
+            from nvflare.apis.dxo import from_shareable
+            from nvflare.apis.fl_constant import FLContextKey, ReservedKey
+
+            data = fl_ctx.get_prop(FLContextKey.EVENT_DATA, None)
+            site = data.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
+            body = from_shareable(data).data or {}
+            if site is None or body.get(TrackConst.TRACK_KEY) != PROGRESS_KEY:
+                return
+            raw = body.get(TrackConst.TRACK_VALUE)
+            self._heard[site] = time.monotonic()
+            self._progress[site] = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        except Exception as e:  # noqa: BLE001 - a malformed heartbeat must not stop the server
+            self.warning(f"ignored a malformed progress event: {type(e).__name__}: {e}")
+
+    def set_phase(self, phase: str, **extra) -> None:
+        """What the server is doing now (``waiting``, ``probing``, ``CKA``, ``OT``, ``averaging``, ``repair``...),
+        for the live console (``status.json``) and the log."""
+        self._status.update({"phase": phase, **extra})
+        if phase != "waiting":
+            self._status["waiting_for"] = []
+        self._write_status()
+
+    def _write_status(self) -> None:
+        try:
+            d = self.results_dir()
+        except Exception:  # noqa: BLE001 - outside a running job (unit tests)
+            return
+        now = time.monotonic()
+        st = dict(self._status, time=time.time(),
+                  sites={s: dict(p, heard_s_ago=round(now - self._heard[s], 1)) for s, p in self._progress.items()},
+                  excluded={s: ev[-1]["reason"] for s, ev in self.record["excluded"].items()},
+                  down=sorted(self._down))
+        tmp = d / "status.json.tmp"
+        tmp.write_text(json.dumps(_jsonable(st)))
+        tmp.replace(d / "status.json")
+
     def send_model_and_wait(self, task_name: str = "train", data: FLModel = None, targets=None,
                             min_responses: int = None, timeout: int = 0) -> list:
-        """NVFlare's send-and-wait, except that once ``min_responses`` sites have answered it waits at most
-        ``late_wait_s`` for the others and then goes on without them."""
-        if min_responses is not None and self.late_wait_s > 0:
-            return self.broadcast_model(task_name=task_name, data=data, targets=targets, min_responses=min_responses,
-                                        timeout=timeout, wait_time_after_min_received=self.late_wait_s)
-        return super().send_model_and_wait(task_name=task_name, data=data, targets=targets,
-                                           min_responses=min_responses, timeout=timeout)
+        """Send a task to every site and wait as :class:`hfl_components.wait_policy.WaitPolicy` says: a site that is
+        not running or has gone silent is dropped at once, a slow site that still heart-beats is kept, and once
+        ``min_responses`` sites answered the rest get an adaptive (or the fixed ``late_wait_s``) late wait.
+        Dropped sites are in ``self.last_dropped`` ({site: reason}); answers that arrive after are ignored."""
+        from hfl_components.wait_policy import SiteView, WaitPolicy
+
+        clients = list(targets) if targets else [c.name for c in self.engine.get_clients()]
+        late = None if self.late_wait_s is None else (float("inf") if self.late_wait_s == 0 else self.late_wait_s)
+        policy = WaitPolicy(min_sites=max(1, min(int(min_responses or len(clients)), len(clients))), late_wait_s=late)
+        results, answered, lock = [], {}, threading.Lock()
+
+        def on_result(model: FLModel):
+            with lock:
+                site = (model.meta or {}).get("client_name", "?")
+                results.append(model)
+                answered[site] = (time.monotonic(), (model.meta or {}).get("compute_s"))
+
+        self.set_fl_context(data)
+        self._current_min_responses = len(clients)
+        self._current_num_targets = len(clients)
+        self._current_failed_clients = set()
+        task = self._prepare_task(data=data, task_name=task_name, timeout=timeout, callback=on_result)
+        start, wall0 = time.monotonic(), time.time()
+        # NVFlare's non-blocking Controller.broadcast (our own broadcast() is the per-round helper below)
+        super().broadcast(task=task, fl_ctx=self.fl_ctx, targets=clients, min_responses=0)
+        decision = None
+        while True:
+            finished = task.completion_status is not None
+            with lock:
+                views = {}
+                for s in clients:
+                    ct = task.last_client_task_map.get(s)
+                    sent = getattr(ct, "task_sent_time", None) if ct is not None else None
+                    ans = answered.get(s)
+                    heard = self._heard.get(s)
+                    fetched = None if sent is None else start + max(0.0, sent - wall0)
+                    views[s] = SiteView(fetched_at=fetched, answered_at=ans[0] if ans else None,
+                                        compute_s=ans[1] if ans else None,
+                                        last_heard=heard if heard is not None and heard >= start else
+                                        (fetched if heard is not None else None))
+            decision = policy.decide(time.monotonic(), start, views, down_before=self._down)
+            new = sorted(set(decision.dropped) - set(self._status.get("dropped_now", {})))
+            for s in new:
+                self.warning(f"task {task_name}: site {s} excluded: {decision.dropped[s]}")
+            self._status.update({"phase": "waiting", "task": task_name, "waiting_for": decision.waiting,
+                                 "answered": sorted(answered), "dropped_now": dict(decision.dropped),
+                                 "late_wait_ends_in_s": None if decision.deadline is None else
+                                 round(decision.deadline - time.monotonic(), 1)})
+            self._write_status()
+            if finished or decision.done or self.abort_signal.triggered:
+                break
+            time.sleep(POLL_S)
+        if task.completion_status is None:
+            self.cancel_task(task)
+        with lock:
+            out = list(results)
+        got = {(r.meta or {}).get("client_name") for r in out}
+        self.last_dropped = {s: r for s, r in decision.dropped.items() if s not in got}
+        for s in clients:
+            if s not in got and s not in self.last_dropped:
+                self.last_dropped[s] = "no answer before the task ended (timeout or abort)"
+        self._down = set(self.last_dropped)
+        self._status.update({"dropped_now": {}, "waiting_for": []})
+        return out
 
     def validate_result(self, task: str, result: FLModel) -> None:
         """Hook: raise ValueError to reject a site's upload for this task."""
+
+    def check_label_schemes(self, results: list) -> None:
+        """Refuse a federation whose sites declare different label schemes (``meta["labels"]`` of their answers,
+        this round and earlier ones); the scheme goes to ``record["labels"]``. Raises ``LabelSchemeMismatch``
+        (a ValueError) naming the sites of each scheme."""
+        seen = self.record.setdefault("site_labels", {})
+        for r in results:
+            m = r.meta or {}
+            if m.get("status") == "ok" and m.get("labels") is not None:
+                seen.setdefault(m.get("client_name", "?"), m["labels"])
+        try:
+            self.record["labels"] = one_label_scheme(seen)
+        except ValueError as e:
+            self.error(f"refusing the federation: {e}")
+            raise
 
     def broadcast(self, task: str, rnd: int, params: dict | None = None, meta: dict | None = None) -> dict:
         """Send ``task`` to all sites; return {site: FLModel} of the usable answers (sorted by site)."""
         meta = dict(meta or {})
         meta["task_config"] = self.task_config
         meta["round"] = rnd
+        meta.setdefault("method", self.method)
         params = params or {}
         t0 = time.perf_counter()
         data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
+        self.last_dropped = {}
+        self._status["round"] = rnd
         results = self.send_model_and_wait(task_name=task, data=data, timeout=self.task_timeout,
-                                           min_responses=self.min_sites if self.late_wait_s > 0 else None)
+                                           min_responses=self.min_sites)
+        self.check_label_schemes(results)
         good, errors, up, up_site = {}, {}, 0, {}
         for r in results:
             site = (r.meta or {}).get("client_name", "?")
@@ -117,7 +256,7 @@ class HFLController(ModelController):
             expected = set()
         answered = {(r.meta or {}).get("client_name") for r in results}
         for site in sorted(expected - answered):
-            errors[site] = "no answer in time (late or down)"
+            errors[site] = getattr(self, "last_dropped", {}).get(site, "no answer in time (late or down)")
         for site, reason in sorted(errors.items()):
             self.warning(f"round {rnd} task {task}: site {site} left out: {reason}")
             self.record["excluded"].setdefault(site, []).append({"round": rnd, "task": task, "reason": reason})
@@ -129,7 +268,10 @@ class HFLController(ModelController):
             "site_compute_s": {s: (r.meta or {}).get("compute_s") for s, r in sorted(good.items())},
             "bytes_up_per_site": dict(sorted(up_site.items())), "bytes_down_per_site": payload_bytes(params),
             "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
+        self._write_status()
         if len(good) < self.min_sites:
+            self.record["failed"] = (f"round {rnd} task {task}: only {len(good)} usable site answers "
+                                     f"(min_sites={self.min_sites})")
             raise RuntimeError(f"round {rnd} task {task}: only {len(good)} usable site answers "
                                f"(min_sites={self.min_sites}); errors: {errors}")
         self.info(f"round {rnd} task {task}: {len(good)} sites ok, {len(errors)} left out, "
@@ -146,6 +288,15 @@ class HFLController(ModelController):
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
 
+    def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
+        """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the
+        sites' label scheme, method and seed)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(self.results_dir() / "global_model.pt", spec, numpy_state,
+                               labels=self.record.get("labels"), kind="global",
+                               provenance={"method": self.method, "seed": self.seed})
+
     def save_record(self) -> None:
         p = self.results_dir() / "server_results.json"
         p.write_text(json.dumps(_jsonable(self.record), indent=1))
@@ -155,6 +306,11 @@ class HFLController(ModelController):
         t0 = time.perf_counter()
         try:
             self.run_method()
+            self.set_phase("done")
+        except Exception as e:
+            self.record.setdefault("failed", f"{type(e).__name__}: {e}")
+            self.set_phase("failed", error=self.record["failed"])
+            raise
         finally:
             self.record["server_seconds"]["total"] = time.perf_counter() - t0
             self.save_record()
@@ -190,7 +346,7 @@ class FedAvgController(HFLController):
     method = "fedavg"
 
     def __init__(self, global_spec: dict, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0, late_wait_s: int = 900):
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.global_spec = dict(global_spec)
 
@@ -221,6 +377,7 @@ class FedAvgController(HFLController):
         meta = {"global_spec": self.global_spec}
         for rnd in range(self.num_rounds):
             res = self.broadcast("fedavg_train", rnd, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+            self.set_phase("averaging", round=rnd)
             t0 = time.perf_counter()
             weights = weighted_average([r.params for r in res.values()],
                                        [float(r.meta["NUM_STEPS_CURRENT_ROUND"]) for r in res.values()])
@@ -228,13 +385,7 @@ class FedAvgController(HFLController):
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
         self.record["global_spec"] = self.global_spec
         self.final_evaluation(self.num_rounds, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-        _save_model(self.results_dir() / "global_model.pt", self.global_spec, weights)
-
-
-def _save_model(path, spec, numpy_state):
-    import torch
-
-    torch.save({"spec": spec, "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in numpy_state.items()}}, path)
+        self.save_global_model(self.global_spec, weights)
 
 
 # ============================================================================ OHFL
@@ -253,6 +404,8 @@ class OHFLController(HFLController):
         weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
         repair (bool): rescale fused layers' activation spread on the probe (``hfl_components.fusion.repair``;
             not in the paper). Default True.
+        fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair):
+            ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
     """
 
     method = "ohfl"
@@ -260,8 +413,11 @@ class OHFLController(HFLController):
     def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
                  ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples", repair: bool = True,
                  num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0,
-                 seed: int = 0, late_wait_s: int = 900):
+                 seed: int = 0, late_wait_s: int | None = None, fusion_device: str = "auto"):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+        from hfl_components.training.device import check_device_name
+
+        self.fusion_device = check_device_name(fusion_device)
         self.probe = probe
         self.strategy = strategy
         self.alignment = alignment
@@ -294,23 +450,30 @@ class OHFLController(HFLController):
                            "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
                            "input_size": int(r.meta.get("input_size", 64))})
         size = max(m["input_size"] for m in models)
+        self.set_phase("probing")
         t0 = time.perf_counter()
         probe = load_probe(self.probe, size, self.probe_size, in_channels=int(models[0]["spec"].get("in_channels", 1)),
                            seed=self.seed, warn=self.warning)
         self.record["server_seconds"]["probe"] = time.perf_counter() - t0
         self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
                   f"{self.alignment}, OT {self.ot_solver}/{self.ground_metric}, probe {tuple(probe.shape)}")
+        from hfl_components.training.device import describe_device, resolve_device
+
+        device = resolve_device(self.fusion_device)
+        self.record["fusion_device"] = describe_device(device)
+        self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
+        self.set_phase("fusing (CKA layer alignment, OT neuron alignment, averaging, repair)")
         t0 = time.perf_counter()
         spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
                                                alignment=self.alignment, ot_solver=self.ot_solver,
                                                ground_metric=self.ground_metric, weighting=self.weighting,
-                                               seed=self.seed, repair=self.repair)
+                                               seed=self.seed, repair=self.repair, device=device)
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
         self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
         self.record["global_spec"] = spec
         (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
         weights = to_numpy_state(state)
-        _save_model(self.results_dir() / "global_model.pt", spec, weights)
+        self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
         for site, r in ft.items():
@@ -358,7 +521,7 @@ class FedSAFController(HFLController):
 
     def __init__(self, num_classes: int, feature_dim: int, prototypes: str = "fedproto", num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 method_name: str = "fedsaf", late_wait_s: int = 900):
+                 method_name: str = "fedsaf", late_wait_s: int | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.method_name = method_name
         self.method = method_name
@@ -411,6 +574,7 @@ class FedSAFController(HFLController):
                 params = {"global_prototypes": np.asarray(gp, np.float32), "global_mask": np.asarray(gmask, np.float32)}
             res = self.broadcast("fedsaf_train", rnd, params)
             _payload_round(self.record, rnd, 4 * (C * d + C), 0 if gp is None else 4 * (C * d + C))
+            self.set_phase("averaging prototypes", round=rnd)
             t0 = time.perf_counter()
             P = [torch.as_tensor(np.asarray(r.params["prototypes"])) for r in res.values()]
             N = [torch.as_tensor(np.asarray(r.params["counts"])) for r in res.values()]
@@ -454,7 +618,7 @@ class FedTopoController(HFLController):
 
     def __init__(self, num_classes: int, rho: float = 0.7, ablate: list | None = None, num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 late_wait_s: int = 900):
+                 late_wait_s: int | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.num_classes = int(num_classes)
         self.rho = float(rho)
@@ -506,6 +670,7 @@ class FedTopoController(HFLController):
             params = {"R_global": np.asarray(R, np.float32), "S_global": np.asarray(S, np.float32)}
             res = self.broadcast("fedtopo_train", rnd, params)
             _payload_round(self.record, rnd, 4 * (C * C + C), 4 * 2 * C * C)
+            self.set_phase("aggregating topology", round=rnd)
             t0 = time.perf_counter()
             R, S = aggregate_topology([np.asarray(r.params["R"]) for r in res.values()],
                                       [np.asarray(r.params["counts"]) for r in res.values()],

@@ -7,6 +7,7 @@ topology}``; these functions only wire a site's data and model to it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -18,8 +19,19 @@ log = logging.getLogger("cxr_hfl.site")
 
 
 def _epochs(rt: SiteRuntime, tc: dict, key: str, cfg_key: str) -> int:
+    """Epochs for a task: the job's ``task_config[key]``, else the site config's ``cfg_key``, else the running
+    method's default (:mod:`hfl_components.flare.catalogue`). Raises ValueError naming the site when none applies."""
     v = tc.get(key)
-    return int(rt.cfg[cfg_key] if v is None else v)
+    if v is None:
+        v = rt.cfg.get(cfg_key)
+    if v is None:
+        if rt.method is None:
+            raise ValueError(f"site {rt.site}: {key} is set neither by the job nor in the site config, and the task "
+                             f"names no method to take the default from")
+        from hfl_components.flare.catalogue import method_defaults
+
+        v = method_defaults(rt.method)[key]
+    return int(v)
 
 
 def _val_acc(rt: SiteRuntime) -> float:
@@ -27,7 +39,7 @@ def _val_acc(rt: SiteRuntime) -> float:
 
 
 def _ok(rt, **meta):
-    out = {"status": "ok", "n_train": rt.n_train(), "input_size": int(rt.cfg["input_size"])}
+    out = {"status": "ok", "n_train": rt.n_train(), "input_size": int(rt.cfg["input_size"]), "labels": rt.labels}
     out.update(meta)
     return out
 
@@ -58,8 +70,7 @@ def ohfl_train(rt, params, meta):
     rt.ensure_own_model()
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
     rt.save_state()
-    torch.save({"spec": rt.spec, "state_dict": rt.model.state_dict(), "input_size": int(rt.cfg["input_size"]),
-                "labels": rt.labels, "site": rt.site}, rt.state_dir / "local_model.pt")
+    rt.save_model(rt.state_dir / "local_model.pt", kind="local")
     val = rt.evaluate("val")
     local_test = rt.evaluate("test")
     metrics = {"loss": [h["loss"] for h in hist], "val": val, "local": local_test}
@@ -235,8 +246,9 @@ def evaluate_deployed(rt, params, meta):
     if any(k.startswith(GLOBAL_PREFIX) for k in params):
         rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
         rt.save_state(deployed=True)
-    elif rt.model is None:
-        raise ValueError(f"site {rt.site}: no trained model to evaluate")
+    elif rt.model is None or not (rt.state_dir / "deployed_model.pt").is_file():
+        # an earlier task failed here (e.g. an unreadable image): never report an untrained model's metrics
+        raise ValueError(f"site {rt.site}: no trained model to evaluate (an earlier task failed at this site)")
     else:
         rt.save_state(deployed=True)
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)
@@ -245,7 +257,18 @@ def evaluate_deployed(rt, params, meta):
     return {}, {"test": test, "val": site_evaluate(rt, "val", tc)}, _ok(rt, spec=rt.spec)
 
 
-HANDLERS = {
+def _with_method(handler):
+    """Wrap a handler so the site runtime knows the method of the task it runs (``meta["method"]``, sent by the
+    server; recorded in the provenance of the model files the site saves)."""
+    @functools.wraps(handler)
+    def run(rt, params, meta):
+        rt.method = meta.get("method") or rt.method
+        return handler(rt, params, meta)
+
+    return run
+
+
+_HANDLERS = {
     "local_train": local_train,
     "fedavg_train": fedavg_train,
     "ohfl_train": ohfl_train,
@@ -254,3 +277,4 @@ HANDLERS = {
     "fedtopo_train": fedtopo_train,
     "evaluate": evaluate_deployed,
 }
+HANDLERS = {task: _with_method(h) for task, h in _HANDLERS.items()}

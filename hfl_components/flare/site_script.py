@@ -8,8 +8,10 @@ server can log it and carry on with the other sites instead of the whole federat
 from __future__ import annotations
 
 import logging
+import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -17,11 +19,60 @@ import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from hfl_components.flare.site_methods import HANDLERS
-from hfl_components.flare.site_tasks import SiteRuntime
+from hfl_components.flare.site_tasks import SiteRuntime, describe_error
 from nvflare_jobs.site_config import load_site_config
 from nvflare_jobs.privacy import redact_paths
 
 log = logging.getLogger("cxr_hfl.site")
+PROGRESS_KEY = "cxr_hfl_progress"  # read by HFLController.handle_event
+HEARTBEAT_S = 5.0  # hfl_components.wait_policy.HEARTBEAT_S
+
+
+class Heartbeat:
+    """While a task runs, send the site's progress (task, round, epoch, loss) to the server every ``HEARTBEAT_S``
+    seconds (and at once when an epoch ends) through ``flare.log``: the server's liveness signal (a site that stops
+    sending has stopped, ``hfl_components.wait_policy``) and the live per-site progress on the console."""
+
+    def __init__(self):
+        self.state: dict = {}
+        self.runtime = None
+        self._stop = threading.Event()
+        self._busy = threading.Event()
+        self._last_sent = None
+        self._thread = threading.Thread(target=self._loop, name="cxr_hfl_heartbeat", daemon=True)
+        self._thread.start()
+
+    def start_task(self, task: str, rnd) -> None:
+        self.state = {"task": task, "round": rnd}
+        if self.runtime is not None:
+            self.runtime.progress.clear()
+        self._busy.set()
+        self.send()
+
+    def end_task(self) -> None:
+        self._busy.clear()
+
+    def send(self) -> None:
+        try:
+            from nvflare.apis.analytix import AnalyticsDataType
+
+            st = dict(self.state, **(self.runtime.progress if self.runtime is not None else {}))
+            flare.log(PROGRESS_KEY, json.dumps(st, default=float), AnalyticsDataType.TEXT)
+            self._last_sent = (st.get("epoch"), time.monotonic())
+        except Exception as e:  # noqa: BLE001 - progress is best effort; the task result is what counts
+            log.debug("heartbeat not sent: %s", e)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            if not self._busy.is_set():
+                continue
+            epoch = (self.runtime.progress if self.runtime is not None else {}).get("epoch")
+            last = self._last_sent
+            if last is None or last[0] != epoch or time.monotonic() - last[1] >= HEARTBEAT_S:
+                self.send()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def main() -> None:
@@ -35,6 +86,7 @@ def main() -> None:
         # (models, prototypes) in the job's own run folder so no job picks up another job's model
         workdir = os.path.join(workdir, job_id)
     runtime = None
+    beat = Heartbeat()
     while flare.is_running():
         msg = flare.receive()
         if msg is None:
@@ -42,9 +94,11 @@ def main() -> None:
         task = flare.get_task_name()
         meta = dict(msg.meta or {})
         meta.setdefault("round", msg.current_round or 0)
+        beat.start_task(task, meta["round"])
         try:
             if runtime is None:
                 runtime = SiteRuntime(load_site_config(site), workdir)
+                beat.runtime = runtime
             handler = HANDLERS.get(task)
             if handler is None:
                 raise ValueError(f"unknown task {task!r} (known: {sorted(HANDLERS)})")
@@ -54,11 +108,16 @@ def main() -> None:
             meta_out["compute_s"] = round(time.perf_counter() - t0, 3)  # the site's own work on this task
             flare.send(FLModel(params=params, metrics=metrics, meta=meta_out, current_round=msg.current_round))
         except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
-            reason = f"site {site}: task {task} failed: {type(e).__name__}: {e}"
+            # an unreadable image is reported as the ImageReadError (file, reason, manifest line), not as the
+            # transform wrapper MONAI raises around it
+            reason = f"site {site}: task {task} failed: {describe_error(e)}"
             log.error("%s\n%s", reason, traceback.format_exc())
             # the server gets the reason without file paths / image names (they stay in this site's log)
             flare.send(FLModel(params={}, metrics={}, meta={"status": "error", "error": redact_paths(reason)},
                                current_round=msg.current_round))
+        finally:
+            beat.end_task()
+    beat.stop()
 
 
 if __name__ == "__main__":

@@ -53,24 +53,36 @@ def payload_bytes(params: dict | None) -> int:
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
-    """At most ``n`` rows, class-stratified and seeded, in their original order.
+    """At most ``n`` rows, class-stratified and seeded: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
 
-    Manifests are written grouped by class, so a plain ``rows[:n]`` keeps a single class; here each class keeps a
-    share proportional to its size (a seeded random choice within the class), so a capped site still sees every
-    class it holds (as long as ``n`` >= the number of classes).
-    """
-    if n >= len(rows):
-        return list(rows)
-    rng = np.random.default_rng(seed)
-    by_class: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_class.setdefault(int(r["label"]), []).append(i)
-    keyed = []
-    for c, idx in sorted(by_class.items()):
-        perm = rng.permutation(len(idx))
-        keyed += [((k + 0.5) / len(idx), c, idx[j]) for k, j in enumerate(perm)]
-    keep = sorted(i for _, _, i in sorted(keyed)[:n])
-    return [rows[i] for i in keep]
+    return stratified_subset(rows, n, seed)
+
+
+def find_image_error(exc: BaseException):
+    """The :class:`chest_xray.ImageReadError` behind ``exc`` (itself, or anywhere in its ``__cause__`` /
+    ``__context__`` chain, e.g. under MONAI's ``RuntimeError: applying transform <...Lambdad object at 0x...>``),
+    else None."""
+    from chest_xray import ImageReadError
+
+    seen = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ImageReadError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"<Type>: <message>"`` of a task failure, with an underlying ImageReadError (file and reason) in place of
+    the wrappers MONAI puts around it. Used for the site log and (after path redaction) the reason the server
+    records."""
+    img = find_image_error(exc)
+    if img is not None:
+        return f"ImageReadError: {img}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def balanced_sampler(labels: list[int], generator: torch.Generator) -> torch.utils.data.WeightedRandomSampler:
@@ -92,11 +104,22 @@ class SiteRuntime:
     Args:
         cfg: validated site config (see ``nvflare_jobs.site_config``).
         workdir: the site's workspace folder; state is kept under ``workdir/cxr_hfl_state``.
+
+    Raises:
+        ValueError: the config's ``device`` cannot be used here (the message names the config file).
     """
 
     def __init__(self, cfg: dict, workdir: str | Path):
+        from hfl_components.training.device import describe_device, resolve_device
+
         self.cfg = cfg
         self.site = cfg["site"]
+        try:
+            self.device = resolve_device(cfg.get("device", "auto"))
+        except ValueError as e:
+            raise ValueError(f"site {self.site}: config {cfg.get('config_path', '<memory>')} key 'device': {e}") from None
+        self.amp = bool(cfg.get("amp", False))
+        log.info("site %s: device %s%s", self.site, describe_device(self.device), ", mixed precision" if self.amp else "")
         self.state_dir = Path(workdir) / STATE_DIR
         self.state_dir.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(int(cfg["threads"]))
@@ -106,6 +129,10 @@ class SiteRuntime:
         self._rows = None
         self.model = None
         self.spec = None
+        self.method = None  # the method of the task being run (meta["method"], set by site_methods.HANDLERS)
+        self._manifest_sha = None
+        # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
+        self.progress: dict = {}
         self._load_state()
 
     # ---------------------------------------------------------------- data
@@ -114,8 +141,11 @@ class SiteRuntime:
 
         if self._rows is None:
             rows = read_site_manifest(self.cfg["data"]["manifest"])
-            if self.labels == "subtype" and rows and max(r["label"] for r in rows) > 2:
-                raise ValueError(f"site {self.site}: labels out of range for subtype in {self.cfg['data']['manifest']}")
+            n_classes = 3 if self.labels == "subtype" else 2
+            bad = next((r for r in rows if not 0 <= r["label"] < n_classes), None)
+            if bad is not None:
+                raise ValueError(f"site {self.site}: label {bad['label']} of {bad['path']} is out of range for the "
+                                 f"{self.labels} scheme (0..{n_classes - 1}) in {self.cfg['data']['manifest']}")
             self._rows = rows
         out = [r for r in self._rows if r["split"] == split]
         if split == "train" and self.cfg.get("max_train_images"):
@@ -136,16 +166,22 @@ class SiteRuntime:
             aug = self.cfg["augment_classes"]
             if aug == "auto":
                 aug = default_augment_classes(self.rows("train"))
-            if train_mode and self.cfg.get("fast_augment"):
-                from chest_xray.transforms import TensorAugmentDataset
+            try:
+                if train_mode and self.cfg.get("fast_augment"):
+                    from chest_xray.transforms import TensorAugmentDataset
 
-                base = self.loader(split, size, train_mode=False).dataset  # cached eval-mode tensors, built once
-                items = [base[i] for i in range(len(base))]
-                ds = TensorAugmentDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
-                                          [int(it["label"]) for it in items], augment_classes=aug or [])
-            else:
-                ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
-                                       cache_dir=self.cfg.get("cache_dir"))
+                    base = self.loader(split, size, train_mode=False).dataset  # cached eval-mode tensors, built once
+                    items = [base[i] for i in range(len(base))]
+                    ds = TensorAugmentDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
+                                              [int(it["label"]) for it in items], augment_classes=aug or [])
+                else:
+                    ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
+                                           cache_dir=self.cfg.get("cache_dir"))
+            except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
+                img = find_image_error(e)
+                if img is None:
+                    raise
+                raise self._located(img, split) from None
             g = torch.Generator().manual_seed(int(self.cfg["seed"]))
             sampler = None
             if train_mode and self.cfg.get("balanced_sampling"):
@@ -154,6 +190,17 @@ class SiteRuntime:
                 ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode and sampler is None, sampler=sampler,
                 num_workers=0, generator=g)
         return self._loaders[key]
+
+    def _located(self, err, split: str):
+        """The ImageReadError ``err`` with its manifest row (1-based line of the CSV, header = line 1) added."""
+        from chest_xray import ImageReadError
+
+        where = ""
+        for i, r in enumerate(self._rows or []):
+            if str(r["path"]) == err.path:
+                where = f" (manifest {self.cfg['data']['manifest']} line {i + 2}, {split} split)"
+                break
+        return ImageReadError(err.path, f"{err.reason}{where}; `cxr-hfl site check` lists every unreadable file")
 
     def n_train(self) -> int:
         return len(self.rows("train"))
@@ -166,16 +213,41 @@ class SiteRuntime:
 
     # ---------------------------------------------------------------- model state
     def _load_state(self):
+        from hfl_components.models import load_model_file
+
         p = self.state_dir / "model.pt"
         if p.is_file():
-            blob = torch.load(p, map_location="cpu", weights_only=True)
-            self.set_model(blob["spec"], blob["state_dict"])
+            model, header = load_model_file(p)
+            self.spec, self.model = dict(header["spec"]), model.train()
+
+    def manifest_sha256(self) -> str | None:
+        """SHA-256 of the site's manifest file (provenance of the models it saves); None if unreadable."""
+        from hfl_components.models.files import file_sha256
+
+        if self._manifest_sha is None:
+            try:
+                self._manifest_sha = file_sha256(self.cfg["data"]["manifest"])
+            except OSError:
+                return None
+        return self._manifest_sha
+
+    def save_model(self, path: str | Path, kind: str) -> Path:
+        """Save the current model as a model file (``hfl_components.models.save_model_file``) with this site's
+        input size, label scheme and provenance (method of the last task, seed, manifest hash)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                               input_size=int(self.cfg["input_size"]),
+                               labels=self.labels, site=self.site, kind=kind,
+                               provenance={"method": self.method, "seed": int(self.cfg["seed"]),
+                                           "manifest_sha256": self.manifest_sha256()})
 
     def set_model(self, spec: dict, state_dict: dict | None = None):
         self.spec = dict(spec)
         self.model = build_model(self.spec)
         if state_dict is not None:
             self.model.load_state_dict(state_dict)
+        self.model.to(self.device)
 
     def ensure_own_model(self):
         if self.model is None:
@@ -184,11 +256,9 @@ class SiteRuntime:
         return self.model
 
     def save_state(self, deployed: bool = False):
-        blob = {"spec": self.spec, "state_dict": self.model.state_dict(),
-                "input_size": int(self.cfg["input_size"]), "labels": self.labels, "site": self.site}
-        torch.save(blob, self.state_dir / "model.pt")
+        self.save_model(self.state_dir / "model.pt", kind="state")
         if deployed:
-            torch.save(blob, self.state_dir / "deployed_model.pt")
+            self.save_model(self.state_dir / "deployed_model.pt", kind="deployed")
 
     # ---------------------------------------------------------------- training / evaluation
     def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0) -> list[dict]:
@@ -199,19 +269,22 @@ class SiteRuntime:
             return []
         cw = self.cfg["class_weights"]
 
+        self.progress.update({"stage": tag, "epoch": 0, "epochs": int(epochs), "loss": None})
+
         def on_epoch(rec):
+            self.progress.update({"epoch": rec.get("epoch"), "loss": rec.get("loss")})
             log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
                            grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
-                           seed=int(self.cfg["seed"]) * 1000 + int(rnd))
+                           seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp)
 
     def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:
         """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""
         from hfl_components.training import compute_metrics, predict_proba
 
-        probs, y = predict_proba(self.model, self.loader(split, train_mode=False))
+        probs, y = predict_proba(self.model, self.loader(split, train_mode=False), device=self.device)
         m = compute_metrics(y, probs, self.num_classes)
         m["n"] = int(len(y))
         if with_predictions:

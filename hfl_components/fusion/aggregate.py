@@ -81,7 +81,7 @@ def _n_params(spec: dict) -> int:
 
 def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
                      alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
-                     sinkhorn_reg: float = 0.01, repair: bool = False) -> tuple[dict, StateDict, dict]:
+                     sinkhorn_reg: float = 0.01, repair: bool = False, device=None) -> tuple[dict, StateDict, dict]:
     """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
 
     Args:
@@ -92,6 +92,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         weighting: ``"samples"`` (cumulative sample counts) or ``"half"`` (fixed 0.5 steps).
         alignment, ot_solver, ground_metric, sinkhorn_reg, repair: passed to :func:`fuse_pair`.
         seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
+        device: where the probe forward passes run (``torch.device`` or name; default CPU), see :func:`fuse_pair`.
 
     Returns:
         ``(spec, state_dict, record)``: the global model (spec of the final target, float32 tensors) and a JSON-able
@@ -129,7 +130,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe, w_s, w_t,
                                   alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
                                   seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
-                                  repair=repair)
+                                  repair=repair, device=device)
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})

@@ -118,7 +118,8 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
     """Pre-activations (conv / linear outputs before ReLU) of every layer of a fusable model on a probe batch.
 
     Forward hooks on each ``LayerInfo.module`` of ``model.layers()``; the model is run once in eval mode without
-    gradients (its training flag is restored afterwards).
+    gradients (its training flag is restored afterwards), on the device of the model's parameters (the probe is
+    moved there); the activations are returned on the CPU.
 
     Args:
         model: a :class:`~hfl_components.models.fusable.FusableNet` (anything with ``layers()``).
@@ -138,7 +139,7 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
 
     def hook(idx):
         def fn(_module, _inp, out):
-            outs[idx] = out.detach().to(torch.float32).reshape(out.shape[0], -1).clone()
+            outs[idx] = out.detach().to("cpu", torch.float32).reshape(out.shape[0], -1).clone()
         return fn
 
     for k, info in enumerate(layers):
@@ -146,7 +147,8 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
     was_training = model.training
     try:
         model.eval()
-        model(probe)
+        p = next(model.parameters(), None)
+        model(probe if p is None else probe.to(p.device))
     finally:
         for h in handles:
             h.remove()

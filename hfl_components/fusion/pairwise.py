@@ -18,16 +18,16 @@ StateDict = dict[str, torch.Tensor]
 PHASES = ("cka", "alignment", "ot", "averaging")
 
 
-def _load(spec: dict, sd: StateDict) -> torch.nn.Module:
+def _load(spec: dict, sd: StateDict, device=None) -> torch.nn.Module:
     m = build_fusable(spec)
     m.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in sd.items()})
-    return m
+    return m.to(device or "cpu")
 
 
 def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: torch.Tensor | None = None,
               weight_src: float = 0.5, weight_tgt: float = 0.5, alignment: str = "cka", ot_solver: str = "emd",
               ground_metric: str = "wts", seed: int | None = 0, sinkhorn_reg: float = 0.01,
-              repair: bool = False) -> tuple[dict, StateDict, dict]:
+              repair: bool = False, device=None) -> tuple[dict, StateDict, dict]:
     """Fuse a source model into a target model; the result has the target's architecture (OHFL Sec. 3.1–3.4).
 
     Steps: (1) if the two hidden-layer layouts differ, the CKA cost matrix C_ij = 1 − CKA (Eq. 1) on ``probe``;
@@ -45,6 +45,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         ground_metric: ``"wts"`` or ``"acts"``.  seed: seed of the random alignment.
         repair: after averaging, rescale each hidden layer so its pre-activation std on the probe matches the
             weighted mean of the parents' (:mod:`.repair`; not in the paper, off gives the paper's pipeline).
+        device: where the probe forward passes (CKA, repair) run, e.g. ``"cuda"``; default the CPU. OT and
+            averaging stay on the CPU (NumPy / POT); results are CPU tensors either way.
 
     Returns:
         ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
@@ -74,7 +76,7 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             if probe is None:
                 raise ValueError("CKA alignment of models of different depth needs a probe batch")
             t0 = time.perf_counter()
-            cost = cka_cost_matrix(_load(spec_s, sd_s), _load(spec_t, sd_t), probe)
+            cost = cka_cost_matrix(_load(spec_s, sd_s, device), _load(spec_t, sd_t, device), probe)
             secs["cka"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pairs = align_layers(cost, [r.kind for r in rows_s], [r.stage for r in rows_s],
@@ -96,9 +98,9 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         from hfl_components.fusion.repair import hidden_stds, repair_scales
 
         t0 = time.perf_counter()
-        a, b = hidden_stds(_load(bal_spec, bal_sd), probe), hidden_stds(_load(spec_t, sd_t), probe)
+        a, b = hidden_stds(_load(bal_spec, bal_sd, device), probe), hidden_stds(_load(spec_t, sd_t, device), probe)
         goal = [(float(weight_src) * x + float(weight_tgt) * y) / w_sum for x, y in zip(a, b)]
-        sd, scales = repair_scales(spec_t, sd, goal, probe)
+        sd, scales = repair_scales(spec_t, sd, goal, probe, device=device)
         secs["averaging"] += time.perf_counter() - t0
     record = {
         "src_layers": [r.name for r in rows_s],

@@ -41,9 +41,10 @@ def _layer_std(model: torch.nn.Module, module: torch.nn.Module, probe: torch.Ten
         raise _Reached
 
     h = module.register_forward_hook(hook)
+    p = next(model.parameters(), None)
     try:
         with torch.no_grad():
-            model(probe)
+            model(probe if p is None else probe.to(p.device))
     except _Reached:
         pass
     finally:
@@ -52,7 +53,7 @@ def _layer_std(model: torch.nn.Module, module: torch.nn.Module, probe: torch.Ten
 
 
 def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe: torch.Tensor,
-                  eps: float = 1e-12, max_scale: float = 100.0) -> tuple[dict, list[float]]:
+                  eps: float = 1e-12, max_scale: float = 100.0, device=None) -> tuple[dict, list[float]]:
     """Rescale hidden layers of ``(spec, state_dict)`` so their pre-activation stds match ``target_stds``.
 
     Args:
@@ -61,6 +62,7 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
         probe: float tensor (n, in_channels, S, S), the same probe used for fusion.
         eps: below this the layer is treated as dead and left unscaled.
         max_scale: scales are clipped to [1/max_scale, max_scale].
+        device: where the probe forward passes run (default CPU); the returned tensors are on the CPU.
 
     Returns:
         (new state dict, list of applied scales).
@@ -70,6 +72,7 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
     """
     model = build_model(spec)
     model.load_state_dict(state_dict)
+    model.to(device or "cpu")
     model.eval()
     layers = model.layers()[:-1]
     if len(target_stds) != len(layers):
@@ -82,4 +85,4 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
             info.module.weight.mul_(s)
             info.module.bias.mul_(s)
         scales.append(s)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, scales
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, scales

@@ -38,7 +38,6 @@ from torch import nn
 
 from hfl_components.models.fusable import FAMILIES as FUSABLE_FAMILIES
 from hfl_components.models.fusable import FusableNet, resolve_fusable_spec
-from hfl_components.models.registry import BUILDERS
 
 COMMON_KEYS = {"family", "in_channels", "num_classes", "feature_dim", "feature_act", "input_size"}
 
@@ -254,7 +253,3 @@ def hetero_pool_specs(num_classes: int = 2, in_channels: int = 1, feature_dim: i
         {"family": "resnet", **common},
         {"family": "efficientnet", **common},
     ]
-
-
-for _name in HETERO_DEFAULTS:
-    BUILDERS.setdefault(_name, build_hetero)

@@ -1,22 +1,35 @@
-"""Spec -> nn.Module registry (models issue, Sec. 1)."""
+"""Spec -> nn.Module registry (models issue, Sec. 1).
+
+One table, :data:`FAMILY_TABLE`, maps every model family to its ``(build, resolve)`` pair: ``build(spec)`` returns
+the ``nn.Module``; ``resolve(spec)`` returns the spec with every default filled in and raises ``ValueError`` on bad
+keys or sizes without building the network. Family modules (:mod:`~hfl_components.models.fusable`,
+:mod:`~hfl_components.models.hetero`) import nothing from here, so imports only run downward.
+"""
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from torch import nn
 
 from hfl_components.models.fusable import FAMILIES, build_fusable, resolve_fusable_spec
-
-# family name -> builder(spec) -> nn.Module. Heterogeneous backbones register themselves in hetero.py.
-BUILDERS: dict[str, Callable[[dict], nn.Module]] = {name: build_fusable for name in FAMILIES}
+from hfl_components.models.hetero import HETERO_DEFAULTS, build_hetero, resolve_hetero_spec
 
 
-def _load_extra_builders() -> None:
-    try:
-        from hfl_components.models import hetero  # noqa: F401  (registers into BUILDERS)
-    except ImportError:  # pragma: no cover - module not written yet
-        pass
+class Family(NamedTuple):
+    """A model family's two entry points: ``build(spec) -> nn.Module`` and ``resolve(spec) -> full spec dict``."""
+
+    build: Callable[[dict], nn.Module]
+    resolve: Callable[[dict], dict]
+
+
+# family name -> (build, resolve). Fusable (OHFL) families first, then the heterogeneous pool.
+FAMILY_TABLE: dict[str, Family] = {
+    **{name: Family(build_fusable, resolve_fusable_spec) for name in FAMILIES},
+    **{name: Family(build_hetero, resolve_hetero_spec) for name in HETERO_DEFAULTS},
+}
+# Old name: family -> builder (read-only view kept for callers that only build).
+BUILDERS: dict[str, Callable[[dict], nn.Module]] = {name: fam.build for name, fam in FAMILY_TABLE.items()}
 
 
 def is_fusable(spec: dict) -> bool:
@@ -25,27 +38,32 @@ def is_fusable(spec: dict) -> bool:
 
 
 def validate_spec(spec: dict) -> dict:
-    """Check a spec is JSON-able and names a known family; return it. Raises ValueError."""
+    """Check a spec is JSON-able, names a known family and resolves (keys and sizes); return it unchanged.
+
+    Raises:
+        ValueError: not a dict, unknown family, or bad keys/sizes (from the family's resolve function).
+        TypeError: the spec holds non-JSON-able values.
+    """
     if not isinstance(spec, dict):
         raise ValueError(f"model spec must be a dict, got {type(spec).__name__}")
-    _load_extra_builders()
     fam = spec.get("family")
-    if fam not in BUILDERS:
-        raise ValueError(f"unknown model family {fam!r}; known: {sorted(BUILDERS)}")
+    if fam not in FAMILY_TABLE:
+        raise ValueError(f"unknown model family {fam!r}; known: {sorted(FAMILY_TABLE)}")
     json.dumps(spec)  # raises TypeError on non-JSON-able content
-    if fam in FAMILIES:  # full check of keys and sizes without building the network
-        resolve_fusable_spec(spec)
-    else:
-        from hfl_components.models.hetero import resolve_hetero_spec
-
-        resolve_hetero_spec(spec)
+    FAMILY_TABLE[fam].resolve(spec)  # full check of keys and sizes without building the network
     return spec
+
+
+def resolve_spec(spec: dict) -> dict:
+    """Return the spec with every family default filled in (what :func:`build_model` builds). Raises ValueError."""
+    validate_spec(spec)
+    return FAMILY_TABLE[spec["family"]].resolve(spec)
 
 
 def build_model(spec: dict) -> nn.Module:
     """Build an ``nn.Module`` from a spec dict. Raises ValueError on an unknown family or bad sizes."""
     validate_spec(spec)
-    return BUILDERS[spec["family"]](spec)
+    return FAMILY_TABLE[spec["family"]].build(spec)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -54,8 +72,10 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def spec_to_json(spec: dict) -> str:
+    """Validated spec -> canonical JSON text (sorted keys). Raises ValueError/TypeError as :func:`validate_spec`."""
     return json.dumps(validate_spec(spec), sort_keys=True)
 
 
 def spec_from_json(text: str) -> dict:
+    """JSON text -> validated spec dict. Raises ValueError on bad JSON or a bad spec."""
     return validate_spec(json.loads(text))

@@ -128,7 +128,8 @@ class TopologyLoss:
         if self.warmup_active:
             return logits.sum() * 0.0
         y = y.to(device=logits.device, dtype=torch.long)
-        B = topology_guidance(y, self.R.to(logits.device), self.S.to(logits.device), self.present, self.q,
+        B = topology_guidance(y, self.R.to(logits.device), self.S.to(logits.device),
+                              None if self.present is None else self.present.to(logits.device), self.q,
                               self.use_mask).to(logits.dtype)
         return self.lam * F.cross_entropy(logits + self.gamma * B, y)
 

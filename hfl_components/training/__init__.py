@@ -4,6 +4,12 @@
 JSON-safe scikit-learn metrics (undefined -> None); ``pooled_metrics_with_ci`` adds bootstrap 95% CIs;
 ``extract_features`` / ``predict_proba`` collect model outputs over a loader.
 """
+from hfl_components.training.device import (  # noqa: F401
+    DEVICE_CHOICES,
+    check_device_name,
+    describe_device,
+    resolve_device,
+)
 from hfl_components.training.loop import (  # noqa: F401
     balanced_class_weights,
     loader_labels,

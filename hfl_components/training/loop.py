@@ -123,6 +123,7 @@ def train_local(
     optimizer: torch.optim.Optimizer | None = None,
     device: str | torch.device | None = None,
     grad_clip: float | None = None,
+    amp: bool = False,
 ) -> list[dict]:
     """Train ``model`` in place on one site's loader for ``epochs`` epochs.
 
@@ -150,6 +151,9 @@ def train_local(
         device: where to train; default the device of the model's first parameter.
         grad_clip: if given, clip the global gradient norm to this value before each step (the prototype methods
             use it: an alignment term pulling features towards far-away prototypes can otherwise blow them up).
+        amp: mixed precision (``torch.autocast``) for the model's forward pass: float16 with a ``GradScaler`` on
+            CUDA, bfloat16 on the CPU. The losses (CE and ``aux_loss``) are computed in float32 from the
+            autocast outputs. Default False (plain float32).
 
     Returns:
         one dict per epoch: ``{"epoch": 1-based int, "loss": mean total loss, "ce": mean CE, "aux": mean aux loss
@@ -171,6 +175,10 @@ def train_local(
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
     model.to(device)
+    dev_type = torch.device(device).type
+    amp = bool(amp)
+    amp_dtype = torch.float16 if dev_type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(dev_type, enabled=amp and dev_type == "cuda")
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     weights = None
     resolved = False
@@ -183,8 +191,11 @@ def train_local(
         for step, batch in enumerate(loader):
             x, y = unpack_batch(batch)
             x, y = x.to(device), y.to(device)
-            z = model.features(x)
-            logits = model.head(z)
+            with torch.autocast(device_type=dev_type, dtype=amp_dtype, enabled=amp):
+                z = model.features(x)
+                logits = model.head(z)
+            if amp:
+                z, logits = z.float(), logits.float()
             if not resolved:
                 weights = _resolve_class_weights(class_weights, class_counts, loader, logits.shape[1])
                 weights = weights.to(device) if weights is not None else None
@@ -195,10 +206,12 @@ def train_local(
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} at epoch {epoch}, step {step}")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             if grad_clip is not None:
+                scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             b = y.shape[0]
             n += b
             tot += loss.item() * b

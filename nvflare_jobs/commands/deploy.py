@@ -32,6 +32,10 @@ def register(sub) -> None:
     q = add("prepare", "provision the POC consortium and place each site's config in its local/cxr_hfl/", run_prepare)
     q.add_argument("--profile", required=True, help="folder of <site>.yaml site configs; the sites are its file names")
     q.add_argument("--project", help="project.yml whose coordinator role/orgs to use (default site_configs/project.yml)")
+    q.add_argument("--no-site-check", action="store_true",
+                   help="do not run `cxr-hfl site check` for every site (configs are still validated)")
+    q.add_argument("--allow-site-errors", action="store_true",
+                   help="prepare even when sites have problems (to rehearse how a failing site is reported)")
     q = add("start", "start the POC server and sites (returns when the sites are connected)", run_start)
     q.add_argument("--timeout", type=int, default=120)
     q = add("submit", "submit an exported job folder as the coordinator", run_submit)
@@ -104,7 +108,20 @@ def run_provision(args) -> int:
 @_guard
 def run_prepare(args) -> int:
     poc = _poc(args)
-    st = poc.prepare(args.profile, args.project)
+
+    def report(site, r):
+        n = r.get("n_images")
+        bad = len(r.get("unreadable") or [])
+        print(f"  site check {site:<12} {'FAILED' if r['errors'] else 'OK':<6} "
+              + (f"{n} images, {bad} unreadable, " if n is not None else "")
+              + f"{len(r['errors'])} errors, {len(r['warnings'])} warnings")
+
+    if not args.no_site_check:
+        print("[cxr-hfl] checking every site (config, manifest, every image, model, device)")
+    st = poc.prepare(args.profile, args.project, site_check=not args.no_site_check,
+                     allow_site_errors=args.allow_site_errors, report=report)
+    for p in getattr(poc, "problems", []):
+        print(f"  WARNING (--allow-site-errors): {p}")
     print(f"[cxr-hfl] POC prepared in {poc.dir} (NVFlare workspace {st['nvflare_poc_workspace']})")
     for site in st["sites"]:
         print(f"  {site}: workspace {poc.site_workspace(site)}; config {poc.site_workspace(site)}/local/cxr_hfl/{site}.yaml")
@@ -116,9 +133,10 @@ def run_prepare(args) -> int:
 @_guard
 def run_start(args) -> int:
     poc = _poc(args)
-    text = poc.start(timeout=args.timeout)
-    print(text.strip().splitlines()[-1] if text.strip() else "")
+    poc.start(timeout=args.timeout)
     print(f"[cxr-hfl] POC running; sites {', '.join(poc.state()['sites'])}; logs under {poc.prod_dir}/<site>/")
+    print(f"submit a job with: cxr-hfl poc submit --workspace {poc.dir} --job <job_folder> [--wait SECONDS]")
+    print(f"  or with NVFlare: {poc.submit_hint()}")
     return 0
 
 
@@ -129,9 +147,27 @@ def run_submit(args) -> int:
     print(f"[cxr-hfl] submitted {Path(args.job).name} as {poc.state()['coordinator']}: job id {job_id}")
     if args.wait:
         data = poc.wait(job_id, timeout=args.wait)
-        print(f"[cxr-hfl] job {job_id}: {data.get('status')}")
-        return 0 if str(data.get("status", "")).endswith("COMPLETED") else 1
+        status = str(data.get("status", ""))
+        print(f"[cxr-hfl] job {job_id}: {status}")
+        if status.startswith("FINISHED"):
+            _report_run(poc, job_id, None)
+        return 0 if status.endswith("COMPLETED") else 1
+    print(f"wait and fetch the results with: cxr-hfl poc download --workspace {poc.dir} {job_id} --wait 600")
     return 0
+
+
+def _report_run(poc, job_id: str, out) -> None:
+    """Download the job, write the run folder and print per-site metrics, the sites left out and warnings."""
+    from nvflare_jobs.deploy import run_findings
+
+    run_dir, m = poc.download(job_id, out)
+    print(f"[cxr-hfl] job {job_id} ({m.get('job_status')}) -> {run_dir}/metrics.json")
+    for site, b in m["sites"].items():
+        t = b.get("test") or {}
+        acc = t.get("accuracy")
+        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    for line in run_findings(m):
+        print(line)
 
 
 @_guard
@@ -139,9 +175,13 @@ def run_status(args) -> int:
     poc = _poc(args)
     st = poc.state()
     pids = poc.own_pids()
-    print(f"[cxr-hfl] POC {poc.dir}: {'running' if pids else 'stopped'} ({len(pids)} processes); "
-          f"sites {', '.join(st['sites'])}")
-    if not pids:
+    if poc.server_up():
+        print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}")
+    elif pids:
+        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}")
+        return 1
+    else:
+        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}")
         return 0
     if args.job_id:
         print(json.dumps(poc.meta(args.job_id), indent=1))
@@ -157,18 +197,17 @@ def run_download(args) -> int:
     job_id = args.job_id or poc.last_job()
     if args.wait:
         poc.wait(job_id, timeout=args.wait)
-    run_dir, m = poc.download(job_id, args.out)
-    print(f"[cxr-hfl] job {job_id} ({m.get('job_status')}) -> {run_dir}/metrics.json")
-    for site, b in m["sites"].items():
-        t = b.get("test") or {}
-        acc = t.get("accuracy")
-        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    _report_run(poc, job_id, args.out)
     return 0
 
 
 @_guard
 def run_stop(args) -> int:
     poc = _poc(args)
+    poc.state()
+    if not poc.own_pids():
+        print(f"[cxr-hfl] POC in {poc.dir} already stopped")
+        return 0
     killed = poc.stop()
     left = poc.own_pids()
     print(f"[cxr-hfl] POC in {poc.dir} stopped" + (f"; ended leftover processes {killed}" if killed else "")

@@ -34,11 +34,14 @@ def _probability(s: str) -> float:
     return v
 
 
+PARTS = ("probe", "tuning", "evaluation")  # chest_xray.splits.PARTS (kept here so --help stays fast)
+
+
 def register(sub) -> None:
     c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
-    c.add_argument("--methods", default="local,local+ft,fedavg,ohfl",
+    c.add_argument("--methods", default="local,fedavg,ohfl",
                    help="comma-separated: local, local+ft, fedavg, ohfl, fedsaf, fedproto, fedtopo "
-                        "(default local,local+ft,fedavg,ohfl)")
+                        "(default local,fedavg,ohfl; under equal budgets local is the local+ft control)")
     c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
     c.add_argument("--sites", type=int, default=6)
     c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
@@ -47,9 +50,25 @@ def register(sub) -> None:
                    help="one label scheme for every method (default binary)")
     c.add_argument("--seeds", type=_csv_ints, default=[0], help="comma-separated seeds (default 0)")
     c.add_argument("--out", required=True, help="comparison folder (one run folder per seed and method)")
-    c.add_argument("--rounds", type=int, help="pass-through: federated rounds")
-    c.add_argument("--local-epochs", type=int, help="pass-through: local epochs (per round)")
-    c.add_argument("--finetune-epochs", type=int, help="pass-through: OHFL fine-tuning epochs (also local+ft's extra)")
+    c.add_argument("--rounds", type=int,
+                   help="rounds of FedAvg / prototype methods; under equal budgets they must divide the budget E "
+                        "(each round then trains E / rounds epochs)")
+    c.add_argument("--local-epochs", type=int,
+                   help="OHFL's local epochs L (default 20); the common budget is E = L + fine-tuning epochs. With "
+                        "--unequal-budgets: every method's local epochs per round, passed through")
+    c.add_argument("--finetune-epochs", type=int, help="OHFL's fine-tuning epochs F (default 10)")
+    c.add_argument("--unequal-budgets", action="store_true",
+                   help="let every method keep its own default epochs (not compute-matched; the tables say so)")
+    c.add_argument("--external", metavar="DIR",
+                   help="after the runs, evaluate every saved model of every run on this labelled set (e.g. "
+                        "../shared/data/chest_xray_224 with --part evaluation); paired CIs against local+ft and FedAvg")
+    c.add_argument("--part", choices=PARTS, help="a committed part of chest_xray_224 (--external must be its root)")
+    c.add_argument("--external-max-images", type=_positive_int,
+                   help="class-stratified subset of the external set (quick checks only)")
+    c.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
+    c.add_argument("--late-wait", type=int, help="pass-through: seconds to wait for late sites")
+    c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
+                                   "when the data are chest_xray_original)")
     c.add_argument("--max-train-images", type=int, help="pass-through: cap each site's training images")
     c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
     c.add_argument("--batch-size", type=int, help="pass-through")
@@ -60,6 +79,9 @@ def register(sub) -> None:
     e = sub.add_parser("evaluate", help="evaluate every saved model of a run on an external labelled image set")
     e.add_argument("--run", required=True, help="run folder written by `cxr-hfl simulate`")
     e.add_argument("--data", required=True, help="external labelled set (Kaggle layout, class folders or CSV)")
+    e.add_argument("--part", choices=PARTS,
+                   help="only this committed part of chest_xray_224 (--data must be its root): 'evaluation' for "
+                        "headline numbers (nothing is tuned on it), 'tuning' for choosing defaults")
     e.add_argument("--labels", choices=("binary", "subtype"), help="label scheme (default: the run's)")
     e.add_argument("--force", action="store_true",
                    help="evaluate even when the set shares file names / patient ids with the run's data (NOT external)")
@@ -67,6 +89,8 @@ def register(sub) -> None:
                    help="evaluate the global model at every input size of the run (default) or the largest only")
     e.add_argument("--max-images", type=_positive_int,
                    help="class-stratified subset of the external set (quick checks)")
+    e.add_argument("--n-boot", type=int, default=500,
+                   help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
     e.set_defaults(func=run_evaluate)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
@@ -98,7 +122,7 @@ def run_evaluate(args) -> int:
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
-                           global_sizes=args.global_sizes)
+                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3
@@ -108,7 +132,8 @@ def run_evaluate(args) -> int:
     except OSError as e:
         print(f"cxr-hfl evaluate: {e.filename or run}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"[cxr-hfl] wrote {len(res['models'])} model results to {res['summary'].parent}")
+    print(f"[cxr-hfl] {res['n_images']} images ({res['probe_images_excluded']} probe images left out); wrote "
+          f"{len(res['models'])} model results to {res['summary'].parent}")
     return 0
 
 

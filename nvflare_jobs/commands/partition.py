@@ -69,9 +69,9 @@ def run_partition(args: argparse.Namespace) -> int:
               file=sys.stderr)
         shown = [s for s in report["skipped"] if s.get("kind") != "junk"][:10]
         for s in shown:
-            print(f"  {s['path']}: {s['reason']}", file=sys.stderr)
+            print(f"  {printable_path(s['path'])}: {s['reason']}", file=sys.stderr)
     for n in report.get("notes", [])[:10]:
-        print(f"note: {n['path']}: {n['note']}", file=sys.stderr)
+        print(f"note: {printable_path(n['path'])}: {n['note']}", file=sys.stderr)
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
@@ -95,6 +95,13 @@ def run_partition(args: argparse.Namespace) -> int:
     for w in partition_warnings(result.sites, args.scheme):
         print(w, file=sys.stderr)
     return 0
+
+
+def printable_path(path: str) -> str:
+    """``path`` on one line: control characters (a newline in a file name) and undecodable bytes (a cp1252 name,
+    kept as surrogate escapes) written as Python escapes, e.g. ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode()
+                   for c in str(path))
 
 
 def format_table(info: dict, sites: dict) -> str:
@@ -156,6 +163,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     for w in partition_warnings(sites, info.get("scheme")):
         print(w, file=sys.stderr)
     png = Path(args.png) if args.png else out / "inspect.png"
+    if png.is_dir():  # --png FOLDER: the chart goes inside it (matplotlib would write FOLDER.png beside it)
+        png = png / "inspect.png"
     try:
         _plot(info, sites, png)
     except OSError as e:
@@ -191,8 +200,8 @@ def _plot(info: dict, sites: dict, png) -> None:
     ax2.legend(loc="upper right", ncol=len(names))
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=30)
-    fig.suptitle(f"partition: {info['scheme']} (seed {info['seed']})")
+    fig.suptitle(f"partition: {info['scheme']} (seed {info.get('seed')})")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")  # exactly the path printed, whatever its suffix
     plt.close(fig)

@@ -23,6 +23,31 @@ def _ints(s: str) -> list[int]:
     return v
 
 
+def _gpu_ids(s: str) -> str:
+    ids = [x.strip() for x in s.split(",")]
+    if not ids or not all(x.isdigit() for x in ids):
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids such as 0 or 0,1, got {s!r}")
+    return ",".join(ids)
+
+
+def _device(s: str) -> str:
+    from hfl_components.training.device import check_device_name
+
+    try:
+        return check_device_name(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# options that describe the simulated sites (partition and per-site configs); with --profile the site configs
+# decide them, so export-job refuses them instead of silently dropping them
+SITE_OPTIONS = {"data": "--data", "sites": "--sites", "scheme": "--scheme", "alpha": "--alpha",
+                "input_sizes": "--input-sizes", "batch_size": "--batch-size", "max_train_images": "--max-train-images",
+                "feature_dim": "--feature-dim", "labels": "--labels"}
+SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train_images": "max_train_images",
+             "feature_dim": "model.feature_dim", "labels": "data.labels"}
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
@@ -44,8 +69,14 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
-    p.add_argument("--late-wait", type=int, default=900,
-                   help="seconds to wait for the remaining sites once --min-sites have answered (0 = wait for all)")
+    p.add_argument("--server-device", type=_device, default="auto",
+                   help="where the server runs OHFL's fusion probe passes (CKA, repair): auto|cpu|cuda|cuda:N "
+                        "(default auto = CUDA when present); sites choose theirs with the site-config key device")
+    p.add_argument("--late-wait", type=int, default=None,
+                   help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
+                        "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
+                        "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
+                        "silent are dropped at once either way.")
     g = p.add_argument_group("OHFL")
     g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
     g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
@@ -85,23 +116,35 @@ def register(sub) -> None:
     _add_method_args(p)
     p.add_argument("--out", required=True, help="run folder (metrics.json, plots, models, logs)")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --out")
-    p.add_argument("--log-config", default="concise", help="NVFlare console log mode: concise|msg_only|full|verbose")
+    p.add_argument("--verbose", action="store_true",
+                   help="show NVFlare's INFO logs on the console (by default they go only to the workspace's "
+                        "log files and the console shows live progress)")
+    p.add_argument("--log-config", help="NVFlare log mode or config file (concise|msg_only|full|verbose|FILE); "
+                                        "overrides the quiet default and --verbose")
+    p.add_argument("--gpu", type=_gpu_ids,
+                   help="NVFlare simulator GPU option: GPU ids for the site processes, e.g. 0 or 0,1 (sites are "
+                        "spread over them); a site uses its GPU when its config says device: auto or cuda")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
     _add_method_args(e)
     e.add_argument("--out", required=True, help="folder to export the job into")
-    e.set_defaults(func=run_export)
+    # site options given with --profile are refused (see SITE_OPTIONS): None tells "not given" from a default
+    e.set_defaults(func=run_export, sites=None, scheme=None, alpha=None, input_sizes=None, batch_size=None,
+                   feature_dim=None)
 
 
 def _defaults(args) -> None:
-    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS, PROTO_TRAINING
+    from hfl_components.flare.catalogue import method_defaults
 
+    d = method_defaults(args.method)
     proto = args.method in ("fedsaf", "fedproto", "fedtopo")
     if args.labels is None:
-        args.labels = "subtype" if proto else "binary"
+        args.labels = d["labels"]
     if args.rounds is None:
-        args.rounds = PROTO_ROUNDS if proto else 3
+        args.rounds = d["rounds"]
     if getattr(args, "input_sizes", None) is None:
+        from nvflare_jobs.profiles import PROTO_TRAINING
+
         args.input_sizes = [PROTO_TRAINING["input_size"]] if proto else [64, 96, 128]
     if args.alignment is None:
         args.alignment = "cka" if args.method == "ohfl" else "gcsa"
@@ -115,9 +158,10 @@ def _defaults(args) -> None:
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
     # Epochs given on the command line apply to every site (job-level task_config); otherwise each site's own config
-    # decides, and partition-generated profiles get these defaults written into every site config.
-    args.default_local_epochs = 20 if args.method == "ohfl" else (PROTO_LOCAL_EPOCHS if proto else 2)
-    args.default_finetune_epochs = 10
+    # decides (a config without them: the method default, hfl_components.flare.catalogue), and partition-generated
+    # profiles get these defaults written into every site config.
+    args.default_local_epochs = d["local_epochs"]
+    args.default_finetune_epochs = d["finetune_epochs"]
 
 
 def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path | None]:
@@ -164,8 +208,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
 
 
 RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "alignment_record.json", "report.html", "models", "workspace", "resolved_configs", "site_configs",
-               "partition", "external", "data_pool.csv")
+                "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+               "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 
 
 def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:
@@ -173,8 +217,11 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
     old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
-        raise FileExistsError(f"run folder {run_dir} already holds a run ({', '.join(old[:4])}...); "
-                              "choose another --out or pass --overwrite")
+        what = "finished" if (run_dir / "metrics.json").exists() else "unfinished: interrupted or failed"
+        raise FileExistsError(f"run folder {run_dir} already holds a run ({what}; {', '.join(old[:4])}...). "
+                              "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose "
+                              "another --out "
+                              "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
     for n in old:
         p = run_dir / n
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -203,7 +250,7 @@ def _options(args, data_root, part_dir) -> dict:
             "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
             "weighting": args.weighting, "repair": args.repair, "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
             "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
-            "noisy_counts": args.noisy_counts, "eval": args.eval}
+            "noisy_counts": args.noisy_counts, "eval": args.eval, "server_device": args.server_device}
 
 
 def run_simulate(args) -> int:
@@ -237,17 +284,34 @@ def run_simulate(args) -> int:
     (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
     print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
         f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px" for s, c in profile.items()))
+    sharing = [s for s, c in profile.items() if c.get("share_predictions")]
+    if sharing:
+        print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
+              "to the server for pooled metrics (share_predictions: true); a real site's default is false")
     job = build_job(args.method, profile, opts)
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    rc = job.simulator_run(str(ws), threads=len(profile), log_config=args.log_config)
+    from nvflare_jobs.progress import LiveProgress
+    from nvflare_jobs.proctree import INTERRUPTED, unique_simulator_ports
+
+    unique_simulator_ports()  # see its docstring: the port race behind "Connection reset by peer" at start
+
+    log_config = args.log_config or ("concise" if args.verbose else str(quiet_log_config(run_dir)))
+    print(f"[cxr-hfl] NVFlare logs: {ws}/<server|site>/log.txt" + ("" if args.verbose or args.log_config else
+                                                                     " (--verbose shows them here)"))
+    with LiveProgress(ws, list(profile), stream=sys.stdout if args.verbose else sys.stderr) as live:
+        rc = job.simulator_run(str(ws), threads=len(profile), log_config=log_config,
+                                   gpu=getattr(args, "gpu", None))
+    if INTERRUPTED.is_set():  # NVFlare's runner swallows the KeyboardInterrupt and returns -9
+        raise KeyboardInterrupt
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:
         print(f"cxr-hfl: the simulation failed (rc={rc}): {e}; see {ws}/*/log.txt", file=sys.stderr)
         return 1
+    record = json.loads(Path(server_results).read_text())
     models_dir = run_dir / "models"
     models_dir.mkdir(exist_ok=True)
     for site in profile:
@@ -261,7 +325,29 @@ def run_simulate(args) -> int:
                            wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
                            extra={"command": " ".join(sys.argv), "profile": str(profile_dir)})
     _print_summary(metrics, run_dir)
+    if record.get("failed"):
+        print(f"cxr-hfl: the run failed: {record['failed']}; partial results "
+              f"in {run_dir}, logs in {ws}/*/log.txt", file=sys.stderr)
+        return 3
+    if live.last_status and live.last_status.get("phase") not in ("done", None):
+        print(f"cxr-hfl: the server stopped in phase {live.last_status.get('phase')!r}; see {ws}/server/log.txt",
+              file=sys.stderr)
     return 0 if rc in (0, None) else int(rc)
+
+
+def quiet_log_config(run_dir: Path) -> Path:
+    """NVFlare's log config with the console handler at ERROR: INFO/WARNING lines go only to the workspace's
+    ``log.txt`` files (simulator server and every site), the console keeps errors and the live progress."""
+    import copy
+
+    from nvflare.fuel.utils.log_utils import concise_log_dict
+
+    cfg = copy.deepcopy(concise_log_dict)
+    cfg["handlers"]["consoleHandler"]["level"] = "ERROR"
+    cfg["handlers"]["consoleHandler"]["stream"] = "ext://sys.stderr"
+    path = run_dir / "nvflare_log_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
 
 
 def _final_sites(server_results: Path) -> set[str]:
@@ -290,9 +376,11 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
                   f"(confusion matrix {cm}); it has not learned a usable decision rule")
     if m.get("excluded_sites"):
+        print("excluded sites (metrics.json: excluded_sites):")
         for site, events in m["excluded_sites"].items():
-            for ev in events:
-                print(f"site {site} left out of round {ev.get('round')} ({ev.get('task')}): {ev.get('reason')}")
+            reasons = list(dict.fromkeys(ev.get("reason") for ev in events))
+            where = ", ".join(f"round {ev.get('round')} {ev.get('task')}" for ev in events)
+            print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
 
@@ -301,17 +389,30 @@ def run_export(args) -> int:
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.site_config import load_profile
 
-    _defaults(args)
     if not args.profile:
         print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
               file=sys.stderr)
         return 2
-    profile = load_profile(args.profile, check_files=False)
+    given = [k for k in SITE_OPTIONS if getattr(args, k, None) is not None]
+    if given:
+        keys = ", ".join(f"{SITE_OPTIONS[k]} (site key {SITE_KEYS[k]})" if k in SITE_KEYS else SITE_OPTIONS[k]
+                         for k in given)
+        print(f"cxr-hfl export-job: {keys}: with --profile each hospital's <site>.yaml decides this; a job does "
+              "not carry it. Set it in the profile's site configs (and in each hospital's own config), or drop "
+              "the option.", file=sys.stderr)
+        return 2
+    _defaults(args)
+    profile = load_profile(args.profile, check_files=False, require_data=False)
     opts = _options(args, None, None)
     job = build_job(args.method, profile, opts)
     out = Path(args.out).resolve()
     from nvflare_jobs.deploy import export_portable
 
     export_portable(job, out)  # site script path made relative to the app's custom/ folder (portable to sites)
-    print(f"[cxr-hfl] exported job {job.name} to {out / job.name}; submit with: nvflare job submit -j {out / job.name}")
+    from nvflare_jobs.privacy import what_leaves
+
+    print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
+    print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")
+    print(f"submit with: nvflare job submit -j {out / job.name} --startup-kit <your coordinator kit folder>")
+    print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {out / job.name})")
     return 0

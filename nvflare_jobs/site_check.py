@@ -1,0 +1,221 @@
+"""``cxr-hfl site check``: a hospital checks its own site before a job arrives.
+
+:func:`check_site` validates the site config, reads the manifest, decodes every image it lists (with the same
+reader the site uses in a job, :func:`chest_xray.read_image`), resolves the device and builds the model.
+:func:`format_report` turns the result into one screen. Nothing here talks to the server; the report holds counts,
+image sizes, the site's own paths of unreadable files and the model/device, never pixel data or DICOM patient
+fields (the reader's reasons never contain them).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "val", "test")
+MAX_LISTED = 10  # unreadable files listed on the screen (all are in the report dict)
+
+
+def check_site(config: str | os.PathLike, site: str | None = None, read_images: bool = True,
+               workers: int | None = None) -> dict:
+    """Check one site: config, manifest, every image, model and device.
+
+    Args:
+        config: the site's ``<site>.yaml``.
+        site: the site name (default: the file's stem, the convention every site follows).
+        read_images: decode every image of the manifest (False: only the config, manifest and model).
+        workers: reader threads (default: the config's ``threads``).
+
+    Returns:
+        dict with ``site``, ``config`` (path), ``errors`` and ``warnings`` (lists of one-line messages; any error
+        means the site would fail a job), and when the config could be read: ``labels``, ``class_names``,
+        ``manifest``, ``counts`` ({split: {class: n}}), ``n_images``, ``n_patients``, ``unreadable`` ([{"line",
+        "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
+        {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
+        below ``input_size``), ``model`` (spec), ``n_params``, ``input_size``, ``batch_size``, ``device``
+        (description), ``amp``.
+    """
+    from chest_xray import CLASS_NAMES
+    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+
+    p = Path(config)
+    site = site or p.stem
+    rep: dict = {"site": site, "config": str(p), "errors": [], "warnings": []}
+    try:
+        cfg = load_site_config(site, p)
+    except SiteConfigError as e:
+        rep["errors"].append(str(e))
+        return rep
+    labels = cfg["data"]["labels"]
+    names = CLASS_NAMES[labels]
+    rep.update(labels=labels, class_names=names, manifest=cfg["data"]["manifest"], input_size=cfg["input_size"],
+               batch_size=cfg["batch_size"], amp=cfg["amp"], threads=cfg["threads"])
+    _check_model(cfg, rep)
+    _check_device(cfg, rep)
+    rows = _read_manifest(cfg, rep)
+    if rows is None:
+        return rep
+    _count(rows, names, rep, cfg)
+    if read_images:
+        _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
+    return rep
+
+
+def _check_model(cfg: dict, rep: dict) -> None:
+    from hfl_components.models import build_model
+
+    rep["model"] = {k: v for k, v in cfg["model"].items()}
+    try:
+        m = build_model(cfg["model"])
+        rep["n_params"] = int(sum(t.numel() for t in m.parameters()))
+    except Exception as e:  # noqa: BLE001 - reported, the check goes on
+        rep["errors"].append(f"config {cfg['config_path']} key 'model': cannot build {cfg['model']}: {e}")
+
+
+def _check_device(cfg: dict, rep: dict) -> None:
+    from hfl_components.training.device import describe_device, resolve_device
+
+    try:
+        rep["device"] = describe_device(resolve_device(cfg["device"]))
+    except ValueError as e:
+        rep["device"] = f"{cfg['device']} (unavailable)"
+        rep["errors"].append(f"config {cfg['config_path']} key 'device': {e}")
+
+
+def _read_manifest(cfg: dict, rep: dict):
+    from chest_xray import read_site_manifest
+
+    man = cfg["data"]["manifest"]
+    try:
+        rows = read_site_manifest(man)
+    except (OSError, ValueError) as e:
+        rep["errors"].append(f"config {cfg['config_path']} key 'data.manifest': {e}")
+        return None
+    for i, r in enumerate(rows):
+        r["line"] = i + 2  # 1-based CSV line, the header is line 1
+    ncls = len(rep["class_names"])
+    bad = [r for r in rows if not 0 <= r["label"] < ncls]
+    if bad:
+        rep["errors"].append(f"manifest {man} line {bad[0]['line']}: label {bad[0]['label']} is outside 0..{ncls - 1} "
+                             f"for labels {rep['labels']} ({len(bad)} such rows)")
+    other = sorted({r["split"] for r in rows} - set(SPLITS))
+    if other:
+        rep["warnings"].append(f"manifest {man}: rows with split {other} are never used (splits: {', '.join(SPLITS)})")
+    return rows
+
+
+def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
+    man = cfg["data"]["manifest"]
+    counts = {sp: {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k) for k, n in enumerate(names)}
+              for sp in SPLITS}
+    rep["counts"] = counts
+    rep["n_images"] = len(rows)
+    rep["n_patients"] = len({r["patient_id"] for r in rows if r.get("patient_id")})
+    for sp in SPLITS:
+        n = sum(counts[sp].values())
+        if n == 0:
+            rep["errors"].append(f"manifest {man}: the {sp} split is empty (every job trains, validates and tests)")
+        elif sum(1 for v in counts[sp].values() if v) == 1:
+            rep["warnings"].append(f"the {sp} split holds a single class ({next(k for k, v in counts[sp].items() if v)})"
+                                   + ("; a model trained on it predicts that class for everything" if sp == "train"
+                                      else "; AUC is undefined there"))
+    by_patient: dict[str, set] = {}
+    for r in rows:
+        if r.get("patient_id"):
+            by_patient.setdefault(r["patient_id"], set()).add(r["split"])
+    leak = sum(1 for s in by_patient.values() if len(s & set(SPLITS)) > 1)
+    if leak:
+        rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
+    cap = cfg.get("max_train_images")
+    if cap and cap < sum(counts["train"].values()):
+        rep["warnings"].append(f"max_train_images: {cap}: jobs train on {cap} of the "
+                               f"{sum(counts['train'].values())} training images")
+
+
+def _read_one(row: dict, size: int):
+    from chest_xray import ImageReadError, read_image
+
+    try:
+        _, meta = read_image(row["path"], target_size=size)
+        return row, meta, None
+    except ImageReadError as e:
+        return row, None, e.reason
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a finding, not a crash of the check
+        return row, None, f"{type(e).__name__}: {e}"
+
+
+def _read_all(rows: list[dict], cfg: dict, rep: dict, workers: int) -> None:
+    size = int(cfg["input_size"])
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+        results = list(ex.map(lambda r: _read_one(r, size), rows))
+    bad, formats, ws, hs = [], {}, [], []
+    for row, meta, reason in results:
+        if reason is not None:
+            bad.append({"line": row["line"], "path": row["path"], "split": row["split"], "reason": reason})
+            continue
+        formats[meta.get("format", "?")] = formats.get(meta.get("format", "?"), 0) + 1
+        ws.append(int(meta.get("original_width", meta.get("width", 0))))
+        hs.append(int(meta.get("original_height", meta.get("height", 0))))
+    rep["unreadable"] = bad
+    rep["formats"] = dict(sorted(formats.items()))
+
+    def stats(v):
+        return {"min": int(min(v)), "median": float(np.median(v)), "max": int(max(v))} if v else None
+
+    rep["resolution"] = {"width": stats(ws), "height": stats(hs)}
+    rep["smaller_than_input"] = int(sum(1 for w, h in zip(ws, hs) if min(w, h) < size))
+    if bad:
+        rep["errors"].append(f"{len(bad)} of {len(rows)} images cannot be read (a job would fail at this site)")
+    if rep["smaller_than_input"]:
+        rep["warnings"].append(f"{rep['smaller_than_input']} images are smaller than the input size {size} px "
+                               "(they are upsampled)")
+
+
+def format_report(rep: dict) -> str:
+    """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems)."""
+    out = [f"cxr-hfl site check: site {rep['site']} (config {rep['config']})"]
+    if "counts" in rep or "model" in rep:
+        if "manifest" in rep:
+            pat = f", {rep['n_patients']} patients" if rep.get("n_patients") else ""
+            out.append(f"  manifest    {rep['manifest']}: {rep.get('n_images', '?')} images{pat}, labels {rep['labels']}")
+        if "counts" in rep:
+            names = rep["class_names"]
+            w = max(9, *(len(n) + 1 for n in names))
+            out.append("  " + f"{'split':<10}" + "".join(f"{n:>{w}}" for n in names) + f"{'total':>8}")
+            for sp, c in rep["counts"].items():
+                out.append("  " + f"{sp:<10}" + "".join(f"{c[n]:>{w}}" for n in names) + f"{sum(c.values()):>8}")
+        if "unreadable" in rep:
+            n_ok = rep["n_images"] - len(rep["unreadable"])
+            fm = ", ".join(f"{k} {v}" for k, v in rep["formats"].items()) or "none"
+            out.append(f"  images      {n_ok} read, {len(rep['unreadable'])} unreadable ({fm})")
+            r = rep.get("resolution") or {}
+            if r.get("width"):
+                out.append(f"  resolution  width {r['width']['min']}-{r['width']['max']} px (median "
+                           f"{r['width']['median']:.0f}), height {r['height']['min']}-{r['height']['max']} px "
+                           f"(median {r['height']['median']:.0f})")
+        if "model" in rep:
+            spec = rep["model"]
+            desc = "/".join(str(spec[k]) for k in ("family", "depth") if k in spec)
+            extra = ", ".join(f"{k} {spec[k]}" for k in ("width", "feature_dim") if k in spec)
+            npar = f", {rep['n_params'] / 1e6:.2f} M parameters" if rep.get("n_params") else ""
+            out.append(f"  model       {desc} ({extra}){npar}; input {rep['input_size']} x {rep['input_size']} px, "
+                       f"batch {rep['batch_size']}")
+        if "device" in rep:
+            out.append(f"  device      {rep['device']}; mixed precision {'on' if rep.get('amp') else 'off'}; "
+                       f"{rep.get('threads', 1)} CPU threads")
+    bad = rep.get("unreadable") or []
+    if bad:
+        out.append("  unreadable files (manifest line: file: reason):")
+        for b in bad[:MAX_LISTED]:
+            out.append(f"    line {b['line']}: {b['path']}: {b['reason']}")
+        if len(bad) > MAX_LISTED:
+            out.append(f"    ... and {len(bad) - MAX_LISTED} more (cxr-hfl site check --json FILE lists all)")
+    for w in rep["warnings"]:
+        out.append(f"  warning: {w}")
+    for e in rep["errors"]:
+        out.append(f"  ERROR: {e}")
+    out.append(f"  result: {'FAILED' if rep['errors'] else 'OK'} ({len(rep['errors'])} errors, "
+               f"{len(rep['warnings'])} warnings)")
+    return "\n".join(out)

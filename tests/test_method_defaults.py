@@ -1,0 +1,74 @@
+"""One source of per-method defaults (hfl_components.flare.catalogue): the simulator, compare's epoch budgets and a
+site config that leaves the epochs out all train the same number of epochs (issue 14)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from hfl_components.flare.catalogue import METHODS, method_defaults
+
+
+def _site_cfg(tmp_path, **extra):
+    from nvflare_jobs.site_config import load_site_config
+
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("path,label,split\n")
+    raw = {"data": {"manifest": str(manifest), "labels": "binary"}, "model": {"family": "cnn", "depth": "shallow"},
+           **extra}
+    p = tmp_path / "site-1.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return load_site_config("site-1", p)
+
+
+class _RT:
+    def __init__(self, cfg, method):
+        self.cfg, self.method, self.site = cfg, method, "site-1"
+
+
+def _simulate_args(method: str):
+    from nvflare_jobs.commands import simulate
+
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    args = p.parse_args(["--method", method])
+    simulate._defaults(args)
+    return args
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_site_config_defaults_agree_with_simulate(tmp_path, method):
+    """A hand-written site config without epochs trains what `cxr-hfl simulate` trains (OHFL: 20 + 10, not 2 + 2)."""
+    from hfl_components.flare.site_methods import _epochs
+
+    args = _simulate_args(method)
+    cfg = _site_cfg(tmp_path)
+    rt = _RT(cfg, method)
+    assert _epochs(rt, {}, "local_epochs", "local_epochs") == args.default_local_epochs
+    assert _epochs(rt, {}, "finetune_epochs", "finetune_epochs") == args.default_finetune_epochs
+    d = method_defaults(method)
+    assert (args.labels, args.rounds) == (d["labels"], d["rounds"])
+    assert (args.default_local_epochs, args.default_finetune_epochs) == (d["local_epochs"], d["finetune_epochs"])
+
+
+def test_ohfl_defaults_are_the_simulators_and_explicit_values_win(tmp_path):
+    from hfl_components.flare.site_methods import _epochs
+
+    assert (method_defaults("ohfl")["local_epochs"], method_defaults("ohfl")["finetune_epochs"]) == (20, 10)
+    rt = _RT(_site_cfg(tmp_path, local_epochs=4), "ohfl")
+    assert _epochs(rt, {}, "local_epochs", "local_epochs") == 4  # the hospital's own value
+    assert _epochs(rt, {"local_epochs": 1}, "local_epochs", "local_epochs") == 1  # the job's value
+    with pytest.raises(ValueError, match="site site-1: local_epochs"):
+        _epochs(_RT(_site_cfg(tmp_path), None), {}, "local_epochs", "local_epochs")
+
+
+def test_compare_epoch_plan_reads_the_same_defaults():
+    from nvflare_jobs.compare import epoch_plan
+
+    args = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None)
+    assert epoch_plan("ohfl", args)["local_epochs"] == method_defaults("ohfl")["local_epochs"]
+    assert epoch_plan("ohfl", args)["finetune_epochs"] == method_defaults("ohfl")["finetune_epochs"]
+    for m in ("fedavg", "fedsaf", "fedtopo"):
+        plan = epoch_plan(m, args)
+        assert (plan["rounds"], plan["local_epochs"]) == (method_defaults(m)["rounds"], method_defaults(m)["local_epochs"])

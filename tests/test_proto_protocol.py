@@ -185,3 +185,20 @@ def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_pat
         assert not {str(r["path"]).rsplit("/", 1)[-1] for r in rows} & evaluation
     assert n == 1055
     assert [c["model"]["family"] for c in profile.values()][:4] == ["hetero_cnn", "densenet", "resnet", "efficientnet"]
+
+
+def test_paired_site_bootstrap_point_estimates_equal_site_metric():
+    from hfl_components.training.site_paired import paired_site_bootstrap, site_metric
+
+    rng = np.random.default_rng(1)
+    pairs = []
+    for s in range(2):
+        for k in range(3):
+            y = rng.integers(0, 3, 25)
+            pairs.append({"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(25), "y": y,
+                          "pa": rng.dirichlet([1, 1, 1], 25), "pb": rng.dirichlet([1, 1, 1], 25)})
+    for metric in ("balanced_accuracy", "auc"):
+        d = paired_site_bootstrap(pairs, metric, n_boot=0)
+        a = np.mean([site_metric(metric, q["y"], q["pa"]) for q in pairs])
+        b = np.mean([site_metric(metric, q["y"], q["pb"]) for q in pairs])
+        assert d["a"] == pytest.approx(a) and d["b"] == pytest.approx(b) and d["diff"] == pytest.approx(a - b)

@@ -27,14 +27,10 @@ SITE_METRICS = ("balanced_accuracy", "auc")
 
 def verdict(ci_low: float | None, ci_high: float | None) -> str | None:
     """``better`` (CI above 0) / ``worse`` (CI below 0) / ``no difference detected`` (CI covers 0); None without
-    a CI (the wording of ``hfl_components.training.paired.verdict``)."""
-    if ci_low is None or ci_high is None:
-        return None
-    if ci_low > 0:
-        return "better"
-    if ci_high < 0:
-        return "worse"
-    return "no difference detected"
+    a CI: :func:`hfl_components.training.paired.verdict`, the wording of ``cxr-hfl compare``."""
+    from hfl_components.training.paired import verdict as _verdict
+
+    return _verdict(ci_low, ci_high)
 
 
 def weighted_auc(pos: np.ndarray, scores: np.ndarray, w: np.ndarray) -> float:
@@ -100,6 +96,8 @@ def paired_site_bootstrap(pairs: Sequence[dict], metric: str = "balanced_accurac
     """
     if not pairs:
         raise ValueError("no (seed, site) pairs to compare")
+    if metric not in SITE_METRICS:
+        raise ValueError(f"unknown site metric {metric!r}; choose one of {', '.join(SITE_METRICS)}")
     for q in pairs:
         if not (len(q["ids"]) == len(q["y"]) == len(q["pa"]) == len(q["pb"])):
             raise ValueError(f"pair seed {q.get('seed')} site {q.get('site')}: ids, y, pa, pb differ in length")
@@ -115,13 +113,37 @@ def paired_site_bootstrap(pairs: Sequence[dict], metric: str = "balanced_accurac
         lab[ids] = np.asarray(q["y"], np.int64)
         pools[q["pool"]] = lab
 
+    # per pair, what does not change between replicates: argmax correctness, and one sorted two-row AUC evaluator
+    # (methods A and B) per class (hfl_components.training.paired.WeightedAUC, equal to scikit-learn's weighted AUC)
+    from hfl_components.training.paired import WeightedAUC
+
+    prep = []
+    for q in pairs:
+        y = np.asarray(q["y"], np.int64)
+        pa, pb = np.asarray(q["pa"], np.float64), np.asarray(q["pb"], np.float64)
+        C = pa.shape[1]
+        ok = np.stack([pa.argmax(1) == y, pb.argmax(1) == y]).astype(np.float64)
+        aucs = {c: WeightedAUC((y == c).astype(np.int64), np.stack([pa[:, c], pb[:, c]]))
+                for c in range(C) if 0 < (y == c).sum() < y.size} if metric == "auc" else {}
+        prep.append((y, C, ok, aucs))
+
+    def pair_metric(i: int, w: np.ndarray | None) -> np.ndarray:
+        y, C, ok, aucs = prep[i]
+        w = np.ones(y.size) if w is None else w
+        wc = np.bincount(y, weights=w, minlength=C)
+        if metric == "balanced_accuracy":
+            have = wc > 0
+            if not have.any():
+                return np.full(2, np.nan)
+            rec = np.stack([np.bincount(y, weights=w * ok[m], minlength=C) for m in (0, 1)])[:, have] / wc[have]
+            return rec.mean(axis=1)
+        vals = [ev(w) for c, ev in aucs.items() if wc[c] > 0 and w.sum() - wc[c] > 0]
+        return np.mean(vals, axis=0) if vals else np.full(2, np.nan)
+
     def diffs(weights: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        a, b = np.empty(len(pairs)), np.empty(len(pairs))
-        for i, q in enumerate(pairs):
-            w = None if weights is None else weights[q["pool"]][np.asarray(q["ids"], np.int64)]
-            a[i] = site_metric(metric, q["y"], q["pa"], w)
-            b[i] = site_metric(metric, q["y"], q["pb"], w)
-        return a, b, a - b
+        m = np.stack([pair_metric(i, None if weights is None else weights[q["pool"]][np.asarray(q["ids"], np.int64)])
+                      for i, q in enumerate(pairs)])
+        return m[:, 0], m[:, 1], m[:, 0] - m[:, 1]
 
     a, b, d = diffs(None)
     ok = ~np.isnan(d)

@@ -39,7 +39,7 @@ def _pct(v) -> str:
 
 def _paired_cell(summary: dict, a: str, b: str, evalset: str, metric: str = "balanced_accuracy") -> str:
     for d in summary["paired"]:
-        if d["a"] == a and d["b"] == b and d["set"] == evalset and d["metric"] == metric:
+        if d["method_a"] == a and d["method_b"] == b and d["set"] == evalset and d["metric"] == metric:
             ci = f" [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]" if d["ci_low"] is not None else ""
             return f"{100 * d['diff']:+.1f}{ci} pp, {d['n_pairs']} pairs: **{d['verdict']}**"
     return "–"

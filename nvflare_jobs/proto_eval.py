@@ -229,7 +229,7 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
                     d = paired(res, a, b, evalset, metric, n_boot)
                     if d is None:
                         continue
-                    summary["paired"].append({"a": a, "b": b, "set": evalset, **d})
+                    summary["paired"].append({**d, "method_a": a, "method_b": b, "set": evalset})
                     ci = (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d["ci_low"] is not None else "")
                     L.append(f"| {a} vs {b} | {evalset} | {metric.replace('_', ' ')} | {d['n_pairs']} | "
                              f"{_fmt(d['a'])} | {_fmt(d['b'])} | {d['diff']:+.3f}{ci} | {d['verdict'] or '–'} |")

@@ -59,6 +59,36 @@ def split_files(part: str, root: str | Path, pool: str = POOL) -> list[Path]:
     return [(root / r["path"]).resolve() for r in split_rows(part, pool)]
 
 
+TRAINING_PARTS = ("tuning", "probe")  # the labelled images a site may train on; never ``evaluation``
+
+
+def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv: str | Path,
+                   pool: str = POOL) -> Path:
+    """Write the images of committed ``parts`` as one manifest CSV (``path`` absolute, ``label``, ``patient_id``)
+    that :func:`chest_xray.scan_dataset` reads like a data root.
+
+    The prototype methods (FedSAF / FedProto / FedTopo, issue 16) build their simulated sites from
+    ``TRAINING_PARTS`` of ``chest_xray_224`` (1,055 images): the ``evaluation`` part is then never trained on and
+    stays the external test set. Raises ValueError when ``parts`` holds ``evaluation`` or an unknown part, and
+    FileNotFoundError when ``root`` does not exist.
+    """
+    parts = list(parts)
+    if "evaluation" in parts:
+        raise ValueError("the evaluation part is never trained on; build sites from tuning/probe only")
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{pool} root {root} does not exist")
+    out = Path(out_csv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["path", "label", "patient_id"])
+        for part in parts:
+            for r in split_rows(part, pool):
+                w.writerow([str((root / r["path"]).resolve()), r["label"], r["patient_id"]])
+    return out
+
+
 def part_of(path: str | Path, pool: str = POOL) -> str | None:
     """Which committed part an image of the pool belongs to, by its file name (``None``: not in the pool)."""
     name = Path(path).name.lower()

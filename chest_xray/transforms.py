@@ -198,3 +198,51 @@ def make_site_dataset(
         d.mkdir(parents=True, exist_ok=True)
         return PersistentDataset(data, transform, cache_dir=d)
     return CacheDataset(data, transform, cache_rate=1.0, num_workers=cache_workers, progress=False)
+
+
+class TensorAugmentDataset(torch.utils.data.Dataset):
+    """Training images held as one cached tensor, augmented with cheap tensor operations (issue 16).
+
+    ``images`` are the eval-mode tensors of :func:`make_site_dataset` (``(N, 1, S, S)`` in [0, 1]); an item of a
+    class in ``augment_classes`` is flipped horizontally with probability 0.5 and shifted by a random integer number
+    of pixels, up to ``shift`` x S in each direction, with zero fill (the translation part of the MONAI ``train``
+    pipeline, without its rotation). About 0.05 ms an image instead of about 6 ms for the MONAI ``RandAffined``
+    path, which made augmentation cost more than the model at 64 px. Random draws use torch's global generator
+    (seeded per round by :func:`hfl_components.training.train_local`).
+
+    Raises:
+        ValueError: images not (N, 1, S, S) or labels of another length.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: Sequence[int], augment_classes: Sequence[int] | None = None,
+                 shift: float = 0.06):
+        images = torch.as_tensor(images, dtype=torch.float32)
+        if images.ndim != 4 or images.shape[0] != len(labels):
+            raise ValueError(f"images must be (N, C, S, S) with N = {len(labels)} labels, got {tuple(images.shape)}")
+        self.images = images
+        self.labels = [int(v) for v in labels]
+        self.augment = set(range(max(self.labels) + 1) if augment_classes is None else map(int, augment_classes))
+        self.max_shift = int(round(shift * images.shape[-1]))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.images[i]
+        y = self.labels[i]
+        if y in self.augment:
+            if torch.rand(()) < 0.5:
+                x = torch.flip(x, dims=(-1,))
+            m = self.max_shift
+            if m > 0:
+                dy, dx = (int(v) for v in torch.randint(-m, m + 1, (2,)))
+                x = torch.roll(x, shifts=(dy, dx), dims=(-2, -1))
+                if dy > 0:
+                    x[..., :dy, :] = 0
+                elif dy < 0:
+                    x[..., dy:, :] = 0
+                if dx > 0:
+                    x[..., :, :dx] = 0
+                elif dx < 0:
+                    x[..., :, dx:] = 0
+        return {"image": x, "label": y}

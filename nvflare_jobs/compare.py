@@ -65,6 +65,14 @@ def _base(method: str) -> str:
     return "local" if name == "local+ft" else name
 
 
+def proto_protocol(methods: list[str]) -> bool:
+    """True when the methods are prototype methods, with or without Local (issue 16's protocol): sites from
+    ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
+    training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
+    bases = {_base(m) for m in methods}
+    return bool(bases & set(PROTO)) and bases <= set(PROTO) | {"local"}
+
+
 class BudgetError(ValueError):
     """The requested rounds cannot split the common epoch budget evenly."""
 
@@ -86,12 +94,23 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     Returns:
         ``{"rounds", "local_epochs", "finetune_epochs", "total_epochs_per_site"}``.
 
+    Prototype-method comparisons (``args.proto_protocol``, :func:`proto_protocol`): every method, Local included,
+    runs the prototype methods' default rounds x local epochs (``--rounds`` / ``--local-epochs`` override).
+
     Raises:
         BudgetError: ``args.rounds`` does not divide E (equal budgets).
     """
     base = _base(method)
     method = split_variant(method)[0]
     from hfl_components.flare.catalogue import method_defaults
+
+    if getattr(args, "proto_protocol", False):  # issue 16: every method at the prototype methods' rounds x epochs
+        d = method_defaults(PROTO[0])
+        plan = {"rounds": args.rounds or d["rounds"],
+                "local_epochs": args.local_epochs if args.local_epochs is not None else d["local_epochs"],
+                "finetune_epochs": 0}
+        plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"]
+        return plan
 
     ohfl = method_defaults("ohfl")
     ft_given = args.finetune_epochs if args.finetune_epochs is not None else ohfl["finetune_epochs"]
@@ -203,7 +222,13 @@ def probe_part_csv(data: Path, out: Path) -> Path | None:
 
 
 def _input_sizes(args) -> list[int]:
-    return [int(x) for x in args.input_sizes.split(",")] if getattr(args, "input_sizes", None) else [64, 96, 128]
+    if getattr(args, "input_sizes", None):
+        return [int(x) for x in args.input_sizes.split(",")]
+    if getattr(args, "proto_protocol", False):
+        from nvflare_jobs.profiles import PROTO_TRAINING
+
+        return [PROTO_TRAINING["input_size"]]
+    return [64, 96, 128]
 
 
 def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args) -> Path:
@@ -214,7 +239,8 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
     settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
                 "finetune_epochs": plan["finetune_epochs"] or 10, "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64}
-    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings)
+    proto = True if getattr(args, "proto_protocol", False) else None  # Local on the prototype methods' backbones
+    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto)
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -253,6 +279,9 @@ def run_compare(args) -> int:
     if bad or not methods:
         print(f"cxr-hfl compare: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
+    args.proto_protocol = proto_protocol(methods)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     unequal = bool(getattr(args, "unequal_budgets", False))
     if not unequal and "local" in methods and "local+ft" in methods:
         methods.remove("local+ft")
@@ -264,7 +293,12 @@ def run_compare(args) -> int:
         print(f"cxr-hfl compare: {e}", file=sys.stderr)
         return 2
     try:
-        data = resolve_data(args.data)
+        data = None
+        if args.proto_protocol and not args.data:  # issue 16: chest_xray_224's tuning + probe parts
+            from nvflare_jobs.profiles import proto_training_data
+
+            data = proto_training_data(out / "data_pool.csv")
+        data = data or resolve_data(args.data)
     except DataNotFoundError as e:
         print(f"cxr-hfl compare: {e}", file=sys.stderr)
         return 2
@@ -275,8 +309,6 @@ def run_compare(args) -> int:
     if getattr(args, "part", None) and not ext:
         print("cxr-hfl compare: --part needs --external (the chest_xray_224 root)", file=sys.stderr)
         return 2
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     prev = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
     if prev:
         done = len(list(out.glob("seed*/*/metrics.json")))
@@ -333,6 +365,18 @@ def run_compare(args) -> int:
                                     args.labels)
     rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
+    if args.proto_protocol:
+        from nvflare_jobs.proto_eval import write_section
+
+        try:
+            summary = write_section(out, _order(methods))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"[compare] site models not scored on the evaluation part: {e}", file=sys.stderr)
+        else:
+            for m, v in summary["methods"].items():
+                print(f"[compare] {m}: mean site balanced accuracy test {v['test_bal_acc']:.3f}, external "
+                      f"{v['external_bal_acc']:.3f}; single-class sites {v['single_class_test']} (test) / "
+                      f"{v['single_class_external']} (external); floor {'met' if v['floor_met'] else 'NOT met'}")
     if failed:
         print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -4,10 +4,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hfl_components.flare.catalogue import method_defaults as _method_defaults
 from nvflare_jobs.site_config import write_site_config
 
 DEPTHS = ("shallow", "medium", "deep")
 HETERO_FAMILIES = ("hetero_cnn", "densenet", "resnet", "efficientnet")
+# Prototype methods' default backbones (issue 16): the pool's families, the two slowest made smaller so that one
+# epoch of 6 sites on ~850 training images at 64 px costs a few CPU seconds (ms per image, forward + backward, 1
+# thread: hetero_cnn 2.2, densenet 5.8 -> 3.4, resnet 3.0, efficientnet 9.3 -> 4.5).
+PROTO_BACKBONES = {
+    "densenet": {"block_config": [2, 2, 2]},
+    "efficientnet": {"blocks": ["r1_k3_s11_e1_i32_o16_se0.25", "r1_k3_s22_e4_i16_o24_se0.25",
+                                "r1_k3_s22_e4_i24_o40_se0.25"]},
+}
+# Prototype methods' default site training (issue 16), chosen on the sites' validation splits by
+# benchmarks/tune_proto.py (results in benchmarks/results/proto_tuning.md); never on test or evaluation images.
+PROTO_TRAINING = {"input_size": 64, "lr": 0.01, "balanced_sampling": True, "class_weights": None,
+                  "fast_augment": True}
+# federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
+# one source is the method catalogue
+PROTO_ROUNDS = _method_defaults("fedsaf")["rounds"]
+PROTO_LOCAL_EPOCHS = _method_defaults("fedsaf")["local_epochs"]
 
 NO_DATA_HELP = """no chest X-ray data found.
 Looked at --data, then $CXR_DATA, then ../shared/data (beside the repository).
@@ -47,6 +64,31 @@ def resolve_data(arg: str | None) -> Path:
     raise DataNotFoundError(NO_DATA_HELP)
 
 
+PROTO_METHODS = ("fedsaf", "fedproto", "fedtopo")
+
+
+def proto_training_data(out_csv: Path) -> Path | None:
+    """Default data set of the prototype methods (issue 16): the ``tuning`` + ``probe`` parts of the shared
+    ``chest_xray_224`` pool (1,055 images, 3 subtypes) written as one manifest CSV at ``out_csv``.
+
+    Their heterogeneity is the model's, not the resolution's, so they do not need ``chest_xray_original`` (~100
+    training images a site, too few to learn bacterial vs viral pneumonia); the committed ``evaluation`` part of
+    the same pool (1,715 images, patient-disjoint) is never trained on and serves as the external test set.
+    Returns None (callers fall back to :func:`resolve_data`) when no ``chest_xray_224`` is found beside the data
+    root of :func:`resolve_data` (``$CXR_DATA``, ``../shared/data``).
+    """
+    from chest_xray.splits import TRAINING_PARTS, write_pool_csv
+
+    try:
+        root = resolve_data(None)
+    except DataNotFoundError:
+        return None
+    for cand in (root.parent / "chest_xray_224", root / "chest_xray_224"):
+        if cand.is_dir():
+            return write_pool_csv(TRAINING_PARTS, cand, out_csv)
+    return None
+
+
 def default_probe(data_root: Path, partition_dir: Path | None = None) -> str | None:
     """A public probe pool for OHFL's CKA: the reserved probe.csv of the partition if any, else the
     patient-disjoint sibling ``chest_xray_224`` when the sites come from ``chest_xray_original``."""
@@ -81,7 +123,8 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
         for i in groups[g]:
             site = sites[i]
             if method in ("fedsaf", "fedproto", "fedtopo"):
-                spec = {"family": HETERO_FAMILIES[i % len(HETERO_FAMILIES)], "feature_dim": feature_dim}
+                fam = HETERO_FAMILIES[i % len(HETERO_FAMILIES)]
+                spec = {"family": fam, "feature_dim": feature_dim, **PROTO_BACKBONES.get(fam, {})}
             else:
                 spec = {"family": family, "depth": DEPTHS[di], "width": width}
             spec.update({"in_channels": 1, "num_classes": num_classes})
@@ -90,19 +133,26 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
 
 
 def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, input_sizes: list[int],
-                  settings: dict) -> Path:
+                  settings: dict, proto: bool | None = None) -> Path:
     """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder).
 
     These are *simulated* sites: unless ``settings`` says otherwise they set ``share_predictions: true`` so the
     run reports pooled test metrics with confidence intervals (a real site's default is false; see
-    docs/DEPLOYMENT.md, Privacy)."""
+    docs/DEPLOYMENT.md, Privacy). ``proto`` (default: ``method`` is a prototype method): the sites get the
+    heterogeneous backbones and the prototype methods' training defaults :data:`PROTO_TRAINING` (``settings`` keys
+    win). ``cxr-hfl compare`` passes ``proto=True`` for Local when it is compared with the prototype methods, so
+    Local trains the same backbones."""
     settings = dict(settings)
     settings.setdefault("share_predictions", True)
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
     from chest_xray.labels import num_classes as scheme_classes
 
     num_classes = scheme_classes(labels)
-    models = assign_models(sites, method, input_sizes, num_classes, feature_dim=int(settings.pop("feature_dim", 64)))
+    proto = method in PROTO_METHODS if proto is None else bool(proto)
+    if proto:
+        settings = {**{k: v for k, v in PROTO_TRAINING.items() if k != "input_size"}, **settings}
+    models = assign_models(sites, PROTO_METHODS[0] if proto else method, input_sizes, num_classes,
+                           feature_dim=int(settings.pop("feature_dim", 64)))
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.yaml"):
         old.unlink()

@@ -49,6 +49,8 @@ DEFAULTS = {
     "momentum": 0.9,
     "finetune_lr": 0.001,
     "class_weights": None,
+    "balanced_sampling": False,  # true: class-balanced WeightedRandomSampler over the training split
+    "fast_augment": False,  # true: training images as one cached tensor, flip + shift on tensors (no rotation)
     "augment_classes": "auto",
     "threads": 1,
     "seed": 0,
@@ -192,6 +194,9 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
     if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
         raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+    for key in ("balanced_sampling", "fast_augment"):
+        if not isinstance(cfg[key], bool):
+            raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
     if cfg["class_weights"] not in (None, "balanced"):
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]

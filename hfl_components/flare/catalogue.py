@@ -12,19 +12,22 @@ method   labels  rounds local_epochs finetune_epochs
 local    binary  3      2            10 (unused)
 fedavg   binary  3      2            10 (unused)
 ohfl     binary  3 (*)  20           10
-fedsaf   subtype 5      3            10 (unused)
-fedproto subtype 5      3            10 (unused)
-fedtopo  subtype 5      3            10 (unused)
+fedsaf   subtype 20     1            10 (unused)
+fedproto subtype 20     1            10 (unused)
+fedtopo  subtype 20     1            10 (unused)
 ======== ======= ====== ============ ===============
 
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
+
+Prototype methods (issue 16): 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
+training defaults (``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
 """
 from __future__ import annotations
 
 PROTOTYPE_METHODS: tuple[str, ...] = ("fedsaf", "fedproto", "fedtopo")
 
 _BASE = {"labels": "binary", "rounds": 3, "local_epochs": 2, "finetune_epochs": 10}
-_PROTO = {"labels": "subtype", "rounds": 5, "local_epochs": 3, "finetune_epochs": 10}
+_PROTO = {"labels": "subtype", "rounds": 20, "local_epochs": 1, "finetune_epochs": 10}
 METHOD_DEFAULTS: dict[str, dict] = {
     "local": dict(_BASE),
     "fedavg": dict(_BASE),

@@ -85,6 +85,19 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def balanced_sampler(labels: list[int], generator: torch.Generator) -> torch.utils.data.WeightedRandomSampler:
+    """Class-balanced sampling of one site's training split: image ``i`` of class ``c`` is drawn with probability
+    ``1 / (K n_c)`` (K = classes present), with replacement, ``len(labels)`` draws per epoch, so each present class
+    fills 1/K of an epoch in expectation (issue 16: training under label skew). Raises ValueError on no labels."""
+    y = np.asarray(labels, dtype=np.int64)
+    if y.size == 0:
+        raise ValueError("balanced sampling needs at least one training image")
+    counts = np.bincount(y)
+    w = 1.0 / counts[y].astype(np.float64)
+    return torch.utils.data.WeightedRandomSampler(torch.as_tensor(w, dtype=torch.double), num_samples=int(y.size),
+                                                  replacement=True, generator=generator)
+
+
 class SiteRuntime:
     """A site's data, model and task handlers.
 
@@ -154,16 +167,28 @@ class SiteRuntime:
             if aug == "auto":
                 aug = default_augment_classes(self.rows("train"))
             try:
-                ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
-                                       cache_dir=self.cfg.get("cache_dir"))
+                if train_mode and self.cfg.get("fast_augment"):
+                    from chest_xray.transforms import TensorAugmentDataset
+
+                    base = self.loader(split, size, train_mode=False).dataset  # cached eval-mode tensors, built once
+                    items = [base[i] for i in range(len(base))]
+                    ds = TensorAugmentDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
+                                              [int(it["label"]) for it in items], augment_classes=aug or [])
+                else:
+                    ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
+                                           cache_dir=self.cfg.get("cache_dir"))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:
                     raise
                 raise self._located(img, split) from None
             g = torch.Generator().manual_seed(int(self.cfg["seed"]))
+            sampler = None
+            if train_mode and self.cfg.get("balanced_sampling"):
+                sampler = balanced_sampler([int(r["label"]) for r in rows], g)
             self._loaders[key] = torch.utils.data.DataLoader(
-                ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode, num_workers=0, generator=g)
+                ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode and sampler is None, sampler=sampler,
+                num_workers=0, generator=g)
         return self._loaders[key]
 
     def _located(self, err, split: str):

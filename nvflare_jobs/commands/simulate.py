@@ -57,7 +57,9 @@ SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, required=True)
-    p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data")
+    p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
+                                  "(chest_xray_original; fedsaf/fedproto/fedtopo: the tuning + probe parts of "
+                                  "chest_xray_224, see chest_xray/splits.py)")
     p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning)")
     p.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
     p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
@@ -67,8 +69,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="federated rounds (default 3; OHFL is one-shot)")
     p.add_argument("--local-epochs", type=int, help="local epochs per round (OHFL: before upload)")
     p.add_argument("--finetune-epochs", type=int, help="OHFL fine-tuning epochs at each site")
-    p.add_argument("--input-sizes", type=_ints, default=[64, 96, 128],
-                   help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128)")
+    p.add_argument("--input-sizes", type=_ints,
+                   help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128; "
+                        "fedsaf/fedproto/fedtopo: 64)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -183,10 +186,15 @@ def _defaults(args) -> None:
     from hfl_components.flare.catalogue import method_defaults
 
     d = method_defaults(args.method)
+    proto = args.method in ("fedsaf", "fedproto", "fedtopo")
     if args.labels is None:
         args.labels = d["labels"]
     if args.rounds is None:
         args.rounds = d["rounds"]
+    if getattr(args, "input_sizes", None) is None:
+        from nvflare_jobs.profiles import PROTO_TRAINING
+
+        args.input_sizes = [PROTO_TRAINING["input_size"]] if proto else [64, 96, 128]
     if args.alignment is None:
         args.alignment = "cka" if args.method == "ohfl" else "gcsa"
     if args.method == "ohfl" and args.alignment not in ("cka", "random"):
@@ -209,7 +217,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     """Partition (unless --profile) and write the site-config profile. Returns (profile_dir, profile, data_root,
     partition_dir)."""
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
-    from nvflare_jobs.profiles import resolve_data, write_profile
+    from nvflare_jobs.profiles import PROTO_METHODS, proto_training_data, resolve_data, write_profile
     from nvflare_jobs.site_config import load_profile
 
     if args.profile:
@@ -224,7 +232,10 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
                 print(f"WARNING: {e} -- this site will fail its tasks and be left out", file=sys.stderr)
         data = Path(args.data).resolve() if args.data else None
         return profile_dir, profile, data, None
-    data = resolve_data(args.data)
+    data = None
+    if args.method in PROTO_METHODS and not args.data:
+        data = proto_training_data(run_dir / "data_pool.csv")
+    data = data or resolve_data(args.data)
     print(f"[cxr-hfl] data: {data}")
     records, report = scan_dataset(data, labels=args.labels)
     skipped = report.get("skipped", []) if isinstance(report, dict) else []
@@ -246,8 +257,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
 
 
 RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
-               "resolved_configs", "site_configs", "partition", "external")
+                "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+               "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 
 
 def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:

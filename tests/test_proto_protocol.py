@@ -1,0 +1,204 @@
+"""Issue 16: the prototype methods' data, training and comparison protocol: training pool without the evaluation
+part, class-balanced sampling, tensor augmentation, Local on the same backbones at equal epochs, and the paired
+site-model statistics (weighted AUC / balanced accuracy against scikit-learn, verdict wording, bootstrap)."""
+from __future__ import annotations
+
+import argparse
+import csv
+
+import numpy as np
+import pytest
+import torch
+
+
+def test_training_pool_is_tuning_plus_probe_and_never_evaluation(tmp_path, data_root):
+    from chest_xray import scan_dataset
+    from chest_xray.splits import TRAINING_PARTS, split_rows, write_pool_csv
+
+    root = data_root / "chest_xray_224"
+    if not root.is_dir():
+        pytest.skip(f"no chest_xray_224 under {data_root}")
+    with pytest.raises(ValueError, match="never trained on"):
+        write_pool_csv(["tuning", "evaluation"], root, tmp_path / "x.csv")
+    f = write_pool_csv(TRAINING_PARTS, root, tmp_path / "pool.csv")
+    with f.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(split_rows("tuning")) + len(split_rows("probe")) == 735 + 320
+    names = {r["path"].rsplit("/", 1)[-1].lower() for r in rows}
+    assert not names & {r["path"].rsplit("/", 1)[-1].lower() for r in split_rows("evaluation")}
+    recs, rep = scan_dataset(f, labels="subtype", verify=False)
+    assert len(recs) == 1055 and rep["n_patients"] < 1055  # patient ids from the committed lists
+    assert sorted({r["label"] for r in recs}) == [0, 1, 2]
+
+
+def test_balanced_sampler_weights_are_inverse_class_counts():
+    from hfl_components.flare.site_tasks import balanced_sampler
+
+    s = balanced_sampler([0, 0, 0, 1, 2, 2], torch.Generator().manual_seed(0))
+    w = s.weights.numpy()
+    np.testing.assert_allclose(w, [1 / 3, 1 / 3, 1 / 3, 1.0, 0.5, 0.5])
+    # each class carries the same total probability mass
+    np.testing.assert_allclose([w[:3].sum(), w[3:4].sum(), w[4:].sum()], [1.0, 1.0, 1.0])
+    assert s.num_samples == 6 and s.replacement
+    with pytest.raises(ValueError):
+        balanced_sampler([], torch.Generator())
+
+
+def test_tensor_augment_is_a_flip_and_zero_filled_shift():
+    from chest_xray.transforms import TensorAugmentDataset
+
+    x = torch.arange(2 * 20 * 20, dtype=torch.float32).reshape(2, 1, 20, 20) + 1
+    same = TensorAugmentDataset(x, [0, 1], augment_classes=[])
+    assert torch.equal(same[1]["image"], x[1]) and same[1]["label"] == 1
+    ds = TensorAugmentDataset(x, [0, 1], augment_classes=[0], shift=0.1)  # up to 2 px
+    assert torch.equal(ds[1]["image"], x[1])  # class 1 not augmented
+    torch.manual_seed(0)
+    for _ in range(20):
+        out = ds[0]["image"]
+        found = False
+        for flip in (False, True):
+            src = torch.flip(x[0], dims=(-1,)) if flip else x[0]
+            for dy in range(-2, 3):
+                for dx in range(-2, 3):
+                    ref = torch.zeros_like(src)
+                    ys, yd = (slice(0, 20 - dy), slice(dy, 20)) if dy >= 0 else (slice(-dy, 20), slice(0, 20 + dy))
+                    xs, xd = (slice(0, 20 - dx), slice(dx, 20)) if dx >= 0 else (slice(-dx, 20), slice(0, 20 + dx))
+                    ref[..., yd, xd] = src[..., ys, xs]
+                    found |= torch.equal(out, ref)
+        assert found
+    assert torch.equal(x[0], torch.arange(400, dtype=torch.float32).reshape(1, 20, 20) + 1)  # cache untouched
+    with pytest.raises(ValueError):
+        TensorAugmentDataset(x, [0])
+
+
+def _args(**kw):
+    base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
+            "batch_size": None, "labels": "subtype", "input_sizes": None}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparison(tmp_path):
+    from nvflare_jobs.compare import epoch_plan, proto_protocol
+    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS, PROTO_TRAINING, write_profile
+    from nvflare_jobs.site_config import load_profile
+
+    assert proto_protocol(["local", "fedproto", "fedsaf:alignment=rcsa", "fedtopo"])
+    assert not proto_protocol(["local", "ohfl"]) and not proto_protocol(["local"])
+    a = _args()
+    a.proto_protocol = True
+    for m in ("local", "fedproto", "fedsaf", "fedtopo"):
+        assert epoch_plan(m, a) == {"rounds": PROTO_ROUNDS, "local_epochs": PROTO_LOCAL_EPOCHS, "finetune_epochs": 0,
+                                    "total_epochs_per_site": PROTO_ROUNDS * PROTO_LOCAL_EPOCHS}
+    # outside the protocol: compare's equal budgets (Local = OHFL's local + fine-tuning epochs)
+    assert epoch_plan("local", _args())["total_epochs_per_site"] == epoch_plan("ohfl", _args())["total_epochs_per_site"]
+    part = tmp_path / "part"
+    (part / "sites").mkdir(parents=True)
+    for i in (1, 2):
+        (part / "sites" / f"site-{i}.csv").write_text("path,label,split\n/x.png,0,train\n")
+    prof = load_profile(write_profile(part, tmp_path / "prof", "local", "subtype", [64],
+                                      {"seed": 0, "lr": 0.05}, proto=True), check_files=False)
+    assert [c["model"]["family"] for c in prof.values()] == ["hetero_cnn", "densenet"]
+    assert prof["site-2"]["model"]["block_config"] == [2, 2, 2]
+    assert prof["site-1"]["lr"] == 0.05  # the caller's settings win
+    assert prof["site-1"]["balanced_sampling"] is PROTO_TRAINING["balanced_sampling"]
+    assert prof["site-1"]["fast_augment"] is PROTO_TRAINING["fast_augment"]
+    plain = load_profile(write_profile(part, tmp_path / "p2", "local", "subtype", [64], {"seed": 0}),
+                         check_files=False)
+    assert plain["site-1"]["model"]["family"] == "cnn" and plain["site-1"]["balanced_sampling"] is False
+
+
+def test_weighted_auc_and_balanced_accuracy_equal_scikit_learn():
+    from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+
+    from hfl_components.training.site_paired import site_metric, weighted_auc
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 3, 60)
+    p = rng.dirichlet([1, 1, 1], 60)
+    p[:10] = p[10:20]  # ties across rows
+    w = rng.integers(0, 4, 60).astype(float)
+    for c in range(3):
+        assert weighted_auc(y == c, p[:, c], w) == pytest.approx(roc_auc_score(y == c, p[:, c], sample_weight=w))
+    assert site_metric("balanced_accuracy", y, p, w) == pytest.approx(
+        balanced_accuracy_score(y, p.argmax(1), sample_weight=w))
+    macro = np.mean([roc_auc_score(y == c, p[:, c], sample_weight=w) for c in range(3)])
+    assert site_metric("auc", y, p, w) == pytest.approx(macro)
+    # a class with no weight is left out of both metrics
+    w2 = np.where(y == 2, 0.0, 1.0)
+    assert site_metric("auc", y, p, w2) == pytest.approx(
+        np.mean([roc_auc_score(y[y < 2] == c, p[y < 2, c]) for c in range(2)]))
+    with pytest.raises(ValueError):
+        site_metric("f1", y, p)
+
+
+def test_paired_site_bootstrap_verdicts():
+    from hfl_components.training.site_paired import paired_site_bootstrap, verdict
+
+    assert [verdict(0.01, 0.2), verdict(-0.1, 0.1), verdict(-0.3, -0.01), verdict(None, 1)] == [
+        "better", "no difference detected", "worse", None]
+    rng = np.random.default_rng(0)
+    y = np.repeat([0, 1, 2], 20)
+    good = np.eye(3)[y] * 0.8 + 0.1  # always right
+    pairs_same, pairs_good = [], []
+    for s in range(3):
+        for k in range(2):
+            ids = np.sort(rng.choice(60, 30, replace=False))
+            noise = rng.dirichlet([1, 1, 1], 60)
+            pairs_same.append({"seed": s, "site": k, "pool": "ext", "ids": ids, "y": y[ids], "pa": noise[ids],
+                               "pb": noise[ids]})
+            pairs_good.append({"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(30), "y": y[ids],
+                               "pa": good[ids], "pb": noise[ids]})
+    d = paired_site_bootstrap(pairs_same, "balanced_accuracy", n_boot=50)
+    assert d["diff"] == 0 and d["ci_low"] == 0 and d["ci_high"] == 0 and d["verdict"] == "no difference detected"
+    g = paired_site_bootstrap(pairs_good, "auc", n_boot=50)
+    assert g["a"] == 1.0 and g["n_pairs"] == 6 and g["verdict"] == "better"
+    r = paired_site_bootstrap([dict(q, pa=q["pb"], pb=q["pa"]) for q in pairs_good], "balanced_accuracy", n_boot=50)
+    assert r["verdict"] == "worse" and r["a"] == pytest.approx(r["b"] + r["diff"]) and r["b"] == 1.0
+
+
+def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_path, data_root, monkeypatch):
+    import argparse as ap
+
+    from chest_xray import read_site_manifest
+    from chest_xray.splits import split_rows
+    from nvflare_jobs.commands.simulate import _defaults, prepare_profile, register
+    from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
+
+    if not (data_root / "chest_xray_224").is_dir():
+        pytest.skip(f"no chest_xray_224 under {data_root}")
+    monkeypatch.setenv("CXR_DATA", str(data_root))
+    parser = ap.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--method", "fedtopo", "--scheme", "dirichlet", "--out", str(tmp_path)])
+    _defaults(args)
+    assert (args.labels, args.rounds, args.default_local_epochs, args.input_sizes) == (
+        "subtype", PROTO_ROUNDS, PROTO_LOCAL_EPOCHS, [64])
+    _, profile, data, _ = prepare_profile(args, tmp_path)
+    assert data == tmp_path / "data_pool.csv"
+    evaluation = {r["path"].rsplit("/", 1)[-1] for r in split_rows("evaluation")}
+    n = 0
+    for site, cfg in profile.items():
+        assert cfg["input_size"] == 64 and cfg["balanced_sampling"] and cfg["fast_augment"]
+        rows = read_site_manifest(cfg["data"]["manifest"])
+        n += len(rows)
+        assert not {str(r["path"]).rsplit("/", 1)[-1] for r in rows} & evaluation
+    assert n == 1055
+    assert [c["model"]["family"] for c in profile.values()][:4] == ["hetero_cnn", "densenet", "resnet", "efficientnet"]
+
+
+def test_paired_site_bootstrap_point_estimates_equal_site_metric():
+    from hfl_components.training.site_paired import paired_site_bootstrap, site_metric
+
+    rng = np.random.default_rng(1)
+    pairs = []
+    for s in range(2):
+        for k in range(3):
+            y = rng.integers(0, 3, 25)
+            pairs.append({"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(25), "y": y,
+                          "pa": rng.dirichlet([1, 1, 1], 25), "pb": rng.dirichlet([1, 1, 1], 25)})
+    for metric in ("balanced_accuracy", "auc"):
+        d = paired_site_bootstrap(pairs, metric, n_boot=0)
+        a = np.mean([site_metric(metric, q["y"], q["pa"]) for q in pairs])
+        b = np.mean([site_metric(metric, q["y"], q["pb"]) for q in pairs])
+        assert d["a"] == pytest.approx(a) and d["b"] == pytest.approx(b) and d["diff"] == pytest.approx(a - b)

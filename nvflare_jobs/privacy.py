@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 
+from hfl_components.flare.catalogue import CATALOGUE
+from hfl_components.flare.catalogue import what_leaves as catalogue_uploads
+
 # an absolute POSIX path (/a/b...), a home path (~/...), a Windows drive path (C:\... or C:/...) or a UNC path
 _PATH_RE = re.compile(r"(?<![\w.:/\\])(?:[A-Za-z]:[\\/]|\\\\|~/|/)[^\s'\"<>|,;:()\[\]{}]*")
 _FILE_RE = re.compile(r"\b[\w.\-^]+\.(?:dcm|dicom|jpe?g|png|tiff?|bmp|nii(?:\.gz)?)\b", re.IGNORECASE)
@@ -33,19 +36,9 @@ COMMON_UPLOAD = ("task status (ok/error; an error's reason with paths and image 
 EVALUATE_UPLOAD = ("final evaluate: aggregate test metrics and confusion matrix (test class counts); per-image "
                    "test probabilities and labels (no images, no identifiers) only if the site sets "
                    "share_predictions: true (default false)")
-#: Per method, what a site uploads on top of :data:`COMMON_UPLOAD` and :data:`EVALUATE_UPLOAD`.
-METHOD_UPLOAD = {
-    "local": "nothing model-related",
-    "fedavg": "the full model (every weight) and its training sample count, every round",
-    "ohfl": ("one trained model (every weight), once, with its validation accuracy and its test metrics; after "
-             "fusion the global model's zero-shot test metrics and the fine-tuning losses"),
-    "fedsaf": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
-               "counts; the alignment loss terms of the last batch"),
-    "fedproto": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
-                 "counts; the alignment loss terms of the last batch"),
-    "fedtopo": ("every round: a C x C class-relation matrix and the C training class counts (Laplace-noised with "
-                "--noisy-counts); the topology-inconsistency scores D_r/D_rs"),
-}
+#: Per method, what a site uploads on top of :data:`COMMON_UPLOAD` and :data:`EVALUATE_UPLOAD` (the method
+#: catalogue's ``uploads``).
+METHOD_UPLOAD = {m: e.uploads for m, e in CATALOGUE.items()}
 
 
 def what_leaves(method: str) -> str:
@@ -54,4 +47,4 @@ def what_leaves(method: str) -> str:
     Raises:
         KeyError: unknown method.
     """
-    return f"{METHOD_UPLOAD[method]}; plus, with every task, {COMMON_UPLOAD}; {EVALUATE_UPLOAD}"
+    return f"{catalogue_uploads(method)}; plus, with every task, {COMMON_UPLOAD}; {EVALUATE_UPLOAD}"

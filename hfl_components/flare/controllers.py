@@ -205,8 +205,33 @@ class HFLController(ModelController):
         self._status.update({"dropped_now": {}, "waiting_for": []})
         return out
 
+    # opts key -> attribute name where a controller keeps an option under another name; options that are neither
+    # an attribute nor in task_config read as missing (their catalogue default)
+    OPTION_ATTRS: dict[str, str] = {}
+    TASK_CONFIG_KEYS: dict[str, str] = {}  # opts key -> task_config key where they differ (lam -> lambda)
+
+    @classmethod
+    def from_options(cls, method: str, profile: dict[str, dict], opts: dict, common: dict, task_config: dict):
+        """Build the controller of ``method`` for a profile ({site: config with ``model``}) from the method's
+        options already checked by ``catalogue.validate_options`` (``opts``), the common arguments (``num_rounds``,
+        ``min_sites``, ``task_timeout``, ``seed``, ``late_wait_s``) and the site ``task_config`` (epochs).
+        Subclasses with their own arguments override it. Raises ValueError for a profile the method cannot run."""
+        return cls(task_config=task_config, **common)
+
+    def upload_context(self) -> dict:
+        """What the upload checks (``hfl_components.upload_checks``) compare a site's upload with."""
+        return {"num_classes": getattr(self, "num_classes", None), "feature_dim": getattr(self, "feature_dim", None),
+                "expected_shapes": getattr(self, "_expected", None)}
+
     def validate_result(self, task: str, result: FLModel) -> None:
-        """Hook: raise ValueError to reject a site's upload for this task."""
+        """Run the method's upload check for ``task`` (catalogue ``upload_checks``; pure functions in
+        ``hfl_components.upload_checks``); raises ValueError to reject a site's upload for this task."""
+        from hfl_components.flare.catalogue import CATALOGUE, resolve
+
+        e = CATALOGUE.get(self.method)
+        path = e.upload_checks.get(task) if e is not None else None
+        if path:
+            resolve(path)(result.params or {}, result.meta or {}, self.upload_context())
 
     def check_label_schemes(self, results: list) -> None:
         """Refuse a federation whose sites declare different label schemes (``meta["labels"]`` of their answers,
@@ -350,18 +375,11 @@ class FedAvgController(HFLController):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         self.global_spec = dict(global_spec)
 
-    def validate_result(self, task, result):
-        if task != "fedavg_train":
-            return
-        if set(result.params or {}) != set(self._expected):
-            raise ValueError("parameter names differ from the global architecture")
-        for k, v in result.params.items():
-            if np.shape(v) != self._expected[k]:
-                raise ValueError(f"{k} has shape {np.shape(v)}, expected {self._expected[k]}")
-            if not np.all(np.isfinite(v)):
-                raise ValueError(f"{k} has non-finite values")
-        if not result.meta.get("NUM_STEPS_CURRENT_ROUND", 0) > 0:
-            raise ValueError("no positive sample count in NUM_STEPS_CURRENT_ROUND")
+    @classmethod
+    def from_options(cls, method, profile, opts, common, task_config):
+        from hfl_components.models import deepest_spec
+
+        return cls(global_spec=deepest_spec(profile), task_config=task_config, **common)
 
     def run_method(self):
         import torch
@@ -445,15 +463,22 @@ class OHFLController(HFLController):
             raise ValueError(f"probe_at must be 'largest' or 'own', got {probe_at!r}")
         self.probe_at = probe_at
 
-    def validate_result(self, task, result):
-        if task != "ohfl_train":
-            return
-        from hfl_components.fusion import validate_upload
+    OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
 
-        from hfl_components.flare.site_tasks import from_numpy_state
+    @classmethod
+    def from_options(cls, method, profile, opts, common, task_config):
+        from hfl_components.models import is_fusable
 
-        meta = result.meta or {}
-        validate_upload(meta.get("spec"), from_numpy_state(result.params or {}), meta.get("n_train", 0))
+        for site, cfg in profile.items():
+            if not is_fusable(cfg["model"]):
+                raise ValueError(f"OHFL needs fusable cnn/vgg11 models; site {site} has {cfg['model']}")
+        common = {**common, "num_rounds": 1}
+        return cls(probe=str(opts["probe"]), strategy=opts["strategy"], alignment=opts["alignment"],
+                   ot_solver=opts["ot"], ground_metric=opts["ground_metric"], probe_size=int(opts["probe_size"]),
+                   weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
+                   fusion_device=opts["server_device"] or "auto",
+                   task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
+                                "gate": bool(opts["gate"])}, **common)
 
     def run_method(self):
         from hfl_components.flare.site_tasks import from_numpy_state, to_numpy_state
@@ -568,17 +593,21 @@ class FedSAFController(HFLController):
         self.feature_dim = int(feature_dim)
         self.prototypes = prototypes
 
-    def validate_result(self, task, result):
-        if task != "fedsaf_train":
-            return
-        from hfl_components.alignment import validate_prototype_upload
+    TASK_CONFIG_KEYS = {"lam": "lambda"}
 
-        p = result.params or {}
-        validate_prototype_upload(p.get("prototypes"), p.get("counts"), self.num_classes, self.feature_dim)
-        n_train = (result.meta or {}).get("n_train")
-        total = float(np.sum(p["counts"]))
-        if n_train is not None and total != float(n_train):
-            raise ValueError(f"class counts add up to {total:g}, but the site reports n_train = {n_train}")
+    @classmethod
+    def from_options(cls, method, profile, opts, common, task_config):
+        # --method fedproto is shorthand for the coordinate (MSE) alignment with FedProto's weighted-mean prototypes,
+        # run through the same two-level framework as FedSAF (the paper's "Ours-MSE"; issue 5): the catalogue fixes
+        # its alignment and prototypes.
+        dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}
+        if len(dims) != 1 or None in dims:
+            raise ValueError(f"FedSAF needs one common feature_dim in every site's model spec, got {dims}")
+        num_classes = next(iter(profile.values()))["model"]["num_classes"]
+        tc = {**task_config, "alignment": opts["alignment"], "lambda": float(opts["lam"]),
+              "gamma": float(opts["gamma"]), "eval": opts["eval"]}
+        return cls(num_classes=num_classes, feature_dim=int(dims.pop()), prototypes=opts["prototypes"],
+                   task_config=tc, method_name=method, **common)
 
     def run_method(self):
         import torch
@@ -662,18 +691,20 @@ class FedTopoController(HFLController):
         self.rho = float(rho)
         self.ablate = list(ablate or [])
 
-    def validate_result(self, task, result):
-        if task != "fedtopo_train":
-            return
-        from hfl_components.topology import validate_topology_upload
+    TASK_CONFIG_KEYS = {"lam": "lambda"}
 
-        p = result.params or {}
-        validate_topology_upload(p.get("R"), p.get("counts"), self.num_classes)
-        diag = np.diag(np.asarray(p["R"], dtype=np.float64))
-        present = np.asarray(p["counts"], dtype=np.float64) > 0
-        if np.any(np.abs(diag - present) > 1e-6):
-            raise ValueError(f"diagonal of R {np.round(diag, 4).tolist()} disagrees with the classes present in "
-                             f"the counts {np.asarray(p['counts']).tolist()}")
+    @classmethod
+    def from_options(cls, method, profile, opts, common, task_config):
+        from hfl_components.topology import TopologyAblation
+
+        ablate = sorted(set(opts["ablate"] or []))
+        TopologyAblation.from_names(ablate)  # ValueError on an unknown switch
+        noisy = opts["noisy_counts"]
+        tc = {**task_config, "lambda": float(opts["lam"]), "gamma": float(opts["gamma"]),
+              "top_q": int(opts["top_q"]), "warmup": int(opts["warmup"]), "ablate": ablate,
+              "noisy_counts": None if noisy is None else float(noisy)}
+        num_classes = next(iter(profile.values()))["model"]["num_classes"]
+        return cls(num_classes=num_classes, rho=float(opts["rho"]), ablate=ablate, task_config=tc, **common)
 
     def run_method(self):
         from hfl_components.topology import TopologyAblation, aggregate_topology, initial_topology, is_warmup_round

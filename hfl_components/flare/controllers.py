@@ -210,6 +210,44 @@ class HFLController(ModelController):
     OPTION_ATTRS: dict[str, str] = {}
     TASK_CONFIG_KEYS: dict[str, str] = {}  # opts key -> task_config key where they differ (lam -> lambda)
 
+    def current_options(self) -> dict:
+        """The method's options as this controller holds them (its constructor arguments, as an exported job's
+        ``config_fed_server.json`` sets them, and its ``task_config``), keyed as in the catalogue."""
+        from hfl_components.flare.catalogue import CATALOGUE
+
+        e = CATALOGUE.get(self.method)
+        own = vars(self)
+        out = {}
+        for o in (e.options if e is not None else ()):
+            attr = self.OPTION_ATTRS.get(o.key, o.key)
+            tck = self.TASK_CONFIG_KEYS.get(o.key, o.key)
+            if attr in own:
+                out[o.key] = own[attr]
+            elif tck in self.task_config:
+                out[o.key] = self.task_config[tck]
+        return out
+
+    def check_options(self) -> dict:
+        """Check this controller's options with ``catalogue.validate_options`` (the same function
+        ``make_controller`` runs), so that an exported job whose config was edited fails when it starts, naming
+        the option, before any site trains. Raises ValueError (``catalogue.OptionError`` for a bad option; an
+        unknown method)."""
+        from hfl_components.flare.catalogue import validate_options
+
+        return validate_options(self.method, self.current_options())
+
+    def start_controller(self, fl_ctx) -> None:
+        """NVFlare's start hook (server side, before ``run()`` sends any task): also checks the options."""
+        super().start_controller(fl_ctx)
+        try:
+            self.check_options()
+        except ValueError as e:
+            self.record["failed"] = f"invalid job configuration: {e}"
+            self.error(f"refusing to start: invalid job configuration: {e}")
+            self.set_phase("failed", error=self.record["failed"])
+            self.save_record()
+            raise
+
     @classmethod
     def from_options(cls, method: str, profile: dict[str, dict], opts: dict, common: dict, task_config: dict):
         """Build the controller of ``method`` for a profile ({site: config with ``model``}) from the method's

@@ -91,13 +91,16 @@ def test_validate_options_types_choices_defaults_and_fixed_values():
         validate_options("fedprox", {})
 
 
-def test_simulate_refuses_an_option_of_another_method():
+def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
     with pytest.raises(SystemExit, match="--eval nearest-prototype is not an option of ohfl"):
         simulate._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
+    a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
+    simulate._defaults(a)
+    assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="FedSAF alignment"):
         simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
     a = p.parse_args(["--method", "fedtopo"])

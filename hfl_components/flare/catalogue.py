@@ -61,6 +61,8 @@ class Option:
         fixed: the method always uses this value whatever is given (``fedproto``'s alignment); the given value is
             still checked against ``choices``.
         what: the noun for one item in error messages (default: the key), e.g. ``ablation``.
+        strict: the command line refuses the flag with a non-default value for a method that lacks the option
+            (default: a warning that it is ignored).
     """
 
     key: str
@@ -74,6 +76,7 @@ class Option:
     required: str | None = None
     fixed: Any = _UNSET
     what: str | None = None
+    strict: bool = False
 
     @property
     def cli_flag(self) -> str:
@@ -208,14 +211,14 @@ def _fedsaf_options(fedproto: bool) -> tuple[Option, ...]:
                "FedTGP-style (Eq. 5)", **({"fixed": "fedproto"} if fedproto else {})),
         Option("eval", str, "head", ("head", "nearest-prototype"),
                "FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own local "
-               "prototypes (nearest-global is not offered)"),
+               "prototypes (nearest-global is not offered)", strict=True),
         _LAMBDA, _GAMMA,
     )
 
 
 _FEDTOPO = (
     _LAMBDA, _GAMMA,
-    Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only"),
+    Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only", strict=True),
     Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)"),
     Option("rho", float, 0.7, None, "FedTopo: EMA factor of the global topology", check=_in_unit_interval),
     Option("warmup", int, 3, None, "FedTopo: rounds without the topology loss"),

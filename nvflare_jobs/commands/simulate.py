@@ -183,15 +183,18 @@ def _ohfl_defaults(args) -> None:
 def _check_method_options(args) -> None:
     """Fill the method's own options left unset with their catalogue defaults and check them with
     ``catalogue.validate_options`` (exit with the message naming the option); an option of another method given
-    a value other than its default is refused (it would be ignored)."""
+    a value other than its default is ignored with a warning (refused for ``strict`` options such as ``--eval``)."""
     e = catalogue.entry(args.method)
     for key, users in catalogue.all_options().items():
         if e.option(key) is None:
             opt = users[0][1]
             v = getattr(args, key, None)
             if v not in (None, [], opt.argparse_default, opt.default) and key not in OHFL_DEFAULTS:
-                sys.exit(f"cxr-hfl: {opt.cli_flag} {v} is not an option of {args.method} (it is one of "
-                         f"{', '.join(m for m, _ in users)})")
+                msg = (f"{opt.cli_flag} {v} is not an option of {args.method} (it is one of "
+                       f"{', '.join(m for m, _ in users)})")
+                if any(o.strict for _, o in users):
+                    sys.exit(f"cxr-hfl: {msg}")
+                print(f"WARNING: {msg}; ignored", file=sys.stderr)
     for o in e.options:
         if getattr(args, o.key, None) is None:
             setattr(args, o.key, list(o.default) if isinstance(o.default, list) else o.default)

@@ -69,8 +69,6 @@ class FedSAFController(HFLController):
                    f"single RDM entry), only the instance-level term acts; use labels 'subtype' (3 classes)")
             self.warning(msg)
             self.record["notes"].append(msg)
-        if self.prototypes not in ("fedproto", "fixed", "tgp"):
-            raise ValueError(f"unknown prototype construction {self.prototypes!r}")
         self.info(f"{self.method}: alignment {kind}, global prototypes {self.prototypes}, C x d = {C} x {d}, "
                   f"lambda {self.task_config.get('lambda')}, gamma {self.task_config.get('gamma')}, "
                   f"evaluation {self.task_config.get('eval') or 'head'}")

@@ -59,9 +59,7 @@ class OHFLController(HFLController):
 
         self.repair = repair_mode(repair)
         self.cka = cka
-        if probe_at not in ("largest", "own"):
-            raise ValueError(f"probe_at must be 'largest' or 'own', got {probe_at!r}")
-        self.probe_at = probe_at
+        self.probe_at = probe_at  # options are checked by catalogue.validate_options (build and job start)
 
     OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
 

@@ -59,7 +59,9 @@ def make_profile(partition: Path, out: Path, method: str, input_size: int, setti
     from nvflare_jobs.profiles import write_profile
     from nvflare_jobs.site_config import load_profile
 
-    prof_method = method if method in ("fedsaf", "fedproto", "fedtopo") else "fedsaf"  # Local uses the same backbones
+    from hfl_components.flare.catalogue import PROTOTYPE_METHODS, is_prototype
+
+    prof_method = method if is_prototype(method) else PROTOTYPE_METHODS[0]  # Local uses the same backbones
     write_profile(partition, out, prof_method, "subtype", [input_size], dict(settings))
     return load_profile(out)
 

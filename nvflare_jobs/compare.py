@@ -42,8 +42,12 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("local", "local+ft", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
-PROTO = ("fedsaf", "fedproto", "fedtopo")
+from hfl_components.flare.catalogue import METHODS as _CATALOGUE_METHODS
+from hfl_components.flare.catalogue import PROTOTYPE_METHODS
+
+# the method catalogue's methods, plus the local+ft control (Local's budget plus OHFL's fine-tuning) after Local
+METHODS = ("local", "local+ft", *(m for m in _CATALOGUE_METHODS if m != "local"))
+PROTO = PROTOTYPE_METHODS
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
            "sensitivity", "specificity", "threshold", "wall_seconds", "server_seconds", "bytes_up", "bytes_down"]
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")

@@ -1,57 +1,8 @@
-"""What may leave a site: helpers that keep patients' file paths out of messages sent to the server.
+"""Moved to :mod:`hfl_components.flare.privacy` (issue 14: the site layer owns what the site script needs, so that
+nothing under ``hfl_components`` imports ``nvflare_jobs``). This name stays for compatibility: it *is* that module
+(same object, so monkeypatching either name patches both)."""
+import sys
 
-A site's own logs may name its image files (the hospital's operator needs them to fix a broken file); anything
-sent to the server -- task results, metrics, error reasons -- must not. :func:`redact_paths` is applied to every
-error reason a site sends (``hfl_components/flare/site_script.py``); the full message stays in the site's log.
-"""
-from __future__ import annotations
+from hfl_components.flare import privacy as _impl
 
-import re
-
-# an absolute POSIX path (/a/b...), a home path (~/...), a Windows drive path (C:\... or C:/...) or a UNC path
-_PATH_RE = re.compile(r"(?<![\w.:/\\])(?:[A-Za-z]:[\\/]|\\\\|~/|/)[^\s'\"<>|,;:()\[\]{}]*")
-_FILE_RE = re.compile(r"\b[\w.\-^]+\.(?:dcm|dicom|jpe?g|png|tiff?|bmp|nii(?:\.gz)?)\b", re.IGNORECASE)
-
-
-def redact_paths(text: str) -> str:
-    """Replace file-system paths and image file names in ``text`` by ``<path>`` / ``<file>``.
-
-    >>> redact_paths("cannot read /data/pat/John^Doe/1.dcm: bad header")
-    'cannot read <path>: bad header'
-    >>> redact_paths("ImageReadError: person12_virus_3.jpeg is truncated")
-    'ImageReadError: <file> is truncated'
-    """
-    text = _PATH_RE.sub("<path>", str(text))
-    return _FILE_RE.sub("<file>", text)
-
-
-#: What every site sends with every task answer, whatever the method.
-COMMON_UPLOAD = ("task status (ok/error; an error's reason with paths and image file names removed), training-set "
-                 "size, input size, model spec (architecture only), seconds of compute, per-epoch training losses "
-                 "and validation metrics (accuracy, AUC, ..., confusion matrix, i.e. validation class counts)")
-#: What the final ``evaluate`` task of every method adds.
-EVALUATE_UPLOAD = ("final evaluate: aggregate test metrics and confusion matrix (test class counts); per-image "
-                   "test probabilities and labels (no images, no identifiers) only if the site sets "
-                   "share_predictions: true (default false)")
-#: Per method, what a site uploads on top of :data:`COMMON_UPLOAD` and :data:`EVALUATE_UPLOAD`.
-METHOD_UPLOAD = {
-    "local": "nothing model-related",
-    "fedavg": "the full model (every weight) and its training sample count, every round",
-    "ohfl": ("one trained model (every weight), once, with its validation accuracy and its test metrics; after "
-             "fusion the global model's zero-shot test metrics and the fine-tuning losses"),
-    "fedsaf": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
-               "counts; the alignment loss terms of the last batch"),
-    "fedproto": ("every round: C x d class prototypes (mean training feature per class) and the C training class "
-                 "counts; the alignment loss terms of the last batch"),
-    "fedtopo": ("every round: a C x C class-relation matrix and the C training class counts (Laplace-noised with "
-                "--noisy-counts); the topology-inconsistency scores D_r/D_rs"),
-}
-
-
-def what_leaves(method: str) -> str:
-    """One sentence: everything a site running ``method`` sends to the server (docs/DEPLOYMENT.md, Privacy).
-
-    Raises:
-        KeyError: unknown method.
-    """
-    return f"{METHOD_UPLOAD[method]}; plus, with every task, {COMMON_UPLOAD}; {EVALUATE_UPLOAD}"
+sys.modules[__name__] = _impl

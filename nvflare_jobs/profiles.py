@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hfl_components.flare.catalogue import PROTOTYPE_METHODS, is_prototype
 from hfl_components.flare.catalogue import method_defaults as _method_defaults
 from nvflare_jobs.site_config import write_site_config
 
@@ -23,8 +24,8 @@ PROTO_TRAINING = {"input_size": 64, "lr": 0.01, "balanced_sampling": True, "clas
                   "fast_augment": True}
 # federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
 # one source is the method catalogue
-PROTO_ROUNDS = _method_defaults("fedsaf")["rounds"]
-PROTO_LOCAL_EPOCHS = _method_defaults("fedsaf")["local_epochs"]
+PROTO_ROUNDS = _method_defaults(PROTOTYPE_METHODS[0])["rounds"]
+PROTO_LOCAL_EPOCHS = _method_defaults(PROTOTYPE_METHODS[0])["local_epochs"]
 
 NO_DATA_HELP = """no chest X-ray data found.
 Looked at --data, then $CXR_DATA, then ../shared/data (beside the repository).
@@ -64,7 +65,7 @@ def resolve_data(arg: str | None) -> Path:
     raise DataNotFoundError(NO_DATA_HELP)
 
 
-PROTO_METHODS = ("fedsaf", "fedproto", "fedtopo")
+PROTO_METHODS = PROTOTYPE_METHODS  # kept name; the method catalogue decides
 
 
 def proto_training_data(out_csv: Path) -> Path | None:
@@ -122,7 +123,7 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
     for g, (di, si) in enumerate(zip(depth_idx, size_idx)):
         for i in groups[g]:
             site = sites[i]
-            if method in ("fedsaf", "fedproto", "fedtopo"):
+            if is_prototype(method):
                 fam = HETERO_FAMILIES[i % len(HETERO_FAMILIES)]
                 spec = {"family": fam, "feature_dim": feature_dim, **PROTO_BACKBONES.get(fam, {})}
             else:
@@ -148,7 +149,7 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     from chest_xray.labels import num_classes as scheme_classes
 
     num_classes = scheme_classes(labels)
-    proto = method in PROTO_METHODS if proto is None else bool(proto)
+    proto = is_prototype(method) if proto is None else bool(proto)
     if proto:
         settings = {**{k: v for k, v in PROTO_TRAINING.items() if k != "input_size"}, **settings}
     models = assign_models(sites, PROTO_METHODS[0] if proto else method, input_sizes, num_classes,

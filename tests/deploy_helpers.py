@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("local", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
+from hfl_components.flare.catalogue import METHODS, is_prototype  # noqa: E402,F401 - the one method list
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -55,7 +55,7 @@ def tiny_profile(manifests: dict[str, Path], out: Path, method: str = "local", i
     feature_dim for fedsaf/fedproto/fedtopo."""
     from nvflare_jobs.site_config import write_site_config
 
-    proto = method in ("fedsaf", "fedproto", "fedtopo")
+    proto = is_prototype(method)
     labels = "subtype" if proto else "binary"
     fams = ("hetero_cnn", "resnet")
     depths = ("shallow", "medium")

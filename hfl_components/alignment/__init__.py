@@ -19,6 +19,7 @@ from .prototypes import (
     effective_rank,
     fixed_hypersphere_prototypes,
     local_prototypes,
+    nearest_prototype_probs,
     train_tgp_prototypes,
     validate_prototype_upload,
 )
@@ -26,5 +27,6 @@ from .prototypes import (
 __all__ = [
     "KINDS", "STRUCTURAL_KINDS", "FedSAFAuxLoss", "batch_prototypes", "centred_gram", "coordinate_decomposition",
     "coordinate_loss", "rdm", "structural_loss", "aggregate_fedproto", "effective_rank",
-    "fixed_hypersphere_prototypes", "local_prototypes", "train_tgp_prototypes", "validate_prototype_upload",
+    "fixed_hypersphere_prototypes", "local_prototypes", "nearest_prototype_probs", "train_tgp_prototypes",
+    "validate_prototype_upload",
 ]

@@ -238,3 +238,26 @@ def validate_prototype_upload(P, counts, C: int, d: int) -> None:
     bad = [c for c in range(C) if n[c] == 0 and np.any(P[c] != 0)]
     if bad:
         raise ValueError(f"classes {bad} have count 0 but non-zero prototype rows (counts and prototypes disagree)")
+
+
+def nearest_prototype_probs(Z: np.ndarray, P: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Class probabilities from the distances of features ``Z (N, d)`` to the site's own local prototypes
+    ``P (C, d)``: ``softmax_c(-||z - p_c||^2)`` over the classes the site holds (count > 0); other classes get 0.
+    The arg-max is the nearest local prototype; the soft scores make AUC defined (FedSAF/FedProto's
+    ``--eval nearest-prototype``: FedProto's nearest-prototype inference, on the site's own prototypes).
+
+    Returns:
+        (N, C) float64 probabilities, rows summing to 1.
+
+    Raises:
+        ValueError: every class count is 0."""
+    Z = np.asarray(Z, np.float64)
+    P = np.asarray(P, np.float64)
+    have = np.asarray(counts) > 0
+    if not have.any():
+        raise ValueError("no local prototype to evaluate against (all class counts are 0)")
+    d2 = ((Z[:, None, :] - P[None, :, :]) ** 2).sum(-1)
+    logits = np.where(have[None, :], -d2, -np.inf)
+    logits -= logits.max(axis=1, keepdims=True)
+    e = np.exp(logits)
+    return e / e.sum(axis=1, keepdims=True)

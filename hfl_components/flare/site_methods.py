@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from hfl_components.alignment.prototypes import nearest_prototype_probs
 from hfl_components.flare.site_tasks import GLOBAL_PREFIX, SiteRuntime, from_numpy_state, to_numpy_state
 
 log = logging.getLogger("cxr_hfl.site")
@@ -146,20 +147,8 @@ def _features(rt):
 EVAL_MODES = ("head", "nearest-prototype")
 
 
-def _nearest_prototype_probs(Z: np.ndarray, P: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Class probabilities from the distances of features ``Z (N, d)`` to the site's own local prototypes
-    ``P (C, d)``: ``softmax_c(-||z - p_c||^2)`` over the classes the site holds (count > 0); other classes get 0.
-    The arg-max is the nearest local prototype; the soft scores make AUC defined."""
-    Z = np.asarray(Z, np.float64)
-    P = np.asarray(P, np.float64)
-    have = np.asarray(counts) > 0
-    if not have.any():
-        raise ValueError("no local prototype to evaluate against (all class counts are 0)")
-    d2 = ((Z[:, None, :] - P[None, :, :]) ** 2).sum(-1)
-    logits = np.where(have[None, :], -d2, -np.inf)
-    logits -= logits.max(axis=1, keepdims=True)
-    e = np.exp(logits)
-    return e / e.sum(axis=1, keepdims=True)
+# the prediction rule is pure (hfl_components.alignment.nearest_prototype_probs); the old private name stays
+_nearest_prototype_probs = nearest_prototype_probs
 
 
 def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> dict:

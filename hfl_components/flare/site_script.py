@@ -1,6 +1,6 @@
 """NVFlare Client API script run by every site, for every method (the only site code that imports NVFlare).
 
-It learns its site name from NVFlare, finds the hospital's own config locally (``nvflare_jobs.site_config``),
+It learns its site name from NVFlare, finds the hospital's own config locally (``hfl_components.flare.site_config``),
 and answers tasks by name with the handlers of :mod:`hfl_components.flare.site_methods`. A task that fails (bad
 config, missing data, a bug) is answered with ``meta["status"] = "error"`` and a message naming the site, so the
 server can log it and carry on with the other sites instead of the whole federation aborting.
@@ -20,8 +20,8 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from hfl_components.flare.site_methods import HANDLERS
 from hfl_components.flare.site_tasks import SiteRuntime, describe_error
-from nvflare_jobs.site_config import load_site_config
-from nvflare_jobs.privacy import redact_paths
+from hfl_components.flare.site_config import load_site_config
+from hfl_components.flare.privacy import redact_paths
 
 log = logging.getLogger("cxr_hfl.site")
 PROGRESS_KEY = "cxr_hfl_progress"  # read by HFLController.handle_event

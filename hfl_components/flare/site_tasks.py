@@ -25,31 +25,19 @@ import numpy as np
 import torch
 
 from hfl_components.models import build_model
+from hfl_components.flare.messages import (  # noqa: F401 - kept names (moved to messages.py)
+    GLOBAL_PREFIX,
+    from_numpy_state,
+    payload_bytes,
+    to_numpy_state,
+)
 
 log = logging.getLogger("cxr_hfl.site")
 
 STATE_DIR = "cxr_hfl_state"
-GLOBAL_PREFIX = "global."
 # Gradient-norm clip for training with an auxiliary (prototype / topology) loss: without it a FedProto-MSE run on
 # chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
 AUX_GRAD_CLIP = 10.0
-
-
-def to_numpy_state(state_dict: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    """state dict of tensors -> {prefix+key: float32 ndarray}."""
-    return {prefix + k: v.detach().cpu().numpy().astype(np.float32) for k, v in state_dict.items()}
-
-
-def from_numpy_state(params: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """{prefix+key: ndarray} -> state dict of tensors (keys without the prefix); other keys are ignored."""
-    return {k[len(prefix):]: torch.as_tensor(np.asarray(v)) for k, v in params.items() if k.startswith(prefix)}
-
-
-def payload_bytes(params: dict | None) -> int:
-    """Bytes of the arrays in a message's params (the communication cost we report)."""
-    if not params:
-        return 0
-    return int(sum(np.asarray(v).nbytes for v in params.values()))
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -102,7 +90,7 @@ class SiteRuntime:
     """A site's data, model and task handlers.
 
     Args:
-        cfg: validated site config (see ``nvflare_jobs.site_config``).
+        cfg: validated site config (see ``hfl_components.flare.site_config``).
         workdir: the site's workspace folder; state is kept under ``workdir/cxr_hfl_state``.
 
     Raises:

@@ -19,6 +19,7 @@ from hfl_components.models.registry import (  # noqa: F401
     FAMILY_TABLE,
     build_model,
     count_parameters,
+    deepest_spec,
     is_fusable,
     resolve_spec,
     spec_from_json,

@@ -79,3 +79,19 @@ def spec_to_json(spec: dict) -> str:
 def spec_from_json(text: str) -> dict:
     """JSON text -> validated spec dict. Raises ValueError on bad JSON or a bad spec."""
     return validate_spec(json.loads(text))
+
+
+def deepest_spec(profile: dict[str, dict]) -> dict:
+    """The deepest (then widest) fusable model spec of a profile ({site: {"model": spec, ...}}): FedAvg's one
+    architecture (OHFL Sec. 4.3).
+
+    Raises:
+        ValueError: no fusable (cnn/vgg11) spec in the profile.
+    """
+    from hfl_components.models.fusable import DEPTH_ORDER
+
+    specs = [cfg["model"] for cfg in profile.values() if is_fusable(cfg["model"])]
+    if not specs:
+        raise ValueError("FedAvg needs at least one fusable (cnn/vgg11) model spec in the profile")
+    return dict(max(specs, key=lambda s: (DEPTH_ORDER.get(s.get("depth", "shallow"), 0),
+                                          float(s.get("width", 1.0)))))

@@ -9,15 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("local", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
-# OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only).
-OHFL_DEFAULTS = {"ot": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear", "probe_at": "largest",
-                 "init": "site", "gate": True}
+from hfl_components.flare import catalogue
+
+METHODS = catalogue.METHODS  # kept name; the method catalogue is the one list
+# OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only): the
+# catalogue's OHFL options that the command line leaves unset until --paper has been applied.
+OHFL_DEFAULTS = {o.key: o.default for o in catalogue.entry("ohfl").options
+                 if o.cli_default is None and o.key != "alignment"}
 # The OHFL paper's pipeline (paper 003, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
 PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
          "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
          "finetune_epochs": 50}
-ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", "local_topology")
+ABLATIONS = catalogue.TOPOLOGY_ABLATIONS
 
 
 def _ints(s: str) -> list[int]:
@@ -56,86 +59,82 @@ SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--method", choices=METHODS, required=True,
+                   help="; ".join(f"{m}: {e.summary}" for m, e in catalogue.CATALOGUE.items()))
+    protos = "/".join(catalogue.PROTOTYPE_METHODS)
     p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
-                                  "(chest_xray_original; fedsaf/fedproto/fedtopo: the tuning + probe parts of "
+                                  f"(chest_xray_original; {protos}: the tuning + probe parts of "
                                   "chest_xray_224, see chest_xray/splits.py)")
     p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning)")
     p.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
     p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme)")
     p.add_argument("--labels", choices=("binary", "subtype"),
-                   help="label scheme (default: binary; subtype for fedsaf/fedproto/fedtopo)")
-    p.add_argument("--rounds", type=int, help="federated rounds (default 3; OHFL is one-shot)")
-    p.add_argument("--local-epochs", type=int, help="local epochs per round (OHFL: before upload)")
-    p.add_argument("--finetune-epochs", type=int, help="OHFL fine-tuning epochs at each site")
+                   help="label scheme (default: the method's: " + ", ".join(
+                       f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
+    p.add_argument("--rounds", type=int, help="federated rounds (default: the method's: " + ", ".join(
+        f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items()) + "; OHFL is one-shot)")
+    p.add_argument("--local-epochs", type=int, help="local epochs per round (OHFL: before upload; default: the "
+                   "method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
+    p.add_argument("--finetune-epochs", type=int, help="OHFL fine-tuning epochs at each site (default "
+                   f"{catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints,
                    help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128; "
-                        "fedsaf/fedproto/fedtopo: 64)")
+                        f"{protos}: 64)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
     p.add_argument("--server-device", type=_device, default="auto",
-                   help="where the server runs OHFL's fusion probe passes (CKA, repair): auto|cpu|cuda|cuda:N "
-                        "(default auto = CUDA when present); sites choose theirs with the site-config key device")
+                   help=catalogue.entry("ohfl").option("server_device").help)
     p.add_argument("--late-wait", type=int, default=None,
                    help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
                         "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
                         "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
                         "silent are dropped at once either way.")
+    p.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones "
+                   f"({protos})")
+    _add_catalogue_options(p)
     g = p.add_argument_group("OHFL")
-    g.add_argument("--strategy", choices=("cid", "cdd", "cia", "rand"), default="cid")
-    g.add_argument("--alignment", help="OHFL: cka|random; FedSAF: gcsa|rcsa|mse|cosine")
-    g.add_argument("--ot", choices=("emd", "sinkhorn"),
-                   help=f"OT solver (default {OHFL_DEFAULTS['ot']}; Sinkhorn uses the paper's eps = 0.01)")
-    g.add_argument("--ground-metric", choices=("wts", "acts"),
-                   help=f"OT ground metric: incoming weights or probe activations (default {OHFL_DEFAULTS['ground_metric']})")
-    g.add_argument("--cka", choices=("linear", "debiased", "pooled"),
-                   help="CKA for the layer alignment: linear (the paper's Eq. 1), debiased (unbiased HSIC), pooled "
-                        f"(linear on conv channel means) (default {OHFL_DEFAULTS['cka']})")
-    g.add_argument("--probe-at", choices=("largest", "own"),
-                   help="probe every model at the largest site input size, or each at its own size (same images) "
-                        f"(default {OHFL_DEFAULTS['probe_at']})")
-    g.add_argument("--init", choices=("site", "shared"),
-                   help="OHFL sites start from their own random initialisation, or from one shared (nested for "
-                        f"different widths) initialisation drawn from --seed (default {OHFL_DEFAULTS['init']})")
-    g.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None,
-                   help="deployment gate: a site deploys the federated model only if it beats the site's own local "
-                        "model on its validation split, otherwise it keeps its local model and says so "
-                        f"(default {'on' if OHFL_DEFAULTS['gate'] else 'off'})")
     g.add_argument("--paper", action="store_true",
                    help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
                         "the largest size, per-site initialisation, no gate, 20 local + 50 fine-tuning epochs")
-    g.add_argument("--probe", help="folder/CSV of public images for CKA, or 'generated' "
-                                   "(default: ../shared/data/chest_xray_224 beside chest_xray_original)")
-    g.add_argument("--probe-size", type=int, default=64)
-    g.add_argument("--weighting", choices=("samples", "half"), default="samples")
-    g.add_argument("--repair", choices=("none", "layer", "channel"),
-                   help="after each pairwise fusion, match the fused model's activation statistics on the probe to its "
-                        "parents' (not in the paper): none, layer (one scale per layer) or channel (REPAIR: each "
-                        f"neuron's mean and std through the OT plan) (default {OHFL_DEFAULTS['repair']})")
     g.add_argument("--no-repair", dest="repair", action="store_const", const="none", help="same as --repair none")
-    g = p.add_argument_group("FedSAF / FedTopo")
-    g.add_argument("--lambda", dest="lam", type=float, default=1.0,
-                   help="FedSAF: weight of the prototype-level term; FedTopo: weight of the modulated CE (default 1)")
-    g.add_argument("--gamma", type=float, default=1.0,
-                   help="FedSAF: weight of the instance-level term; FedTopo: modulation strength (default 1)")
-    g.add_argument("--prototypes", choices=("fedproto", "fixed", "tgp"), default="fedproto",
-                   help="FedSAF global prototypes: FedProto weighted mean (Eq. 3), fixed hypersphere (Eq. 4), "
-                        "trainable FedTGP-style (Eq. 5)")
-    g.add_argument("--eval", choices=("head", "nearest-prototype"), default="head",
-                   help="FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own "
-                        "local prototypes (nearest-global is not offered)")
-    g.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones")
-    g.add_argument("--top-q", type=int, default=3, help="FedTopo: negatives modulated per sample (clipped to C-1)")
-    g.add_argument("--rho", type=float, default=0.7, help="FedTopo: EMA factor of the global topology")
-    g.add_argument("--warmup", type=int, default=3, help="FedTopo: rounds without the topology loss")
-    g.add_argument("--ablate", action="append", choices=ABLATIONS, default=[],
-                   help="FedTopo ablation (repeatable): server no_reliability/no_ema, site "
-                        "no_topq/no_missing_mask/local_topology")
-    g.add_argument("--noisy-counts", type=float,
-                   help="FedTopo: Laplace scale b added to the uploaded counts of present classes (>= 1 kept)")
+
+
+def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
+    """One flag per option key of the method catalogue (``hfl_components.flare.catalogue``), grouped by the first
+    method that has it; the help says which methods read it and their defaults. Values are checked per method by
+    ``catalogue.validate_options`` (``_defaults``)."""
+    done = {a.dest for a in p._actions}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, users in catalogue.all_options().items():
+        if key in done:
+            continue
+        first = users[0][1]
+        g = groups.setdefault(users[0][0], p.add_argument_group(f"{users[0][0]} options"))
+        helps = list(dict.fromkeys(o.help for _, o in users if o.help))
+        defaults = {m: (o.default if o.fixed is catalogue._UNSET else f"{o.fixed} (fixed)") for m, o in users
+                    if o.default is not None and o.default != []}
+        if defaults and len({repr(v) for v in defaults.values()}) == 1:
+            dflt = f" (default {next(iter(defaults.values()))})"
+        elif defaults:
+            dflt = " (default " + ", ".join(f"{m} {v}" for m, v in defaults.items()) + ")"
+        else:
+            dflt = ""
+        kw = {"dest": key, "default": first.argparse_default,
+              "help": f"[{', '.join(m for m, _ in users)}] " + "; ".join(helps) + dflt}
+        choices = [c for _, o in users for c in (o.choices or ())]
+        if choices and all(o.choices for _, o in users):
+            kw["choices"] = list(dict.fromkeys(choices))
+        if first.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif first.type is list:
+            kw["action"] = "append"
+            kw["default"] = []
+        elif first.type in (int, float):
+            kw["type"] = first.type
+        g.add_argument(first.cli_flag, **kw)
 
 
 def register(sub) -> None:
@@ -181,12 +180,37 @@ def _ohfl_defaults(args) -> None:
             setattr(args, k, v)
 
 
+def _check_method_options(args) -> None:
+    """Fill the method's own options left unset with their catalogue defaults and check them with
+    ``catalogue.validate_options`` (exit with the message naming the option); an option of another method given
+    a value other than its default is ignored with a warning (refused for ``strict`` options such as ``--eval``)."""
+    e = catalogue.entry(args.method)
+    for key, users in catalogue.all_options().items():
+        if e.option(key) is None:
+            opt = users[0][1]
+            v = getattr(args, key, None)
+            if v not in (None, [], opt.argparse_default, opt.default) and key not in OHFL_DEFAULTS:
+                msg = (f"{opt.cli_flag} {v} is not an option of {args.method} (it is one of "
+                       f"{', '.join(m for m, _ in users)})")
+                if any(o.strict for _, o in users):
+                    sys.exit(f"cxr-hfl: {msg}")
+                print(f"WARNING: {msg}; ignored", file=sys.stderr)
+    for o in e.options:
+        if getattr(args, o.key, None) is None:
+            setattr(args, o.key, list(o.default) if isinstance(o.default, list) else o.default)
+    try:
+        catalogue.validate_options(args.method, {o.key: getattr(args, o.key, None) for o in e.options},
+                                   require=False)
+    except ValueError as err:
+        sys.exit(f"cxr-hfl: {err}")
+
+
 def _defaults(args) -> None:
     _ohfl_defaults(args)
     from hfl_components.flare.catalogue import method_defaults
 
     d = method_defaults(args.method)
-    proto = args.method in ("fedsaf", "fedproto", "fedtopo")
+    proto = catalogue.is_prototype(args.method)
     if args.labels is None:
         args.labels = d["labels"]
     if args.rounds is None:
@@ -195,15 +219,8 @@ def _defaults(args) -> None:
         from nvflare_jobs.profiles import PROTO_TRAINING
 
         args.input_sizes = [PROTO_TRAINING["input_size"]] if proto else [64, 96, 128]
-    if args.alignment is None:
-        args.alignment = "cka" if args.method == "ohfl" else "gcsa"
-    if args.method == "ohfl" and args.alignment not in ("cka", "random"):
-        sys.exit(f"cxr-hfl: --alignment for OHFL must be cka or random, got {args.alignment}")
-    if args.method in ("fedsaf", "fedproto") and args.alignment not in ("gcsa", "rcsa", "mse", "cosine"):
-        sys.exit(f"cxr-hfl: --alignment for FedSAF must be gcsa, rcsa, mse or cosine, got {args.alignment}")
-    if getattr(args, "eval", "head") != "head" and args.method not in ("fedsaf", "fedproto"):
-        sys.exit(f"cxr-hfl: --eval {args.eval} is a FedSAF/FedProto option (the site's own local prototypes)")
-    if args.method in ("fedsaf", "fedproto") and args.labels == "binary":
+    _check_method_options(args)
+    if catalogue.entry(args.method).option("prototypes") is not None and args.labels == "binary":
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)
     # Epochs given on the command line apply to every site (job-level task_config); otherwise each site's own config
@@ -217,7 +234,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     """Partition (unless --profile) and write the site-config profile. Returns (profile_dir, profile, data_root,
     partition_dir)."""
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
-    from nvflare_jobs.profiles import PROTO_METHODS, proto_training_data, resolve_data, write_profile
+    from nvflare_jobs.profiles import proto_training_data, resolve_data, write_profile
     from nvflare_jobs.site_config import load_profile
 
     if args.profile:
@@ -233,7 +250,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
         data = Path(args.data).resolve() if args.data else None
         return profile_dir, profile, data, None
     data = None
-    if args.method in PROTO_METHODS and not args.data:
+    if catalogue.is_prototype(args.method) and not args.data:
         data = proto_training_data(run_dir / "data_pool.csv")
     data = data or resolve_data(args.data)
     print(f"[cxr-hfl] data: {data}")
@@ -284,7 +301,7 @@ def _options(args, data_root, part_dir) -> dict:
     from nvflare_jobs.profiles import default_probe
 
     probe = args.probe
-    if args.method == "ohfl" and not probe:
+    if catalogue.entry(args.method).option("probe") is not None and not probe:
         probe = default_probe(data_root, part_dir) if data_root else None
         if not probe:
             raise SystemExit("cxr-hfl: OHFL needs a public probe set for CKA: pass --probe DIR (public images, no "
@@ -294,13 +311,12 @@ def _options(args, data_root, part_dir) -> dict:
         probe = str(Path(probe).resolve())
         if not Path(probe).exists():
             raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
-    return {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
-            "seed": args.seed, "min_sites": args.min_sites, "late_wait_s": args.late_wait, "strategy": args.strategy, "alignment": args.alignment,
-            "ot": args.ot, "ground_metric": args.ground_metric, "probe": probe, "probe_size": args.probe_size,
-            "weighting": args.weighting, "repair": args.repair, "cka": args.cka, "probe_at": args.probe_at,
-            "init": args.init, "gate": args.gate, "paper": bool(getattr(args, "paper", False)), "lam": args.lam, "gamma": args.gamma, "prototypes": args.prototypes,
-            "top_q": args.top_q, "rho": args.rho, "warmup": args.warmup, "ablate": args.ablate,
-            "noisy_counts": args.noisy_counts, "eval": args.eval, "server_device": args.server_device}
+    opts = {"rounds": args.rounds, "local_epochs": args.local_epochs, "finetune_epochs": args.finetune_epochs,
+            "seed": args.seed, "min_sites": args.min_sites, "late_wait_s": args.late_wait,
+            "paper": bool(getattr(args, "paper", False))}
+    opts.update({k: getattr(args, k, None) for k in catalogue.all_options()})  # every method's options
+    opts.update({"probe": probe, "server_device": args.server_device})
+    return opts
 
 
 def run_simulate(args) -> int:

@@ -1,0 +1,398 @@
+"""Base plumbing of the server-side workflows (NVFlare ``ModelController`` subclasses; one module per method in
+this package: ``baselines`` (Local, FedAvg), ``ohfl``, ``fedsaf`` (FedSAF / FedProto), ``fedtopo``).
+
+Each controller's ``run_method()`` tells the method's story round by round; the maths is delegated to the pure
+functions in ``hfl_components`` (upload checks: ``hfl_components.upload_checks``). Common plumbing lives in
+:class:`HFLController`:
+
+* ``broadcast(task, params, meta)`` sends one task to every site, waits, and returns only the successful answers;
+  a site that answers with an error, or whose upload fails validation, is logged by name and left out of that
+  round (the federation continues while at least ``min_sites`` remain).
+* how long it waits is decided by :class:`hfl_components.wait_policy.WaitPolicy` (``send_model_and_wait``): a site
+  that is not running or has gone silent (no progress heartbeat) is dropped at once, a slow site that still
+  heart-beats is kept, and once ``min_sites`` answered the rest get max(60 s, 3 x the slowest answer's compute
+  seconds) or the fixed ``late_wait_s``;
+* the server's state (phase, sites waited for, exclusions, each site's last progress) is rewritten to
+  ``cxr_hfl_results/status.json`` for the live console (``nvflare_jobs.progress``);
+* payload bytes up/down are counted per round (array bytes only);
+* every result is written as JSON under ``<server run dir>/cxr_hfl_results/`` so the simulator, POC download and
+  production all turn into the same ``metrics.json`` (``nvflare_jobs.results``).
+
+Constructor arguments are stored under their own names (NVFlare's job export reads ``self.<arg>``, trap 3).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from nvflare.app_common.abstract.fl_model import FLModel
+from nvflare.app_common.workflows.model_controller import ModelController
+
+from chest_xray.labels import one_label_scheme
+from hfl_components.flare.messages import GLOBAL_PREFIX, payload_bytes  # noqa: F401 - GLOBAL_PREFIX kept
+
+RESULTS_DIR = "cxr_hfl_results"
+PROGRESS_EVENT = "fed.analytix_log_stats"  # what ConvertToFedEvent makes of a site's flare.log(...)
+PROGRESS_KEY = "cxr_hfl_progress"
+POLL_S = 0.5
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return v if np.isfinite(v) else None
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    return x
+
+
+class HFLController(ModelController):
+    """Base workflow: task broadcast with per-site error tolerance, byte accounting, results on disk.
+
+    Args:
+        num_rounds (int): rounds of training (methods with one-shot upload ignore it). Default 1.
+        min_sites (int): fewest usable site answers for a round to proceed. Default 1.
+        task_config (dict): method settings sent to every site in ``meta["task_config"]``. Default {}.
+        task_timeout (int): seconds to wait for a task (0 = no limit). Default 0.
+        late_wait_s (int | None): None (default) = adaptive wait: once ``min_sites`` sites have answered a task, the
+            others get at most max(60 s, 3 x the slowest answering site's compute seconds), and a site still sending
+            heartbeats is kept (``hfl_components.wait_policy``). A number fixes that late wait in seconds (dropping
+            every site still missing when it runs out); 0 waits for every live site. Sites that are not running or
+            have gone silent are dropped at once in every mode.
+        seed (int): server-side seed (initial global models, random strategies). Default 0.
+    """
+
+    method = "base"
+
+    def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
+        super().__init__(persistor_id="")
+        self.late_wait_s = None if late_wait_s is None or int(late_wait_s) < 0 else int(late_wait_s)
+        self.last_dropped: dict[str, str] = {}
+        self.num_rounds = int(num_rounds)
+        self.min_sites = int(min_sites)
+        self.task_config = dict(task_config or {})
+        self.task_timeout = int(task_timeout)
+        self.seed = int(seed)
+        self.record = {"method": self.method, "task_config": self.task_config, "rounds": [], "excluded": {},
+                       "bytes_uploaded": 0, "bytes_downloaded": 0, "server_seconds": {}, "sites": {}}
+        self._heard: dict[str, float] = {}  # site -> monotonic time of its last progress heartbeat
+        self._progress: dict[str, dict] = {}  # site -> last progress (task, epoch, loss) it reported
+        self._down: set[str] = set()  # sites that did not answer the last task they were sent
+        self._status = {"phase": "starting", "waiting_for": [], "task": None, "round": None}
+
+    # ------------------------------------------------------------------ plumbing
+    def results_dir(self) -> Path:
+        d = Path(self.get_run_dir()) / RESULTS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def handle_event(self, event_type: str, fl_ctx) -> None:
+        """Progress heartbeats from the sites (``flare.log`` -> ``ConvertToFedEvent`` -> ``fed.analytix_log_stats``):
+        remember when each site was last heard from and what it reported."""
+        super().handle_event(event_type, fl_ctx)
+        if event_type != PROGRESS_EVENT:
+            return
+        try:
+            from nvflare.apis.analytix import TrackConst
+            from nvflare.apis.dxo import from_shareable
+            from nvflare.apis.fl_constant import FLContextKey, ReservedKey
+
+            data = fl_ctx.get_prop(FLContextKey.EVENT_DATA, None)
+            site = data.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
+            body = from_shareable(data).data or {}
+            if site is None or body.get(TrackConst.TRACK_KEY) != PROGRESS_KEY:
+                return
+            raw = body.get(TrackConst.TRACK_VALUE)
+            self._heard[site] = time.monotonic()
+            self._progress[site] = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        except Exception as e:  # noqa: BLE001 - a malformed heartbeat must not stop the server
+            self.warning(f"ignored a malformed progress event: {type(e).__name__}: {e}")
+
+    def set_phase(self, phase: str, **extra) -> None:
+        """What the server is doing now (``waiting``, ``probing``, ``CKA``, ``OT``, ``averaging``, ``repair``...),
+        for the live console (``status.json``) and the log."""
+        self._status.update({"phase": phase, **extra})
+        if phase != "waiting":
+            self._status["waiting_for"] = []
+        self._write_status()
+
+    def _write_status(self) -> None:
+        try:
+            d = self.results_dir()
+        except Exception:  # noqa: BLE001 - outside a running job (unit tests)
+            return
+        now = time.monotonic()
+        st = dict(self._status, time=time.time(),
+                  sites={s: dict(p, heard_s_ago=round(now - self._heard[s], 1)) for s, p in self._progress.items()},
+                  excluded={s: ev[-1]["reason"] for s, ev in self.record["excluded"].items()},
+                  down=sorted(self._down))
+        tmp = d / "status.json.tmp"
+        tmp.write_text(json.dumps(_jsonable(st)))
+        tmp.replace(d / "status.json")
+
+    def send_model_and_wait(self, task_name: str = "train", data: FLModel = None, targets=None,
+                            min_responses: int = None, timeout: int = 0) -> list:
+        """Send a task to every site and wait as :class:`hfl_components.wait_policy.WaitPolicy` says: a site that is
+        not running or has gone silent is dropped at once, a slow site that still heart-beats is kept, and once
+        ``min_responses`` sites answered the rest get an adaptive (or the fixed ``late_wait_s``) late wait.
+        Dropped sites are in ``self.last_dropped`` ({site: reason}); answers that arrive after are ignored."""
+        from hfl_components.wait_policy import SiteView, WaitPolicy
+
+        clients = list(targets) if targets else [c.name for c in self.engine.get_clients()]
+        late = None if self.late_wait_s is None else (float("inf") if self.late_wait_s == 0 else self.late_wait_s)
+        policy = WaitPolicy(min_sites=max(1, min(int(min_responses or len(clients)), len(clients))), late_wait_s=late)
+        results, answered, lock = [], {}, threading.Lock()
+
+        def on_result(model: FLModel):
+            with lock:
+                site = (model.meta or {}).get("client_name", "?")
+                results.append(model)
+                answered[site] = (time.monotonic(), (model.meta or {}).get("compute_s"))
+
+        self.set_fl_context(data)
+        self._current_min_responses = len(clients)
+        self._current_num_targets = len(clients)
+        self._current_failed_clients = set()
+        task = self._prepare_task(data=data, task_name=task_name, timeout=timeout, callback=on_result)
+        start, wall0 = time.monotonic(), time.time()
+        # NVFlare's non-blocking Controller.broadcast (our own broadcast() is the per-round helper below)
+        super().broadcast(task=task, fl_ctx=self.fl_ctx, targets=clients, min_responses=0)
+        decision = None
+        while True:
+            finished = task.completion_status is not None
+            with lock:
+                views = {}
+                for s in clients:
+                    ct = task.last_client_task_map.get(s)
+                    sent = getattr(ct, "task_sent_time", None) if ct is not None else None
+                    ans = answered.get(s)
+                    heard = self._heard.get(s)
+                    fetched = None if sent is None else start + max(0.0, sent - wall0)
+                    views[s] = SiteView(fetched_at=fetched, answered_at=ans[0] if ans else None,
+                                        compute_s=ans[1] if ans else None,
+                                        last_heard=heard if heard is not None and heard >= start else
+                                        (fetched if heard is not None else None))
+            decision = policy.decide(time.monotonic(), start, views, down_before=self._down)
+            new = sorted(set(decision.dropped) - set(self._status.get("dropped_now", {})))
+            for s in new:
+                self.warning(f"task {task_name}: site {s} excluded: {decision.dropped[s]}")
+            self._status.update({"phase": "waiting", "task": task_name, "waiting_for": decision.waiting,
+                                 "answered": sorted(answered), "dropped_now": dict(decision.dropped),
+                                 "late_wait_ends_in_s": None if decision.deadline is None else
+                                 round(decision.deadline - time.monotonic(), 1)})
+            self._write_status()
+            if finished or decision.done or self.abort_signal.triggered:
+                break
+            time.sleep(POLL_S)
+        if task.completion_status is None:
+            self.cancel_task(task)
+        with lock:
+            out = list(results)
+        got = {(r.meta or {}).get("client_name") for r in out}
+        self.last_dropped = {s: r for s, r in decision.dropped.items() if s not in got}
+        for s in clients:
+            if s not in got and s not in self.last_dropped:
+                self.last_dropped[s] = "no answer before the task ended (timeout or abort)"
+        self._down = set(self.last_dropped)
+        self._status.update({"dropped_now": {}, "waiting_for": []})
+        return out
+
+    # opts key -> attribute name where a controller keeps an option under another name; options that are neither
+    # an attribute nor in task_config read as missing (their catalogue default)
+    OPTION_ATTRS: dict[str, str] = {}
+    TASK_CONFIG_KEYS: dict[str, str] = {}  # opts key -> task_config key where they differ (lam -> lambda)
+
+    def current_options(self) -> dict:
+        """The method's options as this controller holds them (its constructor arguments, as an exported job's
+        ``config_fed_server.json`` sets them, and its ``task_config``), keyed as in the catalogue."""
+        from hfl_components.flare.catalogue import CATALOGUE
+
+        e = CATALOGUE.get(self.method)
+        own = vars(self)
+        out = {}
+        for o in (e.options if e is not None else ()):
+            attr = self.OPTION_ATTRS.get(o.key, o.key)
+            tck = self.TASK_CONFIG_KEYS.get(o.key, o.key)
+            if attr in own:
+                out[o.key] = own[attr]
+            elif tck in self.task_config:
+                out[o.key] = self.task_config[tck]
+        return out
+
+    def check_options(self) -> dict:
+        """Check this controller's options with ``catalogue.validate_options`` (the same function
+        ``make_controller`` runs), so that an exported job whose config was edited fails when it starts, naming
+        the option, before any site trains. Raises ValueError (``catalogue.OptionError`` for a bad option; an
+        unknown method)."""
+        from hfl_components.flare.catalogue import validate_options
+
+        return validate_options(self.method, self.current_options())
+
+    def start_controller(self, fl_ctx) -> None:
+        """NVFlare's start hook (server side, before ``run()`` sends any task): also checks the options."""
+        super().start_controller(fl_ctx)
+        try:
+            self.check_options()
+        except ValueError as e:
+            self.record["failed"] = f"invalid job configuration: {e}"
+            self.error(f"refusing to start: invalid job configuration: {e}")
+            self.set_phase("failed", error=self.record["failed"])
+            self.save_record()
+            raise
+
+    @classmethod
+    def from_options(cls, method: str, profile: dict[str, dict], opts: dict, common: dict, task_config: dict):
+        """Build the controller of ``method`` for a profile ({site: config with ``model``}) from the method's
+        options already checked by ``catalogue.validate_options`` (``opts``), the common arguments (``num_rounds``,
+        ``min_sites``, ``task_timeout``, ``seed``, ``late_wait_s``) and the site ``task_config`` (epochs).
+        Subclasses with their own arguments override it. Raises ValueError for a profile the method cannot run."""
+        return cls(task_config=task_config, **common)
+
+    def upload_context(self) -> dict:
+        """What the upload checks (``hfl_components.upload_checks``) compare a site's upload with."""
+        return {"num_classes": getattr(self, "num_classes", None), "feature_dim": getattr(self, "feature_dim", None),
+                "expected_shapes": getattr(self, "_expected", None)}
+
+    def validate_result(self, task: str, result: FLModel) -> None:
+        """Run the method's upload check for ``task`` (catalogue ``upload_checks``; pure functions in
+        ``hfl_components.upload_checks``); raises ValueError to reject a site's upload for this task."""
+        from hfl_components.flare.catalogue import CATALOGUE, resolve
+
+        e = CATALOGUE.get(self.method)
+        path = e.upload_checks.get(task) if e is not None else None
+        if path:
+            resolve(path)(result.params or {}, result.meta or {}, self.upload_context())
+
+    def check_label_schemes(self, results: list) -> None:
+        """Refuse a federation whose sites declare different label schemes (``meta["labels"]`` of their answers,
+        this round and earlier ones); the scheme goes to ``record["labels"]``. Raises ``LabelSchemeMismatch``
+        (a ValueError) naming the sites of each scheme."""
+        seen = self.record.setdefault("site_labels", {})
+        for r in results:
+            m = r.meta or {}
+            if m.get("status") == "ok" and m.get("labels") is not None:
+                seen.setdefault(m.get("client_name", "?"), m["labels"])
+        try:
+            self.record["labels"] = one_label_scheme(seen)
+        except ValueError as e:
+            self.error(f"refusing the federation: {e}")
+            raise
+
+    def broadcast(self, task: str, rnd: int, params: dict | None = None, meta: dict | None = None) -> dict:
+        """Send ``task`` to all sites; return {site: FLModel} of the usable answers (sorted by site)."""
+        meta = dict(meta or {})
+        meta["task_config"] = self.task_config
+        meta["round"] = rnd
+        meta.setdefault("method", self.method)
+        params = params or {}
+        t0 = time.perf_counter()
+        data = FLModel(params=params, meta=meta, current_round=rnd, total_rounds=self.num_rounds)
+        self.last_dropped = {}
+        self._status["round"] = rnd
+        results = self.send_model_and_wait(task_name=task, data=data, timeout=self.task_timeout,
+                                           min_responses=self.min_sites)
+        self.check_label_schemes(results)
+        good, errors, up, up_site = {}, {}, 0, {}
+        for r in results:
+            site = (r.meta or {}).get("client_name", "?")
+            up_site[site] = payload_bytes(r.params)
+            up += up_site[site]
+            if (r.meta or {}).get("status") != "ok":
+                errors[site] = (r.meta or {}).get("error", "no status in answer")
+            else:
+                try:
+                    self.validate_result(task, r)
+                    good[site] = r
+                except ValueError as e:
+                    errors[site] = f"upload rejected: {e}"
+        try:
+            expected = {c.name for c in self.engine.get_clients()}
+        except Exception:  # noqa: BLE001 - outside a running job (unit tests)
+            expected = set()
+        answered = {(r.meta or {}).get("client_name") for r in results}
+        for site in sorted(expected - answered):
+            errors[site] = getattr(self, "last_dropped", {}).get(site, "no answer in time (late or down)")
+        for site, reason in sorted(errors.items()):
+            self.warning(f"round {rnd} task {task}: site {site} left out: {reason}")
+            self.record["excluded"].setdefault(site, []).append({"round": rnd, "task": task, "reason": reason})
+        down = payload_bytes(params) * len(results)
+        self.record["bytes_uploaded"] += up
+        self.record["bytes_downloaded"] += down
+        self.record["rounds"].append({
+            "round": rnd, "task": task, "seconds": time.perf_counter() - t0, "bytes_up": up, "bytes_down": down,
+            "site_compute_s": {s: (r.meta or {}).get("compute_s") for s, r in sorted(good.items())},
+            "bytes_up_per_site": dict(sorted(up_site.items())), "bytes_down_per_site": payload_bytes(params),
+            "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
+        self._write_status()
+        if len(good) < self.min_sites:
+            self.record["failed"] = (f"round {rnd} task {task}: only {len(good)} usable site answers "
+                                     f"(min_sites={self.min_sites})")
+            raise RuntimeError(f"round {rnd} task {task}: only {len(good)} usable site answers "
+                               f"(min_sites={self.min_sites}); errors: {errors}")
+        self.info(f"round {rnd} task {task}: {len(good)} sites ok, {len(errors)} left out, "
+                  f"{up} bytes up, {down} bytes down")
+        return dict(sorted(good.items()))
+
+    def final_evaluation(self, rnd: int, params: dict | None = None, meta: dict | None = None) -> None:
+        """Every site evaluates the model it deploys on its own test split; results go to record['sites']."""
+        res = self.broadcast("evaluate", rnd, params, meta)
+        for site, r in res.items():
+            m = r.metrics or {}
+            self.record["sites"].setdefault(site, {}).update({
+                "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
+                "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
+                "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+
+    def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
+        """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the
+        sites' label scheme, method and seed)."""
+        from hfl_components.models import save_model_file
+
+        return save_model_file(self.results_dir() / "global_model.pt", spec, numpy_state,
+                               labels=self.record.get("labels"), kind="global",
+                               provenance={"method": self.method, "seed": self.seed})
+
+    def save_record(self) -> None:
+        p = self.results_dir() / "server_results.json"
+        p.write_text(json.dumps(_jsonable(self.record), indent=1))
+        self.info(f"results written to {p}")
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.run_method()
+            self.set_phase("done")
+        except Exception as e:
+            self.record.setdefault("failed", f"{type(e).__name__}: {e}")
+            self.set_phase("failed", error=self.record["failed"])
+            raise
+        finally:
+            self.record["server_seconds"]["total"] = time.perf_counter() - t0
+            self.save_record()
+
+    def run_method(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _payload_round(record: dict, rnd: int, up_theory: int, down_theory: int) -> dict:
+    """Per-site payload of the last broadcast (bytes of float32 arrays) against the theory; appended to
+    ``record["payload"]["per_round"]``."""
+    r = record["rounds"][-1]
+    row = {"round": rnd, "up_per_site": dict(r.get("bytes_up_per_site", {})),
+           "down_per_site": int(r.get("bytes_down_per_site", 0)), "theory_up_per_site": int(up_theory),
+           "theory_down_per_site": int(down_theory)}
+    ok_sites = [s for s in row["up_per_site"] if s not in r.get("errors", {})]
+    row["matches_theory"] = (row["down_per_site"] == down_theory
+                             and all(row["up_per_site"][s] == up_theory for s in ok_sites))
+    record["payload"]["per_round"].append(row)
+    return row

@@ -1,0 +1,145 @@
+"""OHFL (paper 003): one-shot upload, cross-layer OT fusion on the server, fine-tuning at the sites."""
+from __future__ import annotations
+
+import json
+import time
+
+from hfl_components.flare.controllers.base import GLOBAL_PREFIX, HFLController, _jsonable
+
+# ============================================================================ OHFL
+class OHFLController(HFLController):
+    """OHFL (paper 003): one-shot upload of depth/width-varying site models, cross-layer OT fusion on the server
+    (CKA layer alignment Sec. 3.1, identity balancing Sec. 3.2, OT neuron alignment Sec. 3.3-3.4, multi-model
+    aggregation Sec. 3.5 / Algorithm 1), then each site fine-tunes the global model.
+
+    Args:
+        strategy (str): ``cid`` | ``cdd`` | ``cia`` | ``rand``. Default ``cid``.
+        alignment (str): ``cka`` | ``random``. Default ``cka``.
+        ot_solver (str): ``emd`` | ``sinkhorn``. Default ``emd``.
+        ground_metric (str): ``wts`` (the paper) | ``acts``. Default ``wts``: ``acts`` wins the fusion ladder's
+            two-model rungs but loses rung f, the main job's six-site fusion (``benchmarks/results/fusion_ladder.md``).
+        probe (str): folder of public images for CKA, or ``generated`` (logged warning). Required.
+        probe_size (int): number of probe images. Default 64.
+        weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
+        repair (str): ``none`` (the paper) | ``layer`` (one scale per fused hidden layer) | ``channel`` (REPAIR:
+            every neuron's mean and std through the OT plan); ``hfl_components.fusion.repair``. True/False are read
+            as ``layer``/``none``. Default ``layer``.
+        cka (str): ``linear`` (the paper's Eq. 1) | ``debiased`` | ``pooled``. Default ``linear``.
+        probe_at (str): ``largest`` (every model probed at the largest site input size) | ``own`` (each model at
+            its own input size, the same images; fused models at their target's size). Default ``largest``.
+
+        fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair):
+            ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
+
+    Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
+    job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
+    deploys the fine-tuned global model only if it beats the site's own local model on its validation split). The
+    gate's outcome per site is recorded under ``record["gate"]``.
+    """
+
+    method = "ohfl"
+
+    def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
+                 ground_metric: str = "wts", probe_size: int = 64, weighting: str = "samples",
+                 repair: str | bool = "layer", num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, cka: str = "linear",
+                 probe_at: str = "largest", fusion_device: str = "auto"):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+        from hfl_components.training.device import check_device_name
+
+        self.fusion_device = check_device_name(fusion_device)
+        self.probe = probe
+        self.strategy = strategy
+        self.alignment = alignment
+        self.ot_solver = ot_solver
+        self.ground_metric = ground_metric
+        self.probe_size = int(probe_size)
+        self.weighting = weighting
+        from hfl_components.fusion.pairwise import repair_mode
+
+        self.repair = repair_mode(repair)
+        self.cka = cka
+        self.probe_at = probe_at  # options are checked by catalogue.validate_options (build and job start)
+
+    OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
+
+    @classmethod
+    def from_options(cls, method, profile, opts, common, task_config):
+        from hfl_components.models import is_fusable
+
+        for site, cfg in profile.items():
+            if not is_fusable(cfg["model"]):
+                raise ValueError(f"OHFL needs fusable cnn/vgg11 models; site {site} has {cfg['model']}")
+        common = {**common, "num_rounds": 1}
+        return cls(probe=str(opts["probe"]), strategy=opts["strategy"], alignment=opts["alignment"],
+                   ot_solver=opts["ot"], ground_metric=opts["ground_metric"], probe_size=int(opts["probe_size"]),
+                   weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
+                   fusion_device=opts["server_device"] or "auto",
+                   task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
+                                "gate": bool(opts["gate"])}, **common)
+
+    def run_method(self):
+        from hfl_components.flare.messages import from_numpy_state, to_numpy_state
+        from hfl_components.flare.probe import load_probe
+        from hfl_components.fusion import aggregate_models
+
+        uploads = self.broadcast("ohfl_train", 0)
+        models = []
+        for site, r in uploads.items():
+            self.record["sites"].setdefault(site, {})["local"] = _jsonable((r.metrics or {}).get("local"))
+            models.append({"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
+                           "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
+                           "input_size": int(r.meta.get("input_size", 64))})
+        sizes = sorted({m["input_size"] for m in models})
+        self.set_phase("probing")
+        t0 = time.perf_counter()
+        in_ch = int(models[0]["spec"].get("in_channels", 1))
+        names: list = []
+        probe = {sz: load_probe(self.probe, sz, self.probe_size, in_channels=in_ch, seed=self.seed,
+                                warn=self.warning if sz == sizes[-1] else None, files_out=names if sz == sizes[-1] else None)
+                 for sz in (sizes if self.probe_at == "own" else sizes[-1:])}
+        if self.probe_at == "largest":
+            probe = probe[sizes[-1]]
+        self.record["server_seconds"]["probe"] = time.perf_counter() - t0
+        self.record["probe"] = {"source": str(self.probe), "n": len(names) if names else self.probe_size,
+                                "sizes": sizes if self.probe_at == "own" else sizes[-1:], "files": names}
+        shape = {k: tuple(v.shape) for k, v in probe.items()} if isinstance(probe, dict) else tuple(probe.shape)
+        self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
+                  f"{self.alignment} ({self.cka} CKA), OT {self.ot_solver}/{self.ground_metric}, repair {self.repair}, "
+                  f"probe {shape}")
+        from hfl_components.training.device import describe_device, resolve_device
+
+        device = resolve_device(self.fusion_device)
+        self.record["fusion_device"] = describe_device(device)
+        self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
+        self.set_phase("fusing (CKA layer alignment, OT neuron alignment, averaging, repair)")
+        t0 = time.perf_counter()
+        spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
+                                               alignment=self.alignment, ot_solver=self.ot_solver,
+                                               ground_metric=self.ground_metric, weighting=self.weighting,
+                                               seed=self.seed, repair=self.repair, cka=self.cka, device=device)
+        self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
+        self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
+        self.record["global_spec"] = spec
+        (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
+        weights = to_numpy_state(state)
+        self.save_global_model(spec, weights)
+        meta = {"global_spec": spec}
+        ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+        gate = {}
+        for site, r in ft.items():
+            m = r.metrics or {}
+            self.record["sites"].setdefault(site, {}).update({
+                "global_zero_shot": _jsonable(m.get("global_zero_shot")),
+                "finetune_loss": _jsonable(m.get("finetune_loss")),
+                "gate": _jsonable(m.get("gate"))})
+            if m.get("gate") is not None:
+                gate[site] = m["gate"]
+        if gate:
+            adopted = sorted(s for s, g in gate.items() if g.get("adopted"))
+            self.record["gate"] = {"adopted": len(adopted), "sites": len(gate), "adopted_sites": adopted,
+                                   "kept_local": sorted(set(gate) - set(adopted))}
+            self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
+                      + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
+                         if len(adopted) < len(gate) else ""))
+        self.final_evaluation(2)

@@ -1,0 +1,307 @@
+"""Per-hospital site configuration: schema, validation, and where a site finds its own file.
+
+A site config is one YAML file named after the site (``<site>.yaml``); the file name is the site name, and the
+same names are used by the simulator's clients, the job's deploy_map and provisioning. A hospital's operator edits
+only this file. It is never shipped inside a job: each site looks it up locally, by its own site name, in
+
+1. ``$CXR_HFL_SITE_CONFIG_DIR/<site>.yaml`` -- a folder the site is started with (the simulator and POC mode set
+   it to a folder holding every simulated site's file; it is keyed by site name, not a per-site variable);
+2. ``local/cxr_hfl/<site>.yaml`` in the site's workspace / startup kit (searched upwards from the working
+   directory of the site process) -- the production place.
+
+Example::
+
+    data:
+      manifest: /data/hospital-a/site.csv   # CSV with path,label,split[,patient_id,width,height]
+      labels: binary                        # binary | subtype
+    model: {family: cnn, depth: shallow, width: 1.0}
+    input_size: 64
+    batch_size: 16
+    local_epochs: 20                      # omit for the method's default (hfl_components/flare/catalogue.py)
+    finetune_epochs: 10
+    threads: 1
+    device: auto              # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)
+    amp: false                # mixed precision training (float16 on CUDA, bfloat16 on the CPU)
+    share_predictions: false  # true: per-image test probabilities go to the server for pooled metrics
+
+A coordinator's *profile* (the folder ``cxr-hfl export-job --profile`` reads) needs no ``data:`` section: only the
+site names, model specs and input sizes are used (``require_data=False``); ``data: {labels: subtype}`` without a
+manifest sets the label scheme there.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+ENV_DIR = "CXR_HFL_SITE_CONFIG_DIR"
+LOCAL_SUBDIR = Path("local") / "cxr_hfl"
+
+DEFAULTS = {
+    "input_size": 64,
+    "batch_size": 16,
+    # None: the running method's default (hfl_components.flare.catalogue, the simulator's values), resolved at the
+    # site when a task arrives; a job's task_config (CLI --local-epochs ...) overrides both
+    "local_epochs": None,
+    "finetune_epochs": None,
+    "lr": 0.01,
+    "momentum": 0.9,
+    "finetune_lr": 0.001,
+    "class_weights": None,
+    "balanced_sampling": False,  # true: class-balanced WeightedRandomSampler over the training split
+    "fast_augment": False,  # true: training images as one cached tensor, flip + shift on tensors (no rotation)
+    "augment_classes": "auto",
+    "threads": 1,
+    "seed": 0,
+    "cache_dir": None,
+    "max_train_images": None,
+    # final `evaluate` task: send per-image test probabilities and labels (no images, no ids) to the server
+    # for pooled metrics; false (the default) keeps them at the site (the server reports per-site metrics only).
+    # Profiles written by `cxr-hfl simulate` / `compare` set it to true (simulated sites; pooled CIs).
+    "share_predictions": False,
+    "device": "auto",  # auto | cpu | cuda | cuda:N, for training and evaluation
+    "amp": False,  # mixed precision training
+}
+TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
+DATA_KEYS = {"manifest", "labels"}
+
+
+class SiteConfigError(ValueError):
+    """A site's config is missing or invalid; the message names the site, the file and the key."""
+
+
+def find_site_config(site: str, start: str | os.PathLike | None = None) -> Path:
+    """Return the path of ``<site>.yaml`` for this site (lookup order in the module docstring).
+
+    Raises:
+        SiteConfigError: no config file in any of the places, naming each place searched.
+    """
+    tried = []
+    env_dir = os.environ.get(ENV_DIR)
+    if env_dir:
+        p = Path(env_dir) / f"{site}.yaml"
+        if p.is_file():
+            return p
+        tried.append(str(p))
+    here = Path(start or os.getcwd()).resolve()
+    for d in [here, *here.parents]:
+        p = d / LOCAL_SUBDIR / f"{site}.yaml"
+        if p.is_file():
+            return p
+        tried.append(str(p))
+        if (d / "startup").is_dir():  # top of a site workspace / startup kit
+            break
+    raise SiteConfigError(f"site {site!r}: no site config found; looked in: {', '.join(tried[:4])}")
+
+
+def _err(site, path, key, msg):
+    return SiteConfigError(f"site {site!r}: config {path} key {key!r}: {msg}")
+
+
+def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memory>", check_files: bool = True,
+                         require_data: bool = True) -> dict:
+    """Validate a parsed site config and fill defaults.
+
+    Args:
+        raw: the parsed YAML mapping.
+        site: the site name (the file stem); a ``site`` key, when present, must equal it.
+        path: the file, for messages.
+        check_files: check that the data manifest exists.
+        require_data: a ``data.manifest`` is required (False for a coordinator's export profile: then ``data`` may
+            be absent, ``data.manifest`` is None and the labels default to ``binary``).
+
+    Returns:
+        dict with every key of ``DEFAULTS`` plus ``site``, ``data`` and ``model``.
+
+    Raises:
+        SiteConfigError: unknown keys, missing data/model, impossible sizes, missing files.
+    """
+    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES, num_classes
+    from hfl_components.models import validate_spec
+    from hfl_components.training.device import check_device_name
+
+    if not isinstance(raw, dict):
+        raise _err(site, path, "<root>", "must be a YAML mapping")
+    unknown = set(raw) - TOP_KEYS
+    if unknown:
+        raise _err(site, path, sorted(unknown)[0], f"unknown key (known: {sorted(TOP_KEYS)})")
+    if raw.get("site", site) != site:
+        raise _err(site, path, "site", f"says {raw['site']!r} but the file is for site {site!r}")
+    cfg = dict(DEFAULTS)
+    cfg.update(raw)
+    cfg["site"] = site
+    data = raw.get("data")
+    if data is None and not require_data:
+        data = {}
+    if not isinstance(data, dict):
+        raise _err(site, path, "data", "missing; needs data.manifest (a site CSV)")
+    unknown = set(data) - DATA_KEYS
+    if unknown:
+        raise _err(site, path, f"data.{sorted(unknown)[0]}", f"unknown key (known: {sorted(DATA_KEYS)})")
+    manifest = None
+    if "manifest" in data and data["manifest"] is not None:
+        manifest = Path(str(data["manifest"])).expanduser()
+        if not manifest.is_absolute():
+            manifest = (Path(path).parent / manifest).resolve()
+        if check_files and not manifest.is_file():
+            raise _err(site, path, "data.manifest", f"file does not exist: {manifest}")
+    elif require_data:
+        raise _err(site, path, "data.manifest", "missing")
+    labels = data.get("labels", DEFAULT_LABEL_SCHEME)
+    if labels not in LABEL_SCHEMES:
+        raise _err(site, path, "data.labels", f"must be one of {', '.join(LABEL_SCHEMES)}, got {labels!r}")
+    cfg["data"] = {"manifest": None if manifest is None else str(manifest), "labels": labels}
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        raise _err(site, path, "model", "missing; e.g. {family: cnn, depth: shallow, width: 1.0}")
+    model = dict(model)
+    model.setdefault("in_channels", 1)
+    model["num_classes"] = num_classes(labels)
+    try:
+        validate_spec(model)
+    except (ValueError, TypeError) as e:
+        raise _err(site, path, "model", str(e)) from None
+    cfg["model"] = model
+    for key in ("input_size", "batch_size", "threads"):
+        v = cfg[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _err(site, path, key, f"must be a positive integer, got {v!r}")
+    if not 16 <= cfg["input_size"] <= 1024:
+        raise _err(site, path, "input_size", f"must be between 16 and 1024 px, got {cfg['input_size']}")
+    for key in ("local_epochs", "finetune_epochs"):
+        v = cfg[key]
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
+    for key in ("lr", "finetune_lr", "momentum"):
+        v = cfg[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 10):
+            raise _err(site, path, key, f"must be a number in [0, 10), got {v!r}")
+    for key in ("share_predictions", "amp"):
+        if not isinstance(cfg[key], bool):
+            raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
+    try:
+        cfg["device"] = check_device_name(cfg["device"])
+    except ValueError as e:
+        raise _err(site, path, "device", str(e)) from None
+    if cfg["max_train_images"] is not None and (not isinstance(cfg["max_train_images"], int)
+                                                or isinstance(cfg["max_train_images"], bool)
+                                                or cfg["max_train_images"] < 1):
+        raise _err(site, path, "max_train_images", f"must be null or a positive integer, got {cfg['max_train_images']!r}")
+    if not isinstance(cfg["seed"], int) or isinstance(cfg["seed"], bool):
+        raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
+    if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
+        raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+    for key in ("balanced_sampling", "fast_augment"):
+        if not isinstance(cfg[key], bool):
+            raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
+    if cfg["class_weights"] not in (None, "balanced"):
+        raise _err(site, path, "class_weights", "must be null or 'balanced'")
+    ac = cfg["augment_classes"]
+    if not (ac in ("auto", None) or (isinstance(ac, list) and all(isinstance(c, int) for c in ac))):
+        raise _err(site, path, "augment_classes", "must be 'auto', null or a list of class indices")
+    return cfg
+
+
+def load_site_config(site: str, path: str | os.PathLike | None = None, check_files: bool = True,
+                     require_data: bool = True) -> dict:
+    """Find (unless ``path`` is given), parse and validate a site's config. Raises SiteConfigError."""
+    p = Path(path) if path else find_site_config(site)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise SiteConfigError(f"site {site!r}: config {p} does not exist") from None
+    except yaml.YAMLError as e:
+        raise SiteConfigError(f"site {site!r}: config {p} is not valid YAML: {e}") from None
+    cfg = validate_site_config(raw, site, p, check_files=check_files, require_data=require_data)
+    cfg["config_path"] = str(p)
+    return cfg
+
+
+def load_profile(profile_dir: str | os.PathLike, check_files: bool = True, require_data: bool = True,
+                 ) -> dict[str, dict]:
+    """Load every ``<site>.yaml`` of a profile folder: {site: config}, sorted by site name.
+
+    Raises:
+        SiteConfigError: the folder has no site files, or any file is invalid (the message lists every invalid
+            file, one per line).
+    """
+    profile, errors = check_profile(profile_dir, check_files=check_files, require_data=require_data)
+    if errors:
+        raise SiteConfigError("\n".join(errors))
+    return profile
+
+
+def check_profile(profile_dir: str | os.PathLike, check_files: bool = True, require_data: bool = True,
+                  ) -> tuple[dict[str, dict], list[str]]:
+    """Load every ``<site>.yaml`` of a profile folder, collecting every error instead of stopping at the first.
+
+    Returns:
+        ``({site: config} of the valid files, [one message per invalid file])``; a folder without site files or
+        that does not exist gives one message.
+    """
+    d = Path(profile_dir)
+    if not d.is_dir():
+        return {}, [f"profile {d}: no <site>.yaml files found (no such folder)"]
+    files = sorted(d.glob("*.yaml"))
+    if not files:
+        return {}, [f"profile {d}: no <site>.yaml files found"]
+    profile, errors = {}, []
+    for f in files:
+        try:
+            profile[f.stem] = load_site_config(f.stem, f, check_files=check_files, require_data=require_data)
+        except SiteConfigError as e:
+            errors.append(str(e))
+    labels = {c["data"]["labels"] for c in profile.values()}
+    if len(labels) > 1:
+        errors.append(f"profile {d}: sites disagree on data.labels ({sorted(labels)}); a job uses one label scheme")
+    return profile, errors
+
+
+SAMPLE = """\
+# cxr-hfl site config for site {site}. Copy this file to {site}.yaml in this folder (local/cxr_hfl/ of your
+# startup kit), edit it, then check it with:   cxr-hfl site check --config local/cxr_hfl/{site}.yaml
+# It stays at your site: jobs never carry it, and no path in it is sent to the server.
+data:
+  manifest: /data/cxr/{site}.csv   # CSV: path,label,split[,patient_id,width,height] (cxr-hfl partition writes one)
+  labels: binary                   # binary (NORMAL/PNEUMONIA) | subtype (NORMAL/BACTERIAL/VIRAL): as the consortium
+model: {{family: cnn, depth: medium, width: 1.0}}   # as agreed with the coordinator (fedsaf/fedtopo: + feature_dim)
+input_size: 96                     # px; what your hardware affords (16..1024)
+batch_size: 16
+# device: auto                     # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)
+# amp: false                       # mixed precision training (float16 on CUDA, bfloat16 on CPU)
+# threads: 1                       # CPU threads for training
+# share_predictions: false         # true: per-image test probabilities go to the server for pooled metrics
+# local_epochs: 2                  # used when the job does not set them
+# finetune_epochs: 2
+# lr: 0.01                         # SGD learning rate / momentum of local training; OHFL fine-tuning lr
+# momentum: 0.9
+# finetune_lr: 0.001
+# seed: 0
+# max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
+# class_weights: null              # null | balanced (inverse class frequency in the loss)
+# augment_classes: auto            # auto (minority classes) | null | [0, 1]: classes augmented in training
+# cache_dir: null                  # a folder: decoded images are cached on disk between jobs
+"""
+
+
+def write_sample_config(folder: str | os.PathLike, site: str) -> Path:
+    """Write the commented template ``<folder>/<site>.yaml.sample`` (what a provisioned kit ships in
+    ``local/cxr_hfl/``). Returns the file."""
+    p = Path(folder) / f"{site}.yaml.sample"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(SAMPLE.format(site=site))
+    return p
+
+
+def write_site_config(cfg: dict, path: str | os.PathLike) -> Path:
+    """Write a site config as YAML (only schema keys)."""
+    out = {k: v for k, v in cfg.items() if k in TOP_KEYS and k != "site"}
+    if "model" in out:
+        out["model"] = {k: v for k, v in out["model"].items() if k != "num_classes"}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(out, sort_keys=False))
+    return p

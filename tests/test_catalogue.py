@@ -1,0 +1,108 @@
+"""The method catalogue (issue 14): one declarative entry per method that the CLI, job building, compare, the
+profile writer, the privacy summary and the benchmarks read; options checked in one function."""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from hfl_components.flare import catalogue
+from hfl_components.flare.catalogue import OptionError, validate_options
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("method", catalogue.METHODS)
+def test_entry_names_real_controller_site_tasks_and_upload_checks(method):
+    from hfl_components.flare.controllers import HFLController
+    from hfl_components.flare.site_methods import HANDLERS
+
+    e = catalogue.entry(method)
+    cls = catalogue.resolve(e.controller)
+    assert issubclass(cls, HFLController)
+    assert set(e.site_tasks) <= set(HANDLERS), f"{method}: site tasks without a handler"
+    assert "evaluate" in e.site_tasks
+    for task, path in e.upload_checks.items():
+        assert task in e.site_tasks and callable(catalogue.resolve(path))
+    assert e.uploads and e.family in ("fusable", "prototype")
+
+
+def test_one_method_list_no_spelled_out_tuples():
+    """No module outside the catalogue spells out the method names as a list (the issue's 7 copies)."""
+    pat = re.compile(r"""\(\s*"(local|fedavg|ohfl|fedsaf|fedproto|fedtopo)",\s*"(fedavg|ohfl|fedsaf|fedproto|fedtopo)",""")
+    offenders = []
+    for p in list(REPO.glob("hfl_components/**/*.py")) + list(REPO.glob("nvflare_jobs/**/*.py")) + \
+            list(REPO.glob("benchmarks/*.py")) + [REPO / "tests" / "deploy_helpers.py"]:
+        if p.name == "catalogue.py":
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if pat.search(line):
+                offenders.append(f"{p.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_consumers_read_the_catalogue():
+    from nvflare_jobs import compare, jobs, privacy, profiles
+    from nvflare_jobs.commands import simulate
+
+    assert jobs.METHODS == simulate.METHODS == catalogue.METHODS
+    assert set(compare.METHODS) == set(catalogue.METHODS) | {"local+ft"}
+    assert compare.PROTO == profiles.PROTO_METHODS == catalogue.PROTOTYPE_METHODS == ("fedsaf", "fedproto", "fedtopo")
+    for m in catalogue.METHODS:
+        assert privacy.what_leaves(m).startswith(catalogue.entry(m).uploads)
+    # every option of every method has its command-line flag, with the catalogue's choices
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    flags = {a.dest: a for a in p._actions}
+    for key, users in catalogue.all_options().items():
+        assert key in flags, key
+        for _, o in users:
+            if o.choices and flags[key].choices is not None:
+                assert set(o.choices) <= set(flags[key].choices)
+    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear",
+                                      "probe_at": "largest", "init": "site", "gate": True}
+
+
+def test_validate_options_types_choices_defaults_and_fixed_values():
+    v = validate_options("ohfl", {"probe": "generated", "strategy": "cdd", "probe_size": "32", "gate": "false"})
+    assert (v["strategy"], v["probe_size"], v["gate"], v["ot"], v["repair"]) == ("cdd", 32, False, "emd", "layer")
+    assert validate_options("ohfl", {"probe": "x", "repair": False})["repair"] == "none"
+    with pytest.raises(OptionError, match=r"ohfl: option 'strategy' \(--strategy\) must be one of .*'bogus'"):
+        validate_options("ohfl", {"probe": "generated", "strategy": "bogus"})
+    with pytest.raises(OptionError, match="needs a probe set"):
+        validate_options("ohfl", {})
+    assert validate_options("ohfl", {}, require=False)["probe"] is None
+    # fedproto: alignment and prototypes fixed, the given value still checked
+    v = validate_options("fedproto", {"alignment": "rcsa", "prototypes": "tgp"})
+    assert (v["alignment"], v["prototypes"]) == ("mse", "fedproto")
+    with pytest.raises(OptionError, match="alignment"):
+        validate_options("fedproto", {"alignment": "cka"})
+    with pytest.raises(OptionError, match=r"rho must lie in \[0, 1\), got 1.0"):
+        validate_options("fedtopo", {"rho": 1.0})
+    with pytest.raises(OptionError, match="unknown ablation"):
+        validate_options("fedtopo", {"ablate": ["no_ema", "bogus"]})
+    assert validate_options("fedtopo", {"ablate": ["no_ema", "no_topq", "no_ema"]})["ablate"] == ["no_ema", "no_topq"]
+    with pytest.raises(OptionError, match="expected int"):
+        validate_options("fedtopo", {"top_q": 2.5})
+    assert validate_options("local", {"strategy": "bogus"}) == {}  # other methods' options are not local's
+    with pytest.raises(ValueError, match="unknown method"):
+        validate_options("fedprox", {})
+
+
+def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
+    from nvflare_jobs.commands import simulate
+
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    with pytest.raises(SystemExit, match="--eval nearest-prototype is not an option of ohfl"):
+        simulate._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
+    a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
+    simulate._defaults(a)
+    assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="FedSAF alignment"):
+        simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
+    a = p.parse_args(["--method", "fedtopo"])
+    simulate._defaults(a)
+    assert (a.rho, a.top_q, a.warmup, a.ablate, a.alignment) == (0.7, 3, 3, [], None)

@@ -1,0 +1,92 @@
+"""Options are validated once (``catalogue.validate_options``) when the controller is built, and the same check runs
+when an exported job starts on the server, before any site trains (issue 14)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.deploy_helpers import REPO_ROOT, tiny_manifests, tiny_profile
+
+SITES = ("hospital-a", "hospital-b")
+
+
+def _export_ohfl(tmp_path: Path, profile: Path) -> Path:
+    from nvflare_jobs.commands.simulate import _add_method_args, _defaults, _options
+    from nvflare_jobs.deploy import export_portable
+    from nvflare_jobs.jobs import build_job
+    from nvflare_jobs.site_config import load_profile
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    _add_method_args(p)
+    args = p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "8"])
+    _defaults(args)
+    job = build_job("ohfl", load_profile(profile, check_files=False, require_data=False), _options(args, None, None))
+    export_portable(job, tmp_path / "jobs")
+    return tmp_path / "jobs" / job.name
+
+
+def _edit_server_arg(job: Path, key: str, value) -> dict:
+    f = job / "app_server" / "config" / "config_fed_server.json"
+    cfg = json.loads(f.read_text())
+    wf = cfg["workflows"][0]
+    assert wf["path"].endswith("OHFLController") and "probe" in wf["args"]
+    wf["args"][key] = value  # NVFlare exports only arguments that differ from the defaults: add or replace
+    f.write_text(json.dumps(cfg, indent=1))
+    return wf
+
+
+def _build_like_nvflare(wf: dict):
+    """The server's component builder: import the class at ``path`` and call it with ``args``."""
+    mod, _, name = wf["path"].rpartition(".")
+    return getattr(importlib.import_module(mod), name)(**wf["args"])
+
+
+def test_edited_exported_job_fails_the_option_check_naming_the_option(tmp_path):
+    from hfl_components.flare.catalogue import OptionError
+
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}  # not read: the export needs only the model specs
+    job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
+    wf = _edit_server_arg(job, "strategy", "cid")
+    assert _build_like_nvflare(wf).check_options()["strategy"] == "cid"  # the unedited value passes
+    wf = _edit_server_arg(job, "strategy", "bogus")
+    ctl = _build_like_nvflare(wf)
+    with pytest.raises(OptionError, match=r"option 'strategy' \(--strategy\) must be one of \['cid', 'cdd', 'cia', "
+                                          r"'rand'\], got 'bogus'"):
+        ctl.check_options()
+    wf = _edit_server_arg(job, "strategy", "cid")
+    wf = _edit_server_arg(job, "ground_metric", "euclid")
+    with pytest.raises(OptionError, match="ground_metric"):
+        _build_like_nvflare(wf).check_options()
+
+
+@pytest.mark.slow
+def test_edited_exported_job_fails_at_start_before_any_site_trains(tmp_path, data_root):
+    """The exported OHFL job with ``strategy`` edited to a bad value is run in the NVFlare simulator with real site
+    data: the server refuses to start, naming the option, and no site receives a training task."""
+    man = tiny_manifests(data_root, tmp_path / "manifests", list(SITES), n_train=4, n_val=2, n_test=2)
+    profile = tiny_profile(man, tmp_path / "profile", "ohfl")
+    job = _export_ohfl(tmp_path, profile)
+    _edit_server_arg(job, "strategy", "bogus")
+    ws = tmp_path / "ws"
+    env = {**os.environ, "CXR_HFL_SITE_CONFIG_DIR": str(profile), "PYTHONPATH": str(REPO_ROOT)}
+    code = ("import sys; from nvflare.private.fed.app.simulator.simulator_runner import SimulatorRunner; "
+            f"r = SimulatorRunner(job_folder={str(job)!r}, workspace={str(ws)!r}, clients={','.join(SITES)!r}, "
+            "threads=2); sys.exit(r.run())")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                   timeout=600)
+    logs = {p.relative_to(ws): p.read_text(errors="replace") for p in ws.rglob("log.txt")}
+    server = "\n".join(t for p, t in logs.items() if p.parts[0] == "server")
+    assert "invalid job configuration" in server and "'strategy'" in server and "'bogus'" in server, server[-3000:]
+    results = next(ws.rglob("cxr_hfl_results/server_results.json"))
+    assert "strategy" in json.loads(results.read_text())["failed"]
+    sites = "\n".join(t for p, t in logs.items() if p.parts[0] in SITES)
+    assert "ohfl_train" not in sites and "ohfl_train" not in server.split("refusing to start")[0]
+    assert not list(ws.rglob("cxr_hfl_state/local_model.pt")), "a site trained"

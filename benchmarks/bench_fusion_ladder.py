@@ -4,7 +4,7 @@ Each rung fuses parents that differ in one more way and scores the fused model *
 its parents on the committed ``tuning`` part of ``../shared/data/chest_xray_224`` (735 images, patient-disjoint
 from the training images; ``chest_xray/splits.py``). Nothing here touches the ``evaluation`` part.
 
-Rungs (parents trained once and cached in ``runs/ladder_cache/``):
+Rungs (parents trained once and cached in ``runs/ladder_cache_<aspect>/``):
 
 * **0** — a model fused with a permuted copy of itself through the whole server path: ``tests/test_fusion_rung0.py``
   (exact; not repeated here);
@@ -52,7 +52,11 @@ sys.path.insert(0, str(REPO))
 from hfl_components.fusion import aggregate_models  # noqa: E402
 from hfl_components.models.fusable import build_fusable, shared_init_state  # noqa: E402
 
-CACHE = REPO / "runs" / "ladder_cache"
+# decoded images and trained parents depend on how images are made square (chest_xray.DEFAULT_ASPECT, "stretch"
+# since issue 11's data-layer fix); the folder names it so letterboxed parents are never reused
+from chest_xray import DEFAULT_ASPECT  # noqa: E402
+
+CACHE = REPO / "runs" / f"ladder_cache_{DEFAULT_ASPECT}"
 OUT = REPO / "benchmarks" / "results" / "fusion_ladder.md"
 SIZES = (64, 96, 128)
 EPOCHS = 20

@@ -50,7 +50,7 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
         common["num_rounds"] = 1
         return C.OHFLController(probe=str(opts["probe"]), strategy=opts.get("strategy", "cid"),
                                 alignment=opts.get("alignment", "cka"), ot_solver=opts.get("ot", "emd"),
-                                ground_metric=opts.get("ground_metric", "wts"),
+                                ground_metric=opts.get("ground_metric", "acts"),
                                 probe_size=int(opts.get("probe_size", 64)), weighting=opts.get("weighting", "samples"),
                                 repair=opts.get("repair", "layer"), cka=opts.get("cka", "linear"),
                                 probe_at=opts.get("probe_at", "largest"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 METHODS = ("local", "fedavg", "ohfl", "fedsaf", "fedproto", "fedtopo")
 # OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only).
-OHFL_DEFAULTS = {"ot": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear", "probe_at": "largest",
+OHFL_DEFAULTS = {"ot": "emd", "ground_metric": "acts", "repair": "layer", "cka": "linear", "probe_at": "largest",
                  "init": "site", "gate": True}
 # The OHFL paper's pipeline (paper 003, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
 PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",

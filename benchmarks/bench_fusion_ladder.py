@@ -358,7 +358,7 @@ def _fmt(r: dict) -> str:
 
 
 BUDGET = """Budget: parents trained once (cached) for {epochs} epochs (SGD lr 0.01, momentum 0.9, batch 16, horizontal
-flips) on `chest_xray_original` images prepared by the sites' eval transforms: rungs a-e on two disjoint,
+flips) on `chest_xray_original` images prepared by the sites' eval transforms (square resize: {aspect}): rungs a-e on two disjoint,
 patient-grouped, label-stratified halves (425 images each), rung f on the train splits of the 6 width sites of the
 main job (seed 0). Scored zero-shot on the committed `tuning` part of `chest_xray_224` (735 images, 1 = pneumonia;
 never the `evaluation` part). Probe: {probe_n} images of the committed `probe` part. Seeds: {seeds}. 95% CIs: paired
@@ -369,7 +369,8 @@ CPU, 1 thread."""
 
 def write_md(rows: list[dict], seeds, path: Path = OUT) -> None:
     lines = ["# Fusion ladder (issue 11): zero-shot fused model vs its parents", "",
-             BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=",".join(map(str, seeds)), n_boot=N_BOOT), "",
+             BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=",".join(map(str, seeds)), n_boot=N_BOOT,
+                           aspect=DEFAULT_ASPECT), "",
              "Baseline = the defaults before issue 11: " + ", ".join(f"{k}={v}" for k, v in BASELINE.items())
              + ". Each other row changes one lever. Rung 0 (permuted copy through the whole server path) is exact: "
                "`tests/test_fusion_rung0.py`.", "",
@@ -395,7 +396,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
-    print(BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=a.seeds, n_boot=N_BOOT), flush=True)
+    print(BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=a.seeds, n_boot=N_BOOT, aspect=DEFAULT_ASPECT),
+          flush=True)
     build_cache()
     rows = run(a.rungs.split(","), a.configs.split(","), seeds, with_refs=not a.no_refs)
     write_md(rows, seeds, Path(a.out))

@@ -4,7 +4,7 @@ Each rung fuses parents that differ in one more way and scores the fused model *
 its parents on the committed ``tuning`` part of ``../shared/data/chest_xray_224`` (735 images, patient-disjoint
 from the training images; ``chest_xray/splits.py``). Nothing here touches the ``evaluation`` part.
 
-Rungs (parents trained once and cached in ``runs/ladder_cache/``):
+Rungs (parents trained once and cached in ``runs/ladder_cache_<aspect>/``):
 
 * **0** — a model fused with a permuted copy of itself through the whole server path: ``tests/test_fusion_rung0.py``
   (exact; not repeated here);
@@ -52,7 +52,11 @@ sys.path.insert(0, str(REPO))
 from hfl_components.fusion import aggregate_models  # noqa: E402
 from hfl_components.models.fusable import build_fusable, shared_init_state  # noqa: E402
 
-CACHE = REPO / "runs" / "ladder_cache"
+# decoded images and trained parents depend on how images are made square (chest_xray.DEFAULT_ASPECT, "stretch"
+# since issue 11's data-layer fix); the folder names it so letterboxed parents are never reused
+from chest_xray import DEFAULT_ASPECT  # noqa: E402
+
+CACHE = REPO / "runs" / f"ladder_cache_{DEFAULT_ASPECT}"
 OUT = REPO / "benchmarks" / "results" / "fusion_ladder.md"
 SIZES = (64, 96, 128)
 EPOCHS = 20
@@ -354,7 +358,7 @@ def _fmt(r: dict) -> str:
 
 
 BUDGET = """Budget: parents trained once (cached) for {epochs} epochs (SGD lr 0.01, momentum 0.9, batch 16, horizontal
-flips) on `chest_xray_original` images prepared by the sites' eval transforms: rungs a-e on two disjoint,
+flips) on `chest_xray_original` images prepared by the sites' eval transforms (square resize: {aspect}): rungs a-e on two disjoint,
 patient-grouped, label-stratified halves (425 images each), rung f on the train splits of the 6 width sites of the
 main job (seed 0). Scored zero-shot on the committed `tuning` part of `chest_xray_224` (735 images, 1 = pneumonia;
 never the `evaluation` part). Probe: {probe_n} images of the committed `probe` part. Seeds: {seeds}. 95% CIs: paired
@@ -365,7 +369,8 @@ CPU, 1 thread."""
 
 def write_md(rows: list[dict], seeds, path: Path = OUT) -> None:
     lines = ["# Fusion ladder (issue 11): zero-shot fused model vs its parents", "",
-             BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=",".join(map(str, seeds)), n_boot=N_BOOT), "",
+             BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=",".join(map(str, seeds)), n_boot=N_BOOT,
+                           aspect=DEFAULT_ASPECT), "",
              "Baseline = the defaults before issue 11: " + ", ".join(f"{k}={v}" for k, v in BASELINE.items())
              + ". Each other row changes one lever. Rung 0 (permuted copy through the whole server path) is exact: "
                "`tests/test_fusion_rung0.py`.", "",
@@ -391,7 +396,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
-    print(BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=a.seeds, n_boot=N_BOOT), flush=True)
+    print(BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=a.seeds, n_boot=N_BOOT, aspect=DEFAULT_ASPECT),
+          flush=True)
     build_cache()
     rows = run(a.rungs.split(","), a.configs.split(","), seeds, with_refs=not a.no_refs)
     write_md(rows, seeds, Path(a.out))

@@ -25,10 +25,17 @@ from .partition import (
     write_partition,
 )
 
+#: How a non-square image is made S x S (``build_transforms(aspect=...)``, site-config key ``aspect``); the first is
+#: the default for sites, the server's probe, ``evaluate`` and the benchmarks. See :mod:`chest_xray.transforms`.
+ASPECTS = ("stretch", "letterbox", "crop")
+DEFAULT_ASPECT = ASPECTS[0]
+
 _LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "ApplyToClassesd"}
 
 __all__ = [
+    "ASPECTS",
     "CLASS_NAMES",
+    "DEFAULT_ASPECT",
     "ImageReadError",
     "LABEL_SCHEMES",
     "LabelError",

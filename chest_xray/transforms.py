@@ -1,7 +1,11 @@
-"""Per-site preprocessing with MONAI: load, resize the longer side, pad to square, scale, augment chosen classes.
+"""Per-site preprocessing with MONAI: load, make square (stretch by default), scale, augment chosen classes.
 
 The pipeline is a MONAI ``Compose`` of dictionary transforms on keys ``image`` (a file path in, a float32
-tensor (1, S, S) out) and ``label`` (int). Its deterministic prefix (decode, resize, pad, scale) is cached by
+tensor (1, S, S) out) and ``label`` (int). How a non-square image becomes S x S is the ``aspect`` choice
+(:data:`ASPECTS`): ``stretch`` (the default: resize H x W -> S x S, ignoring the aspect ratio, as the third-party
+``chest_xray_224`` images were made), ``letterbox`` (longer side -> S, zero padding to a square; the padded share
+differs between classes on Kermany and is a shortcut, issue 11) or ``crop`` (central square, then resize).
+Its deterministic prefix (decode, make square, scale) is cached by
 :func:`make_site_dataset` (``CacheDataset`` in memory or ``PersistentDataset`` on disk), so later epochs do not
 decode the 2,000-px JPEGs again; the random suffix (flip, rotation, translation) runs every epoch and only for
 the samples whose label is in ``augment_classes``.
@@ -32,6 +36,7 @@ from monai.transforms import (
     Transform,
 )
 
+from . import ASPECTS, DEFAULT_ASPECT
 from .io import read_image
 
 MODES = ("train", "eval")
@@ -78,14 +83,26 @@ class ApplyToClassesd(Randomizable, Transform):
         return data
 
 
-def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] | None = None) -> Compose:
+def _center_square(img: np.ndarray) -> np.ndarray:
+    """The central min(H, W) x min(H, W) square of a (C, H, W) array (the longer dimension trimmed evenly)."""
+    h, w = img.shape[-2:]
+    m = min(h, w)
+    top, left = (h - m) // 2, (w - m) // 2
+    return img[..., top:top + m, left:left + m]
+
+
+def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] | None = None,
+                     aspect: str = DEFAULT_ASPECT) -> Compose:
     """MONAI ``Compose`` of dictionary transforms for one site's input size.
 
     Steps (keys ``image``, ``label``): ``Lambdad`` calling :func:`chest_xray.read_image` (path -> (H, W), JPEG draft
-    decode at >= ``input_size``), ``EnsureChannelFirstd`` -> (1, H, W), ``Resized(size_mode="longest",
-    mode="area")`` so the longer side is ``input_size`` and the aspect ratio is kept, ``ResizeWithPadOrCropd``
-    to (``input_size``, ``input_size``) with zero padding split evenly on both sides of the shorter dimension,
-    ``ScaleIntensityd`` to [0, 1] (per image min-max; padding stays 0), ``EnsureTyped`` -> float32 ``torch.Tensor``.
+    decode at >= ``input_size`` on the longer side for ``letterbox``, >= 2 x ``input_size`` otherwise so that the
+    shorter side of images up to 2:1 is not upsampled), ``EnsureChannelFirstd`` -> (1, H, W), then by ``aspect``:
+    ``stretch``: ``Resized((S, S), mode="area")``, every pixel row and column kept, no padding;
+    ``letterbox``: ``Resized(size_mode="longest", mode="area")`` so the longer side is S and the aspect ratio is
+    kept, then ``ResizeWithPadOrCropd`` to (S, S) with zero padding split evenly on both sides of the shorter
+    dimension; ``crop``: the central min(H, W) square (:func:`_center_square`), then ``Resized((S, S),
+    mode="area")``. Then ``ScaleIntensityd`` to [0, 1] (per image min-max; padding stays 0), ``EnsureTyped`` -> float32 ``torch.Tensor``.
     In ``train`` mode followed by :class:`ApplyToClassesd` wrapping ``RandFlipd`` (horizontal, p=0.5) and
     ``RandAffined`` (p=0.8: rotation up to +-10 degrees, translation up to +-6 % of the side, zero padding), then
     ``EnsureTyped`` again.
@@ -95,13 +112,16 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         mode: ``"train"`` or ``"eval"`` (eval is fully deterministic).
         augment_classes: label indices to augment in train mode; None = every class (pass
             :func:`default_augment_classes` for the OHFL rule); ignored in eval mode.
+        aspect: one of :data:`ASPECTS` (default ``stretch``). Sites, the server's probe and ``evaluate`` must use
+            the same choice: a model trained on letterboxed Kermany images learns the padding share (AUC 0.87 for
+            pneumonia on ``chest_xray_original`` by itself) and fails on unpadded images.
 
     Returns:
         the ``Compose``; applied to ``{"image": path, "label": int}`` it gives ``{"image": FloatTensor (1, S, S)
         in [0, 1], "label": int}``.
 
     Raises:
-        ValueError: unknown mode or input_size < 8.
+        ValueError: unknown mode or aspect, or input_size < 8.
         RuntimeError: when applied to an unreadable file; MONAI wraps every transform error, and the
             ``__cause__`` is the :class:`chest_xray.ImageReadError` naming the file.
     """
@@ -110,11 +130,19 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
     s = int(input_size)
     if s < 8:
         raise ValueError(f"input_size must be >= 8, got {input_size}")
+    if aspect not in ASPECTS:
+        raise ValueError(f"unknown aspect {aspect!r}; expected one of {ASPECTS}")
+    if aspect == "letterbox":
+        square = [Resized(keys="image", spatial_size=s, size_mode="longest", mode="area"),
+                  ResizeWithPadOrCropd(keys="image", spatial_size=(s, s), mode="constant")]
+    else:
+        square = [Resized(keys="image", spatial_size=(s, s), mode="area")]
+        if aspect == "crop":
+            square.insert(0, Lambdad(keys="image", func=_center_square))
     steps: list = [
-        Lambdad(keys="image", func=partial(_load, target_size=s)),
+        Lambdad(keys="image", func=partial(_load, target_size=s if aspect == "letterbox" else 2 * s)),
         EnsureChannelFirstd(keys="image", channel_dim="no_channel"),
-        Resized(keys="image", spatial_size=s, size_mode="longest", mode="area"),
-        ResizeWithPadOrCropd(keys="image", spatial_size=(s, s), mode="constant"),
+        *square,
         ScaleIntensityd(keys="image", minv=0.0, maxv=1.0),
         EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False),
     ]
@@ -163,6 +191,7 @@ def make_site_dataset(
     *,
     seed: int | None = None,
     cache_workers: int = 1,
+    aspect: str = DEFAULT_ASPECT,
 ) -> torch.utils.data.Dataset:
     """A cached torch Dataset of one site's images at its input size.
 
@@ -174,9 +203,11 @@ def make_site_dataset(
         augment_classes: classes to augment in train mode; None = :func:`default_augment_classes` of the rows
             whose ``split`` is ``train`` (all rows when none has a split).
         cache_dir: None -> ``CacheDataset`` (decoded, resized images held in memory: N x S^2 x 4 bytes);
-            a folder -> ``PersistentDataset`` under ``cache_dir/s<S>`` (survives restarts; keyed by path and label).
+            a folder -> ``PersistentDataset`` under ``cache_dir/s<S>-<aspect>`` (survives restarts; keyed by path
+            and label; the aspect is in the folder name so a cache of another geometry is never reused).
         seed: seeds the augmentation random state (reproducible epochs); None leaves MONAI's default.
         cache_workers: threads used to fill the in-memory cache.
+        aspect: how images are made square, see :func:`build_transforms` (default ``stretch``).
 
     Returns:
         a Dataset whose items are ``{"image": FloatTensor (1, S, S) in [0, 1], "label": int}``.
@@ -190,11 +221,11 @@ def make_site_dataset(
     if mode == "train" and augment_classes is None:
         train = [r for r in rows if r.get("split") == "train"]
         augment_classes = default_augment_classes(train if train else rows)
-    transform = build_transforms(input_size, mode, augment_classes)
+    transform = build_transforms(input_size, mode, augment_classes, aspect=aspect)
     if seed is not None:
         transform.set_random_state(seed=seed)
     if cache_dir is not None:
-        d = Path(cache_dir) / f"s{int(input_size)}"
+        d = Path(cache_dir) / f"s{int(input_size)}-{aspect}"
         d.mkdir(parents=True, exist_ok=True)
         return PersistentDataset(data, transform, cache_dir=d)
     return CacheDataset(data, transform, cache_rate=1.0, num_workers=cache_workers, progress=False)

@@ -61,7 +61,7 @@ def test_consumers_read_the_catalogue():
         for _, o in users:
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
-    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear",
+    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "layer", "cka": "linear",
                                       "probe_at": "largest", "init": "site", "gate": True}
 
 

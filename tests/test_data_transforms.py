@@ -1,4 +1,5 @@
-"""MONAI per-site transforms: shape, aspect ratio and padding, orientation, class-restricted augmentation, caching."""
+"""MONAI per-site transforms: shape, the three aspect choices (stretch default, letterbox padding, crop), orientation,
+class-restricted augmentation, caching."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,21 @@ def _padding_extent(img: np.ndarray) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("size", [32, 64, 128, 224])
-def test_real_images_shape_and_aspect(real_files, size):
+def test_real_images_stretch_fill_the_square(real_files, size):
+    """The default (stretch) keeps every row and column of the image: no all-zero padding band on any side."""
     t = build_transforms(size, "eval")
+    for f in real_files:
+        x = t({"image": str(f), "label": 0})["image"]
+        assert type(x) is torch.Tensor and x.dtype == torch.float32 and tuple(x.shape) == (1, size, size)
+        assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0 and float(x.max()) > 0.5
+        assert _padding_extent(x[0].numpy()) == (0, 0)
+        # the first and last rows and columns are image content, not zero padding
+        assert min(float(x[0, 0].max()), float(x[0, -1].max()), float(x[0, :, 0].max()), float(x[0, :, -1].max())) > 0
+
+
+@pytest.mark.parametrize("size", [32, 64, 128, 224])
+def test_real_images_letterbox_shape_and_aspect(real_files, size):
+    t = build_transforms(size, "eval", aspect="letterbox")
     for f in real_files:
         with Image.open(f) as im:
             w, h = im.size
@@ -59,13 +73,40 @@ def test_real_images_shape_and_aspect(real_files, size):
                 assert img[:, : pad // 2 - 1].max() == 0 and img[:, size - (pad - pad // 2 - 1):].max() == 0
 
 
+def test_stretch_and_crop_geometry_hand_built(tmp_path):
+    """60 rows x 120 columns: value 50 on columns 0..59, 250 on 60..119, a 255 block at rows 0..11 x columns
+    0..23 and a 0 block at rows 48..59 x columns 60..71. Stretch to 64 x 64 maps column c to 64 c / 120 and row
+    r to 64 r / 60: the 50/250 edge lands at column 32, the 255 block covers rows and columns 0..12.8, the 0 block
+    rows 51.2..64 x columns 32..38.4, and no row or column is padding. The central 60 x 60 crop keeps columns
+    30..89 (scale 64/60): the edge lands at column 32, the 0 block at columns 32..44.8, the 255 block is cut away
+    (so 250 is the maximum). Letterbox pads 16 zero rows above and below the 32 x 64 image."""
+    a = np.full((60, 120), 50, np.uint8)
+    a[:, 60:] = 250
+    a[:12, :24] = 255
+    a[48:, 60:72] = 0
+    f = tmp_path / "wide.png"
+    Image.fromarray(a).save(f)
+    x = build_transforms(64, "eval")({"image": str(f), "label": 0})["image"][0].numpy()
+    assert x.shape == (64, 64) and _padding_extent(x) == (0, 0)
+    assert np.allclose(x[13:, :31], 50 / 255) and np.allclose(x[:50, 32:], 250 / 255) and np.allclose(x[:, 39:], 250 / 255)
+    assert np.allclose(x[:12, :12], 1.0) and np.allclose(x[52:, 32:38], 0.0)
+    z = build_transforms(64, "eval", aspect="crop")({"image": str(f), "label": 0})["image"][0].numpy()
+    assert z.shape == (64, 64) and _padding_extent(z) == (0, 0)
+    assert np.allclose(z[:, :31], 50 / 250) and np.allclose(z[:50, 32:], 1.0) and np.allclose(z[52:, 32:44], 0.0)
+    lb = build_transforms(64, "eval", aspect="letterbox")({"image": str(f), "label": 0})["image"][0].numpy()
+    assert _padding_extent(lb) == (16 + 16, 0) and lb[:16].max() == 0 and lb[48:].max() == 0
+    assert np.allclose(lb[16:22, :6], 1.0) and lb[16:48].max(axis=1).min() > 0
+    with pytest.raises(ValueError, match="aspect"):
+        build_transforms(64, "eval", aspect="pad")
+
+
 def test_non_square_orientation_and_padding_location(tmp_path):
-    # 60 rows x 120 columns: bright block in the top-left corner, mid-gray elsewhere
+    # 60 rows x 120 columns: bright block in the top-left corner, mid-gray elsewhere (letterbox geometry)
     a = np.full((60, 120), 100, np.uint8)
     a[:20, :30] = 250
     f = tmp_path / "wide.png"
     Image.fromarray(a).save(f)
-    x = build_transforms(64, "eval")({"image": str(f), "label": 0})["image"][0].numpy()
+    x = build_transforms(64, "eval", aspect="letterbox")({"image": str(f), "label": 0})["image"][0].numpy()
     rows_pad, cols_pad = _padding_extent(x)
     assert (rows_pad, cols_pad) == (32, 0)  # 60x120 -> 32x64, padded with 16 rows above and 16 below
     assert x[:16].max() == 0 and x[48:].max() == 0 and x[16:48].min() > 0
@@ -73,7 +114,7 @@ def test_non_square_orientation_and_padding_location(tmp_path):
     # portrait: 120 rows x 60 columns -> padding columns
     g = tmp_path / "tall.png"
     Image.fromarray(np.ascontiguousarray(a.T)).save(g)
-    y = build_transforms(64, "eval")({"image": str(g), "label": 0})["image"][0].numpy()
+    y = build_transforms(64, "eval", aspect="letterbox")({"image": str(g), "label": 0})["image"][0].numpy()
     assert _padding_extent(y) == (0, 32)
     assert y[:14, 16:26].mean() > 0.95
 
@@ -125,7 +166,11 @@ def test_site_dataset_cached_in_memory_and_on_disk(real_files, tmp_path):
         assert torch.equal(item["image"], ref({"image": r["path"], "label": r["label"]})["image"])
     pds = make_site_dataset(rows, 64, "eval", cache_dir=tmp_path / "cache")
     first = [pds[i]["image"] for i in range(len(rows))]
-    assert any((tmp_path / "cache" / "s64").iterdir())
+    assert any((tmp_path / "cache" / "s64-stretch").iterdir())
+    # another aspect gets its own cache folder: a letterboxed cache is never served as stretched images
+    lds = make_site_dataset(rows, 64, "eval", cache_dir=tmp_path / "cache", aspect="letterbox")
+    assert any(_padding_extent(lds[i]["image"][0].numpy()) != (0, 0) for i in range(len(rows)))
+    assert any((tmp_path / "cache" / "s64-letterbox").iterdir())
     assert all(torch.equal(a, ds[i]["image"]) for i, a in enumerate(first))
     # train mode: the default augments the minority class only; a DataLoader batches it
     tr = make_site_dataset(rows[:3], 32, "train", seed=0)  # labels 0, 1, 0 -> class 1 is the minority

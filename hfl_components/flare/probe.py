@@ -41,7 +41,7 @@ def list_probe_files(source: str | Path) -> list[Path]:
 
 
 def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, seed: int = 0, warn=None,
-               files_out: list | None = None) -> torch.Tensor:
+               files_out: list | None = None, aspect: str | None = None) -> torch.Tensor:
     """Build the probe batch.
 
     Args:
@@ -52,6 +52,8 @@ def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, 
         seed: which images are drawn.
         warn: callable for warnings (e.g. the controller's ``warning``).
         files_out: if a list, the file names of the images used are appended to it (in batch order).
+        aspect: how non-square images are made square (``chest_xray.ASPECTS``); None = ``chest_xray.DEFAULT_ASPECT``
+            (``stretch``), the sites' default, so the probe looks like the sites' training images.
 
     Returns:
         float32 tensor (n, in_channels, S, S).
@@ -65,11 +67,11 @@ def load_probe(source: str, input_size: int, n: int = 64, in_channels: int = 1, 
                  "less meaningful than with real public images")
         g = torch.Generator().manual_seed(seed)
         return torch.rand(n, in_channels, input_size, input_size, generator=g)
-    from chest_xray import build_transforms
+    from chest_xray import DEFAULT_ASPECT, build_transforms
 
     files = list_probe_files(source)
     random.Random(seed).shuffle(files)
-    tf = build_transforms(input_size, "eval")
+    tf = build_transforms(input_size, "eval", aspect=aspect or DEFAULT_ASPECT)
     out, skipped = [], []
     for f in files:
         if len(out) >= n:

@@ -55,6 +55,9 @@ DEFAULTS = {
     "threads": 1,
     "seed": 0,
     "cache_dir": None,
+    # how a non-square image is made input_size x input_size: stretch (default) | letterbox | crop
+    # (chest_xray.ASPECTS); every site of a job and the server's probe should use the same
+    "aspect": "stretch",
     "max_train_images": None,
     # final `evaluate` task: send per-image test probabilities and labels (no images, no ids) to the server
     # for pooled metrics; false (the default) keeps them at the site (the server reports per-site metrics only).
@@ -194,6 +197,10 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
     if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
         raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+    from chest_xray import ASPECTS
+
+    if cfg["aspect"] not in ASPECTS:
+        raise _err(site, path, "aspect", f"must be one of {', '.join(ASPECTS)}, got {cfg['aspect']!r}")
     for key in ("balanced_sampling", "fast_augment"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
@@ -284,6 +291,7 @@ batch_size: 16
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: auto            # auto (minority classes) | null | [0, 1]: classes augmented in training
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs
+# aspect: stretch                  # stretch | letterbox | crop: how non-square images become square (as the job's)
 """
 
 

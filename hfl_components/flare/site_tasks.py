@@ -164,7 +164,8 @@ class SiteRuntime:
                                               [int(it["label"]) for it in items], augment_classes=aug or [])
                 else:
                     ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
-                                           cache_dir=self.cfg.get("cache_dir"))
+                                           cache_dir=self.cfg.get("cache_dir"),
+                                           aspect=self.cfg.get("aspect", "stretch"))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:

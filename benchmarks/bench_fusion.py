@@ -264,7 +264,8 @@ def bench_server(args) -> None:
     if args.wall:
         wall = float(args.wall)
     elif run is not None and (run / "metrics.json").is_file():
-        wall = json.loads((run / "metrics.json").read_text()).get("wall_s")
+        met = json.loads((run / "metrics.json").read_text())
+        wall = (met.get("timing") or {}).get("wall_s") or met.get("wall_time_s")
     if wall:
         print(f"{'share of a ' + f'{wall:.0f} s job (%)':28s}" + "".join(f"{100 * now[c] / wall:10.1f}" for c in cols))
         out["job_wall_s"] = wall

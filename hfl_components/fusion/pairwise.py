@@ -71,7 +71,7 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             pass that collects everything this pair needs from it (CKA Grams and repair statistics together).
         reuse: with repair, also record the fused model's statistics (CKA Grams of ``cka`` and the repair
             statistics) in ``stats_cache`` from the repair pass itself, for a later fusion step that uses the
-            result; False when the result is final.
+            result (only with a given ``stats_cache``); False when the result is final.
 
     Returns:
         ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
@@ -80,7 +80,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         ``balancing`` (``"none"``, ``"insert_identity"``, ``"merge"``), ``balanced_src_spec``, ``alignment``,
         ``ot_solver``, ``ground_metric``, ``weights`` ({src, tgt} normalised), ``layers`` (per-layer OT records),
         ``seconds`` ({cka, alignment, ot, averaging, repair}; alignment includes the balancing; cka the
-        probe passes of source and target, repair the statistics of the balanced source and the repair pass).
+        probe passes of source and target not already in the cache, repair the statistics of the balanced source
+        and the repair pass, which with ``reuse`` also computes the fused model's Grams for the next step).
 
     Raises:
         ValueError: incompatible models, no feasible layer map, missing probe, bad options.
@@ -98,7 +99,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     cost = None
     cache = StatsCache() if stats_cache is None else stats_cache
     tgt_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[repair]
-    keep = (tgt_need + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else [])) if reuse else []
+    keep = ((tgt_need + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
+            if reuse and stats_cache is not None else [])
     if spec_signature(spec_s) == spec_signature(spec_t):
         pairs = [(i, i) for i in range(len(rows_s))]
         bal_spec, bal_sd, balancing = spec_s, sd_s, "none"

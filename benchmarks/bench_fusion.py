@@ -1,5 +1,14 @@
 """Benchmark of the OHFL fusion library (not a test).
 
+Part 0 (``--server RUN``, issue 15) — the OHFL server's fusion of the main job's six site models (``RUN/models/
+site-*_local.pt`` of a ``simulate --method ohfl --sites 6 --scheme width`` run; He-random models of the same specs
+when absent) with the job's defaults (cid, emd, wts, layer repair, linear CKA, probe of 64 ``chest_xray_224`` probe
+images at the largest size, 128 px): seconds per phase (cka, alignment, ot, averaging, repair), their share of the
+job's wall time (``RUN/metrics.json``), how each phase grows with width (x1, x2, x4 of the main-job specs) and with
+the number of sites (2, 6, 12, 24 via perturbed copies of the six), and the fitted growth exponent (least squares
+slope of log seconds on log width / log sites). ``--baseline COMMIT`` times the same six-model fusion with the
+fusion code of an older commit in a subprocess, side by side (``git archive``; nothing is installed).
+
 Part 1 — server fusion time by phase (CKA, alignment incl. depth balancing, OT, averaging) for 2–12 cnn-family models
 at width multipliers 0.25–2 and vgg11-family models at 0.125–0.5, printing how the time grows with width. Sites get
 depths as in the paper (Sec. 4.3): the first third shallow, the second medium, the last deep. Weights are He-random
@@ -12,6 +21,7 @@ held-out test slice: each local model, the best single model, the OHFL CID globa
 fine-tuning) and naive averaging (same CID layer maps and identity insertion, then plain parameter averaging of
 neuron i with neuron i, no OT; an inserted identity layer wider than its target layer is cropped).
 
+    .venv/bin/python benchmarks/bench_fusion.py --server runs/demo [--baseline 4291d41]   # part 0 (issue 15)
     .venv/bin/python benchmarks/bench_fusion.py                 # timing, default grid
     .venv/bin/python benchmarks/bench_fusion.py --quick         # small grid (~1 min)
     .venv/bin/python benchmarks/bench_fusion.py --accuracy --epochs 8
@@ -113,6 +123,175 @@ def bench_timing(args) -> None:
                 print(f"{family:7s} {width:6.3f} {n:3d} {max_ot_size([m['spec'] for m in models]):7d} "
                       + " ".join(f"{ph[p]:9.3f}" for p in PHASES) + f" {total:8.2f} {growth}", flush=True)
                 prev = total
+
+
+# ---------------------------------------------------------------- server (part 0, issue 15)
+
+MAIN_JOB = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
+SERVER_DEFAULTS = {"strategy": "cid", "ot_solver": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear"}
+
+
+def main_job_models(run: Path | None, width: float = 1.0, seed_offset: int = 0) -> tuple[list[dict], str]:
+    """The six site uploads of the main job: the run's local models if present (width 1), else He-random."""
+    from hfl_components.models.files import load_model_file
+
+    models = []
+    if run is not None and width == 1.0 and all((run / "models" / f"site-{k}_local.pt").is_file()
+                                                 for k in range(1, 7)):
+        for k in range(1, 7):
+            m, h = load_model_file(run / "models" / f"site-{k}_local.pt")
+            models.append({"name": f"site-{k}", "spec": h["spec"], "state_dict": m.state_dict(),
+                           "n_samples": 100, "input_size": int(h["input_size"])})
+        return models, f"site models of {run}"
+    for k, (depth, size) in enumerate(MAIN_JOB):
+        spec = {"family": "cnn", "depth": depth, "width": width, "in_channels": 1, "num_classes": 2}
+        models.append({"name": f"site-{k + 1}", "spec": spec, "state_dict": he_model(spec, k + seed_offset),
+                       "n_samples": 100, "input_size": size})
+    return models, f"He-random main-job specs at width x{width:g}"
+
+
+def server_probe(n: int, size: int) -> tuple[torch.Tensor, str]:
+    """The server's probe as the OHFL controller builds it (chest_xray_224's probe part), else generated."""
+    from hfl_components.flare.probe import load_probe
+
+    root = data_root() / "chest_xray_224"
+    if root.is_dir():
+        return load_probe(str(root), size, n), f"{n} images of {root} (probe part) at {size} px"
+    return load_probe("generated", size, n), f"{n} generated images at {size} px (no {root})"
+
+
+def _copies(models: list[dict], n: int) -> list[dict]:
+    """n site models: the six (or the first and last for n = 2), then copies with 1e-3 relative noise."""
+    base = [models[0], models[-1]] if n == 2 else models
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for k in range(n):
+        m = base[k % len(base)]
+        sd = m["state_dict"] if k < len(base) else {
+            key: v * (1 + 1e-3 * torch.randn(v.shape, generator=g)) for key, v in m["state_dict"].items()}
+        out.append({**m, "name": f"site-{k + 1:02d}", "state_dict": sd})
+    return out
+
+
+def _time_fusion(models, probe, repeat: int) -> dict:
+    best = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        _, _, rec = aggregate_models(models, probe=probe, **SERVER_DEFAULTS)
+        total = time.perf_counter() - t0
+        if best is None or total < best["total"]:
+            best = {**rec["phase_seconds"], "total": total}
+    return _with_probe_sum(best)
+
+
+def _with_probe_sum(r: dict) -> dict:
+    """'probe+avg' = cka + averaging + repair: the probe work (CKA Grams are now collected in the repair passes,
+    and the old code counted repair in averaging), comparable across versions."""
+    return {**r, "probe+avg": r.get("cka", 0.0) + r.get("averaging", 0.0) + r.get("repair", 0.0)}
+
+
+def _exponent(xs, ys) -> float:
+    xs, ys = np.log(np.asarray(xs, float)), np.log(np.maximum(np.asarray(ys, float), 1e-6))
+    return float(np.polyfit(xs, ys, 1)[0])
+
+
+def _baseline(commit: str, models: list[dict], probe: torch.Tensor, repeat: int) -> dict | None:
+    """Time the same fusion with the fusion code of ``commit`` in a subprocess whose only copy of the package is
+    that commit's (``git archive`` into a temporary folder; the models and probe travel in a torch file)."""
+    import json
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_fusion_base_"))
+    arch = subprocess.run(["git", "-C", str(REPO), "archive", commit, "hfl_components", "chest_xray"],
+                          capture_output=True)
+    if arch.returncode != 0:
+        print(f"# baseline {commit}: git archive failed: {arch.stderr.decode()[-300:]}")
+        return None
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout, check=True)
+    torch.save({"models": models, "probe": probe}, tmp / "inputs.pt")
+    code = f"""
+import json, sys, time, torch
+sys.path.insert(0, {str(tmp)!r})
+torch.set_num_threads({torch.get_num_threads()})
+from hfl_components.fusion import aggregate_models
+assert aggregate_models.__code__.co_filename.startswith({str(tmp)!r})
+d = torch.load({str(tmp / "inputs.pt")!r}, weights_only=False)
+best = None
+for _ in range({repeat}):
+    t0 = time.perf_counter()
+    _, _, rec = aggregate_models(d["models"], probe=d["probe"], **{SERVER_DEFAULTS!r})
+    total = time.perf_counter() - t0
+    if best is None or total < best["total"]:
+        best = {{**rec["phase_seconds"], "total": total}}
+print(json.dumps(best))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp), env=env)
+    if r.returncode != 0:
+        print(f"# baseline {commit} failed: {r.stderr[-500:]}")
+        return None
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res.setdefault("repair", 0.0)  # older code counted the repair in 'averaging'
+    return _with_probe_sum(res)
+
+
+def bench_server(args) -> None:
+    import json
+    import os
+
+    run = Path(args.server) if args.server else None
+    print(f"# server fusion (issue 15): load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
+          f"threads {torch.get_num_threads()}, options {SERVER_DEFAULTS}, best of {args.repeat}")
+    probe, desc = server_probe(args.probe_n, 128)
+    print(f"# probe: {desc}")
+    models, src = main_job_models(run)
+    print(f"# models: {src}")
+    cols = list(PHASES) + ["probe+avg", "total"]
+    head = f"{'':28s}" + "".join(f"{c:>10s}" for c in cols)
+    now = _time_fusion(models, probe, args.repeat)
+    print(head)
+    print(f"{'six main-job models (s)':28s}" + "".join(f"{now[c]:10.2f}" for c in cols))
+    out = {"load_avg": os.getloadavg()[0], "threads": torch.get_num_threads(), "models": src, "probe": desc,
+           "main": now}
+    if args.baseline:
+        base = _baseline(args.baseline, models, probe, args.repeat)
+        if base:
+            print(f"{'same, code of ' + args.baseline[:10] + ' (s)':28s}" + "".join(f"{base[c]:10.2f}" for c in cols))
+            print(f"{'speed-up (old / new)':28s}" + "".join(f"{base[c] / max(now[c], 1e-9):10.1f}" for c in cols))
+            out["baseline"] = {"commit": args.baseline, **base}
+    wall = None
+    if args.wall:
+        wall = float(args.wall)
+    elif run is not None and (run / "metrics.json").is_file():
+        met = json.loads((run / "metrics.json").read_text())
+        wall = (met.get("timing") or {}).get("wall_s") or met.get("wall_time_s")
+    if wall:
+        print(f"{'share of a ' + f'{wall:.0f} s job (%)':28s}" + "".join(f"{100 * now[c] / wall:10.1f}" for c in cols))
+        out["job_wall_s"] = wall
+    growth = {}
+    if args.widths:
+        print(f"# growth with width (He-random main-job specs, 6 sites)")
+        rows = []
+        for w in args.widths:
+            ms, _ = main_job_models(None, w)
+            rows.append(_time_fusion(ms, probe, 1))
+            print(f"{f'width x{w:g} (s)':28s}" + "".join(f"{rows[-1][c]:10.2f}" for c in cols), flush=True)
+        ex = {c: _exponent(args.widths, [r[c] for r in rows]) for c in cols}
+        print(f"{'exponent in width':28s}" + "".join(f"{ex[c]:10.2f}" for c in cols))
+        growth["width"] = {"widths": args.widths, "seconds": rows, "exponent": ex}
+    if args.sites:
+        print(f"# growth with sites (the six models and perturbed copies)")
+        rows = []
+        for n in args.sites:
+            rows.append(_time_fusion(_copies(models, n), probe, 1))
+            print(f"{f'{n} sites (s)':28s}" + "".join(f"{rows[-1][c]:10.2f}" for c in cols), flush=True)
+        ex = {c: _exponent(args.sites, [r[c] for r in rows]) for c in cols}
+        print(f"{'exponent in sites':28s}" + "".join(f"{ex[c]:10.2f}" for c in cols))
+        growth["sites"] = {"sites": args.sites, "seconds": rows, "exponent": ex}
+    out["growth"] = growth
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 # ---------------------------------------------------------------- accuracy (part 2)
@@ -234,6 +413,14 @@ def bench_accuracy(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", default=None, metavar="RUN",
+                    help="part 0: time the server fusion of the main job's six models (RUN/models/*_local.pt)")
+    ap.add_argument("--baseline", default=None, metavar="COMMIT", help="part 0: also time the code of COMMIT")
+    ap.add_argument("--wall", default=None, help="part 0: the job's wall seconds (default RUN/metrics.json)")
+    ap.add_argument("--widths", nargs="*", type=float, default=[1, 2, 4], help="part 0: width multipliers")
+    ap.add_argument("--sites", nargs="*", type=int, default=[2, 6, 12, 24], help="part 0: site counts")
+    ap.add_argument("--repeat", type=int, default=1, help="part 0: best of this many runs")
+    ap.add_argument("--out", default=None, help="part 0: write the results as JSON")
     ap.add_argument("--families", nargs="+", default=["cnn", "vgg11"], choices=sorted(GRID))
     ap.add_argument("--n-models", nargs="+", type=int, default=[2, 6, 12])
     ap.add_argument("--strategy", default="cid", choices=["cid", "cdd", "cia", "rand"])
@@ -251,7 +438,9 @@ def main(argv=None) -> None:
     ap.add_argument("--acc-test", type=int, default=300)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.accuracy:
+    if args.server:
+        bench_server(args)
+    elif args.accuracy:
         bench_accuracy(args)
     else:
         bench_timing(args)

@@ -6,15 +6,20 @@
    augmentation) on real images; ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
-3. Federation overhead (``--simulate``): one ``cxr-hfl simulate`` run (default: Local, 6 width sites, 1 round)
-   and, from its metrics.json ``timing`` block, simulator wall time / the sites' critical-path compute (the slowest
-   site per round, summed) and / the summed compute of all sites (ratio = federation overhead; 1.0 = free).
+   Both the first epoch (cache fill + one epoch: what a site pays once) and the cached epoch are set against
+   model-only throughput (issue 15 targets: cached >= 0.9x model-only).
+
+3. Federation overhead (``--simulate local,fedavg,ohfl``): one ``cxr-hfl simulate`` run per method, one after the
+   other in the same invocation (default arguments: the main job's, 6 width sites), and from each metrics.json
+   ``timing`` block simulator wall time / the sites' critical-path compute (the slowest site per round, summed;
+   ratio = federation overhead, 1.0 = free; target <= 1.3 for the main job) and / the summed compute of all sites;
+   for OHFL also the server's fusion seconds per phase and their share of the wall time.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
-        [--simulate local] [--sim-args "--sites 6 --rounds 1 --local-epochs 2"]
+        [--simulate local,fedavg,ohfl] [--sim-args "--sites 6 --scheme width"] [--skip-throughput]
 """
 from __future__ import annotations
 
@@ -67,8 +72,9 @@ def model_only(spec: dict, size: int, batches: int, warmup: int = 2) -> dict:
 def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
     """Training images/s through make_site_dataset (in-memory cache; augmentation in train mode).
 
-    The rate is that of the last of ``epochs`` epochs (the first warms up); ``loader_images_per_s`` is one pass
-    over the loader without a model (augmentation + collation alone).
+    ``images_per_s`` (the cached epoch) is the rate of the last of ``epochs`` epochs; ``first_epoch_images_per_s``
+    is what a site sees the first time: images / (cache fill, i.e. decode + resize, + the first training epoch);
+    ``loader_images_per_s`` is one pass over the loader without a model (augmentation + collation alone).
     """
     from chest_xray import make_site_dataset
 
@@ -82,8 +88,10 @@ def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
     torch.manual_seed(0)
     model = build_model(spec)
     hist = train_local(model, loader, epochs=epochs, seed=0)
+    first = len(rows) / (cache_s + len(rows) / hist[0]["images_per_s"])
     return {"model": spec_name(spec), "size": size, "n_images": len(rows), "cache_fill_s": cache_s,
-            "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"]}
+            "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"],
+            "first_epoch_images_per_s": first}
 
 
 def load_rows(data: Path, n_images: int) -> list[dict]:
@@ -104,13 +112,23 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline-models", default="cnn/shallow,cnn/deep",
                     help="comma list of model names measured through the data pipeline")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
-    ap.add_argument("--simulate", default=None, help="also run `cxr-hfl simulate --method M` for the overhead ratio")
-    ap.add_argument("--sim-args", default="--sites 6 --rounds 1 --local-epochs 2")
+    ap.add_argument("--simulate", default=None,
+                    help="comma list of methods (e.g. local,fedavg,ohfl): run `cxr-hfl simulate --method M` for each "
+                         "and print the overhead ratios side by side")
+    ap.add_argument("--sim-args", default="--sites 6 --scheme width",
+                    help="arguments of every simulate run (default: the main job's defaults)")
+    ap.add_argument("--skip-throughput", action="store_true", help="only the --simulate part")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     specs = model_specs()
 
+    import os
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
+    if args.skip_throughput:
+        specs, sizes = [], []
+        args.data = "/nonexistent"
     print(f"model-only training throughput (batch {BATCH}, {args.threads} thread(s), SGD step incl. backward)")
     print(f"{'model':<20}{'params':>10}" + "".join(f"{f'{s}px s/b':>12}{'img/s':>8}" for s in sizes))
     model_rows = []
@@ -134,18 +152,30 @@ def main(argv=None) -> int:
         rows = load_rows(data, args.n_images)
         wanted = [s for s in specs if spec_name(s) in args.pipeline_models.split(",")]
         print(f"\ndata-pipeline efficiency on {len(rows)} images of {data} (ratio = pipeline / model-only img/s)")
-        print(f"{'model':<20}{'size':>6}{'cache fill s':>14}{'loader img/s':>14}{'pipe img/s':>12}"
-              f"{'model img/s':>13}{'ratio':>8}")
+        print(f"{'model':<20}{'size':>6}{'cache fill s':>14}{'loader img/s':>14}{'1st ep img/s':>14}"
+              f"{'cached img/s':>14}{'model img/s':>13}{'1st/model':>10}{'cached/model':>13}")
         for spec in wanted:
             for s in sizes:
                 p = pipeline(spec, s, rows)
                 m = next(r for r in model_rows if r["model"] == p["model"] and r["size"] == s)
+                p["model_only_images_per_s"] = m["images_per_s"]
                 p["ratio"] = p["images_per_s"] / m["images_per_s"]
+                p["first_epoch_ratio"] = p["first_epoch_images_per_s"] / m["images_per_s"]
                 pipe_rows.append(p)
                 print(f"{p['model']:<20}{s:>6}{p['cache_fill_s']:>14.2f}{p['loader_images_per_s']:>14.0f}"
-                      f"{p['images_per_s']:>12.0f}"
-                      f"{m['images_per_s']:>13.0f}{p['ratio']:>8.2f}", flush=True)
-    overhead = simulate_overhead(args.simulate, args.sim_args, data) if args.simulate else None
+                      f"{p['first_epoch_images_per_s']:>14.0f}{p['images_per_s']:>14.0f}"
+                      f"{m['images_per_s']:>13.0f}{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}", flush=True)
+    overhead = None
+    if args.simulate:
+        overhead = {m: simulate_overhead(m, args.sim_args, data) for m in args.simulate.split(",")}
+        print("\nfederation overhead (wall / critical-path site compute), one run each, side by side:")
+        for m, t in overhead.items():
+            fus = t.get("server_fusion_s")
+            share = "" if not fus else (f"; server fusion {sum(fus.values()):.1f} s = "
+                                        f"{100 * sum(fus.values()) / t['wall_s']:.1f}% of wall "
+                                        f"({', '.join(f'{k} {v:.1f}' for k, v in fus.items())})")
+            print(f"  {m:<8} wall {t.get('wall_s', float('nan')):7.1f} s  critical path "
+                  f"{t.get('site_compute_critical_path_s', float('nan')):7.1f} s  ratio {t.get('overhead_ratio')}{share}")
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": args.threads, "batch": BATCH, "model_only": model_rows,
                                               "pipeline": pipe_rows, "federation": overhead}, indent=2))
@@ -159,8 +189,8 @@ def simulate_overhead(method: str, sim_args: str, data: Path) -> dict:
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix="bench_sim_")) / "run"
-    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", method, "--data", str(data),
-           "--out", str(out), *shlex.split(sim_args)]
+    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", method,
+           *(["--data", str(data)] if data.exists() else []), "--out", str(out), *shlex.split(sim_args)]
     print(f"\nfederation overhead: {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -168,8 +198,12 @@ def simulate_overhead(method: str, sim_args: str, data: Path) -> dict:
     if r.returncode != 0:
         print(f"simulation failed (rc={r.returncode}): {r.stderr[-2000:]}")
         return {"error": r.returncode}
-    t = json.loads((out / "metrics.json").read_text())["timing"]
+    m = json.loads((out / "metrics.json").read_text())
+    t = m["timing"]
     t["process_wall_s"] = round(wall, 2)
+    t["server_fusion_s"] = m.get("server_fusion_s")
+    t["server_seconds"] = m.get("server_seconds")
+    t["run_dir"] = str(out)
     print(f"wall {t['wall_s']:.1f} s (process {wall:.1f} s); site compute: critical path "
           f"{t['site_compute_critical_path_s']:.1f} s, all sites summed {t['site_compute_total_s']:.1f} s; server "
           f"{t['server_total_s']:.1f} s")

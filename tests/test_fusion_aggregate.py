@@ -37,7 +37,7 @@ def _check_result(spec, sd, rec, n_pairs):
     m.load_state_dict(sd)  # keys and shapes fit the returned spec
     assert all(torch.isfinite(v).all() for v in sd.values())
     assert len(rec["pairs"]) == n_pairs
-    assert set(rec["phase_seconds"]) == {"cka", "alignment", "ot", "averaging"}
+    assert set(rec["phase_seconds"]) == {"cka", "alignment", "ot", "averaging", "repair"}
     assert all(v >= 0 for v in rec["phase_seconds"].values())
     assert math.isclose(sum(p["seconds"]["ot"] for p in rec["pairs"]), rec["phase_seconds"]["ot"], rel_tol=1e-9)
     json.dumps(rec)  # the alignment record is saved as JSON by the job

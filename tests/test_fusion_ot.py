@@ -110,7 +110,7 @@ def test_permuted_copy_fuses_back_exactly_with_emd_but_naive_average_does_not(ba
         for k in fused:  # the result is the target itself
             assert torch.allclose(fused[k], tgt[1][k], atol=1e-6), k
         assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
-        assert rec["balancing"] == "none" and set(rec["seconds"]) == {"cka", "alignment", "ot", "averaging"}
+        assert rec["balancing"] == "none" and set(rec["seconds"]) == {"cka", "alignment", "ot", "averaging", "repair"}
 
 
 def test_permuted_copy_fuses_back_closely_with_sinkhorn(base):

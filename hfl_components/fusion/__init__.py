@@ -4,7 +4,9 @@ width-varying fusable CNNs (paper ../shared/papers/003_6a6480883ac6b0c6.txt, Sec
 Pipeline for one pair (:func:`fuse_pair`): linear CKA cost (:mod:`.cka`, Eq. 1) -> DP layer map
 (:mod:`.layer_alignment`, Sec. 3.1) -> depth balancing by identity insertion or layer merging (:mod:`.balancing`,
 Sec. 3.2) -> OT neuron alignment and weighted average (:mod:`.ot_fusion`, Sec. 3.3–3.4). Multi-model strategies
-cid / cdd / cia / rand in :mod:`.aggregate` (Sec. 3.5, Algorithm 1); upload checks in :mod:`.validation`.
+cid / cdd / cia / rand in :mod:`.aggregate` (Sec. 3.5, Algorithm 1); upload checks in :mod:`.validation`. Every
+probe statistic (CKA Grams, repair statistics) comes from one hooked forward pass per model, cached across the
+pairwise fusions (:mod:`.probe_stats`); the activation repair is one pass too (:mod:`.repair`).
 """
 from hfl_components.fusion.aggregate import STRATEGIES, SiteModel, aggregate_models
 from hfl_components.fusion.balancing import compose_conv3x3, insert_identity_layers, merge_layers

@@ -31,6 +31,7 @@ import torch
 
 from hfl_components.fusion._arch import hidden_rows, layer_table, spec_signature
 from hfl_components.fusion.pairwise import PHASES, fuse_pair
+from hfl_components.fusion.probe_stats import StatsCache
 
 StateDict = dict[str, torch.Tensor]
 STRATEGIES = ("cid", "cdd", "cia", "rand")
@@ -105,7 +106,8 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         record with ``strategy``, ``weighting``, ``alignment``, ``ot_solver``, ``ground_metric``, ``order`` (site
         names in the order they join the fusion), ``groups`` (cid/cdd same-depth groups, in chain order), ``base`` (rand), ``pairs`` (every
         pairwise record of :func:`fuse_pair` plus ``step``, ``src``, ``tgt``, ``weight_src``, ``weight_tgt``),
-        ``phase_seconds`` ({cka, alignment, ot, averaging}, summed) and ``total_seconds``.
+        ``phase_seconds`` ({cka, alignment, ot, averaging, repair}, summed), ``probe_passes`` (forward passes
+        of the probe statistics, repair passes excluded) and ``total_seconds``.
 
     Raises:
         ValueError: no models, duplicate names, non-positive sample counts, unknown strategy/weighting, missing
@@ -135,6 +137,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
 
     phase = dict.fromkeys(PHASES, 0.0)
     pairs: list[dict] = []
+    cache = StatsCache()  # each model's probe statistics, computed once across the pairwise fusions
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
                     "ground_metric": ground_metric, "repair": repair, "cka": cka,
                     "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
@@ -145,7 +148,8 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe_for(src.size),
                                   w_s, w_t, alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
                                   seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
-                                  repair=repair, probe_tgt=probe_for(tgt.size), cka=cka, device=device)
+                                  repair=repair, probe_tgt=probe_for(tgt.size), cka=cka, device=device,
+                                  stats_cache=cache, reuse=strategy != "rand" and k < len(sites) - 2)
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})
@@ -203,6 +207,6 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
             final = _Running(f"mean{[r.label for r in results]}", copy.deepcopy(base.spec), sd,
                              sum(s.n_samples for s in sites), order)
     state_dict = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in final.state_dict.items()}
-    record.update({"order": order, "pairs": pairs, "phase_seconds": phase,
+    record.update({"order": order, "pairs": pairs, "phase_seconds": phase, "probe_passes": cache.passes,
                    "total_seconds": time.perf_counter() - t_start})
     return copy.deepcopy(final.spec), state_dict, record

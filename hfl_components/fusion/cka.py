@@ -53,7 +53,12 @@ def centred_gram(X) -> np.ndarray:
     for start in range(0, p, _CHUNK):
         c = t[:, start:start + _CHUNK].to(torch.float64)
         K += c @ c.T
-    K = K.numpy()
+    return centre_gram(K.numpy())
+
+
+def centre_gram(K: np.ndarray) -> np.ndarray:
+    """H K H of a raw Gram matrix (float64 n x n), zeroed when the layer is constant across the probe
+    (||HKH||_F <= 1e-10 ||K||_F); the centring step of :func:`centred_gram`."""
     # explicit double centring: H K H = K - row means - column means + grand mean
     Kc = K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
     # a layer constant across the probe leaves only rounding noise after centring: zero it (scale-free guard)
@@ -221,15 +226,9 @@ def hidden_grams(model: nn.Module, probe: torch.Tensor, kind: str = "linear") ->
     """
     if kind not in CKA_KINDS:
         raise ValueError(f"cka must be one of {CKA_KINDS}, got {kind!r}")
-    acts = layer_activations(model, probe)[:-1]
-    if kind == "pooled":
-        acts = _pooled(model, acts)
-    grams = []
-    for k in range(len(acts)):
-        t = _as_2d_tensor(acts[k], "activations")
-        grams.append(_raw_gram(t) if kind == "debiased" else centred_gram(t))
-        acts[k] = None  # free as we go
-    return grams
+    from hfl_components.fusion.probe_stats import hidden_layer_stats  # one pass; Grams computed layer by layer
+
+    return hidden_layer_stats(model, probe, [f"gram_{kind}"])[f"gram_{kind}"]
 
 
 @torch.no_grad()
@@ -260,8 +259,19 @@ def cka_cost_matrix(model_a: nn.Module, model_b: nn.Module, probe: torch.Tensor,
     probe_b = probe if probe_b is None else probe_b
     if probe_b.shape[0] != probe.shape[0]:
         raise ValueError(f"the two probes must hold the same images, got {probe.shape[0]} and {probe_b.shape[0]}")
-    Ga = hidden_grams(model_a, probe, kind)
-    Gb = hidden_grams(model_b, probe_b, kind)
+    return cka_cost_from_grams(hidden_grams(model_a, probe, kind), hidden_grams(model_b, probe_b, kind), kind)
+
+
+def cka_cost_from_grams(Ga: list[np.ndarray], Gb: list[np.ndarray], kind: str = "linear") -> np.ndarray:
+    """C_ij = 1 − CKA from the per-layer Grams of :func:`hidden_grams` (centred for ``linear`` / ``pooled``, raw
+    for ``debiased``) of two models on the same probe images; float64 (len(Ga), len(Gb)).
+
+    The loop over layer pairs costs O(L_a L_b n²) on n x n Grams (milliseconds at n = 64); the forward passes and
+    Grams dominate, so the pairs are not batched (which would change the summation order of the tie-prone DP
+    input).
+    """
+    if kind not in CKA_KINDS:
+        raise ValueError(f"cka must be one of {CKA_KINDS}, got {kind!r}")
     sim = debiased_cka_from_grams if kind == "debiased" else cka_from_grams
     C = np.empty((len(Ga), len(Gb)), dtype=np.float64)
     for i, K in enumerate(Ga):

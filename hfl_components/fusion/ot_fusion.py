@@ -55,7 +55,8 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
 
     Args:
         cost: array-like (n, m), finite, non-negative ground cost (any scale; divided by its max internally).
-        solver: ``"emd"`` (exact network simplex, ``ot.emd``) or ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
+        solver: ``"emd"`` (exact: ``ot.emd``'s network simplex, or the optimal assignment when n = m, see
+            :func:`_assignment_plan`) or ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
             ``method="sinkhorn_log"``, regularisation ``reg`` relative to the max-normalised cost; ε-scaling warm
             starts when the plain iteration stalls, see :func:`_sinkhorn_log`).
         reg: entropic regularisation ε for Sinkhorn (paper: 0.01).
@@ -86,7 +87,7 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if solver == "emd":
-            T = ot.emd(a, b, M, numItermax=int(num_itermax or 10_000_000))
+            T = _assignment_plan(M) if n == m else ot.emd(a, b, M, numItermax=int(num_itermax or 10_000_000))
             rtol = 1e-6 if marginal_rtol is None else marginal_rtol
         elif solver == "sinkhorn":
             T = _sinkhorn_log(a, b, M, reg, int(num_itermax or 20_000))
@@ -102,6 +103,25 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
     # solver warnings (e.g. iteration cap reached) with marginals inside the tolerance are kept in info only
     return T, {"solver": solver, "cost_scale": scale, "transport_cost": float(np.sum(T * M)),
                "marginal_rel_err": err, "warnings": msgs}
+
+
+def _assignment_plan(M: np.ndarray) -> np.ndarray:
+    """Exact OT between two uniform measures of the same size n: the optimal assignment, T = P / n.
+
+    With α = β = 1/n the transportation polytope is the Birkhoff polytope scaled by 1/n, whose vertices are the
+    permutation matrices (Birkhoff–von Neumann), so a linear objective attains its minimum at one; ``ot.emd``'s
+    network simplex returns such a vertex. SciPy's Jonker–Volgenant solver (``linear_sum_assignment``) finds an
+    optimal permutation in a fraction of the simplex time (1000 x 1000: ~10x faster). The plans agree whenever the
+    optimum is unique; with exact ties (e.g. duplicated neurons) both return an optimal vertex, possibly not the
+    same one.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    n = M.shape[0]
+    rows, cols = linear_sum_assignment(M)
+    T = np.zeros_like(M)
+    T[rows, cols] = 1.0 / n
+    return T
 
 
 def _sinkhorn_log(a: np.ndarray, b: np.ndarray, M: np.ndarray, reg: float, num_itermax: int) -> np.ndarray:
@@ -127,6 +147,27 @@ def _sinkhorn_log(a: np.ndarray, b: np.ndarray, M: np.ndarray, reg: float, num_i
                              warmstart=warm, warn=(f == 1.0))
         warm, prev = (log["log_u"], log["log_v"]), r
     return T
+
+
+def plan_t_matmul(T: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Tᵀ X for a transport plan T (n, m) float64 and X (n, ...): (m, ...), float64.
+
+    An exact-OT plan is a vertex of the transportation polytope with at most n + m − 1 non-zeros (a permutation
+    when n = m), so when T has few non-zeros the product is a scatter-add of the non-zero entries
+    (``index_add_``, O(nnz · k) instead of O(n m k)); it sums the same non-zero terms as the dense product (the
+    dense one adds exact zeros), so the results agree up to the order of summation. Dense plans (Sinkhorn) use
+    the dense product.
+    """
+    n, m = T.shape
+    rest = tuple(X.shape[1:])
+    Xf = X.reshape(n, -1)
+    nz = T.nonzero(as_tuple=True)
+    if nz[0].numel() > 4 * (n + m):
+        return (T.T @ Xf).reshape((m,) + rest)
+    i, j = nz
+    out = torch.zeros((m, Xf.shape[1]), dtype=torch.float64)
+    out.index_add_(0, j, Xf[i] * T[i, j][:, None])
+    return out.reshape((m,) + rest)
 
 
 def _neuron_acts(acts: torch.Tensor, row: LayerRow, side: int | None = None) -> torch.Tensor:
@@ -209,7 +250,8 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
             P = torch.kron(P, torch.eye(pool2, dtype=torch.float64))  # channel plan ⊗ I_{h·w}
         if W.shape[1] != P.shape[0]:
             raise ValueError(f"{rs.name}: {W.shape[1]} inputs but the carried plan has {P.shape[0]} rows")
-        W_hat = torch.einsum("oi...,ij->oj...", W, P)  # W · (T_prev / α_prev)
+        # W · (T_prev / α_prev): contract the input axis of W with the plan (sparse for exact OT)
+        W_hat = plan_t_matmul(P, W.transpose(0, 1)).transpose(0, 1)
         if tuple(W_hat.shape[1:]) != tuple(Wt.shape[1:]) or (rs.is_output and W.shape[0] != Wt.shape[0]):
             raise ValueError(f"{rs.name}: aligned source shape {tuple(W_hat.shape)} does not fit target "
                              f"{rt.name} {tuple(Wt.shape)}")
@@ -232,7 +274,7 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
             col = Tt.sum(0, keepdim=True)
             row = Tt.sum(1, keepdim=True)
             Tb = Tt / col  # column-normalised: T / β
-            W_bar = torch.einsum("ij,i...->j...", Tb, W_hat)
+            W_bar = plan_t_matmul(Tb, W_hat)
             b_bar = Tb.T @ b
             P = Tt / row  # row-normalised: T / α, carried into the next layer
             if plans is not None:

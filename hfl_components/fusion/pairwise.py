@@ -9,13 +9,14 @@ import torch
 
 from hfl_components.fusion._arch import check_compatible, hidden_rows, spec_signature
 from hfl_components.fusion.balancing import insert_identity_layers, merge_layers
-from hfl_components.fusion.cka import cka_cost_matrix
+from hfl_components.fusion.cka import CKA_KINDS, cka_cost_from_grams
 from hfl_components.fusion.layer_alignment import align_layers, map_cost
 from hfl_components.fusion.ot_fusion import ot_fuse_balanced
+from hfl_components.fusion.probe_stats import StatsCache
 from hfl_components.models.fusable import build_fusable
 
 StateDict = dict[str, torch.Tensor]
-PHASES = ("cka", "alignment", "ot", "averaging")
+PHASES = ("cka", "alignment", "ot", "averaging", "repair")
 REPAIR_MODES = ("none", "layer", "channel")
 
 
@@ -40,7 +41,8 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
               weight_src: float = 0.5, weight_tgt: float = 0.5, alignment: str = "cka", ot_solver: str = "emd",
               ground_metric: str = "wts", seed: int | None = 0, sinkhorn_reg: float = 0.01,
               repair: bool | str = False, probe_tgt: torch.Tensor | None = None,
-              cka: str = "linear", device=None) -> tuple[dict, StateDict, dict]:
+              cka: str = "linear", device=None, stats_cache=None,
+              reuse: bool = True) -> tuple[dict, StateDict, dict]:
     """Fuse a source model into a target model; the result has the target's architecture (OHFL Sec. 3.1–3.4).
 
     Steps: (1) if the two hidden-layer layouts differ, the CKA cost matrix C_ij = 1 − CKA (Eq. 1) on ``probe``;
@@ -64,6 +66,12 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         cka: ``"linear"`` (Eq. 1), ``"debiased"`` or ``"pooled"`` (:func:`.cka.cka_cost_matrix`).
         device: where the probe forward passes (CKA, repair) run, e.g. ``"cuda"``; default the CPU. OT and
             averaging stay on the CPU (NumPy / POT); results are CPU tensors either way.
+        stats_cache: a :class:`.probe_stats.StatsCache` shared across the pairwise fusions of one aggregation (a
+            model's probe statistics are computed once); default a fresh one. Each model is probed in one forward
+            pass that collects everything this pair needs from it (CKA Grams and repair statistics together).
+        reuse: with repair, also record the fused model's statistics (CKA Grams of ``cka`` and the repair
+            statistics) in ``stats_cache`` from the repair pass itself, for a later fusion step that uses the
+            result (only with a given ``stats_cache``); False when the result is final.
 
     Returns:
         ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
@@ -71,7 +79,9 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         lists of 1 − CKA, or None when not computed), ``layer_map`` ([[i_src, j_tgt], ...]), ``map_cost``,
         ``balancing`` (``"none"``, ``"insert_identity"``, ``"merge"``), ``balanced_src_spec``, ``alignment``,
         ``ot_solver``, ``ground_metric``, ``weights`` ({src, tgt} normalised), ``layers`` (per-layer OT records),
-        ``seconds`` ({cka, alignment, ot, averaging}; alignment includes the balancing).
+        ``seconds`` ({cka, alignment, ot, averaging, repair}; alignment includes the balancing; cka the
+        probe passes of source and target not already in the cache, repair the statistics of the balanced source
+        and the repair pass, which with ``reuse`` also computes the fused model's Grams for the next step).
 
     Raises:
         ValueError: incompatible models, no feasible layer map, missing probe, bad options.
@@ -87,6 +97,10 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     rows_s, rows_t = hidden_rows(spec_s), hidden_rows(spec_t)
     secs = dict.fromkeys(PHASES, 0.0)
     cost = None
+    cache = StatsCache() if stats_cache is None else stats_cache
+    tgt_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[repair]
+    keep = ((tgt_need + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
+            if reuse and stats_cache is not None else [])
     if spec_signature(spec_s) == spec_signature(spec_t):
         pairs = [(i, i) for i in range(len(rows_s))]
         bal_spec, bal_sd, balancing = spec_s, sd_s, "none"
@@ -95,7 +109,15 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             if probe is None:
                 raise ValueError("CKA alignment of models of different depth needs a probe batch")
             t0 = time.perf_counter()
-            cost = cka_cost_matrix(_load(spec_s, sd_s, device), _load(spec_t, sd_t, device), probe, probe_t, kind=cka)
+            if probe_t.shape[0] != probe.shape[0]:
+                raise ValueError("the two probes must hold the same images, got "
+                                 f"{probe.shape[0]} and {probe_t.shape[0]}")
+            g = f"gram_{cka}"
+            if cka not in CKA_KINDS:
+                raise ValueError(f"cka must be one of {CKA_KINDS}, got {cka!r}")
+            g_s = cache.get(sd_s, probe, lambda: _load(spec_s, sd_s, device), [g])[g]
+            g_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), [g] + tgt_need)[g]
+            cost = cka_cost_from_grams(g_s, g_t, cka)
             secs["cka"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pairs = align_layers(cost, [r.kind for r in rows_s], [r.stage for r in rows_s],
@@ -118,23 +140,30 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     if repair != "none" and probe is None:
         raise ValueError(f"repair={repair!r} needs a probe batch")
     if repair == "layer":  # activation-scale repair (not in the paper; see .repair)
-        from hfl_components.fusion.repair import hidden_stds, repair_scales
+        from hfl_components.fusion.repair import repair_scales
 
         t0 = time.perf_counter()
-        a, b = hidden_stds(_load(bal_spec, bal_sd, device), probe_t), hidden_stds(_load(spec_t, sd_t, device), probe_t)
+        a = cache.get(bal_sd, probe_t, lambda: _load(bal_spec, bal_sd, device), ["stds"])["stds"]
+        b = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), ["stds"])["stds"]
         goal = [ws * x + wt * y for x, y in zip(a, b)]
-        sd, scales = repair_scales(spec_t, sd, goal, probe_t, device=device)
-        secs["averaging"] += time.perf_counter() - t0
+        found: dict = {}
+        sd, scales = repair_scales(spec_t, sd, goal, probe_t, device=device, collect=keep, stats_out=found)
+        if keep:
+            cache.put(sd, probe_t, found)
+        secs["repair"] += time.perf_counter() - t0
     elif repair == "channel":  # REPAIR: per-neuron mean/std through the plan (see .repair)
-        from hfl_components.fusion.repair import hidden_channel_stats, repair_channels
+        from hfl_components.fusion.repair import repair_channels
 
         t0 = time.perf_counter()
-        st_s = hidden_channel_stats(_load(bal_spec, bal_sd), probe_t)
-        st_t = hidden_channel_stats(_load(spec_t, sd_t), probe_t)
+        st_s = cache.get(bal_sd, probe_t, lambda: _load(bal_spec, bal_sd, device), ["channel"])["channel"]
+        st_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), ["channel"])["channel"]
         goals = [(ws * (Tb.T @ ms) + wt * mt, ws * (Tb.T @ ss) + wt * stt)
                  for Tb, (ms, ss), (mt, stt) in zip(plans, st_s, st_t)]
-        sd, scales = repair_channels(spec_t, sd, goals, probe_t)
-        secs["averaging"] += time.perf_counter() - t0
+        found = {}
+        sd, scales = repair_channels(spec_t, sd, goals, probe_t, device=device, collect=keep, stats_out=found)
+        if keep:
+            cache.put(sd, probe_t, found)
+        secs["repair"] += time.perf_counter() - t0
     record = {
         "src_layers": [r.name for r in rows_s],
         "tgt_layers": [r.name for r in rows_t],

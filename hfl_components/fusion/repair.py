@@ -24,76 +24,74 @@ from __future__ import annotations
 
 import torch
 
-from hfl_components.fusion.cka import layer_activations
+from hfl_components.fusion.probe_stats import channel_stats as _channel_stats
+from hfl_components.fusion.probe_stats import STAT_KEYS, fast_layout, hidden_layer_stats, layer_stats, layer_std
 from hfl_components.models import build_model
 
 
 def hidden_stds(model: torch.nn.Module, probe: torch.Tensor) -> list[float]:
-    """Standard deviation of each hidden layer's pre-activations over the probe (class layer excluded)."""
-    return [float(a.double().std()) for a in layer_activations(model, probe)[:-1]]
-
-
-class _Reached(Exception):
-    pass
-
-
-def _layer_std(model: torch.nn.Module, module: torch.nn.Module, probe: torch.Tensor) -> float:
-    """Std of one layer's pre-activations on the probe; the forward pass stops at that layer."""
-    out = {}
-
-    def hook(_m, _inp, y):
-        out["y"] = y
-        raise _Reached
-
-    h = module.register_forward_hook(hook)
-    p = next(model.parameters(), None)
-    try:
-        with torch.no_grad():
-            model(probe if p is None else probe.to(p.device))
-    except _Reached:
-        pass
-    finally:
-        h.remove()
-    return float(out["y"].double().std())
-
-
-def _preact(model: torch.nn.Module, module: torch.nn.Module, probe: torch.Tensor) -> torch.Tensor:
-    """One layer's pre-activations on the probe, (n, C, H, W) or (n, C); the forward pass stops at that layer."""
-    out = {}
-
-    def hook(_m, _inp, y):
-        out["y"] = y
-        raise _Reached
-
-    h = module.register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            model(probe)
-    except _Reached:
-        pass
-    finally:
-        h.remove()
-    return out["y"].detach()
-
-
-def _channel_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, C[, H, W]) -> per-channel mean and std over samples (and positions), float64 (C,)."""
-    y = y.double()
-    y = y.transpose(0, 1).reshape(y.shape[1], -1)
-    return y.mean(1), y.std(1)
+    """Standard deviation of each hidden layer's pre-activations over the probe (class layer excluded), float64
+    arithmetic; one forward pass (:func:`.probe_stats.hidden_layer_stats`)."""
+    return hidden_layer_stats(model, probe, ["stds"])["stds"]
 
 
 def hidden_channel_stats(model: torch.nn.Module, probe: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per hidden layer, the per-neuron (mean, std) of its pre-activations over the probe (float64 (C,) each)."""
-    model.eval()
-    return [_channel_stats(_preact(model, info.module, probe)) for info in model.layers()[:-1]]
+    """Per hidden layer, the per-neuron (mean, std) of its pre-activations over the probe (float64 (C,) each);
+    one forward pass."""
+    return hidden_layer_stats(model, probe, ["channel"])["channel"]
+
+
+@torch.no_grad()
+def _sequential_repair_pass(model: torch.nn.Module, probe: torch.Tensor, per_layer, collect=(),
+                            stats_out: dict | None = None) -> None:
+    """One forward pass that repairs the hidden layers in forward order.
+
+    ``per_layer(k, y)`` gets hidden layer k's pre-activations y (computed from the already repaired layers before
+    it) and returns the repaired pre-activations, which the hook passes on downstream. Scaling a layer's weight and
+    bias by s_k and adding a shift c_k turns its output y into s_k y + c_k for the same input, so this single pass
+    sees exactly what the layer-by-layer procedure (one truncated pass per layer after repairing the earlier ones)
+    sees, up to float rounding; the caller then writes s_k and c_k into the weights.
+
+    ``collect`` (keys of :data:`.probe_stats.STAT_KEYS`): statistics of the *repaired* pre-activations, i.e. of
+    the repaired model on this probe up to float rounding, written to ``stats_out`` (key -> per-layer list) so a
+    later fusion step needs no extra pass over the result.
+    """
+    layers = model.layers()[:-1]
+    collect = tuple(collect)
+    bad = [k for k in collect if k not in STAT_KEYS]
+    if bad:
+        raise ValueError(f"unknown probe statistics {bad}; known: {STAT_KEYS}")
+    if stats_out is not None:
+        stats_out.update({k: [None] * len(layers) for k in collect})
+
+    def hook(k, info, y):
+        z = per_layer(k, y.detach())
+        if collect and stats_out is not None:
+            for key, v in layer_stats(z, collect, info).items():
+                stats_out[key][k] = v
+        return z
+
+    handles = [info.module.register_forward_hook(lambda _m, _i, y, k=k, info=info: hook(k, info, y))
+               for k, info in enumerate(layers)]
+    converted = False
+    try:
+        p = next(model.parameters(), None)
+        x, converted = fast_layout(model, probe if p is None else probe.to(p.device))
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        if converted:
+            model.to(memory_format=torch.contiguous_format)
 
 
 def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor, torch.Tensor]],
-                    probe: torch.Tensor, eps: float = 1e-8, max_scale: float = 100.0) -> tuple[dict, list[float]]:
+                    probe: torch.Tensor, eps: float = 1e-8, max_scale: float = 100.0,
+                    device=None, collect=(), stats_out: dict | None = None) -> tuple[dict, list[float]]:
     """REPAIR (Jordan et al., 2023, Sec. 3.2): give every hidden neuron of the fused model a target mean and std.
 
-    Layer by layer in forward order (each layer measured after the earlier ones are repaired), neuron k's
+    Layer by layer in forward order (each layer measured after the earlier ones are repaired; all in one forward
+    pass, see :func:`_sequential_repair_pass`), neuron k's
     pre-activation z_k = w_k·x + b_k becomes (z_k − μ_k) σ*_k / σ_k + μ*_k, i.e. w_k ← s_k w_k and
     b_k ← s_k (b_k − μ_k) + μ*_k with s_k = σ*_k / σ_k (clipped to [1/max_scale, max_scale]). A neuron whose
     fused std or goal std is below ``eps`` (dead on the probe) is left as is. The class layer is unchanged.
@@ -102,6 +100,8 @@ def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor
         spec, state_dict: the fused model (fusable family).
         goals: per hidden layer ``(mean*, std*)``, float tensors of the layer's width.
         probe: float tensor (n, in_channels, S, S) at the fused model's input size.
+        device: where the probe forward pass runs (default CPU); the returned tensors are on the CPU.
+        collect, stats_out: statistics of the repaired model to record (see :func:`_sequential_repair_pass`).
 
     Returns:
         (new state dict, per-layer mean |log s_k|, a summary of how much each layer was rescaled).
@@ -111,30 +111,45 @@ def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor
     """
     model = build_model(spec)
     model.load_state_dict(state_dict)
+    model.to(device or "cpu")
     model.eval()
     layers = model.layers()[:-1]
     if len(goals) != len(layers):
         raise ValueError(f"repair: {len(goals)} goals for {len(layers)} hidden layers")
-    summary = []
     for info, (mu_g, sd_g) in zip(layers, goals):
-        w, b = info.module.weight, info.module.bias
-        if tuple(mu_g.shape) != (w.shape[0],) or tuple(sd_g.shape) != (w.shape[0],):
-            raise ValueError(f"repair: {info.name} has {w.shape[0]} neurons, goal shapes {tuple(mu_g.shape)}")
-        mu, sd = _channel_stats(_preact(model, info.module, probe))
-        live = (sd > eps) & (sd_g.double() > eps)
-        s = torch.where(live, (sd_g.double() / sd.clamp_min(eps)).clamp(1 / max_scale, max_scale),
-                        torch.ones_like(sd))
-        shift = torch.where(live, mu_g.double() - s * mu, torch.zeros_like(mu))
-        with torch.no_grad():
+        n_out = info.module.weight.shape[0]
+        if tuple(mu_g.shape) != (n_out,) or tuple(sd_g.shape) != (n_out,):
+            raise ValueError(f"repair: {info.name} has {n_out} neurons, goal shapes {tuple(mu_g.shape)}")
+    found: list = [None] * len(layers)
+
+    def per_layer(k, y):
+        mu_g, sd_g = (g.double().to(y.device) for g in goals[k])
+        mu, sd = _channel_stats(y)
+        live = (sd > eps) & (sd_g > eps)
+        s = torch.where(live, (sd_g / sd.clamp_min(eps)).clamp(1 / max_scale, max_scale), torch.ones_like(sd))
+        shift = torch.where(live, mu_g - s * mu, torch.zeros_like(mu))
+        found[k] = (s, shift)
+        view = (1, -1) + (1,) * (y.dim() - 2)
+        return (y.double() * s.reshape(view) + shift.reshape(view)).to(y.dtype)
+
+    _sequential_repair_pass(model, probe, per_layer, collect, stats_out)
+    summary = []
+    with torch.no_grad():
+        for info, (s, shift) in zip(layers, found):
+            w, b = info.module.weight, info.module.bias
             w.mul_(s.to(w.dtype).reshape(-1, *([1] * (w.dim() - 1))))
             b.copy_((s * b.double() + shift).to(b.dtype))
-        summary.append(float(s.log().abs().mean()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, summary
+            summary.append(float(s.log().abs().mean()))
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, summary
 
 
 def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe: torch.Tensor,
-                  eps: float = 1e-12, max_scale: float = 100.0, device=None) -> tuple[dict, list[float]]:
+                  eps: float = 1e-12, max_scale: float = 100.0, device=None, collect=(),
+                  stats_out: dict | None = None) -> tuple[dict, list[float]]:
     """Rescale hidden layers of ``(spec, state_dict)`` so their pre-activation stds match ``target_stds``.
+
+    Layer k (forward order) is multiplied by s_k = target_k / std_k, where std_k is measured after layers < k are
+    rescaled; one forward pass computes all of them (:func:`_sequential_repair_pass`).
 
     Args:
         spec, state_dict: the fused model (fusable family).
@@ -142,7 +157,8 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
         probe: float tensor (n, in_channels, S, S), the same probe used for fusion.
         eps: below this the layer is treated as dead and left unscaled.
         max_scale: scales are clipped to [1/max_scale, max_scale].
-        device: where the probe forward passes run (default CPU); the returned tensors are on the CPU.
+        device: where the probe forward pass runs (default CPU); the returned tensors are on the CPU.
+        collect, stats_out: statistics of the repaired model to record (see :func:`_sequential_repair_pass`).
 
     Returns:
         (new state dict, list of applied scales).
@@ -157,12 +173,17 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
     layers = model.layers()[:-1]
     if len(target_stds) != len(layers):
         raise ValueError(f"repair: {len(target_stds)} target stds for {len(layers)} hidden layers")
-    scales = []
-    for i, info in enumerate(layers):
-        cur = _layer_std(model, info.module, probe)
-        s = 1.0 if cur < eps or target_stds[i] < eps else min(max(target_stds[i] / cur, 1 / max_scale), max_scale)
-        with torch.no_grad():
+    scales: list[float] = []
+
+    def per_layer(k, y):
+        cur = layer_std(y)
+        s = 1.0 if cur < eps or target_stds[k] < eps else min(max(target_stds[k] / cur, 1 / max_scale), max_scale)
+        scales.append(s)
+        return y * s
+
+    _sequential_repair_pass(model, probe, per_layer, collect, stats_out)
+    with torch.no_grad():
+        for info, s in zip(layers, scales):
             info.module.weight.mul_(s)
             info.module.bias.mul_(s)
-        scales.append(s)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, scales

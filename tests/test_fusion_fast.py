@@ -1,0 +1,209 @@
+"""The fast server fusion path (issue 15) against independent slow computations.
+
+Each fast piece is compared with a computation that does not share its code: per-layer statistics from a
+hand-written layer-by-layer forward pass (instead of hooks), layer-by-layer repair with one truncated forward pass
+per layer after rewriting the weights (the previous implementation), POT's network simplex (instead of the
+assignment solver), dense plan products (instead of the sparse scatter-add), and fresh probe passes on the stored
+weights (instead of statistics cached from the repair pass).
+"""
+from __future__ import annotations
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+from hfl_components.fusion import aggregate_models, fuse_pair
+from hfl_components.fusion.cka import centred_gram, cka_cost_matrix
+from hfl_components.fusion.ot_fusion import _assignment_plan, plan_t_matmul, solve_ot
+from hfl_components.fusion.probe_stats import StatsCache, hidden_layer_stats
+from hfl_components.fusion.repair import repair_channels, repair_scales
+from hfl_components.models.fusable import build_fusable
+
+torch.set_num_threads(1)
+SPEC = {"family": "cnn", "depth": "medium", "width": 0.25, "in_channels": 1, "num_classes": 2}
+
+
+def _model(spec, seed):
+    torch.manual_seed(seed)
+    m = build_fusable(spec)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.05)  # non-zero biases: the per-channel means differ from zero
+        m.classifier.weight.normal_(0, 0.1)
+    return m.eval()
+
+
+def _probe(n=12, size=32, seed=0):
+    return torch.rand(n, 1, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _manual_preacts(m, x) -> list[torch.Tensor]:
+    """Pre-activations of every hidden layer, written out layer by layer (no hooks), float64 for the reference."""
+    x = (x.double() - m.INPUT_MEAN) / m.INPUT_STD
+    out, i = [], 0
+    for stage in m.stages:
+        for _ in stage:
+            conv = m.convs[i]
+            y = torch.nn.functional.conv2d(x, conv.weight.double(), conv.bias.double(), padding=1)
+            out.append(y)
+            x = torch.relu(y)
+            i += 1
+        x = torch.nn.functional.max_pool2d(x, 2)
+    x = torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, m.pool), 1)
+    for fc in m.fcs:
+        y = x @ fc.weight.double().T + fc.bias.double()
+        out.append(y)
+        x = torch.relu(y)
+    return out
+
+
+def test_one_hooked_pass_gives_every_layers_statistics():
+    m, probe = _model(SPEC, 0), _probe()
+    ref = _manual_preacts(m, probe)
+    got = hidden_layer_stats(m, probe, ["stds", "channel", "gram_linear", "gram_pooled", "gram_debiased"])
+    assert len(ref) == len(got["stds"]) == len(m.layers()) - 1
+    for k, y in enumerate(ref):
+        n = y.shape[0]
+        flat = y.reshape(n, -1)
+        assert got["stds"][k] == pytest.approx(float(flat.std()), rel=1e-5)
+        ch = y.transpose(0, 1).reshape(y.shape[1], -1)
+        assert torch.allclose(got["channel"][k][0], ch.mean(1), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(got["channel"][k][1], ch.std(1), rtol=1e-5, atol=1e-6)
+        K = (flat @ flat.T).numpy()
+        H = np.eye(n) - 1.0 / n
+        np.testing.assert_allclose(got["gram_debiased"][k], K, rtol=1e-5, atol=1e-6 * np.abs(K).max())
+        np.testing.assert_allclose(got["gram_linear"][k], H @ K @ H, rtol=1e-4, atol=1e-5 * np.abs(K).max())
+        pooled = y.reshape(n, y.shape[1], -1).mean(2) if y.dim() == 4 else y
+        Kp = (pooled @ pooled.T).numpy()
+        np.testing.assert_allclose(got["gram_pooled"][k], H @ Kp @ H, rtol=1e-4, atol=1e-5 * np.abs(Kp).max())
+    # the model is left as it was: default memory format, eval flag restored
+    assert m.convs[1].weight.is_contiguous()
+
+
+def test_cka_cost_matrix_matches_grams_of_manual_activations():
+    a, b = _model(SPEC, 1), _model({**SPEC, "depth": "deep"}, 2)
+    probe = _probe(16)
+    ra, rb = _manual_preacts(a, probe), _manual_preacts(b, probe)
+    want = np.array([[1.0 - _cka(x, y) for y in rb] for x in ra])
+    np.testing.assert_allclose(cka_cost_matrix(a, b, probe), want, atol=1e-6)
+
+
+def _cka(x, y) -> float:
+    Kc, Lc = centred_gram(x.float()), centred_gram(y.float())
+    return float(np.sum(Kc * Lc) / np.sqrt(np.sum(Kc * Kc) * np.sum(Lc * Lc)))
+
+
+def _slow_repair_scales(spec, sd, goal, probe):
+    """The previous layer-by-layer implementation: rescale layer k's weights, then a forward pass truncated at
+    layer k+1 to measure its std."""
+    m = build_fusable(spec)
+    m.load_state_dict(sd)
+    m.eval()
+    scales = []
+    for k, info in enumerate(m.layers()[:-1]):
+        cur = float(_manual_preacts(m, probe)[k].std())
+        s = min(max(goal[k] / cur, 0.01), 100.0)
+        with torch.no_grad():
+            info.module.weight.mul_(s)
+            info.module.bias.mul_(s)
+        scales.append(s)
+    return m.state_dict(), scales
+
+
+def test_one_pass_layer_repair_equals_layer_by_layer_repair():
+    m, probe = _model(SPEC, 3), _probe(16, seed=3)
+    g = np.random.default_rng(0)
+    goal = [s * float(g.uniform(0.3, 3.0)) for s in hidden_layer_stats(m, probe, ["stds"])["stds"]]
+    sd, scales = repair_scales(SPEC, m.state_dict(), goal, probe)
+    ref_sd, ref_scales = _slow_repair_scales(SPEC, m.state_dict(), goal, probe)
+    np.testing.assert_allclose(scales, ref_scales, rtol=1e-5)
+    assert all(abs(s - 1.0) > 0.05 for s in scales[:2])  # the test exercises real rescaling
+    for k in sd:
+        assert torch.allclose(sd[k], ref_sd[k], rtol=1e-5, atol=1e-6 * float(ref_sd[k].abs().max())), k
+
+
+def _slow_repair_channels(spec, sd, goals, probe, eps=1e-8):
+    m = build_fusable(spec)
+    m.load_state_dict(sd)
+    m.eval()
+    for k, info in enumerate(m.layers()[:-1]):
+        y = _manual_preacts(m, probe)[k]
+        ch = y.transpose(0, 1).reshape(y.shape[1], -1)
+        mu, st = ch.mean(1), ch.std(1)
+        mu_g, sd_g = goals[k]
+        live = (st > eps) & (sd_g > eps)
+        s = torch.where(live, (sd_g / st).clamp(0.01, 100.0), torch.ones_like(st))
+        shift = torch.where(live, mu_g - s * mu, torch.zeros_like(mu))
+        w, b = info.module.weight, info.module.bias
+        with torch.no_grad():
+            w.mul_(s.float().reshape(-1, *([1] * (w.dim() - 1))))
+            b.copy_((s * b.double() + shift).float())
+    return m.state_dict()
+
+
+def test_one_pass_channel_repair_equals_layer_by_layer_repair():
+    m, probe = _model(SPEC, 4), _probe(16, seed=4)
+    g = torch.Generator().manual_seed(1)
+    goals = [(mu + 0.1 * torch.randn(mu.shape, generator=g, dtype=torch.float64),
+              st * (0.5 + torch.rand(st.shape, generator=g, dtype=torch.float64)))
+             for mu, st in hidden_layer_stats(m, probe, ["channel"])["channel"]]
+    sd, _ = repair_channels(SPEC, m.state_dict(), goals, probe)
+    ref = _slow_repair_channels(SPEC, m.state_dict(), goals, probe)
+    for k in sd:
+        assert torch.allclose(sd[k], ref[k], rtol=1e-4, atol=1e-5 * float(ref[k].abs().max())), k
+
+
+def test_assignment_plan_equals_network_simplex_on_square_problems():
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 60):
+        M = ot.dist(rng.normal(size=(n, 5)), rng.normal(size=(n, 5)), metric="euclidean")
+        a = np.full(n, 1.0 / n)
+        np.testing.assert_array_equal(_assignment_plan(M / max(M.max(), 1e-300)),
+                                      ot.emd(a, a, M / max(M.max(), 1e-300)))
+    T, info = solve_ot(M, "emd")
+    assert info["marginal_rel_err"] < 1e-12 and np.count_nonzero(T) == 60
+
+
+def test_sparse_plan_product_equals_dense_product():
+    rng = np.random.default_rng(1)
+    X = torch.from_numpy(rng.normal(size=(9, 4, 3, 3)))
+    for M in (rng.random((9, 9)), rng.random((9, 5)), rng.random((9, 13))):
+        T = torch.from_numpy(solve_ot(M, "emd")[0])
+        assert torch.allclose(plan_t_matmul(T, X), torch.einsum("ij,i...->j...", T, X), rtol=1e-12, atol=0)
+    T = torch.from_numpy(solve_ot(rng.random((9, 6)), "sinkhorn", reg=0.5)[0])  # dense plan: dense product
+    assert torch.allclose(plan_t_matmul(T, X), torch.einsum("ij,i...->j...", T, X), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("repair,cka", [("layer", "linear"), ("channel", "pooled")])
+def test_aggregate_with_cached_statistics_equals_fresh_passes(repair, cka):
+    """aggregate_models reuses statistics (one pass per model, fused models' statistics from their repair pass);
+    chaining fuse_pair with no reuse and a fresh cache per pair probes the stored weights every time."""
+    depths = ["shallow", "shallow", "medium", "deep"]
+    models = [{"name": f"site-{k + 1}", "spec": {**SPEC, "depth": d}, "n_samples": 10 + k,
+               "state_dict": _model({**SPEC, "depth": d}, 10 + k).state_dict()} for k, d in enumerate(depths)]
+    probe = _probe(16, seed=5)
+    spec, sd, rec = aggregate_models(models, "cid", probe=probe, repair=repair, cka=cka)
+    assert set(rec["phase_seconds"]) == {"cka", "alignment", "ot", "averaging", "repair"}
+
+    def pair(src, tgt):
+        return fuse_pair(src[:2], tgt[:2], probe, src[2], tgt[2], repair=repair, cka=cka, reuse=False,
+                         stats_cache=StatsCache())
+    s = [(m["spec"], m["state_dict"], m["n_samples"]) for m in models]
+    f12 = pair(s[1], s[0])  # same-depth group: site-2 into site-1, then the chain by depth
+    f123 = pair((f12[0], f12[1], s[0][2] + s[1][2]), s[2])
+    f = pair((f123[0], f123[1], s[0][2] + s[1][2] + s[2][2]), s[3])
+    assert [p["layer_map"] for p in rec["pairs"]] == [r[2]["layer_map"] for r in (f12, f123, f)]
+    np.testing.assert_allclose(rec["pairs"][2]["cost"], f[2]["cost"], atol=1e-6)
+    for k in sd:
+        assert torch.allclose(sd[k], f[1][k], rtol=1e-4, atol=1e-5 * float(f[1][k].abs().max())), k
+
+
+def test_stats_cache_probes_each_model_once():
+    models = [{"name": f"site-{k + 1}", "spec": SPEC, "n_samples": 10, "state_dict": _model(SPEC, 20 + k).state_dict()}
+              for k in range(4)]
+    _, _, rec = aggregate_models(models, "rand", probe=_probe(8), repair="layer")
+    # rand: the base is the target of all 3 fusions; 3 sources + the base = 4 passes (not 6)
+    assert rec["probe_passes"] == 4

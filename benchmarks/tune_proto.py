@@ -144,7 +144,7 @@ def main() -> None:
          f"--input-size {a.input_size}`", "",
          "Sites from `chest_xray_224` tuning + probe parts (the evaluation part is never read), 3 subtype classes, "
          f"Dirichlet alpha {a.alpha}, 6 sites, seeds {a.seeds}, heterogeneous backbones at {a.input_size} px, each "
-         "site trained alone (SGD, momentum 0.9, batch 16). Mean site balanced accuracy on the sites' own "
+         "site trained alone (optimiser, lr schedule and batch size as the setting says; default SGD, momentum 0.9, batch 16). Mean site balanced accuracy on the sites' own "
          "**validation** splits (about 10 % of each site, patient-grouped) after each number of epochs; in brackets "
          "the share of site-seed validation sets that hold >= 2 classes but get a single predicted class. Test "
          "splits are never evaluated here.", "",

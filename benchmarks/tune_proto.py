@@ -21,11 +21,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SETTINGS = {  # name -> site-config overrides
+SETTINGS = {  # name -> site-config overrides; a setting is "+"-joined names, e.g. "sampler+adam+bs8"
     "plain": {"class_weights": None, "balanced_sampling": False, "fast_augment": True},
     "weights": {"class_weights": "balanced", "balanced_sampling": False, "fast_augment": True},
     "sampler": {"class_weights": None, "balanced_sampling": True, "fast_augment": True},
+    "sgd": {"optimizer": "sgd"},
+    "adam": {"optimizer": "adam"},
+    "adamw": {"optimizer": "adamw", "weight_decay": 0.05},
+    "cos": {"lr_schedule": "cosine"},
+    "bs8": {"batch_size": 8},
+    "bs32": {"batch_size": 32},
 }
+
+
+def overrides(setting: str) -> dict:
+    """Site-config overrides of a "+"-joined setting name (see :data:`SETTINGS`). Raises KeyError on unknown names."""
+    out: dict = {}
+    for part in setting.split("+"):
+        out.update(SETTINGS[part])
+    return out
 
 
 def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: int, data: Path) -> dict:
@@ -44,8 +58,22 @@ def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: in
     return load_profile(prof)
 
 
+def pooled_val_loader(profile: dict, rt) -> torch.utils.data.DataLoader:
+    """Every site's *validation* images (the union of the sites' val splits, still tuning + probe images only)
+    restricted to the classes ``rt``'s site holds in training, at its input size: a steadier validation signal
+    than the site's own 4-30 val images, scored the way the external evaluation scores a site model."""
+    from chest_xray import make_site_dataset, read_site_manifest
+
+    held = set(np.flatnonzero(rt.class_counts() > 0).tolist())
+    rows = [r for cfg in profile.values() for r in read_site_manifest(cfg["data"]["manifest"])
+            if r["split"] == "val" and int(r["label"]) in held]
+    ds = make_site_dataset(rows, int(rt.cfg["input_size"]), "eval")
+    return torch.utils.data.DataLoader(ds, batch_size=128, shuffle=False)
+
+
 def main() -> None:
     from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.training import compute_metrics, predict_proba
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
@@ -62,6 +90,9 @@ def main() -> None:
     configs = [(c.split("@")[0], float(c.split("@")[1])) for c in a.configs.split(",")]
     curves: dict[tuple[str, float], list[np.ndarray]] = {}
     single: dict[tuple[str, float], list[np.ndarray]] = {}
+    aucs: dict[tuple[str, float], list[np.ndarray]] = {}
+    pooled: dict[tuple[str, float], list[np.ndarray]] = {}
+    psingle: dict[tuple[str, float], list[np.ndarray]] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -70,27 +101,50 @@ def main() -> None:
             for name, lr in configs:
                 if True:
                     for site, cfg in profile.items():
-                        cfg = dict(cfg, **SETTINGS[name], lr=lr)
+                        cfg = dict(cfg, **overrides(name), lr=lr)
                         rt = SiteRuntime(cfg, work / f"ws_{seed}_{name}_{lr}_{site}")
-                        ba, one = [], []
+                        ba, one, au, pba, pone = [], [], [], [], []
+                        pool = pooled_val_loader(profile, rt)
                         for ep in range(a.epochs):
-                            rt.train(1, lr, rnd=ep)
+                            rt.train(1, lr, rnd=ep, total_rounds=a.epochs)
+                            pp, py = predict_proba(rt.model, pool)
+                            pm = compute_metrics(py, pp, rt.num_classes)
+                            pba.append(pm["balanced_accuracy"])
+                            pone.append(float(len(np.unique(pp.argmax(1))) == 1))
                             m = rt.evaluate("val")
                             ba.append(m["balanced_accuracy"] if m["balanced_accuracy"] is not None else np.nan)
+                            au.append(m["auc"] if m["auc"] is not None else np.nan)
                             cm = np.asarray(m["confusion_matrix"])
                             one.append(float((cm.sum(axis=0) > 0).sum() == 1 and (cm.sum(axis=1) > 0).sum() > 1))
+                        vc = np.bincount([int(r["label"]) for r in rt.rows("val")], minlength=rt.num_classes)
+                        print(f"  {site} {cfg['model']['family']}: train counts {rt.class_counts().tolist()} val "
+                              f"counts {vc.tolist()} last-5 val bal acc {np.nanmean(ba[-5:]):.2f} single-class "
+                              f"epochs {int(sum(one[-5:]))}/5; pooled val ({len(pool.dataset)} images) bal acc "
+                              f"{np.mean(pba[-5:]):.2f} single-class epochs {int(sum(pone[-5:]))}/5", flush=True)
                         curves.setdefault((name, lr), []).append(np.asarray(ba))
+                        pooled.setdefault((name, lr), []).append(np.asarray(pba))
+                        psingle.setdefault((name, lr), []).append(np.asarray(pone))
                         single.setdefault((name, lr), []).append(np.asarray(one))
+                        aucs.setdefault((name, lr), []).append(np.asarray(au))
                     c = np.nanmean(np.stack(curves[(name, lr)]), axis=0)
+                    ca = np.nanmean(np.stack(aucs[(name, lr)]), axis=0)
+                    sc = np.mean(np.stack(single[(name, lr)]), axis=0)
+                    cp = np.mean(np.stack(pooled[(name, lr)]), axis=0)
+                    spp = np.mean(np.stack(psingle[(name, lr)]), axis=0)
+                    k = min(5, a.epochs)
+                    print(f"seed {seed} {name} lr {lr}: pooled val bal acc by epoch " + " ".join(f"{v:.2f}" for v in cp)
+                          + f" | last {k}: {cp[-k:].mean():.3f} single-class {spp[-k:].mean():.2f}", flush=True)
                     print(f"seed {seed} {name} lr {lr}: val bal acc by epoch "
-                          + " ".join(f"{v:.2f}" for v in c) + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                          + " ".join(f"{v:.2f}" for v in c)
+                          + f" | last {k}: bal acc {c[-k:].mean():.3f} AUC {ca[-k:].mean():.3f} single-class "
+                          f"{sc[-k:].mean():.2f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     checkpoints = [e for e in (5, 10, 15, 20, 25, 30, 40, 50) if e <= a.epochs]
     L = ["# Prototype methods: training defaults chosen on validation (issue 16)", "",
          f"Command: `python benchmarks/tune_proto.py --seeds {a.seeds} --epochs {a.epochs} --configs {a.configs} "
          f"--input-size {a.input_size}`", "",
          "Sites from `chest_xray_224` tuning + probe parts (the evaluation part is never read), 3 subtype classes, "
          f"Dirichlet alpha {a.alpha}, 6 sites, seeds {a.seeds}, heterogeneous backbones at {a.input_size} px, each "
-         "site trained alone (SGD, momentum 0.9, batch 16). Mean site balanced accuracy on the sites' own "
+         "site trained alone (optimiser, lr schedule and batch size as the setting says; default SGD, momentum 0.9, batch 16). Mean site balanced accuracy on the sites' own "
          "**validation** splits (about 10 % of each site, patient-grouped) after each number of epochs; in brackets "
          "the share of site-seed validation sets that hold >= 2 classes but get a single predicted class. Test "
          "splits are never evaluated here.", "",

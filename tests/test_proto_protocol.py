@@ -202,3 +202,84 @@ def test_paired_site_bootstrap_point_estimates_equal_site_metric():
         a = np.mean([site_metric(metric, q["y"], q["pa"]) for q in pairs])
         b = np.mean([site_metric(metric, q["y"], q["pb"]) for q in pairs])
         assert d["a"] == pytest.approx(a) and d["b"] == pytest.approx(b) and d["diff"] == pytest.approx(a - b)
+
+
+def test_cosine_round_lr_factor_hand_values():
+    from hfl_components.flare.site_tasks import round_lr_factor
+
+    assert round_lr_factor(0, 4) == 1.0
+    np.testing.assert_allclose([round_lr_factor(r, 4) for r in range(4)],
+                               [1.0, 0.5 + 0.5 * np.sqrt(0.5), 0.5, 0.5 - 0.5 * np.sqrt(0.5)])
+    with pytest.raises(ValueError, match="outside"):
+        round_lr_factor(4, 4)
+
+
+def _toy_runtime(tmp_path, **cfg_kw):
+    """A SiteRuntime on 12 tiny synthetic tensors (no image files): its loader cache is pre-filled."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from nvflare_jobs.site_config import DEFAULTS
+
+    cfg = {**DEFAULTS, "site": "site-1", "data": {"manifest": str(tmp_path / "none.csv"), "labels": "subtype"},
+           "model": {"family": "hetero_cnn", "in_channels": 1, "num_classes": 3, "feature_dim": 8}, **cfg_kw}
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 1, 16, 16, generator=g), torch.arange(12) % 3
+    rt._loaders[("train", int(cfg["input_size"]), True)] = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=4)
+    return rt
+
+
+def test_adam_state_persists_across_rounds_and_cosine_sets_each_rounds_lr(tmp_path):
+    rt = _toy_runtime(tmp_path, optimizer="adam", lr_schedule="cosine", input_size=16)
+    rt.train(1, 0.01, rnd=0, total_rounds=4)
+    opt = rt._opt
+    assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == pytest.approx(0.01)
+    step0 = next(iter(opt.state.values()))["step"].item()
+    rt.train(1, 0.01, rnd=2, total_rounds=4)
+    assert rt._opt is opt  # the same optimiser: its moments carry over
+    assert next(iter(opt.state.values()))["step"].item() == step0 + 3  # 12 images / batch 4 = 3 steps a round
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.005)  # round 2 of 4: factor 0.5
+    rt.set_model(rt.cfg["model"])  # a new model (e.g. a fine-tuning start) gets a fresh optimiser
+    rt.train(1, 0.01, rnd=0)
+    assert rt._opt is not opt
+    sgd = _toy_runtime(tmp_path / "b", input_size=16)  # the default stays SGD, lr unscaled without a schedule
+    sgd.train(1, 0.01, rnd=3, total_rounds=4)
+    assert not hasattr(sgd, "_opt")
+
+
+def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_path):
+    import yaml
+
+    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+
+    man = tmp_path / "m.csv"
+    man.write_text("path,label,split\n/x.png,0,train\n")
+    base = {"data": {"manifest": str(man), "labels": "subtype"}, "model": {"family": "cnn", "depth": "shallow"}}
+    for key, bad in (("optimizer", "rmsprop"), ("lr_schedule", "step"), ("weight_decay", -0.1)):
+        f = tmp_path / f"site-1_{key}.yaml"
+        f.write_text(yaml.safe_dump({**base, key: bad}))
+        with pytest.raises(SiteConfigError, match=key):
+            load_site_config("site-1", f)
+    f = tmp_path / "ok.yaml"
+    f.write_text(yaml.safe_dump({**base, "optimizer": "adamw", "lr_schedule": "cosine", "weight_decay": 0.01}))
+    cfg = load_site_config("site-1", f)
+    assert (cfg["optimizer"], cfg["lr_schedule"], cfg["weight_decay"]) == ("adamw", "cosine", 0.01)
+
+
+def test_efficientnet_bn_momentum_key_and_the_prototype_default():
+    from hfl_components.models import build_model
+    from nvflare_jobs.profiles import PROTO_BACKBONES
+
+    base = {"family": "efficientnet", "in_channels": 1, "num_classes": 3, "feature_dim": 8, "input_size": 32,
+            "blocks": ["r1_k3_s11_e1_i32_o16_se0.25"]}
+
+    def moms(spec):
+        return {m.momentum for m in build_model(spec).modules() if isinstance(m, torch.nn.BatchNorm2d)}
+
+    assert moms(base) == {0.01}  # MONAI's default, unchanged without the key
+    assert moms({**base, "bn_momentum": 0.1}) == {0.1}
+    assert PROTO_BACKBONES["efficientnet"]["bn_momentum"] == 0.1
+    with pytest.raises(ValueError, match="bn_momentum"):
+        build_model({**base, "bn_momentum": 0.0})
+    with pytest.raises(ValueError, match="unknown key"):
+        build_model({"family": "resnet", "bn_momentum": 0.1})

@@ -29,7 +29,7 @@ fedtopo  subtype 20     1            10 (unused)
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
 
 Prototype methods (issue 16): 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
-training defaults (``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
+training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px; ``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
 
 Adding a method: one :class:`MethodEntry` (here, or :func:`register` for a method defined elsewhere) naming its
 controller; see docs/INTERFACES.md, "Adding a method".

@@ -47,6 +47,10 @@ DEFAULTS = {
     "finetune_epochs": None,
     "lr": 0.01,
     "momentum": 0.9,
+    # local training optimiser: sgd (momentum above; OHFL's), adam or adamw (Adam moments kept across rounds)
+    "optimizer": "sgd",
+    "weight_decay": 0.0,
+    "lr_schedule": "constant",  # constant | cosine: lr x 0.5 (1 + cos(pi r / R)) in round r of R (round-based methods)
     "finetune_lr": 0.001,
     "class_weights": None,
     "balanced_sampling": False,  # true: class-balanced WeightedRandomSampler over the training split
@@ -182,6 +186,13 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         v = cfg[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 10):
             raise _err(site, path, key, f"must be a number in [0, 10), got {v!r}")
+    if cfg["optimizer"] not in ("sgd", "adam", "adamw"):
+        raise _err(site, path, "optimizer", f"must be sgd, adam or adamw, got {cfg['optimizer']!r}")
+    if cfg["lr_schedule"] not in ("constant", "cosine"):
+        raise _err(site, path, "lr_schedule", f"must be constant or cosine, got {cfg['lr_schedule']!r}")
+    wd = cfg["weight_decay"]
+    if not isinstance(wd, (int, float)) or isinstance(wd, bool) or not 0 <= wd < 1:
+        raise _err(site, path, "weight_decay", f"must be a number in [0, 1), got {wd!r}")
     for key in ("share_predictions", "amp"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
@@ -285,6 +296,9 @@ batch_size: 16
 # finetune_epochs: 2
 # lr: 0.01                         # SGD learning rate / momentum of local training; OHFL fine-tuning lr
 # momentum: 0.9
+# optimizer: sgd                   # sgd | adam | adamw (local training; Adam moments persist across rounds)
+# weight_decay: 0.0               # optimiser weight decay (AdamW: decoupled)
+# lr_schedule: constant            # constant | cosine (decays lr over the job's rounds)
 # finetune_lr: 0.001
 # seed: 0
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial

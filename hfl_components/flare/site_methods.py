@@ -48,7 +48,8 @@ def _ok(rt, **meta):
 # ---------------------------------------------------------------------------- Local / FedAvg
 def local_train(rt, params, meta):
     tc = meta.get("task_config", {})
-    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)))
+    hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)),
+                    total_rounds=meta.get("total_rounds"))
     rt.save_state(deployed=True)
     return {}, {"loss": [h["loss"] for h in hist], "val": rt.evaluate("val")}, _ok(rt, spec=rt.spec)
 
@@ -209,7 +210,7 @@ def fedsaf_train(rt, params, meta):
         for w in caught:
             log.warning("site %s: %s", rt.site, w.message)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
-                    tag=f"round {rnd}", rnd=rnd)
+                    tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
     rt.save_state(deployed=True)
     Z, y = _features(rt)
     P, counts = local_prototypes(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
@@ -258,7 +259,7 @@ def fedtopo_train(rt, params, meta):
     aux = TopologyLoss(R_guide, S_guide, present, lam=float(tc.get("lambda", 1.0)), gamma=float(tc.get("gamma", 1.0)),
                        q=q, warmup_active=warm, use_mask="no_missing_mask" not in ablate)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
-                    tag=f"round {rnd}", rnd=rnd)
+                    tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
     rt.save_state(deployed=True)
     Z, y = _features(rt)
     R, mask, counts = local_relation_topology(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)

@@ -94,6 +94,8 @@ def main() -> None:
         task = flare.get_task_name()
         meta = dict(msg.meta or {})
         meta.setdefault("round", msg.current_round or 0)
+        if msg.total_rounds:
+            meta.setdefault("total_rounds", int(msg.total_rounds))  # the sites' lr_schedule: cosine needs it
         beat.start_task(task, meta["round"])
         try:
             if runtime is None:

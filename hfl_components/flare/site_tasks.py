@@ -86,6 +86,17 @@ def balanced_sampler(labels: list[int], generator: torch.Generator) -> torch.uti
                                                   replacement=True, generator=generator)
 
 
+def round_lr_factor(rnd: int, total_rounds: int) -> float:
+    """Cosine learning-rate factor of round ``rnd`` (0-based) of ``total_rounds``: ``0.5 (1 + cos(pi r / R))``,
+    1 at round 0 and decaying towards 0 at the last round (SGDR, Loshchilov & Hutter 2017, without restarts; the
+    rate is constant within a round). Raises ValueError unless ``0 <= rnd < total_rounds``."""
+    import math
+
+    if not 0 <= rnd < total_rounds:
+        raise ValueError(f"round {rnd} is outside 0..{total_rounds - 1}")
+    return 0.5 * (1.0 + math.cos(math.pi * rnd / total_rounds))
+
+
 class SiteRuntime:
     """A site's data, model and task handlers.
 
@@ -268,12 +279,18 @@ class SiteRuntime:
             self.save_model(self.state_dir / "deployed_model.pt", kind="deployed")
 
     # ---------------------------------------------------------------- training / evaluation
-    def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0) -> list[dict]:
+    def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0,
+              total_rounds: int | None = None) -> list[dict]:
+        """Train the site's model for ``epochs`` epochs at ``lr`` (scaled by :func:`round_lr_factor` when the site
+        config sets ``lr_schedule: cosine`` and ``total_rounds`` is known) with the config's optimiser."""
         from hfl_components.training import train_local
 
         model = self.ensure_own_model()
         if epochs <= 0:
             return []
+        if self.cfg.get("lr_schedule", "constant") == "cosine" and total_rounds:
+            lr = float(lr) * round_lr_factor(int(rnd), int(total_rounds))
+            log.info("site %s %s: cosine schedule, round %s of %s, lr %.6f", self.site, tag, rnd, total_rounds, lr)
         cw = self.cfg["class_weights"]
 
         self.progress.update({"stage": tag, "epoch": 0, "epochs": int(epochs), "loss": None})
@@ -284,8 +301,25 @@ class SiteRuntime:
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
+                           optimizer=self._optimizer(model, lr), weight_decay=float(self.cfg.get("weight_decay", 0.0)),
                            grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
                            seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp)
+
+    def _optimizer(self, model, lr: float):
+        """The local optimiser of the site config's ``optimizer`` key; None for ``sgd`` (``train_local`` makes a
+        fresh SGD each call, as before). Adam / AdamW are kept for as long as the same model object trains, so
+        their moment estimates carry over from one round to the next (a new model, e.g. a fine-tuning start, gets a
+        fresh one); each call sets its learning rate to ``lr``."""
+        kind = self.cfg.get("optimizer", "sgd")
+        if kind == "sgd":
+            return None
+        if getattr(self, "_opt_model", None) is not model or getattr(self, "_opt_kind", None) != kind:
+            cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+            self._opt = cls(model.parameters(), lr=float(lr), weight_decay=float(self.cfg.get("weight_decay", 0.0)))
+            self._opt_kind, self._opt_model = kind, model
+        for g in self._opt.param_groups:
+            g["lr"] = float(lr)
+        return self._opt
 
     def evaluate(self, split: str = "test", with_predictions: bool = False) -> dict:
         """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""

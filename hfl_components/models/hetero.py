@@ -24,7 +24,8 @@ Families (all 2-D, any input size >= 32 px works; sized to train at 64-128 px on
 
 Spec keys common to all families: ``family``, ``in_channels`` (default 1), ``num_classes`` (default 2),
 ``feature_dim`` (default 64), ``feature_act`` (``"relu"`` | ``"none"``), ``input_size`` (int, informational; the
-efficientnet "same" padding is computed for it, default 128). Family keys and defaults are in :data:`HETERO_DEFAULTS`.
+efficientnet "same" padding is computed for it, default 128); efficientnet also takes ``bn_momentum`` (PyTorch
+convention; MONAI's default is 0.01). Family keys and defaults are in :data:`HETERO_DEFAULTS`.
 Unknown keys raise ``ValueError`` so typos in a site config fail loudly.
 
 State-dict keys: ``backbone.*``, ``proj.weight/bias``, ``classifier.weight/bias``.
@@ -60,7 +61,7 @@ HETERO_DEFAULTS: dict[str, dict] = {
     },
 }
 # Extra keys a family accepts beyond its defaults.
-_EXTRA_KEYS = {"hetero_cnn": {"stages", "hidden", "pool"}}
+_EXTRA_KEYS = {"hetero_cnn": {"stages", "hidden", "pool"}, "efficientnet": {"bn_momentum"}}
 
 DEFAULT_FEATURE_DIM = 64
 
@@ -207,10 +208,19 @@ class _EfficientNetTrunk(nn.Module):
 def _backbone_efficientnet(r: dict) -> tuple[nn.Module, int]:
     from monai.networks.nets import EfficientNet
 
+    # bn_momentum (optional): MONAI's default BatchNorm momentum is 0.01 (TF's 0.99), so the
+    # running statistics lag far behind a model trained for a few hundred steps and eval-mode predictions collapse
+    # to one class (issue 16); the prototype methods' backbones set 0.1, PyTorch's default
+    extra = {}
+    if r.get("bn_momentum") is not None:
+        mom = float(r["bn_momentum"])
+        if not 0 < mom <= 1:
+            raise ValueError(f"efficientnet bn_momentum must be in (0, 1], got {mom}")
+        extra["norm"] = ("batch", {"eps": 1e-3, "momentum": mom})
     net = EfficientNet(blocks_args_str=list(r["blocks"]), spatial_dims=2, in_channels=r["in_channels"],
                        num_classes=r["num_classes"], width_coefficient=float(r["width_coefficient"]),
                        depth_coefficient=float(r["depth_coefficient"]), dropout_rate=0.0,
-                       image_size=r["input_size"], drop_connect_rate=0.0)
+                       image_size=r["input_size"], drop_connect_rate=0.0, **extra)
     return _EfficientNetTrunk(net), net._conv_head.out_channels
 
 

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
+# the Gram primitives live in grams.py, shared with probe_stats (no import cycle); re-exported here
+from hfl_components.fusion.grams import _CHUNK, _REL_EPS, CKA_KINDS, _check_probe, _raw_gram, centre_gram  # noqa: F401
+
 _EPS = 1e-300  # absolute guard on sqrt(HSIC(K,K) HSIC(L,L)) (only exact zeros / underflow)
-_REL_EPS = 1e-10  # ||HKH||_F <= _REL_EPS ||K||_F: the layer is constant across the probe
-_CHUNK = 1 << 16  # columns per float64 Gram chunk (bounds the float64 copy of wide conv activations)
 
 
 def _as_2d_tensor(X, name: str) -> torch.Tensor:
@@ -54,17 +55,6 @@ def centred_gram(X) -> np.ndarray:
         c = t[:, start:start + _CHUNK].to(torch.float64)
         K += c @ c.T
     return centre_gram(K.numpy())
-
-
-def centre_gram(K: np.ndarray) -> np.ndarray:
-    """H K H of a raw Gram matrix (float64 n x n), zeroed when the layer is constant across the probe
-    (||HKH||_F <= 1e-10 ||K||_F); the centring step of :func:`centred_gram`."""
-    # explicit double centring: H K H = K - row means - column means + grand mean
-    Kc = K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
-    # a layer constant across the probe leaves only rounding noise after centring: zero it (scale-free guard)
-    if not np.linalg.norm(Kc) > _REL_EPS * np.linalg.norm(K):
-        Kc = np.zeros_like(Kc)
-    return Kc
 
 
 def cka_from_grams(Kc: np.ndarray, Lc: np.ndarray, eps: float = _EPS) -> float:
@@ -103,19 +93,6 @@ def linear_cka(X, Y, eps: float = _EPS) -> float:
     if X.shape[0] != Y.shape[0]:
         raise ValueError(f"X and Y must have the same number of samples, got {X.shape[0]} and {Y.shape[0]}")
     return cka_from_grams(centred_gram(X), centred_gram(Y), eps)
-
-
-def _check_probe(model: nn.Module, probe) -> torch.Tensor:
-    if not isinstance(probe, torch.Tensor) or probe.dim() != 4:
-        raise ValueError("probe must be a float tensor of shape (n, in_channels, S, S)")
-    if not torch.is_floating_point(probe):
-        raise ValueError(f"probe must be a float tensor, got {probe.dtype}")
-    if probe.shape[0] < 2:
-        raise ValueError(f"probe needs at least 2 images, got {probe.shape[0]}")
-    c_in = model.convs[0].in_channels if hasattr(model, "convs") else None
-    if c_in is not None and probe.shape[1] != c_in:
-        raise ValueError(f"probe has {probe.shape[1]} channels, the model expects {c_in}")
-    return probe.to(torch.float32)
 
 
 @torch.no_grad()
@@ -161,7 +138,7 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
     return outs  # type: ignore[return-value]
 
 
-CKA_KINDS = ("linear", "debiased", "pooled")
+
 
 
 def unbiased_hsic(K: np.ndarray, L: np.ndarray) -> float:
@@ -195,15 +172,6 @@ def debiased_cka_from_grams(K: np.ndarray, L: np.ndarray, eps: float = _EPS) -> 
     if not (kk > 0 and ll > 0) or not np.sqrt(kk) * np.sqrt(ll) > eps:
         return 0.0
     return float(min(max(unbiased_hsic(K, L) / (np.sqrt(kk) * np.sqrt(ll)), 0.0), 1.0))
-
-
-def _raw_gram(t: torch.Tensor) -> np.ndarray:
-    n, p = t.shape
-    K = torch.zeros((n, n), dtype=torch.float64)
-    for start in range(0, p, _CHUNK):
-        c = t[:, start:start + _CHUNK].to(torch.float64)
-        K += c @ c.T
-    return K.numpy()
 
 
 def _pooled(model: nn.Module, acts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hfl_components.fusion.cka import CKA_KINDS, _check_probe, _raw_gram, centre_gram
+from hfl_components.fusion.grams import CKA_KINDS, _check_probe, _raw_gram, centre_gram
 
 STAT_KEYS = ("stds", "channel") + tuple(f"gram_{k}" for k in CKA_KINDS)
 

@@ -128,7 +128,18 @@ def bench_timing(args) -> None:
 # ---------------------------------------------------------------- server (part 0, issue 15)
 
 MAIN_JOB = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
-SERVER_DEFAULTS = {"strategy": "cid", "ot_solver": "emd", "ground_metric": "wts", "repair": "layer", "cka": "linear"}
+
+
+def _server_defaults() -> dict:
+    """The OHFL server's fusion defaults, read from the method catalogue (one source; issue 14)."""
+    from hfl_components.flare import catalogue
+
+    d = {o.key: o.default for o in catalogue.entry("ohfl").options}
+    return {"strategy": d["strategy"], "ot_solver": d["ot"], "ground_metric": d["ground_metric"],
+            "repair": d["repair"], "cka": d["cka"]}
+
+
+SERVER_DEFAULTS = _server_defaults()
 
 
 def main_job_models(run: Path | None, width: float = 1.0, seed_offset: int = 0) -> tuple[list[dict], str]:

@@ -202,7 +202,10 @@ def _with_probe_sum(r: dict) -> dict:
 
 
 def _exponent(xs, ys) -> float:
+    """Least-squares slope of log(ys) on log(xs); NaN when fewer than two distinct xs (no growth to fit)."""
     xs, ys = np.log(np.asarray(xs, float)), np.log(np.maximum(np.asarray(ys, float), 1e-6))
+    if len(np.unique(xs)) < 2:
+        return float("nan")
     return float(np.polyfit(xs, ys, 1)[0])
 
 

@@ -101,6 +101,15 @@ def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_othe
     a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
     simulate._defaults(a)
     assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
+    # OHFL's fusion levers (filled in before the check) are warned about too, not silently dropped
+    for flags, given in ((["--ground-metric", "wts"], "--ground-metric wts"), (["--ot", "sinkhorn"], "--ot sinkhorn"),
+                         (["--no-gate"], "--no-gate"), (["--no-repair"], "--repair none"),
+                         (["--init", "shared"], "--init shared")):
+        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        assert f"WARNING: {given} is not an option of fedavg (it is one of ohfl); ignored" in capsys.readouterr().err
+    for flags in ([], ["--gate"], ["--ground-metric", "acts"]):  # the defaults: nothing to warn about
+        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        assert "WARNING" not in capsys.readouterr().err, flags
     with pytest.raises(SystemExit, match="FedSAF alignment"):
         simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
     a = p.parse_args(["--method", "fedtopo"])

@@ -170,7 +170,7 @@ _OHFL = (
     Option("ot", str, "emd", ("emd", "sinkhorn"), "OT solver (Sinkhorn uses the paper's eps = 0.01)",
            cli_default=None),
     Option("ground_metric", str, "acts", ("wts", "acts"), "OT ground metric: incoming weights or probe activations "
-           "(default acts: benchmarks/results/fusion_ladder.md, six-site fusion 0.780 acts vs 0.260 wts)",
+           "(acts chosen in benchmarks/results/fusion_ladder.md: six-site fusion 0.780 vs 0.260 with wts)",
            cli_default=None),
     Option("cka", str, "linear", ("linear", "debiased", "pooled"),
            "CKA for the layer alignment: linear (the paper's Eq. 1), debiased (unbiased HSIC), pooled (linear on "

@@ -56,6 +56,11 @@ def main(argv=None) -> int:
             hint = f"; rerun the same command to resume (finished runs in {out} are kept)"
         print(f"cxr-hfl {args.command}: interrupted, all its processes stopped{hint}", file=sys.stderr)
         return exit_code()
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)  # sys.exit("cxr-hfl: ...") of a command: bad input, exit code 2 (README)
+        return 2
     except (ValueError, OSError) as e:  # user-facing problems (bad input, missing files): one clear line
         if os.environ.get("CXR_HFL_DEBUG"):
             raise

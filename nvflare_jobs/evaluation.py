@@ -201,16 +201,19 @@ class _ProbCache:
         self.batch_size = batch_size
         self._ds: dict[tuple, Any] = {}
 
-    def loader(self, key: str, rows: list[dict], size: int):
+    def loader(self, key: str, rows: list[dict], size: int, aspect: str | None = None):
         import torch
 
         from chest_xray import make_site_dataset
         from hfl_components.training.loop import unpack_batch
 
-        k = (key, size)
+        from chest_xray import DEFAULT_ASPECT
+
+        aspect = aspect or DEFAULT_ASPECT
+        k = (key, size, aspect)
         if k not in self._ds:
             xs, ys = [], []
-            for batch in torch.utils.data.DataLoader(make_site_dataset(rows, size, "eval"),
+            for batch in torch.utils.data.DataLoader(make_site_dataset(rows, size, "eval", aspect=aspect),
                                                      batch_size=self.batch_size, shuffle=False, num_workers=0):
                 x, y = unpack_batch(batch)
                 xs.append(torch.as_tensor(x).float())
@@ -268,6 +271,26 @@ def load_external(data: str | Path, labels: str, part: str | None = None) -> tup
     if not records:
         raise ValueError(f"{data}: no usable labelled images ({len(report.get('skipped', []))} skipped)")
     return records, report
+
+
+def model_aspect(header: dict, run: Path | None = None) -> str:
+    """How to make images square for a model: its file's ``aspect`` (the site-config key it was trained with),
+    else -- a global model, which has none of its own -- the one aspect every site of ``run`` used
+    (``resolved_configs/<site>.json``), else ``chest_xray.DEFAULT_ASPECT`` (files written before it was recorded)."""
+    from chest_xray import DEFAULT_ASPECT
+
+    if header.get("aspect"):
+        return header["aspect"]
+    if run is not None:
+        seen = set()
+        for f in (Path(run) / "resolved_configs").glob("*.json"):
+            try:
+                seen.add(json.loads(f.read_text()).get("aspect") or DEFAULT_ASPECT)
+            except (OSError, ValueError):
+                continue
+        if len(seen) == 1:
+            return seen.pop()
+    return DEFAULT_ASPECT
 
 
 def run_site_sizes(run: Path) -> dict[str, int]:
@@ -374,12 +397,13 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         model, blob = load_model_file(m["path"])
         size = int(m["input_size"] or blob.get("input_size") or 64)
         mc = int(blob["spec"].get("num_classes", C))
-        p, y = predict_proba(model, cache.loader("ext", records, size))
+        aspect = model_aspect(blob, run)
+        p, y = predict_proba(model, cache.loader("ext", records, size, aspect))
         p = _collapse(p, mc, C)
         preds[m["name"]] = p.astype(np.float32)
         argmax = compute_metrics(y, p, C)
         res: dict[str, Any] = {"model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
-                               "spec": blob["spec"], "input_size": size, "data": str(Path(data).resolve()),
+                               "spec": blob["spec"], "input_size": size, "aspect": aspect, "data": str(Path(data).resolve()),
                                "part": part, "labels": labels, "class_names": list(names), "n": int(len(y)),
                                "test": argmax}
         # threshold from the validation split of the model's own site (global: every site's validation split)
@@ -388,7 +412,7 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         if C == 2 and vrows and run_labels_name in ("binary", "subtype"):
             vlab = [{"path": r["path"], "label": r["label"] if run_labels_name == "binary" else int(r["label"] > 0)}
                     for r in vrows]
-            vp, vy = predict_proba(model, cache.loader(f"val:{m['site']}", vlab, size))
+            vp, vy = predict_proba(model, cache.loader(f"val:{m['site']}", vlab, size, aspect))
             vp = _collapse(vp, mc, C)
             thr = choose_threshold(vy, vp[:, 1])
             res["val_n"] = int(len(vy))
@@ -542,7 +566,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     size = int(blob.get("input_size") or 64)
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
-    tf = build_transforms(size, "eval")
+    tf = build_transforms(size, "eval", aspect=model_aspect(blob))
     folder_skips: list[dict] = []
     files = collect_files(inputs, folder_skips)
     rows: list[dict] = []

@@ -101,8 +101,29 @@ def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_othe
     a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
     simulate._defaults(a)
     assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
+    # OHFL's fusion levers (filled in before the check) are warned about too, not silently dropped
+    for flags, given in ((["--ground-metric", "wts"], "--ground-metric wts"), (["--ot", "sinkhorn"], "--ot sinkhorn"),
+                         (["--no-gate"], "--no-gate"), (["--no-repair"], "--repair none"),
+                         (["--init", "shared"], "--init shared")):
+        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        assert f"WARNING: {given} is not an option of fedavg (it is one of ohfl); ignored" in capsys.readouterr().err
+    for flags in ([], ["--gate"], ["--ground-metric", "acts"]):  # the defaults: nothing to warn about
+        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        assert "WARNING" not in capsys.readouterr().err, flags
     with pytest.raises(SystemExit, match="FedSAF alignment"):
         simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
     a = p.parse_args(["--method", "fedtopo"])
     simulate._defaults(a)
     assert (a.rho, a.top_q, a.warmup, a.ablate, a.alignment) == (0.7, 3, 3, [], None)
+
+
+def test_cli_bad_method_options_exit_2_with_one_line(tmp_path, capsys):
+    """Bad input exits 2 (README, "Exit codes"), also when a command refuses an option after parsing."""
+    from nvflare_jobs.cli import main
+
+    for argv, says in ((["--method", "ohfl", "--probe-size", "2"], "option 'probe_size' (--probe-size)"),
+                       (["--method", "fedavg", "--paper"], "--paper is an OHFL option")):
+        assert main(["simulate", *argv, "--out", str(tmp_path / "run")]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert says in err and err.startswith("cxr-hfl: ") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

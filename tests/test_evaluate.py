@@ -385,3 +385,48 @@ def test_predict_applies_exif_orientation(fake_run, data_root, tmp_path):
     assert p["sideways_exif6.png"] == p["upright.png"] == p[os.fsdecode(b"upright-t\xf3rax.png")]
     assert out.read_bytes().count(raw_name) == 1  # the exact bytes of the name
     assert p["sideways_no_exif.png"] != p["upright.png"]
+
+
+def test_predict_and_evaluate_feed_a_model_images_the_way_its_site_made_them_square(data_root, tmp_path):
+    """A site trained with ``aspect: letterbox`` writes that into its model file; ``predict`` (and ``evaluate``)
+    then letterbox, not stretch, a non-square image: its probabilities equal the model run on the letterboxed
+    tensor and differ from the stretched one. Files without the key keep the default (stretch)."""
+    from PIL import Image
+
+    from chest_xray import build_transforms
+    from hfl_components.models import build_model, load_model_file, save_model_file
+    from nvflare_jobs.evaluation import model_aspect, predict_files
+
+    src = next(p for p in sorted(Path(data_root).rglob("*.jpeg")) if (lambda s: s[0] != s[1])(Image.open(p).size))
+    spec = {**SPECS["site-1"][0], "in_channels": 1, "num_classes": 2}
+    torch.manual_seed(0)
+    m = build_model(spec)
+    with torch.no_grad():
+        torch.nn.init.normal_(m.classifier.weight, std=0.5)
+    m.eval()
+    probs = {}
+    for aspect in ("letterbox", None):
+        f = save_model_file(tmp_path / f"{aspect}.pt", spec, m.state_dict(), input_size=32, labels="binary",
+                            site="site-1", kind="deployed", aspect=aspect)
+        assert load_model_file(f)[1]["aspect"] == aspect
+        predict_files(f, [str(src)], tmp_path / f"{aspect}.csv")
+        with (tmp_path / f"{aspect}.csv").open() as fh:
+            row = next(csv.DictReader(fh))
+        probs[aspect] = float(row["p_PNEUMONIA"])
+    with torch.no_grad():
+        want = {a: torch.softmax(m(torch.as_tensor(build_transforms(32, "eval", aspect=a)({"image": str(src), "label": 0})["image"])[None]
+                                    .float()), 1)[0, 1].item()
+                for a in ("letterbox", "stretch")}
+    assert probs["letterbox"] == pytest.approx(want["letterbox"], abs=1e-5)
+    assert probs[None] == pytest.approx(want["stretch"], abs=1e-5)
+    assert abs(want["letterbox"] - want["stretch"]) > 1e-4
+    with pytest.raises(ValueError, match="aspect must be one of stretch, letterbox, crop, got 'squash'"):
+        save_model_file(tmp_path / "x.pt", spec, m.state_dict(), input_size=32, aspect="squash")
+    # a global model has no aspect of its own: the one its run's sites used, else the default
+    (tmp_path / "resolved_configs").mkdir()
+    for s, a in (("site-1", "crop"), ("site-2", "crop")):
+        (tmp_path / "resolved_configs" / f"{s}.json").write_text(json.dumps({"aspect": a}))
+    assert model_aspect({"aspect": None}, tmp_path) == "crop"
+    assert model_aspect({"aspect": "letterbox"}, tmp_path) == "letterbox"
+    (tmp_path / "resolved_configs" / "site-2.json").write_text(json.dumps({"aspect": "stretch"}))
+    assert model_aspect({"aspect": None}, tmp_path) == "stretch"

@@ -65,6 +65,30 @@ def test_edited_exported_job_fails_the_option_check_naming_the_option(tmp_path):
     wf = _edit_server_arg(job, "ground_metric", "euclid")
     with pytest.raises(OptionError, match="ground_metric"):
         _build_like_nvflare(wf).check_options()
+    wf = _edit_server_arg(job, "ground_metric", "acts")
+    for key, bad, says in (("probe_size", 0, "option 'probe_size' (--probe-size): needs at least 4 probe images"),
+                           ("probe_size", -3, "got -3"), ("min_sites", 0, "ohfl: min_sites must be at least 1, got 0"),
+                           ("num_rounds", 0, "ohfl: num_rounds must be at least 1, got 0")):
+        good = wf["args"].get(key, 8 if key == "probe_size" else 1)
+        with pytest.raises(ValueError) as e:
+            _build_like_nvflare(_edit_server_arg(job, key, bad)).check_options()
+        assert says in str(e.value), str(e.value)
+        wf = _edit_server_arg(job, key, good)
+    assert _build_like_nvflare(wf).check_options()["probe_size"] == 8  # the exported value, back in place
+
+
+def test_export_job_refuses_a_probe_too_small_for_cka(capsys):
+    import argparse
+
+    from nvflare_jobs.commands.simulate import _add_method_args, _defaults
+
+    p = argparse.ArgumentParser()
+    _add_method_args(p)
+    with pytest.raises(SystemExit, match=r"ohfl: option 'probe_size' \(--probe-size\): needs at least 4 probe images"):
+        _defaults(p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "3"]))
+    a = p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "4"])
+    _defaults(a)
+    assert a.probe_size == 4
 
 
 @pytest.mark.slow

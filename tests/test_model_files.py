@@ -50,8 +50,9 @@ def test_numpy_state_and_no_pickle(tmp_path):
     state = {k: v.numpy().copy() for k, v in m.state_dict().items()}
     p = save_model_file(tmp_path / "g.pt", SPEC, state, provenance={"method": "fedavg", "seed": 0})
     raw = p.read_bytes()
-    assert raw[:2] != b"PK" and raw[:1] != b"\x80"
+    assert raw[:2] != b"PK"
     n = int.from_bytes(raw[:8], "little")
+    assert raw[8:9] == b"{" and 8 + n < len(raw)
     meta = json.loads(raw[8:8 + n])["__metadata__"]
     assert json.loads(meta[HEADER_KEY])["input_size"] is None
     m2, _ = load_model_file(p)
@@ -103,3 +104,18 @@ def test_old_torch_save_file_and_other_files_refused_clearly(tmp_path):
         load_model_file(tmp_path)
     with pytest.raises(FileNotFoundError, match="missing.pt"):
         load_model_file(tmp_path / "missing.pt")
+
+
+def test_a_header_length_whose_low_byte_is_the_pickle_opcode_is_still_a_model_file(tmp_path):
+    """A safetensors file starts with its header length (little-endian); when that length is 0x..80 the first byte
+    equals pickle's PROTO opcode, and the file must still load (it was refused as an old torch.save file)."""
+    m = _model(1)
+    for k in range(300):
+        p = save_model_file(tmp_path / "m.pt", SPEC, m.state_dict(), site="s" * (1 + k))
+        if p.read_bytes()[:1] == b"\x80":
+            break
+    else:
+        pytest.fail("no site name length gave a header length ending in 0x80")
+    model, h = load_model_file(p)
+    assert h["site"] == "s" * (1 + k)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m.state_dict().values()))

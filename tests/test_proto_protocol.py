@@ -266,6 +266,35 @@ def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_pat
     assert (cfg["optimizer"], cfg["lr_schedule"], cfg["weight_decay"]) == ("adamw", "cosine", 0.01)
 
 
+def test_site_config_as_an_operator_types_it(tmp_path):
+    """Hand-typed YAML: ``1e-4`` is a number (PyYAML alone reads it as text), a quoted number is refused with a
+    hint, SGD momentum must be below 1; each error names the site, the file and the key in one line."""
+    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+
+    man = tmp_path / "m.csv"
+    man.write_text("path,label,split\n/x.png,0,train\n")
+    head = f"data: {{manifest: {man}}}\nmodel: {{family: cnn, depth: shallow}}\n"
+    f = tmp_path / "hospital-a.yaml"
+    f.write_text(head + "optimizer: adamw\nlr: 1e-3\nweight_decay: 5E-4\nfinetune_lr: 2.5e-4\nseed: 7\n")
+    cfg = load_site_config("hospital-a", f)
+    assert (cfg["lr"], cfg["weight_decay"], cfg["finetune_lr"], cfg["seed"]) == (0.001, 0.0005, 0.00025, 7)
+    for text, key, says in (('weight_decay: "0.1"', "weight_decay", "got '0.1' (quoted: a text, not a number"),
+                            ("momentum: 1.5", "momentum", "must be a number in [0, 1), got 1.5"),
+                            ("momentum: 1", "momentum", "must be a number in [0, 1), got 1"),
+                            ("optimizer: Adam", "optimizer", "must be sgd, adam or adamw, got 'Adam'"),
+                            ("lr_schedule: cosin", "lr_schedule", "must be constant or cosine, got 'cosin'"),
+                            ("aspect: squash", "aspect", "must be one of stretch, letterbox, crop, got 'squash'"),
+                            ("seed: 1e3", "seed", "must be an integer, got 1000.0")):
+        f.write_text(head + text + "\n")
+        with pytest.raises(SiteConfigError) as e:
+            load_site_config("hospital-a", f)
+        msg = str(e.value)
+        assert msg == f"site 'hospital-a': config {f} key '{key}': " + msg.split(f"key '{key}': ", 1)[1], msg
+        assert says in msg and "\n" not in msg, msg
+    f.write_text(head + "momentum: 0.99\n")
+    assert load_site_config("hospital-a", f)["momentum"] == 0.99
+
+
 def test_efficientnet_bn_momentum_key_and_the_prototype_default():
     from hfl_components.models import build_model
     from nvflare_jobs.profiles import PROTO_BACKBONES

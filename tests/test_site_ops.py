@@ -315,3 +315,13 @@ def test_run_findings_name_excluded_sites_and_single_class_models():
     out = run_findings(m)
     assert out[0] == "site site-2 left out of round 0 (local_train): ImageReadError: <path>: x"
     assert len(out) == 2 and out[1].startswith("WARNING: site-1's deployed model predicts a single class")
+
+
+def test_site_check_config_path_that_is_a_folder_or_missing_says_which(tmp_path, capsys):
+    import argparse
+
+    from nvflare_jobs.commands.site import run_check
+
+    for path, says in ((tmp_path, "a folder, not a <site>.yaml file"), (tmp_path / "none.yaml", "no such file")):
+        assert run_check(argparse.Namespace(config=str(path), site=None, no_images=True, json=None)) == 2
+        assert capsys.readouterr().err.strip() == f"cxr-hfl site check: --config {path}: {says}"

@@ -170,7 +170,7 @@ _OHFL = (
     Option("ot", str, "emd", ("emd", "sinkhorn"), "OT solver (Sinkhorn uses the paper's eps = 0.01)",
            cli_default=None),
     Option("ground_metric", str, "acts", ("wts", "acts"), "OT ground metric: incoming weights or probe activations "
-           "(default acts: benchmarks/results/fusion_ladder.md, six-site fusion 0.780 acts vs 0.260 wts)",
+           "(acts chosen in benchmarks/results/fusion_ladder.md: six-site fusion 0.780 vs 0.260 with wts)",
            cli_default=None),
     Option("cka", str, "linear", ("linear", "debiased", "pooled"),
            "CKA for the layer alignment: linear (the paper's Eq. 1), debiased (unbiased HSIC), pooled (linear on "
@@ -187,7 +187,8 @@ _OHFL = (
     Option("probe", str, None, None, "folder/CSV of public images for CKA, or 'generated' (default: "
            "../shared/data/chest_xray_224 beside chest_xray_original)",
            required="OHFL needs a probe set of public images for CKA (--probe DIR or --probe generated)"),
-    Option("probe_size", int, 64, None, "probe images for CKA and repair"),
+    Option("probe_size", int, 64, None, "probe images for CKA and repair",
+           check=lambda v: None if v >= 4 else f"needs at least 4 probe images (debiased CKA needs n > 3), got {v}"),
     Option("weighting", str, "samples", ("samples", "half"), "fusion weights: training samples or 1/2 each"),
     Option("repair", repair_name, "layer", ("none", "layer", "channel"),
            "after each pairwise fusion, match the fused model's activation statistics on the probe to its parents' "

@@ -31,6 +31,7 @@ manifest sets the label scheme there.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -74,6 +75,17 @@ TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
 DATA_KEYS = {"manifest", "labels"}
 
 
+class _SiteYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also reads ``1e-4`` / ``5E-3`` as numbers (YAML 1.2 floats; PyYAML's YAML 1.1
+    rules need a dot, ``1.0e-4``, and would hand ``lr: 1e-3`` to validation as the text ``'1e-3'``)."""
+
+
+_SiteYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 class SiteConfigError(ValueError):
     """A site's config is missing or invalid; the message names the site, the file and the key."""
 
@@ -104,6 +116,17 @@ def find_site_config(site: str, start: str | os.PathLike | None = None) -> Path:
 
 def _err(site, path, key, msg):
     return SiteConfigError(f"site {site!r}: config {path} key {key!r}: {msg}")
+
+
+def _quoted_hint(v) -> str:
+    """`` (quoted: a text, not a number; drop the quotes)`` when ``v`` is a string that reads as a number."""
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return ""
+        return " (quoted: a text, not a number; drop the quotes)"
+    return ""
 
 
 def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memory>", check_files: bool = True,
@@ -182,17 +205,17 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
             continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
-    for key in ("lr", "finetune_lr", "momentum"):
+    for key, hi in (("lr", 10), ("finetune_lr", 10), ("momentum", 1)):  # SGD momentum >= 1 never forgets: diverges
         v = cfg[key]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 10):
-            raise _err(site, path, key, f"must be a number in [0, 10), got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < hi):
+            raise _err(site, path, key, f"must be a number in [0, {hi}), got {v!r}{_quoted_hint(v)}")
     if cfg["optimizer"] not in ("sgd", "adam", "adamw"):
         raise _err(site, path, "optimizer", f"must be sgd, adam or adamw, got {cfg['optimizer']!r}")
     if cfg["lr_schedule"] not in ("constant", "cosine"):
         raise _err(site, path, "lr_schedule", f"must be constant or cosine, got {cfg['lr_schedule']!r}")
     wd = cfg["weight_decay"]
     if not isinstance(wd, (int, float)) or isinstance(wd, bool) or not 0 <= wd < 1:
-        raise _err(site, path, "weight_decay", f"must be a number in [0, 1), got {wd!r}")
+        raise _err(site, path, "weight_decay", f"must be a number in [0, 1), got {wd!r}{_quoted_hint(wd)}")
     for key in ("share_predictions", "amp"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
@@ -228,7 +251,7 @@ def load_site_config(site: str, path: str | os.PathLike | None = None, check_fil
     """Find (unless ``path`` is given), parse and validate a site's config. Raises SiteConfigError."""
     p = Path(path) if path else find_site_config(site)
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.load(p.read_text(), Loader=_SiteYamlLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise SiteConfigError(f"site {site!r}: config {p} does not exist") from None
     except yaml.YAMLError as e:

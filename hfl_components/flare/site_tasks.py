@@ -237,7 +237,7 @@ class SiteRuntime:
         from hfl_components.models import save_model_file
 
         return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                               input_size=int(self.cfg["input_size"]),
+                               input_size=int(self.cfg["input_size"]), aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
                                            "manifest_sha256": self.manifest_sha256()})

@@ -6,6 +6,7 @@ the safetensors metadata one JSON header under the key ``"cxr_hfl_model"``::
     {"format_version": 1,
      "spec": {...},                       # the model spec (hfl_components.models.registry), rebuilt on load
      "input_size": 64 | null,             # side in pixels the model was trained at (null: global model, no own size)
+     "aspect": "stretch" | "letterbox" | "crop" | null,  # how its site made images square (null: not recorded)
      "labels": "binary" | "subtype" | null, "class_names": [...] | null,   # owner: chest_xray.labels
      "site": "site-1" | null, "kind": "deployed" | "local" | "state" | "global" | null,
      "weights_sha256": "...",             # over (name, dtype, shape, bytes) of every tensor, names sorted
@@ -84,7 +85,8 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str, Any], *,
                     input_size: int | None = None, labels: str | None = None, site: str | None = None,
-                    kind: str | None = None, provenance: Mapping[str, Any] | None = None) -> Path:
+                    kind: str | None = None, provenance: Mapping[str, Any] | None = None,
+                    aspect: str | None = None) -> Path:
     """Write a model file (safetensors weights + JSON header, see the module docstring); atomic (temp + rename).
 
     Args:
@@ -94,6 +96,9 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
         input_size: the side in pixels the model expects (``None`` for the fused global model).
         labels: label scheme (``chest_xray.labels``); its class names are stored too.
         site, kind: who wrote it and what it is (``deployed`` / ``local`` / ``state`` / ``global``).
+        aspect: how the site made non-square images square (``chest_xray.ASPECTS``; the site-config key
+            ``aspect``), so that ``evaluate`` / ``predict`` feed it images the same way; None: not recorded
+            (readers use ``chest_xray.DEFAULT_ASPECT``).
         provenance: any of ``method``, ``seed``, ``code_version`` (default :func:`code_version`),
             ``manifest_sha256`` (the site's manifest, :func:`file_sha256`).
 
@@ -102,7 +107,7 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
 
     Raises:
         ValueError: bad spec, unknown label scheme, labels whose class count differs from ``spec["num_classes"]``,
-            unknown provenance keys.
+            unknown provenance keys, unknown aspect.
     """
     from hfl_components.models.registry import resolve_spec
 
@@ -114,6 +119,11 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
         class_names = scheme_names(labels)
         if n_out != len(class_names):
             raise ValueError(f"{path}: label scheme {labels!r} has {len(class_names)} classes, the model {n_out}")
+    if aspect is not None:
+        from chest_xray import ASPECTS
+
+        if aspect not in ASPECTS:
+            raise ValueError(f"{path}: aspect must be one of {', '.join(ASPECTS)}, got {aspect!r}")
     prov = dict(provenance or {})
     unknown = sorted(set(prov) - set(_PROVENANCE_KEYS))
     if unknown:
@@ -121,7 +131,7 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
     prov.setdefault("code_version", code_version())
     tensors = _tensors(state_dict)
     header = {"format_version": FORMAT_VERSION, "spec": spec,
-              "input_size": None if input_size is None else int(input_size), "labels": labels,
+              "input_size": None if input_size is None else int(input_size), "aspect": aspect, "labels": labels,
               "class_names": class_names, "site": site, "kind": kind, "weights_sha256": weights_sha256(tensors),
               "provenance": {k: prov.get(k) for k in _PROVENANCE_KEYS}}
     from safetensors.torch import save_file
@@ -135,7 +145,12 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
 
 def _refuse_legacy(p: Path) -> None:
     with open(p, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
+    # a safetensors file: 8-byte little-endian header length, then the JSON header; its first byte is that length's
+    # low byte, which is 0x80 for 1 header length in 256 -- not a pickle
+    n = int.from_bytes(head[:8], "little")
+    if head[8:9] == b"{" and 8 + n <= p.stat().st_size:
+        return
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip archive / raw pickle
         raise ValueError(f"{p}: a model file in the old torch.save (pickle) format, which this version no longer "
                          f"reads (it never unpickles); run the job again to write it in the current format")

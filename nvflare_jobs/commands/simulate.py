@@ -189,8 +189,9 @@ def _check_method_options(args) -> None:
         if e.option(key) is None:
             opt = users[0][1]
             v = getattr(args, key, None)
-            if v not in (None, [], opt.argparse_default, opt.default) and key not in OHFL_DEFAULTS:
-                msg = (f"{opt.cli_flag} {v} is not an option of {args.method} (it is one of "
+            if v not in (None, [], opt.argparse_default, opt.default):
+                given = (opt.cli_flag if v else f"--no-{opt.cli_flag[2:]}") if opt.type is bool else f"{opt.cli_flag} {v}"
+                msg = (f"{given} is not an option of {args.method} (it is one of "
                        f"{', '.join(m for m, _ in users)})")
                 if any(o.strict for _, o in users):
                     sys.exit(f"cxr-hfl: {msg}")

@@ -23,7 +23,8 @@ def run_check(args) -> int:
     from nvflare_jobs.site_check import check_site, format_report
 
     if not Path(args.config).is_file():
-        print(f"cxr-hfl site check: --config {args.config}: no such file", file=sys.stderr)
+        what = "a folder, not a <site>.yaml file" if Path(args.config).is_dir() else "no such file"
+        print(f"cxr-hfl site check: --config {args.config}: {what}", file=sys.stderr)
         return 2
     rep = check_site(args.config, site=args.site, read_images=not args.no_images)
     print(format_report(rep))

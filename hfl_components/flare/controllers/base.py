@@ -236,6 +236,9 @@ class HFLController(ModelController):
         unknown method)."""
         from hfl_components.flare.catalogue import validate_options
 
+        for key in ("num_rounds", "min_sites"):  # common arguments an edited job may break too
+            if getattr(self, key) < 1:
+                raise ValueError(f"{self.method}: {key} must be at least 1, got {getattr(self, key)}")
         return validate_options(self.method, self.current_options())
 
     def start_controller(self, fl_ctx) -> None:

@@ -97,6 +97,28 @@ def fast_layout(model: nn.Module, probe: torch.Tensor) -> tuple[torch.Tensor, bo
 
 
 @torch.no_grad()
+def hooked_pass(model: nn.Module, probe: torch.Tensor, layers, fn) -> None:
+    """One eval-mode forward pass of ``probe`` (fast memory layout, on the model's device) with a forward hook on each
+    ``LayerInfo`` of ``layers``: ``fn(k, info, y)`` sees layer k's output y and may return a replacement output (or
+    None to keep y). Hooks, train/eval mode and memory layout are restored afterwards, also on error."""
+    handles = [info.module.register_forward_hook(lambda _m, _i, y, k=k, info=info: fn(k, info, y))
+               for k, info in enumerate(layers)]
+    was_training = model.training
+    converted = False
+    try:
+        model.eval()
+        p = next(model.parameters(), None)
+        x, converted = fast_layout(model, probe if p is None else probe.to(p.device))
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        if converted:
+            model.to(memory_format=torch.contiguous_format)
+
+
+@torch.no_grad()
 def hidden_layer_stats(model: nn.Module, probe: torch.Tensor, need) -> dict[str, list]:
     """Requested statistics of every hidden layer (class layer excluded) from one forward pass of ``model``.
 
@@ -123,29 +145,13 @@ def hidden_layer_stats(model: nn.Module, probe: torch.Tensor, need) -> dict[str,
     probe = _check_probe(model, probe)
     layers = model.layers()[:-1]
     out: dict[str, list] = {k: [None] * len(layers) for k in need}
-    handles = []
 
-    def hook(idx, info):
-        def fn(_module, _inp, y):
-            for k, v in layer_stats(y, need, info).items():
-                out[k][idx] = v
-        return fn
+    def fn(idx, info, y):
+        for k, v in layer_stats(y, need, info).items():
+            out[k][idx] = v
+        return None
 
-    for k, info in enumerate(layers):
-        handles.append(info.module.register_forward_hook(hook(k, info)))
-    was_training = model.training
-    converted = False
-    try:
-        model.eval()
-        p = next(model.parameters(), None)
-        x, converted = fast_layout(model, probe if p is None else probe.to(p.device))
-        model(x)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-        if converted:
-            model.to(memory_format=torch.contiguous_format)
+    hooked_pass(model, probe, layers, fn)
     return out
 
 

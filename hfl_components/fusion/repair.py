@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from hfl_components.fusion.probe_stats import channel_stats as _channel_stats
-from hfl_components.fusion.probe_stats import STAT_KEYS, fast_layout, hidden_layer_stats, layer_stats, layer_std
+from hfl_components.fusion.probe_stats import STAT_KEYS, hidden_layer_stats, hooked_pass, layer_stats, layer_std
 from hfl_components.models import build_model
 
 
@@ -71,18 +71,7 @@ def _sequential_repair_pass(model: torch.nn.Module, probe: torch.Tensor, per_lay
                 stats_out[key][k] = v
         return z
 
-    handles = [info.module.register_forward_hook(lambda _m, _i, y, k=k, info=info: hook(k, info, y))
-               for k, info in enumerate(layers)]
-    converted = False
-    try:
-        p = next(model.parameters(), None)
-        x, converted = fast_layout(model, probe if p is None else probe.to(p.device))
-        model(x)
-    finally:
-        for h in handles:
-            h.remove()
-        if converted:
-            model.to(memory_format=torch.contiguous_format)
+    hooked_pass(model, probe, layers, hook)
 
 
 def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor, torch.Tensor]],

@@ -27,17 +27,9 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.sim_helpers import make_partition, make_profile  # noqa: E402
+from tests.sim_helpers import make_partition, make_profile, read_status  # noqa: E402
 
 BOUND_S = 300.0
-
-
-def _status(run: Path) -> dict:
-    p = run / "workspace" / "server" / "simulate_job" / "cxr_hfl_results" / "status.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def run_once(profile: Path, run: Path, rounds: int, kill: str | None) -> dict:
@@ -47,7 +39,7 @@ def run_once(profile: Path, run: Path, rounds: int, kill: str | None) -> dict:
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed_at = None
     while kill and killed_at is None and proc.poll() is None:
-        if (_status(run).get("round") or 0) >= 1:
+        if (read_status(run).get("round") or 0) >= 1:
             for p in psutil.Process(proc.pid).children(recursive=True):
                 cmd = p.cmdline()
                 if "nvflare.private.fed.app.simulator.simulator_worker" in cmd and kill in cmd:

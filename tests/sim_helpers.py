@@ -67,3 +67,12 @@ def assert_canonical(m: dict, sites: list[str]) -> None:
     expect = sum(m["sites"][s]["test"]["accuracy"] * m["sites"][s]["n_test"] for s in sites) / n_all
     assert abs(pooled_acc["value"] - expect) < 1e-9
     assert pooled_acc["ci_low"] <= pooled_acc["value"] <= pooled_acc["ci_high"]
+
+
+def read_status(run: Path) -> dict:
+    """The server's live ``status.json`` of a simulator run folder (``{}`` while it is absent or half-written)."""
+    p = Path(run) / "workspace" / "server" / "simulate_job" / "cxr_hfl_results" / "status.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.sim_helpers import REPO_ROOT, load_metrics, make_partition, make_profile, run_cli
+from tests.sim_helpers import REPO_ROOT, load_metrics, make_partition, make_profile, read_status, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +27,6 @@ def partition3(data_root, tmp_path_factory):
 def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nvflare_jobs.cli", *args], cwd=REPO_ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _status(run: Path) -> dict:
-    p = run / "workspace" / "server" / "simulate_job" / "cxr_hfl_results" / "status.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _wait_for(pred, proc, timeout=300.0):
@@ -81,7 +73,7 @@ def test_killed_site_is_excluded_at_the_next_task_not_after_the_late_wait(partit
     proc = _start("simulate", "--method", "fedavg", "--profile", str(profile), "--rounds", "3", "--min-sites", "2",
                   "--late-wait", "900", "--out", str(run))
     try:
-        assert _wait_for(lambda: (_status(run).get("round") or 0) >= 1, proc), proc.communicate()
+        assert _wait_for(lambda: (read_status(run).get("round") or 0) >= 1, proc), proc.communicate()
         w = _worker(proc, "site-2")
         assert w is not None, "site-2's simulator worker not found"
         w.kill()
@@ -121,7 +113,7 @@ def test_sigterm_stops_the_whole_tree_and_a_rerun_says_how_to_replace(partition3
     proc = _start("simulate", "--method", "local", "--profile", str(profile), "--rounds", "2", "--out", str(run))
     try:
         # wait until the server is up and every site worker has fetched its first task
-        assert _wait_for(lambda: len((_status(run).get("sites") or {})) == 3, proc), proc.communicate()
+        assert _wait_for(lambda: len((read_status(run).get("sites") or {})) == 3, proc), proc.communicate()
         tree = psutil.Process(proc.pid).children(recursive=True)
         workers = [p for p in tree if "simulator_worker" in " ".join(p.cmdline())]
         assert len(workers) == 3 and len(_run_processes(run)) >= 3
@@ -146,7 +138,7 @@ def test_sigterm_on_compare_stops_every_run_process_and_a_rerun_resumes(data_roo
                   "--max-images", "90", "--max-train-images", "16", "--local-epochs", "50", "--out", str(out))
     run = out / "seed0" / "local"
     try:
-        assert _wait_for(lambda: len((_status(run).get("sites") or {})) == 3, proc, timeout=400), proc.communicate()
+        assert _wait_for(lambda: len((read_status(run).get("sites") or {})) == 3, proc, timeout=400), proc.communicate()
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert sum("simulator_worker" in " ".join(p.cmdline()) for p in tree) == 3
         proc.send_signal(signal.SIGTERM)

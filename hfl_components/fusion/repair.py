@@ -74,6 +74,19 @@ def _sequential_repair_pass(model: torch.nn.Module, probe: torch.Tensor, per_lay
     hooked_pass(model, probe, layers, hook)
 
 
+def _model_for_repair(spec: dict, state_dict: dict, device, n_targets: int, what: str):
+    """The fused model in eval mode on ``device`` and its hidden layers; ValueError unless there is one target per
+    hidden layer."""
+    model = build_model(spec)
+    model.load_state_dict(state_dict)
+    model.to(device or "cpu")
+    model.eval()
+    layers = model.layers()[:-1]
+    if n_targets != len(layers):
+        raise ValueError(f"repair: {n_targets} {what} for {len(layers)} hidden layers")
+    return model, layers
+
+
 def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor, torch.Tensor]],
                     probe: torch.Tensor, eps: float = 1e-8, max_scale: float = 100.0,
                     device=None, collect=(), stats_out: dict | None = None) -> tuple[dict, list[float]]:
@@ -98,13 +111,7 @@ def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor
     Raises:
         ValueError: wrong number of goals or goal shapes.
     """
-    model = build_model(spec)
-    model.load_state_dict(state_dict)
-    model.to(device or "cpu")
-    model.eval()
-    layers = model.layers()[:-1]
-    if len(goals) != len(layers):
-        raise ValueError(f"repair: {len(goals)} goals for {len(layers)} hidden layers")
+    model, layers = _model_for_repair(spec, state_dict, device, len(goals), "goals")
     for info, (mu_g, sd_g) in zip(layers, goals):
         n_out = info.module.weight.shape[0]
         if tuple(mu_g.shape) != (n_out,) or tuple(sd_g.shape) != (n_out,):
@@ -155,13 +162,7 @@ def repair_scales(spec: dict, state_dict: dict, target_stds: list[float], probe:
     Raises:
         ValueError: wrong number of target stds.
     """
-    model = build_model(spec)
-    model.load_state_dict(state_dict)
-    model.to(device or "cpu")
-    model.eval()
-    layers = model.layers()[:-1]
-    if len(target_stds) != len(layers):
-        raise ValueError(f"repair: {len(target_stds)} target stds for {len(layers)} hidden layers")
+    model, layers = _model_for_repair(spec, state_dict, device, len(target_stds), "target stds")
     scales: list[float] = []
 
     def per_layer(k, y):

@@ -184,15 +184,24 @@ def _copies(models: list[dict], n: int) -> list[dict]:
     return out
 
 
-def _time_fusion(models, probe, repeat: int) -> dict:
+def _time_fusion(models, probe, repeat: int, out: dict | None = None) -> dict:
     best = None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        _, _, rec = aggregate_models(models, probe=probe, **SERVER_DEFAULTS)
+        _, sd, rec = aggregate_models(models, probe=probe, **SERVER_DEFAULTS)
         total = time.perf_counter() - t0
         if best is None or total < best["total"]:
             best = {**rec["phase_seconds"], "total": total}
+        if out is not None:
+            out["state_dict"] = sd
     return _with_probe_sum(best)
+
+
+def _weight_gap(a: dict, b: dict) -> tuple[float, str]:
+    """Largest per-tensor relative difference max|a − b| / max|b| of two fused state dicts, and its tensor."""
+    gaps = {k: float((a[k] - b[k]).abs().max()) / max(float(b[k].abs().max()), 1e-30) for k in b}
+    k = max(gaps, key=gaps.get)
+    return gaps[k], k
 
 
 def _with_probe_sum(r: dict) -> dict:
@@ -209,7 +218,8 @@ def _exponent(xs, ys) -> float:
     return float(np.polyfit(xs, ys, 1)[0])
 
 
-def _baseline(commit: str, models: list[dict], probe: torch.Tensor, repeat: int) -> dict | None:
+def _baseline(commit: str, models: list[dict], probe: torch.Tensor, repeat: int,
+              fused: dict | None = None) -> dict | None:
     """Time the same fusion with the fusion code of ``commit`` in a subprocess whose only copy of the package is
     that commit's (``git archive`` into a temporary folder; the models and probe travel in a torch file)."""
     import json
@@ -234,10 +244,11 @@ d = torch.load({str(tmp / "inputs.pt")!r}, weights_only=False)
 best = None
 for _ in range({repeat}):
     t0 = time.perf_counter()
-    _, _, rec = aggregate_models(d["models"], probe=d["probe"], **{SERVER_DEFAULTS!r})
+    _, sd, rec = aggregate_models(d["models"], probe=d["probe"], **{SERVER_DEFAULTS!r})
     total = time.perf_counter() - t0
     if best is None or total < best["total"]:
         best = {{**rec["phase_seconds"], "total": total}}
+torch.save(sd, {str(tmp / "fused.pt")!r})
 print(json.dumps(best))
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
@@ -247,6 +258,8 @@ print(json.dumps(best))
         return None
     res = json.loads(r.stdout.strip().splitlines()[-1])
     res.setdefault("repair", 0.0)  # older code counted the repair in 'averaging'
+    if fused is not None:
+        fused["state_dict"] = torch.load(tmp / "fused.pt", weights_only=True)
     return _with_probe_sum(res)
 
 
@@ -263,17 +276,21 @@ def bench_server(args) -> None:
     print(f"# models: {src}")
     cols = list(PHASES) + ["probe+avg", "total"]
     head = f"{'':28s}" + "".join(f"{c:>10s}" for c in cols)
-    now = _time_fusion(models, probe, args.repeat)
+    mine: dict = {}
+    now = _time_fusion(models, probe, args.repeat, mine)
     print(head)
     print(f"{'six main-job models (s)':28s}" + "".join(f"{now[c]:10.2f}" for c in cols))
     out = {"load_avg": os.getloadavg()[0], "threads": torch.get_num_threads(), "models": src, "probe": desc,
            "main": now}
     if args.baseline:
-        base = _baseline(args.baseline, models, probe, args.repeat)
+        theirs: dict = {}
+        base = _baseline(args.baseline, models, probe, args.repeat, theirs)
         if base:
             print(f"{'same, code of ' + args.baseline[:10] + ' (s)':28s}" + "".join(f"{base[c]:10.2f}" for c in cols))
             print(f"{'speed-up (old / new)':28s}" + "".join(f"{base[c] / max(now[c], 1e-9):10.1f}" for c in cols))
-            out["baseline"] = {"commit": args.baseline, **base}
+            gap, key = _weight_gap(mine["state_dict"], theirs["state_dict"])
+            print(f"# fused weights, this code vs {args.baseline[:10]}: max |Δw| / max |w| = {gap:.2e} ({key})")
+            out["baseline"] = {"commit": args.baseline, **base, "weight_gap": gap, "weight_gap_tensor": key}
     wall = None
     if args.wall:
         wall = float(args.wall)

@@ -2,9 +2,10 @@
 
 Each fast piece is compared with a computation that does not share its code: per-layer statistics from a
 hand-written layer-by-layer forward pass (instead of hooks), layer-by-layer repair with one truncated forward pass
-per layer after rewriting the weights (the previous implementation), POT's network simplex (instead of the
-assignment solver), dense plan products (instead of the sparse scatter-add), and fresh probe passes on the stored
-weights (instead of statistics cached from the repair pass).
+per layer after rewriting the weights (the previous implementation), dense plan products (instead of the sparse
+scatter-add), fresh probe passes on the stored weights (instead of statistics cached from the repair pass), and
+``torch.cdist`` on hand-computed float64 pre-activations (instead of the vectorised ``acts`` cost on cached
+float32 activations).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from hfl_components.fusion import aggregate_models, fuse_pair
 from hfl_components.fusion.cka import centred_gram, cka_cost_matrix
-from hfl_components.fusion.ot_fusion import _assignment_plan, plan_t_matmul, solve_ot
+from hfl_components.fusion.ot_fusion import acts_cost, ot_fuse_balanced, plan_t_matmul, solve_ot
 from hfl_components.fusion.probe_stats import StatsCache, hidden_layer_stats
 from hfl_components.fusion.repair import repair_channels, repair_scales
 from hfl_components.models.fusable import build_fusable
@@ -156,15 +157,90 @@ def test_one_pass_channel_repair_equals_layer_by_layer_repair():
         assert torch.allclose(sd[k], ref[k], rtol=1e-4, atol=1e-5 * float(ref[k].abs().max())), k
 
 
-def test_assignment_plan_equals_network_simplex_on_square_problems():
+def test_square_exact_plan_is_a_permutation_of_minimal_cost():
+    """Square exact OT (uniform marginals) is an assignment: the plan is P / n with the brute-force optimum's cost."""
+    import itertools
     rng = np.random.default_rng(0)
-    for n in (1, 7, 60):
-        M = ot.dist(rng.normal(size=(n, 5)), rng.normal(size=(n, 5)), metric="euclidean")
-        a = np.full(n, 1.0 / n)
-        np.testing.assert_array_equal(_assignment_plan(M / max(M.max(), 1e-300)),
-                                      ot.emd(a, a, M / max(M.max(), 1e-300)))
+    M = ot.dist(rng.normal(size=(6, 5)), rng.normal(size=(6, 5)), metric="euclidean")
     T, info = solve_ot(M, "emd")
-    assert info["marginal_rel_err"] < 1e-12 and np.count_nonzero(T) == 60
+    assert info["marginal_rel_err"] < 1e-12 and np.count_nonzero(T) == 6
+    np.testing.assert_allclose(T[T > 0], 1 / 6)
+    best = min(sum(M[i, p[i]] for i in range(6)) for p in itertools.permutations(range(6)))
+    assert float((T * M).sum()) * 6 == pytest.approx(best, rel=1e-12)
+
+
+def _cdist_acts(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    """The pre-change ``acts`` cost: (n, C, H, W) maps pooled to the smaller side, (C, n·h·w) float64 rows, cdist."""
+    if a.dim() == 4:
+        side = min(a.shape[-1], b.shape[-1])
+        a, b = (torch.nn.functional.adaptive_avg_pool2d(x, side) if x.shape[-1] != side else x for x in (a, b))
+    xa = a.transpose(0, 1).reshape(a.shape[1], -1).double()
+    xb = b.transpose(0, 1).reshape(b.shape[1], -1).double()
+    return torch.cdist(xa, xb).numpy()
+
+
+@pytest.mark.parametrize("size_tgt", [32, 64])
+def test_acts_cost_of_cached_activations_equals_cdist_of_manual_preactivations(size_tgt):
+    """The vectorised cost on the hooked pass's float32 activations (channels-last, cached) against cdist on
+    float64 pre-activations written out layer by layer; at a larger target probe the conv maps are pooled."""
+    ms, mt = _model(SPEC, 1), _model({**SPEC, "width": 0.5}, 2)
+    x = _probe(12, 32, seed=3)
+    xt = torch.nn.functional.interpolate(x, size=size_tgt, mode="bilinear", align_corners=False)
+    got_s = hidden_layer_stats(ms, x, ["acts"])["acts"]
+    got_t = hidden_layer_stats(mt, xt, ["acts"])["acts"]
+    ref_s, ref_t = _manual_preacts(ms, x), _manual_preacts(mt, xt)
+    assert len(got_s) == len(ref_s) == len(ms.layers()) - 1
+    for k, (a, b, ra, rb) in enumerate(zip(got_s, got_t, ref_s, ref_t)):
+        M, R = acts_cost(a, b), _cdist_acts(ra, rb)
+        assert M.shape == (ra.shape[1], rb.shape[1]) and M.dtype == np.float64
+        np.testing.assert_allclose(M, R, rtol=1e-5, atol=1e-6 * R.max(), err_msg=f"layer {k}")
+    # exact float64 inputs: the expansion equals cdist to rounding
+    a, b = ref_s[0], ref_t[0]
+    np.testing.assert_allclose(acts_cost(a, b), _cdist_acts(a, b), rtol=1e-10)
+    with pytest.raises(ValueError, match="same probe images"):
+        acts_cost(got_s[0][:5], got_t[0])
+
+
+def test_acts_fusion_recovers_a_permuted_copy_with_cached_activations():
+    """'acts' OT on a neuron-permuted, slightly perturbed copy: the plans are the permutations (found from cached
+    activations given by the caller and from the ones computed inside alike), so the fusion is the original."""
+    from hfl_components.fusion._arch import layer_table
+    m = _model(SPEC, 4)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    rows = layer_table(SPEC)
+    perm_sd, perms, prev = {}, [], None
+    g = torch.Generator().manual_seed(0)
+    for r in rows:
+        w, b = sd[f"{r.name}.weight"], sd[f"{r.name}.bias"]
+        if prev is not None:
+            if r.kind == "fc" and w.shape[1] != prev.numel():  # conv -> fc: channel-major flatten
+                hw = w.shape[1] // prev.numel()
+                idx = (prev[:, None] * hw + torch.arange(hw)[None]).reshape(-1)
+                w = w[:, idx]
+            else:
+                w = w[:, prev]
+        p = torch.arange(w.shape[0]) if r.is_output else torch.randperm(w.shape[0], generator=g)
+        perm_sd[f"{r.name}.weight"], perm_sd[f"{r.name}.bias"] = w[p].clone(), b[p].clone()
+        perms.append(p)
+        prev = p
+    x = _probe(16, 32, seed=7)
+    mp = build_fusable(SPEC)
+    mp.load_state_dict(perm_sd)
+    acts_s = hidden_layer_stats(mp, x, ["acts"])["acts"]
+    acts_t = hidden_layer_stats(m, x, ["acts"])["acts"]
+    outs = []
+    for given in (True, False):
+        plans: list = []
+        fused, recs, _ = ot_fuse_balanced(SPEC, perm_sd, SPEC, sd, 1.0, 3.0, ground_metric="acts", probe=x,
+                                          plans=plans, acts_src=acts_s if given else None,
+                                          acts_tgt=acts_t if given else None)
+        for Tb, p in zip(plans, perms):  # source neuron i is target neuron p[i]
+            assert torch.equal(Tb.argmax(1), p) and torch.allclose(Tb.sum(0), torch.ones(Tb.shape[1],
+                                                                                         dtype=torch.float64))
+        outs.append(fused)
+    for k in sd:
+        assert torch.allclose(outs[0][k], sd[k], rtol=1e-5, atol=1e-6), k
+        assert torch.equal(outs[0][k], outs[1][k]), k
 
 
 def test_sparse_plan_product_equals_dense_product():
@@ -177,20 +253,21 @@ def test_sparse_plan_product_equals_dense_product():
     assert torch.allclose(plan_t_matmul(T, X), torch.einsum("ij,i...->j...", T, X), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("repair,cka", [("layer", "linear"), ("channel", "pooled")])
-def test_aggregate_with_cached_statistics_equals_fresh_passes(repair, cka):
+@pytest.mark.parametrize("repair,cka,metric", [("layer", "linear", "wts"), ("channel", "pooled", "wts"),
+                                                ("layer", "linear", "acts")])
+def test_aggregate_with_cached_statistics_equals_fresh_passes(repair, cka, metric):
     """aggregate_models reuses statistics (one pass per model, fused models' statistics from their repair pass);
     chaining fuse_pair with no reuse and a fresh cache per pair probes the stored weights every time."""
     depths = ["shallow", "shallow", "medium", "deep"]
     models = [{"name": f"site-{k + 1}", "spec": {**SPEC, "depth": d}, "n_samples": 10 + k,
                "state_dict": _model({**SPEC, "depth": d}, 10 + k).state_dict()} for k, d in enumerate(depths)]
     probe = _probe(16, seed=5)
-    spec, sd, rec = aggregate_models(models, "cid", probe=probe, repair=repair, cka=cka)
+    spec, sd, rec = aggregate_models(models, "cid", probe=probe, repair=repair, cka=cka, ground_metric=metric)
     assert set(rec["phase_seconds"]) == {"cka", "alignment", "ot", "averaging", "repair"}
 
     def pair(src, tgt):
         return fuse_pair(src[:2], tgt[:2], probe, src[2], tgt[2], repair=repair, cka=cka, reuse=False,
-                         stats_cache=StatsCache())
+                         stats_cache=StatsCache(), ground_metric=metric)
     s = [(m["spec"], m["state_dict"], m["n_samples"]) for m in models]
     f12 = pair(s[1], s[0])  # same-depth group: site-2 into site-1, then the chain by depth
     f123 = pair((f12[0], f12[1], s[0][2] + s[1][2]), s[2])
@@ -207,3 +284,27 @@ def test_stats_cache_probes_each_model_once():
     _, _, rec = aggregate_models(models, "rand", probe=_probe(8), repair="layer")
     # rand: the base is the target of all 3 fusions; 3 sources + the base = 4 passes (not 6)
     assert rec["probe_passes"] == 4
+
+
+def test_acts_metric_probes_each_model_once_and_keeps_no_activations():
+    """cid with 'acts' and layer repair on 2 shallow + 2 deep models: one pass per site model (activations,
+    repair statistics and Grams together) and one for each balanced source; the fused models' activations come
+    from their repair passes. Consumed models' activations are dropped from the cache."""
+    specs = [{**SPEC, "depth": d} for d in ("shallow", "shallow", "deep", "deep")]
+    models = [{"name": f"site-{k + 1}", "spec": sp, "n_samples": 10, "state_dict": _model(sp, 30 + k).state_dict()}
+              for k, sp in enumerate(specs)]
+    import hfl_components.fusion.aggregate as agg
+    seen: list = []
+    orig = agg.StatsCache
+
+    class Spy(orig):
+        def __init__(self):
+            super().__init__()
+            seen.append(self)
+    agg.StatsCache = Spy
+    try:
+        _, _, rec = aggregate_models(models, "cid", probe=_probe(8), repair="layer", ground_metric="acts")
+    finally:
+        agg.StatsCache = orig
+    assert rec["probe_passes"] == 4 + 1  # four site models + the balanced (inserted-identity) shallow fusion
+    assert not any("acts" in e[2] for e in seen[0]._entries.values())

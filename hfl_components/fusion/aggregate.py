@@ -150,6 +150,9 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
                                   seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
                                   repair=repair, probe_tgt=probe_for(tgt.size), cka=cka, device=device,
                                   stats_cache=cache, reuse=strategy != "rand" and k < len(sites) - 2)
+        cache.drop(src.state_dict)  # its pre-activations ('acts' metric) are not needed again
+        if strategy != "rand":  # rand's base is the target of every pair
+            cache.drop(tgt.state_dict)
         for p in PHASES:
             phase[p] += rec["seconds"][p]
         pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})

@@ -40,7 +40,6 @@ import ot
 import torch
 
 from hfl_components.fusion._arch import LayerRow, layer_table, resolve
-from hfl_components.fusion.cka import layer_activations
 
 StateDict = dict[str, torch.Tensor]
 
@@ -55,8 +54,10 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
 
     Args:
         cost: array-like (n, m), finite, non-negative ground cost (any scale; divided by its max internally).
-        solver: ``"emd"`` (exact: ``ot.emd``'s network simplex, or the optimal assignment when n = m, see
-            :func:`_assignment_plan`) or ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
+        solver: ``"emd"`` (exact: ``ot.emd``'s network simplex, also for square problems: on the ``acts`` costs
+            of the main job's 1000 x 1000 fc layer SciPy's assignment solver took 0.15–2.3 s against the simplex's
+            0.24–0.35 s, and ~1.4x less on ``wts`` costs; see benchmarks/results/server_fusion.md) or
+            ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
             ``method="sinkhorn_log"``, regularisation ``reg`` relative to the max-normalised cost; ε-scaling warm
             starts when the plain iteration stalls, see :func:`_sinkhorn_log`).
         reg: entropic regularisation ε for Sinkhorn (paper: 0.01).
@@ -87,7 +88,7 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if solver == "emd":
-            T = _assignment_plan(M) if n == m else ot.emd(a, b, M, numItermax=int(num_itermax or 10_000_000))
+            T = ot.emd(a, b, M, numItermax=int(num_itermax or 10_000_000))
             rtol = 1e-6 if marginal_rtol is None else marginal_rtol
         elif solver == "sinkhorn":
             T = _sinkhorn_log(a, b, M, reg, int(num_itermax or 20_000))
@@ -103,25 +104,6 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
     # solver warnings (e.g. iteration cap reached) with marginals inside the tolerance are kept in info only
     return T, {"solver": solver, "cost_scale": scale, "transport_cost": float(np.sum(T * M)),
                "marginal_rel_err": err, "warnings": msgs}
-
-
-def _assignment_plan(M: np.ndarray) -> np.ndarray:
-    """Exact OT between two uniform measures of the same size n: the optimal assignment, T = P / n.
-
-    With α = β = 1/n the transportation polytope is the Birkhoff polytope scaled by 1/n, whose vertices are the
-    permutation matrices (Birkhoff–von Neumann), so a linear objective attains its minimum at one; ``ot.emd``'s
-    network simplex returns such a vertex. SciPy's Jonker–Volgenant solver (``linear_sum_assignment``) finds an
-    optimal permutation in a fraction of the simplex time (1000 x 1000: ~10x faster). The plans agree whenever the
-    optimum is unique; with exact ties (e.g. duplicated neurons) both return an optimal vertex, possibly not the
-    same one.
-    """
-    from scipy.optimize import linear_sum_assignment
-
-    n = M.shape[0]
-    rows, cols = linear_sum_assignment(M)
-    T = np.zeros_like(M)
-    T[rows, cols] = 1.0 / n
-    return T
 
 
 def _sinkhorn_log(a: np.ndarray, b: np.ndarray, M: np.ndarray, reg: float, num_itermax: int) -> np.ndarray:
@@ -170,25 +152,51 @@ def plan_t_matmul(T: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return out.reshape((m,) + rest)
 
 
-def _neuron_acts(acts: torch.Tensor, row: LayerRow, side: int | None = None) -> torch.Tensor:
-    """(n, C*H*W) or (n, C) float32 -> (C, n*h*w) float64 neuron activation vectors; conv maps are average-pooled
-    to ``side`` x ``side`` first when given (so two models probed at different input sizes give comparable
-    vectors: each entry is the mean pre-activation over the same image region)."""
-    n = acts.shape[0]
-    a = acts.reshape(n, row.n_out, -1)
-    if side is not None and row.kind == "conv" and a.shape[2] > 1:
-        s = int(round(a.shape[2] ** 0.5))
-        a = torch.nn.functional.adaptive_avg_pool2d(a.reshape(n, row.n_out, s, s), side).reshape(n, row.n_out, -1)
-    return a.permute(1, 0, 2).reshape(row.n_out, -1).to(torch.float64)
+def _neuron_matrix(a: torch.Tensor, side: int | None) -> torch.Tensor:
+    """One layer's pre-activations, float32 (n, C, H, W) or (n, C) -> float64 (D, C): column c is neuron c's
+    activation vector over all samples (and positions, conv maps average-pooled to ``side`` x ``side`` first
+    when they are larger). The entries come in the tensor's memory order (no copy before the float64 one for a
+    channels-last map); a distance between columns does not depend on that order."""
+    if a.dim() == 4:
+        if side is not None and a.shape[-1] != side:
+            a = torch.nn.functional.adaptive_avg_pool2d(a, side)
+        a = a.permute(0, 2, 3, 1)  # (n, H, W, C): a view for channels-last maps
+    return a.reshape(-1, a.shape[-1]).to(torch.float64)
 
 
-def _conv_side(acts: torch.Tensor, n_out: int) -> int:
-    return int(round((acts.shape[1] // n_out) ** 0.5))
+def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
+    """Ground cost of the ``acts`` metric for one hidden layer: M_ij = ‖x_i − y_j‖₂ between source neuron i's and
+    target neuron j's pre-activation vectors on the probe (all samples x positions).
+
+    Args:
+        acts_src, acts_tgt: float pre-activations of the layer, (n, C_src, H, W) and (n, C_tgt, H', W') for a conv
+            layer (any memory format; square maps) or (n, C_src) and (n, C_tgt) for a fully connected one; the
+            same n probe images. Conv maps of different sides (models probed at their own input sizes) are
+            average-pooled to the smaller side, so each entry is the mean pre-activation over the same image
+            region.
+
+    Returns:
+        float64 (C_src, C_tgt) array of distances, computed as sqrt(max(0, ‖x‖² + ‖y‖² − 2 x·y)) from one float64
+        matrix product (vectorised; the float32 activations are exact in float64). This equals ``torch.cdist`` on
+        the (C, n·h·w) float64 vectors up to rounding (~1e-16 relative in the squared distance of two vectors of
+        comparable norm; cdist itself uses this expansion above 25 rows).
+
+    Raises:
+        ValueError: different sample counts or layer kinds.
+    """
+    if acts_src.dim() != acts_tgt.dim() or acts_src.shape[0] != acts_tgt.shape[0]:
+        raise ValueError(f"acts cost needs the same probe images and layer kind, got {tuple(acts_src.shape)} "
+                         f"and {tuple(acts_tgt.shape)}")
+    side = min(acts_src.shape[-1], acts_tgt.shape[-1]) if acts_src.dim() == 4 else None
+    xs, xt = _neuron_matrix(acts_src, side), _neuron_matrix(acts_tgt, side)
+    d2 = (xs * xs).sum(0)[:, None] + (xt * xt).sum(0)[None, :] - 2.0 * (xs.T @ xt)
+    return d2.clamp_min_(0.0).sqrt_().numpy()
 
 
 def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: StateDict, weight_src: float,
                      weight_tgt: float, solver: str = "emd", ground_metric: str = "wts", probe=None,
-                     reg: float = 0.01, probe_tgt=None, plans: list | None = None) -> tuple[StateDict, list[dict], dict]:
+                     reg: float = 0.01, probe_tgt=None, plans: list | None = None, acts_src: list | None = None,
+                     acts_tgt: list | None = None) -> tuple[StateDict, list[dict], dict]:
     """Align the source's neurons to the target's layer by layer with OT and average (OHFL Sec. 3.4).
 
     Args:
@@ -203,6 +211,9 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
             average-pooled to the smaller of the two maps before the distances are taken.
         plans: if a list, the column-normalised plan T / β (float64 (n_src, n_tgt)) of every hidden layer is
             appended to it, in layer order (used by the per-channel repair, :mod:`.repair`).
+        acts_src, acts_tgt: for ``"acts"``, the hidden layers' pre-activations of source (on ``probe``) and target
+            (on ``probe_tgt``) already computed (``"acts"`` of :func:`.probe_stats.hidden_layer_stats`, e.g. from a
+            :class:`.probe_stats.StatsCache`); computed here by one hooked pass per model when None.
 
     Returns:
         ``(state_dict, layer_records, seconds)``: fused float32 tensors with the target's keys and shapes; one
@@ -225,16 +236,26 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
         raise ValueError(f"ground_metric must be 'wts' or 'acts', got {ground_metric!r}")
     secs = {"ot": 0.0, "averaging": 0.0}
     t0 = time.perf_counter()
-    acts_s = acts_t = None
+    acts_s, acts_t = acts_src, acts_tgt
     if ground_metric == "acts":
-        if probe is None:
-            raise ValueError("ground_metric='acts' needs a probe batch")
+        from hfl_components.fusion.probe_stats import hidden_layer_stats
         from hfl_components.models.fusable import build_fusable
-        ms, mt = build_fusable(src_spec), build_fusable(tgt_spec)
-        ms.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in src_sd.items()})
-        mt.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tgt_sd.items()})
-        acts_s = layer_activations(ms, probe)
-        acts_t = layer_activations(mt, probe if probe_tgt is None else probe_tgt)
+
+        def _acts(spec, sd, x):
+            if x is None:
+                raise ValueError("ground_metric='acts' needs a probe batch")
+            m = build_fusable(spec)
+            m.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in sd.items()})
+            return hidden_layer_stats(m, x, ["acts"])["acts"]
+
+        if acts_s is None:
+            acts_s = _acts(src_spec, src_sd, probe)
+        if acts_t is None:
+            acts_t = _acts(tgt_spec, tgt_sd, probe if probe_tgt is None else probe_tgt)
+        n_hidden = len(rows_s) - 1
+        if len(acts_s) != n_hidden or len(acts_t) != n_hidden:
+            raise ValueError(f"'acts' needs the pre-activations of {n_hidden} hidden layers, got {len(acts_s)} "
+                             f"and {len(acts_t)}")
     pool2 = resolve(tgt_spec)["pool"] ** 2
     P = torch.eye(resolve(src_spec)["in_channels"], dtype=torch.float64)  # row-normalised previous plan
     prev_kind = "conv"
@@ -263,12 +284,9 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
             if ground_metric == "wts":
                 xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
                 xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
+                M = torch.cdist(xs, xt).numpy()
             else:
-                side = None
-                if rs.kind == "conv":
-                    side = min(_conv_side(acts_s[idx], rs.n_out), _conv_side(acts_t[idx], rt.n_out))
-                xs, xt = _neuron_acts(acts_s[idx], rs, side), _neuron_acts(acts_t[idx], rt, side)
-            M = torch.cdist(xs, xt).numpy()
+                M = acts_cost(acts_s[idx], acts_t[idx])
             T, info = solve_ot(M, solver=solver, reg=reg)
             Tt = torch.from_numpy(T)
             col = Tt.sum(0, keepdim=True)

@@ -69,9 +69,12 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         stats_cache: a :class:`.probe_stats.StatsCache` shared across the pairwise fusions of one aggregation (a
             model's probe statistics are computed once); default a fresh one. Each model is probed in one forward
             pass that collects everything this pair needs from it (CKA Grams and repair statistics together).
-        reuse: with repair, also record the fused model's statistics (CKA Grams of ``cka`` and the repair
-            statistics) in ``stats_cache`` from the repair pass itself, for a later fusion step that uses the
-            result (only with a given ``stats_cache``); False when the result is final.
+        reuse: with repair, also record the fused model's statistics (CKA Grams of ``cka``, the repair
+            statistics and, for ``"acts"``, the pre-activations) in ``stats_cache`` from the repair pass itself,
+            for a later fusion step that uses the result (only with a given ``stats_cache``); False when the
+            result is final. The cache's pre-activations of a balanced source made for this pair are dropped
+            after the OT; the caller drops those of models that take part in no further fusion
+            (:meth:`.probe_stats.StatsCache.drop`).
 
     Returns:
         ``(spec, state_dict, record)``: a copy of the target's spec; float32 tensors with the target's keys/shapes;
@@ -80,8 +83,10 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
         ``balancing`` (``"none"``, ``"insert_identity"``, ``"merge"``), ``balanced_src_spec``, ``alignment``,
         ``ot_solver``, ``ground_metric``, ``weights`` ({src, tgt} normalised), ``layers`` (per-layer OT records),
         ``seconds`` ({cka, alignment, ot, averaging, repair}; alignment includes the balancing; cka the
-        probe passes of source and target not already in the cache, repair the statistics of the balanced source
-        and the repair pass, which with ``reuse`` also computes the fused model's Grams for the next step).
+        probe passes of source and target not already in the cache; ot, for ``"acts"``, the passes for the
+        pre-activations not already in the cache (each model's repair statistics come from the same pass);
+        repair the statistics of the balanced source not yet held and the repair pass, which with ``reuse`` also
+        computes the fused model's Grams (and ``"acts"`` pre-activations) for the next step).
 
     Raises:
         ValueError: incompatible models, no feasible layer map, missing probe, bad options.
@@ -98,9 +103,11 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     secs = dict.fromkeys(PHASES, 0.0)
     cost = None
     cache = StatsCache() if stats_cache is None else stats_cache
-    tgt_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[repair]
-    keep = ((tgt_need + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
-            if reuse and stats_cache is not None else [])
+    rep_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[repair]
+    acts = ["acts"] if ground_metric == "acts" else []
+    tgt_need = rep_need + acts  # everything the target gives on probe_t, requested together: one pass
+    keep = ((rep_need + acts + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
+            if reuse and stats_cache is not None and repair != "none" else [])
     if spec_signature(spec_s) == spec_signature(spec_t):
         pairs = [(i, i) for i in range(len(rows_s))]
         bal_spec, bal_sd, balancing = spec_s, sd_s, "none"
@@ -130,10 +137,23 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
             balancing = "merge"
         secs["alignment"] = time.perf_counter() - t0
     plans: list = []
+    acts_s = acts_t = None
+    t0 = time.perf_counter()
+    if acts:  # the 'acts' metric's pre-activations, with the repair statistics of the same model in one pass
+        if probe is None:
+            raise ValueError("ground_metric='acts' needs a probe batch")
+        acts_s = cache.get(bal_sd, probe, lambda: _load(bal_spec, bal_sd, device),
+                           acts + (rep_need if probe_t is probe else []))["acts"]
+        acts_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), tgt_need)["acts"]
+    t_acts = time.perf_counter() - t0
     sd, layer_recs, ot_secs = ot_fuse_balanced(bal_spec, bal_sd, spec_t, sd_t, weight_src, weight_tgt,
                                                solver=ot_solver, ground_metric=ground_metric, probe=probe,
-                                               reg=sinkhorn_reg, probe_tgt=probe_t, plans=plans)
-    secs["ot"], secs["averaging"] = ot_secs["ot"], ot_secs["averaging"]
+                                               reg=sinkhorn_reg, probe_tgt=probe_t, plans=plans,
+                                               acts_src=acts_s, acts_tgt=acts_t)
+    del acts_s, acts_t
+    if bal_sd is not sd_s:  # the balanced source exists for this pair only
+        cache.drop(bal_sd)
+    secs["ot"], secs["averaging"] = ot_secs["ot"] + t_acts, ot_secs["averaging"]
     w_sum = float(weight_src) + float(weight_tgt)
     ws, wt = float(weight_src) / w_sum, float(weight_tgt) / w_sum
     scales = None

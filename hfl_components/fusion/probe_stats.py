@@ -23,7 +23,7 @@ from torch import nn
 
 from hfl_components.fusion.grams import CKA_KINDS, _check_probe, _raw_gram, centre_gram
 
-STAT_KEYS = ("stds", "channel") + tuple(f"gram_{k}" for k in CKA_KINDS)
+STAT_KEYS = ("stds", "channel", "acts") + tuple(f"gram_{k}" for k in CKA_KINDS)
 
 
 def channel_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +76,8 @@ def layer_stats(y: torch.Tensor, need, info) -> dict:
             res[k] = layer_std(flat)
         elif k == "channel":
             res[k] = channel_stats(a)
+        elif k == "acts":
+            res[k] = a  # the pre-activations themselves (CPU float32, as computed; the ``acts`` ground metric)
         elif k == "gram_pooled" and is_conv:
             res[k] = _gram(a.reshape(n, a.shape[1], -1).mean(2) if a.dim() != 4 else a.mean((2, 3)), "pooled",
                            False, None)
@@ -128,7 +130,9 @@ def hidden_layer_stats(model: nn.Module, probe: torch.Tensor, need) -> dict[str,
         probe: float tensor (n, in_channels, S, S), n >= 2.
         need: iterable of keys from :data:`STAT_KEYS`: ``"stds"`` (float, std of all the layer's pre-activations,
             float64), ``"channel"`` ((mean, std) float64 (C,) per neuron), ``"gram_linear"`` / ``"gram_pooled"``
-            (centred n x n float64 Gram, :func:`.cka.centred_gram`), ``"gram_debiased"`` (raw Gram).
+            (centred n x n float64 Gram, :func:`.cka.centred_gram`), ``"gram_debiased"`` (raw Gram), ``"acts"``
+            (the layer's pre-activations themselves, CPU float32 (n, C, H, W) or (n, C), in the memory format the
+            pass produced; for the ``acts`` OT ground metric, :func:`.ot_fusion.acts_cost`).
 
     Returns:
         dict key -> list with one entry per hidden layer, in ``layers()`` order. Grams and channel statistics
@@ -174,6 +178,14 @@ class StatsCache:
             entry = (state_dict, probe, {})
             self._entries[key] = entry
         entry[2].update(stats)
+
+    def drop(self, state_dict, keys=("acts",)) -> None:
+        """Forget ``keys`` of every entry of ``state_dict`` (any probe), e.g. the large ``"acts"`` of a model that
+        takes part in no further fusion; a later request recomputes them."""
+        for entry in self._entries.values():
+            if entry[0] is state_dict:
+                for k in keys:
+                    entry[2].pop(k, None)
 
     def get(self, state_dict, probe: torch.Tensor, build, need) -> dict[str, list]:
         """Statistics ``need`` of the model ``build()`` (a callable returning the loaded model) on ``probe``."""

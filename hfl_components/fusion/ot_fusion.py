@@ -153,15 +153,18 @@ def plan_t_matmul(T: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def _neuron_matrix(a: torch.Tensor, side: int | None) -> torch.Tensor:
-    """One layer's pre-activations, float32 (n, C, H, W) or (n, C) -> float64 (D, C): column c is neuron c's
+    """One layer's pre-activations (n, C, H, W) or (n, C) -> (D, C) in the input's dtype: column c is neuron c's
     activation vector over all samples (and positions, conv maps average-pooled to ``side`` x ``side`` first
-    when they are larger). The entries come in the tensor's memory order (no copy before the float64 one for a
-    channels-last map); a distance between columns does not depend on that order."""
+    when they are larger). The entries come in the tensor's memory order (a view, no copy, for a channels-last
+    map); a distance between columns does not depend on that order."""
     if a.dim() == 4:
         if side is not None and a.shape[-1] != side:
             a = torch.nn.functional.adaptive_avg_pool2d(a, side)
-        a = a.permute(0, 2, 3, 1)  # (n, H, W, C): a view for channels-last maps
-    return a.reshape(-1, a.shape[-1]).to(torch.float64)
+        a = a.permute(0, 2, 3, 1)  # (n, H, W, C)
+    return a.reshape(-1, a.shape[-1])
+
+
+_CHUNK = 16384  # rows per float64 block: small enough to stay in cache, large enough for few Python steps
 
 
 def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
@@ -176,10 +179,11 @@ def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
             region.
 
     Returns:
-        float64 (C_src, C_tgt) array of distances, computed as sqrt(max(0, ‖x‖² + ‖y‖² − 2 x·y)) from one float64
-        matrix product (vectorised; the float32 activations are exact in float64). This equals ``torch.cdist`` on
-        the (C, n·h·w) float64 vectors up to rounding (~1e-16 relative in the squared distance of two vectors of
-        comparable norm; cdist itself uses this expansion above 25 rows).
+        float64 (C_src, C_tgt) array of distances sqrt(max(0, ‖x‖² + ‖y‖² − 2 x·y)). The norms and the cross
+        products are accumulated in float64 over blocks of ``_CHUNK`` rows, each block converted to float64 on
+        its own (float32 products are exact in float64; no full float64 copy of a 128 px activation map), so
+        this equals ``torch.cdist`` on the (C, n·h·w) float64 vectors up to rounding (~1e-16 relative in the
+        squared distance of vectors of comparable norm; cdist itself uses this expansion above 25 rows).
 
     Raises:
         ValueError: different sample counts or layer kinds.
@@ -189,7 +193,15 @@ def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
                          f"and {tuple(acts_tgt.shape)}")
     side = min(acts_src.shape[-1], acts_tgt.shape[-1]) if acts_src.dim() == 4 else None
     xs, xt = _neuron_matrix(acts_src, side), _neuron_matrix(acts_tgt, side)
-    d2 = (xs * xs).sum(0)[:, None] + (xt * xt).sum(0)[None, :] - 2.0 * (xs.T @ xt)
+    cross = torch.zeros((xs.shape[1], xt.shape[1]), dtype=torch.float64)
+    ns = torch.zeros(xs.shape[1], dtype=torch.float64)
+    nt = torch.zeros(xt.shape[1], dtype=torch.float64)
+    for i in range(0, xs.shape[0], _CHUNK):
+        zs, zt = xs[i:i + _CHUNK].to(torch.float64), xt[i:i + _CHUNK].to(torch.float64)
+        cross.addmm_(zs.T, zt)
+        ns += zs.square().sum(0)
+        nt += zt.square().sum(0)
+    d2 = ns[:, None] + nt[None, :] - 2.0 * cross
     return d2.clamp_min_(0.0).sqrt_().numpy()
 
 

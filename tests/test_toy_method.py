@@ -151,3 +151,17 @@ def test_toy_method_runs_in_the_simulator(tmp_path, data_root):
 
     header = read_model_header(hits[-1].parent / "global_model.pt")
     assert header["provenance"]["method"] == "fedavg_momentum"
+
+
+def test_exported_job_asks_sites_for_their_next_task_every_half_second(tmp_path):
+    """The server's task_request_interval (NVFlare default 2 s, the wait before a site's next task request) is
+    written into the exported server config, where NVFlare's server reads it (issue 15: round-start latency)."""
+    import json
+
+    from nvflare_jobs.jobs import TASK_REQUEST_INTERVAL_S, build_job
+
+    job = build_job("fedavg_momentum", _profile(), {"rounds": 1})
+    job.export_job(str(tmp_path))
+    cfg = json.loads(next(tmp_path.rglob("config_fed_server.json")).read_text())
+    assert cfg["server"] == {"task_request_interval": 0.5} == {"task_request_interval": TASK_REQUEST_INTERVAL_S}
+    assert [w["path"].rsplit(".", 1)[-1] for w in cfg["workflows"]] == ["MomentumFedAvgController"]

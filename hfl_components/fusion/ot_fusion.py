@@ -32,6 +32,7 @@ solving, which leaves the emd plan unchanged and keeps exp(−M/ε) representabl
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -205,6 +206,26 @@ def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
     return d2.clamp_min_(0.0).sqrt_().numpy()
 
 
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    """Run the enclosed torch operations on one intra-op thread, restoring the previous count afterwards.
+
+    The per-layer OT work (cost blocks, plan products, averaging) is hundreds of small operations; with PyTorch's
+    default of one thread per core, each of them synchronises its OpenMP threads, and on a busy machine (the
+    server shares its cores with the sites and, here, other jobs) that made them 3-10x slower than on one thread
+    (the six-model fusion's OT phase: 8.5 s on 2 threads vs 5.2 s on 1 at load average 3-4). The probe forward
+    passes, whose convolutions do gain from threads, run outside this block."""
+    old = torch.get_num_threads()
+    if old == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: StateDict, weight_src: float,
                      weight_tgt: float, solver: str = "emd", ground_metric: str = "wts", probe=None,
                      reg: float = 0.01, probe_tgt=None, plans: list | None = None, acts_src: list | None = None,
@@ -273,52 +294,53 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
     prev_kind = "conv"
     out: StateDict = {}
     records: list[dict] = []
-    for idx, (rs, rt) in enumerate(zip(rows_s, rows_t)):
-        t1 = time.perf_counter()
-        W = torch.as_tensor(src_sd[f"{rs.name}.weight"]).to(torch.float64)
-        b = torch.as_tensor(src_sd[f"{rs.name}.bias"]).to(torch.float64)
-        Wt = torch.as_tensor(tgt_sd[f"{rt.name}.weight"])
-        bt = torch.as_tensor(tgt_sd[f"{rt.name}.bias"])
-        if rs.kind == "fc" and prev_kind == "conv" and pool2 > 1:
-            P = torch.kron(P, torch.eye(pool2, dtype=torch.float64))  # channel plan ⊗ I_{h·w}
-        if W.shape[1] != P.shape[0]:
-            raise ValueError(f"{rs.name}: {W.shape[1]} inputs but the carried plan has {P.shape[0]} rows")
-        # W · (T_prev / α_prev): contract the input axis of W with the plan (sparse for exact OT)
-        W_hat = plan_t_matmul(P, W.transpose(0, 1)).transpose(0, 1)
-        if tuple(W_hat.shape[1:]) != tuple(Wt.shape[1:]) or (rs.is_output and W.shape[0] != Wt.shape[0]):
-            raise ValueError(f"{rs.name}: aligned source shape {tuple(W_hat.shape)} does not fit target "
-                             f"{rt.name} {tuple(Wt.shape)}")
-        rec = {"layer": rt.name, "src_layer": rs.name, "n_src": int(W.shape[0]), "n_tgt": int(Wt.shape[0])}
-        if rs.is_output:
-            W_bar, b_bar = W_hat, b  # identity plan: class k -> class k
-            rec["plan"] = "identity"
-        else:
-            if ground_metric == "wts":
-                xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
-                xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
-                M = torch.cdist(xs, xt).numpy()
+    with _one_intra_op_thread():
+        for idx, (rs, rt) in enumerate(zip(rows_s, rows_t)):
+            t1 = time.perf_counter()
+            W = torch.as_tensor(src_sd[f"{rs.name}.weight"]).to(torch.float64)
+            b = torch.as_tensor(src_sd[f"{rs.name}.bias"]).to(torch.float64)
+            Wt = torch.as_tensor(tgt_sd[f"{rt.name}.weight"])
+            bt = torch.as_tensor(tgt_sd[f"{rt.name}.bias"])
+            if rs.kind == "fc" and prev_kind == "conv" and pool2 > 1:
+                P = torch.kron(P, torch.eye(pool2, dtype=torch.float64))  # channel plan ⊗ I_{h·w}
+            if W.shape[1] != P.shape[0]:
+                raise ValueError(f"{rs.name}: {W.shape[1]} inputs but the carried plan has {P.shape[0]} rows")
+            # W · (T_prev / α_prev): contract the input axis of W with the plan (sparse for exact OT)
+            W_hat = plan_t_matmul(P, W.transpose(0, 1)).transpose(0, 1)
+            if tuple(W_hat.shape[1:]) != tuple(Wt.shape[1:]) or (rs.is_output and W.shape[0] != Wt.shape[0]):
+                raise ValueError(f"{rs.name}: aligned source shape {tuple(W_hat.shape)} does not fit target "
+                                 f"{rt.name} {tuple(Wt.shape)}")
+            rec = {"layer": rt.name, "src_layer": rs.name, "n_src": int(W.shape[0]), "n_tgt": int(Wt.shape[0])}
+            if rs.is_output:
+                W_bar, b_bar = W_hat, b  # identity plan: class k -> class k
+                rec["plan"] = "identity"
             else:
-                M = acts_cost(acts_s[idx], acts_t[idx])
-            T, info = solve_ot(M, solver=solver, reg=reg)
-            Tt = torch.from_numpy(T)
-            col = Tt.sum(0, keepdim=True)
-            row = Tt.sum(1, keepdim=True)
-            Tb = Tt / col  # column-normalised: T / β
-            W_bar = plan_t_matmul(Tb, W_hat)
-            b_bar = Tb.T @ b
-            P = Tt / row  # row-normalised: T / α, carried into the next layer
-            if plans is not None:
-                plans.append(Tb)
-            rec.update({"plan": "ot", **{k: info[k] for k in ("transport_cost", "cost_scale", "marginal_rel_err",
-                                                              "warnings")}})
-        t2 = time.perf_counter()
-        out[f"{rt.name}.weight"] = (ws * W_bar + wt * Wt.to(torch.float64)).to(torch.float32)
-        out[f"{rt.name}.bias"] = (ws * b_bar + wt * bt.to(torch.float64)).to(torch.float32)
-        t3 = time.perf_counter()
-        secs["ot"] += t2 - t1
-        secs["averaging"] += t3 - t2
-        records.append(rec)
-        prev_kind = rs.kind
+                if ground_metric == "wts":
+                    xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
+                    xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
+                    M = torch.cdist(xs, xt).numpy()
+                else:
+                    M = acts_cost(acts_s[idx], acts_t[idx])
+                T, info = solve_ot(M, solver=solver, reg=reg)
+                Tt = torch.from_numpy(T)
+                col = Tt.sum(0, keepdim=True)
+                row = Tt.sum(1, keepdim=True)
+                Tb = Tt / col  # column-normalised: T / β
+                W_bar = plan_t_matmul(Tb, W_hat)
+                b_bar = Tb.T @ b
+                P = Tt / row  # row-normalised: T / α, carried into the next layer
+                if plans is not None:
+                    plans.append(Tb)
+                rec.update({"plan": "ot", **{k: info[k] for k in ("transport_cost", "cost_scale", "marginal_rel_err",
+                                                                  "warnings")}})
+            t2 = time.perf_counter()
+            out[f"{rt.name}.weight"] = (ws * W_bar + wt * Wt.to(torch.float64)).to(torch.float32)
+            out[f"{rt.name}.bias"] = (ws * b_bar + wt * bt.to(torch.float64)).to(torch.float32)
+            t3 = time.perf_counter()
+            secs["ot"] += t2 - t1
+            secs["averaging"] += t3 - t2
+            records.append(rec)
+            prev_kind = rs.kind
     # everything not spent averaging (including the 'acts' forward passes) counts as OT time
     secs["ot"] = (time.perf_counter() - t0) - secs["averaging"]
     return out, records, secs

@@ -7,7 +7,9 @@ images at the largest size, 128 px): seconds per phase (cka, alignment, ot, aver
 job's wall time (``RUN/metrics.json``), how each phase grows with width (x1, x2, x4 of the main-job specs) and with
 the number of sites (2, 6, 12, 24 via perturbed copies of the six), and the fitted growth exponent (least squares
 slope of log seconds on log width / log sites). ``--baseline COMMIT`` times the same six-model fusion with the
-fusion code of an older commit in a subprocess, side by side (``git archive``; nothing is installed).
+fusion code of an older commit in a subprocess, side by side (``git archive``; nothing is installed), and prints
+the largest per-tensor relative difference between the two fused models (with ``acts`` exactly tied OT plans can
+make it large while the models compute the same function; see benchmarks/results/server_fusion.md, section 5a).
 
 Part 1 — server fusion time by phase (CKA, alignment incl. depth balancing, OT, averaging) for 2–12 cnn-family models
 at width multipliers 0.25–2 and vgg11-family models at 0.125–0.5, printing how the time grows with width. Sites get

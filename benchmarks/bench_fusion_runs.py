@@ -51,6 +51,9 @@ CONFIGS = {
 
 
 def load_run(run: Path) -> dict:
+    """A finished OHFL run's uploads: ``{"models": [{name, spec, state_dict, n_samples, input_size, val}], "probe",
+    "seed", "probe_size", "metrics"}`` (``val``: the site's own validation metrics of its local model, from the
+    gate record). Raises FileNotFoundError / ValueError for a missing or unreadable file."""
     from hfl_components.models.files import load_model_file
 
     met = json.loads((run / "metrics.json").read_text())
@@ -69,6 +72,8 @@ _PROBES: dict = {}
 
 
 def probe_for(r: dict, models: list[dict], at: str):
+    """The server's probe for ``models``: the run's probe images at the largest input size (a tensor (n, 1, S, S))
+    or, with ``at="own"``, ``{size: tensor}`` for every input size (``load_probe`` with the run's seed)."""
     from hfl_components.flare.probe import load_probe
 
     sizes = sorted({m["input_size"] for m in models})
@@ -82,6 +87,8 @@ def probe_for(r: dict, models: list[dict], at: str):
 
 
 def fuse(r: dict, models: list[dict], cfg: dict):
+    """``aggregate_models`` as the OHFL controller calls it, with the levers of ``cfg``; returns (spec, state_dict,
+    record, seconds)."""
     t0 = time.perf_counter()
     spec, sd, rec = aggregate_models(models, strategy="cid", probe=probe_for(r, models, cfg["probe_at"]),
                                      alignment="cka", ot_solver=cfg["ot_solver"], ground_metric=cfg["ground_metric"],
@@ -91,6 +98,7 @@ def fuse(r: dict, models: list[dict], cfg: dict):
 
 
 def score(spec, sd, sizes) -> list[float]:
+    """Zero-shot AUC (pneumonia vs normal) of a model on the ``tuning`` part at each of ``sizes`` (pixels)."""
     y = L.data("tuning", 64)["y"].numpy()
     return [L.auc(y, L.predict(spec, sd, s)) for s in sizes]
 

@@ -49,6 +49,7 @@ CRITERIA = {
 
 @torch.no_grad()
 def score(path: Path) -> dict:
+    """``{"auc", "bacc"}`` of a model file on the ``tuning`` part at its own input size (argmax rule)."""
     from hfl_components.models.files import load_model_file
 
     model, head = load_model_file(path)
@@ -90,8 +91,9 @@ def main(argv=None) -> int:
                      "adopted": n_fed}
         line = f"  {name:<30} AUC {out[name]['auc']:.3f}  bal.acc {out[name]['bacc']:.3f}  adopted {n_fed}"
         if a.control:
-            line += (f"  (vs local+ft: ΔAUC {np.mean([p['auc'] - r['control']['auc'] for p, r in zip(pick, sites)]):+.3f}"
-                     f", Δbal.acc {np.mean([p['bacc'] - r['control']['bacc'] for p, r in zip(pick, sites)]):+.3f})")
+            d_auc = np.mean([p["auc"] - r["control"]["auc"] for p, r in zip(pick, sites)])
+            d_bacc = np.mean([p["bacc"] - r["control"]["bacc"] for p, r in zip(pick, sites)])
+            line += f"  (vs local+ft: ΔAUC {d_auc:+.3f}, Δbal.acc {d_bacc:+.3f})"
         print(line)
     if a.json:
         Path(a.json).write_text(json.dumps({"sites": sites, "criteria": out}, indent=1))

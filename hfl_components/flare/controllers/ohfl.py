@@ -26,7 +26,8 @@ class OHFLController(HFLController):
             every neuron's mean and std through the OT plan); ``hfl_components.fusion.repair``. True/False are read
             as ``layer``/``none``. Default ``channel`` (issue 11, with ``probe_at="own"``: the main job's six-site
             fusion scored zero-shot AUC 0.918 / 0.832 / 0.883 on seeds 0 / 1 / 2 against 0.830 / 0.837 / 0.532 with
-            ``layer`` and the largest-size probe; tuning part of chest_xray_224, ``benchmarks/results/fusion_ladder.md``).
+            ``layer`` and the largest-size probe; tuning part of chest_xray_224,
+            ``benchmarks/results/fusion_ladder.md``).
         cka (str): ``linear`` (the paper's Eq. 1) | ``debiased`` | ``pooled``. Default ``linear``.
         probe_at (str): ``largest`` (every model probed at the largest site input size) | ``own`` (each model at
             its own input size, the same images; fused models at their target's size). Default ``own``.

@@ -78,6 +78,7 @@ LEVERS = {
     "paper": {"ot_solver": "sinkhorn", "repair": "none"},
     "acts+channel": {"ground_metric": "acts", "repair": "channel"},  # finalist combinations, not single levers
     "acts+probe=own": {"ground_metric": "acts", "probe": "own"},
+    "acts+channel+own": {"ground_metric": "acts", "repair": "channel", "probe": "own"},  # defaults since issue 11
 }
 
 

@@ -676,6 +676,98 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     return {**info, "rows": rows}
 
 
+# Issue 11's targets for the main job (3 seeds, external evaluation part), checked on every compare with OHFL.
+GLOBAL_AUC_TARGET = 0.75   # the fused global model's zero-shot mean AUC
+STRETCH_GAP = 0.05         # stretch: global within this of its parents' (pre-fusion local models') mean AUC
+
+
+def load_external(out: Path) -> dict | None:
+    """The external evaluation tables compare wrote (``comparison_external.csv``, ``paired_external.json``) as
+    ``{"rows": [...], "paired": [...], ...}`` with numbers as floats; None when either file is missing."""
+    out = Path(out)
+    f_rows, f_pair = out / "comparison_external.csv", out / "paired_external.json"
+    if not (f_rows.is_file() and f_pair.is_file()):
+        return None
+    rows = []
+    with f_rows.open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            for k in EXT_COLUMNS[7:]:
+                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+            r["seed"] = int(r["seed"])
+            rows.append(r)
+    return {**json.loads(f_pair.read_text()), "rows": rows}
+
+
+def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
+    """Issue 11's targets for ``method`` (the main job) from an external evaluation (:func:`external_tables` or
+    :func:`load_external`): one ``{"target", "value", "met"}`` per target, ``met`` True/False, or None for a number
+    reported without a threshold (the verdict against FedAvg). ``[]`` when ``method`` has no external rows.
+
+    Targets: (1) the global model's zero-shot AUC (site input sizes averaged), mean over seeds, >= 0.75;
+    (2) stretch: within 0.05 of the pre-fusion local models' mean; (3) the deployed models' mean AUC >= the
+    pre-fusion local models' mean; (4) the paired verdict of the deployed models against local+ft is not "worse",
+    for AUC and for balanced accuracy; (5) the paired verdict against FedAvg, reported as it is.
+    """
+    rows = [r for r in ext.get("rows", []) if r["method"] == method]
+    if not rows:
+        return []
+    seeds = sorted({r["seed"] for r in rows})
+
+    def mean(kind, model=None):
+        v = [r["auc"] for r in rows if r["kind"] == kind and (model is None or r["model"] == model)
+             and r["auc"] is not None]
+        return (float(np.mean(v)), len(v)) if v else (None, 0)
+
+    per_seed = {s: next((r["auc"] for r in rows if r["seed"] == s and r["model"] == "global"), None) for s in seeds}
+    g, _ = mean("global", "global")
+    loc, n_loc = mean("local")
+    dep, n_dep = mean("deployed")
+    out = []
+    if g is not None:
+        seeds_txt = ", ".join(f"seed {s} {'–' if v is None else f'{v:.3f}'}" for s, v in per_seed.items())
+        out.append({"target": f"global model zero-shot mean AUC >= {GLOBAL_AUC_TARGET}",
+                    "value": f"{g:.3f} over {len(seeds)} seed(s) ({seeds_txt})", "met": g >= GLOBAL_AUC_TARGET})
+        if loc is not None:
+            out.append({"target": f"stretch: global within {STRETCH_GAP} of its parents' mean AUC",
+                        "value": f"{g:.3f} vs {loc:.3f} (gap {g - loc:+.3f})", "met": g >= loc - STRETCH_GAP})
+    if dep is not None and loc is not None:
+        out.append({"target": "deployed models' mean AUC >= the pre-fusion local models' mean",
+                    "value": f"{dep:.3f} ({n_dep} models) vs {loc:.3f} ({n_loc} models)", "met": dep >= loc})
+    for p in ext.get("paired", []):
+        if p.get("a") != method or p.get("kind_a") != "deployed" or p.get("kind_b") != "deployed":
+            continue
+        vs_fedavg = p.get("b") == "fedavg"
+        if not vs_fedavg and p.get("b") != ext.get("control"):
+            continue
+        for metric, label in (("auc", "AUC"), ("balanced_accuracy", "balanced accuracy")):
+            d = p.get(metric) or {}
+            if d.get("diff") is None:
+                continue
+            value = f"{d['diff']:+.3f} (95% CI {d['ci_low']:+.3f} to {d['ci_high']:+.3f}): {d.get('verdict')}"
+            if vs_fedavg:
+                out.append({"target": f"verdict against equal-epoch FedAvg, {label} (reported, no threshold)",
+                            "value": value, "met": None})
+            else:
+                out.append({"target": f"verdict against local+ft not 'worse', {label}", "value": value,
+                            "met": d.get("verdict") != "worse"})
+    return out
+
+
+def targets_markdown(targets: list[dict]) -> list[str]:
+    """Markdown lines of :func:`ohfl_targets` (a table; empty when there are none)."""
+    if not targets:
+        return []
+    L = ["", "### Issue 11 targets (OHFL main job, external evaluation)", "",
+         "| target | value | met |", "|---|---|---|"]
+    for t in targets:
+        L.append(f"| {t['target']} | {t['value']} | "
+                 + {True: "met", False: "**NOT met**", None: "reported"}[t["met"]] + " |")
+    n_not = sum(t["met"] is False for t in targets)
+    L += ["", f"{n_not} of {sum(t['met'] is not None for t in targets)} targets not met." if n_not
+          else "All targets met."]
+    return L
+
+
 def _ci_cell(d: dict) -> str:
     if d.get("diff") is None:
         return "–"
@@ -698,6 +790,7 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
     for m in methods:
         ep = plans.get(m, {}).get("total_epochs_per_site", "–")
         for kind, label in (("deployed", "deployed (per site)"), ("local", "pre-fusion local (per site)"),
+                            ("federated", "fine-tuned federated, before the gate (per site)"),
                             ("global", "global (site mean)")):
             rs = [r for r in rows if r["method"] == m and r["kind"] == kind
                   and (kind != "global" or r["model"] == "global")]
@@ -732,6 +825,8 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
     if len(seeds) < 3:
         L += ["", f"Only {len(seeds)} seed(s): the protocol asks for at least 3 before a verdict is reported as a "
               "result."]
+    if "ohfl" in methods:
+        L += targets_markdown(ohfl_targets(ext))
     return L
 
 

@@ -61,13 +61,13 @@ def test_consumers_read_the_catalogue():
         for _, o in users:
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
-    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "layer", "cka": "linear",
-                                      "probe_at": "largest", "init": "site", "gate": True}
+    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
+                                      "probe_at": "own", "init": "site", "gate": True}
 
 
 def test_validate_options_types_choices_defaults_and_fixed_values():
     v = validate_options("ohfl", {"probe": "generated", "strategy": "cdd", "probe_size": "32", "gate": "false"})
-    assert (v["strategy"], v["probe_size"], v["gate"], v["ot"], v["repair"]) == ("cdd", 32, False, "emd", "layer")
+    assert (v["strategy"], v["probe_size"], v["gate"], v["ot"], v["repair"]) == ("cdd", 32, False, "emd", "channel")
     assert validate_options("ohfl", {"probe": "x", "repair": False})["repair"] == "none"
     with pytest.raises(OptionError, match=r"ohfl: option 'strategy' \(--strategy\) must be one of .*'bogus'"):
         validate_options("ohfl", {"probe": "generated", "strategy": "bogus"})

@@ -271,6 +271,9 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
         deployed = load_model_file(rt.state_dir / "deployed_model.pt")[0].state_dict()
         want = fed if adopt else local
         assert all(torch.equal(deployed[k], v) for k, v in want.state_dict().items())
+        cand, head = load_model_file(rt.state_dir / "federated_model.pt")  # kept whatever the gate decided
+        assert head["kind"] == "federated"
+        assert all(torch.equal(cand.state_dict()[k], v) for k, v in fed.state_dict().items())
         assert metrics["val"]["auc"] == pytest.approx(1.0)
     # the gate off: the federated model is deployed whatever it scores
     t = _TensorRuntime(tmp_path / "off", x, y)

@@ -115,7 +115,8 @@ def ohfl_finetune(rt, params, meta):
     """OHFL step 2: evaluate the global model zero-shot, fine-tune it at the site's input size, and deploy it --
     unless the deployment gate (``task_config["gate"]``, on by default) finds that it does not beat the site's own
     local model on the site's validation split, in which case the site keeps (deploys) its local model and says
-    so in its log and in ``metrics["gate"]``."""
+    so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
+    ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
     tc = meta.get("task_config", {})
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")
@@ -127,6 +128,9 @@ def ohfl_finetune(rt, params, meta):
         from hfl_components.models import load_model_file
 
         local_model, local_header = load_model_file(rt.state_dir / "local_model.pt")
+        # the fine-tuned federated candidate is kept whatever the gate decides (RUN/models/<site>_federated.pt),
+        # so the gate's choice can be checked offline against both candidates
+        rt.save_model(rt.state_dir / "federated_model.pt", kind="federated")
         fed_spec, fed_sd = rt.spec, {k: v.detach().cpu().clone() for k, v in rt.model.state_dict().items()}
         rt.set_model(local_header["spec"], local_model.state_dict())
         gate = deployment_gate(fed_val, rt.evaluate("val"))

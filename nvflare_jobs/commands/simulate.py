@@ -382,7 +382,7 @@ def run_simulate(args) -> int:
     models_dir = run_dir / "models"
     models_dir.mkdir(exist_ok=True)
     for site in profile:
-        for name in ("deployed_model.pt", "local_model.pt"):
+        for name in ("deployed_model.pt", "local_model.pt", "federated_model.pt"):
             src = ws / site / "cxr_hfl_state" / name
             if src.is_file():
                 shutil.copy2(src, models_dir / f"{site}_{name.replace('_model.pt', '')}.pt")

@@ -1,0 +1,86 @@
+"""Issue 11's targets in compare's tables and in the comparison's report.html (hand-made external tables)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+
+def _write_tables(out):
+    """Two seeds of an OHFL run's external rows and its paired verdicts, numbers chosen by hand."""
+    cols = ["method", "seed", "model", "kind", "site", "input_size", "n", "auc", "balanced_accuracy", "accuracy",
+            "sensitivity", "specificity"]
+    rows = []
+    for seed, g, locs, deps in ((0, 0.80, (0.90, 0.80), (0.90, 0.90)), (1, 0.60, (0.85, 0.85), (0.80, 0.80))):
+        rows.append(["ohfl", seed, "global_64px", "global", "", 64, 10, 0.1, 0.5, 0.5, 1, 0])  # per size: ignored
+        rows.append(["ohfl", seed, "global", "global", "", "per site", 10, g, 0.5, 0.5, 1, 0])
+        for k, (lo, de) in enumerate(zip(locs, deps), start=1):
+            rows.append(["ohfl", seed, f"site-{k}_local", "local", f"site-{k}", 64, 10, lo, 0.7, 0.7, 1, 0])
+            rows.append(["ohfl", seed, f"site-{k}_deployed", "deployed", f"site-{k}", 64, 10, de, 0.7, 0.7, 1, 0])
+            rows.append(["local", seed, f"site-{k}_deployed", "deployed", f"site-{k}", 64, 10, 0.99, 0.9, 0.9, 1, 0])
+    with (out / "comparison_external.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        w.writerows(rows)
+
+    def d(diff, lo, hi, verdict):
+        return {"diff": diff, "ci_low": lo, "ci_high": hi, "verdict": verdict, "n_pairs": 4}
+    paired = [
+        {"comparison": "ohfl vs local+ft (local, same E epochs)", "a": "ohfl", "b": "local", "kind_a": "deployed",
+         "kind_b": "deployed", "auc": d(-0.01, -0.03, 0.01, "no difference detected"),
+         "balanced_accuracy": d(-0.05, -0.08, -0.02, "worse")},
+        {"comparison": "ohfl vs FedAvg", "a": "ohfl", "b": "fedavg", "kind_a": "deployed", "kind_b": "deployed",
+         "auc": d(0.02, 0.01, 0.03, "better"), "balanced_accuracy": d(0.0, -0.1, 0.1, "no difference detected")},
+        {"comparison": "ohfl deployed vs its own pre-fusion local models", "a": "ohfl", "b": "ohfl",
+         "kind_a": "deployed", "kind_b": "local", "auc": d(0.0, -0.1, 0.1, "no difference detected"),
+         "balanced_accuracy": d(0.0, -0.1, 0.1, "no difference detected")}]
+    (out / "paired_external.json").write_text(json.dumps({"name": "chest_xray_224-evaluation", "part": "evaluation",
+                                                          "control": "local", "paired": paired}))
+
+
+def test_targets_from_the_external_tables(tmp_path):
+    from nvflare_jobs.compare import load_external, ohfl_targets, targets_markdown
+
+    _write_tables(tmp_path)
+    t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
+    g = t["global model zero-shot mean AUC >= 0.75"]
+    assert g["met"] is False and g["value"].startswith("0.700 over 2 seed(s) (seed 0 0.800, seed 1 0.600)")
+    s = t["stretch: global within 0.05 of its parents' mean AUC"]  # parents' mean (0.9+0.8+0.85+0.85)/4 = 0.85
+    assert s["met"] is False and s["value"] == "0.700 vs 0.850 (gap -0.150)"
+    dep = t["deployed models' mean AUC >= the pre-fusion local models' mean"]  # (0.9+0.9+0.8+0.8)/4 = 0.85: equal
+    assert dep["met"] is True and dep["value"] == "0.850 (4 models) vs 0.850 (4 models)"
+    assert t["verdict against local+ft not 'worse', AUC"]["met"] is True
+    ba = t["verdict against local+ft not 'worse', balanced accuracy"]
+    assert ba["met"] is False and ba["value"] == "-0.050 (95% CI -0.080 to -0.020): worse"
+    fa = t["verdict against equal-epoch FedAvg, AUC (reported, no threshold)"]
+    assert fa["met"] is None and fa["value"].endswith(": better")
+    assert len(t) == 7  # the deployed-vs-own-local pair is not a target row
+    md = "\n".join(targets_markdown(list(t.values())))
+    assert "3 of 5 targets not met." in md and "| **NOT met** |" in md
+    assert ohfl_targets(load_external(tmp_path), method="fedsaf") == []
+
+
+def test_compare_report_html_states_the_targets_not_met(tmp_path):
+    from nvflare_jobs.report import render_report
+
+    _write_tables(tmp_path)
+    (tmp_path / "comparison.csv").write_text("method,seed\n")
+    html = render_report(tmp_path).read_text()
+    assert "Issue 11 targets (OHFL main job, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
+    head = html.split("<b>Targets not met: ", 1)[1].split("</b>", 1)[0]
+    assert "global model zero-shot mean AUC &gt;= 0.75 (0.700 over 2 seed(s)" in head
+    assert "balanced accuracy (-0.050 (95% CI -0.080 to -0.020): worse)" in head
+    assert "deployed models" not in head  # met targets are not listed as missed
+    assert html.count("NOT met") == 3
+
+
+def test_no_targets_without_an_external_evaluation(tmp_path):
+    from nvflare_jobs.compare import load_external
+    from nvflare_jobs.report import targets_html
+
+    assert load_external(tmp_path) is None and targets_html(tmp_path) == []
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])

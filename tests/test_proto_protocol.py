@@ -31,6 +31,28 @@ def test_training_pool_is_tuning_plus_probe_and_never_evaluation(tmp_path, data_
     assert sorted({r["label"] for r in recs}) == [0, 1, 2]
 
 
+def test_training_pool_with_chest_xray_original_appended(tmp_path, data_root):
+    """``extra_roots``: every chest_xray_original image appended (850, subtypes from the file names), still no image
+    of the evaluation part; a root holding pool images (chest_xray_224 itself) is refused."""
+    from chest_xray import scan_dataset
+    from chest_xray.splits import TRAINING_PARTS, split_rows, write_pool_csv
+
+    root, orig = data_root / "chest_xray_224", data_root / "chest_xray_original"
+    if not (root.is_dir() and orig.is_dir()):
+        pytest.skip(f"no chest_xray_224 / chest_xray_original under {data_root}")
+    f = write_pool_csv(TRAINING_PARTS, root, tmp_path / "pool.csv", extra_roots=[orig])
+    recs, rep = scan_dataset(f, labels="subtype", verify=False)
+    assert len(recs) == 1055 + 850
+    from_orig = [r for r in recs if "chest_xray_original" in r["path"]]
+    assert len(from_orig) == 850
+    # chest_xray_original: NORMAL 330, bacterial 260, viral 260 (data README)
+    assert np.bincount([r["label"] for r in from_orig], minlength=3).tolist() == [330, 260, 260]
+    names = {r["path"].rsplit("/", 1)[-1].lower() for r in recs}
+    assert not names & {r["path"].rsplit("/", 1)[-1].lower() for r in split_rows("evaluation")}
+    with pytest.raises(ValueError, match="holds .* image"):
+        write_pool_csv(TRAINING_PARTS, root, tmp_path / "bad.csv", extra_roots=[root])
+
+
 def test_balanced_sampler_weights_are_inverse_class_counts():
     from hfl_components.flare.site_tasks import balanced_sampler
 

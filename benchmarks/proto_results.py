@@ -76,7 +76,9 @@ def outcome(b: dict) -> list[str]:
     from nvflare_jobs.proto_eval import FLOOR
 
     s = b["summary"]
-    ms = [m for m in ("local", "fedproto", "fedsaf", "fedtopo") if m in s["methods"]]
+    from nvflare_jobs.compare import _order
+
+    ms = [m for m in _order(list(s["methods"])) if m in LABEL and ":" not in m]  # the plain methods, report order
     if not ms:
         return []
     ok = all(s["methods"][m]["floor_met"] for m in ms)

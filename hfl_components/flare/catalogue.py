@@ -30,6 +30,8 @@ fedtopo  subtype 20     1            10 (unused)
 
 Prototype methods (issue 16): 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
 training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px; ``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
+FedProto's alignment weights default to lambda 0 / gamma 1/64 (:data:`FEDPROTO_LAM`, :data:`FEDPROTO_GAMMA`: the
+paper's instance-level MSE at its reference code's scale); FedSAF and FedTopo to 1 / 1.
 
 Adding a method: one :class:`MethodEntry` (here, or :func:`register` for a method defined elsewhere) naming its
 controller; see docs/INTERFACES.md, "Adding a method".
@@ -269,7 +271,7 @@ _ENTRIES: list[MethodEntry] = [
     MethodEntry("fedproto", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_fedsaf_options(True),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
-                uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes"),
+                uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
     MethodEntry("fedtopo", _CTL + "FedTopoController", ("fedtopo_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_FEDTOPO,
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},

@@ -70,6 +70,39 @@ def table(blocks: list[dict], methods: list[str], ref: str) -> list[str]:
     return L
 
 
+def outcome(b: dict) -> list[str]:
+    """The pass/fail learning floor per method and the two verdicts the issue asks for (FedSAF vs FedProto, FedTopo
+    vs Local; balanced accuracy and AUC on both sets), as text, for one compare folder."""
+    from nvflare_jobs.proto_eval import FLOOR
+
+    s = b["summary"]
+    from nvflare_jobs.compare import _order
+
+    ms = [m for m in _order(list(s["methods"])) if m in LABEL and ":" not in m]  # the plain methods, report order
+    if not ms:
+        return []
+    ok = all(s["methods"][m]["floor_met"] for m in ms)
+    L = [f"#### Outcome: {b['label']}", "",
+         f"**Learning floor (mean site balanced accuracy >= {FLOOR} on the sites' test splits and on the external "
+         f"evaluation part, no site whose test split holds >= 2 classes predicting one class): "
+         f"{'met by every method' if ok else 'NOT met'}.** Test / external mean site balanced accuracy, single-class "
+         "site models (test / external):", ""]
+    for m in ms:
+        v = s["methods"][m]
+        L.append(f"- {LABEL[m]}: {v['test_bal_acc']:.3f} / {v['external_bal_acc']:.3f}; single-class "
+                 f"{v['single_class_test']} / {v['single_class_external']} of {v['pairs']}: "
+                 f"{'met' if v['floor_met'] else 'NOT met'}")
+    L.append("")
+    for a, ref in (("fedsaf", "fedproto"), ("fedtopo", "local"), ("fedsaf", "local"), ("fedproto", "local")):
+        if a in s["methods"] and ref in s["methods"]:
+            cells = [f"{metric.replace('balanced_accuracy', 'bal. acc.').replace('auc', 'AUC')} {evalset} "
+                     + _paired_cell(s, a, ref, evalset, metric)
+                     for metric in ("balanced_accuracy", "auc") for evalset in ("test", "external")]
+            L.append(f"- {LABEL[a]} vs {LABEL[ref]}: " + "; ".join(cells))
+    L.append("")
+    return L
+
+
 def main() -> None:
     from nvflare_jobs.proto_eval import FLOOR, NOTES
 
@@ -89,15 +122,19 @@ def main() -> None:
             "difference over (seed, site) pairs with a joint seeds x images bootstrap 95% CI (500 replicates) "
             "and the verdict better / no difference detected / worse. Rows flagged ⚠ hold at least one site "
             "model that predicts a single class although its images hold >= 2 classes (majority-class "
-            f"prediction). Learning floor (pass/fail): mean site balanced accuracy >= {FLOOR} on both sets.", ""]
+            f"prediction). Learning floor (pass/fail): mean site balanced accuracy >= {FLOOR} on both sets and no "
+            "single-class test-split site model. FedProto runs at its paper weights (instance-level MSE only, "
+            "gamma 1/64 = the reference code's lambda 1 at its per-element MSE scale; `proto_tuning.md`, third pass); "
+            "FedSAF and FedTopo at lambda = gamma = 1.", ""]
+    outs = [ln for b in blocks for ln in outcome(b)]
     notes = ["## Caveats", "", *[f"- {n}" for n in NOTES], ""]
     saf = ["# FedSAF Table III analogue: alignment function (issue 16 protocol)", "", PAPER["fedsaf"], "", *head,
            *table(blocks, ["fedproto", "fedsaf", "fedsaf:alignment=rcsa", "fedsaf:alignment=cosine", "local"],
-                  "fedproto"), *notes,
+                  "fedproto"), *outs, *notes,
            "Runs at 1 seed are labelled (1 seed); their paired CIs rest on 6 site pairs and resample images only.", ""]
     topo = ["# FedTopo Table I analogue: Local / FedProto / FedSAF / FedTopo (issue 16 protocol)", "",
             PAPER["fedtopo"], "", *head,
-            *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local"), *notes, ""]
+            *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local"), *outs, *notes, ""]
     out = Path(a.out)
     (out / "fedsaf_table3.md").write_text("\n".join(saf))
     (out / "fedtopo_table1.md").write_text("\n".join(topo))

@@ -63,14 +63,17 @@ TRAINING_PARTS = ("tuning", "probe")  # the labelled images a site may train on;
 
 
 def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv: str | Path,
-                   pool: str = POOL) -> Path:
+                   pool: str = POOL, extra_roots: tuple | list = ()) -> Path:
     """Write the images of committed ``parts`` as one manifest CSV (``path`` absolute, ``label``, ``patient_id``)
     that :func:`chest_xray.scan_dataset` reads like a data root.
 
     The prototype methods (FedSAF / FedProto / FedTopo, issue 16) build their simulated sites from
     ``TRAINING_PARTS`` of ``chest_xray_224`` (1,055 images): the ``evaluation`` part is then never trained on and
-    stays the external test set. Raises ValueError when ``parts`` holds ``evaluation`` or an unknown part, and
-    FileNotFoundError when ``root`` does not exist.
+    stays the external test set. ``extra_roots``: further data roots (e.g. the patient-disjoint
+    ``chest_xray_original``) whose every image is appended (path, label, patient id from
+    :func:`chest_xray.scan_dataset`); a root that holds an image of ``pool`` (same file name) is refused, so the
+    evaluation part cannot come back through it. Raises ValueError when ``parts`` holds ``evaluation`` or an unknown
+    part or an extra root overlaps the pool, and FileNotFoundError when ``root`` (or an extra root) does not exist.
     """
     parts = list(parts)
     if "evaluation" in parts:
@@ -86,6 +89,19 @@ def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv
         for part in parts:
             for r in split_rows(part, pool):
                 w.writerow([str((root / r["path"]).resolve()), r["label"], r["patient_id"]])
+        if extra_roots:
+            from chest_xray.dataset import scan_dataset
+
+            pool_names = {Path(r["path"]).name.lower() for part in PARTS for r in split_rows(part, pool)}
+            for extra in extra_roots:
+                records, rep = scan_dataset(extra, labels="binary", verify=False)
+                clash = [r["path"] for r in records if Path(r["path"]).name.lower() in pool_names]
+                if clash:
+                    raise ValueError(f"extra data root {extra} holds {len(clash)} image(s) of the {pool} pool "
+                                     f"(first: {clash[0]}); refusing to mix them into the training pool")
+                names = rep["class_names"]
+                for r in records:
+                    w.writerow([str(Path(r["path"]).resolve()), names[r["label"]], r["patient_id"]])
     return out
 
 

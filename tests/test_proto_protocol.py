@@ -31,6 +31,28 @@ def test_training_pool_is_tuning_plus_probe_and_never_evaluation(tmp_path, data_
     assert sorted({r["label"] for r in recs}) == [0, 1, 2]
 
 
+def test_training_pool_with_chest_xray_original_appended(tmp_path, data_root):
+    """``extra_roots``: every chest_xray_original image appended (850, subtypes from the file names), still no image
+    of the evaluation part; a root holding pool images (chest_xray_224 itself) is refused."""
+    from chest_xray import scan_dataset
+    from chest_xray.splits import TRAINING_PARTS, split_rows, write_pool_csv
+
+    root, orig = data_root / "chest_xray_224", data_root / "chest_xray_original"
+    if not (root.is_dir() and orig.is_dir()):
+        pytest.skip(f"no chest_xray_224 / chest_xray_original under {data_root}")
+    f = write_pool_csv(TRAINING_PARTS, root, tmp_path / "pool.csv", extra_roots=[orig])
+    recs, rep = scan_dataset(f, labels="subtype", verify=False)
+    assert len(recs) == 1055 + 850
+    from_orig = [r for r in recs if "chest_xray_original" in r["path"]]
+    assert len(from_orig) == 850
+    # chest_xray_original: NORMAL 330, bacterial 260, viral 260 (data README)
+    assert np.bincount([r["label"] for r in from_orig], minlength=3).tolist() == [330, 260, 260]
+    names = {r["path"].rsplit("/", 1)[-1].lower() for r in recs}
+    assert not names & {r["path"].rsplit("/", 1)[-1].lower() for r in split_rows("evaluation")}
+    with pytest.raises(ValueError, match="holds .* image"):
+        write_pool_csv(TRAINING_PARTS, root, tmp_path / "bad.csv", extra_roots=[root])
+
+
 def test_balanced_sampler_weights_are_inverse_class_counts():
     from hfl_components.flare.site_tasks import balanced_sampler
 
@@ -312,3 +334,43 @@ def test_efficientnet_bn_momentum_key_and_the_prototype_default():
         build_model({**base, "bn_momentum": 0.0})
     with pytest.raises(ValueError, match="unknown key"):
         build_model({"family": "resnet", "bn_momentum": 0.1})
+
+
+def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scale():
+    """FedProto's defaults (issue 16): prototype level off, instance level 1/64, i.e. FedProto's reference loss
+    lambda_FP * nn.MSELoss(z, P_g[y]) with lambda_FP = 1 at feature_dim 64; FedSAF and FedTopo keep 1 / 1, and the
+    command line leaves each method its own default unless --lambda / --gamma is given."""
+    from hfl_components.alignment import FedSAFAuxLoss
+    from hfl_components.flare.catalogue import validate_options
+    from nvflare_jobs.commands import simulate
+
+    v = validate_options("fedproto", {})
+    assert (v["lam"], v["gamma"], v["alignment"]) == (0.0, 1 / 64, "mse")
+    for m in ("fedsaf", "fedtopo"):
+        w = validate_options(m, {})
+        assert (w["lam"], w["gamma"]) == (1.0, 1.0)
+    assert validate_options("fedproto", {"lam": 0.5, "gamma": 2})["gamma"] == 2.0
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(10, 64, generator=g)
+    Pg = torch.randn(3, 64, generator=g)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 0, 1, 2])
+    got = FedSAFAuxLoss(Pg, "mse", lam=v["lam"], gamma=v["gamma"])(z, None, y)
+    assert float(got) == pytest.approx(float(torch.nn.MSELoss()(z, Pg[y])), rel=1e-6)
+    # a class missing from the global set contributes nothing (its row masked out)
+    mask = torch.tensor([True, True, False])
+    got = FedSAFAuxLoss(Pg, "mse", lam=0.0, gamma=1 / 64, global_mask=mask)(z, None, y)
+    keep = y != 2
+    assert float(got) == pytest.approx(float(torch.nn.MSELoss()(z[keep], Pg[y[keep]])), rel=1e-6)
+
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        simulate._add_method_args(p)
+        a = p.parse_args(["--method", argv[0], *argv[1:]])
+        simulate._check_method_options(a)
+        return a.lam, a.gamma
+
+    assert parsed("fedproto") == (0.0, 1 / 64)
+    assert parsed("fedsaf") == (1.0, 1.0)
+    assert parsed("fedtopo") == (1.0, 1.0)
+    assert parsed("fedproto", "--lambda", "1", "--gamma", "1") == (1.0, 1.0)

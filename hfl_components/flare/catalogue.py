@@ -30,6 +30,8 @@ fedtopo  subtype 20     1            10 (unused)
 
 Prototype methods (issue 16): 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
 training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px; ``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
+FedProto's alignment weights default to lambda 0 / gamma 1/64 (:data:`FEDPROTO_LAM`, :data:`FEDPROTO_GAMMA`: the
+paper's instance-level MSE at its reference code's scale); FedSAF and FedTopo to 1 / 1.
 
 Adding a method: one :class:`MethodEntry` (here, or :func:`register` for a method defined elsewhere) naming its
 controller; see docs/INTERFACES.md, "Adding a method".
@@ -200,9 +202,22 @@ _OHFL = (
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
 )
-_LAMBDA = Option("lam", float, 1.0, None, "FedSAF: weight of the prototype-level term; FedTopo: weight of the "
-                 "modulated CE", flag="--lambda")
-_GAMMA = Option("gamma", float, 1.0, None, "FedSAF: weight of the instance-level term; FedTopo: modulation strength")
+# lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
+_LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "
+                 "the modulated CE", flag="--lambda", cli_default=None)
+_GAMMA = Option("gamma", float, 1.0, None, "FedSAF/FedProto: weight of the instance-level term; FedTopo: modulation "
+                "strength", cli_default=None)
+# FedProto's alignment weights (issue 16). FedProto's loss (FedSAF paper Eq. 2, the FedProto baseline) is
+# CE + lambda_FP * R(f(x), P_g^y) per sample: the instance level only, so the prototype level is off (lam 0). Its
+# reference code takes R = nn.MSELoss (mean over the d feature elements) with lambda_FP = 1; our "mse" sums over d
+# (losses.py, "Scale of lambda"), so lambda_FP = 1 is gamma = 1/d = 1/64 at the default feature_dim 64. Chosen on
+# validation (benchmarks/results/proto_tuning.md, "FedProto's alignment weights"): at lam = gamma = 1 the MSE term
+# (~100x the paper's weight) pulls every site's features onto the averaged global prototypes, whose bacterial and
+# viral rows end 0.08 apart, and the sites' heads collapse to one class.
+FEDPROTO_LAM = 0.0
+FEDPROTO_GAMMA = 1.0 / 64
+_FEDPROTO_LAMBDA = Option("lam", float, FEDPROTO_LAM, None, _LAMBDA.help, flag="--lambda", cli_default=None)
+_FEDPROTO_GAMMA = Option("gamma", float, FEDPROTO_GAMMA, None, _GAMMA.help, cli_default=None)
 _SAF_ALIGNMENT = ("gcsa", "rcsa", "mse", "cosine")
 
 
@@ -216,7 +231,7 @@ def _fedsaf_options(fedproto: bool) -> tuple[Option, ...]:
         Option("eval", str, "head", ("head", "nearest-prototype"),
                "FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own local "
                "prototypes (nearest-global is not offered)", strict=True),
-        _LAMBDA, _GAMMA,
+        *((_FEDPROTO_LAMBDA, _FEDPROTO_GAMMA) if fedproto else (_LAMBDA, _GAMMA)),
     )
 
 
@@ -258,7 +273,7 @@ _ENTRIES: list[MethodEntry] = [
     MethodEntry("fedproto", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_fedsaf_options(True),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
-                uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes"),
+                uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
     MethodEntry("fedtopo", _CTL + "FedTopoController", ("fedtopo_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_FEDTOPO,
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},

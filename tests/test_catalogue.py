@@ -91,6 +91,26 @@ def test_validate_options_types_choices_defaults_and_fixed_values():
         validate_options("fedprox", {})
 
 
+@pytest.mark.parametrize("method", ["fedsaf", "fedproto", "fedtopo"])
+def test_loss_weights_refuse_negative_infinite_and_nan(method, tmp_path, capsys):
+    """--lambda / --gamma are loss weights (FedSAF Eq. 2; FedTopo's modulation strength): 0 and positive numbers
+    pass unchanged, a negative or infinite one is refused naming the option; on the command line exit 2, one line,
+    before any run folder is made."""
+    assert validate_options(method, {"lam": 0.0, "gamma": "0.25"})["gamma"] == 0.25
+    for key, flag in (("lam", "--lambda"), ("gamma", "--gamma")):
+        for bad, says in ((-1.0, "must be a finite number >= 0, got -1.0"), (float("inf"), "got inf"),
+                          (float("nan"), "expected float")):
+            with pytest.raises(OptionError, match=re.escape(f"option '{key}' ({flag})") + ".*" + re.escape(says)):
+                validate_options(method, {key: bad})
+    from nvflare_jobs.cli import main
+
+    for argv in (["--lambda", "-1"], ["--gamma", "-0.5"], ["--gamma", "inf"]):
+        assert main(["simulate", "--method", method, *argv, "--out", str(tmp_path / "run")]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("cxr-hfl: ") and argv[0] in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
     from nvflare_jobs.commands import simulate
 

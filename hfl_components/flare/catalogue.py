@@ -146,8 +146,9 @@ def _in_unit_interval(v) -> str | None:
 
 
 def _non_negative(name: str) -> Callable[[Any], str | None]:
+    """A check: ``v`` is None or a finite number >= 0 (a loss weight or noise scale; inf is refused too)."""
     def check(v):
-        return None if v is None or float(v) >= 0 else f"{name} must be >= 0, got {v}"
+        return None if v is None or 0 <= float(v) < math.inf else f"{name} must be a finite number >= 0, got {v}"
     return check
 
 
@@ -204,9 +205,9 @@ _OHFL = (
 )
 # lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
 _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "
-                 "the modulated CE", flag="--lambda", cli_default=None)
+                 "the modulated CE", flag="--lambda", cli_default=None, check=_non_negative("lambda"))
 _GAMMA = Option("gamma", float, 1.0, None, "FedSAF/FedProto: weight of the instance-level term; FedTopo: modulation "
-                "strength", cli_default=None)
+                "strength", cli_default=None, check=_non_negative("gamma"))
 # FedProto's alignment weights (issue 16). FedProto's loss (FedSAF paper Eq. 2, the FedProto baseline) is
 # CE + lambda_FP * R(f(x), P_g^y) per sample: the instance level only, so the prototype level is off (lam 0). Its
 # reference code takes R = nn.MSELoss (mean over the d feature elements) with lambda_FP = 1; our "mse" sums over d
@@ -216,8 +217,9 @@ _GAMMA = Option("gamma", float, 1.0, None, "FedSAF/FedProto: weight of the insta
 # viral rows end 0.08 apart, and the sites' heads collapse to one class.
 FEDPROTO_LAM = 0.0
 FEDPROTO_GAMMA = 1.0 / 64
-_FEDPROTO_LAMBDA = Option("lam", float, FEDPROTO_LAM, None, _LAMBDA.help, flag="--lambda", cli_default=None)
-_FEDPROTO_GAMMA = Option("gamma", float, FEDPROTO_GAMMA, None, _GAMMA.help, cli_default=None)
+_FEDPROTO_LAMBDA = Option("lam", float, FEDPROTO_LAM, None, _LAMBDA.help, flag="--lambda", cli_default=None,
+                          check=_LAMBDA.check)
+_FEDPROTO_GAMMA = Option("gamma", float, FEDPROTO_GAMMA, None, _GAMMA.help, cli_default=None, check=_GAMMA.check)
 _SAF_ALIGNMENT = ("gcsa", "rcsa", "mse", "cosine")
 
 

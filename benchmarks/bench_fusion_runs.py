@@ -68,6 +68,40 @@ def load_run(run: Path) -> dict:
             "probe_size": int(opts["probe_size"]), "metrics": met}
 
 
+def check_run(run: Path) -> str | None:
+    """Why ``run`` cannot be re-fused (one line naming the missing or unreadable file), or None when it can: it
+    needs ``metrics.json`` with ``sites``, ``job_options.json`` with ``probe`` / ``seed`` / ``probe_size``, and
+    ``models/<site>_local.pt`` for every site (an OHFL run's uploads)."""
+    if not run.is_dir():
+        return f"{run}: no such run folder"
+    try:
+        met = json.loads((run / "metrics.json").read_text())
+        opts = json.loads((run / "job_options.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{run}: not a finished run ({type(e).__name__}: {e})"
+    if not isinstance(met, dict) or not met.get("sites"):
+        return f"{run / 'metrics.json'}: no sites"
+    miss = [k for k in ("probe", "seed", "probe_size") if opts.get(k) is None]
+    if miss:
+        return f"{run / 'job_options.json'}: no {', '.join(miss)} (not an OHFL run?)"
+    lost = [str(run / "models" / f"{s}_local.pt") for s in sorted(met["sites"])
+            if not (run / "models" / f"{s}_local.pt").is_file()]
+    if lost:
+        return f"{run}: missing site model(s) {', '.join(lost)} (not an OHFL run?)"
+    return None
+
+
+def ensure_tuning_cache() -> None:
+    """Build ``bench_fusion_ladder``'s image cache (tuning part at 64/96/128 px) when it is missing."""
+    if all((L.CACHE / f"tuning_{s}.pt").is_file() for s in L.SIZES):
+        return
+    if not (L.data_root() / "chest_xray_224").is_dir() or not (L.data_root() / "chest_xray_original").is_dir():
+        raise SystemExit(f"bench_fusion_runs: no chest_xray_224 / chest_xray_original under {L.data_root()} "
+                         "(set CXR_DATA)")
+    print(f"building the image cache in {L.CACHE} (once)", flush=True)
+    L.build_cache()
+
+
 _PROBES: dict = {}
 
 
@@ -105,11 +139,24 @@ def score(spec, sd, sizes) -> list[float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+")
-    ap.add_argument("--configs", default="default")
+    ap.add_argument("runs", nargs="+", help="finished OHFL run folders (metrics.json, job_options.json, models/)")
+    ap.add_argument("--configs", default="default",
+                    help="comma-separated lever settings: " + ", ".join(CONFIGS) + ". 'default' is the server's "
+                    "defaults before issue 11's second pass (acts, emd, layer repair, largest-size probe); today's "
+                    "defaults are 'channel+own'")
     ap.add_argument("--pairs", action="store_true", help="also fuse every same-depth pair and every chain prefix")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    bad = [c for c in a.configs.split(",") if c not in CONFIGS]
+    if bad:
+        print(f"bench_fusion_runs: unknown --configs {bad}; allowed: {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    for run in a.runs:
+        why = check_run(Path(run))
+        if why:
+            print(f"bench_fusion_runs: {why}", file=sys.stderr)
+            return 2
+    ensure_tuning_cache()
     torch.set_num_threads(1)
     rows = []
     y = L.data("tuning", 64)["y"].numpy()
@@ -126,7 +173,7 @@ def main(argv=None) -> int:
             names = [m["name"] for m in r["models"]]
             subsets.update({"1+2": names[0:2], "3+4": names[2:4], "5+6": names[4:6], "1-4": names[0:4]})
         for cname in a.configs.split(","):
-            cfg = {**DEFAULT, **CONFIGS.get(cname, {})}
+            cfg = {**DEFAULT, **CONFIGS[cname]}
             for sname, members in subsets.items():
                 if sname != "all" and cname != a.configs.split(",")[0]:
                     continue

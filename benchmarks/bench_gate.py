@@ -65,6 +65,17 @@ def main(argv=None) -> int:
     ap.add_argument("--control", nargs="*", default=[], help="local+ft runs (same seeds, same order)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.control and len(a.control) != len(a.runs):
+        print(f"bench_gate: {len(a.runs)} run(s) but {len(a.control)} --control run(s); give one per run, same order",
+              file=sys.stderr)
+        return 2
+    for run in map(Path, [*a.runs, *a.control]):
+        if not (run / "metrics.json").is_file():
+            print(f"bench_gate: {run}: no metrics.json (not a finished run folder)", file=sys.stderr)
+            return 2
+    from bench_fusion_runs import ensure_tuning_cache
+
+    ensure_tuning_cache()
     torch.set_num_threads(1)
     sites = []
     for k, run in enumerate(map(Path, a.runs)):
@@ -82,6 +93,10 @@ def main(argv=None) -> int:
             print(f"{run.parent.name} {site}: local {row['local']['auc']:.3f}/{row['local']['bacc']:.3f}  federated "
                   f"{row['fed']['auc']:.3f}/{row['fed']['bacc']:.3f}" + (f"  local+ft {row['control']['auc']:.3f}/"
                   f"{row['control']['bacc']:.3f}" if a.control else "") + "  (tuning AUC/bal.acc)", flush=True)
+    if not sites:
+        print("bench_gate: no site with a gate record and models/<site>_federated.pt in "
+              + ", ".join(a.runs) + " (OHFL runs with the gate on, issue 11 or later)", file=sys.stderr)
+        return 2
     print(f"\n{len(sites)} sites; mean tuning AUC / balanced accuracy of the deployed models per criterion")
     out = {}
     for name, crit in CRITERIA.items():

@@ -1,0 +1,54 @@
+"""Bad input to the offline fusion/gate benchmarks (bench_fusion_runs.py, bench_gate.py) is refused with exit 2
+and one line naming the folder or option, before any image cache is read or built."""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def _run(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+
+    def run(script, *args):
+        mod = importlib.import_module(script.removesuffix(".py"))
+        rc = mod.main([str(a) for a in args])
+        return rc, capsys.readouterr().err.strip()
+    return run
+
+
+def _fake_run(tmp_path: Path, with_models: bool) -> Path:
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"sites": {"site-1": {"n_train": 10}, "site-2": {"n_train": 12}}}))
+    (run / "job_options.json").write_text(json.dumps({"probe": "generated", "seed": 0, "probe_size": 8}))
+    if with_models:
+        (run / "models" / "site-1_local.pt").write_bytes(b"")
+    return run
+
+
+@pytest.mark.parametrize("script", ["bench_fusion_runs.py", "bench_gate.py"])
+def test_missing_run_folder_exit_2_one_line(script, tmp_path, _run):
+    rc, err = _run(script, tmp_path / "nope")
+    assert rc == 2 and str(tmp_path / "nope") in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_fusion_runs_refuses_unknown_config_and_a_run_without_site_models(tmp_path, _run):
+    run = _fake_run(tmp_path, with_models=True)
+    rc, err = _run("bench_fusion_runs.py", run, "--configs", "default,bogus")
+    assert rc == 2 and "unknown --configs ['bogus']" in err and "channel+own" in err and len(err.splitlines()) == 1
+    # site-2 has no models/site-2_local.pt: named, site-1's (present) is not
+    rc, err = _run("bench_fusion_runs.py", run, "--configs", "channel+own")
+    assert rc == 2 and "site-2_local.pt" in err and "site-1_local.pt" not in err and len(err.splitlines()) == 1, err
+
+
+def test_gate_refuses_unequal_control_count(tmp_path, _run):
+    run = _fake_run(tmp_path, with_models=False)
+    rc, err = _run("bench_gate.py", run, run, "--control", run)
+    assert rc == 2 and "2 run(s) but 1 --control run(s)" in err and len(err.splitlines()) == 1, err

@@ -73,7 +73,8 @@ def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv
     ``chest_xray_original``) whose every image is appended (path, label, patient id from
     :func:`chest_xray.scan_dataset`); a root that holds an image of ``pool`` (same file name) is refused, so the
     evaluation part cannot come back through it. Raises ValueError when ``parts`` holds ``evaluation`` or an unknown
-    part or an extra root overlaps the pool, and FileNotFoundError when ``root`` (or an extra root) does not exist.
+    part or an extra root overlaps the pool, and FileNotFoundError when ``root`` (or an extra root) does not exist;
+    on any error ``out_csv`` is left as it was (written to ``<out_csv>.part`` and renamed when complete).
     """
     parts = list(parts)
     if "evaluation" in parts:
@@ -81,27 +82,32 @@ def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{pool} root {root} does not exist")
+    extra_rows = []  # every extra root is scanned and checked before anything is written
+    if extra_roots:
+        from chest_xray.dataset import scan_dataset
+
+        pool_names = {Path(r["path"]).name.lower() for part in PARTS for r in split_rows(part, pool)}
+        for extra in extra_roots:
+            if not Path(extra).exists():
+                raise FileNotFoundError(f"extra data root {extra} does not exist")
+            records, rep = scan_dataset(extra, labels="binary", verify=False)
+            clash = [r["path"] for r in records if Path(r["path"]).name.lower() in pool_names]
+            if clash:
+                raise ValueError(f"extra data root {extra} holds {len(clash)} image(s) of the {pool} pool "
+                                 f"(first: {clash[0]}); refusing to mix them into the training pool")
+            names = rep["class_names"]
+            extra_rows += [[str(Path(r["path"]).resolve()), names[r["label"]], r["patient_id"]] for r in records]
     out = Path(out_csv)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
+    tmp = out.with_name(out.name + ".part")
+    with tmp.open("w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["path", "label", "patient_id"])
         for part in parts:
             for r in split_rows(part, pool):
                 w.writerow([str((root / r["path"]).resolve()), r["label"], r["patient_id"]])
-        if extra_roots:
-            from chest_xray.dataset import scan_dataset
-
-            pool_names = {Path(r["path"]).name.lower() for part in PARTS for r in split_rows(part, pool)}
-            for extra in extra_roots:
-                records, rep = scan_dataset(extra, labels="binary", verify=False)
-                clash = [r["path"] for r in records if Path(r["path"]).name.lower() in pool_names]
-                if clash:
-                    raise ValueError(f"extra data root {extra} holds {len(clash)} image(s) of the {pool} pool "
-                                     f"(first: {clash[0]}); refusing to mix them into the training pool")
-                names = rep["class_names"]
-                for r in records:
-                    w.writerow([str(Path(r["path"]).resolve()), names[r["label"]], r["patient_id"]])
+        w.writerows(extra_rows)
+    tmp.replace(out)
     return out
 
 

@@ -51,6 +51,14 @@ def test_training_pool_with_chest_xray_original_appended(tmp_path, data_root):
     assert not names & {r["path"].rsplit("/", 1)[-1].lower() for r in split_rows("evaluation")}
     with pytest.raises(ValueError, match="holds .* image"):
         write_pool_csv(TRAINING_PARTS, root, tmp_path / "bad.csv", extra_roots=[root])
+    # a refused extra root (pool images, or missing) leaves an existing pool CSV as it was, and no partial file
+    before = f.read_bytes()
+    with pytest.raises(ValueError, match="extra data root .*chest_xray_224 holds 2770 image"):
+        write_pool_csv(TRAINING_PARTS, root, f, extra_roots=[orig, root])
+    with pytest.raises(FileNotFoundError, match="extra data root .*nope does not exist"):
+        write_pool_csv(TRAINING_PARTS, root, f, extra_roots=[tmp_path / "nope"])
+    assert f.read_bytes() == before and not (tmp_path / "bad.csv").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.csv"]
 
 
 def test_balanced_sampler_weights_are_inverse_class_counts():

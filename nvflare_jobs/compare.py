@@ -64,6 +64,47 @@ def split_variant(method: str) -> tuple[str, list[str]]:
     return name, extra
 
 
+def check_variant(method: str, args=None) -> str | None:
+    """Why the method variant ``method`` (e.g. ``ohfl:repair=foo``) would be refused by ``cxr-hfl simulate``, as one
+    line naming the variant and the option, or None when its options parse and pass ``catalogue.validate_options``
+    (the same checks ``simulate`` runs before anything starts), so a bad variant is refused before any run. With
+    the compare ``args``, the whole command line compare would give ``simulate`` is checked (epochs included, e.g.
+    ``ohfl:paper`` against the equal budget's fine-tuning epochs)."""
+    import argparse
+    import contextlib
+    import io
+
+    from nvflare_jobs.commands import simulate
+
+    name, extra = split_variant(method)
+    if not extra:
+        return None
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    p = _Parser(prog="cxr-hfl simulate", add_help=False)
+    simulate._add_method_args(p)
+    p.add_argument("--out")
+    p.add_argument("--overwrite", action="store_true")
+    argv = ["--method", "local" if name == "local+ft" else name, *extra]
+    if args is not None:
+        try:
+            argv = simulate_argv(method, Path("RUN"), Path("PROFILE"), Path("DATA"), 0, args)[1:]
+        except BudgetError:  # refused with its own message once the budgets are planned
+            pass
+    try:
+        a = p.parse_args(argv)
+        with contextlib.redirect_stderr(io.StringIO()):  # warnings are printed again when the run starts
+            simulate._defaults(a)
+    except ValueError as e:
+        return f"variant {method}: {e}"
+    except SystemExit as e:
+        return f"variant {method}: {str(e.code).removeprefix('cxr-hfl: ')}"
+    return None
+
+
 def _base(method: str) -> str:
     name = split_variant(method)[0]
     return "local" if name == "local+ft" else name
@@ -283,6 +324,11 @@ def run_compare(args) -> int:
     if bad or not methods:
         print(f"cxr-hfl compare: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
+    for m in methods:
+        why = check_variant(m, args)
+        if why:
+            print(f"cxr-hfl compare: {why}", file=sys.stderr)
+            return 2
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,28 @@ def test_unknown_method_is_refused(tmp_path):
     assert r.returncode == 2 and "fedfoo" in r.stderr
 
 
+def test_bad_method_variant_is_refused_before_any_run(tmp_path, capsys):
+    """A variant's options are checked as ``simulate`` checks them before anything runs: exit 2, one line naming the
+    variant and the option, no comparison folder (before: the run started, failed with rc 2 inside simulate.log
+    and compare exited 1, possibly hours later)."""
+    from nvflare_jobs.cli import main
+    from nvflare_jobs.compare import check_variant
+
+    out = tmp_path / "cmp"
+    for variant, says in (("ohfl:repair=foo", "argument --repair: invalid choice: 'foo'"),
+                          ("fedproto:lambda=-1", "option 'lam' (--lambda): lambda must be a finite number >= 0"),
+                          ("ohfl:bogus=1", "unrecognized arguments: --bogus 1"),
+                          ("fedsaf:paper", "--paper is an OHFL option"),
+                          # compare's own --finetune-epochs (equal budget) contradicts the paper's 50
+                          ("ohfl:paper", "--paper uses the paper's 50 finetune epochs")):
+        assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"cxr-hfl compare: variant {variant}: ") and says in err, err
+        assert len(err.splitlines()) == 1 and not out.exists(), err
+    for ok in ("ohfl", "ohfl:repair=layer:probe_at=largest", "fedproto:gamma=0.5", "local+ft"):
+        assert check_variant(ok) is None, ok
+
+
 @pytest.mark.slow
 def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     out = tmp_path / "cmp"

@@ -74,6 +74,38 @@ def run(method: str, profile: dict, opts: dict, workdir: Path):
     return runtimes, trace
 
 
+COMMON_OPTS = ("rounds", "local_epochs", "finetune_epochs", "finetune_lr", "seed", "min_sites")
+
+
+def parse_opts(method: str, text: str, base: dict) -> dict:
+    """``--opts`` ``"k=v,..."`` on top of ``base``: each key one of the method's catalogue options or
+    :data:`COMMON_OPTS`, values as the catalogue types and checks them (``catalogue.validate_options``).
+
+    Raises:
+        ValueError: one line naming the item, key or option (not ``k=v``, unknown key, bad value, unknown method).
+    """
+    from hfl_components.flare.catalogue import entry, validate_options
+
+    keys = {o.key for o in entry(method).options} | set(COMMON_OPTS)
+    opts = dict(base)
+    for kv in filter(None, text.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k.strip():
+            raise ValueError(f"--opts item {kv!r} is not key=value")
+        k = k.strip()
+        if k not in keys:
+            raise ValueError(f"--opts key {k!r} is not an option of {method}; allowed: {', '.join(sorted(keys))}")
+        opts[k] = v.strip()
+    for k in COMMON_OPTS:
+        if k in opts:
+            try:
+                opts[k] = float(opts[k]) if k == "finetune_lr" else int(opts[k])
+            except ValueError:
+                raise ValueError(f"--opts {k}={opts[k]!r}: expected a number") from None
+    opts.update(validate_options(method, opts, require=False))
+    return opts
+
+
 def main() -> None:
     from benchmarks.tune_proto import build_sites, pooled_val_loader
     from hfl_components.training import compute_metrics, extract_features, predict_proba
@@ -91,9 +123,11 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     opts = {"rounds": a.rounds, "local_epochs": 1, "seed": a.seed}
-    for kv in filter(None, a.opts.split(",")):
-        k, v = kv.split("=")
-        opts[k] = v if k in ("alignment", "eval") else float(v)
+    try:
+        opts = parse_opts(a.method, a.opts, opts)
+    except ValueError as e:
+        print(f"tune_fedproto: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -3,6 +3,7 @@ and one line naming the folder or option, before any image cache is read or buil
 from __future__ import annotations
 
 import importlib
+import re
 import json
 from pathlib import Path
 
@@ -52,3 +53,20 @@ def test_gate_refuses_unequal_control_count(tmp_path, _run):
     run = _fake_run(tmp_path, with_models=False)
     rc, err = _run("bench_gate.py", run, run, "--control", run)
     assert rc == 2 and "2 run(s) but 1 --control run(s)" in err and len(err.splitlines()) == 1, err
+
+
+def test_tune_fedproto_opts_are_typed_and_checked(monkeypatch):
+    """tune_fedproto.py --opts: values typed and checked by the catalogue; a malformed item, an unknown key (was
+    silently ignored and recorded in the summary as if used) or a bad value is refused naming it."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from tune_fedproto import parse_opts
+
+    base = {"rounds": 20, "local_epochs": 1, "seed": 0}
+    o = parse_opts("fedproto", "lam=0,gamma=0.015625,rounds=3", base)
+    assert (o["lam"], o["gamma"], o["rounds"], o["alignment"]) == (0.0, 1 / 64, 3, "mse")
+    assert parse_opts("fedsaf", "", base)["lam"] == 1.0 and base == {"rounds": 20, "local_epochs": 1, "seed": 0}
+    for text, says in (("lam", "'lam' is not key=value"), ("bogus=1", "'bogus' is not an option of fedproto"),
+                       ("lam=-1", "lambda must be a finite number >= 0"), ("rounds=x", "rounds='x': expected"),
+                       ("gamma=abc", "expected float, got 'abc'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_opts("fedproto", text, base)

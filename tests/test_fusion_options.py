@@ -207,6 +207,11 @@ def test_paper_flag_sets_the_papers_pipeline_and_rejects_conflicts():
     for bad in (["--ot", "emd"], ["--repair", "layer"], ["--finetune-epochs", "10"], ["--strategy", "cdd"]):
         with pytest.raises(SystemExit, match="--paper"):
             _defaults(_parse(["--paper", *bad]))
+    # the message names the flags as typed (a boolean option as --gate / --no-gate, not "--gate True")
+    with pytest.raises(SystemExit, match=r"^cxr-hfl: --paper runs the paper's pipeline \(--no-gate\); drop --gate$"):
+        _defaults(_parse(["--paper", "--gate"]))
+    with pytest.raises(SystemExit, match=r"\(--repair none\); drop --repair layer$"):
+        _defaults(_parse(["--paper", "--repair", "layer"]))
     n = _parse(["--no-repair"])
     _defaults(n)
     assert n.repair == "none"

@@ -171,7 +171,9 @@ def _ohfl_defaults(args) -> None:
         for k, v in PAPER.items():
             cur = getattr(args, k, None)
             if cur is not None and cur != v and k in names:
-                sys.exit(f"cxr-hfl: --paper runs the paper's pipeline ({names[k]} {v}); drop {names[k]} {cur}")
+                def flag(x, f=names[k]):  # booleans as the flags a user types: --gate / --no-gate
+                    return (f if x else f"--no-{f[2:]}") if isinstance(x, bool) else f"{f} {x}"
+                sys.exit(f"cxr-hfl: --paper runs the paper's pipeline ({flag(v)}); drop {flag(cur)}")
             if k in ("local_epochs", "finetune_epochs") and cur is not None and cur != v:
                 sys.exit(f"cxr-hfl: --paper uses the paper's {v} {k.replace('_', ' ')}; drop --{k.replace('_', '-')}")
             setattr(args, k, v)

@@ -61,6 +61,24 @@ def test_targets_from_the_external_tables(tmp_path):
     assert ohfl_targets(load_external(tmp_path), method="fedsaf") == []
 
 
+def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
+    """Without a local+ft control (compare --methods ohfl,fedavg) target (4) cannot be judged: one row says
+    "not measured" and counts as not met, so the table never ends "All targets met" without it."""
+    from nvflare_jobs.compare import load_external, ohfl_targets, targets_markdown
+
+    _write_tables(tmp_path)
+    pj = json.loads((tmp_path / "paired_external.json").read_text())
+    pj["control"] = None
+    pj["paired"] = [p for p in pj["paired"] if p["b"] != "local"]
+    (tmp_path / "paired_external.json").write_text(json.dumps(pj))
+    t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
+    miss = t["verdict against local+ft not 'worse'"]
+    assert miss["met"] is False and miss["value"].startswith("not measured: no local+ft control")
+    assert not any(k.startswith("verdict against local+ft not 'worse', ") for k in t)
+    # global 0.700 (not met), stretch (not met), deployed = local (met), the missing control (not met); FedAvg reported
+    assert "3 of 4 targets not met." in "\n".join(targets_markdown(list(t.values())))
+
+
 def test_compare_report_html_states_the_targets_not_met(tmp_path):
     from nvflare_jobs.report import render_report
 

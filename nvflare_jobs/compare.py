@@ -77,7 +77,7 @@ def check_variant(method: str, args=None) -> str | None:
     from nvflare_jobs.commands import simulate
 
     name, extra = split_variant(method)
-    if not extra:
+    if not extra and args is None:
         return None
 
     class _Parser(argparse.ArgumentParser):
@@ -99,9 +99,9 @@ def check_variant(method: str, args=None) -> str | None:
         with contextlib.redirect_stderr(io.StringIO()):  # warnings are printed again when the run starts
             simulate._defaults(a)
     except ValueError as e:
-        return f"variant {method}: {e}"
+        return f"{'variant ' if extra else ''}{method}: {e}"
     except SystemExit as e:
-        return f"variant {method}: {str(e.code).removeprefix('cxr-hfl: ')}"
+        return f"{'variant ' if extra else ''}{method}: {str(e.code).removeprefix('cxr-hfl: ')}"
     return None
 
 

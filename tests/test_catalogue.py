@@ -111,6 +111,31 @@ def test_loss_weights_refuse_negative_infinite_and_nan(method, tmp_path, capsys)
     assert not (tmp_path / "run").exists()
 
 
+def test_counts_seconds_and_fedtopo_integers_refuse_negative_values(tmp_path, capsys):
+    """--late-wait -1, --min-sites 0, --rounds 0, --batch-size 0, --top-q -1, --warmup -2 were accepted (exported
+    into a job); now exit 2 with one line naming the option. The boundary values pass."""
+    from nvflare_jobs.cli import main
+
+    assert validate_options("fedtopo", {"top_q": 0, "warmup": 0})["warmup"] == 0
+    for argv, says in ((["--method", "ohfl", "--late-wait", "-1"], "--late-wait: must be an integer >= 0, got -1"),
+                       (["--method", "ohfl", "--min-sites", "0"], "--min-sites: must be an integer >= 1, got 0"),
+                       (["--method", "fedavg", "--rounds", "0"], "argument --rounds: must be an integer >= 1, got 0"),
+                       (["--method", "ohfl", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+                       (["--method", "fedtopo", "--top-q", "-1"], "option 'top_q' (--top-q): top-q must be"),
+                       (["--method", "fedtopo", "--warmup", "-2"], "option 'warmup' (--warmup): warmup must be")):
+        try:  # argparse refuses with its usage and exit 2 (SystemExit(2)); the catalogue's checks return 2
+            rc = main(["simulate", *argv, "--out", str(tmp_path / "run")])
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert says in err.splitlines()[-1] and err.splitlines()[-1].startswith("cxr-hfl"), err
+    assert not (tmp_path / "run").exists()
+    from nvflare_jobs.commands.simulate import _at_least
+
+    assert (_at_least(0)("0"), _at_least(1)("7")) == (0, 7)
+
+
 def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
     from nvflare_jobs.commands import simulate
 

@@ -240,9 +240,10 @@ def _fedsaf_options(fedproto: bool) -> tuple[Option, ...]:
 _FEDTOPO = (
     _LAMBDA, _GAMMA,
     Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only", strict=True),
-    Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)"),
+    Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)",
+           check=_non_negative("top-q")),
     Option("rho", float, 0.7, None, "FedTopo: EMA factor of the global topology", check=_in_unit_interval),
-    Option("warmup", int, 3, None, "FedTopo: rounds without the topology loss"),
+    Option("warmup", int, 3, None, "FedTopo: rounds without the topology loss", check=_non_negative("warmup")),
     Option("ablate", list, [], TOPOLOGY_ABLATIONS, "FedTopo ablation (repeatable): server no_reliability/no_ema, "
            "site no_topq/no_missing_mask/local_topology", what="ablation"),
     Option("noisy_counts", float, None, None,

@@ -33,6 +33,20 @@ def _ints(s: str) -> list[int]:
     return v
 
 
+def _at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (a count, epochs or seconds), else a one-line error naming it."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {v}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
 def _gpu_ids(s: str) -> str:
     ids = [x.strip() for x in s.split(",")]
     if not ids or not all(x.isdigit() for x in ids):
@@ -72,22 +86,22 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", choices=("binary", "subtype"),
                    help="label scheme (default: the method's: " + ", ".join(
                        f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--rounds", type=int, help="federated rounds (default: the method's: " + ", ".join(
+    p.add_argument("--rounds", type=_at_least(1), help="federated rounds (default: the method's: " + ", ".join(
         f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items()) + "; OHFL is one-shot)")
-    p.add_argument("--local-epochs", type=int, help="local epochs per round (OHFL: before upload; default: the "
-                   "method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--finetune-epochs", type=int, help="OHFL fine-tuning epochs at each site (default "
+    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round (OHFL: before upload; default: "
+                   "the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
+    p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
                    f"{catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints,
                    help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128; "
                         f"{protos}: 64)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-train-images", type=int, help="cap each site's training images (quick tests)")
+    p.add_argument("--batch-size", type=_at_least(1), default=16)
+    p.add_argument("--max-train-images", type=_at_least(1), help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-sites", type=int, help="fewest usable sites for a round to proceed (default N-1)")
+    p.add_argument("--min-sites", type=_at_least(1), help="fewest usable sites for a round to proceed (default N-1)")
     p.add_argument("--server-device", type=_device, default="auto",
                    help=catalogue.entry("ohfl").option("server_device").help)
-    p.add_argument("--late-wait", type=int, default=None,
+    p.add_argument("--late-wait", type=_at_least(0), default=None,
                    help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
                         "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
                         "time), keeping sites that still send heartbeats. Sites that are not running or have gone "

@@ -97,6 +97,18 @@ def test_export_job_is_portable_for_every_method(tmp_path, method):
         # the job ships only the site script; the site runs its installed, pinned cxr-hfl package
         assert [q.name for q in (folder / f"app_{site}" / "custom").rglob("*")] == ["site_script.py"]
     assert not (folder / "app_server" / "custom").exists()
+    # every controller setting is written, defaults included: a server with other defaults runs the same job
+    import inspect
+
+    from hfl_components.flare.catalogue import entry, resolve
+
+    srv = json.loads((folder / "app_server" / "config" / "config_fed_server.json").read_text())
+    ctl_args = srv["workflows"][0]["args"]
+    ctl_cls = resolve(entry(method).controller)
+    params = [p for p in inspect.signature(ctl_cls.__init__).parameters if p != "self"]
+    assert sorted(ctl_args) == sorted(params), (sorted(ctl_args), sorted(params))
+    if method == "ohfl":
+        assert ctl_args["repair"] == "channel" and ctl_args["probe_at"] == "own" and ctl_args["strategy"] == "cid"
 
 
 def test_check_job_folder_rejects_machine_paths(tmp_path):

@@ -73,6 +73,18 @@ class HFLController(ModelController):
 
     method = "base"
 
+    @property
+    def _always_serialize_args(self) -> tuple[str, ...]:
+        """Every constructor argument of this controller class, for NVFlare's job writer.
+
+        NVFlare's ``FedJobConfig._get_args`` leaves out an argument whose value equals the constructor's default, so an
+        exported job would carry, e.g., no ``repair``/``probe_at`` at the defaults, and a server running an older
+        ``cxr-hfl`` would silently apply *its* defaults. Names returned here are always written
+        (``_always_serialize_args`` is NVFlare's hook), so the exported job states every setting it runs with."""
+        import inspect
+
+        return tuple(p for p in inspect.signature(type(self).__init__).parameters if p not in ("self", "args", "kwargs"))
+
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
                  task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
         super().__init__(persistor_id="")

@@ -11,6 +11,7 @@ import torch
 from hfl_components.fusion import (align_layers, cka_cost_matrix, compose_conv3x3, insert_identity_layers,
                                    merge_layers)
 from hfl_components.models.fusable import build_fusable
+from tests.fusion_helpers import forward, he_model
 
 torch.set_num_threads(1)
 
@@ -33,24 +34,6 @@ def real_images(data_root):
     return load_real_images(data_root)
 
 
-def _model(spec, seed):
-    torch.manual_seed(seed)
-    m = build_fusable(spec)
-    with torch.no_grad():  # He init: outputs depend on the input through the whole depth
-        for p in m.parameters():
-            if p.dim() > 1:
-                torch.nn.init.kaiming_normal_(p, nonlinearity="relu")
-    return m
-
-
-def _forward(spec, sd, x):
-    m = build_fusable(spec)
-    m.load_state_dict(sd)
-    m.eval()
-    with torch.no_grad():
-        return m(x)
-
-
 def _rows(m):
     hidden = m.layers()[:-1]
     return [l.kind for l in hidden], [l.stage for l in hidden]
@@ -64,9 +47,9 @@ def test_identity_insertion_preserves_outputs_on_real_images_and_merge_restores_
         real_images, family, width, src_depth, tgt_depth):
     src_spec = {"family": family, "depth": src_depth, "width": width, "in_channels": 1, "num_classes": 2}
     tgt_spec = {**src_spec, "depth": tgt_depth}
-    src, tgt = _model(src_spec, 0), _model(tgt_spec, 1)
+    src, tgt = he_model(src_spec, 0), he_model(tgt_spec, 1)
     sd = src.state_dict()
-    ref = _forward(src_spec, sd, real_images)
+    ref = forward(src_spec, sd, real_images)
     maps = [align_layers(cka_cost_matrix(src, tgt, real_images), *_rows(src), *_rows(tgt))]
     maps += [align_layers(None, *_rows(src), *_rows(tgt), method="random", seed=s) for s in range(4)]
     for pairs in maps:
@@ -75,7 +58,7 @@ def test_identity_insertion_preserves_outputs_on_real_images_and_merge_restores_
         assert len(bal.layers()) == len(tgt.layers())
         assert [l.kind for l in bal.layers()] == [l.kind for l in tgt.layers()]
         assert [l.stage for l in bal.layers()] == [l.stage for l in tgt.layers()]
-        out = _forward(bal_spec, bal_sd, real_images)
+        out = forward(bal_spec, bal_sd, real_images)
         assert (out - ref).abs().max().item() < 1e-5, pairs
         # merging the inserted identities back gives the original architecture and weights
         back_pairs = [(j, i) for i, j in pairs]
@@ -89,7 +72,7 @@ def test_identity_insertion_preserves_outputs_on_real_images_and_merge_restores_
 def test_inserted_layers_are_identities():
     spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
     deep = {**spec, "depth": "deep"}
-    sd = _model(spec, 0).state_dict()
+    sd = he_model(spec, 0).state_dict()
     pairs = [(0, 0), (1, 2), (2, 3), (3, 5), (4, 8)]  # target conv 1, conv 4, fc 6, fc 7 get identities
     bal_spec, bal_sd = insert_identity_layers(spec, sd, pairs, deep)
     assert bal_spec["stages"] == [[2], [2, 4], [8, 8]] and bal_spec["hidden"] == [250, 250, 250, 125]
@@ -142,7 +125,7 @@ def test_fc_merge_is_the_linear_composition():
     spec = {"family": "cnn", "depth": "shallow", "width": 0.05, "in_channels": 1, "num_classes": 2,
             "stages": [[2], [2], [2]], "hidden": [6, 5, 4]}
     tgt = {**spec, "hidden": [6, 4]}
-    sd = _model(spec, 3).state_dict()
+    sd = he_model(spec, 3).state_dict()
     m_spec, m_sd = merge_layers(spec, sd, [(0, 0), (1, 1), (2, 2), (3, 3), (5, 4)], tgt)  # fcs.1 merges into fcs.2
     assert m_spec["hidden"] == [6, 4]
     w1, b1, w2, b2 = sd["fcs.1.weight"].double(), sd["fcs.1.bias"].double(), sd["fcs.2.weight"].double(), \
@@ -155,12 +138,12 @@ def test_fc_merge_is_the_linear_composition():
 def test_balancing_rejects_bad_maps():
     spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
     deep = {**spec, "depth": "deep"}
-    sd = _model(spec, 0).state_dict()
+    sd = he_model(spec, 0).state_dict()
     with pytest.raises(ValueError, match="strictly increasing"):
         insert_identity_layers(spec, sd, [(0, 0), (1, 2), (2, 1), (3, 5), (4, 8)], deep)
     with pytest.raises(ValueError, match="same-kind"):
         insert_identity_layers(spec, sd, [(0, 0), (1, 1), (2, 5), (3, 6), (4, 8)], deep)
     with pytest.raises(ValueError, match="merge_layers"):
-        insert_identity_layers(deep, _model(deep, 0).state_dict(), [(i, i) for i in range(5)], spec)
+        insert_identity_layers(deep, he_model(deep, 0).state_dict(), [(i, i) for i in range(5)], spec)
     with pytest.raises(ValueError):
         insert_identity_layers(spec, sd, [(0, 0), (4, 8)], deep)  # misses source layers

@@ -9,30 +9,11 @@ import torch
 
 from hfl_components.fusion import OTMarginalError, fuse_pair, insert_identity_layers, solve_ot
 from hfl_components.models.fusable import build_fusable, explicit_spec, resolve_fusable_spec
+from tests.fusion_helpers import forward, he_model
 
 torch.set_num_threads(1)
 
 SPEC = {"family": "cnn", "depth": "medium", "width": 0.25, "in_channels": 1, "num_classes": 2}
-
-
-def _model(spec, seed):
-    torch.manual_seed(seed)
-    m = build_fusable(spec)
-    with torch.no_grad():  # He init keeps the input-dependent signal alive through the depth; non-zero biases
-        for p in m.parameters():
-            if p.dim() > 1:
-                torch.nn.init.kaiming_normal_(p, nonlinearity="relu")
-            else:
-                p.uniform_(-0.2, 0.2)
-    return m
-
-
-def _forward(spec, sd, x):
-    m = build_fusable(spec)
-    m.load_state_dict(sd)
-    m.eval()
-    with torch.no_grad():
-        return m(x)
 
 
 def _hidden(spec):
@@ -86,30 +67,30 @@ def duplicated_copy(spec, sd):
 
 @pytest.fixture(scope="module")
 def base():
-    m = _model(SPEC, 0)
+    m = he_model(SPEC, 0, bias_range=0.2)
     x = torch.rand(16, 1, 32, 32)
-    return m.state_dict(), x, _forward(SPEC, m.state_dict(), x)
+    return m.state_dict(), x, forward(SPEC, m.state_dict(), x)
 
 
 def test_helpers_build_function_preserving_copies(base):
     sd, x, ref = base
-    assert (_forward(SPEC, permuted_copy(SPEC, sd), x) - ref).abs().max() < 1e-5
+    assert (forward(SPEC, permuted_copy(SPEC, sd), x) - ref).abs().max() < 1e-5
     wide, wsd = duplicated_copy(SPEC, sd)
-    assert (_forward(wide, wsd, x) - ref).abs().max() < 1e-5
+    assert (forward(wide, wsd, x) - ref).abs().max() < 1e-5
 
 
 def test_permuted_copy_fuses_back_exactly_with_emd_but_naive_average_does_not(base):
     sd, x, ref = base
     psd = permuted_copy(SPEC, sd, seed=1)
     naive = {k: (sd[k] + psd[k]) / 2 for k in sd}
-    naive_err = (_forward(SPEC, naive, x) - ref).abs().max().item()
+    naive_err = (forward(SPEC, naive, x) - ref).abs().max().item()
     scale = ref.abs().max().item()
     assert naive_err > 0.2 * scale, (naive_err, scale)
     for src, tgt in (((SPEC, psd), (SPEC, sd)), ((SPEC, sd), (SPEC, psd))):
         spec, fused, rec = fuse_pair(src, tgt, None, 0.5, 0.5, ot_solver="emd")
         for k in fused:  # the result is the target itself
             assert torch.allclose(fused[k], tgt[1][k], atol=1e-6), k
-        assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+        assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
         assert rec["balancing"] == "none" and set(rec["seconds"]) == {"cka", "alignment", "ot", "averaging", "repair"}
 
 
@@ -117,7 +98,7 @@ def test_permuted_copy_fuses_back_closely_with_sinkhorn(base):
     sd, x, ref = base
     psd = permuted_copy(SPEC, sd, seed=2)
     spec, fused, rec = fuse_pair((SPEC, psd), (SPEC, sd), None, 0.5, 0.5, ot_solver="sinkhorn")
-    err = (_forward(spec, fused, x) - ref).abs().max().item()
+    err = (forward(spec, fused, x) - ref).abs().max().item()
     assert err < 1e-2 * ref.abs().max().item(), err
     assert all(r["marginal_rel_err"] <= 1e-3 for r in rec["layers"] if r["plan"] == "ot")
 
@@ -126,7 +107,7 @@ def test_permuted_copy_fuses_back_with_activation_ground_metric(base):
     sd, x, ref = base
     psd = permuted_copy(SPEC, sd, seed=3)
     spec, fused, _ = fuse_pair((SPEC, psd), (SPEC, sd), x, 0.3, 0.7, ground_metric="acts")
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
 
 
 def test_duplicated_neurons_fuse_back_without_changing_the_function(base):
@@ -135,16 +116,16 @@ def test_duplicated_neurons_fuse_back_without_changing_the_function(base):
     # wide source onto the narrow original: the original function, shape of the target
     spec, fused, _ = fuse_pair((wide, wsd), (SPEC, sd), None, 0.5, 0.5)
     assert spec == SPEC
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
     # narrow original onto its wide copy: the wide copy's function (and weights)
     spec, fused, _ = fuse_pair((SPEC, sd), (wide, wsd), None, 0.5, 0.5)
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
     for k in fused:
         assert torch.allclose(fused[k], wsd[k], atol=1e-6), k
     # with the permuted wide copy as well (duplicates no longer adjacent)
     pw = permuted_copy(wide, wsd, seed=4)
     spec, fused, _ = fuse_pair((wide, pw), (SPEC, sd), None, 1.0, 3.0, ot_solver="emd")
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
 
 
 def test_model_fused_with_its_depth_balanced_copy_is_unchanged(base):
@@ -157,11 +138,11 @@ def test_model_fused_with_its_depth_balanced_copy_is_unchanged(base):
     # shallow source into the deep copy (CKA alignment, identity insertion): the deep copy's function
     spec, fused, rec = fuse_pair((SPEC, sd), (bal_spec, bal_sd), probe, 0.5, 0.5)
     assert rec["balancing"] == "insert_identity" and rec["layer_map"] == [list(p) for p in pairs]
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
     # deep copy into the shallow original (merging identities): the original
     spec, fused, rec = fuse_pair((bal_spec, bal_sd), (SPEC, sd), probe, 0.5, 0.5)
     assert rec["balancing"] == "merge" and spec == SPEC
-    assert (_forward(spec, fused, x) - ref).abs().max().item() < 1e-5
+    assert (forward(spec, fused, x) - ref).abs().max().item() < 1e-5
     assert np.asarray(rec["cost"]).shape == (9, 7)
 
 

@@ -208,24 +208,7 @@ def acts_cost(acts_src: torch.Tensor, acts_tgt: torch.Tensor) -> np.ndarray:
     return d2.clamp_min_(0.0).sqrt_().numpy()
 
 
-@contextlib.contextmanager
-def _one_intra_op_thread():
-    """Run the enclosed torch operations on one intra-op thread, restoring the previous count afterwards.
-
-    The per-layer OT work (cost blocks, plan products, averaging) is hundreds of small operations; with PyTorch's
-    default of one thread per core, each of them synchronises its OpenMP threads, and on a busy machine (the
-    server shares its cores with the sites and, here, other jobs) that made them 3-10x slower than on one thread
-    (the six-model fusion's OT phase: 8.5 s on 2 threads vs 5.2 s on 1 at load average 3-4). The probe forward
-    passes, whose convolutions do gain from threads, run outside this block."""
-    old = torch.get_num_threads()
-    if old == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+from hfl_components.fusion.probe_stats import one_intra_op_thread as _one_intra_op_thread  # noqa: E402
 
 
 OT_WORKERS = 2  # threads solving the 'acts' layers' OT problems side by side (POT's network simplex and the

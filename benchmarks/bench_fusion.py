@@ -2,8 +2,8 @@
 
 Part 0 (``--server RUN``, issue 15) — the OHFL server's fusion of the main job's six site models (``RUN/models/
 site-*_local.pt`` of a ``simulate --method ohfl --sites 6 --scheme width`` run; He-random models of the same specs
-when absent) with the job's defaults (cid, emd, wts, layer repair, linear CKA, probe of 64 ``chest_xray_224`` probe
-images at the largest size, 128 px): seconds per phase (cka, alignment, ot, averaging, repair), their share of the
+when absent) with the job's defaults read from the method catalogue (today cid, emd, acts, channel repair, linear
+CKA, probe of 64 ``chest_xray_224`` probe images at each model's own input size, 64/96/128 px): seconds per phase (cka, alignment, ot, averaging, repair), their share of the
 job's wall time (``RUN/metrics.json``), how each phase grows with width (x1, x2, x4 of the main-job specs) and with
 the number of sites (2, 6, 12, 24 via perturbed copies of the six), and the fitted growth exponent (least squares
 slope of log seconds on log width / log sites). ``--baseline COMMIT`` times the same six-model fusion with the
@@ -144,6 +144,15 @@ def _server_defaults() -> dict:
 SERVER_DEFAULTS = _server_defaults()
 
 
+def _probe_at() -> str:
+    from hfl_components.flare import catalogue
+
+    return {o.key: o.default for o in catalogue.entry("ohfl").options}["probe_at"]
+
+
+PROBE_AT = _probe_at()  # "own": every model probed at its own input size (the server's default since issue 11)
+
+
 def main_job_models(run: Path | None, width: float = 1.0, seed_offset: int = 0) -> tuple[list[dict], str]:
     """The six site uploads of the main job: the run's local models if present (width 1), else He-random."""
     from hfl_components.models.files import load_model_file
@@ -272,9 +281,16 @@ def bench_server(args) -> None:
     run = Path(args.server) if args.server else None
     print(f"# server fusion (issue 15): load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
           f"threads {torch.get_num_threads()}, options {SERVER_DEFAULTS}, best of {args.repeat}")
-    probe, desc = server_probe(args.probe_n, 128)
-    print(f"# probe: {desc}")
     models, src = main_job_models(run)
+    if PROBE_AT == "own":  # as the controller does: the same images at every site input size
+        sizes = sorted({int(m["input_size"]) for m in models} | {size for _, size in MAIN_JOB})
+        probe = {}
+        for size in sizes:
+            probe[size], desc = server_probe(args.probe_n, size)
+        desc = desc.replace(f"at {sizes[-1]} px", f"at each model's own size {sizes} px")
+    else:
+        probe, desc = server_probe(args.probe_n, 128)
+    print(f"# probe: {desc} (probe_at={PROBE_AT})")
     print(f"# models: {src}")
     cols = list(PHASES) + ["probe+avg", "total"]
     head = f"{'':28s}" + "".join(f"{c:>10s}" for c in cols)

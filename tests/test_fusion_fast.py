@@ -308,3 +308,143 @@ def test_acts_metric_probes_each_model_once_and_keeps_no_activations():
         agg.StatsCache = orig
     assert rec["probe_passes"] == 4 + 1  # four site models + the balanced (inserted-identity) shallow fusion
     assert not any("acts" in e[2] for e in seen[0]._entries.values())
+
+
+# ------------------------------------------------------------------ issue 15, second pass (channel repair defaults)
+
+def _old_channel_stats(y):
+    """The previous implementation: a float64 copy, transposed and flattened, then mean / std."""
+    y = y.double()
+    y = y.transpose(0, 1).reshape(y.shape[1], -1)
+    return y.mean(1), y.std(1)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "fc"])
+def test_blocked_channel_stats_equal_float64_reference(layout, monkeypatch):
+    """Per-neuron mean/std from float64 blocks (7 rows a block here, so many blocks and a partial last one) equal
+    numpy's float64 mean / unbiased std of each channel's values, gathered by hand."""
+    import hfl_components.fusion.probe_stats as ps
+
+    monkeypatch.setattr(ps, "_CHUNK", 7)
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(5, 4, 6, 6, generator=g) * torch.tensor([0.1, 1.0, 3.0, 0.0]).view(1, -1, 1, 1) + 2.0
+    if layout == "channels_last":
+        y = y.contiguous(memory_format=torch.channels_last)
+    elif layout == "fc":
+        y = y[:, :, 0, 0].contiguous()
+    mu, sd = ps.channel_stats(y)
+    arr = y.numpy().astype(np.float64)
+    for c in range(y.shape[1]):
+        vals = arr[:, c].ravel()
+        assert mu[c].item() == pytest.approx(vals.mean(), rel=1e-13, abs=1e-15)
+        assert sd[c].item() == pytest.approx(vals.std(ddof=1), rel=1e-12, abs=1e-15)
+    assert sd[3].item() == 0.0  # a constant channel has std 0 exactly
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "fc"])
+def test_blocked_affine_equals_float64_product(layout, monkeypatch):
+    """The repair's y·s + shift, block by block, keeps y's shape and memory format and equals the float64
+    product rounded to float32 of the previous implementation."""
+    import hfl_components.fusion.repair as rp
+
+    monkeypatch.setattr(rp, "_CHUNK", 5)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(3, 4, 5, 5, generator=g)
+    if layout == "channels_last":
+        y = y.contiguous(memory_format=torch.channels_last)
+    elif layout == "fc":
+        y = y[:, :, 0, 0].contiguous()
+    s = torch.tensor([0.5, 2.0, 1.0, 3.3], dtype=torch.float64)
+    c = torch.tensor([0.1, -1.0, 0.0, 7.25], dtype=torch.float64)
+    z = rp._affine_per_neuron(y, s, c)
+    view = (1, -1) + (1,) * (y.dim() - 2)
+    ref = (y.double() * s.reshape(view) + c.reshape(view)).float()
+    assert z.shape == y.shape and z.stride() == y.stride()
+    assert torch.allclose(z, ref, rtol=1.2e-7, atol=0)
+    # spot check by hand: element (0, 1, ...) is 2 y - 1
+    assert z.reshape(y.shape[0], y.shape[1], -1)[0, 1, 0].item() == pytest.approx(
+        2.0 * y.reshape(y.shape[0], y.shape[1], -1)[0, 1, 0].item() - 1.0, rel=1e-6)
+
+
+def test_threaded_acts_ot_equals_sequential_and_keeps_warnings_per_layer(monkeypatch):
+    """The 'acts' layers solved in 2 threads give the same fused weights and plans as one by one; a solver warning
+    of one layer is reported in that layer's record only, and the warnings machinery is left as it was."""
+    import warnings
+
+    import hfl_components.fusion.ot_fusion as of
+
+    spec = {**SPEC, "depth": "shallow"}
+    a, b = _model(spec, 41), _model(spec, 42)
+    probe = _probe(10, seed=2)
+    acts_a = hidden_layer_stats(a, probe, ["acts"])["acts"]
+    acts_b = hidden_layer_stats(b, probe, ["acts"])["acts"]
+
+    def fuse():
+        plans: list = []
+        sd, recs, _ = ot_fuse_balanced(spec, a.state_dict(), spec, b.state_dict(), 1.0, 2.0, ground_metric="acts",
+                                       probe=probe, plans=plans, acts_src=acts_a, acts_tgt=acts_b)
+        return sd, recs, plans
+
+    monkeypatch.setattr(of, "OT_WORKERS", 1)
+    sd1, recs1, plans1 = fuse()
+    monkeypatch.setattr(of, "OT_WORKERS", 2)
+    sd2, recs2, plans2 = fuse()
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert all(torch.equal(p, q) for p, q in zip(plans1, plans2)) and len(plans1) == len(recs1) - 1
+    assert recs1 == recs2
+
+    real_emd, n_tgt = of.ot.emd, acts_b[1].shape[1]
+
+    def noisy_emd(a_, b_, M, **kw):  # a warning for the second hidden layer's problem only
+        if M.shape[1] == n_tgt and M.shape == (acts_a[1].shape[1], n_tgt):
+            warnings.warn("iteration cap reached (test)")
+        return real_emd(a_, b_, M, **kw)
+
+    filters_before, show_before = list(warnings.filters), warnings.showwarning
+    monkeypatch.setattr(of.ot, "emd", noisy_emd)
+    sd3, recs3, _ = fuse()
+    assert list(warnings.filters) == filters_before and warnings.showwarning is show_before
+    assert all(torch.equal(sd1[k], sd3[k]) for k in sd1)
+    flagged = [r["layer"] for r in recs3 if any("iteration cap" in w for w in r.get("warnings", []))]
+    shapes = [(acts_a[i].shape[1], acts_b[i].shape[1]) for i in range(len(acts_a))]
+    assert flagged == [recs3[i]["layer"] for i, s in enumerate(shapes) if s == shapes[1]]
+
+
+def test_aggregate_at_the_defaults_equals_the_previous_implementation(monkeypatch):
+    """Old vs new on small models at the server defaults (cid, acts, channel repair, per-size probes): the
+    previous channel statistics, the previous float64 repair product and sequential OT give the same fused
+    model as this code up to float rounding (its logits on other images agree to 1e-5 relative)."""
+    import hfl_components.fusion.ot_fusion as of
+    import hfl_components.fusion.probe_stats as ps
+    import hfl_components.fusion.repair as rp
+
+    depths_sizes = [("shallow", 32), ("shallow", 32), ("medium", 48), ("deep", 64)]
+    models = []
+    for k, (d, size) in enumerate(depths_sizes):
+        sp = {**SPEC, "depth": d}
+        models.append({"name": f"site-{k + 1}", "spec": sp, "n_samples": 10 + k, "input_size": size,
+                       "state_dict": _model(sp, 50 + k).state_dict()})
+    base = _probe(12, 64, seed=6)
+    probe = {s: torch.nn.functional.interpolate(base, size=(s, s), mode="bilinear", align_corners=False)
+             for s in (32, 48, 64)}
+    opts = dict(strategy="cid", ground_metric="acts", repair="channel", cka="linear")
+    spec, new, _ = aggregate_models(models, probe=probe, **opts)
+
+    def old_affine(y, s, c):
+        view = (1, -1) + (1,) * (y.dim() - 2)
+        return (y.double() * s.reshape(view) + c.reshape(view)).to(y.dtype)
+    monkeypatch.setattr(ps, "channel_stats", _old_channel_stats)
+    monkeypatch.setattr(rp, "_channel_stats", _old_channel_stats)
+    monkeypatch.setattr(rp, "_affine_per_neuron", old_affine)
+    monkeypatch.setattr(of, "OT_WORKERS", 1)
+    spec_o, old, _ = aggregate_models(models, probe=probe, **opts)
+    assert spec == spec_o
+    for k in old:
+        assert torch.allclose(new[k], old[k], rtol=1e-5, atol=1e-6 * float(old[k].abs().max())), k
+    x = _probe(20, 64, seed=7)
+    ma, mb = build_fusable(spec), build_fusable(spec)
+    ma.load_state_dict(new)
+    mb.load_state_dict(old)
+    with torch.no_grad():
+        la, lb = ma(x), mb(x)
+    assert torch.allclose(la, lb, rtol=1e-5, atol=1e-5 * float(lb.abs().max()))

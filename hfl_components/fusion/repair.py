@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from hfl_components.fusion.probe_stats import channel_stats as _channel_stats
+from hfl_components.fusion.probe_stats import _CHUNK, neuron_rows, one_intra_op_thread
 from hfl_components.fusion.probe_stats import STAT_KEYS, hidden_layer_stats, hooked_pass, layer_stats, layer_std
 from hfl_components.models import build_model
 
@@ -72,6 +73,22 @@ def _sequential_repair_pass(model: torch.nn.Module, probe: torch.Tensor, per_lay
         return z
 
     hooked_pass(model, probe, layers, hook)
+
+
+def _affine_per_neuron(y: torch.Tensor, s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """y·s + shift per neuron (s, shift float64 (C,)), computed in float64 and rounded to y's dtype: the values of
+    ``(y.double() * s + shift).to(y.dtype)``, block by block over the (positions, C) view
+    (:func:`.probe_stats.neuron_rows`) so that no float64 copy of a whole activation map is made; the result
+    keeps y's shape and memory format."""
+    out = torch.empty_like(y)
+    src, dst = neuron_rows(y), neuron_rows(out)
+    if dst.data_ptr() != out.data_ptr() or not dst.is_contiguous():  # not a view: plain float64 product
+        view = (1, -1) + (1,) * (y.dim() - 2)
+        return (y.double() * s.reshape(view) + shift.reshape(view)).to(y.dtype)
+    with one_intra_op_thread():  # many small block operations: see probe_stats.one_intra_op_thread
+        for i in range(0, src.shape[0], _CHUNK):
+            dst[i:i + _CHUNK] = torch.addcmul(shift, src[i:i + _CHUNK].double(), s)
+    return out
 
 
 def _model_for_repair(spec: dict, state_dict: dict, device, n_targets: int, what: str):
@@ -125,8 +142,7 @@ def repair_channels(spec: dict, state_dict: dict, goals: list[tuple[torch.Tensor
         s = torch.where(live, (sd_g / sd.clamp_min(eps)).clamp(1 / max_scale, max_scale), torch.ones_like(sd))
         shift = torch.where(live, mu_g - s * mu, torch.zeros_like(mu))
         found[k] = (s, shift)
-        view = (1, -1) + (1,) * (y.dim() - 2)
-        return (y.double() * s.reshape(view) + shift.reshape(view)).to(y.dtype)
+        return _affine_per_neuron(y, s, shift)
 
     _sequential_repair_pass(model, probe, per_layer, collect, stats_out)
     summary = []

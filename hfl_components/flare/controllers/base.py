@@ -170,6 +170,10 @@ class HFLController(ModelController):
                 site = (model.meta or {}).get("client_name", "?")
                 results.append(model)
                 answered[site] = (time.monotonic(), (model.meta or {}).get("compute_s"))
+            try:
+                self.on_site_result(task_name, model)
+            except Exception as e:  # noqa: BLE001 - an early-start hook must never lose a site's answer
+                self.warning(f"task {task_name}: on_site_result failed for {site}: {type(e).__name__}: {e}")
 
         self.set_fl_context(data)
         self._current_min_responses = len(clients)
@@ -218,6 +222,11 @@ class HFLController(ModelController):
         self._down = set(self.last_dropped)
         self._status.update({"dropped_now": {}, "waiting_for": []})
         return out
+
+    def on_site_result(self, task_name: str, model: FLModel) -> None:
+        """Called as each site's answer to ``task_name`` arrives, while the others still work (NVFlare's result
+        thread; the answer is not yet validated). A method may start work that needs only this answer here (OHFL
+        prepares its probe at the site's input size); it must be cheap and thread-safe. Default: nothing."""
 
     # opts key -> attribute name where a controller keeps an option under another name; options that are neither
     # an attribute nor in task_config read as missing (their catalogue default)

@@ -6,6 +6,63 @@ import time
 
 from hfl_components.flare.controllers.base import GLOBAL_PREFIX, HFLController, _jsonable
 
+class ProbePreloader:
+    """The OHFL probe at each site input size, prepared in one background thread from the moment the first site
+    with that size uploads (:meth:`HFLController.on_site_result`), while slower sites still train (issue 15).
+
+    ``load(size)`` returns ``(tensor, file names, warnings)``. :meth:`get` waits for a size already started, or
+    loads it now; either way the same function runs once per size, so the probe is the one a synchronous load
+    gives. ``seconds`` sums the loading time of every size (the work, wherever it ran); ``waited`` is how long
+    :meth:`get` blocked.
+    """
+
+    def __init__(self, load):
+        import threading
+
+        self._load = load
+        self._lock = threading.Lock()
+        self._pool = None
+        self._futures: dict = {}
+        self.seconds = 0.0
+        self.waited = 0.0
+
+    def _timed(self, size: int):
+        t0 = time.perf_counter()
+        try:
+            return self._load(size)
+        finally:
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
+
+    def start(self, size: int):
+        """Start preparing the probe at ``size`` (once); returns its future."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        size = int(size)
+        with self._lock:
+            if size not in self._futures:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ohfl_probe")
+                self._futures[size] = self._pool.submit(self._timed, size)
+            return self._futures[size]
+
+    def get(self, size: int):
+        """The probe at ``size``: ``(tensor, file names, warnings)``; re-raises the loader's error."""
+        t0 = time.perf_counter()
+        try:
+            return self.start(size).result()
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_PRELOADER_LOCK = __import__("threading").Lock()
+
+
 # ============================================================================ OHFL
 class OHFLController(HFLController):
     """OHFL (paper 003): one-shot upload of depth/width-varying site models, cross-layer OT fusion on the server
@@ -65,6 +122,38 @@ class OHFLController(HFLController):
         self.cka = cka
         self.probe_at = probe_at  # options are checked by catalogue.validate_options (build and job start)
 
+    @property
+    def _probes(self) -> ProbePreloader:
+        """This run's probe preloader, made on first use (the controller itself stays free of locks and threads,
+        so NVFlare can copy and export it)."""
+        with _PRELOADER_LOCK:
+            if "_probe_preloader" not in vars(self):
+                self._probe_preloader = ProbePreloader(self._load_probe)
+            return self._probe_preloader
+
+    def _load_probe(self, size: int):
+        """The probe at one input size: (tensor, file names, warnings) (``hfl_components.flare.probe``)."""
+        from hfl_components.flare.probe import load_probe
+
+        names: list = []
+        warns: list = []
+        x = load_probe(self.probe, size, self.probe_size, in_channels=self._in_channels, seed=self.seed,
+                       warn=warns.append, files_out=names)
+        return x, names, warns
+
+    _in_channels = 1  # the sites' image channels (from their specs; set when the first upload arrives)
+
+    def on_site_result(self, task_name, model) -> None:
+        """Round 0: start preparing the probe at this site's input size while the others still train (with
+        ``probe_at="own"``; the largest size is known only when every site has answered)."""
+        meta = model.meta or {}
+        if task_name != "ohfl_train" or self.probe_at != "own" or meta.get("status") != "ok":
+            return
+        spec = meta.get("spec")
+        if isinstance(spec, dict) and int(spec.get("in_channels", 1)) != 1:
+            return  # multi-channel models: the probe is prepared after the round, with their channel count
+        self._probes.start(int(meta.get("input_size", 64)))
+
     OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
 
     @classmethod
@@ -84,7 +173,6 @@ class OHFLController(HFLController):
 
     def run_method(self):
         from hfl_components.flare.messages import from_numpy_state, to_numpy_state
-        from hfl_components.flare.probe import load_probe
         from hfl_components.fusion import aggregate_models
 
         uploads = self.broadcast("ohfl_train", 0)
@@ -96,15 +184,21 @@ class OHFLController(HFLController):
                            "input_size": int(r.meta.get("input_size", 64))})
         sizes = sorted({m["input_size"] for m in models})
         self.set_phase("probing")
-        t0 = time.perf_counter()
         in_ch = int(models[0]["spec"].get("in_channels", 1))
-        names: list = []
-        probe = {sz: load_probe(self.probe, sz, self.probe_size, in_channels=in_ch, seed=self.seed,
-                                warn=self.warning if sz == sizes[-1] else None, files_out=names if sz == sizes[-1] else None)
-                 for sz in (sizes if self.probe_at == "own" else sizes[-1:])}
+        if in_ch != self._in_channels:  # never preloaded (see on_site_result)
+            self._in_channels = in_ch
+        loaded = {sz: self._probes.get(sz) for sz in (sizes if self.probe_at == "own" else sizes[-1:])}
+        self._probes.close()
+        names = loaded[sizes[-1]][1]
+        for w in loaded[sizes[-1]][2]:
+            self.warning(w)
+        probe = {sz: v[0] for sz, v in loaded.items()}
         if self.probe_at == "largest":
             probe = probe[sizes[-1]]
-        self.record["server_seconds"]["probe"] = time.perf_counter() - t0
+        # 'probe': the seconds spent preparing the probe (partly during round 0, in the background thread);
+        # 'probe_wait': how long the server waited for it after the last upload
+        self.record["server_seconds"]["probe"] = self._probes.seconds
+        self.record["server_seconds"]["probe_wait"] = self._probes.waited
         self.record["probe"] = {"source": str(self.probe), "n": len(names) if names else self.probe_size,
                                 "sizes": sizes if self.probe_at == "own" else sizes[-1:], "files": names}
         shape = {k: tuple(v.shape) for k, v in probe.items()} if isinstance(probe, dict) else tuple(probe.shape)

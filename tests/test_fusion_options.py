@@ -11,7 +11,8 @@ import torch
 from hfl_components.fusion import aggregate_models, fuse_pair
 from hfl_components.fusion.cka import cka_cost_matrix, debiased_cka_from_grams, linear_cka, unbiased_hsic
 from hfl_components.models.fusable import build_fusable, shared_init_state
-from tests.test_fusion_ot import _forward, _model, permuted_copy
+from tests.fusion_helpers import forward, he_model
+from tests.test_fusion_ot import permuted_copy
 
 torch.set_num_threads(1)
 SPEC = {"family": "cnn", "depth": "medium", "width": 0.25, "in_channels": 1, "num_classes": 2}
@@ -45,7 +46,7 @@ def test_debiased_cka_does_not_saturate_on_independent_features():
 
 
 def test_cost_matrix_kinds_and_per_model_probe_sizes():
-    m = _model(SPEC, 0)
+    m = he_model(SPEC, 0, bias_range=0.2)
     x64 = torch.rand(12, 1, 64, 64)
     x32 = torch.nn.functional.avg_pool2d(x64, 2)
     for kind in ("linear", "debiased", "pooled"):
@@ -64,7 +65,7 @@ def test_cost_matrix_kinds_and_per_model_probe_sizes():
 def test_channel_repair_sets_every_neurons_mean_and_std():
     from hfl_components.fusion.repair import hidden_channel_stats, repair_channels
 
-    m = _model(SPEC, 1)
+    m = he_model(SPEC, 1, bias_range=0.2)
     probe = torch.rand(16, 1, 32, 32)
     stats = hidden_channel_stats(m, probe)
     g = torch.Generator().manual_seed(0)
@@ -86,7 +87,7 @@ def test_permuted_copy_fuses_back_with_every_repair_and_per_size_probes(repair, 
     target's probe). acts at different sizes compares pooled activations of different resolutions, which need not
     single out the permutation, so there both copies sit at one size (still through the per-size probe dict)."""
     torch.manual_seed(0)
-    m = _model(SPEC, 0)
+    m = he_model(SPEC, 0, bias_range=0.2)
     sd = m.state_dict()
     x = torch.rand(16, 1, 64, 64)
     probes = {64: x, 32: torch.nn.functional.avg_pool2d(x, 2)}
@@ -96,13 +97,13 @@ def test_permuted_copy_fuses_back_with_every_repair_and_per_size_probes(repair, 
     spec, fused, rec = aggregate_models(models, probe=probes, repair=repair, ground_metric=ground_metric)
     assert rec["probe_sizes"] == [32, 64] and rec["repair"] == repair
     for xs in probes.values():
-        assert (_forward(spec, fused, xs) - _forward(SPEC, sd, xs)).abs().max() < 1e-4
+        assert (forward(spec, fused, xs) - forward(SPEC, sd, xs)).abs().max() < 1e-4
     with pytest.raises(ValueError, match="no probe fits"):
         aggregate_models([dict(models[0], input_size=96), models[1]], probe=probes)
 
 
 def test_channel_repair_restores_per_neuron_spread_of_two_unrelated_models():
-    a, b = _model(SPEC, 1), _model(SPEC, 2)
+    a, b = he_model(SPEC, 1, bias_range=0.2), he_model(SPEC, 2, bias_range=0.2)
     probe = torch.rand(16, 1, 32, 32)
     from hfl_components.fusion.repair import hidden_channel_stats
 
@@ -242,7 +243,7 @@ def _separable(n=40):
 
 def _good_model():
     """A model whose class-1 logit rises with image brightness: separates _separable perfectly."""
-    m = _model(SPEC, 0)
+    m = he_model(SPEC, 0, bias_range=0.2)
     with torch.no_grad():
         for info in m.layers():
             info.module.weight.abs_()
@@ -293,7 +294,7 @@ def test_controller_counts_adopting_sites(monkeypatch, tmp_path):
     from hfl_components.flare.controllers import OHFLController
     from hfl_components.flare.site_tasks import to_numpy_state
 
-    sd = to_numpy_state(_model(SPEC, 0).state_dict())
+    sd = to_numpy_state(he_model(SPEC, 0, bias_range=0.2).state_dict())
     ctl = OHFLController(probe="generated", min_sites=1, probe_size=8)
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     gates = {"site-1": True, "site-2": False, "site-3": True}

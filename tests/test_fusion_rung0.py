@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_fusion_ot import _model, permuted_copy
+from tests.fusion_helpers import he_model
+from tests.test_fusion_ot import permuted_copy
 
 torch.set_num_threads(1)
 
@@ -69,7 +70,7 @@ def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatc
     from nvflare_jobs.evaluation import load_model_file
 
     spec = {"family": "cnn", "depth": "deep", "width": 0.25, "in_channels": 1, "num_classes": 2}
-    parent = _model(spec, 0)
+    parent = he_model(spec, 0, bias_range=0.2)
     sd = parent.state_dict()
     uploads = {"site-1": (spec, to_numpy_state(sd), 64), "site-2": (spec, to_numpy_state(permuted_copy(spec, sd, 3)),
                                                                      copy_size)}

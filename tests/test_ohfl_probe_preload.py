@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_fusion_ot import _model
+from tests.fusion_helpers import he_model
 
 torch.set_num_threads(1)
 
@@ -23,7 +23,7 @@ def _uploads():
     out = {}
     for k, (depth, size) in enumerate([("shallow", 32), ("deep", 64), ("deep", 64)]):
         spec = {"family": "cnn", "depth": depth, "width": 0.25, "in_channels": 1, "num_classes": 2}
-        out[f"site-{k + 1}"] = (spec, to_numpy_state(_model(spec, k).state_dict()), size)
+        out[f"site-{k + 1}"] = (spec, to_numpy_state(he_model(spec, k, bias_range=0.2).state_dict()), size)
     return out
 
 

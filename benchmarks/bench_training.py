@@ -24,7 +24,7 @@ Usage::
     .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
         [--simulate local,fedavg,ohfl] [--sim-args "--sites 6 --scheme width"] [--skip-throughput]
-        [--pipeline-only]
+        [--pipeline-only] [--augment monai,batch]
 """
 from __future__ import annotations
 
@@ -74,19 +74,35 @@ def model_only(spec: dict, size: int, batches: int, warmup: int = 2) -> dict:
             "images_per_s": BATCH / secs}
 
 
-def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
+def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2, augment: str = "monai") -> dict:
     """Training images/s through make_site_dataset (in-memory cache; augmentation in train mode).
+
+    ``augment``: ``monai`` = the per-image MONAI train transforms (``RandFlipd`` + ``RandAffined`` per item);
+    ``batch`` = the eval-mode cache held as one tensor (:class:`chest_xray.batch_augment.CachedTensorDataset`)
+    and the same flip + affine applied per collated batch (:class:`~chest_xray.batch_augment.BatchAugmentCollate`),
+    as a site with ``augment: batch`` trains.
 
     ``images_per_s`` (the cached epoch) is the rate of the last of ``epochs`` epochs; ``first_epoch_images_per_s``
     is what a site sees the first time: images / (cache fill, i.e. decode + resize, + the first training epoch);
     ``loader_images_per_s`` is one pass over the loader without a model (augmentation + collation alone).
     """
-    from chest_xray import make_site_dataset
+    from chest_xray import default_augment_classes, make_site_dataset
 
     t0 = time.perf_counter()
-    ds = make_site_dataset(rows, size, "train", seed=0)
+    if augment == "batch":
+        from chest_xray.batch_augment import BatchAugmentCollate, CachedTensorDataset
+
+        base = make_site_dataset(rows, size, "eval")
+        items = [base[i] for i in range(len(base))]
+        ds = CachedTensorDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
+                                 [int(it["label"]) for it in items])
+        collate = BatchAugmentCollate(default_augment_classes(rows))
+    elif augment == "monai":
+        ds, collate = make_site_dataset(rows, size, "train", seed=0), None
+    else:
+        raise ValueError(f"unknown augment {augment!r}; expected monai or batch")
     cache_s = time.perf_counter() - t0
-    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=0)
+    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=0, collate_fn=collate)
     t0 = time.perf_counter()
     n_loader = sum(len(b["label"]) for b in loader)
     loader_rate = n_loader / (time.perf_counter() - t0)
@@ -94,8 +110,8 @@ def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
     model = build_model(spec)
     hist = train_local(model, loader, epochs=epochs, seed=0)
     first = len(rows) / (cache_s + len(rows) / hist[0]["images_per_s"])
-    return {"model": spec_name(spec), "size": size, "n_images": len(rows), "cache_fill_s": cache_s,
-            "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"],
+    return {"model": spec_name(spec), "size": size, "augment": augment, "n_images": len(rows),
+            "cache_fill_s": cache_s, "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"],
             "first_epoch_images_per_s": first}
 
 
@@ -131,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-images", type=int, default=128, help="real images for the pipeline measurement")
     ap.add_argument("--pipeline-models", default="cnn/shallow,cnn/deep",
                     help="comma list of model names measured through the data pipeline")
+    ap.add_argument("--augment", default="monai,batch",
+                    help="comma list of training augmentations measured side by side: monai (per-image MONAI "
+                         "RandFlipd + RandAffined) and/or batch (chest_xray.batch_augment on the collated batch)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--simulate", default=None,
                     help="comma list of methods (e.g. local,fedavg,ohfl): run `cxr-hfl simulate --method M` for each "
@@ -176,25 +195,27 @@ def main(argv=None) -> int:
         wanted = [s for s in specs if spec_name(s) in args.pipeline_models.split(",")]
         print(f"\ndata-pipeline efficiency on {len(rows)} images of {data} (ratio = pipeline / model-only img/s)")
         print("(model-only and plain decoding re-measured right before each pipeline run; fill = cache fill img/s)")
-        print(f"{'model':<14}{'size':>5}{'plain dec':>10}{'fill':>7}{'loader':>8}{'1st ep':>8}{'cached':>8}"
+        augments = args.augment.split(",")
+        print(f"{'model':<14}{'size':>5}{'aug':>6}{'plain dec':>10}{'fill':>7}{'loader':>8}{'1st ep':>8}{'cached':>8}"
               f"{'model':>7}{'fill/plain':>11}{'1st/plain':>10}{'1st/model':>10}{'cached/model':>13}")
         for spec in wanted:
             for s in sizes:
                 plain = plain_decode(rows, s)
-                m = model_only(spec, s, args.batches)
-                p = pipeline(spec, s, rows)
-                p["plain_decode_images_per_s"] = plain
-                p["cache_fill_images_per_s"] = len(rows) / p["cache_fill_s"]
-                p["model_only_images_per_s"] = m["images_per_s"]
-                p["ratio"] = p["images_per_s"] / m["images_per_s"]
-                p["first_epoch_ratio"] = p["first_epoch_images_per_s"] / m["images_per_s"]
-                p["fill_vs_plain"] = p["cache_fill_images_per_s"] / plain
-                p["first_epoch_vs_plain"] = p["first_epoch_images_per_s"] / plain
-                pipe_rows.append(p)
-                print(f"{p['model']:<14}{s:>5}{plain:>10.0f}{p['cache_fill_images_per_s']:>7.0f}"
-                      f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}{p['images_per_s']:>8.0f}"
-                      f"{m['images_per_s']:>7.0f}{p['fill_vs_plain']:>11.2f}{p['first_epoch_vs_plain']:>10.2f}"
-                      f"{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}", flush=True)
+                for aug in augments:  # side by side: model-only re-measured before each
+                    m = model_only(spec, s, args.batches)
+                    p = pipeline(spec, s, rows, augment=aug)
+                    p["plain_decode_images_per_s"] = plain
+                    p["cache_fill_images_per_s"] = len(rows) / p["cache_fill_s"]
+                    p["model_only_images_per_s"] = m["images_per_s"]
+                    p["ratio"] = p["images_per_s"] / m["images_per_s"]
+                    p["first_epoch_ratio"] = p["first_epoch_images_per_s"] / m["images_per_s"]
+                    p["fill_vs_plain"] = p["cache_fill_images_per_s"] / plain
+                    p["first_epoch_vs_plain"] = p["first_epoch_images_per_s"] / plain
+                    pipe_rows.append(p)
+                    print(f"{p['model']:<14}{s:>5}{aug:>6}{plain:>10.0f}{p['cache_fill_images_per_s']:>7.0f}"
+                          f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}{p['images_per_s']:>8.0f}"
+                          f"{m['images_per_s']:>7.0f}{p['fill_vs_plain']:>11.2f}{p['first_epoch_vs_plain']:>10.2f}"
+                          f"{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}", flush=True)
     overhead = None
     if args.simulate:
         overhead = {m: simulate_overhead(m, args.sim_args, data) for m in args.simulate.split(",")}

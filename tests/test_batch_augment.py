@@ -129,3 +129,51 @@ def test_collate_in_a_dataloader():
     assert torch.equal(aug["image"][0::2], imgs[0::2]) and not torch.equal(aug["image"][1::2], imgs[1::2])
     with pytest.raises(ValueError, match="3 labels"):
         CachedTensorDataset(imgs, [0, 1, 0])
+
+
+def test_site_config_augment_key_default_and_errors(tmp_path):
+    import yaml
+
+    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+
+    base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
+    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "batch"
+    assert validate_site_config({**base, "augment": "monai"}, "s", check_files=False)["augment"] == "monai"
+    f = tmp_path / "hospital-a.yaml"
+    f.write_text(yaml.safe_dump({**base, "augment": "gpu"}))
+    with pytest.raises(SiteConfigError) as e:
+        load_site_config("hospital-a", f, check_files=False)
+    assert str(f) in str(e.value) and "'augment'" in str(e.value) and "batch, monai" in str(e.value)
+
+
+@pytest.mark.parametrize("augment", ["batch", "monai"])
+def test_site_train_loader_per_augment_key(tmp_path, augment):
+    """Both implementations serve the train split; with no class augmented both equal the eval-mode images."""
+    import csv
+
+    import numpy as np
+    from PIL import Image
+
+    from hfl_components.flare.site_tasks import SiteRuntime
+
+    rng = np.random.default_rng(0)
+    man = tmp_path / "site.csv"
+    with man.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label", "split", "patient_id"])
+        for k in range(6):
+            f = tmp_path / f"img{k}.png"
+            Image.fromarray((rng.random((40, 50)) * 150 + 60).astype(np.uint8)).save(f)
+            w.writerow([str(f), k % 2, "train", f"p{k}"])
+    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 6, "augment_classes": None,
+           "augment": augment, "data": {"labels": "binary", "manifest": str(man)},
+           "model": {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}}
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    train, ev = rt.loader("train"), rt.loader("train", train_mode=False)
+    assert isinstance(train.dataset, CachedTensorDataset) == (augment == "batch")
+    xt = next(iter(train))
+    xe = next(iter(ev))
+    order_t, order_e = xt["label"].argsort(stable=True), xe["label"].argsort(stable=True)
+    assert tuple(xt["image"].shape) == (6, 1, 16, 16)
+    assert torch.equal(torch.sort(xt["image"].flatten(1).sum(1)).values, torch.sort(xe["image"].flatten(1).sum(1)).values)
+    assert torch.equal(xt["label"][order_t], xe["label"][order_e])

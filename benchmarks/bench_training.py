@@ -3,7 +3,9 @@
 1. Model-only: SGD training steps (forward + backward + update, batch 16) on random tensors, for the fusable
    ``cnn`` depths and every heterogeneous backbone, at each input size -> images/s and seconds per batch.
 2. Data pipeline: the same training step fed by ``chest_xray.make_site_dataset`` (MONAI CacheDataset, train-mode
-   augmentation) on real images; ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
+   augmentation) on real images, for each ``--augment`` implementation side by side (``monai``: per-image MONAI
+   ``RandFlipd`` + ``RandAffined``; ``batch``: the cached eval tensors with ``chest_xray.batch_augment`` per
+   collated batch, the sites' default); ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
    Both the first epoch (cache fill + one epoch: what a site pays once) and the cached epoch are set against
@@ -213,7 +215,8 @@ def main(argv=None) -> int:
                     p["first_epoch_vs_plain"] = p["first_epoch_images_per_s"] / plain
                     pipe_rows.append(p)
                     print(f"{p['model']:<14}{s:>5}{aug:>6}{plain:>10.0f}{p['cache_fill_images_per_s']:>7.0f}"
-                          f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}{p['images_per_s']:>8.0f}"
+                          f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}"
+                          f"{p['images_per_s']:>8.0f}"
                           f"{m['images_per_s']:>7.0f}{p['fill_vs_plain']:>11.2f}{p['first_epoch_vs_plain']:>10.2f}"
                           f"{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}", flush=True)
     overhead = None

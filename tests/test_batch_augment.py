@@ -177,3 +177,13 @@ def test_site_train_loader_per_augment_key(tmp_path, augment):
     assert tuple(xt["image"].shape) == (6, 1, 16, 16)
     assert torch.equal(torch.sort(xt["image"].flatten(1).sum(1)).values, torch.sort(xe["image"].flatten(1).sum(1)).values)
     assert torch.equal(xt["label"][order_t], xe["label"][order_e])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_equals_cpu_for_the_same_parameters():
+    x = torch.rand(6, 1, 20, 20)
+    p = sample_augment_params(6, 20, 20, generator=torch.Generator().manual_seed(4))
+    out = batch_augment(x.cuda(), params=p)
+    assert out.device.type == "cuda"
+    assert torch.allclose(out.cpu(), batch_augment(x, params=p), atol=1e-5)
+    assert batch_augment(x.cuda().half(), params=p).dtype == torch.float16

@@ -3,7 +3,9 @@
 1. Model-only: SGD training steps (forward + backward + update, batch 16) on random tensors, for the fusable
    ``cnn`` depths and every heterogeneous backbone, at each input size -> images/s and seconds per batch.
 2. Data pipeline: the same training step fed by ``chest_xray.make_site_dataset`` (MONAI CacheDataset, train-mode
-   augmentation) on real images; ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
+   augmentation) on real images, for each ``--augment`` implementation side by side (``monai``: per-image MONAI
+   ``RandFlipd`` + ``RandAffined``; ``batch``: the cached eval tensors with ``chest_xray.batch_augment`` per
+   collated batch, the sites' default); ratio = pipeline images/s / model-only images/s (data-pipeline efficiency, 1.0 =
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
    Both the first epoch (cache fill + one epoch: what a site pays once) and the cached epoch are set against
@@ -24,7 +26,7 @@ Usage::
     .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
         [--simulate local,fedavg,ohfl] [--sim-args "--sites 6 --scheme width"] [--skip-throughput]
-        [--pipeline-only]
+        [--pipeline-only] [--augment monai,batch]
 """
 from __future__ import annotations
 
@@ -74,29 +76,67 @@ def model_only(spec: dict, size: int, batches: int, warmup: int = 2) -> dict:
             "images_per_s": BATCH / secs}
 
 
-def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2) -> dict:
+def pipeline(spec: dict, size: int, rows: list[dict], epochs: int = 2, augment: str = "monai") -> dict:
     """Training images/s through make_site_dataset (in-memory cache; augmentation in train mode).
+
+    ``augment``: ``monai`` = the per-image MONAI train transforms (``RandFlipd`` + ``RandAffined`` per item);
+    ``batch`` = the eval-mode cache held as one tensor (:class:`chest_xray.batch_augment.CachedTensorDataset`)
+    and the same flip + affine applied per collated batch (:class:`~chest_xray.batch_augment.BatchAugmentCollate`),
+    as a site with ``augment: batch`` trains.
 
     ``images_per_s`` (the cached epoch) is the rate of the last of ``epochs`` epochs; ``first_epoch_images_per_s``
     is what a site sees the first time: images / (cache fill, i.e. decode + resize, + the first training epoch);
     ``loader_images_per_s`` is one pass over the loader without a model (augmentation + collation alone).
     """
-    from chest_xray import make_site_dataset
+    from chest_xray import default_augment_classes, make_site_dataset
 
     t0 = time.perf_counter()
-    ds = make_site_dataset(rows, size, "train", seed=0)
+    if augment == "batch":
+        from chest_xray.batch_augment import BatchAugmentCollate, CachedTensorDataset
+
+        base = make_site_dataset(rows, size, "eval")
+        items = [base[i] for i in range(len(base))]
+        ds = CachedTensorDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
+                                 [int(it["label"]) for it in items])
+        collate = BatchAugmentCollate(default_augment_classes(rows))
+    elif augment == "monai":
+        ds, collate = make_site_dataset(rows, size, "train", seed=0), None
+    else:
+        raise ValueError(f"unknown augment {augment!r}; expected monai or batch")
     cache_s = time.perf_counter() - t0
-    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=0)
+    loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=0, collate_fn=collate)
     t0 = time.perf_counter()
     n_loader = sum(len(b["label"]) for b in loader)
     loader_rate = n_loader / (time.perf_counter() - t0)
     torch.manual_seed(0)
     model = build_model(spec)
-    hist = train_local(model, loader, epochs=epochs, seed=0)
+    timed = _TimedLoader(loader)
+    hist = train_local(model, timed, epochs=epochs, seed=0)
     first = len(rows) / (cache_s + len(rows) / hist[0]["images_per_s"])
-    return {"model": spec_name(spec), "size": size, "n_images": len(rows), "cache_fill_s": cache_s,
-            "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"],
-            "first_epoch_images_per_s": first}
+    return {"model": spec_name(spec), "size": size, "augment": augment, "n_images": len(rows),
+            "cache_fill_s": cache_s, "loader_images_per_s": loader_rate, "images_per_s": hist[-1]["images_per_s"],
+            "first_epoch_images_per_s": first,
+            "model_share": 1.0 - timed.data_s / hist[-1]["seconds"]}
+
+
+class _TimedLoader:
+    """Iterates ``loader`` and sums the seconds spent waiting for its batches in the current epoch (``data_s``),
+    so that the data layer's share of one training epoch is measured inside that epoch (same machine load)."""
+
+    def __init__(self, loader):
+        self.loader, self.dataset, self.data_s = loader, loader.dataset, 0.0
+
+    def __iter__(self):
+        self.data_s = 0.0
+        it = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                return
+            self.data_s += time.perf_counter() - t0
+            yield b
 
 
 def plain_decode(rows: list[dict], size: int) -> float:
@@ -131,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-images", type=int, default=128, help="real images for the pipeline measurement")
     ap.add_argument("--pipeline-models", default="cnn/shallow,cnn/deep",
                     help="comma list of model names measured through the data pipeline")
+    ap.add_argument("--augment", default="monai,batch",
+                    help="comma list of training augmentations measured side by side: monai (per-image MONAI "
+                         "RandFlipd + RandAffined) and/or batch (chest_xray.batch_augment on the collated batch)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--simulate", default=None,
                     help="comma list of methods (e.g. local,fedavg,ohfl): run `cxr-hfl simulate --method M` for each "
@@ -175,26 +218,31 @@ def main(argv=None) -> int:
         rows = load_rows(data, args.n_images)
         wanted = [s for s in specs if spec_name(s) in args.pipeline_models.split(",")]
         print(f"\ndata-pipeline efficiency on {len(rows)} images of {data} (ratio = pipeline / model-only img/s)")
-        print("(model-only and plain decoding re-measured right before each pipeline run; fill = cache fill img/s)")
-        print(f"{'model':<14}{'size':>5}{'plain dec':>10}{'fill':>7}{'loader':>8}{'1st ep':>8}{'cached':>8}"
-              f"{'model':>7}{'fill/plain':>11}{'1st/plain':>10}{'1st/model':>10}{'cached/model':>13}")
+        print("(model-only and plain decoding re-measured right before each pipeline run; fill = cache fill img/s;\n"
+              " in-epoch = 1 - the cached epoch's seconds waiting for batches / its seconds: the same ratio measured\n"
+              " inside one epoch, free of the load's drift between two measurements)")
+        augments = args.augment.split(",")
+        print(f"{'model':<14}{'size':>5}{'aug':>6}{'plain dec':>10}{'fill':>7}{'loader':>8}{'1st ep':>8}{'cached':>8}"
+              f"{'model':>7}{'fill/plain':>11}{'1st/plain':>10}{'1st/model':>10}{'cached/model':>13}{'in-epoch':>9}")
         for spec in wanted:
             for s in sizes:
                 plain = plain_decode(rows, s)
-                m = model_only(spec, s, args.batches)
-                p = pipeline(spec, s, rows)
-                p["plain_decode_images_per_s"] = plain
-                p["cache_fill_images_per_s"] = len(rows) / p["cache_fill_s"]
-                p["model_only_images_per_s"] = m["images_per_s"]
-                p["ratio"] = p["images_per_s"] / m["images_per_s"]
-                p["first_epoch_ratio"] = p["first_epoch_images_per_s"] / m["images_per_s"]
-                p["fill_vs_plain"] = p["cache_fill_images_per_s"] / plain
-                p["first_epoch_vs_plain"] = p["first_epoch_images_per_s"] / plain
-                pipe_rows.append(p)
-                print(f"{p['model']:<14}{s:>5}{plain:>10.0f}{p['cache_fill_images_per_s']:>7.0f}"
-                      f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}{p['images_per_s']:>8.0f}"
-                      f"{m['images_per_s']:>7.0f}{p['fill_vs_plain']:>11.2f}{p['first_epoch_vs_plain']:>10.2f}"
-                      f"{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}", flush=True)
+                for aug in augments:  # side by side: model-only re-measured before each
+                    m = model_only(spec, s, args.batches)
+                    p = pipeline(spec, s, rows, augment=aug)
+                    p["plain_decode_images_per_s"] = plain
+                    p["cache_fill_images_per_s"] = len(rows) / p["cache_fill_s"]
+                    p["model_only_images_per_s"] = m["images_per_s"]
+                    p["ratio"] = p["images_per_s"] / m["images_per_s"]
+                    p["first_epoch_ratio"] = p["first_epoch_images_per_s"] / m["images_per_s"]
+                    p["fill_vs_plain"] = p["cache_fill_images_per_s"] / plain
+                    p["first_epoch_vs_plain"] = p["first_epoch_images_per_s"] / plain
+                    pipe_rows.append(p)
+                    print(f"{p['model']:<14}{s:>5}{aug:>6}{plain:>10.0f}{p['cache_fill_images_per_s']:>7.0f}"
+                          f"{p['loader_images_per_s']:>8.0f}{p['first_epoch_images_per_s']:>8.0f}"
+                          f"{p['images_per_s']:>8.0f}"
+                          f"{m['images_per_s']:>7.0f}{p['fill_vs_plain']:>11.2f}{p['first_epoch_vs_plain']:>10.2f}"
+                          f"{p['first_epoch_ratio']:>10.2f}{p['ratio']:>13.2f}{p['model_share']:>9.2f}", flush=True)
     overhead = None
     if args.simulate:
         overhead = {m: simulate_overhead(m, args.sim_args, data) for m in args.simulate.split(",")}

@@ -38,6 +38,8 @@ import yaml
 
 ENV_DIR = "CXR_HFL_SITE_CONFIG_DIR"
 LOCAL_SUBDIR = Path("local") / "cxr_hfl"
+#: training augmentation implementations (site-config key ``augment``): the first is the default (issue 15)
+AUGMENTS = ("batch", "monai")
 
 DEFAULTS = {
     "input_size": 64,
@@ -56,6 +58,9 @@ DEFAULTS = {
     "class_weights": None,
     "balanced_sampling": False,  # true: class-balanced WeightedRandomSampler over the training split
     "fast_augment": False,  # true: training images as one cached tensor, flip + shift on tensors (no rotation)
+    # training augmentation (flip p=0.5 + affine p=0.8, +-10 deg, +-6 % shift): batch = per collated batch on the
+    # site's device (chest_xray.batch_augment, issue 15) | monai = per image, MONAI RandFlipd + RandAffined
+    "augment": "batch",
     "augment_classes": "auto",
     "threads": 1,
     "seed": 0,
@@ -235,6 +240,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
 
     if cfg["aspect"] not in ASPECTS:
         raise _err(site, path, "aspect", f"must be one of {', '.join(ASPECTS)}, got {cfg['aspect']!r}")
+    if cfg["augment"] not in AUGMENTS:
+        raise _err(site, path, "augment", f"must be one of {', '.join(AUGMENTS)}, got {cfg['augment']!r}")
     for key in ("balanced_sampling", "fast_augment"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
@@ -327,6 +334,7 @@ batch_size: 16
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: auto            # auto (minority classes) | null | [0, 1]: classes augmented in training
+# augment: batch                   # batch (flip + affine per collated batch, fast) | monai (per image, MONAI)
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs
 # aspect: stretch                  # stretch | letterbox | crop: how non-square images become square (as the job's)
 """

@@ -165,14 +165,23 @@ class SiteRuntime:
             aug = self.cfg["augment_classes"]
             if aug == "auto":
                 aug = default_augment_classes(self.rows("train"))
+            collate = None
+            tensor_path = train_mode and (self.cfg.get("fast_augment") or self.cfg.get("augment", "batch") == "batch")
+            # cached eval-mode tensors, built once (an unreadable file is reported, with its manifest line, there)
+            base = self.loader(split, size, train_mode=False).dataset if tensor_path else None
             try:
-                if train_mode and self.cfg.get("fast_augment"):
+                if tensor_path:
+                    from chest_xray.batch_augment import BatchAugmentCollate, CachedTensorDataset
                     from chest_xray.transforms import TensorAugmentDataset
 
-                    base = self.loader(split, size, train_mode=False).dataset  # cached eval-mode tensors, built once
                     items = [base[i] for i in range(len(base))]
-                    ds = TensorAugmentDataset(torch.stack([torch.as_tensor(it["image"]) for it in items]),
-                                              [int(it["label"]) for it in items], augment_classes=aug or [])
+                    images = torch.stack([torch.as_tensor(it["image"]) for it in items])
+                    labels = [int(it["label"]) for it in items]
+                    if self.cfg.get("fast_augment"):  # issue 16: flip + integer shift per item, no rotation
+                        ds = TensorAugmentDataset(images, labels, augment_classes=aug or [])
+                    else:  # issue 15: the MONAI pipeline's flip + affine per collated batch, on the site's device
+                        ds = CachedTensorDataset(images, labels)
+                        collate = BatchAugmentCollate(aug or [], device=self.device)
                 else:
                     ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
                                            cache_dir=self.cfg.get("cache_dir"),
@@ -188,7 +197,7 @@ class SiteRuntime:
                 sampler = balanced_sampler([int(r["label"]) for r in rows], g)
             self._loaders[key] = torch.utils.data.DataLoader(
                 ds, batch_size=int(self.cfg["batch_size"]), shuffle=train_mode and sampler is None, sampler=sampler,
-                num_workers=0, generator=g)
+                num_workers=0, generator=g, collate_fn=collate)
         return self._loaders[key]
 
     def _located(self, err, split: str):

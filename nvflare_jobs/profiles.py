@@ -23,7 +23,7 @@ PROTO_BACKBONES = {
 # Prototype methods' default site training (issue 16), chosen on the sites' validation splits by
 # benchmarks/tune_proto.py (results in benchmarks/results/proto_tuning.md); never on test or evaluation images.
 PROTO_TRAINING = {"input_size": 64, "lr": 0.001, "optimizer": "adam", "lr_schedule": "cosine",
-                  "balanced_sampling": True, "class_weights": None, "fast_augment": True}
+                  "balanced_sampling": True, "class_weights": None, "fast_augment": True, "deploy": "best_val"}
 # federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
 # one source is the method catalogue
 PROTO_ROUNDS = _method_defaults(PROTOTYPE_METHODS[0])["rounds"]

@@ -429,6 +429,15 @@ def test_deploy_best_val_restarts_at_round_0_and_carries_the_prototypes_of_the_d
     rt.deploy_round({"balanced_accuracy": None}, 3, extra_files=("local_prototypes.npy",))  # None counts as -1
     assert rt.load_deployed(extra_files=("local_prototypes.npy",))
     np.testing.assert_array_equal(np.load(rt.state_dir / "local_prototypes.npy"), np.full((3, 8), 4.0))
+    # a validation split with one class cannot rank rounds (it would favour predicting that class): every round
+    # is deployed, as under deploy: last
+    one = _toy_runtime(tmp_path / "one", input_size=16, deploy="best_val")
+    one.ensure_own_model()
+    for rnd, score in ((0, 0.9), (1, 0.3)):
+        one.deploy_round({"balanced_accuracy": score, "class_counts": [15, 0, 0]}, rnd)
+    assert json.loads((one.state_dir / "deploy_selection.json").read_text())["round"] == 1
+    one.deploy_round({"balanced_accuracy": 0.2, "class_counts": [15, 1, 0]}, 2)  # two classes: ranked again
+    assert json.loads((one.state_dir / "deploy_selection.json").read_text())["round"] == 1
     last = _toy_runtime(tmp_path / "last", input_size=16)
     last.ensure_own_model()
     last.deploy_round({"balanced_accuracy": 0.1}, 0)
@@ -449,3 +458,30 @@ def test_site_config_deploy_rule_and_the_prototype_default(tmp_path):
                                  "model": {"family": "cnn", "depth": "shallow"}, "deploy": "best"}))
     with pytest.raises(SiteConfigError, match="deploy"):
         load_site_config("site-1", f)
+
+
+def test_compare_partitions_the_prototype_comparison_with_two_eval_images_per_class(tmp_path, monkeypatch):
+    """compare's partition step passes min_eval_per_class = PROTO_MIN_EVAL_PER_CLASS (2) under the prototype
+    protocol and 0 otherwise (OHFL comparisons keep the plain 80/10/10 cut)."""
+    import chest_xray
+
+    from nvflare_jobs.compare import prepare_partition
+    from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_partition(records, n_sites, scheme, **kw):
+        seen.append(kw["min_eval_per_class"])
+        raise Stop
+
+    monkeypatch.setattr(chest_xray, "scan_dataset", lambda data, labels: ([], {}))
+    monkeypatch.setattr(chest_xray, "partition_records", fake_partition)
+    for proto in (True, False):
+        a = argparse.Namespace(labels="subtype", max_images=None, sites=6, scheme="dirichlet", alpha=0.5,
+                               proto_protocol=proto)
+        with pytest.raises(Stop):
+            prepare_partition(tmp_path, tmp_path / "seed0", a)
+    assert PROTO_MIN_EVAL_PER_CLASS == 2 and seen == [2, 0]

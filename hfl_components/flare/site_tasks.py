@@ -285,7 +285,9 @@ class SiteRuntime:
         ``deploy: last``: every round is deployed (the last round's model is what the site keeps). ``deploy:
         best_val`` (model selection on validation, issue 16): the round is deployed when its validation balanced
         accuracy ``val["balanced_accuracy"]`` (None counts as -1) is at least the best so far in this job (ties ->
-        the later round); round 0 starts a new job's record. The record (round, score) is kept in
+        the later round); round 0 starts a new job's record. A validation split holding fewer than two classes
+        (``val["class_counts"]``) cannot rank rounds by balanced accuracy -- it would favour the round predicting
+        its one class most -- so such a site deploys every round, as under ``last``. The record (round, score) is kept in
         ``deploy_selection.json`` in the site's state folder; ``extra_files`` (names in the state folder, e.g. the
         local prototypes) are copied to ``deployed_<name>`` with the model so that the deployed model's companions
         match it. Never reads the test split.
@@ -295,6 +297,9 @@ class SiteRuntime:
 
         self.save_state(deployed=False)
         rule = self.cfg.get("deploy", "last")
+        counts = val.get("class_counts")
+        if rule == "best_val" and counts is not None and sum(1 for c in counts if c > 0) < 2:
+            rule = "last (validation split holds < 2 classes)"
         rec_path = self.state_dir / "deploy_selection.json"
         score = val.get("balanced_accuracy")
         score = -1.0 if score is None or not np.isfinite(score) else float(score)

@@ -52,7 +52,11 @@ def table(blocks: list[dict], methods: list[str], ref: str) -> list[str]:
         ms = [m for m in methods if m in s["methods"]]
         if not ms:
             continue
-        L += [f"### {b['label']}", "", f"Compare folder `{b['dir']}`; command `{b['compare'].get('command', '?')}`.", "",
+        walls = [json.loads(p.read_text()).get("wall_time_s") for p in Path(b["dir"]).glob("seed*/*/metrics.json")]
+        wall = (f" Sum of the {len(walls)} simulate runs' wall times: {sum(w or 0 for w in walls) / 60:.0f} min "
+                "(2 shared CPU cores)." if walls else "")
+        L += [f"### {b['label']}", "", f"Compare folder `{b['dir']}`; command `{b['compare'].get('command', '?')}`."
+              + wall, "",
               "| method | seeds | test bal. acc. % | test AUC % | external bal. acc. % | external AUC % | single-class "
               f"sites (test / ext.) | Δ bal. acc. vs {LABEL[ref]}, test | Δ vs {LABEL[ref]}, external |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -112,11 +116,15 @@ def main() -> None:
     a = ap.parse_args()
     blocks = [load(*c.split("=", 1)[:1], Path(c.split("=", 1)[1])) for c in a.compare]
     head = ["Protocol (issue 16): 6 sites from the `tuning` + `probe` parts of `chest_xray_224` (1,055 images, "
-            "3 classes NORMAL / BACTERIAL / VIRAL, patient-grouped 80/10/10 site splits), label skew by Dirichlet or "
+            "3 classes NORMAL / BACTERIAL / VIRAL, patient-grouped 80/10/10 site splits in which every class a site "
+            "holds >= 8 images of has >= 2 images in val and in test: `PROTO_MIN_EVAL_PER_CLASS`), label skew by "
+            "Dirichlet or "
             "pathological partition, heterogeneous backbones (hetero_cnn, densenet, resnet, efficientnet) at 64 px, "
             "the prototype methods' defaults (`nvflare_jobs/profiles.py`: PROTO_TRAINING, PROTO_ROUNDS x "
             "PROTO_LOCAL_EPOCHS, chosen on the sites' validation splits in `proto_tuning.md`), every method at "
-            "equal local epochs. Each site's deployed model is scored on its own test split and on the committed "
+            "equal local epochs (20 rounds x 1 epoch). Each site deploys the round whose validation balanced accuracy "
+            "at the site is best (`deploy: best_val`; ties -> later round; a one-class validation split -> the last "
+            "round), the same rule for every method. Each site's deployed model is scored on its own test split and on the committed "
             "`evaluation` part (1,715 images, never trained on) restricted to the classes the site holds. "
             "Balanced accuracy = mean recall over the classes present; AUC = macro one-vs-rest. Δ: paired "
             "difference over (seed, site) pairs with a joint seeds x images bootstrap 95% CI (500 replicates) "

@@ -30,7 +30,7 @@ class _Stop(BaseException):
     """Stops the controller before its final (test) evaluation task."""
 
 
-def run(method: str, profile: dict, opts: dict, workdir: Path):
+def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
     from nvflare.app_common.abstract.fl_model import FLModel
 
     from hfl_components.flare.site_methods import HANDLERS
@@ -52,6 +52,8 @@ def run(method: str, profile: dict, opts: dict, workdir: Path):
             meta = dict(data.meta or {})
             meta.setdefault("round", data.current_round or 0)
             params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
+            if on_result is not None:  # e.g. benchmarks/tune_deploy.py: score every round's model on validation
+                on_result(site, rt, int(meta["round"]), metrics)
             gp = (data.params or {}).get("global_prototypes")
             if gp is not None and np.asarray(gp).size and site == "site-2":
                 P = np.asarray(gp)

@@ -43,7 +43,7 @@ def overrides(setting: str) -> dict:
 
 
 def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: int, data: Path,
-                extra_roots: tuple = ()) -> dict:
+                extra_roots: tuple = (), min_eval_per_class: int = 0) -> dict:
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
     from chest_xray.splits import TRAINING_PARTS, write_pool_csv
     from nvflare_jobs.profiles import write_profile
@@ -51,7 +51,8 @@ def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: in
 
     csv_ = write_pool_csv(TRAINING_PARTS, data, work / "pool.csv", extra_roots=extra_roots)
     records, _ = scan_dataset(csv_, labels="subtype", verify=False)
-    res = partition_records(records, 6, scheme, alpha=alpha, seed=seed, class_names=CLASS_NAMES["subtype"])
+    res = partition_records(records, 6, scheme, alpha=alpha, seed=seed, class_names=CLASS_NAMES["subtype"],
+                            min_eval_per_class=min_eval_per_class)
     part = work / f"part{seed}"
     write_partition(res, part)
     prof = write_profile(part, work / f"prof{seed}", "fedtopo", "subtype", [input_size],
@@ -59,14 +60,17 @@ def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: in
     return load_profile(prof)
 
 
-def pooled_val_loader(profile: dict, rt, only: str | None = None) -> torch.utils.data.DataLoader:
+def pooled_val_loader(profile: dict, rt, only: str | None = None,
+                      exclude_own: bool = False) -> torch.utils.data.DataLoader:
     """Every site's *validation* images (the union of the sites' val splits, still tuning + probe images only)
     restricted to the classes ``rt``'s site holds in training, at its input size: a steadier validation signal
-    than the site's own 4-30 val images, scored the way the external evaluation scores a site model."""
+    than the site's own 4-30 val images, scored the way the external evaluation scores a site model.
+    ``exclude_own``: leave out ``rt``'s own val split (for scoring a model selected on that split)."""
     from chest_xray import make_site_dataset, read_site_manifest
 
     held = set(np.flatnonzero(rt.class_counts() > 0).tolist())
-    rows = [r for cfg in profile.values() for r in read_site_manifest(cfg["data"]["manifest"])
+    rows = [r for s, cfg in profile.items() if not (exclude_own and s == rt.site)
+            for r in read_site_manifest(cfg["data"]["manifest"])
             if r["split"] == "val" and int(r["label"]) in held and (only is None or only in r["path"])]
     ds = make_site_dataset(rows, int(rt.cfg["input_size"]), "eval")
     return torch.utils.data.DataLoader(ds, batch_size=128, shuffle=False)

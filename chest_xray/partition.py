@@ -142,6 +142,39 @@ def _fill_empty_splits(out: dict[str, str], order: dict[int, list[str]], sizes: 
         out[cand[i]] = split
 
 
+def _min_eval_per_class(out: dict[str, str], patients: dict[str, list[dict[str, Any]]], m: int,
+                        fractions: tuple[float, ...]) -> list[dict[str, Any]]:
+    """Give each class at least ``m`` images in val and in test (in place) where the site holds enough of it.
+
+    Applied per class k the site holds ``n_k >= 4 m`` images of (so that training keeps at least half of them):
+    while val (then test) holds fewer than ``m`` images of class k, the train patient with an image of class k that
+    has the fewest images of other classes (ties -> fewest images, then patient id) moves to that split, unless the
+    move would leave train with fewer than ``n_k / 2`` images of class k. Patients stay whole; a split whose
+    fraction is 0 is left alone. Deterministic: no random draws. Returns one record per move (class, split,
+    patient, images) for the partition's parameters.
+    """
+    moves: list[dict[str, Any]] = []
+    if m <= 0:
+        return moves
+    labs = {p: [int(r["label"]) for r in rows] for p, rows in patients.items()}
+    for k in sorted({lab for ls in labs.values() for lab in ls}):
+        n_k = sum(ls.count(k) for ls in labs.values())
+        if n_k < 4 * m:
+            continue
+        for split, frac in zip(SPLITS[1:], fractions[1:]):
+            if frac <= 0:
+                continue
+            while sum(labs[p].count(k) for p in out if out[p] == split) < m:
+                cand = sorted((p for p in out if out[p] == "train" and k in labs[p]),
+                              key=lambda p: (len(labs[p]) - labs[p].count(k), len(labs[p]), p))
+                train_k = sum(labs[p].count(k) for p in out if out[p] == "train")
+                if not cand or train_k - labs[cand[0]].count(k) < n_k / 2:
+                    break
+                out[cand[0]] = split
+                moves.append({"class": k, "split": split, "patient": cand[0], "images": len(labs[cand[0]])})
+    return moves
+
+
 def partition_records(
     records: list[dict[str, Any]],
     n_sites: int,
@@ -155,6 +188,7 @@ def partition_records(
     min_per_site: int = 10,
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
     max_tries: int = 1000,
+    min_eval_per_class: int = 0,
 ) -> PartitionResult:
     """Partition records into ``n_sites`` hospital sites with per-site patient-grouped 80/10/10 splits.
 
@@ -174,6 +208,9 @@ def partition_records(
             whole, so the fractions are approximate for small sites). A site with >= 3 patients gets at least
             one patient in each split whose fraction is non-zero (moved from train when needed).
         max_tries: dirichlet re-draw limit.
+        min_eval_per_class: m >= 0; after the split, every class a site holds at least 4 m images of gets at least
+            m images in val and in test, moved from train patient by patient (:func:`_min_eval_per_class`; 0, the
+            default: no change). The prototype methods' comparison uses 2 (issue 16).
 
     Returns:
         a :class:`PartitionResult`.
@@ -192,6 +229,8 @@ def partition_records(
         raise ValueError(f"split_fractions must be three non-negative numbers summing to 1, got {split_fractions}")
     if not records:
         raise ValueError("no records to partition")
+    if isinstance(min_eval_per_class, bool) or not isinstance(min_eval_per_class, int) or min_eval_per_class < 0:
+        raise ValueError(f"min_eval_per_class must be a non-negative integer, got {min_eval_per_class!r}")
     n_classes = max(int(r["label"]) for r in records) + 1
     if class_names is not None:
         if len(class_names) < n_classes:
@@ -217,6 +256,8 @@ def partition_records(
     # 2. patients -> sites
     params: dict[str, Any] = {"n_sites": n_sites, "probe_fraction": probe_fraction,
                               "split_fractions": list(split_fractions)}
+    if min_eval_per_class:
+        params["min_eval_per_class"] = int(min_eval_per_class)
     site_of: dict[str, int] = {}
     if scheme == "width":
         for k in range(n_classes):
@@ -274,6 +315,9 @@ def partition_records(
     for s in range(n_sites):
         sp = {p: pool[p] for p in pool if site_of.get(p) == s}
         split = _split_patients(sp, np.random.default_rng([seed, s + 1]), split_fractions)
+        moved = _min_eval_per_class(split, sp, int(min_eval_per_class), split_fractions)
+        if moved:
+            params.setdefault("eval_moves", {})[f"site-{s + 1}"] = moved
         rows = [_row(r, split[p]) for p in sp for r in sp[p]]
         sites[f"site-{s + 1}"] = sorted(rows, key=lambda r: r["path"])
     probe = sorted((_row(r, "probe") for p in sorted(probe_pids) for r in patients[p]), key=lambda r: r["path"])

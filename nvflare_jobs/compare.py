@@ -220,8 +220,12 @@ def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
     records, report = scan_dataset(data, labels=args.labels)
     records = _subset(records, args.max_images)
     seed = int(seed_dir.name.removeprefix("seed"))
+    from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS
+
     res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=seed,
-                            class_names=CLASS_NAMES[args.labels])
+                            class_names=CLASS_NAMES[args.labels],
+                            min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if getattr(args, "proto_protocol", False)
+                            else 0)
     write_partition(res, part)
     (part / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
     return part

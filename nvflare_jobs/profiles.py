@@ -23,7 +23,12 @@ PROTO_BACKBONES = {
 # Prototype methods' default site training (issue 16), chosen on the sites' validation splits by
 # benchmarks/tune_proto.py (results in benchmarks/results/proto_tuning.md); never on test or evaluation images.
 PROTO_TRAINING = {"input_size": 64, "lr": 0.001, "optimizer": "adam", "lr_schedule": "cosine",
-                  "balanced_sampling": True, "class_weights": None, "fast_augment": True}
+                  "balanced_sampling": True, "class_weights": None, "fast_augment": True, "deploy": "best_val"}
+# Prototype methods' site splits (issue 16): every class a site holds >= 4 x 2 images of gets >= 2 images in val and
+# in test (chest_xray.partition_records(min_eval_per_class=...); patients whole, train keeps >= half of the class).
+# With the 80/10/10 cut alone a class of 8-20 images at a site often had 0-1 validation / test images, so neither the
+# validation model selection (deploy: best_val) nor the single-class check of the test split could see it.
+PROTO_MIN_EVAL_PER_CLASS = 2
 # federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
 # one source is the method catalogue
 PROTO_ROUNDS = _method_defaults(PROTOTYPE_METHODS[0])["rounds"]

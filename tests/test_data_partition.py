@@ -302,3 +302,56 @@ def test_inspect_rejects_a_file_and_a_bad_folder(tmp_path, capsys):
     (tmp_path / "bad" / "partition.json").write_text("{not json")
     assert main(["inspect", str(tmp_path / "bad")]) == 2
     assert main(["partition", "--data", str(f), "--sites", "2", "--out", str(f)]) == 2
+
+
+def test_min_eval_per_class_gives_each_class_two_val_and_test_images_where_the_site_has_enough():
+    """One site, single-image patients: class 0 has 40 images, class 1 exactly 8 (= 4 m), class 2 has 7 (< 4 m).
+    The 80/10/10 cut gives class 1 6/1/1 (midpoints 1/16 .. 15/16 against the 0.8 / 0.9 edges); with m = 2 one
+    train patient moves to val and one to test -> 4/2/2, train keeping exactly half. Class 2 (too few) and class 0
+    (already 32/4/4) keep the plain cut; patients stay whole."""
+    recs = []
+    for k, n in ((0, 40), (1, 8), (2, 7)):
+        recs += [{"path": f"/x/c{k}_p{i:02d}.png", "label": k, "patient_id": f"c{k}p{i:02d}", "width": 100,
+                  "height": 100} for i in range(n)]
+    plain = partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1)
+    res = partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1, min_eval_per_class=2)
+    a, b = Counter((r["label"], r["split"]) for r in plain.sites["site-1"]), \
+        Counter((r["label"], r["split"]) for r in res.sites["site-1"])
+    assert [a[(1, s)] for s in ("train", "val", "test")] == [6, 1, 1]
+    assert [b[(1, s)] for s in ("train", "val", "test")] == [4, 2, 2]
+    for k in (0, 2):
+        assert [b[(k, s)] for s in ("train", "val", "test")] == [a[(k, s)] for s in ("train", "val", "test")]
+    assert [a[(0, s)] for s in ("train", "val", "test")] == [32, 4, 4]
+    moves = res.params["eval_moves"]["site-1"]
+    assert [(m["class"], m["split"]) for m in moves] == [(1, "val"), (1, "test")]
+    assert res.params["min_eval_per_class"] == 2 and "eval_moves" not in plain.params
+    # the moved patients were train patients of the plain cut; every other patient keeps its split
+    split_a = {r["patient_id"]: r["split"] for r in plain.sites["site-1"]}
+    split_b = {r["patient_id"]: r["split"] for r in res.sites["site-1"]}
+    changed = {p for p in split_a if split_a[p] != split_b[p]}
+    assert changed == {m["patient"] for m in moves} and all(split_a[p] == "train" for p in changed)
+    with pytest.raises(ValueError, match="min_eval_per_class"):
+        partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1, min_eval_per_class=-1)
+
+
+def test_min_eval_per_class_moves_whole_patients_and_keeps_half_of_the_class_in_train():
+    """Class 1: one 3-image patient and five 1-image patients (8 images); m = 2. The single-image patients move
+    first (fewest images); a move that would leave train under 4 images of class 1 is not made."""
+    recs = [{"path": f"/x/c0_{i:02d}.png", "label": 0, "patient_id": f"a{i:02d}", "width": 1, "height": 1}
+            for i in range(40)]
+    recs += [{"path": f"/x/c1_big_{j}.png", "label": 1, "patient_id": "big", "width": 1, "height": 1}
+             for j in range(3)]
+    recs += [{"path": f"/x/c1_{i}.png", "label": 1, "patient_id": f"b{i}", "width": 1, "height": 1}
+             for i in range(5)]
+    res = partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1, min_eval_per_class=2)
+    rows = res.sites["site-1"]
+    by_patient = defaultdict(set)
+    for r in rows:
+        by_patient[r["patient_id"]].add(r["split"])
+    assert all(len(s) == 1 for s in by_patient.values())
+    # plain cut: b2 -> val, b4 -> test, the rest train; m = 2 moves b0 (1 image, first id) to val and b1 to test;
+    # train keeps big (3) + b3 (1) = 4 = half of class 1, so no further move would be allowed
+    assert {p: next(iter(s)) for p, s in by_patient.items() if not p.startswith("a")} == {
+        "b0": "val", "b1": "test", "b2": "val", "b3": "train", "b4": "test", "big": "train"}
+    assert [(m["patient"], m["split"], m["images"]) for m in res.params["eval_moves"]["site-1"]] == [
+        ("b0", "val", 1), ("b1", "test", 1)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -382,3 +383,105 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
     assert parsed("fedsaf") == (1.0, 1.0)
     assert parsed("fedtopo") == (1.0, 1.0)
     assert parsed("fedproto", "--lambda", "1", "--gamma", "1") == (1.0, 1.0)
+
+
+def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_the_later(tmp_path, monkeypatch):
+    """deploy: best_val (issue 16): scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
+    five rounds of the real Local handler -> the deployed model file and the model the final evaluation task scores
+    are round 3's weights (the later of the two 0.60 rounds), not round 4's; deploy: last deploys round 4's."""
+    from hfl_components.flare.site_methods import HANDLERS
+    from hfl_components.models import load_model_file
+
+    for rule, expect in (("best_val", 3), ("last", 4)):
+        rt = _toy_runtime(tmp_path / rule, optimizer="adam", lr=0.01, input_size=16, deploy=rule)
+        scores = iter([0.40, 0.60, 0.50, 0.60, 0.30])
+        monkeypatch.setattr(rt, "n_train", lambda: 12)
+        monkeypatch.setattr(rt, "evaluate", lambda split="test", with_predictions=False: (
+            {"balanced_accuracy": next(scores), "accuracy": 0.5} if split == "val" else {"balanced_accuracy": 0.5}))
+        snaps = []
+        for rnd in range(5):
+            HANDLERS["local_train"](rt, {}, {"round": rnd, "total_rounds": 5, "method": "local",
+                                              "task_config": {"local_epochs": 1}})
+            snaps.append({k: v.detach().clone() for k, v in rt.model.state_dict().items()})
+        assert any(not torch.equal(snaps[3][k], snaps[4][k]) for k in snaps[3])  # round 4 did change the weights
+        deployed, _ = load_model_file(rt.state_dir / "deployed_model.pt")
+        for k, v in deployed.state_dict().items():
+            torch.testing.assert_close(v, snaps[expect][k].cpu())
+        rec = json.loads((rt.state_dir / "deploy_selection.json").read_text())
+        assert rec["round"] == expect and rec["score"] == pytest.approx(0.6 if rule == "best_val" else 0.3)
+        scores = iter([0.5] * 2)  # the final evaluation task's validation score
+        HANDLERS["evaluate"](rt, {}, {"method": "local", "task_config": {}})
+        for k, v in rt.model.state_dict().items():
+            torch.testing.assert_close(v.cpu(), snaps[expect][k].cpu())
+
+
+def test_deploy_best_val_restarts_at_round_0_and_carries_the_prototypes_of_the_deployed_round(tmp_path):
+    """A new job (round 0) starts a new record even if an earlier job scored higher; the local prototypes saved
+    with a deployed round are the ones restored for the final (nearest-prototype) evaluation."""
+    rt = _toy_runtime(tmp_path, input_size=16, deploy="best_val")
+    rt.ensure_own_model()
+    for rnd, score, proto in ((0, 0.9, 1.0), (0, 0.2, 2.0), (1, 0.1, 3.0), (2, 0.2, 4.0)):
+        np.save(rt.state_dir / "local_prototypes.npy", np.full((3, 8), proto))
+        rt.deploy_round({"balanced_accuracy": score}, rnd, extra_files=("local_prototypes.npy",))
+    # second job: round 0 (0.2) deployed despite the first job's 0.9, round 1 (0.1) not, round 2 (0.2, tie) is
+    assert json.loads((rt.state_dir / "deploy_selection.json").read_text())["round"] == 2
+    np.save(rt.state_dir / "local_prototypes.npy", np.full((3, 8), 5.0))  # a later, not deployed, round
+    rt.deploy_round({"balanced_accuracy": None}, 3, extra_files=("local_prototypes.npy",))  # None counts as -1
+    assert rt.load_deployed(extra_files=("local_prototypes.npy",))
+    np.testing.assert_array_equal(np.load(rt.state_dir / "local_prototypes.npy"), np.full((3, 8), 4.0))
+    # a validation split with one class cannot rank rounds (it would favour predicting that class): every round
+    # is deployed, as under deploy: last
+    one = _toy_runtime(tmp_path / "one", input_size=16, deploy="best_val")
+    one.ensure_own_model()
+    for rnd, score in ((0, 0.9), (1, 0.3)):
+        one.deploy_round({"balanced_accuracy": score, "class_counts": [15, 0, 0]}, rnd)
+    assert json.loads((one.state_dir / "deploy_selection.json").read_text())["round"] == 1
+    one.deploy_round({"balanced_accuracy": 0.2, "class_counts": [15, 1, 0]}, 2)  # two classes: ranked again
+    assert json.loads((one.state_dir / "deploy_selection.json").read_text())["round"] == 1
+    last = _toy_runtime(tmp_path / "last", input_size=16)
+    last.ensure_own_model()
+    last.deploy_round({"balanced_accuracy": 0.1}, 0)
+    assert not last.load_deployed()  # deploy: last -- the current model is the deployed one
+
+
+def test_site_config_deploy_rule_and_the_prototype_default(tmp_path):
+    import yaml
+
+    from nvflare_jobs.profiles import PROTO_TRAINING
+    from nvflare_jobs.site_config import DEFAULTS, SiteConfigError, load_site_config
+
+    assert DEFAULTS["deploy"] == "last" and PROTO_TRAINING["deploy"] == "best_val"
+    man = tmp_path / "m.csv"
+    man.write_text("path,label,split\n/x.png,0,train\n")
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump({"data": {"manifest": str(man), "labels": "subtype"},
+                                 "model": {"family": "cnn", "depth": "shallow"}, "deploy": "best"}))
+    with pytest.raises(SiteConfigError, match="deploy"):
+        load_site_config("site-1", f)
+
+
+def test_compare_partitions_the_prototype_comparison_with_two_eval_images_per_class(tmp_path, monkeypatch):
+    """compare's partition step passes min_eval_per_class = PROTO_MIN_EVAL_PER_CLASS (2) under the prototype
+    protocol and 0 otherwise (OHFL comparisons keep the plain 80/10/10 cut)."""
+    import chest_xray
+
+    from nvflare_jobs.compare import prepare_partition
+    from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_partition(records, n_sites, scheme, **kw):
+        seen.append(kw["min_eval_per_class"])
+        raise Stop
+
+    monkeypatch.setattr(chest_xray, "scan_dataset", lambda data, labels: ([], {}))
+    monkeypatch.setattr(chest_xray, "partition_records", fake_partition)
+    for proto in (True, False):
+        a = argparse.Namespace(labels="subtype", max_images=None, sites=6, scheme="dirichlet", alpha=0.5,
+                               proto_protocol=proto)
+        with pytest.raises(Stop):
+            prepare_partition(tmp_path, tmp_path / "seed0", a)
+    assert PROTO_MIN_EVAL_PER_CLASS == 2 and seen == [2, 0]

@@ -53,6 +53,9 @@ DEFAULTS = {
     # local training optimiser: sgd (momentum above; OHFL's), adam or adamw (Adam moments kept across rounds)
     "optimizer": "sgd",
     "weight_decay": 0.0,
+    # which model a site deploys: last (the last round's) | best_val (the round whose site validation balanced
+    # accuracy is best, ties -> the later round; round-based methods, issue 16)
+    "deploy": "last",
     "lr_schedule": "constant",  # constant | cosine: lr x 0.5 (1 + cos(pi r / R)) in round r of R (round-based methods)
     "finetune_lr": 0.001,
     "class_weights": None,
@@ -76,6 +79,7 @@ DEFAULTS = {
     "device": "auto",  # auto | cpu | cuda | cuda:N, for training and evaluation
     "amp": False,  # mixed precision training
 }
+DEPLOY_RULES = ("last", "best_val")
 TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
 DATA_KEYS = {"manifest", "labels"}
 
@@ -216,6 +220,8 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
             raise _err(site, path, key, f"must be a number in [0, {hi}), got {v!r}{_quoted_hint(v)}")
     if cfg["optimizer"] not in ("sgd", "adam", "adamw"):
         raise _err(site, path, "optimizer", f"must be sgd, adam or adamw, got {cfg['optimizer']!r}")
+    if cfg["deploy"] not in DEPLOY_RULES:
+        raise _err(site, path, "deploy", f"must be last or best_val, got {cfg['deploy']!r}")
     if cfg["lr_schedule"] not in ("constant", "cosine"):
         raise _err(site, path, "lr_schedule", f"must be constant or cosine, got {cfg['lr_schedule']!r}")
     wd = cfg["weight_decay"]
@@ -329,6 +335,7 @@ batch_size: 16
 # optimizer: sgd                   # sgd | adam | adamw (local training; Adam moments persist across rounds)
 # weight_decay: 0.0               # optimiser weight decay (AdamW: decoupled)
 # lr_schedule: constant            # constant | cosine (decays lr over the job's rounds)
+# deploy: last                     # last | best_val (the round with the best validation balanced accuracy)
 # finetune_lr: 0.001
 # seed: 0
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial

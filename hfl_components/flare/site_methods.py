@@ -50,8 +50,9 @@ def local_train(rt, params, meta):
     tc = meta.get("task_config", {})
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)),
                     total_rounds=meta.get("total_rounds"))
-    rt.save_state(deployed=True)
-    return {}, {"loss": [h["loss"] for h in hist], "val": rt.evaluate("val")}, _ok(rt, spec=rt.spec)
+    val = rt.evaluate("val")
+    rt.deploy_round(val, int(meta.get("round", 0)))  # the site config's deploy rule: last | best_val
+    return {}, {"loss": [h["loss"] for h in hist], "val": val}, _ok(rt, spec=rt.spec)
 
 
 def fedavg_train(rt, params, meta):
@@ -150,6 +151,8 @@ def _features(rt):
 
 
 EVAL_MODES = ("head", "nearest-prototype")
+# the site's local prototypes (nearest-prototype evaluation): deployed together with the model they belong to
+PROTOTYPE_FILES = ("local_prototypes.npy", "local_counts.npy")
 
 
 # the prediction rule is pure (hfl_components.alignment.nearest_prototype_probs); the old private name stays
@@ -215,13 +218,14 @@ def fedsaf_train(rt, params, meta):
             log.warning("site %s: %s", rt.site, w.message)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
                     tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
-    rt.save_state(deployed=True)
     Z, y = _features(rt)
     P, counts = local_prototypes(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
     np.save(rt.state_dir / "local_prototypes.npy", np.asarray(P))
     np.save(rt.state_dir / "local_counts.npy", np.asarray(counts))
     out = {"prototypes": np.asarray(P, dtype=np.float32), "counts": np.asarray(counts, dtype=np.float32)}
-    metrics = {"loss": [h["loss"] for h in hist], "val": site_evaluate(rt, "val", tc),
+    val = site_evaluate(rt, "val", tc)
+    rt.deploy_round(val, rnd, extra_files=PROTOTYPE_FILES)  # the site config's deploy rule: last | best_val
+    metrics = {"loss": [h["loss"] for h in hist], "val": val,
                "alignment_active": aux is not None,
                "alignment_terms_last_batch": dict(aux.last) if aux is not None else None}
     return out, metrics, _ok(rt)
@@ -264,7 +268,8 @@ def fedtopo_train(rt, params, meta):
                        q=q, warmup_active=warm, use_mask="no_missing_mask" not in ablate)
     hist = rt.train(_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
                     tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
-    rt.save_state(deployed=True)
+    val = site_evaluate(rt, "val", tc)
+    rt.deploy_round(val, rnd)  # the site config's deploy rule: last | best_val
     Z, y = _features(rt)
     R, mask, counts = local_relation_topology(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
     R = np.asarray(R, dtype=np.float32)
@@ -275,7 +280,7 @@ def fedtopo_train(rt, params, meta):
         counts = np.asarray(noisy_counts(counts, np.asarray(mask), float(tc["noisy_counts"]), seed=seed),
                             dtype=np.float32)
     d_r, d_rs = topology_inconsistency(R, np.asarray(mask), Rg, Sg)
-    metrics = {"loss": [h["loss"] for h in hist], "val": site_evaluate(rt, "val", tc),
+    metrics = {"loss": [h["loss"] for h in hist], "val": val,
                "D_r": d_r, "D_rs": d_rs, "warmup": bool(warm), "q_effective": int(aux.q_effective),
                "topq_active": bool(aux.topq_active), "n_present": int(np.asarray(mask).sum())}
     return {"R": R, "counts": counts}, metrics, _ok(rt)
@@ -290,7 +295,7 @@ def evaluate_deployed(rt, params, meta):
     elif rt.model is None or not (rt.state_dir / "deployed_model.pt").is_file():
         # an earlier task failed here (e.g. an unreadable image): never report an untrained model's metrics
         raise ValueError(f"site {rt.site}: no trained model to evaluate (an earlier task failed at this site)")
-    else:
+    elif not rt.load_deployed(extra_files=PROTOTYPE_FILES):  # deploy: best_val -> the selected round's model
         rt.save_state(deployed=True)
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)
     # per-image test probabilities + labels go to the server for pooled metrics unless the site opts out

@@ -287,6 +287,63 @@ class SiteRuntime:
         if deployed:
             self.save_model(self.state_dir / "deployed_model.pt", kind="deployed")
 
+    def deploy_round(self, val: dict, rnd: int, extra_files: tuple[str, ...] = ()) -> bool:
+        """Save this round's model as the site's state and, by the site config's ``deploy`` rule, as its deployed
+        model; returns whether it was deployed.
+
+        ``deploy: last``: every round is deployed (the last round's model is what the site keeps). ``deploy:
+        best_val`` (model selection on validation, issue 16): the round is deployed when its validation balanced
+        accuracy ``val["balanced_accuracy"]`` (None counts as -1) is at least the best so far in this job (ties ->
+        the later round); round 0 starts a new job's record. A validation split holding fewer than two classes
+        (``val["class_counts"]``) cannot rank rounds by balanced accuracy -- it would favour the round predicting
+        its one class most -- so such a site deploys every round, as under ``last``. The record (round, score) is kept in
+        ``deploy_selection.json`` in the site's state folder; ``extra_files`` (names in the state folder, e.g. the
+        local prototypes) are copied to ``deployed_<name>`` with the model so that the deployed model's companions
+        match it. Never reads the test split.
+        """
+        import json
+        import shutil
+
+        self.save_state(deployed=False)
+        rule = self.cfg.get("deploy", "last")
+        counts = val.get("class_counts")
+        if rule == "best_val" and counts is not None and sum(1 for c in counts if c > 0) < 2:
+            rule = "last (validation split holds < 2 classes)"
+        rec_path = self.state_dir / "deploy_selection.json"
+        score = val.get("balanced_accuracy")
+        score = -1.0 if score is None or not np.isfinite(score) else float(score)
+        best = None
+        if rule == "best_val" and int(rnd) > 0 and rec_path.is_file():
+            best = json.loads(rec_path.read_text())
+        if rule == "best_val" and best is not None and score < float(best["score"]):
+            log.info("site %s: round %s validation balanced accuracy %.4f < %.4f (round %s): deployed model kept",
+                     self.site, rnd, score, best["score"], best["round"])
+            return False
+        self.save_model(self.state_dir / "deployed_model.pt", kind="deployed")
+        for name in extra_files:
+            if (self.state_dir / name).is_file():
+                shutil.copy2(self.state_dir / name, self.state_dir / f"deployed_{name}")
+        rec_path.write_text(json.dumps({"rule": rule, "round": int(rnd), "score": score}))
+        return True
+
+    def load_deployed(self, extra_files: tuple[str, ...] = ()) -> bool:
+        """Make the deployed model (``deployed_model.pt``, saved by :meth:`deploy_round`) the current model, with
+        its ``deployed_<name>`` companions copied back over ``<name>``; only under ``deploy: best_val`` (under
+        ``last`` the current model is the deployed one). Returns whether a model was loaded."""
+        import shutil
+
+        from hfl_components.models import load_model_file
+
+        p = self.state_dir / "deployed_model.pt"
+        if self.cfg.get("deploy", "last") != "best_val" or not p.is_file():
+            return False
+        model, header = load_model_file(p)
+        self.spec, self.model = dict(header["spec"]), model.to(self.device)
+        for name in extra_files:
+            if (self.state_dir / f"deployed_{name}").is_file():
+                shutil.copy2(self.state_dir / f"deployed_{name}", self.state_dir / name)
+        return True
+
     # ---------------------------------------------------------------- training / evaluation
     def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0,
               total_rounds: int | None = None) -> list[dict]:

@@ -251,7 +251,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     """Partition (unless --profile) and write the site-config profile. Returns (profile_dir, profile, data_root,
     partition_dir)."""
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
-    from nvflare_jobs.profiles import proto_training_data, resolve_data, write_profile
+    from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS, proto_training_data, resolve_data, write_profile
     from nvflare_jobs.site_config import load_profile
 
     if args.profile:
@@ -278,7 +278,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
         raise SystemExit(f"cxr-hfl: no usable images under {data}")
     part_dir = run_dir / "partition"
     res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
-                            class_names=CLASS_NAMES[args.labels])
+                            class_names=CLASS_NAMES[args.labels],
+                            min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if catalogue.is_prototype(args.method) else 0)
     write_partition(res, part_dir, extra={"labels": args.labels, "data_root": str(data)})
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
     settings = {"batch_size": args.batch_size,

@@ -1,0 +1,99 @@
+"""Choose the prototype methods' deploy rule and split policy (issue 16) on *validation* images only.
+
+One in-process federation (:func:`benchmarks.tune_fedproto.run`: the method's real controller and site handlers) on
+``chest_xray_224``'s tuning + probe parts, Dirichlet alpha 0.5, 6 sites, the prototype defaults. After every
+round each site's model is scored on its own validation split (what ``deploy: best_val`` ranks rounds by) and on
+the validation images of the *other five* sites restricted to the classes it holds ("others' val": images the
+selection never saw, the validation analogue of the external evaluation part). Printed per rule: ``last`` = the
+last round's model, ``best_val`` = the round chosen as the site runtime chooses it (best own-val balanced
+accuracy, ties -> later, a one-class val split -> last). Test splits and the evaluation part are never read.
+
+    PYTHONPATH=$PWD python benchmarks/tune_deploy.py --method local --seed 0 --min-eval-per-class 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def select_round(val_scores: list[float | None], n_val_classes: int) -> int:
+    """The round ``deploy: best_val`` deploys: argmax of the own-val balanced accuracies (None -> -1), ties -> the
+    later round; the last round when the validation split holds fewer than two classes."""
+    if n_val_classes < 2:
+        return len(val_scores) - 1
+    s = [-1.0 if v is None else float(v) for v in val_scores]
+    return max(range(len(s)), key=lambda i: (s[i], i))
+
+
+def main() -> None:
+    from benchmarks.tune_fedproto import parse_opts, run
+    from benchmarks.tune_proto import build_sites, pooled_val_loader
+    from hfl_components.training import compute_metrics, predict_proba
+    from nvflare_jobs.profiles import PROTO_TRAINING
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--method", default="local")
+    ap.add_argument("--opts", default="")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--min-eval-per-class", type=int, default=0)
+    ap.add_argument("--json", help="append the summary as one JSON line to this file")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    opts = parse_opts(a.method, a.opts, {"rounds": a.rounds, "local_epochs": 1, "seed": a.seed})
+    t0 = time.perf_counter()
+    per: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        profile = build_sites(a.seed, work, 0.5, "dirichlet", 64, Path(a.data),
+                              min_eval_per_class=a.min_eval_per_class)
+        for cfg in profile.values():
+            cfg.update({k: v for k, v in PROTO_TRAINING.items() if k != "input_size"})
+        loaders = {}
+
+        def on_result(site, rt, rnd, metrics):
+            if site not in loaders:
+                loaders[site] = pooled_val_loader(profile, rt, exclude_own=True)
+            pp, py = predict_proba(rt.model, loaders[site])
+            pm = compute_metrics(py, pp, rt.num_classes)
+            v = metrics.get("val") or {}
+            per.setdefault(site, []).append({"round": rnd, "val_bal": v.get("balanced_accuracy"),
+                                             "val_classes": int(sum(1 for c in v.get("class_counts", []) if c)),
+                                             "val_pred_classes": int(sum(1 for c in np.sum(
+                                                 v.get("confusion_matrix", [[0]]), axis=0) if c)),
+                                             "others_bal": pm["balanced_accuracy"],
+                                             "others_single": bool(len(np.unique(pp.argmax(1))) == 1)})
+
+        run(a.method, profile, opts, work / "ws", on_result=on_result)
+    out = {"method": a.method, "opts": a.opts, "seed": a.seed, "rounds": a.rounds,
+           "min_eval_per_class": a.min_eval_per_class}
+    for rule in ("last", "best_val"):
+        picks = {}
+        for site, recs in per.items():
+            i = len(recs) - 1 if rule == "last" else select_round([r["val_bal"] for r in recs], recs[-1]["val_classes"])
+            picks[site] = recs[i]
+        out[rule] = {"own_val_bal": float(np.mean([p["val_bal"] for p in picks.values()])),
+                     "others_val_bal": float(np.mean([p["others_bal"] for p in picks.values()])),
+                     "own_val_single": int(sum(p["val_classes"] >= 2 and p["val_pred_classes"] == 1
+                                               for p in picks.values())),
+                     "others_single": int(sum(p["others_single"] for p in picks.values())),
+                     "rounds": {s: p["round"] for s, p in picks.items()}}
+    out["wall_s"] = round(time.perf_counter() - t0)
+    print("SUMMARY", json.dumps(out), flush=True)
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps({**out, "per_round": per}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -114,3 +114,17 @@ def test_edited_exported_job_fails_at_start_before_any_site_trains(tmp_path, dat
     sites = "\n".join(t for p, t in logs.items() if p.parts[0] in SITES)
     assert "ohfl_train" not in sites and "ohfl_train" not in server.split("refusing to start")[0]
     assert not list(ws.rglob("cxr_hfl_state/local_model.pt")), "a site trained"
+
+
+def test_edited_job_string_gate_reaches_the_sites_as_the_checked_bool(tmp_path):
+    """An exported OHFL job edited by hand to ``"gate": "no"`` (or "false") passes the start check as False; the
+    task_config the sites read must then hold False, not the truthy string (which turned the gate on)."""
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}
+    job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
+    wf = _edit_server_arg(job, "strategy", "cid")
+    for text, want in (("no", False), ("false", False), ("0", False), ("yes", True)):
+        wf["args"]["task_config"]["gate"] = text
+        ctl = _build_like_nvflare(wf)
+        ctl.use_checked_options(ctl.check_options())
+        assert ctl.task_config["gate"] is want, (text, ctl.task_config)
+    assert ctl.task_config["init"] == "site" and ctl.strategy == "cid"  # other values untouched

@@ -262,11 +262,19 @@ class HFLController(ModelController):
                 raise ValueError(f"{self.method}: {key} must be at least 1, got {getattr(self, key)}")
         return validate_options(self.method, self.current_options())
 
+    def use_checked_options(self, checked: dict) -> None:
+        """Put the typed values of ``check_options`` back into ``task_config``, which the sites read: an edited job's
+        ``"gate": "no"`` passes the check as False, and a site must not read the string (truthy) instead."""
+        for key, val in checked.items():
+            tck = self.TASK_CONFIG_KEYS.get(key, key)
+            if self.OPTION_ATTRS.get(key, key) not in vars(self) and tck in self.task_config:
+                self.task_config[tck] = val
+
     def start_controller(self, fl_ctx) -> None:
         """NVFlare's start hook (server side, before ``run()`` sends any task): also checks the options."""
         super().start_controller(fl_ctx)
         try:
-            self.check_options()
+            self.use_checked_options(self.check_options())
         except ValueError as e:
             self.record["failed"] = f"invalid job configuration: {e}"
             self.error(f"refusing to start: invalid job configuration: {e}")

@@ -384,6 +384,8 @@ class HFLController(ModelController):
                 "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+            if m.get("deploy") is not None:  # deploy: best_val -> {rule, round, score} of the deployed round
+                self.record["sites"][site]["deploy"] = _jsonable(m["deploy"])
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the

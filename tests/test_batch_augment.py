@@ -187,3 +187,22 @@ def test_on_cuda_equals_cpu_for_the_same_parameters():
     assert out.device.type == "cuda"
     assert torch.allclose(out.cpu(), batch_augment(x, params=p), atol=1e-5)
     assert batch_augment(x.cuda().half(), params=p).dtype == torch.float16
+
+
+def test_site_config_refuses_augment_monai_with_fast_augment(tmp_path):
+    """fast_augment: true trains on cached tensors (flip + shift), so an explicit augment: monai would be ignored
+    without a word; the config is refused naming the file and the key. fast_augment with the default augment (or an
+    explicit batch) stays valid: the prototype methods' profiles write fast_augment: true."""
+    import yaml
+
+    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+
+    base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}, "fast_augment": True}
+    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "batch"
+    assert validate_site_config({**base, "augment": "batch"}, "s", check_files=False)["fast_augment"] is True
+    f = tmp_path / "hospital-b.yaml"
+    f.write_text(yaml.safe_dump({**base, "augment": "monai"}))
+    with pytest.raises(SiteConfigError) as e:
+        load_site_config("hospital-b", f, check_files=False)
+    msg = str(e.value)
+    assert str(f) in msg and "'augment'" in msg and "fast_augment: false" in msg and "\n" not in msg

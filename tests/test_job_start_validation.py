@@ -114,3 +114,34 @@ def test_edited_exported_job_fails_at_start_before_any_site_trains(tmp_path, dat
     sites = "\n".join(t for p, t in logs.items() if p.parts[0] in SITES)
     assert "ohfl_train" not in sites and "ohfl_train" not in server.split("refusing to start")[0]
     assert not list(ws.rglob("cxr_hfl_state/local_model.pt")), "a site trained"
+
+
+def test_edited_job_string_gate_reaches_the_sites_as_the_checked_bool(tmp_path):
+    """An exported OHFL job edited by hand to ``"gate": "no"`` (or "false") passes the start check as False; the
+    task_config the sites read must then hold False, not the truthy string (which turned the gate on)."""
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}
+    job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
+    wf = _edit_server_arg(job, "strategy", "cid")
+    for text, want in (("no", False), ("false", False), ("0", False), ("yes", True)):
+        wf["args"]["task_config"]["gate"] = text
+        ctl = _build_like_nvflare(wf)
+        ctl.use_checked_options(ctl.check_options())
+        assert ctl.task_config["gate"] is want, (text, ctl.task_config)
+    assert ctl.task_config["init"] == "site" and ctl.strategy == "cid"  # other values untouched
+
+
+def test_edited_job_bad_probe_size_or_server_device_names_the_argument(tmp_path):
+    """A hand-edited ``"probe_size": "abc"`` used to fail in the constructor with Python's "invalid literal for int()"
+    and ``"fusion_device": "tpu"`` without naming the argument; both now name it."""
+    from hfl_components.flare.catalogue import OptionError
+
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}
+    job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
+    wf = _edit_server_arg(job, "probe_size", "abc")
+    with pytest.raises(OptionError, match=r"ohfl: option 'probe_size' \(--probe-size\): expected int, got 'abc'"):
+        _build_like_nvflare(wf).check_options()
+    wf = _edit_server_arg(job, "probe_size", "16")  # a quoted number is read as the number
+    assert _build_like_nvflare(wf).probe_size == 16
+    wf = _edit_server_arg(job, "fusion_device", "tpu")
+    with pytest.raises(ValueError, match=r"^ohfl: fusion_device \(--server-device\) must be one of auto"):
+        _build_like_nvflare(wf)

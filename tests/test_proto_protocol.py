@@ -410,7 +410,10 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
         rec = json.loads((rt.state_dir / "deploy_selection.json").read_text())
         assert rec["round"] == expect and rec["score"] == pytest.approx(0.6 if rule == "best_val" else 0.3)
         scores = iter([0.5] * 2)  # the final evaluation task's validation score
-        HANDLERS["evaluate"](rt, {}, {"method": "local", "task_config": {}})
+        _, metrics, _ = HANDLERS["evaluate"](rt, {}, {"method": "local", "task_config": {}})
+        # the evaluate answer says which round was deployed (metrics.json sites.<site>.deploy); only under best_val
+        assert metrics.get("deploy") == ({"rule": "best_val", "round": 3, "score": 0.6} if rule == "best_val"
+                                         else None)
         for k, v in rt.model.state_dict().items():
             torch.testing.assert_close(v.cpu(), snaps[expect][k].cpu())
 

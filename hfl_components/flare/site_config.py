@@ -251,6 +251,9 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     for key in ("balanced_sampling", "fast_augment"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
+    if cfg["fast_augment"] and raw.get("augment") == "monai":  # the tensor path would silently win
+        raise _err(site, path, "augment", "monai has no effect with fast_augment: true (flip + shift on cached "
+                                          "tensors); set fast_augment: false to augment per image with MONAI")
     if cfg["class_weights"] not in (None, "balanced"):
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]

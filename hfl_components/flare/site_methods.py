@@ -300,7 +300,13 @@ def evaluate_deployed(rt, params, meta):
     tc = meta.get("task_config", {})  # tc["eval"]: "head" (default) or "nearest-prototype" (FedSAF/FedProto)
     # per-image test probabilities + labels go to the server for pooled metrics unless the site opts out
     test = site_evaluate(rt, "test", tc, with_predictions=bool(rt.cfg.get("share_predictions", True)))
-    return {}, {"test": test, "val": site_evaluate(rt, "val", tc)}, _ok(rt, spec=rt.spec)
+    out = {"test": test, "val": site_evaluate(rt, "val", tc)}
+    sel = rt.state_dir / "deploy_selection.json"  # which round was deployed, by which rule (RoundRuntime.deploy_round)
+    if rt.cfg.get("deploy", "last") == "best_val" and sel.is_file():
+        import json
+
+        out["deploy"] = json.loads(sel.read_text())
+    return {}, out, _ok(rt, spec=rt.spec)
 
 
 def _with_method(handler):

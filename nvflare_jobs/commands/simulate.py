@@ -454,6 +454,12 @@ def _print_summary(m: dict, run_dir: Path) -> None:
     if gate:
         print(f"deployment gate: {gate['adopted']} of {gate['sites']} sites adopted the federated model"
               + (f"; kept their own local model: {', '.join(gate['kept_local'])}" if gate.get("kept_local") else ""))
+    deploy = {s: b["deploy"] for s, b in m["sites"].items() if isinstance(b.get("deploy"), dict)}
+    if deploy:  # deploy: best_val (metrics.json sites.<site>.deploy)
+        print("deployed round (deploy: best_val): " + "; ".join(
+            f"{s} round {d.get('round')} ({d.get('rule')}, validation balanced accuracy "
+            + (f"{d['score']:.3f})" if isinstance(d.get("score"), (int, float)) and d["score"] >= 0 else "n/a)")
+            for s, d in deploy.items()))
     if m.get("pooled"):
         acc = m["pooled"].get("accuracy") or {}
         if isinstance(acc, dict) and acc.get("value") is not None:

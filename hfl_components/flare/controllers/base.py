@@ -262,11 +262,19 @@ class HFLController(ModelController):
                 raise ValueError(f"{self.method}: {key} must be at least 1, got {getattr(self, key)}")
         return validate_options(self.method, self.current_options())
 
+    def use_checked_options(self, checked: dict) -> None:
+        """Put the typed values of ``check_options`` back into ``task_config``, which the sites read: an edited job's
+        ``"gate": "no"`` passes the check as False, and a site must not read the string (truthy) instead."""
+        for key, val in checked.items():
+            tck = self.TASK_CONFIG_KEYS.get(key, key)
+            if self.OPTION_ATTRS.get(key, key) not in vars(self) and tck in self.task_config:
+                self.task_config[tck] = val
+
     def start_controller(self, fl_ctx) -> None:
         """NVFlare's start hook (server side, before ``run()`` sends any task): also checks the options."""
         super().start_controller(fl_ctx)
         try:
-            self.check_options()
+            self.use_checked_options(self.check_options())
         except ValueError as e:
             self.record["failed"] = f"invalid job configuration: {e}"
             self.error(f"refusing to start: invalid job configuration: {e}")
@@ -376,6 +384,8 @@ class HFLController(ModelController):
                 "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+            if m.get("deploy") is not None:  # deploy: best_val -> {rule, round, score} of the deployed round
+                self.record["sites"][site]["deploy"] = _jsonable(m["deploy"])
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the

@@ -108,13 +108,19 @@ class OHFLController(HFLController):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
         from hfl_components.training.device import check_device_name
 
-        self.fusion_device = check_device_name(fusion_device)
+        try:
+            self.fusion_device = check_device_name(fusion_device)
+        except ValueError as e:  # an edited job: name the argument
+            raise ValueError(f"ohfl: fusion_device (--server-device) {e}") from None
         self.probe = probe
         self.strategy = strategy
         self.alignment = alignment
         self.ot_solver = ot_solver
         self.ground_metric = ground_metric
-        self.probe_size = int(probe_size)
+        try:
+            self.probe_size = int(probe_size)
+        except (TypeError, ValueError):  # an edited job: check_options names the option when the job starts
+            self.probe_size = probe_size
         self.weighting = weighting
         from hfl_components.fusion.pairwise import repair_mode
 

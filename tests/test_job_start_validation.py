@@ -145,3 +145,21 @@ def test_edited_job_bad_probe_size_or_server_device_names_the_argument(tmp_path)
     wf = _edit_server_arg(job, "fusion_device", "tpu")
     with pytest.raises(ValueError, match=r"^ohfl: fusion_device \(--server-device\) must be one of auto"):
         _build_like_nvflare(wf)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("seed", "a", "must be an integer, got 'a'"), ("late_wait_s", -5, "must be at least 0, got -5"),
+    ("min_sites", 0, "must be at least 1, got 0"), ("num_rounds", 2.5, "must be an integer, got 2.5"),
+    ("task_timeout", True, "must be an integer, got True")])
+def test_edited_job_bad_common_argument_names_it(tmp_path, key, value, says):
+    """The common controller arguments of a hand-edited job are checked where NVFlare builds the controller: a
+    negative ``late_wait_s`` used to become the adaptive wait silently, ``"seed": "a"`` failed in int() without a
+    name. A quoted number is still read as the number."""
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}
+    job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
+    wf = _edit_server_arg(job, key, value)
+    with pytest.raises(ValueError) as e:
+        _build_like_nvflare(wf)
+    assert str(e.value) == f"ohfl: {key} {says}"
+    wf = _edit_server_arg(job, key, "7")
+    assert getattr(_build_like_nvflare(wf), key) == 7

@@ -55,6 +55,22 @@ def _jsonable(x):
     return x
 
 
+def _int_arg(method: str, name: str, value, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (a hand-edited job may hold "3" or 3.0); else ValueError naming the
+    controller argument, e.g. ``ohfl: seed must be an integer, got 'a'`` or ``ohfl: late_wait_s must be at least 0,
+    got -5``."""
+    try:
+        v = int(value)
+        ok = not isinstance(value, bool) and float(value) == v
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{method}: {name} must be an integer, got {value!r}")
+    if v < minimum:
+        raise ValueError(f"{method}: {name} must be at least {minimum}, got {v}")
+    return v
+
+
 class HFLController(ModelController):
     """Base workflow: task broadcast with per-site error tolerance, byte accounting, results on disk.
 
@@ -88,13 +104,15 @@ class HFLController(ModelController):
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
                  task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
         super().__init__(persistor_id="")
-        self.late_wait_s = None if late_wait_s is None or int(late_wait_s) < 0 else int(late_wait_s)
+        self.late_wait_s = None if late_wait_s is None else _int_arg(self.method, "late_wait_s", late_wait_s, 0)
         self.last_dropped: dict[str, str] = {}
-        self.num_rounds = int(num_rounds)
-        self.min_sites = int(min_sites)
+        self.num_rounds = _int_arg(self.method, "num_rounds", num_rounds, 1)
+        self.min_sites = _int_arg(self.method, "min_sites", min_sites, 1)
+        if task_config is not None and not isinstance(task_config, dict):
+            raise ValueError(f"{self.method}: task_config must be a mapping, got {type(task_config).__name__}")
         self.task_config = dict(task_config or {})
-        self.task_timeout = int(task_timeout)
-        self.seed = int(seed)
+        self.task_timeout = _int_arg(self.method, "task_timeout", task_timeout, 0)
+        self.seed = _int_arg(self.method, "seed", seed, 0)
         self.record = {"method": self.method, "task_config": self.task_config, "rounds": [], "excluded": {},
                        "bytes_uploaded": 0, "bytes_downloaded": 0, "server_seconds": {}, "sites": {}}
         self._heard: dict[str, float] = {}  # site -> monotonic time of its last progress heartbeat

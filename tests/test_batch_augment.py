@@ -137,13 +137,13 @@ def test_site_config_augment_key_default_and_errors(tmp_path):
     from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
-    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "batch"
+    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"
     assert validate_site_config({**base, "augment": "monai"}, "s", check_files=False)["augment"] == "monai"
     f = tmp_path / "hospital-a.yaml"
     f.write_text(yaml.safe_dump({**base, "augment": "gpu"}))
     with pytest.raises(SiteConfigError) as e:
         load_site_config("hospital-a", f, check_files=False)
-    assert str(f) in str(e.value) and "'augment'" in str(e.value) and "batch, monai" in str(e.value)
+    assert str(f) in str(e.value) and "'augment'" in str(e.value) and "monai, batch" in str(e.value)
 
 
 @pytest.mark.parametrize("augment", ["batch", "monai"])
@@ -198,7 +198,7 @@ def test_site_config_refuses_augment_monai_with_fast_augment(tmp_path):
     from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}, "fast_augment": True}
-    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "batch"
+    assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"
     assert validate_site_config({**base, "augment": "batch"}, "s", check_files=False)["fast_augment"] is True
     f = tmp_path / "hospital-b.yaml"
     f.write_text(yaml.safe_dump({**base, "augment": "monai"}))

@@ -144,6 +144,7 @@ def main() -> None:
             PAPER["fedtopo"], "", *head,
             *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local"), *outs, *notes, ""]
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "fedsaf_table3.md").write_text("\n".join(saf))
     (out / "fedtopo_table1.md").write_text("\n".join(topo))
     for b in blocks:

@@ -70,3 +70,15 @@ def test_tune_fedproto_opts_are_typed_and_checked(monkeypatch):
                        ("gamma=abc", "expected float, got 'abc'")):
         with pytest.raises(ValueError, match=re.escape(says)):
             parse_opts("fedproto", text, base)
+
+
+def test_tune_deploy_selects_rounds_as_the_site_runtime_does(monkeypatch):
+    """benchmarks/tune_deploy.py's post-hoc rule equals SiteRuntime.deploy_round's: best own-val balanced accuracy,
+    ties -> the later round, None -> -1, a one-class validation split -> the last round."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from tune_deploy import select_round
+
+    assert select_round([0.4, 0.6, None, 0.6, 0.3], 3) == 3
+    assert select_round([None, None], 2) == 1
+    assert select_round([0.9, 0.1, 0.2], 1) == 2
+    assert select_round([0.7, 0.1, 0.2], 2) == 0

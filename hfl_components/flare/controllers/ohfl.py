@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from hfl_components.flare.controllers.base import GLOBAL_PREFIX, HFLController, _jsonable
@@ -17,8 +18,6 @@ class ProbePreloader:
     """
 
     def __init__(self, load):
-        import threading
-
         self._load = load
         self._lock = threading.Lock()
         self._pool = None
@@ -60,7 +59,7 @@ class ProbePreloader:
                 self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_PRELOADER_LOCK = __import__("threading").Lock()
+_PRELOADER_LOCK = threading.Lock()
 
 
 # ============================================================================ OHFL

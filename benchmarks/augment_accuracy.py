@@ -1,0 +1,111 @@
+"""Does ``augment: batch`` (issue 15's faster data pipeline) train site models as good as ``augment: monai``?
+
+The main job (OHFL, 6 width sites on ``chest_xray_original``, defaults) is run per seed twice on the identical
+partition: once at the defaults (``monai``), once with the same site configs plus ``augment: batch``
+(``--profile``). Compared: the pooled test predictions of the deployed site models, paired by (seed, site, test
+image), accuracy at 0.5 and AUC, with a joint seeds x images bootstrap 95% CI of batch - monai and the verdict wording
+of ``cxr-hfl compare`` (better / no difference detected / worse).
+
+    PYTHONPATH=$PWD python benchmarks/augment_accuracy.py --seeds 0,1,2 --out runs/aug
+
+Finished runs (``<out>/<arm>_s<seed>/metrics.json``) are reused. ~3-7 min a run on 2 shared cores.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def run_arms(seed: int, out: Path, probe: str) -> None:
+    """Run the monai (default) arm, then the batch arm on the monai arm's site configs. Raises CalledProcessError."""
+    cli = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", "ohfl"]
+    mon, bat = out / f"monai_s{seed}", out / f"batch_s{seed}"
+    if not (mon / "metrics.json").is_file():
+        subprocess.run(cli + ["--sites", "6", "--scheme", "width", "--seed", str(seed), "--out", str(mon),
+                              "--overwrite"], check=True)
+    if not (bat / "metrics.json").is_file():
+        prof = out / f"prof_batch_s{seed}"
+        prof.mkdir(parents=True, exist_ok=True)
+        for f in sorted((mon / "site_configs").glob("*.yaml")):
+            (prof / f.name).write_text(f.read_text().rstrip("\n") + "\naugment: batch\n")
+        subprocess.run(cli + ["--profile", str(prof), "--probe", probe, "--seed", str(seed), "--out", str(bat),
+                              "--overwrite"], check=True)
+
+
+def _preds(d: Path) -> dict:
+    rows = csv.DictReader(open(d / "test_predictions.csv"))
+    return {(r["site"], int(r["index"])): (int(r["label"]), float(r["p_PNEUMONIA"])) for r in rows}
+
+
+def compare(out: Path, seeds: list[int], n_boot: int = 2000) -> dict:
+    """Paired batch - monai differences of pooled accuracy and AUC (joint seeds x images bootstrap, 95% CI).
+    Raises ValueError when the two arms of a seed scored different test images."""
+    from sklearn.metrics import roc_auc_score
+
+    y, pm, pb, s_of = [], [], [], []
+    per_seed = {}
+    for s in seeds:
+        a, b = _preds(out / f"monai_s{s}"), _preds(out / f"batch_s{s}")
+        if a.keys() != b.keys():
+            raise ValueError(f"seed {s}: the two arms scored different test images")
+        k = sorted(a)
+        y += [a[i][0] for i in k]
+        pm += [a[i][1] for i in k]
+        pb += [b[i][1] for i in k]
+        s_of += [s] * len(k)
+        per_seed[s] = {arm: {key: json.load(open(out / f"{arm}_s{s}" / "metrics.json")).get(key)
+                             for key in ("pooled", "gate", "wall_time_s")} for arm in ("monai", "batch")}
+    y, pm, pb, s_of = map(np.asarray, (y, pm, pb, s_of))
+
+    def stats(i):
+        return (((pm[i] >= 0.5) == y[i]).mean(), ((pb[i] >= 0.5) == y[i]).mean(),
+                roc_auc_score(y[i], pm[i]), roc_auc_score(y[i], pb[i]))
+
+    base = stats(np.arange(len(y)))
+    rng = np.random.default_rng(0)
+    boots = []
+    for _ in range(n_boot):
+        idx = np.concatenate([rng.choice(np.flatnonzero(s_of == s), int((s_of == s).sum()))
+                              for s in rng.choice(seeds, len(seeds))])
+        boots.append(stats(idx))
+    boots = np.asarray(boots)
+    res = {"seeds": seeds, "n_images": int(len(y)), "per_seed": per_seed}
+    for name, i, j in (("accuracy", 0, 1), ("auc", 2, 3)):
+        lo, hi = np.percentile(boots[:, j] - boots[:, i], [2.5, 97.5])
+        res[name] = {"monai": float(base[i]), "batch": float(base[j]), "diff": float(base[j] - base[i]),
+                     "ci": [float(lo), float(hi)],
+                     "verdict": "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default="runs/aug")
+    ap.add_argument("--probe", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--no-run", action="store_true", help="only analyse finished runs")
+    a = ap.parse_args()
+    seeds = [int(s) for s in a.seeds.split(",")]
+    out = Path(a.out)
+    if not a.no_run:
+        for s in seeds:
+            run_arms(s, out, a.probe)
+    res = compare(out, seeds)
+    (out / "augment_accuracy.json").write_text(json.dumps(res, indent=1))
+    for s, d in res["per_seed"].items():
+        print(f"seed {s}: " + "  ".join(f"{arm} acc {d[arm]['pooled']['accuracy']['value']:.3f} gate "
+                                         f"{(d[arm]['gate'] or {}).get('adopted')}/6" for arm in ("monai", "batch")))
+    for m in ("accuracy", "auc"):
+        r = res[m]
+        print(f"{m}: monai {r['monai']:.3f}  batch {r['batch']:.3f}  batch - monai {r['diff']:+.3f} "
+              f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] over {res['n_images']} paired images: {r['verdict']}")
+
+
+if __name__ == "__main__":
+    main()

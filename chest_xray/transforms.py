@@ -23,7 +23,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from monai.data import CacheDataset, PersistentDataset
+from monai.data import CacheDataset, PersistentDataset, get_track_meta, set_track_meta
 from monai.transforms import (
     Compose,
     EnsureChannelFirstd,
@@ -63,6 +63,12 @@ class ApplyToClassesd(Randomizable, Transform):
 
     Being ``Randomizable``, it marks the end of the cacheable prefix for MONAI's cache datasets, and
     ``set_random_state`` seeds the wrapped transform.
+
+    The wrapped transform runs with MONAI's metadata tracking off (``monai.data.set_track_meta(False)``, restored
+    afterwards): the pipeline hands it a plain tensor and converts its output back to one, so the ``MetaTensor``
+    that ``RandFlipd`` / ``RandAffined`` would build and carry is never read. The pixels are bitwise the same
+    (``tests/test_data_transforms.py``) and one image's flip + affine costs ~2.8 instead of ~6-7 ms at 64-128 px
+    (issue 15, ``benchmarks/results/server_fusion.md`` 7b).
     """
 
     def __init__(self, transform: Compose, classes: Sequence[int] | None, label_key: str = "label"):
@@ -81,7 +87,12 @@ class ApplyToClassesd(Randomizable, Transform):
 
     def __call__(self, data: Mapping[Hashable, Any]) -> Mapping[Hashable, Any]:
         if self.classes is None or int(data[self.label_key]) in self.classes:
-            return self.transform(dict(data))
+            tracking = get_track_meta()
+            set_track_meta(False)
+            try:
+                return self.transform(dict(data))
+            finally:
+                set_track_meta(tracking)
         return data
 
 

@@ -190,3 +190,34 @@ def test_unreadable_file_raises_named_error(tmp_path):
     while err is not None and not isinstance(err, ImageReadError):
         err = err.__cause__
     assert isinstance(err, ImageReadError) and "bad.jpeg" in str(err)
+
+
+def test_augmentation_without_metadata_tracking_is_bitwise_the_same():
+    """ApplyToClassesd runs RandFlipd + RandAffined with MONAI's metadata tracking off (issue 15): the pixels must be
+    exactly those of the same transforms with tracking on, for the same seed, and the global setting is restored."""
+    import monai
+    from monai.transforms import Compose
+
+    from chest_xray.transforms import ApplyToClassesd
+
+    aug = [t for t in build_transforms(64, "train").transforms if isinstance(t, ApplyToClassesd)][0]
+    assert isinstance(aug.transform, Compose)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.rand(1, 64, 64, generator=g) for _ in range(40)]
+    aug.set_random_state(7)
+    fast = torch.stack([torch.as_tensor(aug({"image": x, "label": 1})["image"]).as_subclass(torch.Tensor) for x in xs])
+    assert monai.data.get_track_meta() is True  # restored after every call
+    aug.transform.set_random_state(7)  # the same draws, through MONAI with tracking on
+    ref = torch.stack([torch.as_tensor(aug.transform({"image": x, "label": 1})["image"]).as_subclass(torch.Tensor)
+                       for x in xs])
+    assert torch.equal(fast, ref)
+    changed = [not torch.equal(f, x) for f, x in zip(fast, xs)]
+    assert 30 <= sum(changed) <= 40  # p(no flip and no affine) = 0.5 * 0.2 = 0.1: most images were moved
+    # restored also when the wrapped transform raises
+    class Boom:
+        def __call__(self, d):
+            raise RuntimeError("boom")
+    bad = ApplyToClassesd(Boom(), None)
+    with pytest.raises(RuntimeError):
+        bad({"image": xs[0], "label": 0})
+    assert monai.data.get_track_meta() is True

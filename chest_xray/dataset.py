@@ -30,6 +30,7 @@ import io
 import os
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -402,6 +403,25 @@ def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> 
     return sorted(out, key=lambda t: str(t[0]))
 
 
+def scan_workers() -> int:
+    """Default number of threads :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set (an
+    integer >= 1; 1 = no threads), else ``min(4, os.cpu_count())``.
+
+    Raises:
+        ValueError: ``CXR_SCAN_WORKERS`` is set but not an integer >= 1 (the message names the variable).
+    """
+    env = os.environ.get("CXR_SCAN_WORKERS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"CXR_SCAN_WORKERS must be an integer >= 1, got {env!r}")
+        return n
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def scan_dataset(
     root: str | os.PathLike,
     labels: str = "binary",
@@ -410,6 +430,7 @@ def scan_dataset(
     salt: str | None = None,
     allow_any_modality: bool = False,
     allow_lateral: bool = False,
+    workers: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Scan a data root into one record per usable image.
 
@@ -421,6 +442,9 @@ def scan_dataset(
         salt: site-local salt for DICOM patient-id hashing (see :func:`chest_xray.io.site_salt`).
         allow_any_modality: keep DICOM objects whose Modality is not CR/DX/DR.
         allow_lateral: keep DICOM objects with a lateral ViewPosition.
+        workers: threads that read / verify files side by side (Pillow's and the DICOM decoders' C code release
+            the GIL); None = :func:`scan_workers` (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one
+            file after the other. The records, report and errors do not depend on it.
 
     Returns:
         ``(records, report)``. ``records`` is a list sorted by path of dicts ``path`` (absolute str), ``label``
@@ -449,64 +473,29 @@ def scan_dataset(
     records: list[dict[str, Any]] = []
     notes: list[dict[str, str]] = []
     label_errors: list[str] = []
-    for path, cls, pid in candidates:
-        # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
-        # patient id; only the bytes are read through the link
-        why = junk_reason(path) if layout != "manifest" else None
-        if why:
-            skipped.append(_skip(path, why, "junk"))
-            continue
-        if path.is_dir():  # a manifest row naming a folder
-            skipped.append(_skip(path, "a folder, not an image file", "not a regular file"))
-            continue
-        suffix = path.suffix.lower()
-        # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
-        # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
-        is_dicom = suffix in DICOM_SUFFIXES or _sniff_dicom(path)
-        if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
-            skipped.append(_skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
-                                 "unsupported file type"))
-            continue
-        try:
-            label = label_index(cls, path, labels)
-        except LabelError as e:  # collected: one error naming every such file, not the first only
-            label_errors.append(str(e))
-            continue
-        try:
-            if is_dicom:
-                hdr = dicom_header(path)
-                why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
-                if why:
-                    skipped.append(_skip(path, why, "lateral view" if "lateral" in why
-                                         else "not a projection radiograph"))
-                    continue
-                width, height = hdr["columns"], hdr["rows"]
-                note = hdr.get("voi_fallback")
-                if verify:
-                    _, meta = read_image(path)
-                    width, height = meta["original_width"], meta["original_height"]
-                    note = meta.get("voi_fallback") or note
-                    if meta.get("decoder_warnings"):
-                        notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
-                                                                 f"harmless extra bytes: {meta['decoder_warnings']}",
-                                      "kind": "decoder warning"})
-                if note:
-                    notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
-                                                             f"its own range: {note}", "kind": "voi fallback"})
-                pid = pid or dicom_patient_id(path, salt) or path.stem
-            else:
-                width, height = _pil_size(path) if not verify else _verified_size(path)
-                pid = pid or patient_id_from_name(path)
-        except ImageReadError as e:
-            skipped.append(_skip(path, e.reason, e.kind))
-            continue
-        except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
-            skipped.append(_skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
-                                 "unreadable"))
-            continue
-        records.append(
-            {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
-        )
+
+    def one(candidate):
+        path, cls, pid = candidate
+        return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
+                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral)
+
+    n_workers = scan_workers() if workers is None else int(workers)
+    if n_workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    n_workers = min(n_workers, len(candidates))
+    if n_workers > 1:
+        with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
+            results = list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
+    else:
+        results = [one(c) for c in candidates]
+    for record, skip, file_notes, label_error in results:
+        notes.extend(file_notes)
+        if label_error is not None:
+            label_errors.append(label_error)
+        elif skip is not None:
+            skipped.append(skip)
+        else:
+            records.append(record)
     if label_errors:
         shown = "; ".join(" ".join(m.split()) for m in label_errors[:3])
         more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
@@ -527,6 +516,77 @@ def scan_dataset(
         "notes": notes,
     }
     return records, report
+
+
+def _scan_file(
+    path: Path,
+    cls: str,
+    pid: str | None,
+    *,
+    layout: str,
+    labels: str,
+    verify: bool,
+    salt: str | None,
+    allow_any_modality: bool,
+    allow_lateral: bool,
+) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
+    """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
+
+    Returns:
+        ``(record, skip, notes, label_error)``: exactly one of ``record`` (the file's record), ``skip`` (its
+        ``{"path", "reason", "kind"}`` entry) or ``label_error`` (the :class:`LabelError` message) is not None;
+        ``notes`` are the file's report notes (kept even when a later step skips the file).
+    """
+    notes: list[dict[str, str]] = []
+    # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
+    # patient id; only the bytes are read through the link
+    why = junk_reason(path) if layout != "manifest" else None
+    if why:
+        return None, _skip(path, why, "junk"), notes, None
+    if path.is_dir():  # a manifest row naming a folder
+        return None, _skip(path, "a folder, not an image file", "not a regular file"), notes, None
+    suffix = path.suffix.lower()
+    # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
+    # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
+    is_dicom = suffix in DICOM_SUFFIXES or _sniff_dicom(path)
+    if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
+        return None, _skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
+                           "unsupported file type"), notes, None
+    try:
+        label = label_index(cls, path, labels)
+    except LabelError as e:  # collected: one error naming every such file, not the first only
+        return None, None, notes, str(e)
+    try:
+        if is_dicom:
+            hdr = dicom_header(path)
+            why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
+            if why:
+                return None, _skip(path, why, "lateral view" if "lateral" in why
+                                   else "not a projection radiograph"), notes, None
+            width, height = hdr["columns"], hdr["rows"]
+            note = hdr.get("voi_fallback")
+            if verify:
+                _, meta = read_image(path)
+                width, height = meta["original_width"], meta["original_height"]
+                note = meta.get("voi_fallback") or note
+                if meta.get("decoder_warnings"):
+                    notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
+                                                             f"harmless extra bytes: {meta['decoder_warnings']}",
+                                  "kind": "decoder warning"})
+            if note:
+                notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
+                                                         f"its own range: {note}", "kind": "voi fallback"})
+            pid = pid or dicom_patient_id(path, salt) or path.stem
+        else:
+            width, height = _pil_size(path) if not verify else _verified_size(path)
+            pid = pid or patient_id_from_name(path)
+    except ImageReadError as e:
+        return None, _skip(path, e.reason, e.kind), notes, None
+    except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
+        return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+                           "unreadable"), notes, None
+    record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
+    return record, None, notes, None
 
 
 def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
@@ -554,13 +614,13 @@ def _pil_size(path: Path) -> tuple[int, int]:
     """Upright (EXIF-oriented) width and height from the header alone."""
     from PIL import Image, UnidentifiedImageError
 
-    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, check_readable, exif_orientation
+    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, _warnings_scope, check_readable, exif_orientation
 
     try:
         if path.stat().st_size == 0:
             raise ImageReadError(path, "empty file (0 bytes)", "empty file")
         check_readable(path)
-        with warnings.catch_warnings():
+        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
             with Image.open(path) as img:
                 w, h = img.size

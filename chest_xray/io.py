@@ -13,6 +13,7 @@ import secrets
 import struct
 import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,30 @@ def _true_frames(img) -> int:
     return 1 + len(extra)
 
 
+#: Formats whose ``load()`` never runs Pillow's decompression-bomb check (Pillow 13: the check runs in
+#: ``Image.open`` for them), so decoding them needs no warnings filter.
+_LOAD_WITHOUT_BOMB_CHECK = ("JPEG", "PNG")
+
+#: ``warnings.catch_warnings`` swaps the process-wide filter list (and, with ``record=True``, ``showwarning``): two
+#: threads inside it at once can record each other's warnings or leave a filter behind when they leave out of
+#: order (Python < 3.14). Every warnings scope in this module holds this lock.
+_WARNINGS_LOCK = threading.RLock()
+
+
+@contextmanager
+def _warnings_scope(record: bool = False):
+    """``warnings.catch_warnings(record=record)`` held under :data:`_WARNINGS_LOCK`, so that a scan verifying files
+    in threads (:func:`chest_xray.dataset.scan_dataset`) attributes each warning to its own file and leaves the
+    filters as it found them. Yields the list of caught warnings (``record=True``) or None."""
+    with _WARNINGS_LOCK, warnings.catch_warnings(record=record) as caught:
+        yield caught
+
+
 def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():
+        with _warnings_scope():
             # never let Pillow's bomb check degrade to a warning; our own guard below gives the clear error
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(p)
@@ -238,9 +258,12 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.nda
             res = img.draft("L" if mode0 in ("L", "RGB") else mode0, req)
             draft = res is not None and img.size != (width, height)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img.load()
+            if fmt in _LOAD_WITHOUT_BOMB_CHECK:
+                img.load()  # no warnings scope (and no lock): decodes in scan threads run side by side
+            else:
+                with _warnings_scope():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    img.load()
             upright = img
             if orientation != 1:
                 # the EXIF orientation applies before anything else reads the pixels (draft scaling commutes)
@@ -315,7 +338,7 @@ def _dcmread(p: Path, stop_before_pixels: bool = False):
 
     check_readable(p)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with _warnings_scope(record=True) as caught:
             warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
             ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
         _check_complete(p, ds, caught)
@@ -328,7 +351,7 @@ def _dcmread(p: Path, stop_before_pixels: bool = False):
         raise ImageReadError(p, f"cannot parse DICOM file ({type(e).__name__}: {e})", "corrupt or truncated") from None
     # no Part-10 header: a raw data set (what some PACS exports and old archives write) is read with force
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with _warnings_scope(record=True) as caught:
             warnings.simplefilter("always")
             ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels, force=True)
             looks_valid = ("Rows" in ds and "Columns" in ds) or "SOPClassUID" in ds
@@ -532,7 +555,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
                              "no pixel data")
     try:
-        with warnings.catch_warnings():
+        with _warnings_scope():
             warnings.simplefilter("ignore")  # pydicom warns before it raises on an invalid IS/US value
             n_frames = int(ds.get("NumberOfFrames", 1) or 1)
             rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
@@ -566,7 +589,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     ts_name = getattr(tsyntax, "name", str(tsyntax))
     decoder_said: list[str] = []
     try:
-        with warnings.catch_warnings(), _decoder_messages(decoder_said):
+        with _warnings_scope(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
             raw = ds.pixel_array
     except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one line naming the syntax
@@ -599,7 +622,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     out = None
     if voi != "none":
         try:
-            with warnings.catch_warnings():
+            with _warnings_scope():
                 warnings.simplefilter("ignore")
                 if voi == "lut":
                     windowed = apply_voi_lut(arr, ds)

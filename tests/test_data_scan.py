@@ -138,3 +138,46 @@ def test_real_original_dataset(data_root):
     assert rep["n_patients"] == 774
     widths = [r["width"] for r in recs]
     assert min(widths) == 437 and max(widths) == 2890
+
+
+def test_threaded_scan_matches_one_file_after_the_other(tmp_path, monkeypatch):
+    """workers=4 verifies files in threads: same records, report (skips, notes, counts) and label error as
+    workers=1, and the process-wide warnings filters are left as they were."""
+    import warnings
+
+    monkeypatch.setenv("CXR_PATIENT_SALT", "test-salt")
+    rng = np.random.default_rng(0)
+    for i in range(12):  # noise, so that a cut file misses real entropy-coded data
+        for cls, pid in (("NORMAL", f"IM-{i:04d}-0001"), ("PNEUMONIA", f"person{i}_virus_{i}")):
+            p = tmp_path / "train" / cls / f"{pid}.jpeg"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (64 + i, 80), dtype=np.uint8)).save(p, quality=90)
+    good = (tmp_path / "train/NORMAL/IM-0003-0001.jpeg").read_bytes()
+    (tmp_path / "train/NORMAL/IM-0100-0001.jpeg").write_bytes(good[: len(good) // 2])  # truncated JPEG
+    (tmp_path / "train/PNEUMONIA/person200_bacteria_1.jpeg").write_bytes(b"")  # 0 bytes
+    (tmp_path / "test/PNEUMONIA").mkdir(parents=True)
+    write_dicom(tmp_path / "test/PNEUMONIA/person300_virus_2.dcm", rows=16, cols=24)
+    write_dicom(tmp_path / "test/PNEUMONIA/person301_virus_3.dcm", ViewPosition="LL")
+    _jpeg(tmp_path / "test/PNEUMONIA/patient9.jpeg")  # no bacteria / virus: a label error under "subtype"
+    one = scan_dataset(tmp_path, workers=1)
+    filters = list(warnings.filters)  # after the first scan: a decoder plugin's first import may add its own
+    four = scan_dataset(tmp_path, workers=4)
+    assert four == one
+    recs, rep = one
+    assert rep["n_records"] == 26 and len(recs) == 26  # 24 good JPEGs + one DICOM + patient9 (fine under binary)
+    assert [r["path"] for r in recs] == sorted(r["path"] for r in recs)
+    reasons = {s["path"].rsplit("/", 1)[1]: s["kind"] for s in rep["skipped"]}
+    assert reasons == {"IM-0100-0001.jpeg": "corrupt or truncated", "person200_bacteria_1.jpeg": "empty file",
+                       "person301_virus_3.dcm": "lateral view"}
+    errors = []
+    for w in (1, 4):
+        with pytest.raises(LabelError, match="patient9.jpeg") as e:
+            scan_dataset(tmp_path, labels="subtype", workers=w)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    assert warnings.filters == filters
+    with pytest.raises(ValueError, match="workers"):
+        scan_dataset(tmp_path, workers=0)
+    monkeypatch.setenv("CXR_SCAN_WORKERS", "many")
+    with pytest.raises(ValueError, match="CXR_SCAN_WORKERS"):
+        scan_dataset(tmp_path)

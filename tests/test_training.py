@@ -276,3 +276,23 @@ def test_grad_clip_bounds_the_first_sgd_step():
     train_local(model, DataLoader(TensorDataset(x, y), batch_size=8), 1, lr=0.01, aux_loss=huge, grad_clip=2.0)
     step = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     assert float(step.norm()) == pytest.approx(0.01 * 2.0, rel=1e-3)
+
+
+def test_device_check_imports_neither_torch_nor_sklearn():
+    """The CLI checks --device names before anything runs: that import must not pull in torch or scikit-learn
+    (seconds of start-up), while every public name of hfl_components.training still resolves to its submodule's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hfl_components.training.device as d; d.check_device_name('cuda:1'); "
+            "print(sorted(m for m in ('torch', 'sklearn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    import hfl_components.training as training
+    from hfl_components.training import device, loop, metrics
+
+    for name in training.__all__:
+        owner = next(m for m in (device, loop, metrics) if hasattr(m, name))
+        assert getattr(training, name) is getattr(owner, name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        training.no_such_name  # noqa: B018

@@ -7,8 +7,10 @@ half-way through a job.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported inside the functions that need it: checking a name needs no torch
+    import torch
 
 DEVICE_CHOICES = "auto | cpu | cuda | cuda:N"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -39,6 +41,8 @@ def resolve_device(name: str | None = "auto") -> torch.device:
         ValueError: a malformed name, CUDA requested where PyTorch sees no GPU (e.g. the CPU build of torch is
             installed), or ``cuda:N`` with N >= the number of visible GPUs.
     """
+    import torch
+
     s = check_device_name("auto" if name is None else name)
     if s == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,6 +61,8 @@ def resolve_device(name: str | None = "auto") -> torch.device:
 
 def describe_device(dev: torch.device) -> str:
     """One line naming a device, e.g. ``cuda:0 (NVIDIA H200, 139.8 GiB)`` or ``cpu``."""
+    import torch
+
     dev = torch.device(dev)
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -67,8 +67,9 @@ class ApplyToClassesd(Randomizable, Transform):
     The wrapped transform runs with MONAI's metadata tracking off (``monai.data.set_track_meta(False)``, restored
     afterwards): the pipeline hands it a plain tensor and converts its output back to one, so the ``MetaTensor``
     that ``RandFlipd`` / ``RandAffined`` would build and carry is never read. The pixels are bitwise the same
-    (``tests/test_data_transforms.py``) and one image's flip + affine costs ~2.8 instead of ~6-7 ms at 64-128 px
-    (issue 15, ``benchmarks/results/server_fusion.md`` 7b).
+    (``tests/test_data_transforms.py``) and, with ``RandAffined``'s cached sampling grid (``cache_grid``, the
+    output being always s x s), one image's flip + affine costs about a quarter of what it did (issue 15,
+    ``benchmarks/results/server_fusion.md`` 7b).
     """
 
     def __init__(self, transform: Compose, classes: Sequence[int] | None, label_key: str = "label"):
@@ -171,6 +172,9 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
                     translate_range=(shift, shift),
                     mode="bilinear",
                     padding_mode="zeros",
+                    # the output size is fixed (s x s), so MONAI may keep the identity sampling grid between calls
+                    spatial_size=(s, s),
+                    cache_grid=True,
                 ),
             ]
         )

@@ -7,12 +7,22 @@ model scored on its own test split and on the evaluation part restricted to its 
 
 Each ``--compare LABEL=DIR`` is one compare folder; the section of its ``comparison.md`` is recomputed over every
 method found there (methods run at fewer seeds are labelled with their seed count).
+
+``--ablation LABEL=DIR`` writes ``fedsaf_table8.md`` and ``fedtopo_table2.md`` (the papers' ablation tables, at 1
+seed) from one compare folder holding the variants of :data:`ABLATIONS`, each paired against the full method:
+
+    cxr-hfl compare --methods local,fedsaf,fedsaf:lam=0:gamma=0,fedsaf:gamma=0,fedsaf:lam=0,fedtopo,\
+        fedtopo:ablate=local_topology,fedtopo:ablate=no_reliability,fedtopo:ablate=no_missing_mask,\
+        fedtopo:ablate=no_ema --labels subtype --scheme dirichlet --alpha 0.5 --seeds 0 --out runs/ablate_s0
+    PYTHONPATH=$PWD python benchmarks/proto_results.py --ablation "Dirichlet alpha 0.5, 6 sites (1 seed)=runs/ablate_s0"
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+import numpy as np
 
 PAPER = {
     "fedsaf": "FedSAF paper (Table III, CIFAR-10, Dir(0.1)/Dir(0.5)): GCSA over FedProto-MSE by +1.3 to +3.3 pp.",
@@ -161,10 +171,10 @@ ABLATIONS = {
     },
     "fedtopo_table2": {
         "title": "# FedTopo Table II analogue: FedTopo ablations (issue 16 protocol, 1 seed)",
-        "paper": "FedTopo paper Table II (CIFAR-10, Dirichlet alpha = 0.1, the only setting the paper ablates): test "
-                 "accuracy %, and in brackets the paper's Δ = full FedTopo minus the variant (positive = the variant is "
-                 "worse). Its 'w/o Topo. Loss' row is standalone local training, i.e. our Local. Our column is Dir(0.5) at "
-                 "6 sites, so the paper numbers are a reference, not a target.",
+        "paper": "FedTopo paper Table II (CIFAR-10, Dirichlet alpha = 0.1, the only setting the paper ablates): "
+                 "test accuracy %, and in brackets the paper's Δ = full FedTopo minus the variant (positive = the "
+                 "variant is worse). Its 'w/o Topo. Loss' row is standalone local training, i.e. our Local. Our "
+                 "column is Dir(0.5) at 6 sites, so the paper numbers are a reference, not a target.",
         "paper_col": "paper (CIFAR-10 Dir(0.1), acc. % (Δ))",
         "ref": "fedtopo",
         "rows": [("fedtopo", "FedTopo (full)", "87.38 (0.00)"),
@@ -184,7 +194,9 @@ ABLATION_LIMITS = {
     "fedtopo_table2": "With 3 classes the topology R is a 3 x 3 matrix and top-q (q = 3, clipped to C - 1 = 2) keeps "
                       "every negative class, so 'w/o top-q' is full FedTopo by construction "
                       "(`hfl_components/topology/loss.py`: q_eff = min(q, C - 1) = C - 1 either way) and was not "
-                      "rerun; the other ablations change a 3 x 3 guidance whose off-diagonal has 3 entries.",
+                      "rerun; 'w/o missing mask' drops the mask of the classes a site does not hold, so it is a "
+                      "no-op at a site that holds all 3 classes in training; the other ablations change a 3 x 3 "
+                      "guidance whose off-diagonal has 3 entries.",
 }
 
 
@@ -208,6 +220,22 @@ def ablation_pairs(res: dict, ref: str, methods: list[str], n_boot: int = 500) -
     return out
 
 
+def same_predictions(res: dict, a: str, b: str) -> bool:
+    """True when methods ``a`` and ``b`` hold the same (seed, site) pairs on both evaluation sets and every site
+    model gives exactly the same class probabilities on the same images (e.g. an ablation that is a no-op on this
+    partition). ``res``: :func:`nvflare_jobs.proto_eval.collect`'s output."""
+    if a not in res or b not in res:
+        return False
+    for evalset in ("test", "external"):
+        ra, rb = res[a].get(evalset, {}), res[b].get(evalset, {})
+        if set(ra) != set(rb):
+            return False
+        for k in ra:
+            if not (np.array_equal(ra[k]["ids"], rb[k]["ids"]) and np.array_equal(ra[k]["probs"], rb[k]["probs"])):
+                return False
+    return True
+
+
 def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: str) -> list[str]:
     """The lines of ``benchmarks/results/<name>.md`` (``name`` a key of :data:`ABLATIONS`) for one compare block
     whose ``summary["paired"]`` already holds :func:`ablation_pairs` against the spec's full method."""
@@ -227,6 +255,10 @@ def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: s
          *table([b], present, ref, spec["paper_col"])]
     if missing:
         L += [f"Not run in this folder: {'; '.join(missing)}.", ""]
+    same = [lab for m, lab, _ in present if m != ref and m in b.get("identical", ())]
+    if same:
+        L += [f"Identical to {ref_label}: every site model of {'; '.join(same)} gives exactly the same class "
+              "probabilities as the full method's on both sets (the ablation changes nothing on this partition).", ""]
     L += [f"#### Every variant vs {ref_label} (1 seed): balanced accuracy and AUC, both sets", ""]
     for m, lab, _ in present:
         if m == ref:
@@ -298,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
             shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
         for name, spec in ABLATIONS.items():
             b["summary"]["paired"] += ablation_pairs(res, spec["ref"], [m for m, _, _ in spec["rows"]])
+            b["identical"] = {m for m, _, _ in spec["rows"]
+                              if m != spec["ref"] and same_predictions(res, m, spec["ref"])}
             (out / f"{name}.md").write_text("\n".join(ablation_file(b, name, FLOOR, NOTES, command)))
         blocks.append(b)
     for b in blocks:

@@ -65,10 +65,11 @@ def _site(ids, y, pred):
 
 def _res():
     """collect()-shaped predictions of full FedTopo, its no_ema ablation and Local at seed 0 on two sites.
-    Balanced accuracies (test): full 1.0 / 2/3, no_ema 0.5 (one class predicted) / 1.0, local 1.0 / 1.0."""
+    Balanced accuracies (test): full 1.0 / 2/3, no_ema 0.5 (one class predicted) / 1.0, local 1.0 / 1.0;
+    no_missing_mask predicts exactly as full FedTopo."""
     y1, y2 = [0, 0, 1, 1], [0, 1, 2]
     preds = {"fedtopo": ([0, 0, 1, 1], [0, 1, 1]), "fedtopo:ablate=no_ema": ([0, 0, 0, 0], [0, 1, 2]),
-             "local": ([0, 0, 1, 1], [0, 1, 2])}
+             "fedtopo:ablate=no_missing_mask": ([0, 0, 1, 1], [0, 1, 1]), "local": ([0, 0, 1, 1], [0, 1, 2])}
     res = {}
     for m, (p1, p2) in preds.items():
         sets = {"test": {(0, "site-1"): _site([0, 1, 2, 3], y1, p1), (0, "site-2"): _site([0, 1, 2], y2, p2)},
@@ -82,6 +83,11 @@ def test_ablation_pairs_give_the_hand_computed_paired_difference():
     pairs = pr.ablation_pairs(res, "fedtopo", ["fedtopo", "fedtopo:ablate=no_ema", "fedtopo", "local"], n_boot=50)
     # 2 methods (full skipped, duplicate dropped) x 2 sets x 2 metrics
     assert len(pairs) == 8
+    assert pr.same_predictions(res, "fedtopo:ablate=no_missing_mask", "fedtopo")
+    assert not pr.same_predictions(res, "fedtopo:ablate=no_ema", "fedtopo")
+    assert not pr.same_predictions(res, "fedtopo:ablate=no_reliability", "fedtopo")  # absent
+    mask = pr.ablation_pairs(res, "fedtopo", ["fedtopo:ablate=no_missing_mask"], n_boot=20)
+    assert all(d["diff"] == 0 for d in mask) and len(mask) == 4
     assert {(d["method_a"], d["method_b"]) for d in pairs} == {("fedtopo:ablate=no_ema", "fedtopo"),
                                                                ("local", "fedtopo")}
     d = next(d for d in pairs if d["method_a"] == "fedtopo:ablate=no_ema" and d["set"] == "test"
@@ -112,7 +118,7 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
     b = {"label": "toy (1 seed)", "dir": tmp_path, "seeds": {m: [0] for m in res}, "text": "",
          "compare": {"command": "cxr-hfl compare --methods local,fedtopo,fedtopo:ablate=no_ema --seeds 0"},
          "summary": {"methods": methods, "paired": pr.ablation_pairs(res, "fedtopo", list(res), n_boot=50),
-                     "rows": rows}}
+                     "rows": rows}, "identical": {"fedtopo:ablate=no_missing_mask"}}
     L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python benchmarks/proto_results.py --ablation x")
     text = "\n".join(L)
     assert all("1 seed" in ln for ln in L if ln.startswith("#")), [ln for ln in L if ln.startswith("#")]
@@ -127,6 +133,9 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
     assert "86.36 (1.02)" in ema
     assert "⚠" not in row["| w/o topology loss (= Local) (1 seed)"]
     assert "fedtopo:ablate=no_ema seed 0 site-1 (test, 4 images)" in text
-    assert "Not run in this folder: w/ local topology; w/o reliability S^g; w/o missing mask." in text
+    assert "Not run in this folder: w/ local topology; w/o reliability S^g." in text
+    assert "Identical to FedTopo (full): every site model of w/o missing mask gives exactly" in text
+    mask = row["| w/o missing mask (1 seed)"]
+    assert "| 83.3 |" in mask and "+0.0 [+0.0, +0.0] pp, 2 pairs: **no difference detected**" in mask
     assert "q_eff = min(q, C - 1) = C - 1" in text and "- a caveat" in text
     assert "paper (CIFAR-10 Dir(0.1), acc. % (Δ))" in text

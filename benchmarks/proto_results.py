@@ -55,18 +55,20 @@ def _paired_cell(summary: dict, a: str, b: str, evalset: str, metric: str = "bal
     return "–"
 
 
-def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = None) -> list[str]:
+def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = None,
+          ref_label: str | None = None) -> list[str]:
     """One markdown table per compare block: a row per method (mean site balanced accuracy / AUC on the test splits
     and on the external part, single-class site counts, paired Δ balanced accuracy vs ``ref`` with its CI and
     verdict, looked up in the block's ``summary["paired"]``).
 
     ``methods``: method names (row label from :data:`LABEL`) or ``(method, row label, paper cell)`` triples (the same
     run may appear under two labels, e.g. FedTopo's 'w/o top-q' = full FedTopo); ``paper_col``: when given, the
-    header of a last column holding each triple's paper cell (absent otherwise, so the plain tables are unchanged).
+    header of a last column holding each triple's paper cell (absent otherwise, so the plain tables are unchanged);
+    ``ref_label``: how the Δ column headers name ``ref`` (default: its row label).
     """
     L = []
     rows_all = [(m, LABEL.get(m, m), None) if isinstance(m, str) else m for m in methods]
-    ref_label = next((lab for m, lab, _ in rows_all if m == ref), LABEL.get(ref, ref))
+    ref_label = ref_label or next((lab for m, lab, _ in rows_all if m == ref), LABEL.get(ref, ref))
     for b in blocks:
         s = b["summary"]
         rows = [r for r in rows_all if r[0] in s["methods"]]
@@ -163,6 +165,7 @@ ABLATIONS = {
                  "not a target.",
         "paper_col": "paper (CIFAR-10 Dir(0.1), acc. %)",
         "ref": "fedsaf",
+        "ref_label": "IV (full FedSAF)",
         "rows": [("fedsaf", "IV: both terms (GCSA, λ = γ = 1; full FedSAF)", "88.03 ± 0.13"),
                  ("fedsaf:lam=0", "III: instance level only (λ = 0)", "87.02 ± 0.13"),
                  ("fedsaf:gamma=0", "II: prototype level only (γ = 0)", "86.45 ± 0.11"),
@@ -177,6 +180,7 @@ ABLATIONS = {
                  "column is Dir(0.5) at 6 sites, so the paper numbers are a reference, not a target.",
         "paper_col": "paper (CIFAR-10 Dir(0.1), acc. % (Δ))",
         "ref": "fedtopo",
+        "ref_label": "full FedTopo",
         "rows": [("fedtopo", "FedTopo (full)", "87.38 (0.00)"),
                  ("fedtopo:ablate=local_topology", "w/ local topology", "86.01 (1.37)"),
                  ("fedtopo:ablate=no_reliability", "w/o reliability S^g", "86.44 (0.94)"),
@@ -190,7 +194,7 @@ ABLATION_LIMITS = {
     "fedsaf_table8": "With 3 classes GCSA's prototype-level term compares 3 x 3 centred Gram matrices of the class "
                      "prototypes (a site holding 2 classes contributes one off-diagonal entry), so terms II and III "
                      "have little class-relation structure to transfer; I (λ = γ = 0) trains each site on plain "
-                     "cross-entropy, i.e. Local training inside the FedSAF job (shown beside Local as a check).",
+                     "cross-entropy, i.e. Local training inside the FedSAF job (compare it with the Local row).",
     "fedtopo_table2": "With 3 classes the topology R is a 3 x 3 matrix and top-q (q = 3, clipped to C - 1 = 2) keeps "
                       "every negative class, so 'w/o top-q' is full FedTopo by construction "
                       "(`hfl_components/topology/loss.py`: q_eff = min(q, C - 1) = C - 1 either way) and was not "
@@ -236,23 +240,30 @@ def same_predictions(res: dict, a: str, b: str) -> bool:
     return True
 
 
-def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: str) -> list[str]:
+def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: str,
+                  wall_s: float | None = None) -> list[str]:
     """The lines of ``benchmarks/results/<name>.md`` (``name`` a key of :data:`ABLATIONS`) for one compare block
-    whose ``summary["paired"]`` already holds :func:`ablation_pairs` against the spec's full method."""
+    whose ``summary["paired"]`` already holds :func:`ablation_pairs` against the spec's full method; ``wall_s``: the
+    compare command's wall-clock seconds when known (recorded in the run record)."""
     spec = ABLATIONS[name]
     ref, rows = spec["ref"], spec["rows"]
-    ref_label = rows[0][1]
+    ref_label = spec["ref_label"]
     s = b["summary"]
     present = [r for r in rows if r[0] in s["methods"]]
     missing = [lab for m, lab, _ in rows if m not in s["methods"]]
     seeds = sorted({x for r in present for x in b["seeds"].get(r[0], [])})
     new = [p for p in Path(b["dir"]).glob("seed*/*/metrics.json") if ":" in p.parent.name]
     wall = sum(json.loads(p.read_text()).get("wall_time_s") or 0 for p in new)
+    hw = [(d["ci_high"] - d["ci_low"]) / 2 for d in s["paired"] if d["method_b"] == ref and d["set"] == "test"
+          and d["metric"] == "balanced_accuracy" and d["ci_low"] is not None
+          and d["method_a"] in {m for m, _, _ in present} and d["method_a"] not in b.get("identical", ())]
+    half = (f" (the test-split balanced-accuracy CIs here are ±{100 * min(hw):.1f} to ±{100 * max(hw):.1f} pp wide)"
+            if hw else "")
     L = [spec["title"], "", spec["paper"], "", *protocol_head(floor),
          f"**1 seed** (seed{'s' if len(seeds) != 1 else ''} {','.join(map(str, seeds))}): every row is one (seed 0) "
          "run of 6 sites, so each paired CI rests on 6 site pairs and resamples images only (no seed-to-seed "
          "variation).", "",
-         *table([b], present, ref, spec["paper_col"])]
+         *table([b], present, ref, spec["paper_col"], ref_label)]
     if missing:
         L += [f"Not run in this folder: {'; '.join(missing)}.", ""]
     same = [lab for m, lab, _ in present if m != ref and m in b.get("identical", ())]
@@ -274,19 +285,22 @@ def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: s
            + "; ".join(flagged) + ".") if flagged else "No site model predicts a single class on either set.", "",
           "#### What this ablation can and cannot show (1 seed)", "",
           f"- {ABLATION_LIMITS[name]}",
-          "- 6 site pairs at 1 seed cannot detect differences of a few pp: the test-split CIs span about ±8 pp; a "
-          "'no difference detected' verdict is not evidence that a term is useless, and a 'better' / 'worse' on the "
-          "external part (1,715 shared images, images resampled only) says nothing about another seed's partition "
-          "and training noise.",
+          "- 6 site pairs at 1 seed cannot detect differences of a few pp" + half + ": a 'no difference detected' "
+          "verdict is not evidence that a term is useless, and a 'better' / 'worse' (mostly on the external part, "
+          "1,715 shared images, images resampled only) says nothing about another seed's partition and training "
+          "noise.",
           "- The paper's numbers are CIFAR-10 at Dir(0.1) with 20 clients; ours are chest X-ray subtypes (3 classes) "
           "at Dir(0.5) with 6 sites. Neither the paper's ordering nor its gaps are expected to carry over, and none "
           "is claimed.", "",
-          "## Caveats (1 seed)", "", *[f"- {n}" for n in notes], "",
+          "## Caveats shared with the 3-seed tables (they hold here too, with 6 pairs, 1 seed)", "",
+          *[f"- {n}" for n in notes], "",
           "## Run record (1 seed)", "",
           f"Compare command: `{b['compare'].get('command', '?')}`. Table: `{command}`. The plain-method runs "
           "(no ':' in the folder name) are the 3-seed grid's seed-0 runs, copied into the folder so that compare "
           f"skipped them (same partition, same code); the {len(new)} variant runs were new: sum of their simulate "
-          f"wall times {wall / 60:.0f} min on 2 shared CPU cores.", ""]
+          f"wall times {wall / 60:.0f} min on 2 shared CPU cores"
+          + (f"; the compare command took {wall_s / 60:.0f} min wall-clock in all (runs, their evaluation on the "
+             "external part, tables)." if wall_s else "."), ""]
     return L
 
 
@@ -301,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                     "fedtopo_table1.md from these folders")
     ap.add_argument("--ablation", metavar="LABEL=DIR", help="fedsaf_table8.md and fedtopo_table2.md (1 seed) from "
                     "this compare folder of the ablation variants (see ABLATIONS)")
+    ap.add_argument("--wall-s", type=float, help="the ablation compare command's wall-clock seconds (as measured by "
+                    "whoever ran it), written to the run record")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     if not a.compare and not a.ablation:
@@ -332,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             b["summary"]["paired"] += ablation_pairs(res, spec["ref"], [m for m, _, _ in spec["rows"]])
             b["identical"] = {m for m, _, _ in spec["rows"]
                               if m != spec["ref"] and same_predictions(res, m, spec["ref"])}
-            (out / f"{name}.md").write_text("\n".join(ablation_file(b, name, FLOOR, NOTES, command)))
+            (out / f"{name}.md").write_text("\n".join(ablation_file(b, name, FLOOR, NOTES, command, a.wall_s)))
         blocks.append(b)
     for b in blocks:
         print(b["label"], json.dumps({m: {k: v[k] for k in ("test_bal_acc", "external_bal_acc", "floor_met")}

@@ -119,7 +119,8 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
          "compare": {"command": "cxr-hfl compare --methods local,fedtopo,fedtopo:ablate=no_ema --seeds 0"},
          "summary": {"methods": methods, "paired": pr.ablation_pairs(res, "fedtopo", list(res), n_boot=50),
                      "rows": rows}, "identical": {"fedtopo:ablate=no_missing_mask"}}
-    L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python benchmarks/proto_results.py --ablation x")
+    L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python benchmarks/proto_results.py --ablation x",
+                         wall_s=150)
     text = "\n".join(L)
     assert all("1 seed" in ln for ln in L if ln.startswith("#")), [ln for ln in L if ln.startswith("#")]
     row = {ln.split(" | ")[0]: ln for ln in L if ln.startswith("| ")}
@@ -134,7 +135,11 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
     assert "⚠" not in row["| w/o topology loss (= Local) (1 seed)"]
     assert "fedtopo:ablate=no_ema seed 0 site-1 (test, 4 images)" in text
     assert "Not run in this folder: w/ local topology; w/o reliability S^g." in text
-    assert "Identical to FedTopo (full): every site model of w/o missing mask gives exactly" in text
+    assert "Identical to full FedTopo: every site model of w/o missing mask gives exactly" in text
+    assert "| Δ bal. acc. vs full FedTopo, test | Δ vs full FedTopo, external |" in text
+    # one image per class at site-2 and constant predictions within each class at site-1: no resample moves a Δ
+    assert "(the test-split balanced-accuracy CIs here are ±0.0 to ±0.0 pp wide)" in text
+    assert "the compare command took 2 min wall-clock in all" in text
     mask = row["| w/o missing mask (1 seed)"]
     assert "| 83.3 |" in mask and "+0.0 [+0.0, +0.0] pp, 2 pairs: **no difference detected**" in mask
     assert "q_eff = min(q, C - 1) = C - 1" in text and "- a caveat" in text

@@ -1,0 +1,146 @@
+"""The 1-seed ablation tables of ``benchmarks/proto_results.py`` (FedSAF Table VIII, FedTopo Table II; issue 16):
+the variant specs they are run with parse to the intended ``simulate`` options, and the table writer turns a tiny
+hand-made compare summary into the rows, paired Δ, verdicts and flags computed here by hand. No simulator."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import pytest
+
+from tests.sim_helpers import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import proto_results as pr  # noqa: E402
+
+
+def _simulate_args(method: str):
+    """The ``simulate`` options a compare method variant gives (compare's own parser path: split_variant, then
+    simulate's parser and defaults)."""
+    from nvflare_jobs.commands import simulate
+    from nvflare_jobs.compare import split_variant
+
+    name, extra = split_variant(method)
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    a = p.parse_args(["--method", name, *extra])
+    simulate._defaults(a)
+    return name, a
+
+
+def test_ablation_variant_specs_set_lambda_gamma_and_ablate():
+    from nvflare_jobs.compare import check_variant
+
+    expect = {"fedsaf": (1.0, 1.0, []), "fedsaf:lam=0": (0.0, 1.0, []), "fedsaf:gamma=0": (1.0, 0.0, []),
+              "fedsaf:lam=0:gamma=0": (0.0, 0.0, []), "fedtopo": (1.0, 1.0, []),
+              "fedtopo:ablate=no_ema": (1.0, 1.0, ["no_ema"]),
+              "fedtopo:ablate=local_topology:ablate=no_reliability": (1.0, 1.0, ["local_topology", "no_reliability"])}
+    for m, (lam, gamma, ablate) in expect.items():
+        assert check_variant(m) is None, m
+        name, a = _simulate_args(m)
+        assert (name, a.lam, a.gamma, a.ablate) == (m.split(":")[0], lam, gamma, ablate), m
+    # every row of the two ablation tables is a variant compare accepts
+    for spec in pr.ABLATIONS.values():
+        for m, _, _ in spec["rows"]:
+            assert check_variant(m) is None, m
+    assert "invalid choice: 'no_such'" in check_variant("fedtopo:ablate=no_such")
+
+
+def _pred(y, pred, C=3):
+    """Probabilities whose argmax is ``pred`` (0.6 on it, 0.2 elsewhere)."""
+    p = np.full((len(y), C), 0.2)
+    p[np.arange(len(y)), pred] = 0.6
+    return p
+
+
+def _site(ids, y, pred):
+    from hfl_components.training.site_paired import site_metric
+    from nvflare_jobs.proto_eval import single_class
+
+    y, probs = np.asarray(y), _pred(np.asarray(y), np.asarray(pred))
+    return {"ids": np.asarray(ids), "y": y, "probs": probs, "single_class": single_class(y, probs),
+            "balanced_accuracy": site_metric("balanced_accuracy", y, probs), "auc": site_metric("auc", y, probs)}
+
+
+def _res():
+    """collect()-shaped predictions of full FedTopo, its no_ema ablation and Local at seed 0 on two sites.
+    Balanced accuracies (test): full 1.0 / 2/3, no_ema 0.5 (one class predicted) / 1.0, local 1.0 / 1.0;
+    no_missing_mask predicts exactly as full FedTopo."""
+    y1, y2 = [0, 0, 1, 1], [0, 1, 2]
+    preds = {"fedtopo": ([0, 0, 1, 1], [0, 1, 1]), "fedtopo:ablate=no_ema": ([0, 0, 0, 0], [0, 1, 2]),
+             "fedtopo:ablate=no_missing_mask": ([0, 0, 1, 1], [0, 1, 1]), "local": ([0, 0, 1, 1], [0, 1, 2])}
+    res = {}
+    for m, (p1, p2) in preds.items():
+        sets = {"test": {(0, "site-1"): _site([0, 1, 2, 3], y1, p1), (0, "site-2"): _site([0, 1, 2], y2, p2)},
+                "external": {(0, "site-1"): _site([0, 1, 2, 3], y1, p1), (0, "site-2"): _site([4, 5, 6], y2, p2)}}
+        res[m] = sets
+    return res
+
+
+def test_ablation_pairs_give_the_hand_computed_paired_difference():
+    res = _res()
+    pairs = pr.ablation_pairs(res, "fedtopo", ["fedtopo", "fedtopo:ablate=no_ema", "fedtopo", "local"], n_boot=50)
+    # 2 methods (full skipped, duplicate dropped) x 2 sets x 2 metrics
+    assert len(pairs) == 8
+    assert pr.same_predictions(res, "fedtopo:ablate=no_missing_mask", "fedtopo")
+    assert not pr.same_predictions(res, "fedtopo:ablate=no_ema", "fedtopo")
+    assert not pr.same_predictions(res, "fedtopo:ablate=no_reliability", "fedtopo")  # absent
+    mask = pr.ablation_pairs(res, "fedtopo", ["fedtopo:ablate=no_missing_mask"], n_boot=20)
+    assert all(d["diff"] == 0 for d in mask) and len(mask) == 4
+    assert {(d["method_a"], d["method_b"]) for d in pairs} == {("fedtopo:ablate=no_ema", "fedtopo"),
+                                                               ("local", "fedtopo")}
+    d = next(d for d in pairs if d["method_a"] == "fedtopo:ablate=no_ema" and d["set"] == "test"
+             and d["metric"] == "balanced_accuracy")
+    # site-1: 0.5 - 1.0; site-2: 1.0 - 2/3 -> mean -1/12
+    assert d["diff"] == pytest.approx(-1 / 12) and d["n_pairs"] == 2
+    assert d["a"] == pytest.approx(0.75) and d["b"] == pytest.approx(5 / 6)
+    assert d["ci_low"] <= d["diff"] <= d["ci_high"]
+    loc = next(d for d in pairs if d["method_a"] == "local" and d["set"] == "external"
+               and d["metric"] == "balanced_accuracy")
+    assert loc["diff"] == pytest.approx(1 / 6)  # site-1 equal, site-2 1.0 - 2/3, over 2 pairs
+    assert pr.ablation_pairs(res, "fedsaf", ["fedsaf:lam=0"]) == []  # absent methods: nothing
+
+
+def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
+    res = _res()
+    methods = {}
+    for m, sets in res.items():
+        t, e = sets["test"], sets["external"]
+        methods[m] = {"pairs": 2, "test_bal_acc": float(np.mean([v["balanced_accuracy"] for v in t.values()])),
+                      "external_bal_acc": float(np.mean([v["balanced_accuracy"] for v in e.values()])),
+                      "test_auc": float(np.mean([v["auc"] for v in t.values()])),
+                      "external_auc": float(np.mean([v["auc"] for v in e.values()])),
+                      "single_class_test": sum(v["single_class"] for v in t.values()),
+                      "single_class_external": sum(v["single_class"] for v in e.values()), "floor_met": False}
+    rows = [{"method": m, "set": k, "seed": s, "site": site, "n": len(v["y"]), "single_class": v["single_class"]}
+            for m in res for k in ("test", "external") for (s, site), v in res[m][k].items()]
+    b = {"label": "toy (1 seed)", "dir": tmp_path, "seeds": {m: [0] for m in res}, "text": "",
+         "compare": {"command": "cxr-hfl compare --methods local,fedtopo,fedtopo:ablate=no_ema --seeds 0"},
+         "summary": {"methods": methods, "paired": pr.ablation_pairs(res, "fedtopo", list(res), n_boot=50),
+                     "rows": rows}, "identical": {"fedtopo:ablate=no_missing_mask"}}
+    L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python benchmarks/proto_results.py --ablation x",
+                         wall_s=150)
+    text = "\n".join(L)
+    assert all("1 seed" in ln for ln in L if ln.startswith("#")), [ln for ln in L if ln.startswith("#")]
+    row = {ln.split(" | ")[0]: ln for ln in L if ln.startswith("| ")}
+    full = row["| FedTopo (full) (1 seed)"]
+    # full: test bal. acc. (1 + 2/3) / 2 = 83.3 %, external the same; its Δ cells are '–'; paper 87.38 (0.00)
+    assert "| 0 | 83.3 |" in full and full.endswith("| – | – | 87.38 (0.00) |")
+    topq = next(v for k, v in row.items() if k.startswith("| w/o top-q"))
+    assert topq.split(" | ")[1:] == full.split(" | ")[1:-1] + ["85.84 (1.54) |"]  # same run, own paper cell
+    ema = row["| w/o topology EMA (1 seed) ⚠ majority-class sites"]
+    assert "| 75.0 |" in ema and "| 1 / 1 |" in ema and "-8.3 [" in ema and "2 pairs" in ema
+    assert "86.36 (1.02)" in ema
+    assert "⚠" not in row["| w/o topology loss (= Local) (1 seed)"]
+    assert "fedtopo:ablate=no_ema seed 0 site-1 (test, 4 images)" in text
+    assert "Not run in this folder: w/ local topology; w/o reliability S^g." in text
+    assert "Identical to full FedTopo: every site model of w/o missing mask gives exactly" in text
+    assert "| Δ bal. acc. vs full FedTopo, test | Δ vs full FedTopo, external |" in text
+    # one image per class at site-2 and constant predictions within each class at site-1: no resample moves a Δ
+    assert "(the test-split balanced-accuracy CIs here are ±0.0 to ±0.0 pp wide)" in text
+    assert "the compare command took 2 min wall-clock in all" in text
+    mask = row["| w/o missing mask (1 seed)"]
+    assert "| 83.3 |" in mask and "+0.0 [+0.0, +0.0] pp, 2 pairs: **no difference detected**" in mask
+    assert "q_eff = min(q, C - 1) = C - 1" in text and "- a caveat" in text
+    assert "paper (CIFAR-10 Dir(0.1), acc. % (Δ))" in text

@@ -18,7 +18,9 @@ budget whose absolute accuracies are not comparable, only the orderings are of i
 FedSAF / FedTopo tables delegate to the in-process federation drivers (``bench_alignment.main`` /
 ``bench_topology.main``, called with explicit options; their budget blocks are printed by ``--budget-only`` before
 anything runs). Their results are kept in ``--out``/fedsaf|fedtopo/bench_*_<store>.json (resumable; ``tiny`` and
-``quick`` share one store since they differ only in the grid) and the tables are written from those files:
+``quick`` share one store since they differ only in the grid) and the tables are written from those files, beside
+them (``--out``/fedsaf|fedtopo/<table>.md; the committed ``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` are issue
+16's protocol, written by ``benchmarks/proto_results.py``):
 FedSAF Table III -- alignment MSE / cosine / GCSA / RCSA per Dirichlet alpha; Table VIII -- GCSA prototype-level only /
 instance-level only / both; FedTopo Table I -- Local / FedProto / FedSAF-GCSA / FedTopo on Dirichlet-0.1 and
 pathological splits; Table II -- FedTopo ablations. ``tiny`` runs one alpha (0.1) and one split (Dirichlet 0.1), the
@@ -520,7 +522,11 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
               "50 = the same on a 2-class site): " + "; ".join(f"{g}: " + ", ".join(v) for g, v in bal.items())
               + ". Accuracy alone flatters sites that predict their dominant class under label skew."]
     L += ["", "## Ordering", "", *_groups_note(groups, _bench_reason(group, st, len(seeds)), smoke)]
-    dest = REPO / "benchmarks" / "results" / f"{table}.md"
+    # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables are issue 16's
+    # protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's smaller budget
+    L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
+                  f"`benchmarks/results/{table}.md` is issue 16's protocol, written by `benchmarks/proto_results.py`."]
+    dest = store.parent / f"{table}.md"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L).rstrip() + "\n")
     return dest

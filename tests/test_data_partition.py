@@ -355,3 +355,44 @@ def test_min_eval_per_class_moves_whole_patients_and_keeps_half_of_the_class_in_
         "b0": "val", "b1": "test", "b2": "val", "b3": "train", "b4": "test", "big": "train"}
     assert [(m["patient"], m["split"], m["images"]) for m in res.params["eval_moves"]["site-1"]] == [
         ("b0", "val", 1), ("b1", "test", 1)]
+
+
+def test_cli_partition_min_eval_per_class(data_root, tmp_path, capsys):
+    """`cxr-hfl partition --min-eval-per-class 2`: every class a site holds >= 8 images of has >= 2 images in val and
+    in test (the plain cut of the same seed misses this somewhere), recorded in partition.json; bad values exit 2."""
+    import json
+    from collections import Counter
+
+    from chest_xray import read_site_manifest
+    from nvflare_jobs.cli import main
+
+    root = data_root / "chest_xray_original"
+    if not root.is_dir():
+        pytest.skip(f"{root} missing")
+
+    def counts(out):
+        per = {}
+        for f in sorted((out / "sites").glob("*.csv")):
+            per[f.stem] = Counter((r["split"], int(r["label"])) for r in read_site_manifest(f))
+        return per
+
+    def short(per):  # (site, class) cells with >= 8 images but < 2 in val or in test
+        return [(s, c) for s, cnt in per.items() for c in {k[1] for k in cnt}
+                if sum(v for (sp, cc), v in cnt.items() if cc == c) >= 8 and min(cnt[("val", c)], cnt[("test", c)]) < 2]
+
+    args = ["partition", "--data", str(root), "--sites", "6", "--scheme", "dirichlet", "--alpha", "0.5",
+            "--labels", "subtype", "--seed", "1", "--no-verify"]
+    assert main(args + ["--out", str(tmp_path / "plain")]) == 0
+    assert main(args + ["--min-eval-per-class", "2", "--out", str(tmp_path / "m2")]) == 0
+    plain, m2 = counts(tmp_path / "plain"), counts(tmp_path / "m2")
+    assert short(plain), "the plain cut of this seed should leave some class short of 2 val/test images"
+    assert short(m2) == []
+    assert sum(sum(c.values()) for c in plain.values()) == sum(sum(c.values()) for c in m2.values())  # no image lost
+    info = json.loads((tmp_path / "m2" / "partition.json").read_text())
+    assert info["params"]["min_eval_per_class"] == 2
+    for bad in ("-1", "two"):
+        with pytest.raises(SystemExit) as e:
+            main(args + ["--min-eval-per-class", bad, "--out", str(tmp_path / "bad")])
+        assert e.value.code == 2
+        assert "--min-eval-per-class" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

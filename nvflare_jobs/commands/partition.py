@@ -32,6 +32,10 @@ def register(subparsers) -> None:
                    help="pathological scheme: classes per site (default: number of classes - 1, at least 1)")
     p.add_argument("--min-per-site", type=int, default=10,
                    help="dirichlet scheme: minimum images per site (default: %(default)s)")
+    p.add_argument("--min-eval-per-class", type=_non_negative_int, default=0, metavar="M",
+                   help="every class a site holds >= 4 M images of gets >= M images in val and in test, whole train "
+                        "patients moved (default %(default)s = the plain 80/10/10 cut; simulate/compare use 2 for the "
+                        "prototype methods)")
     p.add_argument("--no-verify", action="store_true",
                    help="read image headers only (faster; corrupt files are then found only at training)")
     p.add_argument("--allow-lateral", action="store_true", help="keep lateral DICOM views")
@@ -77,6 +81,7 @@ def run_partition(args: argparse.Namespace) -> int:
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
             probe_fraction=args.probe_fraction, class_names=CLASS_NAMES[args.labels],
             classes_per_site=args.classes_per_site, min_per_site=args.min_per_site,
+            min_eval_per_class=args.min_eval_per_class,
         )
     except ValueError as e:
         print(f"cxr-hfl partition: {e}", file=sys.stderr)
@@ -95,6 +100,17 @@ def run_partition(args: argparse.Namespace) -> int:
     for w in partition_warnings(result.sites, args.scheme):
         print(w, file=sys.stderr)
     return 0
+
+
+def _non_negative_int(s: str) -> int:
+    """argparse type: an integer >= 0 (else a one-line usage error naming the value)."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
 
 
 def printable_path(path: str) -> str:

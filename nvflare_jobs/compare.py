@@ -49,7 +49,8 @@ from hfl_components.flare.catalogue import PROTOTYPE_METHODS
 METHODS = ("local", "local+ft", *(m for m in _CATALOGUE_METHODS if m != "local"))
 PROTO = PROTOTYPE_METHODS
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
-           "sensitivity", "specificity", "threshold", "wall_seconds", "server_seconds", "bytes_up", "bytes_down"]
+           "sensitivity", "specificity", "threshold", "deploy_rule", "deployed_round", "wall_seconds", "server_seconds",
+           "bytes_up", "bytes_down"]
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
@@ -535,7 +536,9 @@ def val_threshold_metrics(run_dir: str | Path) -> dict[str, dict]:
 
 def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) -> list[dict[str, Any]]:
     """One row per (method, seed, site). Sensitivity/specificity: at the threshold chosen on the site's validation
-    split (binary runs with saved models, ``thresholds=True``), else the argmax rule of the site's own metrics."""
+    split (binary runs with saved models, ``thresholds=True``), else the argmax rule of the site's own metrics.
+    ``deploy_rule`` / ``deployed_round``: which model the site deployed (``metrics.json`` ``sites.<site>.deploy``,
+    e.g. ``best_val`` and the round chosen on its validation split; empty for runs that did not record it)."""
     rows = []
     for method, seed, m in runs:
         vt = {}
@@ -552,7 +555,9 @@ def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) 
             rows.append({"method": method, "seed": seed, "site": site,
                          "model": "/".join(str(spec[k]) for k in ("family", "depth") if spec.get(k)),
                          "input_size": b.get("input_size"), "n_test": b.get("n_test"),
-                         **{k: t.get(k) for k in METRICS}, "threshold": t.get("threshold"), "wall_seconds": m.get("wall_time_s"),
+                         **{k: t.get(k) for k in METRICS}, "threshold": t.get("threshold"),
+                         "deploy_rule": (b.get("deploy") or {}).get("rule"),
+                         "deployed_round": (b.get("deploy") or {}).get("round"), "wall_seconds": m.get("wall_time_s"),
                          "server_seconds": _server_seconds(m), "bytes_up": m.get("bytes_uploaded"),
                          "bytes_down": m.get("bytes_downloaded")})
     return rows

@@ -286,3 +286,18 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
     so = capsys.readouterr().out
     assert so.count("done already, skipped") == 6 and "models evaluated" not in so
     assert json.loads((out / "compare.json").read_text())["command"] == cj["command"]
+
+
+def test_comparison_rows_name_the_deployed_round():
+    """comparison.csv says which round each site deployed (deploy: best_val picks it on the site's validation
+    split); runs that did not record it leave the cells empty."""
+    from nvflare_jobs.compare import COLUMNS, comparison_rows
+
+    m = {"sites": {"site-1": {"test": {"accuracy": 0.5, "balanced_accuracy": 0.4}, "n_test": 10,
+                              "deploy": {"rule": "best_val", "round": 7, "score": 0.8}},
+                   "site-2": {"test": {"accuracy": 0.9}, "n_test": 12}},
+         "wall_time_s": 3.0}
+    rows = {r["site"]: r for r in comparison_rows([("fedsaf", 0, m)], thresholds=False)}
+    assert (rows["site-1"]["deploy_rule"], rows["site-1"]["deployed_round"]) == ("best_val", 7)
+    assert (rows["site-2"]["deploy_rule"], rows["site-2"]["deployed_round"]) == (None, None)
+    assert rows["site-1"]["balanced_accuracy"] == 0.4 and set(rows["site-1"]) == set(COLUMNS)

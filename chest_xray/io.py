@@ -746,29 +746,63 @@ def _window_output_range(ds, bits: int) -> tuple[float, float]:
     return min(y_min, y_max), max(y_min, y_max)
 
 
+class PatientSaltError(OSError):
+    """The site-local patient salt file cannot be read or created (the message names the file and the way out)."""
+
+
+#: Threads of one scan (:func:`chest_xray.dataset.scan_dataset`) may ask for the salt at the same moment.
+_SALT_LOCK = threading.Lock()
+
+
 def site_salt(salt: str | None = None) -> str:
-    """The site-local salt for hashing DICOM PatientIDs.
+    """The site-local salt for hashing DICOM patient IDs.
 
     Order: the ``salt`` argument, else ``$CXR_PATIENT_SALT``, else a random salt created once and kept in
-    ``~/.config/cxr-hfl/patient_salt`` (mode 0600) so hashes are stable on this machine. The salt never leaves
-    the site; ids hashed with different salts cannot be linked.
+    ``~/.config/cxr-hfl/patient_salt`` (``$XDG_CONFIG_HOME`` if set; mode 0600) so hashes are stable on this
+    machine. The salt never leaves the site; ids hashed with different salts cannot be linked. Creating it is
+    safe when threads or processes ask at once: the file appears with its content (written aside, then
+    hard-linked), so every caller gets the same salt and none sees an empty file.
+
+    Raises:
+        PatientSaltError: the salt file cannot be read or created (e.g. a read-only home); the message names the
+            file and says to set ``$CXR_PATIENT_SALT`` or ``$XDG_CONFIG_HOME``.
     """
     if salt:
         return salt
     env = os.environ.get(SALT_ENV)
     if env:
         return env
-    f = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "cxr-hfl" / "patient_salt"
-    try:
-        return f.read_text().strip()
-    except OSError:
-        pass
-    f.parent.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_hex(16)
-    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(value)
-    return value
+    f = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "cxr-hfl" / "patient_salt"
+    with _SALT_LOCK:
+        try:
+            value = f.read_text().strip()
+            if value:
+                return value
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise PatientSaltError(f"cannot read the patient salt file {f} ({e.strerror or e}); set "
+                                   f"${SALT_ENV} or $XDG_CONFIG_HOME") from None
+        value = secrets.token_hex(16)
+        tmp = f.with_name(f".patient_salt.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(value)
+            try:
+                os.link(tmp, f)  # atomic and exclusive: another process's salt, once there, wins
+            except FileExistsError:
+                existing = f.read_text().strip()
+                if existing:
+                    return existing
+                os.replace(tmp, f)  # an empty file left by an interrupted older version: replaced
+        except OSError as e:
+            raise PatientSaltError(f"cannot create the patient salt file {f} ({e.strerror or e}); set "
+                                   f"${SALT_ENV} or $XDG_CONFIG_HOME to a writable folder") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return value
 
 
 def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | None:

@@ -330,10 +330,21 @@ def _minmax(a: np.ndarray) -> np.ndarray:
 # DICOM
 
 
+def _import_pydicom():
+    """``pydicom``, imported (the first time) under :data:`_WARNINGS_LOCK`. Its import chain (pydicom.data ->
+    requests -> urllib3) adds a warnings filter and then relies on it; in a scan thread, another thread's warnings
+    scope could swap the filter list meanwhile, and urllib3's DependencyWarning about SOCKS was printed in the
+    middle of `cxr-hfl site check` / a scan. Cheap after the first call."""
+    with _WARNINGS_LOCK:
+        import pydicom
+        import pydicom.pixels  # noqa: F401 -- the decoders' registry, imported with the rest
+    return pydicom
+
+
 def _dcmread(p: Path, stop_before_pixels: bool = False):
     """pydicom dataset of ``p``; a data set without the Part-10 header (no preamble, no ``DICM``) is read with
     ``force=True`` and accepted only when it holds an image (Rows, Columns) or a SOP Class UID."""
-    import pydicom
+    pydicom = _import_pydicom()
     from pydicom.errors import InvalidDicomError
 
     check_readable(p)
@@ -547,6 +558,7 @@ def _decoder_problem(ds) -> str | None:
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
+    _import_pydicom()
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = _dcmread(p)

@@ -245,3 +245,43 @@ def test_unusable_patient_salt_stops_the_scan_with_one_line(tmp_path, monkeypatc
             scan_dataset(tmp_path / "data", workers=w)
     assert main(["partition", "--data", str(tmp_path / "data"), "--sites", "1", "--out", str(tmp_path / "p")]) == 2
     assert not (tmp_path / "p").exists()
+
+
+def test_first_dicom_read_in_a_thread_leaves_no_stray_warning_on_the_console(tmp_path):
+    """pydicom's first import (pydicom.data -> requests -> urllib3) adds a warnings filter and relies on it; done in
+    a scan thread while another thread sat in a warnings scope, the filter was swapped out and urllib3's SOCKS
+    DependencyWarning appeared in the middle of `cxr-hfl site check` (4 reader threads, 7 of 8 runs). Here one
+    thread enters and leaves warnings scopes (as JPEG opens do) while the main thread reads the first DICOM of a
+    fresh interpreter: stderr stays empty, and the DICOM reads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dcm = write_dicom(tmp_path / "IM0001", rows=16, cols=24)
+    code = f"""
+import sys, threading
+sys.setswitchinterval(1e-6)  # threads take turns every few bytecodes: the race shows in (nearly) every run
+from chest_xray.io import _warnings_scope, read_image
+stop = threading.Event()
+def churn():
+    while not stop.is_set():
+        with _warnings_scope():
+            pass
+t = threading.Thread(target=churn)
+t.start()
+try:
+    img, meta = read_image({str(dcm)!r})
+finally:
+    stop.set()
+    t.join()
+print(meta["format"], img.shape)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "CXR_PATIENT_SALT": "x"}
+    env.pop("PYTHONWARNINGS", None)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "DICOM (16, 24)", r.stderr[-2000:]
+        assert r.stderr == ""

@@ -84,16 +84,32 @@ def compare(out: Path, seeds: list[int], n_boot: int = 2000) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """Run (unless ``--no-run``) and compare the arms. Returns the exit code: 2 with one line on stderr for bad
+    input (malformed ``--seeds``, a seed without finished runs under ``--no-run``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated distinct integer seeds (default: %(default)s)")
     ap.add_argument("--out", default="runs/aug")
     ap.add_argument("--probe", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--no-run", action="store_true", help="only analyse finished runs")
-    a = ap.parse_args()
-    seeds = [int(s) for s in a.seeds.split(",")]
+    a = ap.parse_args(argv)
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        print(f"augment_accuracy.py: --seeds must be distinct integers separated by commas, got {a.seeds!r}",
+              file=sys.stderr)
+        return 2
     out = Path(a.out)
-    if not a.no_run:
+    if a.no_run:
+        missing = [str(out / f"{arm}_s{s}" / f) for s in seeds for arm in ("monai", "batch")
+                   for f in ("test_predictions.csv", "metrics.json") if not (out / f"{arm}_s{s}" / f).is_file()]
+        if missing:
+            print(f"augment_accuracy.py: --no-run: no finished run: {missing[0]} is missing ({len(missing)} file(s) "
+                  "in all); run without --no-run first", file=sys.stderr)
+            return 2
+    else:
         for s in seeds:
             run_arms(s, out, a.probe)
     res = compare(out, seeds)
@@ -105,7 +121,8 @@ def main() -> None:
         r = res[m]
         print(f"{m}: monai {r['monai']:.3f}  batch {r['batch']:.3f}  batch - monai {r['diff']:+.3f} "
               f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] over {res['n_images']} paired images: {r['verdict']}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -38,6 +38,7 @@ from .io import (
     DICOM_SUFFIXES,
     SUPPORTED_SUFFIXES,
     ImageReadError,
+    PatientSaltError,
     dicom_header,
     dicom_patient_id,
     dicom_skip_reason,
@@ -462,6 +463,8 @@ def scan_dataset(
             ``subtype``, an unknown or empty class in a manifest); a labelling problem is a data-set error, not a
             file to skip silently. Raised after the whole scan, once: the message gives how many files and names
             the first three, so that one run shows what to fix.
+        chest_xray.io.PatientSaltError: a DICOM's patient id needs the site salt and its file cannot be read or
+            created (an ``OSError`` naming the file; set ``$CXR_PATIENT_SALT``).
     """
     if labels not in CLASS_NAMES:
         raise ValueError(f"unknown label scheme {labels!r}; expected one of {sorted(CLASS_NAMES)}")
@@ -582,6 +585,8 @@ def _scan_file(
             pid = pid or patient_id_from_name(path)
     except ImageReadError as e:
         return None, _skip(path, e.reason, e.kind), notes, None
+    except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
+        raise
     except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
         return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                            "unreadable"), notes, None

@@ -330,10 +330,21 @@ def _minmax(a: np.ndarray) -> np.ndarray:
 # DICOM
 
 
+def _import_pydicom():
+    """``pydicom``, imported (the first time) under :data:`_WARNINGS_LOCK`. Its import chain (pydicom.data ->
+    requests -> urllib3) adds a warnings filter and then relies on it; in a scan thread, another thread's warnings
+    scope could swap the filter list meanwhile, and urllib3's DependencyWarning about SOCKS was printed in the
+    middle of `cxr-hfl site check` / a scan. Cheap after the first call."""
+    with _WARNINGS_LOCK:
+        import pydicom
+        import pydicom.pixels  # noqa: F401 -- the decoders' registry, imported with the rest
+    return pydicom
+
+
 def _dcmread(p: Path, stop_before_pixels: bool = False):
     """pydicom dataset of ``p``; a data set without the Part-10 header (no preamble, no ``DICM``) is read with
     ``force=True`` and accepted only when it holds an image (Rows, Columns) or a SOP Class UID."""
-    import pydicom
+    pydicom = _import_pydicom()
     from pydicom.errors import InvalidDicomError
 
     check_readable(p)
@@ -547,6 +558,7 @@ def _decoder_problem(ds) -> str | None:
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
+    _import_pydicom()
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = _dcmread(p)
@@ -746,29 +758,63 @@ def _window_output_range(ds, bits: int) -> tuple[float, float]:
     return min(y_min, y_max), max(y_min, y_max)
 
 
+class PatientSaltError(OSError):
+    """The site-local patient salt file cannot be read or created (the message names the file and the way out)."""
+
+
+#: Threads of one scan (:func:`chest_xray.dataset.scan_dataset`) may ask for the salt at the same moment.
+_SALT_LOCK = threading.Lock()
+
+
 def site_salt(salt: str | None = None) -> str:
-    """The site-local salt for hashing DICOM PatientIDs.
+    """The site-local salt for hashing DICOM patient IDs.
 
     Order: the ``salt`` argument, else ``$CXR_PATIENT_SALT``, else a random salt created once and kept in
-    ``~/.config/cxr-hfl/patient_salt`` (mode 0600) so hashes are stable on this machine. The salt never leaves
-    the site; ids hashed with different salts cannot be linked.
+    ``~/.config/cxr-hfl/patient_salt`` (``$XDG_CONFIG_HOME`` if set; mode 0600) so hashes are stable on this
+    machine. The salt never leaves the site; ids hashed with different salts cannot be linked. Creating it is
+    safe when threads or processes ask at once: the file appears with its content (written aside, then
+    hard-linked), so every caller gets the same salt and none sees an empty file.
+
+    Raises:
+        PatientSaltError: the salt file cannot be read or created (e.g. a read-only home); the message names the
+            file and says to set ``$CXR_PATIENT_SALT`` or ``$XDG_CONFIG_HOME``.
     """
     if salt:
         return salt
     env = os.environ.get(SALT_ENV)
     if env:
         return env
-    f = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "cxr-hfl" / "patient_salt"
-    try:
-        return f.read_text().strip()
-    except OSError:
-        pass
-    f.parent.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_hex(16)
-    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(value)
-    return value
+    f = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "cxr-hfl" / "patient_salt"
+    with _SALT_LOCK:
+        try:
+            value = f.read_text().strip()
+            if value:
+                return value
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise PatientSaltError(f"cannot read the patient salt file {f} ({e.strerror or e}); set "
+                                   f"${SALT_ENV} or $XDG_CONFIG_HOME") from None
+        value = secrets.token_hex(16)
+        tmp = f.with_name(f".patient_salt.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(value)
+            try:
+                os.link(tmp, f)  # atomic and exclusive: another process's salt, once there, wins
+            except FileExistsError:
+                existing = f.read_text().strip()
+                if existing:
+                    return existing
+                os.replace(tmp, f)  # an empty file left by an interrupted older version: replaced
+        except OSError as e:
+            raise PatientSaltError(f"cannot create the patient salt file {f} ({e.strerror or e}); set "
+                                   f"${SALT_ENV} or $XDG_CONFIG_HOME to a writable folder") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return value
 
 
 def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | None:

@@ -55,8 +55,9 @@ def _handler(signum, frame):
     received.append(signum)
     name = signal.Signals(signum).name
     pids = kill_tree()
-    print(f"\n[cxr-hfl] {name}: stopped {len(pids)} process(es) of this run (NVFlare server and site workers)",
-          file=sys.stderr, flush=True)
+    if pids:  # a command that started none (partition, site check) says only its own one-line 'interrupted'
+        print(f"\n[cxr-hfl] {name}: stopped {len(pids)} process(es) of this run (NVFlare server and site workers)",
+              file=sys.stderr, flush=True)
     raise KeyboardInterrupt
 
 

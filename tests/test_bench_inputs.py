@@ -82,3 +82,26 @@ def test_tune_deploy_selects_rounds_as_the_site_runtime_does(monkeypatch):
     assert select_round([None, None], 2) == 1
     assert select_round([0.9, 0.1, 0.2], 1) == 2
     assert select_round([0.7, 0.1, 0.2], 2) == 0
+
+
+def test_augment_accuracy_refuses_bad_seeds_and_missing_runs_in_one_line(tmp_path, _run):
+    """augment_accuracy.py: a malformed or repeated --seeds, and --no-run without finished runs, exit 2 with one
+    line (they were tracebacks: int('a'), open(.../test_predictions.csv))."""
+    for seeds in ("a", "0,0", ""):
+        rc, err = _run("augment_accuracy.py", "--seeds", seeds, "--no-run", "--out", tmp_path)
+        assert rc == 2 and f"got {seeds!r}" in err and len(err.splitlines()) == 1, err
+    (tmp_path / "monai_s0").mkdir()
+    (tmp_path / "monai_s0" / "test_predictions.csv").write_text("site,index,label,p_PNEUMONIA\n")
+    rc, err = _run("augment_accuracy.py", "--seeds", "0", "--no-run", "--out", tmp_path)
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"{tmp_path / 'monai_s0' / 'metrics.json'} is missing (3 file(s) in all)" in err
+
+
+def test_bench_startup_help_explains_instead_of_running():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_startup.py"), "--help"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.startswith("usage: bench_startup.py") and "CXR_SCAN_WORKERS" in r.stdout
+    assert "reached simulator_run" not in r.stdout

@@ -181,3 +181,107 @@ def test_threaded_scan_matches_one_file_after_the_other(tmp_path, monkeypatch):
     monkeypatch.setenv("CXR_SCAN_WORKERS", "many")
     with pytest.raises(ValueError, match="CXR_SCAN_WORKERS"):
         scan_dataset(tmp_path)
+
+
+def test_first_patient_salt_is_one_salt_under_threads(tmp_path, monkeypatch):
+    """On a machine without a salt file, threads (and processes) asking for it at once all get the same, non-empty
+    salt; the scan hashes every DICOM with it (a race once skipped a file with FileExistsError or hashed with '')."""
+    import hashlib
+    import stat
+    import threading
+
+    from chest_xray.io import site_salt
+
+    monkeypatch.delenv("CXR_PATIENT_SALT", raising=False)
+    for trial in range(10):
+        home = tmp_path / f"cfg{trial}"
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
+        barrier, got, errors = threading.Barrier(8), [], []
+
+        def ask():
+            barrier.wait()
+            try:
+                got.append(site_salt())
+            except Exception as e:  # noqa: BLE001 -- collected and asserted below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        f = home / "cxr-hfl" / "patient_salt"
+        assert errors == [] and len(got) == 8
+        assert set(got) == {f.read_text()} and len(got[0]) == 32
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+        assert sorted(p.name for p in f.parent.iterdir()) == ["patient_salt"]  # no temporary file left
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "fresh"))
+    for i in range(16):
+        write_dicom(tmp_path / f"data/NORMAL/IM{i:04d}", rows=16, cols=24)
+    recs, rep = scan_dataset(tmp_path / "data", workers=8, verify=False)
+    salt = (tmp_path / "fresh/cxr-hfl/patient_salt").read_text()
+    expected = "dcm-" + hashlib.sha256((salt + "\x00" + "SECRET-12345").encode()).hexdigest()[:16]
+    assert rep["skipped"] == [] and [r["patient_id"] for r in recs] == [expected] * 16
+
+
+def test_unusable_patient_salt_stops_the_scan_with_one_line(tmp_path, monkeypatch):
+    """An empty salt file (an interrupted older version) is replaced, never used as the salt ''; a salt that cannot
+    be created stops the scan with an error naming the file (not every DICOM skipped as 'unreadable')."""
+    from chest_xray.io import PatientSaltError, site_salt
+    from nvflare_jobs.cli import main
+
+    monkeypatch.delenv("CXR_PATIENT_SALT", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    (tmp_path / "cfg/cxr-hfl").mkdir(parents=True)
+    (tmp_path / "cfg/cxr-hfl/patient_salt").write_text("")
+    s = site_salt()
+    assert len(s) == 32 and (tmp_path / "cfg/cxr-hfl/patient_salt").read_text() == s
+    (tmp_path / "blocker").write_text("a file where the config folder should be")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "blocker"))
+    write_dicom(tmp_path / "data/NORMAL/IM0001", rows=16, cols=24)
+    _jpeg(tmp_path / "data/PNEUMONIA/person1_virus_1.jpeg")
+    for w in (1, 4):
+        with pytest.raises(PatientSaltError, match="blocker/cxr-hfl/patient_salt.*CXR_PATIENT_SALT"):
+            scan_dataset(tmp_path / "data", workers=w)
+    assert main(["partition", "--data", str(tmp_path / "data"), "--sites", "1", "--out", str(tmp_path / "p")]) == 2
+    assert not (tmp_path / "p").exists()
+
+
+def test_first_dicom_read_in_a_thread_leaves_no_stray_warning_on_the_console(tmp_path):
+    """pydicom's first import (pydicom.data -> requests -> urllib3) adds a warnings filter and relies on it; done in
+    a scan thread while another thread sat in a warnings scope, the filter was swapped out and urllib3's SOCKS
+    DependencyWarning appeared in the middle of `cxr-hfl site check` (4 reader threads, 7 of 8 runs). Here one
+    thread enters and leaves warnings scopes (as JPEG opens do) while the main thread reads the first DICOM of a
+    fresh interpreter: stderr stays empty, and the DICOM reads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dcm = write_dicom(tmp_path / "IM0001", rows=16, cols=24)
+    code = f"""
+import sys, threading
+sys.setswitchinterval(1e-6)  # threads take turns every few bytecodes: the race shows in (nearly) every run
+from chest_xray.io import _warnings_scope, read_image
+stop = threading.Event()
+def churn():
+    while not stop.is_set():
+        with _warnings_scope():
+            pass
+t = threading.Thread(target=churn)
+t.start()
+try:
+    img, meta = read_image({str(dcm)!r})
+finally:
+    stop.set()
+    t.join()
+print(meta["format"], img.shape)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "CXR_PATIENT_SALT": "x"}
+    env.pop("PYTHONWARNINGS", None)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "DICOM (16, 24)", r.stderr[-2000:]
+        assert r.stderr == ""

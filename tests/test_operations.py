@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -141,3 +142,43 @@ def test_progress_uses_line_mode_on_a_zero_width_terminal():
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_ctrl_c_during_a_threaded_partition_scan_is_one_line_and_writes_nothing(tmp_path):
+    """SIGINT arrives while `cxr-hfl partition` verifies files in 4 threads: exit 130, one line on stderr (no
+    traceback, no 'stopped 0 process(es) ... NVFlare server and site workers' from a command that started none),
+    the remaining files are not read, and no output folder is left."""
+    import numpy as np
+    from PIL import Image
+
+    for i in range(40):
+        cls = "NORMAL" if i % 2 else "PNEUMONIA"
+        p = tmp_path / "data" / cls / f"IM-{i:04d}-0001.jpeg"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((32, 40), i, np.uint8)).save(p)
+    out, count = tmp_path / "p", tmp_path / "count"
+    code = f"""
+import os, signal, sys, time
+import chest_xray.dataset as d
+real, seen = d._scan_file, []
+def slow(*a, **k):
+    seen.append(1)
+    if len(seen) == 5:
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    return real(*a, **k)
+d._scan_file = slow
+from nvflare_jobs.cli import main
+try:
+    rc = main(["partition", "--data", {str(tmp_path / "data")!r}, "--sites", "2", "--out", {str(out)!r}])
+finally:
+    open({str(count)!r}, "w").write(str(len(seen)))
+sys.exit(rc)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "CXR_SCAN_WORKERS": "4",
+                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip().splitlines() == ["cxr-hfl partition: interrupted, all its processes stopped"], r.stderr
+    assert not out.exists()
+    assert int(count.read_text()) < 40  # the queued files were cancelled, not scanned to the end

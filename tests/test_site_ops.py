@@ -325,3 +325,25 @@ def test_site_check_config_path_that_is_a_folder_or_missing_says_which(tmp_path,
     for path, says in ((tmp_path, "a folder, not a <site>.yaml file"), (tmp_path / "none.yaml", "no such file")):
         assert run_check(argparse.Namespace(config=str(path), site=None, no_images=True, json=None)) == 2
         assert capsys.readouterr().err.strip() == f"cxr-hfl site check: --config {path}: {says}"
+
+
+def test_sample_site_config_shows_the_defaults_of_every_commented_key(tmp_path):
+    """The template a provisioned kit ships (``<site>.yaml.sample``): each commented ``# key: value`` line is the
+    value the site gets when the key is left out (it said ``augment: batch`` while the default is monai, and
+    ``local_epochs: 2`` while an absent key means the method's default); the file validates once the manifest
+    exists, and it mentions every key of the site config."""
+    import re
+
+    from hfl_components.flare.site_config import DEFAULTS, validate_site_config, write_sample_config
+
+    text = write_sample_config(tmp_path, "hospital-a").read_text()
+    shown = {m.group(1): yaml.safe_load(m.group(2)) for m in re.finditer(r"^# (\w+): (\S+)", text, re.M)}
+    assert shown["augment"] == "monai" and shown["local_epochs"] is None and shown["fast_augment"] is False
+    assert {k: v for k, v in shown.items() if k in DEFAULTS} == {k: DEFAULTS[k] for k in shown if k in DEFAULTS}
+    assert set(shown) <= set(DEFAULTS), set(shown) - set(DEFAULTS)  # every commented key is a site-config key
+    mentioned = set(re.findall(r"^#? ?(\w+):", text, re.M))
+    assert set(DEFAULTS) - mentioned == set(), set(DEFAULTS) - mentioned
+    cfg = yaml.safe_load(text)
+    (tmp_path / "m.csv").write_text("path,label,split\n")
+    cfg["data"]["manifest"] = str(tmp_path / "m.csv")
+    assert validate_site_config(cfg, "hospital-a", check_files=False)["augment"] == "monai"

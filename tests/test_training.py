@@ -296,3 +296,9 @@ def test_device_check_imports_neither_torch_nor_sklearn():
         assert getattr(training, name) is getattr(owner, name)
     with pytest.raises(AttributeError, match="no_such_name"):
         training.no_such_name  # noqa: B018
+    # the submodules stay attributes of the package, as when it imported them eagerly (in a fresh interpreter,
+    # where nothing has imported them yet)
+    code = ("import hfl_components.training as t; "
+            "print(t.metrics.compute_metrics is t.compute_metrics, t.paired.__name__, 'loop' in dir(t))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "hfl_components.training.paired", "True"]

@@ -331,8 +331,8 @@ batch_size: 16
 # amp: false                       # mixed precision training (float16 on CUDA, bfloat16 on CPU)
 # threads: 1                       # CPU threads for training
 # share_predictions: false         # true: per-image test probabilities go to the server for pooled metrics
-# local_epochs: 2                  # used when the job does not set them
-# finetune_epochs: 2
+# local_epochs: null               # null: the method's default (OHFL 20 + 10 fine-tuning, FedAvg/Local 2, FedSAF/
+# finetune_epochs: null            # FedProto/FedTopo 1 a round); a job that sets them wins
 # lr: 0.01                         # SGD learning rate / momentum of local training; OHFL fine-tuning lr
 # momentum: 0.9
 # optimizer: sgd                   # sgd | adam | adamw (local training; Adam moments persist across rounds)
@@ -344,7 +344,9 @@ batch_size: 16
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: auto            # auto (minority classes) | null | [0, 1]: classes augmented in training
-# augment: batch                   # batch (flip + affine per collated batch, fast) | monai (per image, MONAI)
+# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster)
+# fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
+# balanced_sampling: false         # true: class-balanced sampling of the training split
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs
 # aspect: stretch                  # stretch | letterbox | crop: how non-square images become square (as the job's)
 """

@@ -23,9 +23,15 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+#: submodules reachable as attributes (``hfl_components.training.metrics``), as when this package imported them
+_SUBMODULES = ("device", "loop", "metrics", "paired", "site_paired")
+
 
 def __getattr__(name: str):
-    """Import the submodule defining ``name`` on first access (PEP 562) and cache the value in this module."""
+    """Import the submodule defining ``name`` (or the submodule ``name``) on first access (PEP 562) and cache the
+    value in this module."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import system sets it as our attribute
     sub = _EXPORTS.get(name)
     if sub is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -35,4 +41,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

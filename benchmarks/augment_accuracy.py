@@ -48,6 +48,8 @@ def compare(out: Path, seeds: list[int], n_boot: int = 2000) -> dict:
     Raises ValueError when the two arms of a seed scored different test images."""
     from sklearn.metrics import roc_auc_score
 
+    from hfl_components.training.paired import verdict  # compare's wording
+
     y, pm, pb, s_of = [], [], [], []
     per_seed = {}
     for s in seeds:
@@ -79,8 +81,7 @@ def compare(out: Path, seeds: list[int], n_boot: int = 2000) -> dict:
     for name, i, j in (("accuracy", 0, 1), ("auc", 2, 3)):
         lo, hi = np.percentile(boots[:, j] - boots[:, i], [2.5, 97.5])
         res[name] = {"monai": float(base[i]), "batch": float(base[j]), "diff": float(base[j] - base[i]),
-                     "ci": [float(lo), float(hi)],
-                     "verdict": "better" if lo > 0 else "worse" if hi < 0 else "no difference detected"}
+                     "ci": [float(lo), float(hi)], "verdict": verdict(float(lo), float(hi))}
     return res
 
 

@@ -12,6 +12,8 @@ import argparse
 
 def register(subparsers) -> None:
     """Add the ``partition`` and ``inspect`` subcommands to the ``cxr-hfl`` parser."""
+    from nvflare_jobs.commands.simulate import _at_least  # the CLI's one integer-range argparse type
+
     p = subparsers.add_parser(
         "partition",
         help="split a chest X-ray data set into simulated hospital sites",
@@ -32,7 +34,7 @@ def register(subparsers) -> None:
                    help="pathological scheme: classes per site (default: number of classes - 1, at least 1)")
     p.add_argument("--min-per-site", type=int, default=10,
                    help="dirichlet scheme: minimum images per site (default: %(default)s)")
-    p.add_argument("--min-eval-per-class", type=_non_negative_int, default=0, metavar="M",
+    p.add_argument("--min-eval-per-class", type=_at_least(0), default=0, metavar="M",
                    help="every class a site holds >= 4 M images of gets >= M images in val and in test, whole train "
                         "patients moved (default %(default)s = the plain 80/10/10 cut; simulate/compare use 2 for the "
                         "prototype methods)")
@@ -100,17 +102,6 @@ def run_partition(args: argparse.Namespace) -> int:
     for w in partition_warnings(result.sites, args.scheme):
         print(w, file=sys.stderr)
     return 0
-
-
-def _non_negative_int(s: str) -> int:
-    """argparse type: an integer >= 0 (else a one-line usage error naming the value)."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
 
 
 def printable_path(path: str) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 SETTINGS = {  # name -> site-config overrides; a setting is "+"-joined names, e.g. "sampler+adam+bs8"
     "plain": {"class_weights": None, "balanced_sampling": False, "fast_augment": True},
@@ -89,6 +90,12 @@ def main() -> None:
     ap.add_argument("--input-size", type=int, default=64)
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--out", help="markdown results file")
+    ap.add_argument("--extra-original", action="store_true",
+                    help="append every image of the sibling chest_xray_original to the training pool")
+    ap.add_argument("--min-eval-per-class", type=int, default=0,
+                    help="partition_records(min_eval_per_class=...) (the prototype default is 2)")
+    ap.add_argument("--extra", default="", help="site-config overrides for every setting, ';'-separated YAML values, e.g. "
+                         "'weight_ema=0.98;augment_classes=[0, 1, 2]'")
     a = ap.parse_args()
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -102,17 +109,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for seed in seeds:
-            profile = build_sites(seed, work, a.alpha, "dirichlet", a.input_size, Path(a.data))
+            extra_roots = (Path(a.data).parent / "chest_xray_original",) if a.extra_original else ()
+            profile = build_sites(seed, work, a.alpha, "dirichlet", a.input_size, Path(a.data),
+                                  extra_roots=extra_roots, min_eval_per_class=a.min_eval_per_class)
             for name, lr in configs:
                 if True:
                     for site, cfg in profile.items():
                         cfg = dict(cfg, **overrides(name), lr=lr)
+                        for kv in filter(None, a.extra.split(";")):
+                            k, v = kv.split("=", 1)
+                            cfg[k] = yaml.safe_load(v)
                         rt = SiteRuntime(cfg, work / f"ws_{seed}_{name}_{lr}_{site}")
                         ba, one, au, pba, pone = [], [], [], [], []
-                        pool = pooled_val_loader(profile, rt)
+                        pool = pooled_val_loader(profile, rt, only="chest_xray_224" if a.extra_original else None)
                         for ep in range(a.epochs):
                             rt.train(1, lr, rnd=ep, total_rounds=a.epochs)
-                            pp, py = predict_proba(rt.model, pool)
+                            pp, py = predict_proba(rt.eval_model, pool)
                             pm = compute_metrics(py, pp, rt.num_classes)
                             pba.append(pm["balanced_accuracy"])
                             pone.append(float(len(np.unique(pp.argmax(1))) == 1))

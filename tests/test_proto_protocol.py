@@ -488,3 +488,51 @@ def test_compare_partitions_the_prototype_comparison_with_two_eval_images_per_cl
         with pytest.raises(Stop):
             prepare_partition(tmp_path, tmp_path / "seed0", a)
     assert PROTO_MIN_EVAL_PER_CLASS == 2 and seen == [2, 0]
+
+
+def test_weight_ema_is_the_hand_computed_average_of_every_steps_weights_and_is_what_the_site_deploys(tmp_path):
+    """Site config ``weight_ema: 0.5``: after training, :attr:`SiteRuntime.eval_model` holds e_1 = w_1,
+    e_k = 0.5 e_(k-1) + 0.5 w_k over the weights w_k after each optimiser step (recorded here from a second run
+    without the average; the average does not change training), BatchNorm running statistics included; the
+    deployed model file holds the average, the state file the trained weights; a new model object restarts it."""
+    from hfl_components.models import load_model_file
+    from hfl_components.flare.site_config import validate_site_config
+
+    bn = {"family": "resnet", "in_channels": 1, "num_classes": 3, "feature_dim": 8}  # has BatchNorm
+    plain = _toy_runtime(tmp_path / "plain", optimizer="adam", lr=0.01, input_size=16, model=bn)
+    plain.ensure_own_model()
+    snaps = []
+    plain._optimizer(plain.model, 0.01).register_step_post_hook(
+        lambda *_: snaps.append({k: v.detach().clone() for k, v in plain.model.state_dict().items()}))
+    plain.train(2, 0.01, rnd=0)
+    assert len(snaps) == 6  # 12 images / batch 4 x 2 epochs
+    expect = dict(snaps[0])
+    for s in snaps[1:]:
+        expect = {k: (0.5 * expect[k] + 0.5 * s[k]) if s[k].is_floating_point() else expect[k] for k in s}
+
+    rt = _toy_runtime(tmp_path / "ema", optimizer="adam", lr=0.01, input_size=16, weight_ema=0.5, model=bn)
+    rt.train(2, 0.01, rnd=0)
+    for k, v in rt.model.state_dict().items():  # training itself is unchanged
+        torch.testing.assert_close(v, snaps[-1][k])
+    ema = rt.eval_model.state_dict()
+    assert rt.eval_model is not rt.model
+    floats = [k for k in expect if expect[k].is_floating_point()]
+    assert any("running_mean" in k for k in floats)
+    for k in floats:
+        torch.testing.assert_close(ema[k], expect[k])
+    assert any(not torch.allclose(ema[k], snaps[-1][k]) for k in floats)  # the average is not the last weights
+    rt.save_state(deployed=True)
+    deployed, _ = load_model_file(rt.state_dir / "deployed_model.pt")
+    state, _ = load_model_file(rt.state_dir / "model.pt")
+    for k in floats:
+        torch.testing.assert_close(deployed.state_dict()[k], expect[k])
+        torch.testing.assert_close(state.state_dict()[k], snaps[-1][k])
+    rt.set_model(rt.cfg["model"])  # a new model: no average until it trains
+    assert rt.eval_model is rt.model
+    base = {"data": {"manifest": "x.csv", "labels": "subtype"},
+            "model": {"family": "hetero_cnn", "in_channels": 1, "num_classes": 3}}
+    assert validate_site_config(dict(base), "s", check_files=False)["weight_ema"] is None  # off by default
+    assert validate_site_config({**base, "weight_ema": 0.9}, "s", check_files=False)["weight_ema"] == 0.9
+    for bad in (1.0, -0.1, "0.9", True):
+        with pytest.raises(ValueError, match="weight_ema"):
+            validate_site_config({**base, "weight_ema": bad}, "s", check_files=False)

@@ -56,6 +56,9 @@ DEFAULTS = {
     # which model a site deploys: last (the last round's) | best_val (the round whose site validation balanced
     # accuracy is best, ties -> the later round; round-based methods, issue 16)
     "deploy": "last",
+    # exponential moving average of the weights (and BatchNorm buffers) after every optimiser step; the site
+    # evaluates and deploys the average, the method's uploads use the trained weights. null/0 = off
+    "weight_ema": None,
     "lr_schedule": "constant",  # constant | cosine: lr x 0.5 (1 + cos(pi r / R)) in round r of R (round-based methods)
     "finetune_lr": 0.001,
     "class_weights": None,
@@ -222,6 +225,9 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "optimizer", f"must be sgd, adam or adamw, got {cfg['optimizer']!r}")
     if cfg["deploy"] not in DEPLOY_RULES:
         raise _err(site, path, "deploy", f"must be last or best_val, got {cfg['deploy']!r}")
+    ema = cfg["weight_ema"]
+    if ema is not None and (not isinstance(ema, (int, float)) or isinstance(ema, bool) or not 0 <= ema < 1):
+        raise _err(site, path, "weight_ema", f"must be null or a number in [0, 1), got {ema!r}{_quoted_hint(ema)}")
     if cfg["lr_schedule"] not in ("constant", "cosine"):
         raise _err(site, path, "lr_schedule", f"must be constant or cosine, got {cfg['lr_schedule']!r}")
     wd = cfg["weight_decay"]
@@ -338,6 +344,7 @@ batch_size: 16
 # optimizer: sgd                   # sgd | adam | adamw (local training; Adam moments persist across rounds)
 # weight_decay: 0.0               # optimiser weight decay (AdamW: decoupled)
 # lr_schedule: constant            # constant | cosine (decays lr over the job's rounds)
+# weight_ema: null                 # e.g. 0.95: evaluate and deploy an EMA of the weights (off; measured worse)
 # deploy: last                     # last | best_val (the round with the best validation balanced accuracy)
 # finetune_lr: 0.001
 # seed: 0

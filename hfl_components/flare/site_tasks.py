@@ -128,6 +128,8 @@ class SiteRuntime:
         self._rows = None
         self.model = None
         self.spec = None
+        self._ema = None  # torch.optim.swa_utils.AveragedModel of self._ema_src (site config weight_ema)
+        self._ema_src = None
         self.method = None  # the method of the task being run (meta["method"], set by site_methods.HANDLERS)
         self._manifest_sha = None
         # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
@@ -242,10 +244,12 @@ class SiteRuntime:
 
     def save_model(self, path: str | Path, kind: str) -> Path:
         """Save the current model as a model file (``hfl_components.models.save_model_file``) with this site's
-        input size, label scheme and provenance (method of the last task, seed, manifest hash)."""
+        input size, label scheme and provenance (method of the last task, seed, manifest hash). ``kind="deployed"``
+        saves :attr:`eval_model` (the weight average under ``weight_ema``), every other kind the trained weights."""
         from hfl_components.models import save_model_file
 
-        return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+        model = self.eval_model if kind == "deployed" else self.model
+        return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in model.state_dict().items()},
                                input_size=int(self.cfg["input_size"]), aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
@@ -365,11 +369,37 @@ class SiteRuntime:
             self.progress.update({"epoch": rec.get("epoch"), "loss": rec.get("loss")})
             log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
 
+        decay = float(self.cfg.get("weight_ema") or 0.0)
+        on_step = None
+        if decay > 0:
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            if self._ema_src is not model:  # a new model object (first round, fine-tuning start) starts a new average
+                self._ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+                self._ema_src = model
+            ema = self._ema
+
+            def on_step():
+                ema.update_parameters(model)
+
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
                            optimizer=self._optimizer(model, lr), weight_decay=float(self.cfg.get("weight_decay", 0.0)),
                            grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
-                           seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp)
+                           seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp,
+                           on_step=on_step)
+
+    @property
+    def eval_model(self):
+        """The model the site evaluates and deploys: under the site config's ``weight_ema: d`` (0 < d < 1) the
+        exponential moving average of the trained weights *and* BatchNorm buffers, theta_ema <- d theta_ema +
+        (1 - d) theta after every optimiser step (Polyak averaging; ``torch.optim.swa_utils.AveragedModel``,
+        started from the weights of the first step's model and restarted whenever a new model object trains);
+        otherwise (and before any step of the current model) :attr:`model` itself. The method's uploads
+        (prototypes, relation matrices, weights) keep using :attr:`model`."""
+        if self._ema is not None and self._ema_src is self.model:
+            return self._ema.module
+        return self.model
 
     def _optimizer(self, model, lr: float):
         """The local optimiser of the site config's ``optimizer`` key; None for ``sgd`` (``train_local`` makes a
@@ -391,7 +421,7 @@ class SiteRuntime:
         """Metrics of the current model on a split; with_predictions adds per-image probabilities and labels."""
         from hfl_components.training import compute_metrics, predict_proba
 
-        probs, y = predict_proba(self.model, self.loader(split, train_mode=False), device=self.device)
+        probs, y = predict_proba(self.eval_model, self.loader(split, train_mode=False), device=self.device)
         m = compute_metrics(y, probs, self.num_classes)
         m["n"] = int(len(y))
         if with_predictions:

@@ -124,6 +124,7 @@ def train_local(
     device: str | torch.device | None = None,
     grad_clip: float | None = None,
     amp: bool = False,
+    on_step: Callable[[], None] | None = None,
 ) -> list[dict]:
     """Train ``model`` in place on one site's loader for ``epochs`` epochs.
 
@@ -154,6 +155,7 @@ def train_local(
         amp: mixed precision (``torch.autocast``) for the model's forward pass: float16 with a ``GradScaler`` on
             CUDA, bfloat16 on the CPU. The losses (CE and ``aux_loss``) are computed in float32 from the
             autocast outputs. Default False (plain float32).
+        on_step: optional callback called after every optimiser step (e.g. a weight EMA update).
 
     Returns:
         one dict per epoch: ``{"epoch": 1-based int, "loss": mean total loss, "ce": mean CE, "aux": mean aux loss
@@ -212,6 +214,8 @@ def train_local(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
             scaler.step(opt)
             scaler.update()
+            if on_step is not None:
+                on_step()
             b = y.shape[0]
             n += b
             tot += loss.item() * b

@@ -61,6 +61,20 @@ def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: in
     return load_profile(prof)
 
 
+def parse_extra(ap: argparse.ArgumentParser, text: str) -> dict:
+    """``--extra 'key=YAML;key=YAML'`` -> site-config overrides, parsed once; an entry without ``=`` or a key that
+    is not a site-config key stops the script with an argparse error (exit 2) naming it."""
+    from hfl_components.flare.site_config import DEFAULTS
+
+    out = {}
+    for kv in filter(None, text.split(";")):
+        k, sep, v = kv.partition("=")
+        if not sep or k.strip() not in DEFAULTS:
+            ap.error(f"--extra {kv!r}: expected key=value with a site-config key ({', '.join(sorted(DEFAULTS))})")
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
 def pooled_val_loader(profile: dict, rt, only: str | None = None,
                       exclude_own: bool = False) -> torch.utils.data.DataLoader:
     """Every site's *validation* images (the union of the sites' val splits, still tuning + probe images only)
@@ -97,6 +111,7 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="site-config overrides for every setting, ';'-separated YAML values, e.g. "
                          "'weight_ema=0.98;augment_classes=[0, 1, 2]'")
     a = ap.parse_args()
+    extra = parse_extra(ap, a.extra)
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
     configs = [(c.split("@")[0], float(c.split("@")[1])) for c in a.configs.split(",")]
@@ -115,10 +130,7 @@ def main() -> None:
             for name, lr in configs:
                 if True:
                     for site, cfg in profile.items():
-                        cfg = dict(cfg, **overrides(name), lr=lr)
-                        for kv in filter(None, a.extra.split(";")):
-                            k, v = kv.split("=", 1)
-                            cfg[k] = yaml.safe_load(v)
+                        cfg = {**cfg, **overrides(name), **extra, "lr": lr}
                         rt = SiteRuntime(cfg, work / f"ws_{seed}_{name}_{lr}_{site}")
                         ba, one, au, pba, pone = [], [], [], [], []
                         pool = pooled_val_loader(profile, rt, only="chest_xray_224" if a.extra_original else None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -377,10 +378,7 @@ class SiteRuntime:
             if self._ema_src is not model:  # a new model object (first round, fine-tuning start) starts a new average
                 self._ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
                 self._ema_src = model
-            ema = self._ema
-
-            def on_step():
-                ema.update_parameters(model)
+            on_step = partial(self._ema.update_parameters, model)
 
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,

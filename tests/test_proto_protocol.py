@@ -134,6 +134,7 @@ def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparis
     assert prof["site-1"]["lr"] == 0.05  # the caller's settings win
     assert prof["site-1"]["balanced_sampling"] is PROTO_TRAINING["balanced_sampling"]
     assert prof["site-1"]["fast_augment"] is PROTO_TRAINING["fast_augment"]
+    assert prof["site-1"]["augment_classes"] == PROTO_TRAINING["augment_classes"] == "all"
     plain = load_profile(write_profile(part, tmp_path / "p2", "local", "subtype", [64], {"seed": 0}),
                          check_files=False)
     assert plain["site-1"]["model"]["family"] == "cnn" and plain["site-1"]["balanced_sampling"] is False
@@ -536,3 +537,34 @@ def test_weight_ema_is_the_hand_computed_average_of_every_steps_weights_and_is_w
     for bad in (1.0, -0.1, "0.9", True):
         with pytest.raises(ValueError, match="weight_ema"):
             validate_site_config({**base, "weight_ema": bad}, "s", check_files=False)
+
+
+@pytest.mark.parametrize("setting,expected", [("all", {0, 1, 2}), ("auto", {1, 2}), (None, set()), ([2], {2})])
+def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_path, setting, expected):
+    """Sixth tuning pass (proto_tuning.md): with ``auto`` only the classes smaller than the site's largest are
+    flipped / shifted, a label shortcut at a skewed site; the prototype methods' default ``all`` augments every class
+    of the label scheme, also one the site holds no image of. The set comes from the site's own training split
+    (4 x class 0, 2 x class 1, 1 x class 2)."""
+    import csv
+
+    from PIL import Image
+
+    from hfl_components.flare.site_config import validate_site_config
+    from hfl_components.flare.site_tasks import SiteRuntime
+
+    rng = np.random.default_rng(0)
+    man = tmp_path / "site.csv"
+    with man.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label", "split", "patient_id"])
+        for k, lab in enumerate([0, 0, 0, 0, 1, 1, 2]):
+            f = tmp_path / f"img{k}.png"
+            Image.fromarray((rng.random((20, 24)) * 150 + 60).astype(np.uint8)).save(f)
+            w.writerow([str(f), lab, "train", f"p{k}"])
+    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 4, "augment_classes": setting,
+           "fast_augment": True, "data": {"labels": "subtype", "manifest": str(man)},
+           "model": {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 3}}
+    assert validate_site_config(dict(cfg), "site-1", check_files=False)["augment_classes"] == setting
+    assert SiteRuntime(cfg, tmp_path / "ws").loader("train").dataset.augment == expected
+    with pytest.raises(ValueError, match="augment_classes.*'all'"):
+        validate_site_config({**cfg, "augment_classes": "every"}, "site-1", check_files=False)

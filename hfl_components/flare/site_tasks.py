@@ -168,6 +168,8 @@ class SiteRuntime:
             aug = self.cfg["augment_classes"]
             if aug == "auto":
                 aug = default_augment_classes(self.rows("train"))
+            elif aug == "all":  # issue 16: every class, so augmentation is no label shortcut
+                aug = list(range(self.num_classes))
             collate = None
             tensor_path = train_mode and (self.cfg.get("fast_augment") or self.cfg.get("augment", "batch") == "batch")
             # cached eval-mode tensors, built once (an unreadable file is reported, with its manifest line, there)

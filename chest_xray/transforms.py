@@ -8,9 +8,9 @@ differs between classes on Kermany and is a shortcut, issue 11) or ``crop`` (cen
 Its deterministic prefix (decode, make square, scale) is cached by
 :func:`make_site_dataset` (``CacheDataset`` in memory or ``PersistentDataset`` on disk), so later epochs do not
 decode the 2,000-px JPEGs again; the random suffix (flip, rotation, translation) runs every epoch and only for
-the samples whose label is in ``augment_classes``. Sites train by default (site-config ``augment: batch``) on the
-eval-mode cache with the same flip + affine applied per collated batch (:mod:`chest_xray.batch_augment`, issue 15);
-the per-image ``train`` pipeline here is ``augment: monai``.
+the samples whose label is in ``augment_classes``. This per-image ``train`` pipeline is the sites' default
+(site-config ``augment: monai``); ``augment: batch`` (opt-in, issue 15) trains on the eval-mode cache with the same
+flip + affine applied per collated batch (:mod:`chest_xray.batch_augment`).
 """
 from __future__ import annotations
 

@@ -568,3 +568,23 @@ def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_pat
     assert SiteRuntime(cfg, tmp_path / "ws").loader("train").dataset.augment == expected
     with pytest.raises(ValueError, match="augment_classes.*'all'"):
         validate_site_config({**cfg, "augment_classes": "every"}, "site-1", check_files=False)
+
+
+@pytest.mark.parametrize("bad", ["ALL", "every", [0, "1"], [-1], [3], [True], [0, 0], True, 3])
+def test_augment_classes_refuses_what_would_augment_nothing_or_the_wrong_class(bad):
+    """An index outside 0..C-1 (or a bool, which Python counts as 0/1) matched no training label, so the site trained
+    without augmentation while ``site check`` said OK; a duplicate is a typo. The error names the site, the key, the
+    allowed range for the label scheme and the value received."""
+    from hfl_components.flare.site_config import validate_site_config
+
+    cfg = {"data": {"labels": "subtype"}, "model": {"family": "cnn", "depth": "shallow"}, "augment_classes": bad}
+    with pytest.raises(ValueError) as e:
+        validate_site_config(cfg, "site-9", check_files=False, require_data=False)
+    msg = str(e.value)
+    assert "'site-9'" in msg and "'augment_classes'" in msg and "0..2 (subtype labels)" in msg
+    assert f"got {bad!r}" in msg and "\n" not in msg
+    ok = validate_site_config({**cfg, "augment_classes": [2, 0]}, "site-9", check_files=False, require_data=False)
+    assert ok["augment_classes"] == [2, 0]
+    binary = {**cfg, "data": {"labels": "binary"}, "augment_classes": [2]}
+    with pytest.raises(ValueError, match=r"0\.\.1 \(binary labels\), got \[2\]"):
+        validate_site_config(binary, "site-9", check_files=False, require_data=False)

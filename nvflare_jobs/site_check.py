@@ -34,7 +34,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         ``manifest``, ``counts`` ({split: {class: n}}), ``n_images``, ``n_patients``, ``unreadable`` ([{"line",
         "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
-        below ``input_size``), ``model`` (spec), ``n_params``, ``input_size``, ``batch_size``, ``device``
+        below ``input_size``), ``augment_classes`` (names of the classes augmented in training, resolved as the
+        site does) and ``augment_config`` (the config's value), ``model`` (spec), ``n_params``, ``input_size``, ``batch_size``, ``device``
         (description), ``amp``.
     """
     from chest_xray import CLASS_NAMES
@@ -51,7 +52,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     labels = cfg["data"]["labels"]
     names = CLASS_NAMES[labels]
     rep.update(labels=labels, class_names=names, manifest=cfg["data"]["manifest"], input_size=cfg["input_size"],
-               batch_size=cfg["batch_size"], amp=cfg["amp"], threads=cfg["threads"])
+               batch_size=cfg["batch_size"], amp=cfg["amp"], threads=cfg["threads"],
+               augment_config=cfg["augment_classes"])
     _check_model(cfg, rep)
     _check_device(cfg, rep)
     rows = _read_manifest(cfg, rep)
@@ -128,10 +130,24 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
     leak = sum(1 for s in by_patient.values() if len(s & set(SPLITS)) > 1)
     if leak:
         rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
+    rep["augment_classes"] = _augmented(cfg, [r for r in rows if r["split"] == "train"], names)
     cap = cfg.get("max_train_images")
     if cap and cap < sum(counts["train"].values()):
         rep["warnings"].append(f"max_train_images: {cap}: jobs train on {cap} of the "
                                f"{sum(counts['train'].values())} training images")
+
+
+def _augmented(cfg: dict, train_rows: list[dict], names: list[str]) -> list[str]:
+    """Names of the classes whose training images a job augments, ``augment_classes`` resolved as the site does
+    (``auto``: the classes smaller than the site's largest; ``all``: every class; null: none)."""
+    from chest_xray import default_augment_classes
+
+    ac = cfg["augment_classes"]
+    if ac == "auto":
+        ac = default_augment_classes(train_rows) if train_rows else []
+    elif ac == "all":
+        ac = list(range(len(names)))
+    return [names[k] for k in sorted(ac or [])]
 
 
 def _read_one(row: dict, size: int):
@@ -186,6 +202,9 @@ def format_report(rep: dict) -> str:
             out.append("  " + f"{'split':<10}" + "".join(f"{n:>{w}}" for n in names) + f"{'total':>8}")
             for sp, c in rep["counts"].items():
                 out.append("  " + f"{sp:<10}" + "".join(f"{c[n]:>{w}}" for n in names) + f"{sum(c.values()):>8}")
+        if "augment_classes" in rep:
+            aug = ", ".join(rep["augment_classes"]) or "none"
+            out.append(f"  augment     training images of {aug} (augment_classes: {rep['augment_config']})")
         if "unreadable" in rep:
             n_ok = rep["n_images"] - len(rep["unreadable"])
             fm = ", ".join(f"{k} {v}" for k, v in rep["formats"].items()) or "none"

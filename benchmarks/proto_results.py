@@ -113,11 +113,17 @@ def outcome(b: dict) -> list[str]:
     L = [f"#### Outcome: {b['label']}", "",
          f"**Learning floor (mean site balanced accuracy >= {FLOOR} on the sites' test splits and on the external "
          f"evaluation part, no site whose test split holds >= 2 classes predicting one class): "
-         f"{'met by every method' if ok else 'NOT met'}.** Test / external mean site balanced accuracy, single-class "
-         "site models (test / external):", ""]
+         f"{'met by every method' if ok else 'NOT met'}.** Test / external mean site balanced accuracy (point "
+         "estimates, which the floor is judged on; in brackets a 95% percentile-bootstrap CI over the site models, "
+         "2,000 replicates), single-class site models (test / external):", ""]
+
+    def ci(c) -> str:
+        return f" [{c[0]:.3f}, {c[1]:.3f}]" if c else ""
+
     for m in ms:
         v = s["methods"][m]
-        L.append(f"- {LABEL[m]}: {v['test_bal_acc']:.3f} / {v['external_bal_acc']:.3f}; single-class "
+        L.append(f"- {LABEL[m]}: {v['test_bal_acc']:.3f}{ci(v.get('test_bal_acc_ci'))} / "
+                 f"{v['external_bal_acc']:.3f}{ci(v.get('external_bal_acc_ci'))}; single-class "
                  f"{v['single_class_test']} / {v['single_class_external']} of {v['pairs']}: "
                  f"{'met' if v['floor_met'] else 'NOT met'}")
     L.append("")

@@ -157,6 +157,27 @@ def _fmt(v) -> str:
     return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"
 
 
+def mean_ci(values, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> tuple[float, float] | None:
+    """Percentile-bootstrap CI of the mean site metric over site models.
+
+    The (seed, site) models are resampled with replacement: the between-site spread of the mean, with each site's
+    own image noise inside its value. NaNs are dropped.
+
+    Args:
+        values: (K,) one metric value per site model, e.g. its balanced accuracy (a fraction).
+        n_boot: replicates. seed: seeds the resampling. alpha: 0.05 -> 95% CI.
+
+    Returns:
+        ``(low, high)``, or None with fewer than 2 values.
+    """
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
+    if v.size < 2:
+        return None
+    idx = np.random.default_rng(seed).integers(0, v.size, (n_boot, v.size))
+    means = v[idx].mean(axis=1)
+    return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
+
+
 def _ms(v: list[float]) -> str:
     v = [x for x in v if x is not None and not np.isnan(x)]
     if not v:
@@ -205,6 +226,8 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
         be = float(np.nanmean([v["balanced_accuracy"] for v in e.values()])) if e else float("nan")
         ok = bt >= FLOOR and be >= FLOOR and sc_t == 0
         summary["methods"][m] = {"pairs": len(t), "test_bal_acc": bt, "external_bal_acc": be,
+                                 "test_bal_acc_ci": mean_ci([v["balanced_accuracy"] for v in t.values()]),
+                                 "external_bal_acc_ci": mean_ci([v["balanced_accuracy"] for v in e.values()]),
                                  "test_auc": float(np.nanmean([v["auc"] for v in t.values()])) if t else None,
                                  "external_auc": float(np.nanmean([v["auc"] for v in e.values()])) if e else None,
                                  "single_class_test": sc_t, "single_class_external": sc_e, "floor_met": bool(ok)}

@@ -144,3 +144,20 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
     assert "| 83.3 |" in mask and "+0.0 [+0.0, +0.0] pp, 2 pairs: **no difference detected**" in mask
     assert "q_eff = min(q, C - 1) = C - 1" in text and "- a caveat" in text
     assert "paper (CIFAR-10 Dir(0.1), acc. % (Δ))" in text
+
+
+def test_mean_ci_hand_cases_and_normal_approximation():
+    """The CI of the mean site balanced accuracy (the floor's point estimate gets one): constant sites give a
+    zero-width CI; two sites 0 and 1 give replicate means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
+    97.5% quantiles are 0 and 1; 100 evenly spread sites match the normal approximation mean +- 1.96 sd / sqrt(n)
+    (sd of the population, as the bootstrap uses it). NaN values (a site without a metric) are dropped."""
+    from nvflare_jobs.proto_eval import mean_ci
+
+    assert mean_ci([0.6] * 5) == (pytest.approx(0.6), pytest.approx(0.6))
+    assert mean_ci([0.0, 1.0], n_boot=4000) == (0.0, 1.0)
+    v = np.arange(100) / 100
+    lo, hi = mean_ci(v, n_boot=20000)
+    half = 1.96 * v.std() / np.sqrt(v.size)
+    assert lo == pytest.approx(v.mean() - half, abs=0.006) and hi == pytest.approx(v.mean() + half, abs=0.006)
+    assert mean_ci([0.5, float("nan"), 0.5]) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert mean_ci([0.7]) is None and mean_ci([]) is None

@@ -1,7 +1,7 @@
 """Chest X-ray data layer: reading images, scanning data roots, hospital-site partitions, MONAI transforms.
 
 The transform helpers (``build_transforms``, ``make_site_dataset``, ``default_augment_classes``,
-``ApplyToClassesd``) import torch and MONAI, so they are loaded lazily on first access.
+``resolve_augment_classes``, ``ApplyToClassesd``) import torch and MONAI, so they are loaded lazily on first access.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from .partition import (
 ASPECTS = ("stretch", "letterbox", "crop")
 DEFAULT_ASPECT = ASPECTS[0]
 
-_LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "ApplyToClassesd"}
+_LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "resolve_augment_classes",
+         "ApplyToClassesd"}
 
 __all__ = [
     "ASPECTS",

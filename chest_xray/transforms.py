@@ -199,6 +199,18 @@ def default_augment_classes(train_rows: Sequence[Mapping[str, Any]]) -> list[int
     return sorted(k for k, n in counts.items() if n < top)
 
 
+def resolve_augment_classes(setting: str | Sequence[int] | None, train_rows: Sequence[Mapping[str, Any]],
+                            num_classes: int) -> list[int]:
+    """The label indices a site augments for its site-config ``augment_classes`` value: ``"auto"`` ->
+    :func:`default_augment_classes` of ``train_rows``, ``"all"`` -> ``0..num_classes-1``, None -> none, a list ->
+    itself. Returns a sorted list without duplicates."""
+    if setting == "auto":
+        return default_augment_classes(train_rows)
+    if setting == "all":
+        return list(range(int(num_classes)))
+    return sorted({int(k) for k in setting or []})
+
+
 def make_site_dataset(
     rows: Sequence[Mapping[str, Any]],
     input_size: int,

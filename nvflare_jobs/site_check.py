@@ -35,8 +35,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
         below ``input_size``), ``augment_classes`` (names of the classes augmented in training, resolved as the
-        site does) and ``augment_config`` (the config's value), ``model`` (spec), ``n_params``, ``input_size``, ``batch_size``, ``device``
-        (description), ``amp``.
+        site does) and ``augment_config`` (the config's value), ``model`` (spec), ``n_params``, ``input_size``,
+        ``batch_size``, ``device`` (description), ``amp``.
     """
     from chest_xray import CLASS_NAMES
     from nvflare_jobs.site_config import SiteConfigError, load_site_config
@@ -130,24 +130,14 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
     leak = sum(1 for s in by_patient.values() if len(s & set(SPLITS)) > 1)
     if leak:
         rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
-    rep["augment_classes"] = _augmented(cfg, [r for r in rows if r["split"] == "train"], names)
+    from chest_xray import resolve_augment_classes
+
+    aug = resolve_augment_classes(cfg["augment_classes"], [r for r in rows if r["split"] == "train"], len(names))
+    rep["augment_classes"] = [names[k] for k in aug]
     cap = cfg.get("max_train_images")
     if cap and cap < sum(counts["train"].values()):
         rep["warnings"].append(f"max_train_images: {cap}: jobs train on {cap} of the "
                                f"{sum(counts['train'].values())} training images")
-
-
-def _augmented(cfg: dict, train_rows: list[dict], names: list[str]) -> list[str]:
-    """Names of the classes whose training images a job augments, ``augment_classes`` resolved as the site does
-    (``auto``: the classes smaller than the site's largest; ``all``: every class; null: none)."""
-    from chest_xray import default_augment_classes
-
-    ac = cfg["augment_classes"]
-    if ac == "auto":
-        ac = default_augment_classes(train_rows) if train_rows else []
-    elif ac == "all":
-        ac = list(range(len(names)))
-    return [names[k] for k in sorted(ac or [])]
 
 
 def _read_one(row: dict, size: int):

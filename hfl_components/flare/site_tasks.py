@@ -156,7 +156,7 @@ class SiteRuntime:
 
     def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):
         """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""
-        from chest_xray import default_augment_classes, make_site_dataset
+        from chest_xray import make_site_dataset, resolve_augment_classes
 
         size = int(input_size or self.cfg["input_size"])
         train_mode = (split == "train") if train_mode is None else train_mode
@@ -165,11 +165,9 @@ class SiteRuntime:
             rows = self.rows(split)
             if not rows:
                 raise ValueError(f"site {self.site}: the {split} split of {self.cfg['data']['manifest']} is empty")
-            aug = self.cfg["augment_classes"]
-            if aug == "auto":
-                aug = default_augment_classes(self.rows("train"))
-            elif aug == "all":  # issue 16: every class, so augmentation is no label shortcut
-                aug = list(range(self.num_classes))
+            # the classes augmented in training (issue 16's "all": every class, so augmentation is no label shortcut)
+            aug = resolve_augment_classes(self.cfg["augment_classes"], self.rows("train"),
+                                          self.num_classes) if train_mode else []
             collate = None
             tensor_path = train_mode and (self.cfg.get("fast_augment") or self.cfg.get("augment", "batch") == "batch")
             # cached eval-mode tensors, built once (an unreadable file is reported, with its manifest line, there)
@@ -183,12 +181,12 @@ class SiteRuntime:
                     images = torch.stack([torch.as_tensor(it["image"]) for it in items])
                     labels = [int(it["label"]) for it in items]
                     if self.cfg.get("fast_augment"):  # issue 16: flip + integer shift per item, no rotation
-                        ds = TensorAugmentDataset(images, labels, augment_classes=aug or [])
+                        ds = TensorAugmentDataset(images, labels, augment_classes=aug)
                     else:  # issue 15: the MONAI pipeline's flip + affine per collated batch, on the site's device
                         ds = CachedTensorDataset(images, labels)
-                        collate = BatchAugmentCollate(aug or [], device=self.device)
+                        collate = BatchAugmentCollate(aug, device=self.device)
                 else:
-                    ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug or [],
+                    ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug,
                                            cache_dir=self.cfg.get("cache_dir"),
                                            aspect=self.cfg.get("aspect", "stretch"))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason

@@ -126,6 +126,15 @@ def outcome(b: dict) -> list[str]:
                  f"{v['external_bal_acc']:.3f}{ci(v.get('external_bal_acc_ci'))}; single-class "
                  f"{v['single_class_test']} / {v['single_class_external']} of {v['pairs']}: "
                  f"{'met' if v['floor_met'] else 'NOT met'}")
+    flagged = [r for r in s.get("rows", []) if r["set"] == "test" and r["single_class"] and r["method"] in ms]
+    if flagged:
+        L += ["", "Single-class test splits: the test split's images per class (NORMAL+BACTERIAL+VIRAL) and P(single), "
+              "the chance that this model predicts one class for the whole split were each image predicted like the "
+              "external images of its class (a diagnostic, not part of the floor):", ""]
+        L += [f"- {LABEL[r['method']]} seed {r['seed']} {r['site']}: test "
+              f"{'+'.join(str(c) for c in r.get('class_counts', []))}; P(single) "
+              + ("–" if r.get("single_class_chance") is None else f"{r['single_class_chance']:.2f}")
+              for r in flagged]
     L.append("")
     for a, ref in (("fedsaf", "fedproto"), ("fedtopo", "local"), ("fedsaf", "local"), ("fedproto", "local")):
         if a in s["methods"] and ref in s["methods"]:

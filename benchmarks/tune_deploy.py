@@ -34,6 +34,39 @@ def select_round(val_scores: list[float | None], n_val_classes: int) -> int:
     return max(range(len(s)), key=lambda i: (s[i], i))
 
 
+def select_round_window(val_scores: list[float | None], n_val_classes: int, w: int) -> int:
+    """:func:`select_round` on the validation curve smoothed over rounds ``r-w..r+w`` (clipped at the ends; ``w = 0``
+    is :func:`select_round`); ties -> the later round, a one-class validation split -> the last round."""
+    if n_val_classes < 2:
+        return len(val_scores) - 1
+    s = [-1.0 if v is None else float(v) for v in val_scores]
+    sm = [float(np.mean(s[max(0, i - w):i + w + 1])) for i in range(len(s))]
+    return max(range(len(sm)), key=lambda i: (sm[i], i))
+
+
+def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]:
+    """Re-rank the per-round records of earlier ``--json`` runs under ``last`` and the smoothed ``best_val`` rules
+    (no training); one markdown row per rule: the mean others'-validation balanced accuracy per (method, seed) run
+    and their mean, plus the count of site models predicting one class on the others' validation images."""
+    runs = [json.loads(line) for line in Path(json_path).read_text().splitlines() if line.strip()]
+    rows = []
+    for rule in ["last", *[f"window {w}" for w in windows]]:
+        vals, single = [], 0
+        for r in runs:
+            picks = []
+            for recs in r["per_round"].values():
+                if rule == "last":
+                    i = len(recs) - 1
+                else:
+                    i = select_round_window([x["val_bal"] for x in recs], recs[-1]["val_classes"], int(rule[7:]))
+                picks.append(recs[i])
+            vals.append(float(np.mean([p["others_bal"] for p in picks])))
+            single += sum(bool(p["others_single"]) for p in picks)
+        cells = " | ".join(f"{r['method']} s{r['seed']} {v:.3f}" for r, v in zip(runs, vals))
+        rows.append(f"| {rule} | {cells} | {np.mean(vals):.4f} | {single} |")
+    return rows
+
+
 def main() -> None:
     from benchmarks.tune_fedproto import parse_opts, run
     from benchmarks.tune_proto import build_sites, pooled_val_loader
@@ -48,7 +81,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--min-eval-per-class", type=int, default=0)
     ap.add_argument("--json", help="append the summary as one JSON line to this file")
+    ap.add_argument("--rerank", metavar="JSONL", help="no training: re-rank the per-round records of earlier --json "
+                    "runs under last and smoothed best_val rules (window 0 = the current rule) and print the table")
     a = ap.parse_args()
+    if a.rerank:
+        print("\n".join(rerank(a.rerank)))
+        return
     torch.set_num_threads(1)
     opts = parse_opts(a.method, a.opts, {"rounds": a.rounds, "local_epochs": 1, "seed": a.seed})
     t0 = time.perf_counter()

@@ -136,6 +136,42 @@ def single_class(y: np.ndarray, probs: np.ndarray) -> bool:
     return len(np.unique(y)) >= 2 and len(np.unique(np.asarray(probs).argmax(axis=1))) == 1
 
 
+def single_class_chance(test_y: np.ndarray, ext_y: np.ndarray, ext_probs: np.ndarray) -> float | None:
+    """Chance that a site model predicts one class for every image of its test split, were each test image of class
+    ``c`` predicted like the model predicts the external images of class ``c``.
+
+    With ``R[c, k]`` the fraction of the external images of class ``c`` predicted ``k`` (argmax rule) and ``n_c`` the
+    test split's images of class ``c``, it is ``sum_k prod_c R[c, k] ** n_c`` (images independent). A model that
+    predicts the minority class for some of the external images but whose test split holds only one or two of them
+    can land on "single-class" by chance alone; a value near 1 says the test-split check could hardly come out
+    otherwise for this model, a value near 0 that the single-class test outcome is unusual for it. Not part of
+    issue 16's floor: a diagnostic printed beside each single-class flag.
+
+    Args:
+        test_y: (n,) class indices of the site's test split. ext_y: (m,) class indices of the external images
+            the model was scored on. ext_probs: (m, C) its class probabilities for them.
+
+    Returns:
+        The probability in [0, 1]; None when the test split holds fewer than 2 classes or a test class has no
+        external image (no rate to use).
+    """
+    test_y = np.asarray(test_y, int)
+    ext_y = np.asarray(ext_y, int)
+    pred = np.asarray(ext_probs).argmax(axis=1)
+    classes, counts = np.unique(test_y, return_counts=True)
+    if classes.size < 2:
+        return None
+    n_cls = np.asarray(ext_probs).shape[1]
+    log_r = np.zeros((classes.size, n_cls))
+    for i, c in enumerate(classes):
+        sel = ext_y == c
+        if not sel.any():
+            return None
+        with np.errstate(divide="ignore"):
+            log_r[i] = counts[i] * np.log(np.bincount(pred[sel], minlength=n_cls) / sel.sum())
+    return float(np.exp(log_r.sum(axis=0)).sum())
+
+
 def collect(out: Path, data_root: Path | None = None) -> dict[str, Any]:
     """Per (method, seed, site) predictions on both evaluation sets for every run under ``out``."""
     from hfl_components.training.site_paired import site_metric
@@ -237,7 +273,14 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
     flagged = [(m, s, site, k) for m in methods for k in ("test", "external")
                for (s, site), v in res[m].get(k, {}).items() if v["single_class"]]
     L += ["", "Single-class (majority-class) site models: " + (
-        "none." if not flagged else "; ".join(f"**{m} seed {s} {site} ({k})**" for m, s, site, k in flagged)), ""]
+        "none." if not flagged else "; ".join(f"**{m} seed {s} {site} ({k})**{_flag_detail(res[m], s, site, k)}"
+                                               for m, s, site, k in flagged)), ""]
+    if any(k == "test" for *_, k in flagged):
+        L += ["For a test-split flag: the test split's images per class and P(single), the chance that the model "
+              "predicts one class for the whole test split were each test image predicted like the external images "
+              "of its class (`single_class_chance`; a diagnostic, not part of the floor). A high P(single) with a "
+              "test split of one or two minority images says the flag is what this model gives most of the time on "
+              "such a split; the external column says whether it predicts more than one class on 1,715 images.", ""]
     comps = [(m, "local") for m in methods if m != "local" and "local" in methods]
     comps += [(m, "fedproto") for m in methods if m not in ("fedproto", "local") and "fedproto" in methods]
     if comps:
@@ -260,8 +303,29 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
     rows = [{"method": m, "set": k, "seed": s, "site": site, "n": int(len(v["y"])),
              "balanced_accuracy": v["balanced_accuracy"], "auc": v["auc"], "single_class": v["single_class"]}
             for m in methods for k in ("test", "external") for (s, site), v in sorted(res[m].get(k, {}).items())]
+    for r in rows:  # the chance of a single-class test split given the model's external rates (diagnostic)
+        key = (r["seed"], r["site"])
+        t, e = res[r["method"]].get("test", {}).get(key), res[r["method"]].get("external", {}).get(key)
+        d = t if r["set"] == "test" else e
+        r["class_counts"] = np.bincount(np.asarray(d["y"], int), minlength=np.asarray(d["probs"]).shape[1]).tolist()
+        if r["set"] == "test" and t is not None and e is not None:
+            r["single_class_chance"] = single_class_chance(t["y"], e["y"], e["probs"])
     summary["rows"] = rows
     return "\n".join(L), summary
+
+
+def _flag_detail(res_m: dict, seed: int, site: str, evalset: str) -> str:
+    """`` (test 15+1+0; P(single) 0.62)`` for a single-class test split: its images per class and
+    :func:`single_class_chance` from the same model's external predictions; empty otherwise."""
+    if evalset != "test":
+        return ""
+    t = res_m.get("test", {}).get((seed, site))
+    e = res_m.get("external", {}).get((seed, site))
+    if t is None:
+        return ""
+    n = np.bincount(np.asarray(t["y"], int), minlength=np.asarray(t["probs"]).shape[1])
+    p = None if e is None else single_class_chance(t["y"], e["y"], e["probs"])
+    return f" (test {'+'.join(str(int(c)) for c in n)}; P(single) {_fmt(p)})"
 
 
 def write_section(out: Path, methods: list[str], n_boot: int = 500) -> dict:

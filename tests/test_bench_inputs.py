@@ -84,6 +84,28 @@ def test_tune_deploy_selects_rounds_as_the_site_runtime_does(monkeypatch):
     assert select_round([0.7, 0.1, 0.2], 2) == 0
 
 
+def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_path):
+    """The smoothed best_val (eighth pass): window 0 is the current rule; window 1 ranks 3-round means (hand values:
+    0.6, 0.5, 0.433, 0.567, 0.7, 0.7 -> the later of the tied last two); --rerank scores the picked rounds."""
+    import json
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from tune_deploy import rerank, select_round, select_round_window
+
+    curve = [0.9, 0.3, 0.3, 0.7, 0.7, 0.7]
+    assert select_round_window(curve, 2, 0) == select_round(curve, 2) == 0
+    assert select_round_window(curve, 2, 1) == 5
+    assert select_round_window(curve, 1, 1) == 5 and select_round_window([0.9, 0.1, 0.1], 1, 0) == 2
+    recs = [{"val_bal": v, "val_classes": 2, "others_bal": 0.1 * i, "others_single": i == 0}
+            for i, v in enumerate(curve)]
+    f = tmp_path / "deploy.jsonl"
+    f.write_text(json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": recs}}) + "\n")
+    rows = rerank(str(f), windows=(0, 1))
+    assert rows[0] == "| last | local s0 0.500 | 0.5000 | 0 |"
+    assert rows[1] == "| window 0 | local s0 0.000 | 0.0000 | 1 |"
+    assert rows[2] == "| window 1 | local s0 0.500 | 0.5000 | 0 |"
+
+
 def test_augment_accuracy_refuses_bad_seeds_and_missing_runs_in_one_line(tmp_path, _run):
     """augment_accuracy.py: a malformed or repeated --seeds, and --no-run without finished runs, exit 2 with one
     line (they were tracebacks: int('a'), open(.../test_predictions.csv))."""

@@ -161,3 +161,63 @@ def test_mean_ci_hand_cases_and_normal_approximation():
     assert lo == pytest.approx(v.mean() - half, abs=0.006) and hi == pytest.approx(v.mean() + half, abs=0.006)
     assert mean_ci([0.5, float("nan"), 0.5]) == (pytest.approx(0.5), pytest.approx(0.5))
     assert mean_ci([0.7]) is None and mean_ci([]) is None
+
+
+def _onehot(pred, n_cls=3):
+    return np.eye(n_cls)[np.asarray(pred)]
+
+
+def test_single_class_chance_hand_cases():
+    """sum_k prod_c R[c,k]^n_c on hand-built external rates."""
+    from nvflare_jobs.proto_eval import single_class_chance
+
+    # external: class 0 -> always 0; class 1 -> 0 six times, 1 once, 2 three times; test 15 x class 0 + 1 x class 1
+    ext_y = [0] * 10 + [1] * 10
+    ext_p = _onehot([0] * 10 + [0] * 6 + [1] + [2] * 3)
+    assert single_class_chance([0] * 15 + [1], ext_y, ext_p) == pytest.approx(0.6)
+    # class 0 -> 0 at 0.9, 2 at 0.1; class 2 -> 0 at 0.5, 2 at 0.5; test 2 + 2: 0.9^2 0.5^2 + 0.1^2 0.5^2
+    ext_y = [0] * 10 + [2] * 4
+    ext_p = _onehot([0] * 9 + [2] + [0, 0, 2, 2])
+    assert single_class_chance([0, 0, 2, 2], ext_y, ext_p) == pytest.approx(0.81 * 0.25 + 0.01 * 0.25)
+    # a model that always separates the classes never gives a single-class test split
+    assert single_class_chance([0, 1], [0, 1], _onehot([0, 1])) == 0.0
+    # one test class: not defined; a test class with no external image: no rate
+    assert single_class_chance([0, 0], ext_y, ext_p) is None
+    assert single_class_chance([0, 1], ext_y, ext_p) is None
+
+
+def test_single_class_chance_matches_a_simulation_of_the_test_split():
+    """Monte Carlo: draw each test image's prediction from its class's external rates, count single-class splits."""
+    from nvflare_jobs.proto_eval import single_class_chance
+
+    rng = np.random.default_rng(0)
+    R = np.array([[0.8, 0.1, 0.1], [0.5, 0.3, 0.2], [0.6, 0.1, 0.3]])
+    ext_y = np.repeat([0, 1, 2], 1000)
+    ext_pred = np.concatenate([np.repeat([0, 1, 2], (R[c] * 1000).astype(int)) for c in range(3)])
+    test_y = np.array([0] * 4 + [1] * 2 + [2])
+    sims = rng.random((100_000, test_y.size))[:, :, None] > np.cumsum(R[test_y], axis=1)[None]
+    draws = sims.sum(axis=2)  # index of the sampled class per image
+    freq = float(np.mean((draws == draws[:, :1]).all(axis=1)))
+    p = single_class_chance(test_y, ext_y, _onehot(ext_pred))
+    assert p == pytest.approx(freq, abs=0.005)
+    assert p == pytest.approx(sum(np.prod(R[test_y, k]) for k in range(3)))
+
+
+def test_section_flags_a_single_class_test_split_with_its_counts_and_chance(tmp_path, monkeypatch):
+    """A site model whose 3-image test split (2 x class 0, 1 x class 1) is all predicted 0, and which predicts class 1
+    as 0 for half of the external class-1 images: flagged with 'test 2+1+0' and P(single) = 1^2 x 0.5 = 0.5."""
+    import nvflare_jobs.proto_eval as pe
+
+    test = _site([0, 1, 2], [0, 0, 1], [0, 0, 0])
+    ext = _site(list(range(6)), [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1])
+    ok = _site([0, 1], [0, 1], [0, 1])
+    res = {"local": {"test": {(0, "site-1"): test, (0, "site-2"): ok},
+                     "external": {(0, "site-1"): ext, (0, "site-2"): ok}}}
+    monkeypatch.setattr(pe, "collect", lambda out, data_root=None: res)
+    text, summary = pe.section(tmp_path, ["local"])
+    assert "**local seed 0 site-1 (test)** (test 2+1+0; P(single) 0.500)" in text
+    chance = {(r["site"], r["set"]): r.get("single_class_chance") for r in summary["rows"]}
+    assert chance[("site-1", "test")] == pytest.approx(0.5)
+    assert chance[("site-2", "test")] == 0.0 and ("site-1", "external") not in {
+        k for k, v in chance.items() if v is not None}
+    assert summary["methods"]["local"]["single_class_test"] == 1

@@ -48,7 +48,23 @@ def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]
     """Re-rank the per-round records of earlier ``--json`` runs under ``last`` and the smoothed ``best_val`` rules
     (no training); one markdown row per rule: the mean others'-validation balanced accuracy per (method, seed) run
     and their mean, plus the count of site models predicting one class on the others' validation images."""
-    runs = [json.loads(line) for line in Path(json_path).read_text().splitlines() if line.strip()]
+    path = Path(json_path)
+    if not path.is_file():
+        raise SystemExit(f"tune_deploy: no records file {path} (write one with --json)")
+    runs = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not r["per_round"] or not all(recs and {"val_bal", "val_classes", "others_bal", "others_single"}
+                                             <= set(recs[0]) for recs in r["per_round"].values()):
+                raise KeyError("per_round records")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"tune_deploy: {path} line {n} is not a --json record with per-round records ({e})")
+        runs.append(r)
+    if not runs:
+        raise SystemExit(f"tune_deploy: {path} holds no records")
     rows = []
     for rule in ["last", *[f"window {w}" for w in windows]]:
         vals, single = [], 0

@@ -104,6 +104,14 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
     assert rows[0] == "| last | local s0 0.500 | 0.5000 | 0 |"
     assert rows[1] == "| window 0 | local s0 0.000 | 0.0000 | 1 |"
     assert rows[2] == "| window 1 | local s0 0.500 | 0.5000 | 0 |"
+    # bad records files: one line naming the file (and the line)
+    for text, says in (("", "holds no records"), ("{not json\n", "line 1 is not"), ('{"seed": 0}\n', "line 1 is not"),
+                       ('{"per_round": {"site-1": [{"val_bal": 1}]}}\n', "line 1 is not")):
+        f.write_text(text)
+        with pytest.raises(SystemExit, match=says):
+            rerank(str(f))
+    with pytest.raises(SystemExit, match="no records file"):
+        rerank(str(tmp_path / "missing.jsonl"))
 
 
 def test_augment_accuracy_refuses_bad_seeds_and_missing_runs_in_one_line(tmp_path, _run):

@@ -40,8 +40,34 @@ def select_round_window(val_scores: list[float | None], n_val_classes: int, w: i
     if n_val_classes < 2:
         return len(val_scores) - 1
     s = [-1.0 if v is None else float(v) for v in val_scores]
-    sm = [float(np.mean(s[max(0, i - w):i + w + 1])) for i in range(len(s))]
+    # rounded so that equal windows tie exactly (float sums of the same values in another order can differ in the
+    # last bit, which would break the tie towards the earlier round)
+    sm = [round(float(np.mean(s[max(0, i - w):i + w + 1])), 12) for i in range(len(s))]
     return max(range(len(sm)), key=lambda i: (sm[i], i))
+
+
+def _record_problem(line: str) -> str | None:
+    """Why one line of a ``--json`` file cannot be re-ranked (None: it can)."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(r, dict) or "method" not in r or "seed" not in r:
+        return "no method / seed"
+    per = r.get("per_round")
+    if not isinstance(per, dict) or not per:
+        return "no per-round records"
+    for site, recs in per.items():
+        if not isinstance(recs, list) or not recs:
+            return f"site {site} has no rounds"
+        for i, x in enumerate(recs):
+            ok = (isinstance(x, dict) and (x.get("val_bal") is None or isinstance(x.get("val_bal"), (int, float)))
+                  and isinstance(x.get("others_bal"), (int, float)) and isinstance(x.get("val_classes"), int)
+                  and isinstance(x.get("others_single"), bool))
+            if not ok:
+                return (f"site {site} round {i} lacks a numeric val_bal (or null), others_bal, val_classes or a "
+                        "boolean others_single")
+    return None
 
 
 def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]:
@@ -49,20 +75,21 @@ def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]
     (no training); one markdown row per rule: the mean others'-validation balanced accuracy per (method, seed) run
     and their mean, plus the count of site models predicting one class on the others' validation images."""
     path = Path(json_path)
+    if path.is_dir():
+        raise SystemExit(f"tune_deploy: {path} is a folder, not a --json records file")
     if not path.is_file():
         raise SystemExit(f"tune_deploy: no records file {path} (write one with --json)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise SystemExit(f"tune_deploy: {path} is not a text (UTF-8) records file")
     runs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            if not r["per_round"] or not all(recs and {"val_bal", "val_classes", "others_bal", "others_single"}
-                                             <= set(recs[0]) for recs in r["per_round"].values()):
-                raise KeyError("per_round records")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SystemExit(f"tune_deploy: {path} line {n} is not a --json record with per-round records ({e})")
-        runs.append(r)
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            why = _record_problem(line)
+            if why:
+                raise SystemExit(f"tune_deploy: {path} line {n} is not a --json record: {why}")
+            runs.append(json.loads(line))
     if not runs:
         raise SystemExit(f"tune_deploy: {path} holds no records")
     rows = []
@@ -100,8 +127,12 @@ def main() -> None:
     ap.add_argument("--rerank", metavar="JSONL", help="no training: re-rank the per-round records of earlier --json "
                     "runs under last and smoothed best_val rules (window 0 = the current rule) and print the table")
     a = ap.parse_args()
-    if a.rerank:
-        print("\n".join(rerank(a.rerank)))
+    if a.rerank is not None:
+        try:
+            print("\n".join(rerank(a.rerank)))
+        except SystemExit as e:  # bad input: one line, exit 2 like the other benchmarks
+            print(e, file=sys.stderr)
+            raise SystemExit(2)
         return
     torch.set_num_threads(1)
     opts = parse_opts(a.method, a.opts, {"rounds": a.rounds, "local_epochs": 1, "seed": a.seed})

@@ -151,17 +151,36 @@ def single_class_chance(test_y: np.ndarray, ext_y: np.ndarray, ext_probs: np.nda
         test_y: (n,) class indices of the site's test split. ext_y: (m,) class indices of the external images
             the model was scored on. ext_probs: (m, C) its class probabilities for them.
 
+    Predictions use the arg-max rule of :func:`single_class` (ties -> the lower class index). Assumes the site's
+    test images behave like the external images of their class, independently of each other.
+
     Returns:
         The probability in [0, 1]; None when the test split holds fewer than 2 classes or a test class has no
         external image (no rate to use).
+
+    Raises:
+        ValueError: ``ext_probs`` is not (m, C) with m = len(ext_y), or holds non-finite values; labels are not
+        integer class indices in 0..C-1.
     """
-    test_y = np.asarray(test_y, int)
-    ext_y = np.asarray(ext_y, int)
-    pred = np.asarray(ext_probs).argmax(axis=1)
+    probs = np.asarray(ext_probs, np.float64)
+    if probs.ndim != 2 or probs.shape[0] != np.asarray(ext_y).shape[0]:
+        raise ValueError(f"ext_probs must be (len(ext_y), C), got shape {probs.shape} for {np.asarray(ext_y).shape[0]} "
+                         "labels")
+    if not np.isfinite(probs).all():
+        raise ValueError("ext_probs holds non-finite values")
+    n_cls = probs.shape[1]
+    labels = []
+    for name, v in (("test_y", test_y), ("ext_y", ext_y)):
+        a = np.asarray(v)
+        if a.size and (not np.issubdtype(a.dtype, np.number) or not np.all(np.equal(np.round(a), a))
+                       or a.min() < 0 or a.max() >= n_cls):
+            raise ValueError(f"{name} must hold integer class indices in 0..{n_cls - 1}")
+        labels.append(a.astype(int))
+    test_y, ext_y = labels
+    pred = probs.argmax(axis=1)
     classes, counts = np.unique(test_y, return_counts=True)
     if classes.size < 2:
         return None
-    n_cls = np.asarray(ext_probs).shape[1]
     log_r = np.zeros((classes.size, n_cls))
     for i, c in enumerate(classes):
         sel = ext_y == c

@@ -7,6 +7,7 @@ import re
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +96,13 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
     curve = [0.9, 0.3, 0.3, 0.7, 0.7, 0.7]
     assert select_round_window(curve, 2, 0) == select_round(curve, 2) == 0
     assert select_round_window(curve, 2, 1) == 5
+    # window means 0.25, 0.5, 0.667, 0.5, 0.25 -> round 2; exact ties (values exact in binary: window means 0.5, 0.333,
+    # 0.333, 0.333, 0.5) go to the later round
+    assert select_round_window([0.0, 0.5, 1.0, 0.5, 0.0], 2, 1) == 2
+    assert select_round_window([0.5, 0.5, 0.0, 0.5, 0.5], 2, 1) == 4
+    # windows of equal sums whose float means differ in the last bit still tie (-> later)
+    assert float(np.mean([0.1, 0.2, 0.3])) != float(np.mean([0.3, 0.2, 0.1]))
+    assert select_round_window([0.1, 0.2, 0.3, 0.0, 0.3, 0.2, 0.1], 2, 1) == 5
     assert select_round_window(curve, 1, 1) == 5 and select_round_window([0.9, 0.1, 0.1], 1, 0) == 2
     recs = [{"val_bal": v, "val_classes": 2, "others_bal": 0.1 * i, "others_single": i == 0}
             for i, v in enumerate(curve)]
@@ -105,13 +113,22 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
     assert rows[1] == "| window 0 | local s0 0.000 | 0.0000 | 1 |"
     assert rows[2] == "| window 1 | local s0 0.500 | 0.5000 | 0 |"
     # bad records files: one line naming the file (and the line)
-    for text, says in (("", "holds no records"), ("{not json\n", "line 1 is not"), ('{"seed": 0}\n', "line 1 is not"),
-                       ('{"per_round": {"site-1": [{"val_bal": 1}]}}\n', "line 1 is not")):
+    good = {"val_bal": 0.5, "val_classes": 2, "others_bal": 0.5, "others_single": False}
+    later_bad = json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": [good, {**good, "others_bal": None}]}})
+    for text, says in (("", "holds no records"), ("{not json\n", "line 1 is not a --json record: not JSON"),
+                       ('{"seed": 0}\n', "no method / seed"),
+                       ('{"method": "local", "seed": 0, "per_round": {"site-1": [{"val_bal": 1}]}}\n', "round 0 lacks"),
+                       (later_bad + "\n", "site site-1 round 1 lacks")):
         f.write_text(text)
         with pytest.raises(SystemExit, match=says):
             rerank(str(f))
     with pytest.raises(SystemExit, match="no records file"):
         rerank(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(SystemExit, match="is a folder"):
+        rerank(str(tmp_path))
+    f.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(SystemExit, match="not a text"):
+        rerank(str(f))
 
 
 def test_augment_accuracy_refuses_bad_seeds_and_missing_runs_in_one_line(tmp_path, _run):
@@ -135,3 +152,19 @@ def test_bench_startup_help_explains_instead_of_running():
                        text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and r.stdout.startswith("usage: bench_startup.py") and "CXR_SCAN_WORKERS" in r.stdout
     assert "reached simulator_run" not in r.stdout
+
+
+def test_tune_logit_adjust_hand_case(monkeypatch):
+    """Post-hoc logit adjustment (Menon et al. 2021, Eq. 3): logits (2, 0, 1), training counts (90, 10, 0), tau 1 ->
+    (2 - ln .9, 0 - ln .1, 1 - ln .9) = (2.105, 2.303, 1.105): class 1; tau 0 -> class 0; the absent class gets the
+    majority's log prior (no boost); no training images is refused."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from tune_logit_adjust import adjusted_predictions
+
+    L = np.array([[2.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    assert adjusted_predictions(L, np.array([90, 10, 0]), 1.0).tolist() == [1, 1]
+    assert adjusted_predictions(L, np.array([90, 10, 0]), 0.0).tolist() == [0, 2]
+    # tau 0.5 on (0, 0, 1): (0.053, 1.151, 1.053) -> the rare class 1 overtakes the absent class 2's logit lead
+    assert adjusted_predictions(L[1:], np.array([90, 10, 0]), 0.5).tolist() == [1]
+    with pytest.raises(ValueError, match="no training images"):
+        adjusted_predictions(L, np.array([0, 0, 0]), 1.0)

@@ -184,6 +184,20 @@ def test_single_class_chance_hand_cases():
     # one test class: not defined; a test class with no external image: no rate
     assert single_class_chance([0, 0], ext_y, ext_p) is None
     assert single_class_chance([0, 1], ext_y, ext_p) is None
+    # soft probabilities: the rates come from the arg-max, not from averaged probabilities. Class 0's external images
+    # are all predicted 0 (p0 = 0.4 > 0.3, 0.3: mean p0 would be 0.4); class 1's: one predicted 1 (0.6), one 0 (0.5)
+    soft = np.array([[0.4, 0.3, 0.3], [0.4, 0.3, 0.3], [0.2, 0.6, 0.2], [0.5, 0.4, 0.1]])
+    assert single_class_chance([0, 0, 1], [0, 0, 1, 1], soft) == pytest.approx(1.0 * 0.5)
+    # a tie goes to the lower class index, as in single_class
+    tie = np.array([[0.5, 0.5, 0.0], [0.0, 1.0, 0.0]])
+    assert single_class_chance([0, 1], [0, 1], tie) == 0.0  # class 0 -> 0, class 1 -> 1
+    assert single_class_chance([0, 0, 1], [0, 1], np.array([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]])) == 1.0
+    # bad input: one clear ValueError
+    for args, says in ((([0, 1], [0, 1], np.ones(2)), "must be"), (([0, 1], [0, 1, 1], tie), "must be"),
+                       (([0, 1], [0, 1], np.array([[np.nan, 1, 0], [0, 1, 0]])), "non-finite"),
+                       (([0, 1.5], [0, 1], tie), "integer class indices"), (([0, 3], [0, 1], tie), "0..2")):
+        with pytest.raises(ValueError, match=says):
+            single_class_chance(*args)
 
 
 def test_single_class_chance_matches_a_simulation_of_the_test_split():

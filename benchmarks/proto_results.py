@@ -2,8 +2,13 @@
 under issue 16's protocol (sites from ``chest_xray_224`` tuning + probe, the prototype methods' defaults, each site
 model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
 
-    PYTHONPATH=$PWD python benchmarks/proto_results.py --compare "alpha 0.5=runs/proto_a05" \
-        --compare "alpha 1.0=runs/proto_a10" --compare "pathological=runs/proto_path" --out benchmarks/results
+    PYTHONPATH=$PWD python benchmarks/proto_results.py --compare "alpha 0.5=runs/grid_a05" \
+        --compare "alpha 1.0=runs/a10_s0" --compare "pathological=runs/path_s0" --out /tmp/tables
+
+(the folders are what ``cxr-hfl compare --out`` wrote; the exact commands behind the committed files are written at
+the end of their tables). A folder that does not exist or holds no finished run is refused (exit 2) before anything
+is written. Regenerating a results file keeps its hand-written analysis: everything from its first line starting
+with ``## Outcome (`` is carried over below the new tables.
 
 Each ``--compare LABEL=DIR`` is one compare folder; the section of its ``comparison.md`` is recomputed over every
 method found there (methods run at fewer seeds are labelled with their seed count).
@@ -126,7 +131,7 @@ def outcome(b: dict) -> list[str]:
                  f"{v['external_bal_acc']:.3f}{ci(v.get('external_bal_acc_ci'))}; single-class "
                  f"{v['single_class_test']} / {v['single_class_external']} of {v['pairs']}: "
                  f"{'met' if v['floor_met'] else 'NOT met'}")
-    flagged = [r for r in s.get("rows", []) if r["set"] == "test" and r["single_class"] and r["method"] in ms]
+    flagged = [r for r in s.get("rows", []) if r["set"] == "test" and r["single_class"] and r["method"] in LABEL]
     if flagged:
         L += ["", "Single-class test splits: the test split's images per class (NORMAL+BACTERIAL+VIRAL) and P(single), "
               "the chance that this model predicts one class for the whole split were each image predicted like the "
@@ -319,6 +324,33 @@ def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: s
     return L
 
 
+HAND_WRITTEN = "## Outcome ("  # a results file's hand-written analysis starts at a line beginning with this
+
+
+def kept_outcome(f: Path) -> str:
+    """The hand-written part of an existing results file (from its first line starting with ``HAND_WRITTEN`` to the
+    end), to be kept below the regenerated tables; empty when there is none."""
+    if not f.is_file():
+        return ""
+    lines = f.read_text().splitlines(keepends=True)
+    for i, ln in enumerate(lines):
+        if ln.startswith(HAND_WRITTEN):
+            return "\n" + "".join(lines[i:])
+    return ""
+
+
+def compare_dir_problem(spec: str) -> str | None:
+    """Why ``LABEL=DIR`` cannot be tabulated (None: it can): no ``=``, no folder, or no finished run in it."""
+    label, sep, d = spec.partition("=")
+    if not sep or not label or not d:
+        return "expected LABEL=DIR"
+    if not Path(d).is_dir():
+        return f"no folder {d}"
+    if not any(Path(d).glob("seed*/*/metrics.json")):
+        return f"no finished run in {d} (expected seed*/<method>/metrics.json from cxr-hfl compare)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     import shlex
     import sys
@@ -336,8 +368,19 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if not a.compare and not a.ablation:
         ap.error("give --compare LABEL=DIR and/or --ablation LABEL=DIR")
+    specs = [*(("--compare", c) for c in a.compare), *((("--ablation", a.ablation),) if a.ablation else ())]
+    for opt, spec in specs:  # every folder is checked before anything is written
+        why = compare_dir_problem(spec)
+        if why:
+            print(f"proto_results.py: {opt} {spec!r}: {why}", file=sys.stderr)
+            raise SystemExit(2)
     out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        print(f"proto_results.py: --out {out} is a file, not a folder", file=sys.stderr)
+        raise SystemExit(2)
     out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/proto_results.py " + " ".join(
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     notes = ["## Caveats", "", *[f"- {n}" for n in NOTES], ""]
     blocks = [load(*c.split("=", 1)[:1], Path(c.split("=", 1)[1])) for c in a.compare]
     if blocks:
@@ -351,14 +394,14 @@ def main(argv: list[str] | None = None) -> None:
         topo = ["# FedTopo Table I analogue: Local / FedProto / FedSAF / FedTopo (issue 16 protocol)", "",
                 PAPER["fedtopo"], "", *head,
                 *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local"), *outs, *notes, ""]
-        (out / "fedsaf_table3.md").write_text("\n".join(saf))
-        (out / "fedtopo_table1.md").write_text("\n".join(topo))
+        for name, lines in (("fedsaf_table3", saf), ("fedtopo_table1", topo)):
+            f = out / f"{name}.md"
+            text = "\n".join([*lines, f"Table: `{command}`.", ""])
+            (out / f"{name}.md").write_text(text + kept_outcome(f))
     if a.ablation:
         label, _, d = a.ablation.partition("=")
         b = load(label, Path(d))
         res = collect(Path(d))
-        command = "python benchmarks/proto_results.py " + " ".join(
-            shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
         for name, spec in ABLATIONS.items():
             b["summary"]["paired"] += ablation_pairs(res, spec["ref"], [m for m, _, _ in spec["rows"]])
             b["identical"] = {m for m, _, _ in spec["rows"]

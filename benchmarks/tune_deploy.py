@@ -52,8 +52,8 @@ def _record_problem(line: str) -> str | None:
         r = json.loads(line)
     except ValueError:
         return "not JSON"
-    if not isinstance(r, dict) or "method" not in r or "seed" not in r:
-        return "no method / seed"
+    if not isinstance(r, dict) or not isinstance(r.get("method"), str) or type(r.get("seed")) is not int:
+        return "no method (text) / seed (integer)"
     per = r.get("per_round")
     if not isinstance(per, dict) or not per:
         return "no per-round records"
@@ -61,20 +61,33 @@ def _record_problem(line: str) -> str | None:
         if not isinstance(recs, list) or not recs:
             return f"site {site} has no rounds"
         for i, x in enumerate(recs):
-            ok = (isinstance(x, dict) and (x.get("val_bal") is None or isinstance(x.get("val_bal"), (int, float)))
-                  and isinstance(x.get("others_bal"), (int, float)) and isinstance(x.get("val_classes"), int)
-                  and isinstance(x.get("others_single"), bool))
+            ok = (isinstance(x, dict) and (x.get("val_bal") is None or _score(x.get("val_bal")))
+                  and _score(x.get("others_bal")) and type(x.get("val_classes")) is int
+                  and type(x.get("others_single")) is bool)
             if not ok:
-                return (f"site {site} round {i} lacks a numeric val_bal (or null), others_bal, val_classes or a "
-                        "boolean others_single")
+                return (f"site {site} round {i} lacks a val_bal (a score in [0, 1] or null), an others_bal score in "
+                        "[0, 1], an integer val_classes or a boolean others_single")
     return None
 
 
-def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]:
-    """Re-rank the per-round records of earlier ``--json`` runs under ``last`` and the smoothed ``best_val`` rules
-    (no training); one markdown row per rule: the mean others'-validation balanced accuracy per (method, seed) run
-    and their mean, plus the count of site models predicting one class on the others' validation images."""
+def _score(v) -> bool:
+    """A finite balanced accuracy in [0, 1] (not a bool; JSON's NaN / Infinity are refused)."""
+    return type(v) in (int, float) and bool(np.isfinite(v)) and 0.0 <= v <= 1.0
+
+
+def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3),
+           min_rounds: tuple[int, ...] = (5, 10, 15)) -> list[str]:
+    """Re-rank the per-round records of earlier ``--json`` runs (no training) under ``last``, ``best_val`` restricted
+    to rounds >= k (seventh pass) and the smoothed ``best_val`` (eighth pass; window 0 = ``best_val`` itself). A
+    markdown table: per rule, the mean others'-validation balanced accuracy of each (method, seed) run, their mean,
+    and the count of site models predicting one class on the others' validation images.
+
+    Raises:
+        SystemExit (one line naming the file and line): a missing, unreadable or malformed records file, or two
+            records of the same (method, seed)."""
     path = Path(json_path)
+    if not str(json_path).strip():
+        raise SystemExit("tune_deploy: --rerank needs a records file")
     if path.is_dir():
         raise SystemExit(f"tune_deploy: {path} is a folder, not a --json records file")
     if not path.is_file():
@@ -92,21 +105,33 @@ def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3)) -> list[str]
             runs.append(json.loads(line))
     if not runs:
         raise SystemExit(f"tune_deploy: {path} holds no records")
-    rows = []
-    for rule in ["last", *[f"window {w}" for w in windows]]:
+    seen: dict[tuple, int] = {}
+    for n, r in enumerate(runs, 1):
+        if (r["method"], r["seed"]) in seen:
+            raise SystemExit(f"tune_deploy: {path}: two records of {r['method']} seed {r['seed']} (records "
+                             f"{seen[(r['method'], r['seed'])]} and {n}); keep one")
+        seen[(r["method"], r["seed"])] = n
+
+    def pick(recs: list[dict], rule: str) -> int:
+        if rule == "last":
+            return len(recs) - 1
+        if rule.startswith("best_val, r >= "):
+            k = int(rule.rsplit(" ", 1)[1])
+            return k + select_round([x["val_bal"] for x in recs[k:]], recs[-1]["val_classes"]) if k < len(recs) \
+                else len(recs) - 1
+        return select_round_window([x["val_bal"] for x in recs], recs[-1]["val_classes"], int(rule.split()[1]))
+
+    rules = ["last", *[f"window {w}" + (" (= best_val)" if w == 0 else "") for w in windows],
+             *[f"best_val, r >= {k}" for k in min_rounds]]
+    rows = ["| rule | " + " | ".join(f"{r['method']} seed {r['seed']}" for r in runs)
+            + " | mean | single-class on others' val |", "|---" * (len(runs) + 3) + "|"]
+    for rule in rules:
         vals, single = [], 0
         for r in runs:
-            picks = []
-            for recs in r["per_round"].values():
-                if rule == "last":
-                    i = len(recs) - 1
-                else:
-                    i = select_round_window([x["val_bal"] for x in recs], recs[-1]["val_classes"], int(rule[7:]))
-                picks.append(recs[i])
+            picks = [recs[pick(recs, rule)] for recs in r["per_round"].values()]
             vals.append(float(np.mean([p["others_bal"] for p in picks])))
             single += sum(bool(p["others_single"]) for p in picks)
-        cells = " | ".join(f"{r['method']} s{r['seed']} {v:.3f}" for r, v in zip(runs, vals))
-        rows.append(f"| {rule} | {cells} | {np.mean(vals):.4f} | {single} |")
+        rows.append(f"| {rule} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {np.mean(vals):.4f} | {single} |")
     return rows
 
 

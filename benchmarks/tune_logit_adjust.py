@@ -39,43 +39,84 @@ def _bal(y: np.ndarray, p: np.ndarray) -> float:
     return float(np.mean([np.mean(p[y == c] == c) for c in np.unique(y)]))
 
 
+class InputError(ValueError):
+    """Bad input (a folder, manifest or model file): the message names it; main prints it as one line, exit 2."""
+
+
+def _read_sites(seed_dir: Path) -> dict[str, list[dict]]:
+    """``{site: manifest rows with int labels}`` of a seed's partition. Raises InputError naming the file."""
+    sites = {}
+    for f in sorted((seed_dir / "partition" / "sites").glob("*.csv")):
+        with f.open(newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        try:
+            rows = [dict(r, label=int(r["label"]), split=r["split"], path=r["path"]) for r in rows]
+        except (KeyError, ValueError, TypeError) as e:
+            raise InputError(f"{f}: every row needs path, an integer label and split ({type(e).__name__}: {e})")
+        if not any(r["split"] == "train" for r in rows):
+            raise InputError(f"{f}: no training images")
+        sites[f.stem] = rows
+    return sites
+
+
 def site_logits(compare_dir: Path) -> list[dict]:
-    """Every deployed site model's logits on its seed's validation images (all sites' val splits)."""
+    """Every deployed site model's logits on its seed's validation images (all sites' val splits).
+
+    Raises:
+        InputError: the folder does not exist; a seed has models but no partition manifests; a manifest, model
+            file or validation image cannot be read (named)."""
     import torch
 
     from chest_xray import make_site_dataset
     from nvflare_jobs.evaluation import load_model_file
     from nvflare_jobs.proto_eval import _load_site_model
 
+    if not compare_dir.is_dir():
+        raise InputError(f"no folder {compare_dir}")
     out = []
     for seed_dir in sorted(compare_dir.glob("seed*")):
-        sites = {}
-        for f in sorted((seed_dir / "partition" / "sites").glob("*.csv")):
-            with f.open(newline="") as fh:
-                sites[f.stem] = list(csv.DictReader(fh))
-        if not sites:
+        model_dirs = sorted({p.parent.parent for p in seed_dir.glob("*/models/*_deployed.pt")})
+        if not model_dirs:
             continue
-        val = [dict(r, label=int(r["label"]), site=s) for s, rows in sites.items() for r in rows if r["split"] == "val"]
+        sites = _read_sites(seed_dir)
+        if not sites:
+            raise InputError(f"{seed_dir}: deployed models but no partition manifests in {seed_dir}/partition/sites")
+        val = [dict(r, site=s) for s, rows in sites.items() for r in rows if r["split"] == "val"]
+        for r in val:
+            if not Path(r["path"]).is_file():
+                raise InputError(f"{seed_dir.name} {r['site']}: validation image {r['path']} does not exist")
         x_by_size: dict[int, torch.Tensor] = {}
         y = np.array([r["label"] for r in val])
         vsite = np.array([r["site"] for r in val])
-        for mdir in sorted({p.parent.parent for p in seed_dir.glob("*/models/*_deployed.pt")}):
+        for mdir in model_dirs:
+            missing = [s for s in sites if not (mdir / "models" / f"{s}_deployed.pt").is_file()]
+            if missing:
+                print(f"[tune_logit_adjust] warning: {seed_dir.name} {mdir.name}: no deployed model for "
+                      f"{', '.join(missing)} (left out)", file=sys.stderr)
+            n = 0
             for site, rows in sites.items():
                 f = mdir / "models" / f"{site}_deployed.pt"
                 if not f.is_file():
                     continue
-                model, header = _load_site_model(f, load_model_file)
+                try:
+                    model, header = _load_site_model(f, load_model_file)
+                except (ValueError, OSError, RuntimeError, KeyError) as e:
+                    raise InputError(f"{f}: cannot load the model ({str(e).splitlines()[0] if str(e) else e!r})")
                 size = int(header.get("input_size") or 64)
                 if size not in x_by_size:
-                    ds = make_site_dataset(val, size, "eval")
-                    x_by_size[size] = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+                    try:
+                        ds = make_site_dataset(val, size, "eval")
+                        x_by_size[size] = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+                    except Exception as e:  # MONAI wraps the reader's error: name the seed, keep the first line
+                        raise InputError(f"{seed_dir.name}: a validation image could not be read "
+                                         f"({str(e).splitlines()[0]})")
                 with torch.no_grad():
                     logits = model(x_by_size[size]).numpy()
-                counts = np.bincount([int(r["label"]) for r in rows if r["split"] == "train"],
-                                     minlength=logits.shape[1])
+                counts = np.bincount([r["label"] for r in rows if r["split"] == "train"], minlength=logits.shape[1])
                 out.append({"seed": seed_dir.name, "method": mdir.name, "site": site, "counts": counts,
                             "logits": logits, "y": y, "vsite": vsite})
-            print(f"[tune_logit_adjust] {seed_dir.name} {mdir.name}: {len(sites)} site models", flush=True)
+                n += 1
+            print(f"[tune_logit_adjust] {seed_dir.name} {mdir.name}: {n} site models", flush=True)
     return out
 
 
@@ -108,17 +149,29 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", required=True, help="a cxr-hfl compare folder (seed*/<method>/models, partition)")
-    ap.add_argument("--taus", default="-0.5,-0.25,0,0.25,0.5,0.75,1,1.25,1.5")
+    ap.add_argument("--taus", default="-0.5,-0.25,0,0.25,0.5,0.75,1,1.25,1.5",
+                    help="comma-separated finite numbers in [-10, 10]; a list starting with a minus sign needs '=': "
+                    "--taus=-0.5,0,0.5 (default: %(default)s)")
     a = ap.parse_args(argv)
+
+    def fail(msg: str):
+        print(f"tune_logit_adjust: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
     try:
         taus = [float(t) for t in a.taus.split(",")]
     except ValueError:
-        raise SystemExit(f"tune_logit_adjust: --taus must be comma-separated numbers, got {a.taus!r}")
+        fail(f"--taus must be comma-separated numbers, got {a.taus!r}")
+    if not all(np.isfinite(t) and abs(t) <= 10 for t in taus):
+        fail(f"--taus must be finite numbers in [-10, 10], got {a.taus!r}")
     d = Path(a.compare)
     torch.set_num_threads(2)
-    recs = site_logits(d)
+    try:
+        recs = site_logits(d)
+    except InputError as e:
+        fail(str(e))
     if not recs:
-        raise SystemExit(f"tune_logit_adjust: no deployed site models under {d}/seed*/<method>/models")
+        fail(f"no deployed site models under {d}/seed*/<method>/models")
     print(f"{len(recs)} site models, validation images only")
     print("\n".join(table(recs, taus)))
 

@@ -159,12 +159,16 @@ def single_class_chance(test_y: np.ndarray, ext_y: np.ndarray, ext_probs: np.nda
         external image (no rate to use).
 
     Raises:
-        ValueError: ``ext_probs`` is not (m, C) with m = len(ext_y), or holds non-finite values; labels are not
-        integer class indices in 0..C-1.
+        ValueError: ``test_y`` / ``ext_y`` not 1-D; ``ext_probs`` not (m, C) with m = len(ext_y), or holding
+        non-finite values; labels not integer class indices in 0..C-1; complex input.
     """
+    if any(np.iscomplexobj(v) for v in (test_y, ext_y, ext_probs)):
+        raise ValueError("labels and probabilities must be real numbers")
     probs = np.asarray(ext_probs, np.float64)
-    if probs.ndim != 2 or probs.shape[0] != np.asarray(ext_y).shape[0]:
-        raise ValueError(f"ext_probs must be (len(ext_y), C), got shape {probs.shape} for {np.asarray(ext_y).shape[0]} "
+    if np.ndim(test_y) != 1 or np.ndim(ext_y) != 1:
+        raise ValueError(f"test_y and ext_y must be 1-D, got {np.ndim(test_y)}-D and {np.ndim(ext_y)}-D")
+    if probs.ndim != 2 or probs.shape[0] != len(ext_y) or probs.shape[1] < 1:
+        raise ValueError(f"ext_probs must be (len(ext_y), C) with C >= 1, got shape {probs.shape} for {len(ext_y)} "
                          "labels")
     if not np.isfinite(probs).all():
         raise ValueError("ext_probs holds non-finite values")

@@ -108,17 +108,29 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
             for i, v in enumerate(curve)]
     f = tmp_path / "deploy.jsonl"
     f.write_text(json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": recs}}) + "\n")
-    rows = rerank(str(f), windows=(0, 1))
-    assert rows[0] == "| last | local s0 0.500 | 0.5000 | 0 |"
-    assert rows[1] == "| window 0 | local s0 0.000 | 0.0000 | 1 |"
-    assert rows[2] == "| window 1 | local s0 0.500 | 0.5000 | 0 |"
+    rows = rerank(str(f), windows=(0, 1), min_rounds=(2, 9))
+    assert rows[0] == "| rule | local seed 0 | mean | single-class on others' val |"
+    assert rows[2] == "| last | 0.500 | 0.5000 | 0 |"
+    assert rows[3] == "| window 0 (= best_val) | 0.000 | 0.0000 | 1 |"
+    assert rows[4] == "| window 1 | 0.500 | 0.5000 | 0 |"
+    assert rows[5] == "| best_val, r >= 2 | 0.500 | 0.5000 | 0 |"  # rounds 2-5: 0.3, 0.7, 0.7, 0.7 -> 5
+    assert rows[6] == "| best_val, r >= 9 | 0.500 | 0.5000 | 0 |"  # past the last round -> the last round
     # bad records files: one line naming the file (and the line)
     good = {"val_bal": 0.5, "val_classes": 2, "others_bal": 0.5, "others_single": False}
     later_bad = json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": [good, {**good, "others_bal": None}]}})
     for text, says in (("", "holds no records"), ("{not json\n", "line 1 is not a --json record: not JSON"),
-                       ('{"seed": 0}\n', "no method / seed"),
+                       ('{"seed": 0}\n', "no method"),
                        ('{"method": "local", "seed": 0, "per_round": {"site-1": [{"val_bal": 1}]}}\n', "round 0 lacks"),
-                       (later_bad + "\n", "site site-1 round 1 lacks")):
+                       (later_bad + "\n", "site site-1 round 1 lacks"),
+                       (json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": [{**good, "val_bal": True}]}})
+                        + "\n", "round 0 lacks"),
+                       ('{"method": "local", "seed": 0, "per_round": {"site-1": [{"val_bal": NaN, "val_classes": 2, '
+                        '"others_bal": 0.5, "others_single": false}]}}\n', "round 0 lacks"),
+                       (json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": [{**good, "others_bal": 7.5}]}})
+                        + "\n", "round 0 lacks"),
+                       (json.dumps({"method": None, "seed": 0, "per_round": {"site-1": [good]}}) + "\n", "no method"),
+                       (2 * (json.dumps({"method": "local", "seed": 0, "per_round": {"site-1": [good]}}) + "\n"),
+                        "two records of local seed 0")):
         f.write_text(text)
         with pytest.raises(SystemExit, match=says):
             rerank(str(f))
@@ -126,6 +138,8 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
         rerank(str(tmp_path / "missing.jsonl"))
     with pytest.raises(SystemExit, match="is a folder"):
         rerank(str(tmp_path))
+    with pytest.raises(SystemExit, match="needs a records file"):
+        rerank("")
     f.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(SystemExit, match="not a text"):
         rerank(str(f))
@@ -168,3 +182,39 @@ def test_tune_logit_adjust_hand_case(monkeypatch):
     assert adjusted_predictions(L[1:], np.array([90, 10, 0]), 0.5).tolist() == [1]
     with pytest.raises(ValueError, match="no training images"):
         adjusted_predictions(L, np.array([0, 0, 0]), 1.0)
+
+
+def test_tune_logit_adjust_bad_input_is_one_line_exit_2(monkeypatch, tmp_path, capsys):
+    """A missing folder, a manifest without labels, a missing validation image, a corrupt model file and non-finite
+    --taus: exit 2 with one line naming the folder / file / option (were tracebacks)."""
+    from PIL import Image
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import tune_logit_adjust as tla
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            tla.main(list(args))
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        return err
+
+    assert "no folder" in run("--compare", str(tmp_path / "nope"))
+    cmp_dir = tmp_path / "cmp"
+    models = cmp_dir / "seed0" / "local" / "models"
+    models.mkdir(parents=True)
+    (models / "site-1_deployed.pt").write_bytes(b"not a model")
+    assert "no partition manifests" in run("--compare", str(cmp_dir))
+    sites = cmp_dir / "seed0" / "partition" / "sites"
+    sites.mkdir(parents=True)
+    img = tmp_path / "a.png"
+    Image.new("L", (8, 8), 128).save(img)
+    man = sites / "site-1.csv"
+    man.write_text(f"path,label,split\n{img},x,train\n")
+    assert "integer label" in run("--compare", str(cmp_dir))
+    man.write_text(f"path,label,split\n{img},0,train\n{tmp_path / 'gone.png'},1,val\n")
+    assert "gone.png does not exist" in run("--compare", str(cmp_dir))
+    man.write_text(f"path,label,split\n{img},0,train\n{img},1,val\n")
+    assert "site-1_deployed.pt: cannot load the model" in run("--compare", str(cmp_dir))
+    assert "finite" in run("--compare", str(cmp_dir), "--taus", "0,inf")
+    assert "comma-separated" in run("--compare", str(cmp_dir), "--taus", "1,,2")

@@ -195,7 +195,9 @@ def test_single_class_chance_hand_cases():
     # bad input: one clear ValueError
     for args, says in ((([0, 1], [0, 1], np.ones(2)), "must be"), (([0, 1], [0, 1, 1], tie), "must be"),
                        (([0, 1], [0, 1], np.array([[np.nan, 1, 0], [0, 1, 0]])), "non-finite"),
-                       (([0, 1.5], [0, 1], tie), "integer class indices"), (([0, 3], [0, 1], tie), "0..2")):
+                       (([0, 1.5], [0, 1], tie), "integer class indices"), (([0, 3], [0, 1], tie), "0..2"),
+                       (([[0, 1]], [0, 1], tie), "1-D"), (([0, 1], [[0], [1]], tie), "1-D"),
+                       (([0, 1], [0, 1], np.zeros((2, 0))), "C >= 1"), (([0, 1j], [0, 1], tie), "real")):
         with pytest.raises(ValueError, match=says):
             single_class_chance(*args)
 
@@ -235,3 +237,32 @@ def test_section_flags_a_single_class_test_split_with_its_counts_and_chance(tmp_
     assert chance[("site-2", "test")] == 0.0 and ("site-1", "external") not in {
         k for k, v in chance.items() if v is not None}
     assert summary["methods"]["local"]["single_class_test"] == 1
+
+
+def test_proto_results_refuses_bad_folders_before_writing_and_keeps_the_hand_written_outcome(tmp_path, capsys):
+    """A missing / empty folder or a spec without '=' exits 2 with one line and writes nothing; an --out that is a
+    file is refused; a hand-written '## Outcome (' section of an existing results file survives regeneration."""
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "fedsaf_table3.md").write_text("old table\n\n## Outcome (by hand)\n\nkept text\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for spec, says in ((f"X={tmp_path / 'nope'}", "no folder"), (f"X={empty}", "no finished run"),
+                       ("X", "expected LABEL=DIR"), ("=runs", "expected LABEL=DIR")):
+        with pytest.raises(SystemExit) as e:
+            pr.main(["--compare", spec, "--out", str(out)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert (out / "fedsaf_table3.md").read_text().startswith("old table")
+    with pytest.raises(SystemExit) as e:
+        pr.main(["--ablation", f"X={empty}", "--out", str(out)])
+    assert e.value.code == 2
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    assert pr.kept_outcome(out / "fedsaf_table3.md") == "\n## Outcome (by hand)\n\nkept text\n"
+    assert pr.kept_outcome(afile) == "" and pr.kept_outcome(tmp_path / "missing.md") == ""
+    run = tmp_path / "cmp" / "seed0" / "local"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        pr.main(["--compare", f"X={tmp_path / 'cmp'}", "--out", str(afile)])
+    assert e.value.code == 2 and "is a file" in capsys.readouterr().err

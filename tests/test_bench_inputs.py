@@ -218,3 +218,28 @@ def test_tune_logit_adjust_bad_input_is_one_line_exit_2(monkeypatch, tmp_path, c
     assert "site-1_deployed.pt: cannot load the model" in run("--compare", str(cmp_dir))
     assert "finite" in run("--compare", str(cmp_dir), "--taus", "0,inf")
     assert "comma-separated" in run("--compare", str(cmp_dir), "--taus", "1,,2")
+
+
+def test_shortcut_probe_transforms_and_pooled_change(monkeypatch):
+    """flip reverses the columns; the 6 % shift of a 50-px image moves the content 3 px and zero-fills the vacated
+    border; the pooled change is the mean over sites of each site's mean change of p(its minority classes)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from shortcut_probe import summary, transform
+
+    X = torch.arange(50.0).repeat(1, 1, 50, 1)  # column index as the pixel value
+    assert torch.equal(transform(X, "flip")[0, 0, 0], torch.arange(49.0, -1.0, -1.0))
+    ones = torch.ones(1, 1, 50, 50)
+    sh = transform(ones, "shift")[0, 0]
+    assert torch.allclose(sh[3:-4, :-4], torch.ones(43, 46), atol=1e-5)  # interior kept
+    assert sh[:, -3:].abs().max() < 1e-5 and sh[-3:, :].abs().max() < 1e-5  # 3-px zero border (right, bottom)
+    y = np.zeros(2, int)
+    base = np.array([[0.5, 0.5], [0.5, 0.5]])
+    sites = {"a": {"minority": [0], "y": y, "p": {"none": base, **{t: base + [[0.2, -0.2], [0.4, -0.4]]
+                                                                    for t in ("flip", "shift", "rotate+shift")}}},
+             "b": {"minority": [1], "y": y, "p": {"none": base, **{t: base for t in ("flip", "shift", "rotate+shift")}}},
+             "c": {"minority": [], "y": y, "p": {"none": base, **{t: base + 0.3 for t in ("flip", "shift", "rotate+shift")}}}}
+    res = summary(sites, n_boot=50)
+    assert res["flip"]["mean_change"] == pytest.approx((0.3 + 0.0) / 2)  # site c (no minority class) is left out
+    assert res["flip"]["per_site"] == pytest.approx({"a": 0.3, "b": 0.0})

@@ -1,0 +1,178 @@
+"""Does a site model read augmentation artefacts as a label? A shortcut probe on labelled images no site trained on.
+
+With ``augment_classes: auto`` only a site's minority classes are flipped / rotated / shifted during training (zero
+padding at the borders), so a flipped or black-bordered image is, in training, always a minority-class image. A model
+that learnt that shortcut moves its probabilities towards those classes when a *real* image is flipped or shifted.
+This script measures that move: every deployed site model of one or more runs (``RUN/models/<site>_deployed.pt``,
+the model each site keeps) scores the committed ``tuning`` part of ``chest_xray_224`` (the labelled part on which
+defaults may be chosen; never the ``evaluation`` part) as it is and transformed like the training augmentation. For
+the main job (sites on ``chest_xray_original``) no site trained on these images; the prototype methods' sites are built
+from the tuning + probe parts, so for them the probe includes their own training images (the changes still measure a
+shortcut; the untransformed scores are then not held out):
+
+- ``flip``: horizontal flip;
+- ``shift``: translation by 6 % of the side (the augmentation's maximum) with zero fill;
+- ``rotate+shift``: 10 degrees and 6 %, zero fill.
+
+Reported per run and transform: the mean change of p(class) over the images, for each class, pooled over the sites,
+with a 95 % percentile-bootstrap CI over images (sites resampled jointly with the images of each), and the sites'
+augmented classes (from the run's resolved site configs). No shortcut: changes near 0 and of no consistent sign.
+
+    PYTHONPATH=$PWD python benchmarks/shortcut_probe.py runs/ohfl_auto_s0 runs/ohfl_all_s0 --labels binary
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TRANSFORMS = ("flip", "shift", "rotate+shift")
+
+
+def transform(X, name: str):
+    """``X (N, 1, S, S)`` flipped / shifted by 6 % of S / rotated 10 degrees and shifted, zero fill."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    if name == "flip":
+        return torch.flip(X, dims=[-1])
+    angle = math.radians(10.0) if name == "rotate+shift" else 0.0
+    t = 2 * 0.06  # 6 % of the side in normalised [-1, 1] coordinates
+    theta = torch.tensor([[math.cos(angle), -math.sin(angle), t], [math.sin(angle), math.cos(angle), t]],
+                         dtype=X.dtype).expand(X.shape[0], 2, 3)
+    grid = F.affine_grid(theta, list(X.shape), align_corners=False)
+    return F.grid_sample(X, grid, padding_mode="zeros", align_corners=False)
+
+
+def site_shifts(run: Path, labels: str, data_root: Path, kind: str = "deployed") -> dict:
+    """``{site: {"augment_classes", "minority", "y", "p": {name: (N, C) probabilities}}}`` for every site model of
+    ``kind`` (``RUN/models/<site>_<kind>.pt``: deployed / local / federated)."""
+    import torch
+
+    from chest_xray import default_augment_classes, label_index, make_site_dataset, read_site_manifest
+    from chest_xray.splits import split_rows
+    from nvflare_jobs.evaluation import load_model_file
+    from nvflare_jobs.proto_eval import _load_site_model
+
+    rows = [{"path": str(data_root / r["path"]), "label": label_index(r["label"], r["path"], labels)}
+            for r in split_rows("tuning")]
+    y = np.array([r["label"] for r in rows])
+    xs: dict[int, torch.Tensor] = {}
+    out = {}
+    for f in sorted((run / "models").glob(f"*_{kind}.pt")):
+        site = f.stem.rpartition("_")[0]
+        try:
+            model, header = _load_site_model(f, load_model_file)
+        except (ValueError, OSError, RuntimeError, KeyError) as e:
+            print(f"shortcut_probe: {f}: cannot load the model ({str(e).splitlines()[0] if str(e) else e!r})",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        size = int(header.get("input_size") or 64)
+        if size not in xs:
+            ds = make_site_dataset(rows, size, "eval")
+            xs[size] = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+        cfg = run / "resolved_configs" / f"{site}.json"
+        conf = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        aug = conf.get("augment_classes")
+        man = (conf.get("data") or {}).get("manifest")
+        minority = []
+        if man and Path(man).is_file():  # the classes `auto` augments at this site (same partition in every arm)
+            minority = default_augment_classes([r for r in read_site_manifest(man) if r["split"] == "train"])
+        p = {}
+        with torch.no_grad():
+            for name in ("none", *TRANSFORMS):
+                X = xs[size] if name == "none" else transform(xs[size], name)
+                p[name] = torch.cat([torch.softmax(model(X[i:i + 256]), 1) for i in range(0, len(X), 256)]).numpy()
+        out[site] = {"augment_classes": aug, "minority": minority, "y": y, "p": p}
+        print(f"[shortcut_probe] {run.name} {site} ({kind}): {size} px, augment_classes {aug}, training minority {minority}",
+              flush=True)
+    return out
+
+
+def summary(sites: dict, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean change of p(the site's training minority classes) (transformed - original) pooled over the sites that
+    have a minority class, per transform, with a bootstrap CI (sites resampled, then images within each); per-site
+    means alongside. A shortcut learnt from minority-only augmentation shows as a positive change."""
+    rng = np.random.default_rng(seed)
+    names = sorted(s for s in sites if sites[s]["minority"])
+    res = {}
+    for t in TRANSFORMS:
+        d = {s: (sites[s]["p"][t] - sites[s]["p"]["none"])[:, sites[s]["minority"]].sum(1, keepdims=True)
+             for s in names}  # (N, 1) per site
+        point = np.mean([d[s].mean(0) for s in names], axis=0)
+        boots = []
+        for _ in range(n_boot):
+            ss = rng.choice(names, len(names))
+            boots.append(np.mean([d[s][rng.integers(0, len(d[s]), len(d[s]))].mean(0) for s in ss], axis=0))
+        lo, hi = np.percentile(np.asarray(boots), [2.5, 97.5], axis=0)
+        res[t] = {"mean_change": float(point[0]), "ci_low": float(lo[0]), "ci_high": float(hi[0]),
+                  "per_site": {s: float(d[s].mean()) for s in names}}
+    return res
+
+
+def untransformed_scores(sites: dict) -> dict:
+    """Mean over site models of balanced accuracy and macro AUC on the untransformed images (the tuning part)."""
+    from hfl_components.training.site_paired import site_metric
+
+    out = {}
+    for m in ("balanced_accuracy", "auc"):
+        out[m] = float(np.nanmean([site_metric(m, v["y"], v["p"]["none"]) for v in sites.values()]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="run folders (cxr-hfl simulate --out) with models/<site>_deployed.pt")
+    ap.add_argument("--labels", default="binary", choices=("binary", "subtype"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--kinds", default="local,deployed", help="model files to probe, comma-separated: local (trained "
+                    "on the site's data alone), federated, deployed (what the site keeps) (default: %(default)s)")
+    ap.add_argument("--json", help="write the summaries here")
+    a = ap.parse_args(argv)
+    for r in a.runs:
+        if not any(Path(r, "models").glob("*.pt")):
+            print(f"shortcut_probe: {r}: no models/<site>_<kind>.pt (a finished cxr-hfl simulate run?)",
+                  file=sys.stderr)
+            raise SystemExit(2)
+    if not Path(a.data).is_dir():
+        print(f"shortcut_probe: no chest_xray_224 root at {a.data} (--data)", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(2)
+    allres = {}
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not kinds or not set(kinds) <= {"local", "federated", "deployed"}:
+        print(f"shortcut_probe: --kinds must list local / federated / deployed, got {a.kinds!r}", file=sys.stderr)
+        raise SystemExit(2)
+    for r, kind in ((r, k) for r in a.runs for k in kinds):
+        sites = site_shifts(Path(r), a.labels, Path(a.data), kind)
+        if not sites:
+            print(f"[shortcut_probe] {r}: no models/*_{kind}.pt, skipped", file=sys.stderr)
+            continue
+        res = summary(sites)
+        key = f"{r} ({kind})"
+        allres[key] = {"augment_classes": {s: v["augment_classes"] for s, v in sites.items()}, "changes": res}
+        allres[key]["minority"] = {s: v["minority"] for s, v in sites.items()}
+        allres[key]["untransformed"] = untransformed_scores(sites)
+        print(f"\n{key}: augment_classes {allres[key]['augment_classes']}; training minority {allres[key]['minority']}")
+        u = allres[key]["untransformed"]
+        print(f"untransformed tuning images, mean over site models: balanced accuracy {u['balanced_accuracy']:.3f}, "
+              f"AUC {u['auc']:.3f}")
+        print("| transform | Δ p(site's minority classes) [95% CI] | per site |")
+        for t, v in res.items():
+            print(f"| {t} | {v['mean_change']:+.4f} [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}] | "
+                  + ", ".join(f"{s} {m:+.3f}" for s, m in v["per_site"].items()) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(allres, indent=1))
+
+
+if __name__ == "__main__":
+    main()

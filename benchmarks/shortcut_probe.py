@@ -123,8 +123,22 @@ def untransformed_scores(sites: dict) -> dict:
 
     out = {}
     for m in ("balanced_accuracy", "auc"):
-        out[m] = float(np.nanmean([site_metric(m, v["y"], v["p"]["none"]) for v in sites.values()]))
+        per = {s: float(site_metric(m, v["y"], v["p"]["none"])) for s, v in sites.items()}
+        out[m] = float(np.nanmean(list(per.values())))
+        out[f"{m}_per_site"] = per
     return out
+
+
+def paired_arms(a: list[dict], b: list[dict], metric: str, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Arm B - arm A of a per-site untransformed score, paired by (run index, site): ``a[i]`` and ``b[i]`` are the
+    ``untransformed`` summaries of the same seed's runs. Mean difference over the pairs with a 95 % percentile
+    bootstrap CI over the pairs."""
+    d = [b[i][f"{metric}_per_site"][s] - a[i][f"{metric}_per_site"][s]
+         for i in range(len(a)) for s in a[i][f"{metric}_per_site"] if s in b[i][f"{metric}_per_site"]]
+    d = np.asarray(d, np.float64)
+    idx = np.random.default_rng(seed).integers(0, d.size, (n_boot, d.size))
+    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
+    return {"n_pairs": int(d.size), "diff": float(d.mean()), "ci_low": float(lo), "ci_high": float(hi)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--kinds", default="local,deployed", help="model files to probe, comma-separated: local (trained "
                     "on the site's data alone), federated, deployed (what the site keeps) (default: %(default)s)")
+    ap.add_argument("--pair-arms", action="store_true", help="the runs are two arms of equal length in the same "
+                    "seed order (A A A B B B): also print B - A of the untransformed scores per model kind, paired by "
+                    "(seed, site)")
     ap.add_argument("--json", help="write the summaries here")
     a = ap.parse_args(argv)
     for r in a.runs:
@@ -170,6 +187,21 @@ def main(argv: list[str] | None = None) -> None:
         for t, v in res.items():
             print(f"| {t} | {v['mean_change']:+.4f} [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}] | "
                   + ", ".join(f"{s} {m:+.3f}" for s, m in v["per_site"].items()) + " |")
+    if a.pair_arms:
+        if len(a.runs) % 2:
+            print("shortcut_probe: --pair-arms needs an even number of runs (arm A's, then arm B's)", file=sys.stderr)
+            raise SystemExit(2)
+        h = len(a.runs) // 2
+        for kind in kinds:
+            ua = [allres.get(f"{r} ({kind})", {}).get("untransformed") for r in a.runs[:h]]
+            ub = [allres.get(f"{r} ({kind})", {}).get("untransformed") for r in a.runs[h:]]
+            if None in ua or None in ub:
+                continue
+            for m in ("balanced_accuracy", "auc"):
+                d = paired_arms(ua, ub, m)
+                allres[f"paired {kind} {m}"] = d
+                print(f"{kind} {m}: B - A {d['diff']:+.4f} [95% CI {d['ci_low']:+.4f}, {d['ci_high']:+.4f}] over "
+                      f"{d['n_pairs']} (seed, site) pairs")
     if a.json:
         Path(a.json).write_text(json.dumps(allres, indent=1))
 

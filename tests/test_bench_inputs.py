@@ -243,3 +243,16 @@ def test_shortcut_probe_transforms_and_pooled_change(monkeypatch):
     res = summary(sites, n_boot=50)
     assert res["flip"]["mean_change"] == pytest.approx((0.3 + 0.0) / 2)  # site c (no minority class) is left out
     assert res["flip"]["per_site"] == pytest.approx({"a": 0.3, "b": 0.0})
+
+
+def test_shortcut_probe_paired_arms_hand_case(monkeypatch):
+    """B - A paired by (run, site): differences +0.1, +0.3 (run 0) and -0.1 (run 1) -> mean +0.1; a site missing
+    from arm B is not a pair."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from shortcut_probe import paired_arms
+
+    a = [{"auc_per_site": {"s1": 0.5, "s2": 0.5, "s3": 0.9}}, {"auc_per_site": {"s1": 0.8}}]
+    b = [{"auc_per_site": {"s1": 0.6, "s2": 0.8}}, {"auc_per_site": {"s1": 0.7}}]
+    d = paired_arms(a, b, "auc")
+    assert d["n_pairs"] == 3 and d["diff"] == pytest.approx(0.1)
+    assert -0.1 - 1e-9 <= d["ci_low"] <= d["diff"] <= d["ci_high"] <= 0.3 + 1e-9

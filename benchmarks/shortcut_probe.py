@@ -3,20 +3,24 @@
 With ``augment_classes: auto`` only a site's minority classes are flipped / rotated / shifted during training (zero
 padding at the borders), so a flipped or black-bordered image is, in training, always a minority-class image. A model
 that learnt that shortcut moves its probabilities towards those classes when a *real* image is flipped or shifted.
-This script measures that move: every deployed site model of one or more runs (``RUN/models/<site>_deployed.pt``,
-the model each site keeps) scores the committed ``tuning`` part of ``chest_xray_224`` (the labelled part on which
+This script measures that move: every site model of one or more runs (``RUN/models/<site>_<kind>.pt``; ``--kinds``,
+default ``local`` = trained on the site's data alone and ``deployed`` = the model each site keeps) scores the committed ``tuning`` part of ``chest_xray_224`` (the labelled part on which
 defaults may be chosen; never the ``evaluation`` part) as it is and transformed like the training augmentation. For
 the main job (sites on ``chest_xray_original``) no site trained on these images; the prototype methods' sites are built
 from the tuning + probe parts, so for them the probe includes their own training images (the changes still measure a
 shortcut; the untransformed scores are then not held out):
 
 - ``flip``: horizontal flip;
-- ``shift``: translation by 6 % of the side (the augmentation's maximum) with zero fill;
-- ``rotate+shift``: 10 degrees and 6 %, zero fill.
+- ``shift``: translation by 6 % of the side along both axes at once (the augmentation's per-axis maximum; the
+  content moves up-left, black bands at the right and bottom) with zero fill;
+- ``rotate+shift``: 10 degrees and the same shift, zero fill.
 
-Reported per run and transform: the mean change of p(class) over the images, for each class, pooled over the sites,
-with a 95 % percentile-bootstrap CI over images (sites resampled jointly with the images of each), and the sites'
-augmented classes (from the run's resolved site configs). No shortcut: changes near 0 and of no consistent sign.
+Reported per run, model kind and transform: the change of p(the site's training minority classes, as ``auto``
+resolves them from the site's manifest; summed when several), averaged over the images, then over the sites that
+have a minority class, with a 95 % percentile-bootstrap CI (sites resampled, then images within each site
+independently; every site scores the same images, so the image part of the CI is somewhat narrow); the runs'
+``augment_classes`` setting; and the untransformed images' balanced accuracy / AUC. ``--pair-arms``: two arms'
+untransformed scores paired by (seed, site). No shortcut: changes near 0 and of no consistent sign.
 
     PYTHONPATH=$PWD python benchmarks/shortcut_probe.py runs/ohfl_auto_s0 runs/ohfl_all_s0 --labels binary
 """

@@ -108,7 +108,9 @@ def test_fewer_than_min_sites_exits_non_zero_and_names_the_site(partition3, tmp_
 
 
 def test_sigterm_stops_the_whole_tree_and_a_rerun_says_how_to_replace(partition3, tmp_path):
-    profile = make_profile(partition3, tmp_path / "profile", "local", local_epochs=50)
+    # enough epochs that the run cannot finish before every site has reported progress (with 50, an idle machine
+    # once finished the whole 2-round run between two polls of status.json); SIGTERM ends it long before that
+    profile = make_profile(partition3, tmp_path / "profile", "local", local_epochs=2000)
     run = tmp_path / "run"
     proc = _start("simulate", "--method", "local", "--profile", str(profile), "--rounds", "2", "--out", str(run))
     try:
@@ -135,7 +137,9 @@ def test_sigterm_stops_the_whole_tree_and_a_rerun_says_how_to_replace(partition3
 def test_sigterm_on_compare_stops_every_run_process_and_a_rerun_resumes(data_root, tmp_path):
     out = tmp_path / "cmp"
     proc = _start("compare", "--methods", "local", "--data", str(data_root / "chest_xray_original"), "--sites", "3",
-                  "--max-images", "90", "--max-train-images", "16", "--local-epochs", "50", "--out", str(out))
+                  "--max-images", "90", "--max-train-images", "16", "--local-epochs", "2000", "--out", str(out))
+    # 2000 epochs: the run must still be training when every site has reported (50 could finish between two polls
+    # on an idle machine); SIGTERM ends it, and the rerun below is a dry run
     run = out / "seed0" / "local"
     try:
         assert _wait_for(lambda: len((read_status(run).get("sites") or {})) == 3, proc, timeout=400), proc.communicate()

@@ -60,28 +60,28 @@ def site_shifts(run: Path, labels: str, data_root: Path, kind: str = "deployed")
     ``kind`` (``RUN/models/<site>_<kind>.pt``: deployed / local / federated)."""
     import torch
 
-    from chest_xray import default_augment_classes, label_index, make_site_dataset, read_site_manifest
+    from chest_xray import default_augment_classes, label_index, read_site_manifest
     from chest_xray.splits import split_rows
-    from nvflare_jobs.evaluation import load_model_file
-    from nvflare_jobs.proto_eval import _load_site_model
+    from nvflare_jobs.proto_eval import image_tensor, load_site_model
 
     rows = [{"path": str(data_root / r["path"]), "label": label_index(r["label"], r["path"], labels)}
             for r in split_rows("tuning")]
     y = np.array([r["label"] for r in rows])
-    xs: dict[int, torch.Tensor] = {}
+    xs: dict[tuple[int, str], torch.Tensor] = {}  # (input size, transform) -> images, shared by the site models
     out = {}
     for f in sorted((run / "models").glob(f"*_{kind}.pt")):
         site = f.stem.rpartition("_")[0]
         try:
-            model, header = _load_site_model(f, load_model_file)
+            model, header = load_site_model(f)
         except (ValueError, OSError, RuntimeError, KeyError) as e:
             print(f"shortcut_probe: {f}: cannot load the model ({str(e).splitlines()[0] if str(e) else e!r})",
                   file=sys.stderr)
             raise SystemExit(2)
         size = int(header.get("input_size") or 64)
-        if size not in xs:
-            ds = make_site_dataset(rows, size, "eval")
-            xs[size] = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+        if (size, "none") not in xs:
+            xs[(size, "none")] = image_tensor(rows, size)
+            for name in TRANSFORMS:
+                xs[(size, name)] = transform(xs[(size, "none")], name)
         cfg = run / "resolved_configs" / f"{site}.json"
         conf = json.loads(cfg.read_text()) if cfg.is_file() else {}
         aug = conf.get("augment_classes")
@@ -92,7 +92,7 @@ def site_shifts(run: Path, labels: str, data_root: Path, kind: str = "deployed")
         p = {}
         with torch.no_grad():
             for name in ("none", *TRANSFORMS):
-                X = xs[size] if name == "none" else transform(xs[size], name)
+                X = xs[(size, name)]
                 p[name] = torch.cat([torch.softmax(model(X[i:i + 256]), 1) for i in range(0, len(X), 256)]).numpy()
         out[site] = {"augment_classes": aug, "minority": minority, "y": y, "p": p}
         print(f"[shortcut_probe] {run.name} {site} ({kind}): {size} px, augment_classes {aug}, training minority {minority}",

@@ -67,9 +67,7 @@ def site_logits(compare_dir: Path) -> list[dict]:
             file or validation image cannot be read (named)."""
     import torch
 
-    from chest_xray import make_site_dataset
-    from nvflare_jobs.evaluation import load_model_file
-    from nvflare_jobs.proto_eval import _load_site_model
+    from nvflare_jobs.proto_eval import image_tensor, load_site_model
 
     if not compare_dir.is_dir():
         raise InputError(f"no folder {compare_dir}")
@@ -99,14 +97,13 @@ def site_logits(compare_dir: Path) -> list[dict]:
                 if not f.is_file():
                     continue
                 try:
-                    model, header = _load_site_model(f, load_model_file)
+                    model, header = load_site_model(f)
                 except (ValueError, OSError, RuntimeError, KeyError) as e:
                     raise InputError(f"{f}: cannot load the model ({str(e).splitlines()[0] if str(e) else e!r})")
                 size = int(header.get("input_size") or 64)
                 if size not in x_by_size:
                     try:
-                        ds = make_site_dataset(val, size, "eval")
-                        x_by_size[size] = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+                        x_by_size[size] = image_tensor(val, size)
                     except Exception as e:  # MONAI wraps the reader's error: name the seed, keep the first line
                         raise InputError(f"{seed_dir.name}: a validation image could not be read "
                                          f"({str(e).splitlines()[0]})")

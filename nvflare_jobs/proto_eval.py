@@ -33,7 +33,7 @@ def eval_part_tensors(cache_dir: Path, size: int, data_root: Path | None = None)
     ``cache_dir/evaluation_part_s<S>.pt``. Raises FileNotFoundError when no ``chest_xray_224`` root is found."""
     import torch
 
-    from chest_xray import label_index, make_site_dataset
+    from chest_xray import label_index
     from chest_xray.splits import split_rows
 
     f = Path(cache_dir) / f"evaluation_part_s{int(size)}.pt"
@@ -49,12 +49,30 @@ def eval_part_tensors(cache_dir: Path, size: int, data_root: Path | None = None)
         raise FileNotFoundError(f"no chest_xray_224 root at {data_root} for the evaluation part")
     rows = [{"path": str(data_root / r["path"]), "label": label_index(r["label"], r["path"], "subtype")}
             for r in split_rows("evaluation")]
-    ds = make_site_dataset(rows, int(size), "eval")
-    X = torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+    X = image_tensor(rows, int(size))
     y = torch.as_tensor([r["label"] for r in rows], dtype=torch.int64)
     f.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"X": X, "y": y}, f)
     return X, y.numpy(), None
+
+
+def image_tensor(rows: list[dict], size: int):
+    """``X (N, 1, S, S)`` float32: the images of manifest ``rows`` (``path``, ``label``) through a site's eval
+    transform at input size ``size`` (:func:`chest_xray.make_site_dataset`), in row order."""
+    import torch
+
+    from chest_xray import make_site_dataset
+
+    ds = make_site_dataset(rows, int(size), "eval")
+    return torch.stack([torch.as_tensor(ds[i]["image"]) for i in range(len(ds))])
+
+
+def load_site_model(f: Path):
+    """``(model in eval mode, header)`` of a site model file (``RUN/models/<site>_<kind>.pt``), current or
+    pre-safetensors format. Raises ValueError (one line naming the file) for a file that is not a cxr-hfl model."""
+    from nvflare_jobs.evaluation import load_model_file
+
+    return _load_site_model(Path(f), load_model_file)
 
 
 def site_train_classes(run: Path) -> dict[str, list[int]]:

@@ -34,19 +34,19 @@ def check_fedavg_upload(params: dict, meta: dict, ctx: dict) -> None:
 
 
 def check_model_upload(params: dict, meta: dict, ctx: dict) -> None:
-    """OHFL: the uploaded state fits the fusable spec in ``meta["spec"]`` with a positive ``meta["n_train"]``
-    (``hfl_components.fusion.validate_upload``, OHFL Sec. 3).
+    """OHFL: the uploaded state fits the spec in ``meta["spec"]`` (any catalogue family) with a positive
+    ``meta["n_train"]`` (``hfl_components.fusion.validation.validate_model_upload``, OHFL Sec. 3).
 
     Raises:
         ValueError: from ``validate_upload`` (unknown spec, missing keys, shapes, non-finite values, count).
     """
     import torch
 
-    from hfl_components.fusion import validate_upload
+    from hfl_components.fusion.validation import validate_model_upload
 
     meta = meta or {}
     state = {k: torch.as_tensor(np.asarray(v)) for k, v in (params or {}).items()}
-    validate_upload(meta.get("spec"), state, meta.get("n_train", 0))
+    validate_model_upload(meta.get("spec"), state, meta.get("n_train", 0))
 
 
 def check_prototype_upload(params: dict, meta: dict, ctx: dict) -> None:

@@ -188,7 +188,8 @@ _OHFL = (
     Option("gate", bool, True, None,
            "deployment gate: a site deploys the federated model only if it beats the site's own local model on its "
            "validation split, otherwise it keeps its local model and says so", cli_default=None),
-    Option("probe", str, None, None, "folder/CSV of public images for CKA, or 'generated' (default: "
+    Option("probe", str, None, None, "folder/CSV of public images for CKA and distillation, 'generated', or 'none' "
+           "(no public images: needs --data-free) (default: "
            "../shared/data/chest_xray_224 beside chest_xray_original)",
            required="OHFL needs a probe set of public images for CKA (--probe DIR or --probe generated)"),
     Option("probe_size", int, 64, None, "probe images for CKA and repair",
@@ -202,6 +203,20 @@ _OHFL = (
     Option("server_device", str, "auto", None, "where the server runs OHFL's fusion probe passes (CKA, repair): "
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
+    Option("distill_steps", int, 100, None, "after fusion, at most this many steps of ensemble distillation of every "
+           "upload into each architecture's global model on the probe pool (FedDF); 0 = fusion alone "
+           "(docs/decisions.md)", cli_default=None, check=_non_negative("distill steps")),
+    Option("distill_temperature", float, 2.0, None, "temperature of the distillation's soft targets (Hinton et al.)",
+           check=lambda v: None if 0 < v < math.inf else f"must be a finite number > 0, got {v}"),
+    Option("distill_weights", str, "samples", ("samples", "score", "equal"),
+           "teacher weights: training samples, validation AUC above chance, or equal"),
+    Option("distill_augment", bool, True, None, "the sites' augmentation on the distillation images"),
+    Option("distill_probe_size", int, 320, None, "probe images for distillation (a fifth held aside to stop early)",
+           check=lambda v: None if v >= 10 else f"needs at least 10 images, got {v}"),
+    Option("data_free", bool, False, None, "distil on generator images (DENSE) instead of the probe pool; required "
+           "with --probe none", cli_default=None),
+    Option("data_free_rounds", int, 20, None, "budget cap of the data-free distillation (generator/student rounds)",
+           check=_non_negative("data-free rounds")),
 )
 # lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
 _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "

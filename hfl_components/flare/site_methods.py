@@ -119,7 +119,14 @@ def ohfl_finetune(rt, params, meta):
     so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
     ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
     tc = meta.get("task_config", {})
-    rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
+    if meta.get("site_groups"):  # a job of several architecture groups: this site's group's global model
+        group = meta["site_groups"].get(rt.site)
+        if group is None or group not in meta.get("global_specs", {}):
+            raise ValueError(f"site {rt.site}: the server sent no global model for this site's architecture "
+                             f"({rt.cfg['model'].get('family')!r})")
+        rt.set_model(meta["global_specs"][group], from_numpy_state(params, f"{GLOBAL_PREFIX}{group}/"))
+    else:
+        rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")
     hist = rt.train(_epochs(rt, tc, "finetune_epochs", "finetune_epochs"), float(tc.get("finetune_lr") or rt.cfg["finetune_lr"]),
                     tag="finetune")

@@ -56,3 +56,50 @@ def validate_upload(spec, state_dict, n_samples) -> dict[str, torch.Tensor]:
             raise ValueError(f"{k}: contains non-finite values (NaN/Inf)")
         out[k] = v.detach().to("cpu", torch.float32).clone()
     return out
+
+
+def validate_model_upload(spec, state_dict, n_samples) -> dict[str, torch.Tensor]:
+    """Check one site's upload of any catalogue family (OHFL with distillation: every family can join).
+
+    Fusable specs go through :func:`validate_upload`; any other family is rebuilt with
+    ``hfl_components.models.build_model`` and its state dict compared key by key and shape by shape; integer
+    buffers (BatchNorm's ``num_batches_tracked``) travel as floats and must hold whole, non-negative numbers.
+
+    Returns:
+        dict key -> CPU tensor (float32; integer buffers in their model dtype).
+
+    Raises:
+        ValueError: an unknown family / invalid spec (naming the family), missing or unexpected keys, a shape that
+            differs, a non-finite value, a non-integer count buffer, a non-positive sample count.
+    """
+    if isinstance(spec, dict) and is_fusable(spec):
+        return validate_upload(spec, state_dict, n_samples)
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or int(n_samples) <= 0:
+        raise ValueError(f"sample count must be a positive integer, got {n_samples!r}")
+    from hfl_components.models.registry import build_model
+
+    fam = spec.get("family") if isinstance(spec, dict) else type(spec).__name__
+    try:
+        expected = build_model(spec).state_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"invalid model spec (family {fam!r}): {e}") from e
+    if not hasattr(state_dict, "keys"):
+        raise ValueError(f"state dict must be a mapping, got {type(state_dict).__name__}")
+    missing = sorted(set(expected) - set(state_dict))
+    extra = sorted(set(state_dict) - set(expected))
+    if missing or extra:
+        raise ValueError(f"state dict keys do not match the spec: missing {missing[:5]}, unexpected {extra[:5]}")
+    out: dict[str, torch.Tensor] = {}
+    for k, ref in expected.items():
+        v = torch.as_tensor(np.asarray(state_dict[k]))
+        if tuple(v.shape) != tuple(ref.shape):
+            raise ValueError(f"{k}: shape {tuple(v.shape)} does not match {tuple(ref.shape)} of the spec")
+        if not torch.isfinite(v.double()).all():
+            raise ValueError(f"{k}: contains non-finite values (NaN/Inf)")
+        if not torch.is_floating_point(ref):
+            if (v.double() != v.double().round()).any() or (v.double() < 0).any():
+                raise ValueError(f"{k}: an integer buffer must hold whole non-negative numbers")
+            out[k] = v.to(ref.dtype)
+        else:
+            out[k] = v.detach().to("cpu", torch.float32).clone()
+    return out

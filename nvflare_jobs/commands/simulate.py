@@ -19,7 +19,7 @@ OHFL_DEFAULTS = {o.key: o.default for o in catalogue.entry("ohfl").options
 # The OHFL paper's pipeline (paper 003, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
 PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
          "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
-         "finetune_epochs": 50}
+         "finetune_epochs": 50, "distill_steps": 0}
 ABLATIONS = catalogue.TOPOLOGY_ABLATIONS
 
 
@@ -112,7 +112,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OHFL")
     g.add_argument("--paper", action="store_true",
                    help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
-                        "the largest size, per-site initialisation, no gate, 20 local + 50 fine-tuning epochs")
+                        "the largest size, per-site initialisation, no gate, no distillation, 20 local + 50 fine-tuning "
+                        "epochs")
     g.add_argument("--no-repair", dest="repair", action="store_const", const="none", help="same as --repair none")
 
 
@@ -325,7 +326,7 @@ def _options(args, data_root, part_dir) -> dict:
             raise SystemExit("cxr-hfl: OHFL needs a public probe set for CKA: pass --probe DIR (public images, no "
                              "site's patients), a probe.csv from `cxr-hfl partition --probe-fraction`, or "
                              "--probe generated")
-    if probe and probe != "generated":
+    if probe and probe not in ("generated", "none"):
         probe = str(Path(probe).resolve())
         if not Path(probe).exists():
             raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
@@ -348,7 +349,7 @@ def run_simulate(args) -> int:
     t0 = time.perf_counter()
     if args.sites < 1:
         raise ValueError(f"--sites must be at least 1, got {args.sites}")
-    if args.probe and args.probe != "generated" and not Path(args.probe).exists():
+    if args.probe and args.probe not in ("generated", "none") and not Path(args.probe).exists():
         raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
                                 "or 'generated')")
     run_dir = Path(args.out).resolve()

@@ -61,6 +61,32 @@ class ProbePreloader:
 
 _PRELOADER_LOCK = threading.Lock()
 
+NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
+def _catalogue_default(key: str):
+    from hfl_components.flare.catalogue import entry
+
+    return entry("ohfl").option(key).default
+
+
+# Default distillation budget: steps of the server's ensemble distillation after fusion (the catalogue's option;
+# docs/decisions.md).
+DISTILL_STEPS = _catalogue_default("distill_steps")
+# Wall-clock caps of the server's distillation (each architecture group): the probe loop and the data-free loop.
+DISTILL_MAX_SECONDS = 120.0
+DATA_FREE_MAX_SECONDS = 120.0
+
+
+def check_probe_or_data_free(probe, data_free, distill_steps) -> None:
+    """Refuse a job with no probe pool (``probe == "none"``) whose distillation is not data-free.
+
+    Raises:
+        ValueError: one line naming the option (``--data-free``) and the alternative (``--probe``).
+    """
+    steps = DISTILL_STEPS if distill_steps is None else int(distill_steps)
+    if str(probe) == NO_PROBE and not data_free and steps > 0:
+        raise ValueError("OHFL: no probe pool (--probe none) and the data-free option is off: pass --data-free "
+                         "(distil on generator images) or --probe DIR (public images)")
+
 
 # ============================================================================ OHFL
 class OHFLController(HFLController):
@@ -88,8 +114,21 @@ class OHFLController(HFLController):
         probe_at (str): ``largest`` (every model probed at the largest site input size) | ``own`` (each model at
             its own input size, the same images; fused models at their target's size). Default ``own``.
 
-        fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair):
-            ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
+        fusion_device (str): where the server runs the probe forward passes of fusion (CKA, repair) and the
+            distillation: ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
+        distill_steps (int): after fusion, at most this many steps of ensemble distillation into each
+            architecture group's global model (``hfl_components.flare.distill_stage``, FedDF, Lin et al. 2020,
+            arXiv:2006.07242); 0 = fusion alone (the paper). Default :data:`DISTILL_STEPS` (docs/decisions.md).
+        distill_temperature (float): T of the soft targets (Hinton et al. 2015, arXiv:1503.02531). Default 2.
+        distill_weights (str): teacher weights ``samples`` | ``score`` (validation AUC above chance) | ``equal``.
+        distill_augment (bool): the sites' augmentation on the distillation images. Default True.
+        distill_probe_size (int): probe images for distillation (the first ``probe_size`` of them are the fusion
+            probe; a fifth is held aside to decide when to stop). Default 320 (the committed probe part).
+        data_free (bool): distil on generator images instead (DENSE, Zhang et al. 2022, arXiv:2112.12371;
+            ``hfl_components.fusion.datafree``), capped at ``data_free_rounds`` rounds and
+            :data:`DATA_FREE_MAX_SECONDS`. With ``probe="none"`` it is required. Default False.
+        data_free_rounds (int): the data-free budget cap. Default 20.
+        site_specs (dict): {site: model spec} of the job's profile (a family with no upload gets a fresh model).
 
     Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
     job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
@@ -103,8 +142,19 @@ class OHFLController(HFLController):
                  ground_metric: str = "acts", probe_size: int = 64, weighting: str = "samples",
                  repair: str | bool = "channel", num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
                  task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, cka: str = "linear",
-                 probe_at: str = "own", fusion_device: str = "auto"):
+                 probe_at: str = "own", fusion_device: str = "auto", distill_steps: int | None = None,
+                 distill_temperature: float = 2.0, distill_weights: str = "samples", distill_augment: bool = True,
+                 distill_probe_size: int = 320, data_free: bool = False, data_free_rounds: int = 20,
+                 site_specs: dict | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+        self.distill_steps = DISTILL_STEPS if distill_steps is None else distill_steps
+        self.distill_temperature = distill_temperature
+        self.distill_weights = distill_weights
+        self.distill_augment = distill_augment
+        self.distill_probe_size = distill_probe_size
+        self.data_free = data_free
+        self.data_free_rounds = data_free_rounds
+        self.site_specs = dict(site_specs or {})
         from hfl_components.training.device import check_device_name
 
         try:
@@ -142,9 +192,15 @@ class OHFLController(HFLController):
 
         names: list = []
         warns: list = []
-        x = load_probe(self.probe, size, self.probe_size, in_channels=self._in_channels, seed=self.seed,
-                       warn=warns.append, files_out=names)
+        n = max(int(self.probe_size), int(self.distill_probe_size) if self._distill_on_probe else 0)
+        x = load_probe("generated" if self.probe == NO_PROBE else self.probe, size, n,
+                       in_channels=self._in_channels, seed=self.seed, warn=warns.append, files_out=names)
         return x, names, warns
+
+    @property
+    def _distill_on_probe(self) -> bool:
+        """The distillation reads the probe pool (not data-free, and steps to run)."""
+        return int(self.distill_steps) > 0 and not self.data_free and self.probe != NO_PROBE
 
     _in_channels = 1  # the sites' image channels (from their specs; set when the first upload arrives)
 
@@ -161,55 +217,151 @@ class OHFLController(HFLController):
 
     OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
 
+    def check_options(self) -> dict:
+        """The catalogue check, then the one cross-option rule: without a probe pool (``probe="none"``) the
+        distillation must be data-free (or off). Raises ValueError naming the option."""
+        checked = super().check_options()
+        check_probe_or_data_free(self.probe, self.data_free, self.distill_steps)
+        from hfl_components.flare.distill_stage import check_buildable
+
+        check_buildable(self.site_specs)
+        return checked
+
     @classmethod
     def from_options(cls, method, profile, opts, common, task_config):
-        from hfl_components.models import is_fusable
+        from hfl_components.flare.distill_stage import check_buildable
 
-        for site, cfg in profile.items():
-            if not is_fusable(cfg["model"]):
-                raise ValueError(f"OHFL needs fusable cnn/vgg11 models; site {site} has {cfg['model']}")
+        site_specs = {site: cfg["model"] for site, cfg in profile.items()}
+        check_buildable(site_specs)  # before any site trains: the site and its family are named
+        check_probe_or_data_free(opts["probe"], opts.get("data_free"), opts.get("distill_steps"))
         common = {**common, "num_rounds": 1}
         return cls(probe=str(opts["probe"]), strategy=opts["strategy"], alignment=opts["alignment"],
                    ot_solver=opts["ot"], ground_metric=opts["ground_metric"], probe_size=int(opts["probe_size"]),
                    weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
                    fusion_device=opts["server_device"] or "auto",
+                   distill_steps=opts.get("distill_steps"), distill_temperature=opts.get("distill_temperature", 2.0),
+                   distill_weights=opts.get("distill_weights", "samples"),
+                   distill_augment=bool(opts.get("distill_augment", True)),
+                   distill_probe_size=opts.get("distill_probe_size", 320), data_free=bool(opts.get("data_free")),
+                   data_free_rounds=opts.get("data_free_rounds", 20), site_specs=site_specs,
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
                                 "gate": bool(opts["gate"])}, **common)
 
-    def run_method(self):
-        from hfl_components.flare.messages import from_numpy_state, to_numpy_state
-        from hfl_components.fusion import aggregate_models
 
-        uploads = self.broadcast("ohfl_train", 0)
-        models = []
-        for site, r in uploads.items():
-            self.record["sites"].setdefault(site, {})["local"] = _jsonable((r.metrics or {}).get("local"))
-            models.append({"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
-                           "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
-                           "input_size": int(r.meta.get("input_size", 64))})
+    def _probe_for(self, models: list) -> tuple[dict, list]:
+        """The probe images at every input size of ``models`` (and of the sites that did not upload):
+        ({size: tensor (n, C, S, S)}, file names). Records ``server_seconds.probe`` / ``probe_wait`` and
+        ``record["probe"]``."""
         sizes = sorted({m["input_size"] for m in models})
-        self.set_phase("probing")
         in_ch = int(models[0]["spec"].get("in_channels", 1))
         if in_ch != self._in_channels:  # never preloaded (see on_site_result)
             self._in_channels = in_ch
-        loaded = {sz: self._probes.get(sz) for sz in (sizes if self.probe_at == "own" else sizes[-1:])}
+        loaded = {sz: self._probes.get(sz) for sz in sizes}
         self._probes.close()
         names = loaded[sizes[-1]][1]
         for w in loaded[sizes[-1]][2]:
             self.warning(w)
-        probe = {sz: v[0] for sz, v in loaded.items()}
-        if self.probe_at == "largest":
-            probe = probe[sizes[-1]]
         # 'probe': the seconds spent preparing the probe (partly during round 0, in the background thread);
         # 'probe_wait': how long the server waited for it after the last upload
         self.record["server_seconds"]["probe"] = self._probes.seconds
         self.record["server_seconds"]["probe_wait"] = self._probes.waited
         self.record["probe"] = {"source": str(self.probe), "n": len(names) if names else self.probe_size,
-                                "sizes": sizes if self.probe_at == "own" else sizes[-1:], "files": names}
+                                "n_fusion": min(int(self.probe_size), len(names) if names else self.probe_size),
+                                "sizes": sizes, "files": names}
+        return {sz: v[0] for sz, v in loaded.items()}, names
+
+    def _fuse_group(self, models: list, probe_all: dict, device) -> tuple[dict, dict, dict]:
+        """Today's CKA + OT + CID fusion of one fusable group (``hfl_components.fusion.aggregate_models``)."""
+        from hfl_components.fusion import aggregate_models
+
+        sizes = sorted({m["input_size"] for m in models})
+        n = int(self.probe_size)
+        probe = {sz: probe_all[sz][:n] for sz in sizes}
+        if self.probe_at == "largest":
+            probe = probe[sizes[-1]]
         shape = {k: tuple(v.shape) for k, v in probe.items()} if isinstance(probe, dict) else tuple(probe.shape)
         self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
                   f"{self.alignment} ({self.cka} CKA), OT {self.ot_solver}/{self.ground_metric}, repair {self.repair}, "
                   f"probe {shape}")
+        return aggregate_models(models, strategy=self.strategy, probe=probe, alignment=self.alignment,
+                                ot_solver=self.ot_solver, ground_metric=self.ground_metric, weighting=self.weighting,
+                                seed=self.seed, repair=self.repair, cka=self.cka, device=device)
+
+    def _distill(self, students: dict, uploads: dict, probe_all: dict, device) -> dict:
+        """Ensemble distillation into every group's student, in place of its state dict; returns the records."""
+        from hfl_components.flare import distill_stage as ds
+        from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
+        from hfl_components.fusion.distill import DistillConfig, distill
+
+        teachers = ds.teachers_of(uploads)
+        weights = ds.weights_of(uploads, self.distill_weights)
+        recs = {}
+        for k, (g, st) in enumerate(sorted(students.items())):
+            model = ds.student_model(st, self.seed + k)
+            sizes = sorted({int(uploads[s]["input_size"]) for s in st["sites"] if s in uploads}) or \
+                sorted({t.input_size for t in teachers})
+            if self.data_free:
+                cfg = DataFreeConfig(rounds=int(self.data_free_rounds), temperature=float(self.distill_temperature),
+                                     max_seconds=DATA_FREE_MAX_SECONDS, seed=self.seed + k)
+                rec = distill_data_free(model, sizes, teachers, weights, in_channels=int(self._in_channels),
+                                        num_classes=int(st["spec"].get("num_classes", 2)), config=cfg, device=device)
+                rec["mode"] = "data_free"
+            else:
+                cfg = DistillConfig(steps=int(self.distill_steps), temperature=float(self.distill_temperature),
+                                    augment=bool(self.distill_augment), max_seconds=DISTILL_MAX_SECONDS,
+                                    seed=self.seed + k)
+                rec = distill(model, sizes, teachers, probe_all, weights, cfg, device=device,
+                              log=lambda m, g=g: self.info(f"OHFL [{g}]: {m}")).as_dict()
+                rec["mode"] = "probe"
+            rec.update({"sizes": sizes, "start": st["start"], "sites": st["sites"],
+                        "teachers": [t.name for t in teachers], "teacher_weights": [float(w) for w in weights],
+                        "weighting": self.distill_weights})
+            st["state_dict"] = {kk: v.detach().cpu() for kk, v in model.state_dict().items()}
+            recs[g] = rec
+            self.info(f"OHFL [{g}]: distilled ({rec['mode']}) in {rec['seconds']:.1f} s from {st['start']}")
+        return recs
+
+    def _save_group_models(self, students: dict, suffix: str = "") -> None:
+        """One group: ``global_model.pt`` (distilled) / ``global_fused.pt`` (before distillation, ``suffix='_fused'``);
+        several: ``global_models/<group><suffix>.pt`` and ``global_models/groups.json`` ({group: {sites, sizes}})."""
+        from hfl_components.flare.messages import to_numpy_state
+        from hfl_components.models import save_model_file
+
+        if len(students) == 1:
+            (g, st), = students.items()
+            if suffix:
+                save_model_file(self.results_dir() / "global_fused.pt", st["spec"], to_numpy_state(st["state_dict"]),
+                                labels=self.record.get("labels"), kind="global",
+                                provenance={"method": self.method, "seed": self.seed})
+            else:
+                self.save_global_model(st["spec"], to_numpy_state(st["state_dict"]))
+            return
+        d = self.results_dir() / "global_models"
+        d.mkdir(exist_ok=True)
+        for g, st in students.items():
+            save_model_file(d / f"{g}{suffix}.pt", st["spec"], to_numpy_state(st["state_dict"]),
+                            labels=self.record.get("labels"), kind="global",
+                            provenance={"method": self.method, "seed": self.seed})
+
+    def run_method(self):
+        from hfl_components.flare import distill_stage as ds
+        from hfl_components.flare.messages import from_numpy_state, to_numpy_state
+
+        uploads_raw = self.broadcast("ohfl_train", 0)
+        models, uploads = [], {}
+        for site, r in uploads_raw.items():
+            self.record["sites"].setdefault(site, {})["local"] = _jsonable((r.metrics or {}).get("local"))
+            val = (r.metrics or {}).get("val") or {}
+            m = {"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
+                 "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
+                 "val_auc": val.get("auc"), "input_size": int(r.meta.get("input_size", 64))}
+            models.append(m)
+            uploads[site] = m
+        site_specs = {**self.site_specs, **{s: u["spec"] for s, u in uploads.items()}}
+        groups = ds.architecture_groups(site_specs)
+        self.record["groups"] = {g: sorted(s for s, k in groups.items() if k == g) for g in set(groups.values())}
+        self.set_phase("probing")
+        probe_all, _ = self._probe_for(models)
         from hfl_components.training.device import describe_device, resolve_device
 
         device = resolve_device(self.fusion_device)
@@ -217,18 +369,46 @@ class OHFLController(HFLController):
         self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
         self.set_phase("fusing (CKA layer alignment, OT neuron alignment, averaging, repair)")
         t0 = time.perf_counter()
-        spec, state, record = aggregate_models(models, strategy=self.strategy, probe=probe,
-                                               alignment=self.alignment, ot_solver=self.ot_solver,
-                                               ground_metric=self.ground_metric, weighting=self.weighting,
-                                               seed=self.seed, repair=self.repair, cka=self.cka, device=device)
+        fused, fusion_records = {}, {}
+        for g, sites in ds.fusable_groups(groups, uploads).items():
+            spec, state, record = self._fuse_group([uploads[s] for s in sites], probe_all, device)
+            fused[g] = (spec, state)
+            fusion_records[g] = record
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
-        self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
-        self.record["global_spec"] = spec
-        (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
-        weights = to_numpy_state(state)
-        self.save_global_model(spec, weights)
-        meta = {"global_spec": spec}
-        ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
+        if len(fusion_records) == 1:
+            record = next(iter(fusion_records.values()))
+            self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
+            (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
+        elif fusion_records:
+            self.record["server_fusion_s"] = {g: _jsonable(r.get("phase_seconds", {}))
+                                              for g, r in fusion_records.items()}
+            (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(fusion_records),
+                                                                                 indent=1))
+        students = ds.initial_students(groups, site_specs, uploads, fused)
+        for g, st in students.items():  # a fresh model (a group without uploads) gets its weights here
+            if st["state_dict"] is None:
+                st["state_dict"] = ds.student_model(st, self.seed).state_dict()
+        self._save_group_models(students, suffix="_fused")  # fusion alone: the reference `evaluate` scores
+        t0 = time.perf_counter()
+        if int(self.distill_steps) > 0 or self.data_free:
+            self.set_phase("distilling (ensemble of the uploads into each architecture's global model)")
+            self.record["distillation"] = _jsonable(self._distill(students, uploads, probe_all, device))
+        self.record["server_seconds"]["distillation"] = time.perf_counter() - t0
+        self._save_group_models(students)
+        if len(students) == 1:
+            (g, st), = students.items()
+            spec = st["spec"]
+            self.record["global_spec"] = spec
+            params = {GLOBAL_PREFIX + k: v for k, v in to_numpy_state(st["state_dict"]).items()}
+            meta = {"global_spec": spec}
+        else:  # every group's model in one message; each site picks its own (meta["site_groups"])
+            self.record["global_specs"] = {g: st["spec"] for g, st in students.items()}
+            params = {f"{GLOBAL_PREFIX}{g}/{k}": v for g, st in students.items()
+                      for k, v in to_numpy_state(st["state_dict"]).items()}
+            meta = {"global_specs": self.record["global_specs"], "site_groups": groups}
+            (self.results_dir() / "global_models" / "groups.json").write_text(json.dumps(
+                {g: {"sites": st["sites"], "spec": st["spec"]} for g, st in students.items()}, indent=1))
+        ft = self.broadcast("ohfl_finetune", 1, params, meta)
         gate = {}
         for site, r in ft.items():
             m = r.metrics or {}

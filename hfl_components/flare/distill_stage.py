@@ -1,0 +1,131 @@
+"""OHFL's server stage after fusion: one student per architecture group, taught by the ensemble of every upload.
+
+No NVFlare here: the controller (``controllers.ohfl``) passes the uploads, the fused models and the probe images,
+and this module only decides who is whose student and calls the pure functions of
+:mod:`hfl_components.fusion.distill` / :mod:`hfl_components.fusion.datafree`. Tests call it without a federation.
+
+Architecture groups (:func:`architecture_groups`): a fusable family (``cnn``, ``vgg11``) is one group whatever the
+depths and widths of its sites (OT fusion joins them into one model); any other family is one group per distinct
+spec (a DenseNet site and a DenseNet of another block layout need different global models). Each site receives the
+global model of its group.
+
+Students (:func:`initial_students`): a fusable group with two or more uploads starts from its fused model; any other
+group with an upload starts from its largest site's model (most training samples, ties by name); a group with no
+upload (its sites failed before uploading) starts from a fresh model of its spec. Teachers are every usable
+upload, whatever its family.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from hfl_components.models import build_model, is_fusable, validate_spec
+
+
+def check_buildable(site_specs: dict[str, dict]) -> None:
+    """Refuse a federation holding a site whose model the server cannot build (before any site trains).
+
+    Args:
+        site_specs: {site: model spec}.
+
+    Raises:
+        ValueError: one line naming the site, its family and why (unknown family, bad keys or sizes).
+    """
+    for site, spec in sorted(site_specs.items()):
+        fam = spec.get("family") if isinstance(spec, dict) else None
+        try:
+            validate_spec(spec)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"OHFL: site {site}: the server cannot build model family {fam!r}, so it could neither "
+                             f"distil nor send a global model for it ({e})") from None
+
+
+def _spec_key(spec: dict) -> str:
+    return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:6]
+
+
+def architecture_groups(site_specs: dict[str, dict]) -> dict[str, str]:
+    """{site: group key}: the family name for fusable families; for any other family the family name when all its
+    sites share one spec, else ``<family>-<6 hex digits of the spec>`` per distinct spec."""
+    out: dict[str, str] = {}
+    by_fam: dict[str, set] = {}
+    for site, spec in site_specs.items():
+        if not is_fusable(spec):
+            by_fam.setdefault(spec["family"], set()).add(_spec_key(spec))
+    for site, spec in site_specs.items():
+        fam = spec["family"]
+        out[site] = fam if is_fusable(spec) or len(by_fam[fam]) == 1 else f"{fam}-{_spec_key(spec)}"
+    return out
+
+
+def fusable_groups(groups: dict[str, str], uploads: dict[str, dict]) -> dict[str, list[str]]:
+    """{group: [sites with an upload]} of the fusable groups with at least two uploads (the ones OT fusion joins)."""
+    out: dict[str, list[str]] = {}
+    for site, g in groups.items():
+        if site in uploads and is_fusable(uploads[site]["spec"]):
+            out.setdefault(g, []).append(site)
+    return {g: sorted(s) for g, s in out.items() if len(s) >= 2}
+
+
+def initial_students(groups: dict[str, str], site_specs: dict[str, dict], uploads: dict[str, dict],
+                     fused: dict[str, tuple[dict, dict]]) -> dict[str, dict]:
+    """The student of every group before distillation.
+
+    Args:
+        groups: {site: group} (:func:`architecture_groups`), every site of the job.
+        site_specs: {site: spec} of every site (a group without uploads is built from it).
+        uploads: {site: {"spec", "state_dict", "n_samples", ...}} of the usable uploads.
+        fused: {group: (spec, state_dict)} of the groups OT fusion joined.
+
+    Returns:
+        {group: {"spec", "state_dict" (None for a fresh model), "start": "fusion" | "site <name>" | "fresh",
+        "sites": [sites of the group]}}.
+    """
+    out = {}
+    for g in sorted(set(groups.values())):
+        sites = sorted(s for s, k in groups.items() if k == g)
+        have = [s for s in sites if s in uploads]
+        if g in fused:
+            spec, sd = fused[g]
+            start = "fusion"
+        elif have:
+            best = max(have, key=lambda s: (float(uploads[s]["n_samples"]), s))
+            spec, sd, start = uploads[best]["spec"], uploads[best]["state_dict"], f"site {best}"
+        else:
+            spec, sd, start = site_specs[sites[0]], None, "fresh"
+        out[g] = {"spec": dict(spec), "state_dict": sd, "start": start, "sites": sites}
+    return out
+
+
+def student_model(student: dict, seed: int = 0) -> torch.nn.Module:
+    """The ``nn.Module`` of a student entry (fresh models drawn from ``seed``)."""
+    torch.manual_seed(int(seed))
+    m = build_model(student["spec"])
+    if student["state_dict"] is not None:
+        m.load_state_dict({k: torch.as_tensor(v) for k, v in student["state_dict"].items()})
+    return m
+
+
+def teachers_of(uploads: dict[str, dict]):
+    """:class:`~hfl_components.fusion.distill.Teacher` of every upload (name order)."""
+    from hfl_components.fusion.distill import Teacher
+
+    out = []
+    for site in sorted(uploads):
+        u = uploads[site]
+        m = build_model(u["spec"])
+        m.load_state_dict({k: torch.as_tensor(v) for k, v in u["state_dict"].items()})
+        out.append(Teacher(site, m.eval(), int(u["input_size"])))
+    return out
+
+
+def weights_of(uploads: dict[str, dict], mode: str):
+    """Teacher weights in name order (:func:`hfl_components.fusion.distill.teacher_weights`): ``samples`` from the
+    uploads' ``n_samples``, ``score`` from their reported validation AUC (``val_auc``), ``equal``."""
+    from hfl_components.fusion.distill import teacher_weights
+
+    sites = sorted(uploads)
+    return teacher_weights([uploads[s]["n_samples"] for s in sites], [uploads[s].get("val_auc") for s in sites],
+                           mode=mode)

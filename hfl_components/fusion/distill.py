@@ -1,0 +1,403 @@
+"""Ensemble distillation on the server: the uploads' ensemble taught to one student model per architecture.
+
+After OHFL's weight fusion the server holds every site's uploaded model (the *teachers*) and, per model family, a
+*student* (the fused model of a fusable family, or a site's or a fresh model of any other family). The student is
+trained to match the teachers' averaged class probabilities on unlabelled public images the server already holds
+(the probe pool), which is ensemble distillation as in FedDF (Lin et al., "Ensemble Distillation for Robust Model
+Fusion in Federated Learning", NeurIPS 2020, arXiv:2006.07242) with Hinton et al.'s temperature-softened targets
+("Distilling the Knowledge in a Neural Network", 2015, arXiv:1503.02531). Fusion becomes the starting point and
+distillation closes the rest of the gap to the ensemble; because the teachers are queried only through their
+outputs, the student may be any architecture (cross-family).
+
+Pieces (pure PyTorch, no federation):
+
+* :func:`teacher_weights` -- each teacher's weight: by training-sample count, by reported validation score (e.g.
+  AUC, above chance), or equal.
+* :func:`ensemble_probs` -- the ensemble's soft targets: the weighted mean of the teachers' temperature-softened
+  class probabilities (FedDF, Eq. in Sec. 3 / Algorithm 1, averages logits; averaged *probabilities* are what the
+  site ensemble reference scores, so the student is taught exactly the reference it is held to).
+* :func:`distillation_loss` -- ``T^2 * KL(p_teacher^T || p_student^T)`` (Hinton et al. 2015, Sec. 2).
+* :func:`distill` -- the loop: a held-aside slice of the probe images decides when to stop (early stopping on the
+  distillation loss, never on labels), every student input size is trained on the same augmented images, and the
+  teachers see each image at their own input size.
+
+The probe pool's labels are never an input: every function here takes images only.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHTINGS = ("samples", "score", "equal")
+
+
+def teacher_weights(n_samples=None, scores=None, mode: str = "samples", chance: float = 0.5) -> torch.Tensor:
+    """Normalised teacher weights (sum 1).
+
+    Args:
+        n_samples: (K,) positive training-sample counts (``mode="samples"``).
+        scores: (K,) validation scores in [0, 1] (``mode="score"``, e.g. each site's reported validation AUC);
+            a teacher's weight is ``max(score - chance, 0)``, its margin over a guessing model, so a site model no
+            better than chance teaches nothing. Missing scores (None / NaN) count as chance.
+        mode: ``samples`` | ``score`` | ``equal``.
+        chance: the score of a guessing model (0.5 for AUC).
+
+    Returns:
+        float64 tensor (K,), non-negative, summing to 1.
+
+    Raises:
+        ValueError: unknown mode, missing/empty input for the mode, a non-positive or non-finite count, or every
+        score at or below chance (no teacher is better than guessing).
+
+    Example:
+        >>> teacher_weights([100, 300]).tolist()
+        [0.25, 0.75]
+    """
+    if mode not in WEIGHTINGS:
+        raise ValueError(f"teacher weighting must be one of {WEIGHTINGS}, got {mode!r}")
+    if mode == "samples":
+        if n_samples is None or len(n_samples) == 0:
+            raise ValueError("teacher_weights(mode='samples') needs the teachers' sample counts")
+        w = torch.as_tensor([float(n) for n in n_samples], dtype=torch.float64)
+        if not torch.isfinite(w).all() or (w <= 0).any():
+            raise ValueError(f"sample counts must be positive and finite, got {list(n_samples)}")
+    elif mode == "score":
+        if scores is None or len(scores) == 0:
+            raise ValueError("teacher_weights(mode='score') needs the teachers' validation scores")
+        s = torch.as_tensor([chance if v is None else float(v) for v in scores], dtype=torch.float64)
+        s = torch.nan_to_num(s, nan=chance)
+        w = (s - chance).clamp_min(0.0)
+        if w.sum() <= 0:
+            raise ValueError(f"no teacher scores above chance ({chance}): {list(scores)}")
+    else:
+        k = len(n_samples) if n_samples is not None else len(scores) if scores is not None else 0
+        if k == 0:
+            raise ValueError("teacher_weights(mode='equal') needs the number of teachers (counts or scores)")
+        w = torch.ones(k, dtype=torch.float64)
+    return w / w.sum()
+
+
+def ensemble_probs(teacher_logits, weights=None, temperature: float = 1.0) -> torch.Tensor:
+    """The ensemble's soft targets: ``sum_k w_k softmax(z_k / T)``.
+
+    Args:
+        teacher_logits: sequence of K tensors (B, C) (or one tensor (K, B, C)).
+        weights: (K,) non-negative weights summing to 1 (None: equal).
+        temperature: T > 0 (Hinton et al. 2015: T > 1 softens the targets).
+
+    Returns:
+        float32 tensor (B, C), rows summing to 1, no gradient.
+
+    Raises:
+        ValueError: no teachers, different shapes, wrong number of weights, T <= 0.
+    """
+    z = torch.stack(list(teacher_logits)) if not isinstance(teacher_logits, torch.Tensor) else teacher_logits
+    if z.ndim != 3 or z.shape[0] == 0:
+        raise ValueError(f"teacher logits must be K x (B, C) with K >= 1, got shape {tuple(z.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    k = z.shape[0]
+    w = torch.full((k,), 1.0 / k, dtype=torch.float64) if weights is None else torch.as_tensor(weights,
+                                                                                                dtype=torch.float64)
+    if w.shape != (k,):
+        raise ValueError(f"{k} teachers need {k} weights, got shape {tuple(w.shape)}")
+    with torch.no_grad():
+        p = torch.softmax(z.detach().double() / temperature, dim=-1)
+        return torch.einsum("k,kbc->bc", w.to(p.device), p).float()
+
+
+def distillation_loss(student_logits: torch.Tensor, target_probs: torch.Tensor, temperature: float = 1.0
+                      ) -> torch.Tensor:
+    """Hinton et al.'s soft-target loss ``T^2 * KL(q || softmax(z_s / T))``, averaged over the batch.
+
+    The ``T^2`` factor keeps the gradient's scale independent of T (Hinton et al. 2015, Sec. 2). The loss is 0
+    exactly when the student's softened probabilities equal the targets.
+
+    Args:
+        student_logits: (B, C) logits of the student.
+        target_probs: (B, C) soft targets q (rows sum to 1), e.g. :func:`ensemble_probs` at the same T.
+        temperature: T > 0.
+
+    Returns:
+        scalar tensor (nats x T^2).
+
+    Raises:
+        ValueError: shapes differ, T <= 0.
+    """
+    if student_logits.shape != target_probs.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and targets {tuple(target_probs.shape)} "
+                         "must have the same shape")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logq_s = F.log_softmax(student_logits / temperature, dim=-1)
+    q = target_probs.to(logq_s.dtype)
+    kl = (q * (torch.log(q.clamp_min(1e-12)) - logq_s)).sum(-1)
+    return kl.mean() * temperature ** 2
+
+
+def split_probe(n: int, val_fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the probe images used to train the student and the held-aside slice that decides when to stop.
+
+    Args:
+        n: number of probe images (>= 2 when ``val_fraction > 0``).
+        val_fraction: share held aside, in [0, 1); at least one image when > 0, at least one left to train on.
+        seed: which images are held aside.
+
+    Returns:
+        ``(train_idx, val_idx)`` long tensors, disjoint, covering 0..n-1 (``val_idx`` empty for fraction 0).
+
+    Raises:
+        ValueError: n < 1, fraction outside [0, 1), or too few images to hold one aside.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one probe image, got {n}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed)))
+    n_val = 0 if val_fraction == 0 else max(1, int(round(val_fraction * n)))
+    if n_val >= n:
+        raise ValueError(f"{n} probe images cannot hold aside {n_val} for early stopping and train on the rest")
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+
+def augment_all_sizes(images: dict[int, torch.Tensor], generator: torch.Generator | None = None
+                      ) -> dict[int, torch.Tensor]:
+    """The sites' training augmentation (``chest_xray.batch_augment``: horizontal flip p=0.5, affine p=0.8 with
+    rotation +-10 degrees and shift +-6 % of the side), with *the same* random parameters for one image at every
+    input size, so that teachers and students at different sizes see the same augmented picture.
+
+    Args:
+        images: {input size S: (B, C, S, S) tensor}, the same B images prepared at each size.
+        generator: CPU generator of the parameters (None: torch's global one).
+
+    Returns:
+        {S: augmented (B, C, S, S) tensor} (new tensors, same devices).
+    """
+    from chest_xray.batch_augment import batch_augment, sample_augment_params
+
+    sizes = sorted(images)
+    b = images[sizes[0]].shape[0]
+    ref = float(sizes[-1])
+    p = sample_augment_params(b, int(ref), int(ref), generator=generator)
+    out = {}
+    for s in sizes:
+        q = dict(p)
+        q["shift"] = p["shift"] * (float(s) / ref)  # the same fraction of the side at every size
+        out[s] = batch_augment(images[s], params=q)
+    return out
+
+
+@dataclass
+class DistillConfig:
+    """Options of :func:`distill` (recorded with every run).
+
+    Attributes:
+        steps: maximum optimiser steps (the budget; early stopping may end sooner). 0 = no distillation.
+        temperature: T of the soft targets and the loss (Hinton et al. 2015).
+        lr: Adam learning rate (FedDF used Adam, lr 1e-3).
+        batch_size: probe images per step (each at every student size).
+        val_fraction: share of the probe held aside to decide when to stop.
+        eval_every: steps between two checks of the held-aside loss.
+        patience: checks without improvement before stopping (0: never stop early).
+        augment: apply the sites' augmentation (:func:`augment_all_sizes`) to the training images.
+        weight_decay: Adam weight decay.
+        max_seconds: wall-clock cap of the loop (None: none); the loop stops after the step that crosses it.
+        seed: batch order, held-aside slice and augmentation.
+    """
+
+    steps: int = 200
+    temperature: float = 2.0
+    lr: float = 1e-3
+    batch_size: int = 32
+    val_fraction: float = 0.2
+    eval_every: int = 20
+    patience: int = 3
+    augment: bool = True
+    weight_decay: float = 0.0
+    max_seconds: float | None = None
+    seed: int = 0
+
+    def check(self) -> "DistillConfig":
+        """Raise ValueError naming the first bad field; return self."""
+        if int(self.steps) < 0:
+            raise ValueError(f"distillation steps must be >= 0, got {self.steps}")
+        if not float(self.temperature) > 0 or not math.isfinite(float(self.temperature)):
+            raise ValueError(f"distillation temperature must be a finite number > 0, got {self.temperature}")
+        if not float(self.lr) > 0:
+            raise ValueError(f"distillation lr must be > 0, got {self.lr}")
+        if int(self.batch_size) < 1 or int(self.eval_every) < 1 or int(self.patience) < 0:
+            raise ValueError("distillation batch_size and eval_every must be >= 1, patience >= 0")
+        if not 0.0 <= float(self.val_fraction) < 1.0:
+            raise ValueError(f"distillation val_fraction must lie in [0, 1), got {self.val_fraction}")
+        return self
+
+
+@dataclass
+class Teacher:
+    """One teacher: a model in eval mode and the input size it was trained at.
+
+    Attributes:
+        name: e.g. the site name (records only).
+        model: ``nn.Module`` mapping (B, C, S, S) -> (B, classes) logits.
+        input_size: S; the teacher sees every image at this size.
+    """
+
+    name: str
+    model: nn.Module
+    input_size: int
+
+
+@dataclass
+class DistillResult:
+    """What :func:`distill` returns besides the trained student.
+
+    Attributes:
+        steps_run: optimiser steps taken; ``best_step``: the step whose weights are returned (0 = the initial
+        student); ``val_loss``: [(step, held-aside loss)] of every check; ``initial_val_loss`` / ``best_val_loss``;
+        ``stopped``: ``budget`` | ``early`` | ``time`` | ``no_steps``; ``seconds``; ``config``: the options.
+    """
+
+    steps_run: int = 0
+    best_step: int = 0
+    val_loss: list = field(default_factory=list)
+    initial_val_loss: float | None = None
+    best_val_loss: float | None = None
+    stopped: str = "no_steps"
+    seconds: float = 0.0
+    n_train: int = 0
+    n_val: int = 0
+    sizes: list = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _targets(teachers, weights, views: dict[int, torch.Tensor], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = [t.model(views[int(t.input_size)]).float() for t in teachers]
+    return ensemble_probs(logits, weights, temperature)
+
+
+def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
+            config: DistillConfig | None = None, device=None, log=None) -> DistillResult:
+    """Train ``student`` (in place) to match the teachers' ensemble on unlabelled images (FedDF, Lin et al. 2020,
+    Algorithm 1, server part; soft targets of Hinton et al. 2015).
+
+    Each step draws ``batch_size`` training images, augments them once with the sites' augmentation (the same
+    parameters at every size), computes the ensemble targets ``q = sum_k w_k softmax(f_k(x at S_k) / T)`` with each
+    teacher at its own input size S_k, and takes one Adam step on the mean over the student's sizes s of
+    ``T^2 KL(q || softmax(g(x at s) / T))``. Every ``eval_every`` steps the same loss on the held-aside images
+    (not augmented, fixed targets) is checked; the best weights so far (the initial student included) are kept
+    and the loop stops after ``patience`` checks without improvement. The returned student therefore never has a
+    higher held-aside loss than the one it started from.
+
+    Args:
+        student: the model trained in place (its weights at the end are the best checked ones).
+        student_sizes: input sizes the student serves (its sites' sizes), each a key of ``images``.
+        teachers: sequence of :class:`Teacher` (eval mode is set here); their sizes must be keys of ``images``.
+        images: {S: float tensor (N, C, S, S)}, the same N unlabelled images at every size (no labels).
+        weights: (K,) teacher weights (:func:`teacher_weights`); None = equal.
+        config: :class:`DistillConfig` (None: defaults).
+        device: where the passes run (``torch.device`` or name; None: CPU).
+        log: optional callable for progress lines.
+
+    Returns:
+        :class:`DistillResult` (the student is modified in place and left in eval mode on ``device``).
+
+    Raises:
+        ValueError: no teachers, sizes without images, images of different counts, bad config.
+    """
+    cfg = (config or DistillConfig()).check()
+    t0 = time.perf_counter()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    teachers = list(teachers)
+    if not teachers:
+        raise ValueError("distillation needs at least one teacher")
+    sizes = sorted({int(s) for s in student_sizes})
+    need = set(sizes) | {int(t.input_size) for t in teachers}
+    missing = sorted(need - {int(s) for s in images})
+    if missing:
+        raise ValueError(f"no probe images at input sizes {missing} (have {sorted(images)})")
+    counts = {int(images[s].shape[0]) for s in need}
+    if len(counts) != 1:
+        raise ValueError(f"the probe must hold the same images at every size, got counts {sorted(counts)}")
+    n = counts.pop()
+    imgs = {s: images[s].to(dev, torch.float32) for s in need}
+    train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
+    res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
+                        config=asdict(cfg))
+    student.to(dev)
+    for t in teachers:
+        t.model.to(dev).eval()
+    T = float(cfg.temperature)
+
+    def val_loss() -> float | None:
+        if val_q is None:
+            return None
+        student.eval()
+        with torch.no_grad():
+            return float(sum(distillation_loss(student(imgs[s][val_idx]), val_q, T) for s in sizes) / len(sizes))
+
+    val_q = _targets(teachers, weights, {s: v[val_idx] for s, v in imgs.items()}, T) if val_idx.numel() else None
+    best = val_loss()
+    res.initial_val_loss = res.best_val_loss = best
+    if best is not None:
+        res.val_loss.append((0, best))
+    best_state = copy.deepcopy(student.state_dict())
+    if int(cfg.steps) == 0:
+        student.eval()
+        res.seconds = time.perf_counter() - t0
+        return res
+    g = torch.Generator().manual_seed(int(cfg.seed) + 1)
+    opt = torch.optim.Adam(student.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(cfg.steps))
+    bad, order, pos = 0, torch.empty(0, dtype=torch.long), 0
+    res.stopped = "budget"
+    for step in range(1, int(cfg.steps) + 1):
+        if pos + int(cfg.batch_size) > order.numel():
+            order, pos = train_idx[torch.randperm(train_idx.numel(), generator=g)], 0
+        idx = order[pos:pos + int(cfg.batch_size)]
+        pos += idx.numel()
+        views = {s: v[idx] for s, v in imgs.items()}
+        if cfg.augment:
+            views = augment_all_sizes(views, g)
+        q = _targets(teachers, weights, views, T)
+        student.train()
+        loss = sum(distillation_loss(student(views[s]), q, T) for s in sizes) / len(sizes)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        res.steps_run = step
+        timed_out = cfg.max_seconds is not None and time.perf_counter() - t0 > float(cfg.max_seconds)
+        if step % int(cfg.eval_every) == 0 or step == int(cfg.steps) or timed_out:
+            v = val_loss()
+            if v is None:  # nothing held aside: keep the last weights
+                best_state, res.best_step = copy.deepcopy(student.state_dict()), step
+            else:
+                res.val_loss.append((step, v))
+                if v < best:
+                    best, bad, res.best_step, res.best_val_loss = v, 0, step, v
+                    best_state = copy.deepcopy(student.state_dict())
+                else:
+                    bad += 1
+            if log:
+                log(f"distillation step {step}/{cfg.steps}: train loss {loss.item():.4f}"
+                    + ("" if v is None else f", held-aside loss {v:.4f} (best {best:.4f} at step {res.best_step})"))
+            if cfg.patience and bad >= int(cfg.patience):
+                res.stopped = "early"
+                break
+        if timed_out:
+            res.stopped = "time"
+            break
+    student.load_state_dict(best_state)
+    student.eval()
+    res.seconds = time.perf_counter() - t0
+    return res

@@ -113,9 +113,28 @@ def default_probe(data_root: Path, partition_dir: Path | None = None) -> str | N
     return None
 
 
+def parse_families(text: str | list | None, n_sites: int) -> list[str] | None:
+    """``--families`` (comma-separated, one per site in site-name order) as a list; None when not given.
+
+    Raises:
+        ValueError: a count other than ``n_sites``, or an empty name.
+    """
+    if text is None or text == "" or text == []:
+        return None
+    fams = [f.strip() for f in (text.split(",") if isinstance(text, str) else text)]
+    if any(not f for f in fams) or len(fams) != n_sites:
+        raise ValueError(f"--families needs one family per site ({n_sites} sites), got {len(fams)}: {','.join(fams)}")
+    return fams
+
+
 def assign_models(sites: list[str], method: str, input_sizes: list[int], num_classes: int,
-                  feature_dim: int = 64, family: str = "cnn", width: float = 1.0) -> dict[str, dict]:
+                  feature_dim: int = 64, family: str = "cnn", width: float = 1.0,
+                  families: list[str] | None = None) -> dict[str, dict]:
     """Default per-site model and input size.
+
+    ``families`` (OHFL's mixed-family variant): one catalogue family per site in name order; fusable families
+    (cnn/vgg11) keep the depth of the site's group, any other family gets the prototype pool's backbone of that
+    family (:data:`PROTO_BACKBONES`, ``feature_dim``). The input sizes stay those of the site's group.
 
     Fusable methods (local/fedavg/ohfl), OHFL's assignment: sites in name order (site-1 = narrowest images) are cut
     into up to three contiguous groups -> shallow / medium / deep, at the smallest / middle / largest input size
@@ -135,7 +154,12 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
     for g, (di, si) in enumerate(zip(depth_idx, size_idx)):
         for i in groups[g]:
             site = sites[i]
-            if is_prototype(method):
+            if families is not None and families[i] not in ("cnn", "vgg11"):
+                fam = families[i]
+                spec = {"family": fam, "feature_dim": feature_dim, **PROTO_BACKBONES.get(fam, {})}
+            elif families is not None:
+                spec = {"family": families[i], "depth": DEPTHS[di], "width": width}
+            elif is_prototype(method):
                 fam = HETERO_FAMILIES[i % len(HETERO_FAMILIES)]
                 spec = {"family": fam, "feature_dim": feature_dim, **PROTO_BACKBONES.get(fam, {})}
             else:
@@ -146,7 +170,7 @@ def assign_models(sites: list[str], method: str, input_sizes: list[int], num_cla
 
 
 def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, input_sizes: list[int],
-                  settings: dict, proto: bool | None = None) -> Path:
+                  settings: dict, proto: bool | None = None, families: list[str] | None = None) -> Path:
     """Write one ``<site>.yaml`` per site of a partition into ``out_dir`` (the profile folder).
 
     These are *simulated* sites: unless ``settings`` says otherwise they set ``share_predictions: true`` so the
@@ -154,7 +178,8 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     docs/DEPLOYMENT.md, Privacy). ``proto`` (default: ``method`` is a prototype method): the sites get the
     heterogeneous backbones and the prototype methods' training defaults :data:`PROTO_TRAINING` (``settings`` keys
     win). ``cxr-hfl compare`` passes ``proto=True`` for Local when it is compared with the prototype methods, so
-    Local trains the same backbones."""
+    Local trains the same backbones. ``families``: one model family per site (:func:`assign_models`; ignored for
+    prototype backbones)."""
     settings = dict(settings)
     settings.setdefault("share_predictions", True)
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
@@ -165,7 +190,8 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     if proto:
         settings = {**{k: v for k, v in PROTO_TRAINING.items() if k != "input_size"}, **settings}
     models = assign_models(sites, PROTO_METHODS[0] if proto else method, input_sizes, num_classes,
-                           feature_dim=int(settings.pop("feature_dim", 64)))
+                           feature_dim=int(settings.pop("feature_dim", 64)),
+                           families=None if proto else parse_families(families, len(sites)))
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.yaml"):
         old.unlink()

@@ -143,3 +143,100 @@ def test_data_free_smoke():
                                                                 base_size=8, max_seconds=30))
     assert rec["rounds_run"] == 2 and rec["stopped"] == "budget" and not torch.equal(before, st.fc.weight)
     assert all(p.requires_grad for p in t.model.parameters())  # the teachers are left as they were
+
+
+# ------------------------------------------------------------------------------------------- server stage
+def _profile(families):
+    return {f"site-{i + 1}": {"model": ({"family": f, "depth": "shallow", "width": 0.25, "in_channels": 1,
+                                         "num_classes": 2} if f in ("cnn", "vgg11") else
+                                        {"family": f, "feature_dim": 8, "in_channels": 1, "num_classes": 2}),
+                              "input_size": 16} for i, f in enumerate(families)}
+
+
+def test_a_site_whose_family_the_server_cannot_build_is_refused_before_training_naming_site_and_family():
+    from nvflare_jobs.jobs import make_controller
+
+    prof = _profile(["cnn", "densenet", "resnet"])
+    prof["site-3"]["model"] = {"family": "vit_huge", "in_channels": 1, "num_classes": 2}
+    with pytest.raises(ValueError, match=r"site site-3: the server cannot build model family 'vit_huge'"):
+        make_controller("ohfl", prof, {"probe": "generated"})
+    ctl = make_controller("ohfl", _profile(["cnn", "densenet"]), {"probe": "generated"})  # buildable: accepted
+    assert set(ctl.site_specs) == {"site-1", "site-2"}
+
+
+def test_no_probe_pool_and_no_data_free_is_refused_with_one_line_naming_the_option():
+    from nvflare_jobs.jobs import make_controller
+
+    with pytest.raises(ValueError, match=r"--data-free") as e:
+        make_controller("ohfl", _profile(["cnn", "cnn"]), {"probe": "none"})
+    assert "\n" not in str(e.value)
+    assert make_controller("ohfl", _profile(["cnn", "cnn"]), {"probe": "none", "data_free": True}).data_free
+    assert make_controller("ohfl", _profile(["cnn", "cnn"]), {"probe": "none", "distill_steps": 0})
+
+
+def test_architecture_groups_and_students():
+    from hfl_components.flare import distill_stage as ds
+    from hfl_components.models import build_model
+
+    prof = _profile(["cnn", "cnn", "densenet", "densenet", "resnet"])
+    prof["site-2"]["model"]["depth"] = "deep"
+    specs = {s: c["model"] for s, c in prof.items()}
+    specs["site-6"] = {"family": "resnet", "feature_dim": 16, "in_channels": 1, "num_classes": 2}  # another resnet
+    groups = ds.architecture_groups(specs)
+    assert groups["site-1"] == groups["site-2"] == "cnn" and groups["site-3"] == groups["site-4"] == "densenet"
+    assert groups["site-5"] != groups["site-6"] and groups["site-5"].startswith("resnet-")
+    uploads = {s: {"spec": specs[s], "state_dict": build_model(specs[s]).state_dict(), "n_samples": n,
+                   "input_size": 16} for s, n in (("site-1", 5), ("site-2", 7), ("site-3", 9), ("site-4", 11))}
+    assert ds.fusable_groups(groups, uploads) == {"cnn": ["site-1", "site-2"]}
+    fused = {"cnn": (specs["site-2"], uploads["site-2"]["state_dict"])}
+    st = ds.initial_students(groups, specs, uploads, fused)
+    assert st["cnn"]["start"] == "fusion" and st["densenet"]["start"] == "site site-4"  # most samples
+    assert st[groups["site-5"]]["start"] == "fresh" and st[groups["site-5"]]["state_dict"] is None
+
+
+def _probe_csv(tmp_path, labels, name):
+    from PIL import Image
+
+    d = tmp_path / "imgs"
+    d.mkdir(exist_ok=True)
+    rows = []
+    for i in range(12):
+        f = d / f"p{i}.png"
+        if not f.exists():
+            g = torch.Generator().manual_seed(i)
+            Image.fromarray((torch.rand(20, 24, generator=g) * 255).byte().numpy()).save(f)
+        rows.append({"path": str(f), **({"label": labels[i]} if labels is not None else {})})
+    p = tmp_path / name
+    with p.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return p
+
+
+def test_the_server_never_reads_probe_labels(tmp_path):
+    """The same probe images listed with true-looking labels, with nonsense labels and without a label column:
+    the server's probe and its distilled student are identical (the labels are never read)."""
+    from hfl_components.models import build_model
+    from nvflare_jobs.jobs import make_controller
+
+    csvs = [_probe_csv(tmp_path, [i % 2 for i in range(12)], "a.csv"),
+            _probe_csv(tmp_path, ["NOT A LABEL"] * 12, "b.csv"), _probe_csv(tmp_path, None, "c.csv")]
+    prof = _profile(["cnn", "cnn"])
+    specs = {s: c["model"] for s, c in prof.items()}
+    torch.manual_seed(0)
+    uploads = {s: {"spec": specs[s], "state_dict": build_model(specs[s]).state_dict(), "n_samples": 10,
+                   "input_size": 16, "val_auc": 0.8} for s in specs}
+    outs = []
+    for c in csvs:
+        ctl = make_controller("ohfl", prof, {"probe": str(c), "probe_size": 4, "distill_probe_size": 12,
+                                             "distill_steps": 3})
+        ctl.info = lambda *a, **k: None
+        x, names, _ = ctl._load_probe(16)
+        students = {"cnn": {"spec": specs["site-1"], "state_dict": uploads["site-1"]["state_dict"],
+                            "start": "site site-1", "sites": ["site-1", "site-2"]}}
+        rec = ctl._distill(students, uploads, {16: x}, torch.device("cpu"))
+        outs.append((x, names, students["cnn"]["state_dict"], rec["cnn"]["steps_run"]))
+    for x, names, sd, steps in outs[1:]:
+        assert torch.equal(x, outs[0][0]) and names == outs[0][1] and steps == outs[0][3] == 3
+        assert all(torch.equal(sd[k], outs[0][2][k]) for k in sd)

@@ -67,9 +67,9 @@ def _device(s: str) -> str:
 # decide them, so export-job refuses them instead of silently dropping them
 SITE_OPTIONS = {"data": "--data", "sites": "--sites", "scheme": "--scheme", "alpha": "--alpha",
                 "input_sizes": "--input-sizes", "batch_size": "--batch-size", "max_train_images": "--max-train-images",
-                "feature_dim": "--feature-dim", "labels": "--labels"}
+                "feature_dim": "--feature-dim", "labels": "--labels", "families": "--families"}
 SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train_images": "max_train_images",
-             "feature_dim": "model.feature_dim", "labels": "data.labels"}
+             "feature_dim": "model.feature_dim", "labels": "data.labels", "families": "model.family"}
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +98,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_at_least(1), default=16)
     p.add_argument("--max-train-images", type=_at_least(1), help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--families", help="OHFL/Local/FedAvg: one model family per site, comma-separated in site order "
+                   "(cnn, vgg11, hetero_cnn, densenet, resnet, efficientnet), e.g. the mixed-family variant "
+                   "cnn,cnn,densenet,densenet,resnet,resnet (default: cnn at every site)")
     p.add_argument("--min-sites", type=_at_least(1), help="fewest usable sites for a round to proceed (default N-1)")
     p.add_argument("--server-device", type=_device, default="auto",
                    help=catalogue.entry("ohfl").option("server_device").help)
@@ -171,7 +174,7 @@ def register(sub) -> None:
     e.add_argument("--out", required=True, help="folder to export the job into")
     # site options given with --profile are refused (see SITE_OPTIONS): None tells "not given" from a default
     e.set_defaults(func=run_export, sites=None, scheme=None, alpha=None, input_sizes=None, batch_size=None,
-                   feature_dim=None)
+                   feature_dim=None, families=None)
 
 
 def _ohfl_defaults(args) -> None:
@@ -288,7 +291,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
                 "finetune_epochs": (args.finetune_epochs if args.finetune_epochs is not None
                                     else args.default_finetune_epochs), "seed": args.seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": args.feature_dim}
-    profile_dir = write_profile(part_dir, run_dir / "site_configs", args.method, args.labels, args.input_sizes, settings)
+    profile_dir = write_profile(part_dir, run_dir / "site_configs", args.method, args.labels, args.input_sizes, settings,
+                                families=getattr(args, "families", None))
     return profile_dir, load_profile(profile_dir), data, part_dir
 
 

@@ -99,14 +99,33 @@ def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]
     for f in sorted((run / "models").glob("*.pt")):
         site, _, kind = f.stem.rpartition("_")
         out.append({"name": f.stem, "path": f, "kind": kind, "site": site or None, "input_size": None})
-    g = run / "global_model.pt"
-    if g.is_file():
-        sizes = run_input_sizes(run) or [64]
-        if global_sizes == "largest":
-            sizes = sizes[-1:]
-        for s in sizes:
-            out.append({"name": f"global_{s}px", "path": g, "kind": "global", "site": None, "input_size": s})
+    all_sizes = run_input_sizes(run) or [64]
+    for fname, kind, prefix in (("global_model.pt", "global", "global"), ("global_fused.pt", "fused", "fused")):
+        g = run / fname
+        if g.is_file():
+            sizes = all_sizes[-1:] if global_sizes == "largest" else all_sizes
+            for s in sizes:
+                out.append({"name": f"{prefix}_{s}px", "path": g, "kind": kind, "site": None, "input_size": s})
+    site_sizes = run_site_sizes(run)
+    for group, sites in run_groups(run).items():  # OHFL with several architecture groups: one model per group
+        sizes = sorted({site_sizes[s] for s in sites if s in site_sizes}) or all_sizes
+        sizes = sizes[-1:] if global_sizes == "largest" else sizes
+        for fname, kind in ((f"{group}.pt", "global"), (f"{group}_fused.pt", "fused")):
+            g = run / "global_models" / fname
+            if g.is_file():
+                for s in sizes:
+                    out.append({"name": f"{kind}-{group}_{s}px", "path": g, "kind": kind, "site": None,
+                                "input_size": s, "group": group})
     return out
+
+
+def run_groups(run: Path) -> dict[str, list[str]]:
+    """{architecture group: its sites} of an OHFL run with several groups (``global_models/groups.json``); {}
+    otherwise."""
+    p = Path(run) / "global_models" / "groups.json"
+    if not p.is_file():
+        return {}
+    return {g: list(v.get("sites", [])) for g, v in json.loads(p.read_text()).items()}
 
 
 # ----------------------------------------------------------------------------------------------- leakage
@@ -310,10 +329,15 @@ def run_site_sizes(run: Path) -> dict[str, int]:
 SUMMARY_METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
-def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int]) -> dict[str, Any] | None:
+def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int], kind: str = "global",
+                     site_groups: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The global model's headline entry: each metric at every site's own input size, averaged over sites (a size
-    used by two sites counts twice). None when the global model was not scored at every site's size."""
-    per_site = {s: results.get(f"global_{z}px") for s, z in site_sizes.items()}
+    used by two sites counts twice). ``kind="fused"``: the same for the model before distillation. With
+    ``site_groups`` ({site: architecture group}) each site scores its own group's model. None when the model was
+    not scored at every site's size."""
+    def name(s, z):
+        return f"{kind}-{site_groups[s]}_{z}px" if site_groups else f"{kind}_{z}px"
+    per_site = {s: results.get(name(s, z)) for s, z in site_sizes.items()}
     if not per_site or any(v is None for v in per_site.values()):
         return None
     out: dict[str, Any] = {"input_size": "per site", "site_sizes": site_sizes, "val_threshold": None}
@@ -321,6 +345,22 @@ def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int]) -> di
         vals = [v["test"].get(k) for v in per_site.values()]
         out[k] = None if any(x is None for x in vals) else float(np.mean(vals))
     return out
+
+
+def ensemble_reference(preds: dict[str, np.ndarray], results: dict[str, dict], y, num_classes: int
+                       ) -> dict[str, Any] | None:
+    """The site ensemble, the upper reference of a one-shot run: the equally weighted mean of the class
+    probabilities of every site's uploaded (``local``) model, each at its own input size, scored like any model
+    (``compute_metrics``). None when the run saved fewer than two local models."""
+    from hfl_components.training import compute_metrics
+
+    names = sorted(n for n, r in results.items() if r["kind"] == "local")
+    if len(names) < 2 or y is None:
+        return None
+    p = np.mean([preds[n] for n in names], axis=0)
+    m = compute_metrics(y, p, num_classes)
+    return {**{k: m.get(k) for k in SUMMARY_METRICS}, "kind": "ensemble", "site": None, "input_size": "per site",
+            "members": names, "val_threshold": None}
 
 
 def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
@@ -432,11 +472,22 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
                           "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
                          if "test_at_val_threshold" in v else {})}
                    for k, v in results.items()}
-    g = global_site_mean(results, run_site_sizes(run)) if global_sizes == "all" else None
-    if g:
-        summ_models["global"] = {**g, "kind": "global", "site": None}
-        log(f"{'global':<18}{'site mean':>7}  n={len(records):<5} acc {_f3(g['accuracy'])}  bal_acc "
-            f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
+    groups = run_groups(run)
+    site_groups = {s: g for g, ss in groups.items() for s in ss} or None
+    for kind in ("global", "fused"):
+        g = global_site_mean(results, run_site_sizes(run), kind, site_groups) if global_sizes == "all" else None
+        if g:
+            summ_models[kind] = {**g, "kind": kind, "site": None}
+            log(f"{kind:<18}{'site mean':>7}  n={len(records):<5} acc {_f3(g['accuracy'])}  bal_acc "
+                f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
+    ens = ensemble_reference(preds, results, y, C)
+    if ens is not None:
+        summ_models["ensemble"] = ens
+        log(f"{'ensemble':<18}{'':>7}  n={len(records):<5} acc {_f3(ens['accuracy'])}  bal_acc "
+            f"{_f3(ens['balanced_accuracy'])}  auc {_f3(ens['auc'])}  (the uploads' averaged probabilities)")
+        for kind in ("global", "fused"):
+            if kind in summ_models and summ_models[kind].get("auc") is not None and ens.get("auc") is not None:
+                summ_models[kind]["gap_to_ensemble_auc"] = float(ens["auc"] - summ_models[kind]["auc"])
     summary = {"run": str(run), "data": str(Path(data).resolve()), "part": part, "name": name, "labels": labels,
                "n_images": len(records), "max_images": max_images, "probe_images_excluded": n_probe,
                "probe_source": probe_source,

@@ -63,9 +63,11 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     out.mkdir(parents=True, exist_ok=True)
     src = Path(server_results)
     rec = json.loads(src.read_text())
-    for name in ("global_model.pt", "alignment_record.json"):
+    for name in ("global_model.pt", "global_fused.pt", "alignment_record.json"):
         if (src.parent / name).is_file():
             shutil.copy2(src.parent / name, out / name)
+    if (src.parent / "global_models").is_dir():  # OHFL with several architecture groups
+        shutil.copytree(src.parent / "global_models", out / "global_models", dirs_exist_ok=True)
     sites, all_p, all_y = {}, [], []
     for site, s in sorted(rec.get("sites", {}).items()):
         test = s.get("test") or {}
@@ -100,7 +102,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
         if rec.get("probe"):
             metrics["probe"] = rec["probe"]
     for k in ("failed", "global_spec", "effective_rank", "R_global", "S_global", "task_config", "payload", "notes",
-              "topology_history"):
+              "topology_history", "distillation", "groups", "global_specs"):
         if k in rec and k not in metrics:
             metrics[k] = rec[k]
     if extra:

@@ -297,6 +297,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
 
 
 RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
+               "global_fused.pt", "global_models",
                 "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
                "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 

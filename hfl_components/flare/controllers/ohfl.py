@@ -60,6 +60,16 @@ class ProbePreloader:
 
 
 _PRELOADER_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.Lock()
+
+
+def _import_monai() -> None:
+    """Import MONAI's transforms and networks in one thread at a time: the probe preloader (transforms) and the
+    upload check of a MONAI family (networks) run in different threads, and two threads importing halves of MONAI
+    at once can deadlock on its package imports (Python raises ``_DeadlockError``)."""
+    with _IMPORT_LOCK:
+        import monai.networks.nets  # noqa: F401
+        import monai.transforms  # noqa: F401
 
 NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
 def _catalogue_default(key: str):
@@ -190,12 +200,18 @@ class OHFLController(HFLController):
         """The probe at one input size: (tensor, file names, warnings) (``hfl_components.flare.probe``)."""
         from hfl_components.flare.probe import load_probe
 
+        _import_monai()
         names: list = []
         warns: list = []
         n = max(int(self.probe_size), int(self.distill_probe_size) if self._distill_on_probe else 0)
         x = load_probe("generated" if self.probe == NO_PROBE else self.probe, size, n,
                        in_channels=self._in_channels, seed=self.seed, warn=warns.append, files_out=names)
         return x, names, warns
+
+    def validate_result(self, task, result) -> None:
+        """The catalogue's upload check (any family: MONAI networks imported safely beside the probe thread)."""
+        _import_monai()
+        super().validate_result(task, result)
 
     @property
     def _distill_on_probe(self) -> bool:

@@ -21,9 +21,9 @@ Runs execute the real FedSAF server workflow and site handlers in process (see `
 ``benchmarks/results/bench_alignment.json`` after every run; rerunning the same command resumes. The whole budget is
 printed before anything runs.
 
-    .venv/bin/python benchmarks/bench_alignment.py                      # full grid (36 runs)
-    .venv/bin/python benchmarks/bench_alignment.py --tiny               # smoke test: 1 alpha, 1 seed, 2 rounds, 24 imgs
-    .venv/bin/python benchmarks/bench_alignment.py --budget-only
+    .venv/bin/python -m benchmarks.bench_alignment                      # full grid (36 runs)
+    .venv/bin/python -m benchmarks.bench_alignment --tiny               # smoke test: 1 alpha, 1 seed, 2 rounds, 24 imgs
+    .venv/bin/python -m benchmarks.bench_alignment --budget-only
 """
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
+from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
                       mean_std, run_federation)
 
 KINDS = ("mse", "cosine", "gcsa", "rcsa")

@@ -9,7 +9,7 @@ was excluded, and whether the killed run stayed under the bound stated in README
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_dead_site.py [--data ../shared/data] [--sites 4] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_dead_site [--data ../shared/data] [--sites 4] [--rounds 3]
         [--max-train-images 40] [--no-baseline] [--out bench_dead_site.json]
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from tests.sim_helpers import make_partition, make_profile, read_status  # noqa: E402
 

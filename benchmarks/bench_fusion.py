@@ -23,10 +23,10 @@ held-out test slice: each local model, the best single model, the OHFL CID globa
 fine-tuning) and naive averaging (same CID layer maps and identity insertion, then plain parameter averaging of
 neuron i with neuron i, no OT; an inserted identity layer wider than its target layer is cropped).
 
-    .venv/bin/python benchmarks/bench_fusion.py --server runs/demo [--baseline 4291d41]   # part 0 (issue 15)
-    .venv/bin/python benchmarks/bench_fusion.py                 # timing, default grid
-    .venv/bin/python benchmarks/bench_fusion.py --quick         # small grid (~1 min)
-    .venv/bin/python benchmarks/bench_fusion.py --accuracy --epochs 8
+    .venv/bin/python -m benchmarks.bench_fusion --server runs/demo [--baseline 4291d41]   # part 0 (issue 15)
+    .venv/bin/python -m benchmarks.bench_fusion                 # timing, default grid
+    .venv/bin/python -m benchmarks.bench_fusion --quick         # small grid (~1 min)
+    .venv/bin/python -m benchmarks.bench_fusion --accuracy --epochs 8
 
 Caveat (accuracy part): at these CPU budgets (300 images per site, 32 px, a few epochs, no validation-based
 early stopping) some local models stay near the majority class and the zero-shot fused models usually do too; the
@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hfl_components.fusion import (PHASES, aggregate_models, align_layers, cka_cost_matrix,  # noqa: E402
                                    insert_identity_layers)
@@ -246,8 +245,7 @@ def _baseline(commit: str, models: list[dict], probe: torch.Tensor, repeat: int,
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout, check=True)
     torch.save({"models": models, "probe": probe}, tmp / "inputs.pt")
     code = f"""
-import json, sys, time, torch
-sys.path.insert(0, {str(tmp)!r})
+import json, time, torch
 torch.set_num_threads({torch.get_num_threads()})
 from hfl_components.fusion import aggregate_models
 assert aggregate_models.__code__.co_filename.startswith({str(tmp)!r})
@@ -262,7 +260,7 @@ for _ in range({repeat}):
 torch.save(sd, {str(tmp / "fused.pt")!r})
 print(json.dumps(best))
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp)}  # that commit's copy first (the assert checks)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp), env=env)
     if r.returncode != 0:
         print(f"# baseline {commit} failed: {r.stderr[-500:]}")

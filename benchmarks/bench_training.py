@@ -23,7 +23,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
+    .venv/bin/python -m benchmarks.bench_training [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
         [--simulate local,fedavg,ohfl] [--sim-args "--sites 6 --scheme width"] [--skip-throughput]
         [--pipeline-only] [--augment monai,batch]
@@ -40,7 +40,6 @@ import torch
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hfl_components.models import build_model, count_parameters  # noqa: E402
 from hfl_components.models.hetero import hetero_pool_specs  # noqa: E402

@@ -1,8 +1,8 @@
 """Paper-table reproductions at CPU budgets: OHFL Tables 2, 4, 5 (through ``cxr-hfl compare``), FedSAF Tables III and
 VIII and FedTopo Tables I and II (through ``bench_alignment.py`` / ``bench_topology.py``).
 
-    .venv/bin/python benchmarks/reproduce.py --budget quick --seeds 0 [--tables ohfl_table2,...] [--dry-run]
-    .venv/bin/python benchmarks/reproduce.py --budget tiny --seeds 0 --tables fedsaf_table3,fedtopo_table1 --dry-run
+    .venv/bin/python -m benchmarks.reproduce --budget quick --seeds 0 [--tables ohfl_table2,...] [--dry-run]
+    .venv/bin/python -m benchmarks.reproduce --budget tiny --seeds 0 --tables fedsaf_table3,fedtopo_table1 --dry-run
 
 Prints its budget (number of simulator runs and an estimate of the wall time) before it starts; resumable (every
 run folder with a metrics.json is skipped, so the same command continues where it stopped). Runs go to
@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 BUDGETS = {  # to compare (equal budgets: E = local + fine-tuning epochs per site for every method; FedAvg runs
     # `rounds` rounds of E / rounds epochs); seconds per simulator run measured on 2 shared CPU cores (approximate)
@@ -311,10 +310,7 @@ def external_section(root: Path) -> list[str]:
 # ---- FedSAF / FedTopo tables: delegate to bench_alignment / bench_topology ----------------------------------------
 
 def _drivers():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_alignment
-    import bench_topology
-    import fedbench
+    from benchmarks import bench_alignment, bench_topology, fedbench
     return bench_alignment, bench_topology, fedbench
 
 

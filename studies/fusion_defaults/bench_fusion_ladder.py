@@ -30,15 +30,14 @@ Levers, varied one at a time from the baseline (the defaults before issue 11): g
 repair none/layer/channel; per-site vs shared (nested) initialisation; probe at the largest size vs at each
 model's own size; linear vs debiased vs pooled CKA.
 
-    .venv/bin/python benchmarks/bench_fusion_ladder.py                    # one seed, all levers
-    .venv/bin/python benchmarks/bench_fusion_ladder.py --seeds 0,1,2 --configs baseline,winner --rungs f
+    .venv/bin/python -m studies.fusion_defaults.bench_fusion_ladder                    # one seed, all levers
+    .venv/bin/python -m studies.fusion_defaults.bench_fusion_ladder --seeds 0,1,2 --configs baseline,winner --rungs f
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -46,8 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 from hfl_components.fusion import aggregate_models  # noqa: E402
 from hfl_components.models.fusable import build_fusable, shared_init_state  # noqa: E402
@@ -57,7 +55,7 @@ from hfl_components.models.fusable import build_fusable, shared_init_state  # no
 from chest_xray import DEFAULT_ASPECT  # noqa: E402
 
 CACHE = REPO / "runs" / f"ladder_cache_{DEFAULT_ASPECT}"
-OUT = REPO / "benchmarks" / "results" / "fusion_ladder.md"
+OUT = REPO / "runs" / "studies" / "fusion_ladder.md"  # raw tables; the condensed ones: RESULTS.md
 SIZES = (64, 96, 128)
 EPOCHS = 20
 PROBE_N = 64

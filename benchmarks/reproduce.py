@@ -19,8 +19,9 @@ FedSAF / FedTopo tables delegate to the in-process federation drivers (``bench_a
 ``bench_topology.main``, called with explicit options; their budget blocks are printed by ``--budget-only`` before
 anything runs). Their results are kept in ``--out``/fedsaf|fedtopo/bench_*_<store>.json (resumable; ``tiny`` and
 ``quick`` share one store since they differ only in the grid) and the tables are written from those files, beside
-them (``--out``/fedsaf|fedtopo/<table>.md; the committed ``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` are issue
-16's protocol, written by ``benchmarks/proto_results.py``):
+them (``--out``/fedsaf|fedtopo/<table>_driver.md, a name of their own; the committed
+``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` follow the prototype-method protocol of
+``benchmarks/proto_results.py``):
 FedSAF Table III -- alignment MSE / cosine / GCSA / RCSA per Dirichlet alpha; Table VIII -- GCSA prototype-level only /
 instance-level only / both; FedTopo Table I -- Local / FedProto / FedSAF-GCSA / FedTopo on Dirichlet-0.1 and
 pathological splits; Table II -- FedTopo ablations. ``tiny`` runs one alpha (0.1) and one split (Dirichlet 0.1), the
@@ -229,7 +230,7 @@ def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
     groups: dict[str, list] = {}
 
     p = PAPER[table]
-    L = [f"# {p['caption']}", "", f"Command: `{cmd}`", "", f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` "
+    L = [f"# {p['caption']} (in-process driver)", "", f"Command: `{cmd}`", "", f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` "
          f"({json.dumps({k: v for k, v in BUDGETS[budget].items() if k != 's_per_run'})}) · data: the width "
          "partition of chest_xray_original. Ours: mean ± std over seeds of the per-seed pooled test accuracy (%) "
          "unless stated.", ""]
@@ -427,7 +428,7 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
     smoke = budget != "full"
     driver = "bench_alignment" if group == "fedsaf" else "bench_topology"
     rel = store.relative_to(REPO) if store.is_relative_to(REPO) else store
-    L = [f"# {p['caption']}", "", f"Command: `{cmd}`", "",
+    L = [f"# {p['caption']} (in-process driver)", "", f"Command: `{cmd}`", "",
          f"Delegates to `{driver}.main({' '.join(str(rel) if x == str(store) else x for x in argv)})` "
          "(resumable: finished runs in that file are skipped).", "",
          f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` ({json.dumps(st)}) · "
@@ -522,7 +523,7 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
     # protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's smaller budget
     L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
                   f"`benchmarks/results/{table}.md` is issue 16's protocol, written by `benchmarks/proto_results.py`."]
-    dest = store.parent / f"{table}.md"
+    dest = store.parent / f"{table}_driver.md"  # a name of its own: benchmarks/results/{table}.md is proto_results'
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L).rstrip() + "\n")
     return dest

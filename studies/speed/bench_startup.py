@@ -5,7 +5,7 @@ Runs ``cxr-hfl simulate --method ohfl --sites 6 --scheme width --seed 0`` (data:
 from interpreter start to that call, the seconds spent inside ``scan_dataset``, and which heavy modules are
 imported by then. Nothing is simulated; the job is written to a temporary folder that is removed.
 
-    PYTHONPATH=$PWD CXR_DATA=/work/shared/data .venv/bin/python -m studies.speed.bench_startup
+    CXR_DATA=../shared/data .venv/bin/python -m studies.speed.bench_startup
     CXR_SCAN_WORKERS=1 ... -m studies.speed.bench_startup      # the sequential scan, for comparison
 """
 import resource

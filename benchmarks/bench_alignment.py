@@ -1,4 +1,4 @@
-"""FedSAF alignment benchmark (issue 5; not a test): the paper's Tables III, VIII and IX on chest X-rays.
+"""FedSAF alignment benchmark (not a test): the paper's Tables III, VIII and IX on chest X-rays.
 
 Setting (sized for 2 CPU cores; every number below is a command-line option):
 
@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
-                      mean_std, run_federation)
+from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,
+                                  mean_std, run_federation)
 
 KINDS = ("mse", "cosine", "gcsa", "rcsa")
 LEVELS = {"proto-only": (1.0, 0.0), "instance-only": (0.0, 1.0), "both": (1.0, 1.0)}

@@ -1,11 +1,11 @@
-"""Dead-site benchmark (not a test; operations issue, part 1): how long a FedAvg run takes when one site worker is
+"""Dead-site benchmark (not a test): how long a FedAvg run takes when one site worker is
 killed after its first task, against the same run with every site healthy.
 
 Setup (defaults): real chest_xray_original images, 4 width sites (class-balanced subset of 240 images partitioned
 by width, each site capped at 40 training images), FedAvg 3 rounds x 1 local epoch, ``--late-wait 900`` (the fixed
 late wait that used to be waited out for a dead site). The killed run kills ``site-2``'s simulator worker
 (SIGKILL) as soon as the server starts round 1. Printed: wall seconds of both runs, their ratio, the reasons site-2
-was excluded, and whether the killed run stayed under the bound stated in README.md ("Operations": 5 minutes).
+was excluded, and whether the killed run stayed under the bound stated in docs/operations.md (5 minutes).
 
 Usage::
 

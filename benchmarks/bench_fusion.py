@@ -1,6 +1,6 @@
 """Benchmark of the OHFL fusion library (not a test).
 
-Part 0 (``--server RUN``, issue 15) — the OHFL server's fusion of the main job's six site models (``RUN/models/
+Part 0 (``--server RUN``) — the OHFL server's fusion of the main job's six site models (``RUN/models/
 site-*_local.pt`` of a ``simulate --method ohfl --sites 6 --scheme width`` run; He-random models of the same specs
 when absent) with the job's defaults read from the method catalogue (today cid, emd, acts, channel repair, linear
 CKA, probe of 64 ``chest_xray_224`` probe images at each model's own input size, 64/96/128 px): seconds per phase (cka, alignment, ot, averaging, repair), their share of the
@@ -9,7 +9,7 @@ the number of sites (2, 6, 12, 24 via perturbed copies of the six), and the fitt
 slope of log seconds on log width / log sites). ``--baseline COMMIT`` times the same six-model fusion with the
 fusion code of an older commit in a subprocess, side by side (``git archive``; nothing is installed), and prints
 the largest per-tensor relative difference between the two fused models (with ``acts`` exactly tied OT plans can
-make it large while the models compute the same function; see benchmarks/results/server_fusion.md, section 5a).
+make it large while the models compute the same function; see studies/speed/RESULTS.md).
 
 Part 1 — server fusion time by phase (CKA, alignment incl. depth balancing, OT, averaging) for 2–12 cnn-family models
 at width multipliers 0.25–2 and vgg11-family models at 0.125–0.5, printing how the time grows with width. Sites get
@@ -23,7 +23,7 @@ held-out test slice: each local model, the best single model, the OHFL CID globa
 fine-tuning) and naive averaging (same CID layer maps and identity insertion, then plain parameter averaging of
 neuron i with neuron i, no OT; an inserted identity layer wider than its target layer is cropped).
 
-    .venv/bin/python -m benchmarks.bench_fusion --server runs/demo [--baseline 4291d41]   # part 0 (issue 15)
+    .venv/bin/python -m benchmarks.bench_fusion --server runs/demo [--baseline COMMIT]   # part 0
     .venv/bin/python -m benchmarks.bench_fusion                 # timing, default grid
     .venv/bin/python -m benchmarks.bench_fusion --quick         # small grid (~1 min)
     .venv/bin/python -m benchmarks.bench_fusion --accuracy --epochs 8
@@ -126,13 +126,13 @@ def bench_timing(args) -> None:
                 prev = total
 
 
-# ---------------------------------------------------------------- server (part 0, issue 15)
+# ---------------------------------------------------------------- server (part 0)
 
 MAIN_JOB = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
 
 
 def _server_defaults() -> dict:
-    """The OHFL server's fusion defaults, read from the method catalogue (one source; issue 14)."""
+    """The OHFL server's fusion defaults, read from the method catalogue (one source)."""
     from hfl_components.flare import catalogue
 
     d = {o.key: o.default for o in catalogue.entry("ohfl").options}
@@ -149,7 +149,7 @@ def _probe_at() -> str:
     return {o.key: o.default for o in catalogue.entry("ohfl").options}["probe_at"]
 
 
-PROBE_AT = _probe_at()  # "own": every model probed at its own input size (the server's default since issue 11)
+PROBE_AT = _probe_at()  # "own": every model probed at its own input size (the server's default)
 
 
 def main_job_models(run: Path | None, width: float = 1.0, seed_offset: int = 0) -> tuple[list[dict], str]:

@@ -1,4 +1,4 @@
-"""FedTopo benchmark (issue 6; not a test): the paper's Tables I, II and III on chest X-rays.
+"""FedTopo benchmark (not a test): the paper's Tables I, II and III on chest X-rays.
 
 Setting (sized for 2 CPU cores; every number below is a command-line option):
 
@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
-                      mean_std, run_federation)
+from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,
+                                  mean_std, run_federation)
 
 from hfl_components.flare.catalogue import PROTOTYPE_METHODS, TOPOLOGY_ABLATIONS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Training throughput benchmark (not a test; training issue, "Benchmark").
+"""Training throughput benchmark (not a test).
 
 1. Model-only: SGD training steps (forward + backward + update, batch 16) on random tensors, for the fusable
    ``cnn`` depths and every heterogeneous backbone, at each input size -> images/s and seconds per batch.
@@ -9,11 +9,11 @@
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
    Both the first epoch (cache fill + one epoch: what a site pays once) and the cached epoch are set against
-   model-only throughput (issue 15 targets: cached >= 0.9x model-only). The model-only rate of each (model, size)
+   model-only throughput (target: cached >= 0.9x model-only). The model-only rate of each (model, size)
    is measured again immediately before its pipeline run (side by side, so both see the same machine load), and
    the plain full-resolution decoding rate of the same images (``read_image`` without a target + the eval
    resize/pad/scale, as ``bench_data.py``) immediately before that: the cache fill (JPEG draft-mode decoding +
-   resize) and the first epoch are also given as ratios to it (issue 15: first epoch >= 2x plain decoding).
+   resize) and the first epoch are also given as ratios to it (target: first epoch >= 2x plain decoding).
 
 3. Federation overhead (``--simulate local,fedavg,ohfl``): one ``cxr-hfl simulate`` run per method, one after the
    other in the same invocation (default arguments: the main job's, 6 width sites), and from each metrics.json

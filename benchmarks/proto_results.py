@@ -1,6 +1,6 @@
 """Write ``benchmarks/results/fedsaf_table3.md`` and ``fedtopo_table1.md`` from ``cxr-hfl compare`` folders run
-under issue 16's protocol (sites from ``chest_xray_224`` tuning + probe, the prototype methods' defaults, each site
-model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
+under the prototype-method protocol (``docs/evaluation.md``: sites from ``chest_xray_224`` tuning + probe, the
+prototype methods' defaults, each site model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
 
     python -m benchmarks.proto_results --compare "alpha 0.5=runs/grid_a05" \
         --compare "alpha 1.0=runs/a10_s0" --compare "pathological=runs/path_s0" --out /tmp/tables
@@ -152,7 +152,7 @@ def outcome(b: dict) -> list[str]:
 
 
 def protocol_head(floor: float) -> list[str]:
-    """The protocol paragraph every results file opens with (issue 16), as markdown lines."""
+    """The protocol paragraph every results file opens with, as markdown lines."""
     return ["Protocol (issue 16): 6 sites from the `tuning` + `probe` parts of `chest_xray_224` (1,055 images, "
             "3 classes NORMAL / BACTERIAL / VIRAL, patient-grouped 80/10/10 site splits in which every class a site "
             "holds >= 8 images of has >= 2 images in val and in test: `PROTO_MIN_EVAL_PER_CLASS`), label skew by "
@@ -174,7 +174,7 @@ def protocol_head(floor: float) -> list[str]:
             "FedSAF and FedTopo at lambda = gamma = 1.", ""]
 
 
-# The paper ablation tables regenerated at 1 seed (issue 16): rows (method variant, row label, paper cell), the full
+# The paper ablation tables regenerated at 1 seed: rows (method variant, row label, paper cell), the full
 # method every variant is paired against, and what the paper numbers are.
 ABLATIONS = {
     "fedsaf_table8": {

@@ -123,7 +123,7 @@ TABLE5_METHODS = [f"ohfl:alignment={a}:strategy={s}" for a in ("random", "cka") 
 
 def compare_args(methods, sites, seeds, out, budget, data, external=None, part=None) -> argparse.Namespace:
     """``cxr-hfl compare``'s options for one table: equal epoch budgets, and (when ``external``) every saved model
-    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of issue 11, Sec. 3."""
+    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of docs/evaluation.md."""
     b = BUDGETS[budget]
     argv = ["compare", "--methods", ",".join(methods), "--sites", str(sites), "--seeds", ",".join(map(str, seeds)),
             "--out", str(out)] + (["--external", str(external)] + (["--part", part] if part else []) if external else [])
@@ -519,8 +519,8 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
               "50 = the same on a 2-class site): " + "; ".join(f"{g}: " + ", ".join(v) for g, v in bal.items())
               + ". Accuracy alone flatters sites that predict their dominant class under label skew."]
     L += ["", "## Ordering", "", *_groups_note(groups, _bench_reason(group, st, len(seeds)), smoke)]
-    # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables are issue 16's
-    # protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's smaller budget
+    # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables follow the
+    # prototype protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's budget
     L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
                   f"`benchmarks/results/{table}.md` is issue 16's protocol, written by `benchmarks/proto_results.py`."]
     dest = store.parent / f"{table}_driver.md"  # a name of its own: benchmarks/results/{table}.md is proto_results'

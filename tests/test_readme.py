@@ -40,7 +40,8 @@ def test_residue_patterns_catch_the_known_cases_and_spare_ordinary_text():
            " as in paper 003")
     kinds = {r.split(":")[0] for r in residue(bad)}
     assert kinds == {"a timestamp", "a commit hash", "a load average", '"issue N"', "a paper file number"}
-    ok = ("nvflare 2.9.0, pot 0.9.7.post1, lr 0.001, 1,003 images, doi:10.17632/rscbjbr9sj.2, 1,715 images, seeds 0 / 1 / 2, AUC 0.951, "
+    ok = ("nvflare 2.9.0, pot 0.9.7.post1, lr 0.001, 1,003 images, doi:10.17632/rscbjbr9sj.2, 1,715 images, "
+          "seeds 0 / 1 / 2, AUC 0.951, "
           "Issues and pull requests are welcome; the load is shared; deadbeef is a word")
     assert residue(ok) == []
 
@@ -126,7 +127,8 @@ def test_site_configuration_doc_lists_every_key_with_the_codes_default():
 def test_benchmarks_readme_lists_every_script_and_studies_follow_the_template():
     listed = (REPO / "benchmarks" / "README.md").read_text(encoding="utf-8")
     scripts = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if p.name != "__init__.py")
-    assert scripts and not [s for s in scripts if f"`{s}`" not in listed], "benchmarks/README.md must list every script"
+    unlisted = [s for s in scripts if f"`{s}`" not in listed]
+    assert scripts and not unlisted, f"benchmarks/README.md must list every script: {unlisted}"
     topics = [p for p in (REPO / "studies").iterdir() if p.is_dir() and not p.name.startswith(("_", "."))]
     assert topics
     for t in topics:

@@ -1,4 +1,4 @@
-"""Does ``augment: batch`` (issue 15's faster data pipeline) train site models as good as ``augment: monai``?
+"""Does ``augment: batch`` (the faster, opt-in data pipeline) train site models as good as ``augment: monai``?
 
 The main job (OHFL, 6 width sites on ``chest_xray_original``, defaults) is run per seed twice on the identical
 partition: once at the defaults (``monai``), once with the same site configs plus ``augment: batch``

@@ -1,4 +1,4 @@
-"""Offline re-fusion of a finished OHFL run's site models (issue 11, seed-2 diagnosis; not a test).
+"""Offline re-fusion of a finished OHFL run's site models (the seed-2 diagnosis of studies/fusion_defaults; not a test).
 
 Reads ``RUN/models/site-N_local.pt`` (the models the sites uploaded), their sample counts (``RUN/metrics.json``) and
 the probe the server used (``RUN/job_options.json`` -> ``probe``, ``seed``), and fuses them with the server's own

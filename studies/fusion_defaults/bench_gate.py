@@ -1,4 +1,4 @@
-"""Deployment-gate criteria of OHFL, checked offline on the committed ``tuning`` part (issue 11; not a test).
+"""Deployment-gate criteria of OHFL, checked offline on the committed ``tuning`` part (not a test).
 
 For each site of finished OHFL runs: the two candidates the gate chose between -- the site's pre-fusion local model
 (``models/<site>_local.pt``) and the fine-tuned federated model (``models/<site>_federated.pt``, kept since issue

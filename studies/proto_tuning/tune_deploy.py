@@ -1,6 +1,7 @@
-"""Choose the prototype methods' deploy rule and split policy (issue 16) on *validation* images only.
+"""Choose the prototype methods' deploy rule and split policy on *validation* images only.
 
-One in-process federation (:func:`studies.proto_tuning.tune_fedproto.run`: the method's real controller and site handlers) on
+One in-process federation (:func:`studies.proto_tuning.tune_fedproto.run`: the method's real controller and site
+handlers) on
 ``chest_xray_224``'s tuning + probe parts, Dirichlet alpha 0.5, 6 sites, the prototype defaults. After every
 round each site's model is scored on its own validation split (what ``deploy: best_val`` ranks rounds by) and on
 the validation images of the *other five* sites restricted to the classes it holds ("others' val": images the

@@ -1,10 +1,11 @@
-"""Choose FedProto's alignment weights (issue 16) on the sites' *validation* splits only.
+"""Choose FedProto's alignment weights on the sites' *validation* splits only.
 
 One federation in process (``benchmarks.fedbench``-style: the method's real controller and site handlers, NVFlare's
 transport replaced by a direct call) on ``chest_xray_224``'s tuning + probe parts (the ``evaluation`` part is never
 read), Dirichlet partition, 6 sites, the prototype defaults (``PROTO_TRAINING``). After the last round each site's
 deployed model is scored on its own validation split and on the pooled validation images of all sites restricted to
-the classes it holds (:func:`studies.proto_tuning.tune_proto.pooled_val_loader`). Also printed: the mean feature norm of each
+the classes it holds (:func:`studies.proto_tuning.tune_proto.pooled_val_loader`).
+Also printed: the mean feature norm of each
 site's training features and the spread of the global prototypes (why MSE alignment collapses). Test splits and the
 evaluation part are never touched.
 
@@ -51,7 +52,7 @@ def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
             meta = dict(data.meta or {})
             meta.setdefault("round", data.current_round or 0)
             params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
-            if on_result is not None:  # e.g. studies/proto_tuning/tune_deploy.py: score every round's model on validation
+            if on_result is not None:  # e.g. tune_deploy: score every round's model on validation
                 on_result(site, rt, int(meta["round"]), metrics)
             gp = (data.params or {}).get("global_prototypes")
             if gp is not None and np.asarray(gp).size and site == "site-2":

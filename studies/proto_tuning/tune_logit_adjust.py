@@ -1,5 +1,5 @@
 """Post-hoc logit adjustment of the personalised methods' deployed site models, measured on *validation* images only
-(issue 16, ``proto_tuning.md``, ninth pass).
+(``studies/proto_tuning/RESULTS.md``).
 
 Logit adjustment (Menon et al., "Long-tail learning via logit adjustment", ICLR 2021, Eq. 3, post-hoc form):
 predict ``argmax_c f_c(x) - tau * log pi_c`` with ``pi`` the site's training class frequencies; ``tau > 0`` moves the

@@ -1,4 +1,4 @@
-"""Choose the prototype methods' training defaults (issue 16) on the sites' *validation* splits only.
+"""Choose the prototype methods' training defaults on the sites' *validation* splits only.
 
 Sites: ``chest_xray_224``'s tuning + probe parts (:data:`chest_xray.splits.TRAINING_PARTS`, 1,055 images; the
 ``evaluation`` part is never read), 3 subtype classes, Dirichlet alpha 0.5, 6 sites, the prototype methods'
@@ -168,8 +168,9 @@ def main() -> None:
                           + f" | last {k}: bal acc {c[-k:].mean():.3f} AUC {ca[-k:].mean():.3f} single-class "
                           f"{sc[-k:].mean():.2f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     checkpoints = [e for e in (5, 10, 15, 20, 25, 30, 40, 50) if e <= a.epochs]
-    L = ["# Prototype methods: training defaults chosen on validation (issue 16)", "",
-         f"Command: `python -m studies.proto_tuning.tune_proto --seeds {a.seeds} --epochs {a.epochs} --configs {a.configs} "
+    L = ["# Prototype methods: training defaults chosen on validation", "",
+         f"Command: `python -m studies.proto_tuning.tune_proto --seeds {a.seeds} --epochs {a.epochs} "
+         f"--configs {a.configs} "
          f"--input-size {a.input_size}`", "",
          "Sites from `chest_xray_224` tuning + probe parts (the evaluation part is never read), 3 subtype classes, "
          f"Dirichlet alpha {a.alpha}, 6 sites, seeds {a.seeds}, heterogeneous backbones at {a.input_size} px, each "

@@ -1,4 +1,4 @@
-"""Start-up of the main job before NVFlare's simulator starts (issue 15, federation overhead).
+"""Start-up of the main job before NVFlare's simulator starts (federation overhead).
 
 Runs ``cxr-hfl simulate --method ohfl --sites 6 --scheme width --seed 0`` (data: ``$CXR_DATA``) with
 ``FedJob.simulator_run`` patched to stop there, and prints the wall and process-CPU seconds (getrusage user+sys)

@@ -148,3 +148,27 @@ def test_no_sys_path_hacks_and_no_machine_paths_in_benchmarks_and_studies():
              if p.is_file() and p.suffix in {".md", ".json", ".jsonl", ".csv", ".html"}
              for m in [machine.search(p.read_text(encoding="utf-8", errors="replace"))] if m]
     assert not found, f"results with absolute machine paths: {found}"
+
+
+def test_every_cxr_hfl_command_in_the_readme_parses_with_the_cli():
+    """Each `cxr-hfl ...` line of README.md's code blocks is accepted by the CLI's own parser (options and choices
+    exist), so the quickstart and the everyday commands stay true when an option is renamed."""
+    import shlex
+
+    from nvflare_jobs.cli import build_parser
+
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if "cxr-hfl " in line:
+                cmds.append(line.split("cxr-hfl ", 1)[1])
+    assert len(cmds) >= 10
+    parser = build_parser()
+    bad = []
+    for c in cmds:
+        try:
+            parser.parse_args(shlex.split(c))
+        except SystemExit:
+            bad.append(c)
+    assert not bad, f"README commands the CLI refuses: {bad}"

@@ -277,7 +277,7 @@ def bench_server(args) -> None:
     import os
 
     run = Path(args.server) if args.server else None
-    print(f"# server fusion (issue 15): load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
+    print(f"# server fusion: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
           f"threads {torch.get_num_threads()}, options {SERVER_DEFAULTS}, best of {args.repeat}")
     models, src = main_job_models(run)
     if PROBE_AT == "own":  # as the controller does: the same images at every site input size

@@ -127,8 +127,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         augment_classes: label indices to augment in train mode; None = every class (pass
             :func:`default_augment_classes` for the OHFL rule); ignored in eval mode.
         aspect: one of :data:`ASPECTS` (default ``stretch``). Sites, the server's probe and ``evaluate`` must use
-            the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it separates
-            the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
+            the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it
+            separates the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
 
     Returns:
         the ``Compose``; applied to ``{"image": path, "label": int}`` it gives ``{"image": FloatTensor (1, S, S)

@@ -29,7 +29,8 @@ fedtopo  subtype 20     1            10 (unused)
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
 
 Prototype methods: 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
-training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px; ``nvflare_jobs.profiles.PROTO_TRAINING``; ``studies/proto_tuning/RESULTS.md``).
+training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px;
+``nvflare_jobs.profiles.PROTO_TRAINING``; ``studies/proto_tuning/RESULTS.md``).
 FedProto's alignment weights default to lambda 0 / gamma 1/64 (:data:`FEDPROTO_LAM`, :data:`FEDPROTO_GAMMA`: the
 paper's instance-level MSE at its reference code's scale); FedSAF and FedTopo to 1 / 1.
 

@@ -66,7 +66,7 @@ DEFAULTS = {
     "fast_augment": False,  # true: training images as one cached tensor, flip + shift on tensors (no rotation)
     # training augmentation (flip p=0.5 + affine p=0.8, +-10 deg, +-6 % shift): batch = per collated batch on the
     # site's device (chest_xray.batch_augment) | monai = per image, MONAI RandFlipd + RandAffined
-    "augment": "monai",  # the default whose accuracy the 3-seed comparisons measured; batch is opt-in (docs/decisions.md)
+    "augment": "monai",  # the default the 3-seed comparisons measured; batch is opt-in (docs/decisions.md)
     "augment_classes": "auto",
     "threads": 1,
     "seed": 0,

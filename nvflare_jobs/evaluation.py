@@ -181,7 +181,7 @@ def probe_pool(run: Path) -> tuple[set[str], str | None]:
     if not opts.is_file():
         return used, None
     probe = json.loads(opts.read_text()).get("probe")
-    if not probe or probe == "generated":
+    if not probe or probe in ("generated", "none"):  # generated inputs, or no probe pool (data-free)
         return used, probe
     p = Path(probe)
     part = {_stem_key(r["path"]) for r in split_rows("probe")}

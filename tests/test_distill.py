@@ -240,3 +240,24 @@ def test_the_server_never_reads_probe_labels(tmp_path):
     for x, names, sd, steps in outs[1:]:
         assert torch.equal(x, outs[0][0]) and names == outs[0][1] and steps == outs[0][3] == 3
         assert all(torch.equal(sd[k], outs[0][2][k]) for k in sd)
+
+
+def test_server_data_free_option_smoke():
+    """Data-free distillation through the server stage (no probe pool): runs within its round cap."""
+    from hfl_components.models import build_model
+    from nvflare_jobs.jobs import make_controller
+
+    prof = _profile(["cnn", "cnn"])
+    specs = {s: c["model"] for s, c in prof.items()}
+    torch.manual_seed(0)
+    uploads = {s: {"spec": specs[s], "state_dict": build_model(specs[s]).state_dict(), "n_samples": 10,
+                   "input_size": 16} for s in specs}
+    ctl = make_controller("ohfl", prof, {"probe": "none", "data_free": True, "data_free_rounds": 1})
+    ctl.info = lambda *a, **k: None
+    students = {"cnn": {"spec": specs["site-1"], "state_dict": dict(uploads["site-1"]["state_dict"]),
+                        "start": "site site-1", "sites": ["site-1", "site-2"]}}
+    rec = ctl._distill(students, uploads, {}, torch.device("cpu"))["cnn"]
+    assert rec["mode"] == "data_free" and rec["rounds_run"] == 1 and rec["teachers"] == ["site-1", "site-2"]
+    refs = ctl._references(uploads, {}, students)
+    n = 4 * sum(v.numel() for v in uploads["site-1"]["state_dict"].values())
+    assert refs["ensemble"]["bytes_down_per_site"] == 2 * n and refs["distilled"]["bytes_down_per_site"] == {"cnn": n}

@@ -356,6 +356,22 @@ class OHFLController(HFLController):
                             labels=self.record.get("labels"), kind="global",
                             provenance={"method": self.method, "seed": self.seed})
 
+    def _references(self, uploads: dict, fused: dict, students: dict) -> dict:
+        """Cost of each one-shot reference point (its AUC comes from ``evaluate``): server seconds and the bytes a
+        site would download to deploy it. ``ensemble``: every upload (no server work); ``fusion``: its group's fused
+        model (the fusion's seconds); ``distilled``: its group's global model (fusion + distillation)."""
+        from hfl_components.flare.messages import payload_bytes, to_numpy_state
+
+        ss = self.record["server_seconds"]
+        per_group = {g: payload_bytes(to_numpy_state(st["state_dict"])) for g, st in students.items()}
+        return {"ensemble": {"server_seconds": 0.0,
+                             "bytes_down_per_site": sum(payload_bytes(to_numpy_state(u["state_dict"]))
+                                                        for u in uploads.values())},
+                "fusion": {"server_seconds": ss.get("fusion_total", 0.0),
+                           "bytes_down_per_site": {g: payload_bytes(to_numpy_state(fused[g][1])) for g in fused}},
+                "distilled": {"server_seconds": ss.get("fusion_total", 0.0) + ss.get("distillation", 0.0),
+                              "bytes_down_per_site": per_group}}
+
     def run_method(self):
         from hfl_components.flare import distill_stage as ds
         from hfl_components.flare.messages import from_numpy_state, to_numpy_state
@@ -408,6 +424,7 @@ class OHFLController(HFLController):
             self.record["distillation"] = _jsonable(self._distill(students, uploads, probe_all, device))
         self.record["server_seconds"]["distillation"] = time.perf_counter() - t0
         self._save_group_models(students)
+        self.record["references"] = self._references(uploads, fused, students)
         if len(students) == 1:
             (g, st), = students.items()
             spec = st["spec"]

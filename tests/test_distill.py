@@ -76,16 +76,16 @@ def test_distillation_recovers_the_teacher_function_same_architecture():
     d, s = 16, 4
     teacher = _Linear(d)
     with torch.no_grad():
-        teacher.fc.weight.mul_(4.0)
+        teacher.fc.weight.mul_(2.0)
     student = _Linear(d)
     with torch.no_grad():
         student.fc.weight.zero_()
         student.fc.bias.zero_()
-    imgs = {s: torch.rand(400, 1, s, s)}
-    cfg = DistillConfig(steps=400, temperature=1.0, lr=0.05, batch_size=64, augment=False, eval_every=50,
+    imgs = {s: torch.randn(400, 1, s, s)}  # centred inputs: a well-conditioned problem for SGD
+    cfg = DistillConfig(steps=400, temperature=1.0, lr=0.2, batch_size=64, augment=False, eval_every=50,
                         patience=0)
     res = distill(student, [s], [Teacher("t", teacher, s)], imgs, config=cfg)
-    x = torch.rand(500, 1, s, s)
+    x = torch.randn(500, 1, s, s)
     with torch.no_grad():
         dt = teacher(x)[:, 1] - teacher(x)[:, 0]
         ds = student(x)[:, 1] - student(x)[:, 0]

@@ -18,8 +18,8 @@ Pieces (pure PyTorch, no federation):
   site ensemble reference scores, so the student is taught exactly the reference it is held to).
 * :func:`distillation_loss` -- ``T^2 * KL(p_teacher^T || p_student^T)`` (Hinton et al. 2015, Sec. 2).
 * :func:`distill` -- the loop: a held-aside slice of the probe images decides when to stop (early stopping on the
-  distillation loss, never on labels), every student input size is trained on the same augmented images, and the
-  teachers see each image at their own input size.
+  distillation loss, never on labels), the student's input sizes take turns on the same (augmented) images, and
+  the teachers label each image once, at their own input sizes.
 
 The probe pool's labels are never an input: every function here takes images only.
 """
@@ -198,27 +198,33 @@ class DistillConfig:
     """Options of :func:`distill` (recorded with every run).
 
     Attributes:
-        steps: maximum optimiser steps (the budget; early stopping may end sooner). 0 = no distillation.
+        steps: maximum optimiser steps (the budget; early stopping may end sooner). 0 = no distillation. Each step
+            is one batch at one of the student's input sizes, the sizes taking turns.
         temperature: T of the soft targets and the loss (Hinton et al. 2015).
-        lr: Adam learning rate (FedDF used Adam, lr 1e-3).
-        batch_size: probe images per step (each at every student size).
+        lr: SGD learning rate (momentum ``momentum``; the sites' fine-tuning optimiser).
+        momentum: SGD momentum.
+        batch_size: probe images per step.
         val_fraction: share of the probe held aside to decide when to stop.
         eval_every: steps between two checks of the held-aside loss.
         patience: checks without improvement before stopping (0: never stop early).
         augment: apply the sites' augmentation (:func:`augment_all_sizes`) to the training images.
-        weight_decay: Adam weight decay.
+        augment_copies: augmented views made of every training image (once, before the loop; the teachers label
+            each view once), used beside the original images. Ignored without ``augment``.
+        weight_decay: SGD weight decay.
         max_seconds: wall-clock cap of the loop (None: none); the loop stops after the step that crosses it.
         seed: batch order, held-aside slice and augmentation.
     """
 
     steps: int = 200
     temperature: float = 2.0
-    lr: float = 1e-3
+    lr: float = 0.01
+    momentum: float = 0.9
     batch_size: int = 32
     val_fraction: float = 0.2
     eval_every: int = 20
     patience: int = 3
     augment: bool = True
+    augment_copies: int = 2
     weight_decay: float = 0.0
     max_seconds: float | None = None
     seed: int = 0
@@ -229,10 +235,12 @@ class DistillConfig:
             raise ValueError(f"distillation steps must be >= 0, got {self.steps}")
         if not float(self.temperature) > 0 or not math.isfinite(float(self.temperature)):
             raise ValueError(f"distillation temperature must be a finite number > 0, got {self.temperature}")
-        if not float(self.lr) > 0:
-            raise ValueError(f"distillation lr must be > 0, got {self.lr}")
+        if not float(self.lr) > 0 or not 0 <= float(self.momentum) < 1:
+            raise ValueError(f"distillation lr must be > 0 and momentum in [0, 1), got {self.lr}, {self.momentum}")
         if int(self.batch_size) < 1 or int(self.eval_every) < 1 or int(self.patience) < 0:
             raise ValueError("distillation batch_size and eval_every must be >= 1, patience >= 0")
+        if int(self.augment_copies) < 0:
+            raise ValueError(f"distillation augment_copies must be >= 0, got {self.augment_copies}")
         if not 0.0 <= float(self.val_fraction) < 1.0:
             raise ValueError(f"distillation val_fraction must lie in [0, 1), got {self.val_fraction}")
         return self
@@ -279,10 +287,16 @@ class DistillResult:
         return asdict(self)
 
 
-def _targets(teachers, weights, views: dict[int, torch.Tensor], temperature: float) -> torch.Tensor:
+def _targets(teachers, weights, views: dict[int, torch.Tensor], temperature: float, batch: int = 64
+             ) -> torch.Tensor:
+    """Ensemble targets of every image of ``views`` ({size: (N, C, S, S)}), in batches of ``batch``."""
+    n = next(iter(views.values())).shape[0]
+    out = []
     with torch.no_grad():
-        logits = [t.model(views[int(t.input_size)]).float() for t in teachers]
-    return ensemble_probs(logits, weights, temperature)
+        for i in range(0, n, batch):
+            logits = [t.model(views[int(t.input_size)][i:i + batch]).float() for t in teachers]
+            out.append(ensemble_probs(logits, weights, temperature))
+    return torch.cat(out)
 
 
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
@@ -290,13 +304,15 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     """Train ``student`` (in place) to match the teachers' ensemble on unlabelled images (FedDF, Lin et al. 2020,
     Algorithm 1, server part; soft targets of Hinton et al. 2015).
 
-    Each step draws ``batch_size`` training images, augments them once with the sites' augmentation (the same
-    parameters at every size), computes the ensemble targets ``q = sum_k w_k softmax(f_k(x at S_k) / T)`` with each
-    teacher at its own input size S_k, and takes one Adam step on the mean over the student's sizes s of
-    ``T^2 KL(q || softmax(g(x at s) / T))``. Every ``eval_every`` steps the same loss on the held-aside images
-    (not augmented, fixed targets) is checked; the best weights so far (the initial student included) are kept
-    and the loop stops after ``patience`` checks without improvement. The returned student therefore never has a
-    higher held-aside loss than the one it started from.
+    The probe is split into training images and a held-aside slice (:func:`split_probe`). With ``augment`` every
+    training image gets ``augment_copies`` augmented views (the sites' augmentation, the same parameters at every
+    size, :func:`augment_all_sizes`) beside the original. The ensemble targets ``q = sum_k w_k softmax(f_k(x at
+    S_k) / T)`` -- each teacher at its own input size S_k -- are computed once for every image and view (so a
+    step costs one student pass, not K teacher passes). Step t takes one SGD step on ``T^2 KL(q || softmax(g(x at
+    s_t) / T))`` over a batch, where s_t cycles through the student's sizes. Every ``eval_every`` steps the mean of
+    the same loss over the held-aside images at every student size is checked; the best weights so far (the
+    initial student included) are kept and the loop stops after ``patience`` checks without improvement. The
+    returned student therefore never has a higher held-aside loss than the one it started from.
 
     Args:
         student: the model trained in place (its weights at the end are the best checked ones).
@@ -329,7 +345,6 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     if len(counts) != 1:
         raise ValueError(f"the probe must hold the same images at every size, got counts {sorted(counts)}")
     n = counts.pop()
-    imgs = {s: images[s].to(dev, torch.float32) for s in need}
     train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
@@ -337,15 +352,23 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     for t in teachers:
         t.model.to(dev).eval()
     T = float(cfg.temperature)
+    g = torch.Generator().manual_seed(int(cfg.seed) + 1)
+    train = {s: images[s][train_idx].to(dev, torch.float32) for s in need}
+    if cfg.augment and int(cfg.augment_copies) > 0:
+        views = [augment_all_sizes(train, g) for _ in range(int(cfg.augment_copies))]
+        train = {s: torch.cat([train[s]] + [v[s] for v in views]) for s in need}
+    train_q = _targets(teachers, weights, train, T)
+    train = {s: v for s, v in train.items() if s in sizes}  # the teachers' own sizes are not needed any more
+    val = {s: images[s][val_idx].to(dev, torch.float32) for s in need} if val_idx.numel() else None
+    val_q = _targets(teachers, weights, val, T) if val is not None else None
 
     def val_loss() -> float | None:
         if val_q is None:
             return None
         student.eval()
         with torch.no_grad():
-            return float(sum(distillation_loss(student(imgs[s][val_idx]), val_q, T) for s in sizes) / len(sizes))
+            return float(sum(distillation_loss(student(val[s]), val_q, T) for s in sizes) / len(sizes))
 
-    val_q = _targets(teachers, weights, {s: v[val_idx] for s, v in imgs.items()}, T) if val_idx.numel() else None
     best = val_loss()
     res.initial_val_loss = res.best_val_loss = best
     if best is not None:
@@ -355,28 +378,27 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         student.eval()
         res.seconds = time.perf_counter() - t0
         return res
-    g = torch.Generator().manual_seed(int(cfg.seed) + 1)
-    opt = torch.optim.Adam(student.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
+    opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
+                          weight_decay=float(cfg.weight_decay))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(cfg.steps))
+    n_pool = train_q.shape[0]
     bad, order, pos = 0, torch.empty(0, dtype=torch.long), 0
     res.stopped = "budget"
     for step in range(1, int(cfg.steps) + 1):
         if pos + int(cfg.batch_size) > order.numel():
-            order, pos = train_idx[torch.randperm(train_idx.numel(), generator=g)], 0
-        idx = order[pos:pos + int(cfg.batch_size)]
+            order, pos = torch.randperm(n_pool, generator=g), 0
+        idx = order[pos:pos + int(cfg.batch_size)].to(train_q.device)
         pos += idx.numel()
-        views = {s: v[idx] for s, v in imgs.items()}
-        if cfg.augment:
-            views = augment_all_sizes(views, g)
-        q = _targets(teachers, weights, views, T)
+        s = sizes[(step - 1) % len(sizes)]
         student.train()
-        loss = sum(distillation_loss(student(views[s]), q, T) for s in sizes) / len(sizes)
+        loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         res.steps_run = step
         timed_out = cfg.max_seconds is not None and time.perf_counter() - t0 > float(cfg.max_seconds)
+        v = None
         if step % int(cfg.eval_every) == 0 or step == int(cfg.steps) or timed_out:
             v = val_loss()
             if v is None:  # nothing held aside: keep the last weights

@@ -349,6 +349,10 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
     student.to(dev)
+    if int(cfg.steps) == 0:  # fusion alone: nothing to label or train
+        student.eval()
+        res.seconds = time.perf_counter() - t0
+        return res
     for t in teachers:
         t.model.to(dev).eval()
     T = float(cfg.temperature)
@@ -374,10 +378,6 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     if best is not None:
         res.val_loss.append((0, best))
     best_state = copy.deepcopy(student.state_dict())
-    if int(cfg.steps) == 0:
-        student.eval()
-        res.seconds = time.perf_counter() - t0
-        return res
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
                           weight_decay=float(cfg.weight_decay))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(cfg.steps))

@@ -127,7 +127,7 @@ def test_distill_cross_architecture_several_sizes_with_augmentation_runs_and_imp
     imgs = {16: torch.rand(40, 1, 16, 16)}
     imgs[24] = torch.nn.functional.interpolate(imgs[16], size=(24, 24), mode="bilinear")
     res = distill(student, [16, 24], teachers, imgs, teacher_weights([10, 30]),
-                  DistillConfig(steps=6, batch_size=8, eval_every=3, patience=0))
+                  DistillConfig(steps=6, batch_size=8, eval_every=3, patience=0, augment=True))
     assert res.steps_run == 6 and res.sizes == [16, 24] and res.best_val_loss <= res.initial_val_loss
 
 

@@ -210,7 +210,9 @@ _OHFL = (
            check=lambda v: None if 0 < v < math.inf else f"must be a finite number > 0, got {v}"),
     Option("distill_weights", str, "samples", ("samples", "score", "equal"),
            "teacher weights: training samples, validation AUC above chance, or equal"),
-    Option("distill_augment", bool, True, None, "the sites' augmentation on the distillation images"),
+    Option("distill_augment", bool, False, None, "the sites' flip + affine on the distillation images (off: the "
+           "main job's sites augment only their minority class, so their outputs on augmented images carry that "
+           "label cue; studies/distillation/RESULTS.md)"),
     Option("distill_probe_size", int, 320, None, "probe images for distillation (a fifth held aside to stop early)",
            check=lambda v: None if v >= 10 else f"needs at least 10 images, got {v}"),
     Option("data_free", bool, False, None, "distil on generator images (DENSE) instead of the probe pool; required "

@@ -207,7 +207,9 @@ class DistillConfig:
         val_fraction: share of the probe held aside to decide when to stop.
         eval_every: steps between two checks of the held-aside loss.
         patience: checks without improvement before stopping (0: never stop early).
-        augment: apply the sites' augmentation (:func:`augment_all_sizes`) to the training images.
+        augment: apply the sites' augmentation (:func:`augment_all_sizes`) to the training images. Off by
+            default: teachers trained with augmentation of some classes only read an augmented image as those
+            classes, and the student would learn that cue.
         augment_copies: augmented views made of every training image (once, before the loop; the teachers label
             each view once), used beside the original images. Ignored without ``augment``.
         weight_decay: SGD weight decay.
@@ -223,7 +225,7 @@ class DistillConfig:
     val_fraction: float = 0.2
     eval_every: int = 20
     patience: int = 3
-    augment: bool = True
+    augment: bool = False
     augment_copies: int = 2
     weight_decay: float = 0.0
     max_seconds: float | None = None

@@ -128,7 +128,8 @@ class OHFLController(HFLController):
             arXiv:2006.07242); 0 = fusion alone (the paper). Default :data:`DISTILL_STEPS` (docs/decisions.md).
         distill_temperature (float): T of the soft targets (Hinton et al. 2015, arXiv:1503.02531). Default 2.
         distill_weights (str): teacher weights ``samples`` | ``score`` (validation AUC above chance) | ``equal``.
-        distill_augment (bool): the sites' augmentation on the distillation images. Default True.
+        distill_augment (bool): the sites' augmentation on the distillation images. Default False: teachers
+            trained with class-dependent augmentation label augmented images by that cue.
         distill_probe_size (int): probe images for distillation (the first ``probe_size`` of them are the fusion
             probe; a fifth is held aside to decide when to stop). Default 320 (the committed probe part).
         data_free (bool): distil on generator images instead (DENSE, Zhang et al. 2022, arXiv:2112.12371;
@@ -150,7 +151,7 @@ class OHFLController(HFLController):
                  repair: str | bool = "channel", num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
                  task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, cka: str = "linear",
                  probe_at: str = "own", fusion_device: str = "auto", distill_steps: int | None = None,
-                 distill_temperature: float = 2.0, distill_weights: str = "samples", distill_augment: bool = True,
+                 distill_temperature: float = 2.0, distill_weights: str = "samples", distill_augment: bool = False,
                  distill_probe_size: int = 320, data_free: bool = False, data_free_rounds: int = 20,
                  site_specs: dict | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
@@ -254,7 +255,7 @@ class OHFLController(HFLController):
                    fusion_device=opts["server_device"] or "auto",
                    distill_steps=opts.get("distill_steps"), distill_temperature=opts.get("distill_temperature", 2.0),
                    distill_weights=opts.get("distill_weights", "samples"),
-                   distill_augment=bool(opts.get("distill_augment", True)),
+                   distill_augment=bool(opts.get("distill_augment", False)),
                    distill_probe_size=opts.get("distill_probe_size", 320), data_free=bool(opts.get("data_free")),
                    data_free_rounds=opts.get("data_free_rounds", 20), site_specs=site_specs,
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],

@@ -71,7 +71,10 @@ def _import_monai() -> None:
         import monai.networks.nets  # noqa: F401
         import monai.transforms  # noqa: F401
 
+
 NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
+
+
 def _catalogue_default(key: str):
     from hfl_components.flare.catalogue import entry
 

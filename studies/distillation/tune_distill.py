@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 KEYS = {"steps": int, "temperature": float, "lr": float, "momentum": float, "batch_size": int,
-        "augment": lambda v: v in ("1", "true"), "augment_copies": int, "patience": int, "eval_every": int, "weights": str, "probe_n": int}
+        "augment": lambda v: v in ("1", "true"), "augment_copies": int, "patience": int, "eval_every": int,
+        "weights": str, "probe_n": int}
 
 
 def parse_config(text: str) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 KEYS = {"steps": int, "temperature": float, "lr": float, "momentum": float, "batch_size": int,
         "augment": lambda v: v in ("1", "true"), "augment_copies": int, "patience": int, "eval_every": int,
-        "weights": str, "probe_n": int}
+        "weights": str, "probe_n": int, "data_free_rounds": int}
 
 
 def parse_config(text: str) -> dict:
@@ -121,17 +121,26 @@ def main(argv=None) -> int:
             for z in sizes:
                 student(probes[n][z])
         ref_s = time.perf_counter() - t0
-        cfg = DistillConfig(**{k: v for k, v in c.items() if k not in ("weights", "probe_n")},
-                            seed=int(man.get("seed", 0)))
         w = ds.weights_of(uploads, c.get("weights", "samples"))
-        r = distill(student, sizes, teachers, probes[n], w, cfg)
-        row = {"config": c, "auc": site_mean_auc(student, X, y, site_sizes), "seconds": r.seconds,
-               "reference_seconds": ref_s, "steps_run": r.steps_run, "best_step": r.best_step,
-               "stopped": r.stopped, "val_loss": r.val_loss}
+        if "data_free_rounds" in c:  # DENSE-style generator instead of the probe (the server's --data-free)
+            from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
+
+            r = distill_data_free(student, sizes, teachers, w, config=DataFreeConfig(
+                rounds=c["data_free_rounds"], seed=int(man.get("seed", 0)), max_seconds=None))
+            row = {"config": c, "auc": site_mean_auc(student, X, y, site_sizes), "seconds": r["seconds"],
+                   "reference_seconds": ref_s, "steps_run": r["rounds_run"], "best_step": None,
+                   "stopped": r["stopped"], "val_loss": None}
+        else:
+            cfg = DistillConfig(**{k: v for k, v in c.items() if k not in ("weights", "probe_n")},
+                                seed=int(man.get("seed", 0)))
+            r = distill(student, sizes, teachers, probes[n], w, cfg)
+            row = {"config": c, "auc": site_mean_auc(student, X, y, site_sizes), "seconds": r.seconds,
+                   "reference_seconds": ref_s, "steps_run": r.steps_run, "best_step": r.best_step,
+                   "stopped": r.stopped, "val_loss": r.val_loss}
         row["gap_to_ensemble"] = out["ensemble_auc"] - row["auc"]
         out["configs"].append(row)
-        print(f"{c}: auc {row['auc']:.3f} (gap {row['gap_to_ensemble']:+.3f}), {r.steps_run} steps, best "
-              f"{r.best_step}, {r.stopped}, {r.seconds:.1f} s (reference {ref_s:.2f} s)", flush=True)
+        print(f"{c}: auc {row['auc']:.3f} (gap {row['gap_to_ensemble']:+.3f}), {row['steps_run']} steps, best "
+              f"{row['best_step']}, {row['stopped']}, {row['seconds']:.1f} s (reference {ref_s:.2f} s)", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 

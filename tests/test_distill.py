@@ -261,3 +261,14 @@ def test_server_data_free_option_smoke():
     refs = ctl._references(uploads, {}, students)
     n = 4 * sum(v.numel() for v in uploads["site-1"]["state_dict"].values())
     assert refs["ensemble"]["bytes_down_per_site"] == 2 * n and refs["distilled"]["bytes_down_per_site"] == {"cnn": n}
+
+
+def test_tune_distill_refuses_bad_input_with_one_line(tmp_path, capsys):
+    from studies.distillation.tune_distill import main, parse_config
+
+    assert parse_config("steps=100,augment=0,lr=0.001") == {"steps": 100, "augment": False, "lr": 0.001}
+    with pytest.raises(ValueError, match="bogus"):
+        parse_config("bogus=1")
+    assert main(["--run", str(tmp_path / "nope"), "--data", str(tmp_path), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nope" in err and "\n" not in err

@@ -165,7 +165,7 @@ def test_site_train_loader_per_augment_key(tmp_path, augment):
             f = tmp_path / f"img{k}.png"
             Image.fromarray((rng.random((40, 50)) * 150 + 60).astype(np.uint8)).save(f)
             w.writerow([str(f), k % 2, "train", f"p{k}"])
-    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 6, "augment_classes": None,
+    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 6, "augment_classes": [],
            "augment": augment, "data": {"labels": "binary", "manifest": str(man)},
            "model": {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}}
     rt = SiteRuntime(cfg, tmp_path / "ws")

@@ -539,7 +539,7 @@ def test_weight_ema_is_the_hand_computed_average_of_every_steps_weights_and_is_w
             validate_site_config({**base, "weight_ema": bad}, "s", check_files=False)
 
 
-@pytest.mark.parametrize("setting,expected", [("all", {0, 1, 2}), ("auto", {1, 2}), (None, set()), ([2], {2})])
+@pytest.mark.parametrize("setting,expected", [("all", {0, 1, 2}), ("auto", {1, 2}), ([], set()), ([2], {2})])
 def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_path, setting, expected):
     """Sixth tuning pass (proto_tuning.md): with ``auto`` only the classes smaller than the site's largest are
     flipped / shifted, a label shortcut at a skewed site; the prototype methods' default ``all`` augments every class
@@ -568,6 +568,23 @@ def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_pat
     assert SiteRuntime(cfg, tmp_path / "ws").loader("train").dataset.augment == expected
     with pytest.raises(ValueError, match="augment_classes.*'all'"):
         validate_site_config({**cfg, "augment_classes": "every"}, "site-1", check_files=False)
+
+
+def test_augment_classes_null_is_refused_not_guessed():
+    """None means every class in the code (``build_transforms``, ``make_site_dataset``, ``batch_augment``,
+    ``resolve_augment_classes``) but a site config's null once meant none: it is refused, naming the site, the key
+    and both spellings, instead of silently changing what a site augments."""
+    from chest_xray import resolve_augment_classes
+    from hfl_components.flare.site_config import validate_site_config
+
+    cfg = {"data": {"labels": "subtype"}, "model": {"family": "cnn", "depth": "shallow"}, "augment_classes": None}
+    with pytest.raises(ValueError) as e:
+        validate_site_config(cfg, "site-9", check_files=False, require_data=False)
+    msg = str(e.value)
+    assert "'site-9'" in msg and "'augment_classes'" in msg and "'all'" in msg and "[]" in msg
+    rows = [{"label": 0}] * 3 + [{"label": 1}]
+    assert resolve_augment_classes(None, rows, 3) == resolve_augment_classes("all", rows, 3) == [0, 1, 2]
+    assert resolve_augment_classes([], rows, 3) == [] and resolve_augment_classes("auto", rows, 3) == [1]
 
 
 @pytest.mark.parametrize("bad", ["ALL", "every", [0, "1"], [-1], [3], [True], [0, 0], True, 3])

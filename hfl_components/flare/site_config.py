@@ -264,10 +264,12 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]
     n_cls = int(cfg["model"]["num_classes"])
-    if not (ac in ("auto", "all", None)
+    if ac is None:  # None means every class in the code but meant none here once: refused rather than guessed
+        raise _err(site, path, "augment_classes", "null is ambiguous: write 'all' for every class or [] for none")
+    if not (ac in ("auto", "all")
             or (isinstance(ac, list) and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < n_cls
                                              for c in ac) and len(set(ac)) == len(ac))):
-        raise _err(site, path, "augment_classes", f"must be 'auto', 'all', null (none) or a list of distinct class "
+        raise _err(site, path, "augment_classes", f"must be 'auto', 'all', [] (none) or a list of distinct class "
                                                   f"indices 0..{n_cls - 1} ({cfg['data']['labels']} labels), got {ac!r}")
     return cfg
 
@@ -354,7 +356,7 @@ batch_size: 16
 # seed: 0
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
-# augment_classes: auto            # auto (minority classes) | all (prototype methods' profiles) | null (none) | [0, 1]
+# augment_classes: auto            # auto (minority classes) | all (prototype methods' profiles) | [] (none) | [0, 1]
 # augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split

@@ -2,7 +2,7 @@
 
 Each benchmark run is one federation executed **in process**: the method's real server workflow
 (``nvflare_jobs.jobs.make_controller`` -> ``hfl_components.flare.controllers``) and the real site handlers
-(``hfl_components.flare.site_methods.HANDLERS`` on a ``SiteRuntime`` per site) with NVFlare's transport replaced by
+(``hfl_components.flare.site_methods.handler`` on a ``SiteRuntime`` per site) with NVFlare's transport replaced by
 a direct call (``send_model_and_wait`` runs each site's handler in turn and copies its arrays, as the NUMPY exchange
 does). Maths, validation, payload accounting and evaluation are therefore those of ``cxr-hfl simulate``, without
 the simulator's ~15 s start-up per run and its one process per site, which matters on 2 shared cores. Sites run one
@@ -70,7 +70,7 @@ def run_federation(method: str, profile: dict, opts: dict, workdir: Path, log=No
     """Run one federation in process; returns a summary with the server record and client seconds per round."""
     from nvflare.app_common.abstract.fl_model import FLModel
 
-    from hfl_components.flare.site_methods import HANDLERS
+    from hfl_components.flare.site_methods import handler
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
 
@@ -88,7 +88,7 @@ def run_federation(method: str, profile: dict, opts: dict, workdir: Path, log=No
             meta.setdefault("round", data.current_round or 0)
             t0 = time.perf_counter()
             try:
-                params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
+                params, metrics, meta_out = handler(task_name)(rt, dict(data.params or {}), meta)
             except Exception as e:  # noqa: BLE001 - reported like the site script does
                 params, metrics, meta_out = {}, {}, {"status": "error",
                                                     "error": f"site {site}: {type(e).__name__}: {e}"}

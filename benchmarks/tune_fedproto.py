@@ -33,7 +33,7 @@ class _Stop(BaseException):
 def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
     from nvflare.app_common.abstract.fl_model import FLModel
 
-    from hfl_components.flare.site_methods import HANDLERS
+    from hfl_components.flare.site_methods import handler
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
 
@@ -51,7 +51,7 @@ def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
         for site, rt in runtimes.items():
             meta = dict(data.meta or {})
             meta.setdefault("round", data.current_round or 0)
-            params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
+            params, metrics, meta_out = handler(task_name)(rt, dict(data.params or {}), meta)
             if on_result is not None:  # e.g. benchmarks/tune_deploy.py: score every round's model on validation
                 on_result(site, rt, int(meta["round"]), metrics)
             gp = (data.params or {}).get("global_prototypes")

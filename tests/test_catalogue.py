@@ -17,13 +17,17 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("method", catalogue.METHODS)
 def test_entry_names_real_controller_site_tasks_and_upload_checks(method):
     from hfl_components.flare.controllers import HFLController
-    from hfl_components.flare.site_methods import HANDLERS
 
     e = catalogue.entry(method)
     cls = catalogue.resolve(e.controller)
     assert issubclass(cls, HFLController)
-    assert set(e.site_tasks) <= set(HANDLERS), f"{method}: site tasks without a handler"
-    assert "evaluate" in e.site_tasks
+    for task in e.site_tasks:  # every task resolves at the site, to the handler its entry names
+        assert callable(catalogue.site_handler(task)), f"{method}: task {task} without a handler"
+    for task, path in e.site_handlers.items():
+        assert catalogue.site_handler(task) is catalogue.resolve(path)
+        assert cls.__module__ == path.partition(":")[0] or cls.__module__ == catalogue.resolve(path).__module__ or \
+            method in ("fedprox",), f"{method}: handler {path} outside its adapter module {cls.__module__}"
+    assert e.site_tasks[-1] == "evaluate" and e.training_task == next(iter(e.site_handlers))
     for task, path in e.upload_checks.items():
         assert task in e.site_tasks and callable(catalogue.resolve(path))
     assert e.uploads and e.family in ("fusable", "prototype")

@@ -40,7 +40,7 @@ def _simulate_args(method: str):
 @pytest.mark.parametrize("method", METHODS)
 def test_site_config_defaults_agree_with_simulate(tmp_path, method):
     """A hand-written site config without epochs trains what `cxr-hfl simulate` trains (OHFL: 20 + 10, not 2 + 2)."""
-    from hfl_components.flare.site_methods import _epochs
+    from hfl_components.flare.site_methods import task_epochs as _epochs
 
     args = _simulate_args(method)
     cfg = _site_cfg(tmp_path)
@@ -53,7 +53,7 @@ def test_site_config_defaults_agree_with_simulate(tmp_path, method):
 
 
 def test_ohfl_defaults_are_the_simulators_and_explicit_values_win(tmp_path):
-    from hfl_components.flare.site_methods import _epochs
+    from hfl_components.flare.site_methods import task_epochs as _epochs
 
     assert (method_defaults("ohfl")["local_epochs"], method_defaults("ohfl")["finetune_epochs"]) == (20, 10)
     rt = _RT(_site_cfg(tmp_path, local_epochs=4), "ohfl")

@@ -390,7 +390,7 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
     """deploy: best_val (issue 16): scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
     five rounds of the real Local handler -> the deployed model file and the model the final evaluation task scores
     are round 3's weights (the later of the two 0.60 rounds), not round 4's; deploy: last deploys round 4's."""
-    from hfl_components.flare.site_methods import HANDLERS
+    from hfl_components.flare.site_methods import handler
     from hfl_components.models import load_model_file
 
     for rule, expect in (("best_val", 3), ("last", 4)):
@@ -401,8 +401,8 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
             {"balanced_accuracy": next(scores), "accuracy": 0.5} if split == "val" else {"balanced_accuracy": 0.5}))
         snaps = []
         for rnd in range(5):
-            HANDLERS["local_train"](rt, {}, {"round": rnd, "total_rounds": 5, "method": "local",
-                                              "task_config": {"local_epochs": 1}})
+            handler("local_train")(rt, {}, {"round": rnd, "total_rounds": 5, "method": "local",
+                                            "task_config": {"local_epochs": 1}})
             snaps.append({k: v.detach().clone() for k, v in rt.model.state_dict().items()})
         assert any(not torch.equal(snaps[3][k], snaps[4][k]) for k in snaps[3])  # round 4 did change the weights
         deployed, _ = load_model_file(rt.state_dir / "deployed_model.pt")
@@ -411,7 +411,7 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
         rec = json.loads((rt.state_dir / "deploy_selection.json").read_text())
         assert rec["round"] == expect and rec["score"] == pytest.approx(0.6 if rule == "best_val" else 0.3)
         scores = iter([0.5] * 2)  # the final evaluation task's validation score
-        _, metrics, _ = HANDLERS["evaluate"](rt, {}, {"method": "local", "task_config": {}})
+        _, metrics, _ = handler("evaluate")(rt, {}, {"method": "local", "task_config": {}})
         # the evaluate answer says which round was deployed (metrics.json sites.<site>.deploy); only under best_val
         assert metrics.get("deploy") == ({"rule": "best_val", "round": 3, "score": 0.6} if rule == "best_val"
                                          else None)

@@ -72,8 +72,9 @@ def test_fedavg_simulation_uses_deepest_architecture_and_counts_bytes(partition3
 def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition3, tmp_path):
     """The server's FedAvg aggregation path, fed with uploads that two real sites produced by training."""
     from hfl_components.aggregation import weighted_average
-    from hfl_components.flare.site_methods import fedavg_train
-    from hfl_components.flare.site_tasks import GLOBAL_PREFIX, SiteRuntime, to_numpy_state
+    from hfl_components.flare.controllers.baselines import fedavg_train
+    from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
+    from hfl_components.flare.site_tasks import SiteRuntime
     from hfl_components.models import build_model
     from nvflare_jobs.site_config import load_profile
 

@@ -166,7 +166,7 @@ def test_make_controller_fedsaf_options():
 
 
 def test_nearest_prototype_probabilities():
-    from hfl_components.flare.site_methods import _nearest_prototype_probs
+    from hfl_components.alignment.prototypes import nearest_prototype_probs as _nearest_prototype_probs
 
     P = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     counts = np.array([5, 3, 0])  # class 2 absent on this site: never predicted

@@ -77,7 +77,8 @@ class MomentumFedAvgController(FedAvgController):
 
 
 ENTRY = catalogue.register(catalogue.MethodEntry(
-    "fedavg_momentum", f"{__name__}.MomentumFedAvgController", ("fedavg_train", "evaluate"),
+    "fedavg_momentum", f"{__name__}.MomentumFedAvgController",
+    {"fedavg_train": "hfl_components.flare.controllers.baselines:fedavg_train"},  # FedAvg's site handler
     options=(catalogue.Option("server_lr", float, 1.0, None, "server learning rate",
                               check=lambda v: None if v > 0 else f"must be > 0, got {v}"),
              catalogue.Option("momentum", float, 0.9, None, "server momentum beta",

@@ -7,7 +7,8 @@ sites (epochs a site config leaves out), the privacy summary, the benchmarks' in
 method order. Only plain data here: no NVFlare, torch or data imports (controllers are named by class path and
 imported when a job is built).
 
-An entry holds: the name, the server controller (class path), the site task handlers it uses, the model family
+An entry holds: the name, the server controller (class path), its site task handlers (task -> function path,
+resolved at the site by :func:`site_handler`; ``evaluate`` is common to every method), the model family
 (``fusable``: cnn/vgg11 that OHFL can fuse; ``prototype``: heterogeneous backbones with a common feature_dim), the
 default label scheme, rounds and epochs, its options (type, allowed values, default, help; validated once by
 :func:`validate_options` when the controller is built, and again when an exported job starts on the server), and
@@ -97,7 +98,10 @@ class MethodEntry:
         name: ``--method`` value and the name in results.
         controller: class path of its ``hfl_components.flare.controllers.HFLController`` subclass; the class's
             ``from_options(method, profile, opts, common, task_config)`` builds it from validated options.
-        site_tasks: task names the server sends (answered by ``hfl_components.flare.site_methods.HANDLERS``).
+        site_handlers: task -> path ``module:function`` of the site handler that answers it
+            (``handler(rt, params, meta) -> (params, metrics, meta)``, :mod:`hfl_components.flare.site_methods`);
+            resolved at the site by :func:`site_handler`. The common ``evaluate`` task is not listed. The first task
+            is the method's training task (``FedAvgController``'s ``task_name``).
         family: ``fusable`` (cnn/vgg11, one architecture family that OHFL can fuse) or ``prototype``
             (heterogeneous backbones with a common ``feature_dim``).
         labels, rounds, local_epochs, finetune_epochs: defaults (module docstring table).
@@ -111,7 +115,7 @@ class MethodEntry:
 
     name: str
     controller: str
-    site_tasks: tuple[str, ...]
+    site_handlers: dict
     family: str = "fusable"
     labels: str = "binary"
     rounds: int = 3
@@ -121,6 +125,16 @@ class MethodEntry:
     upload_checks: dict = field(default_factory=dict)
     uploads: str = ""
     summary: str = ""
+
+    @property
+    def site_tasks(self) -> tuple[str, ...]:
+        """The tasks the server sends: the method's own, then the common ``evaluate``."""
+        return (*self.site_handlers, *(t for t in COMMON_SITE_HANDLERS if t not in self.site_handlers))
+
+    @property
+    def training_task(self) -> str:
+        """The method's first (training) task."""
+        return next(iter(self.site_handlers))
 
     @property
     def prototype(self) -> bool:
@@ -153,6 +167,8 @@ def _non_negative(name: str) -> Callable[[Any], str | None]:
 
 
 _CTL = "hfl_components.flare.controllers."
+# the one task every method sends last: each site evaluates the model it deploys
+COMMON_SITE_HANDLERS = {"evaluate": "hfl_components.flare.site_methods:evaluate_deployed"}
 TOPOLOGY_ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", "local_topology")
 
 # ---------------------------------------------------------------------------------------------------- options
@@ -203,6 +219,11 @@ _OHFL = (
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
 )
+# Gradient-norm clip of local training with the alignment / topology loss: without it a FedProto-MSE run on
+# chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
+GRAD_CLIP = Option("grad_clip", float, 10.0, None, "clip the global gradient norm of local training to this value "
+                   "in rounds trained with the method's auxiliary loss (0 or none: no clip)", cli_default=None,
+                   check=_non_negative("grad-clip"))
 # lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
 _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "
                  "the modulated CE", flag="--lambda", cli_default=None, check=_non_negative("lambda"))
@@ -234,11 +255,12 @@ def _fedsaf_options(fedproto: bool) -> tuple[Option, ...]:
                "FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own local "
                "prototypes (nearest-global is not offered)", strict=True),
         *((_FEDPROTO_LAMBDA, _FEDPROTO_GAMMA) if fedproto else (_LAMBDA, _GAMMA)),
+        GRAD_CLIP,
     )
 
 
 _FEDTOPO = (
-    _LAMBDA, _GAMMA,
+    _LAMBDA, _GAMMA, GRAD_CLIP,
     Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only", strict=True),
     Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)",
            check=_non_negative("top-q")),
@@ -257,28 +279,31 @@ _PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "lo
 
 # ---------------------------------------------------------------------------------------------------- entries
 _ENTRIES: list[MethodEntry] = [
-    MethodEntry("local", _CTL + "LocalController", ("local_train", "evaluate"),
+    MethodEntry("local", _CTL + "baselines.LocalController",
+                {"local_train": _CTL + "baselines:local_train"},
                 uploads="nothing model-related", summary="each site trains alone (baseline)"),
-    MethodEntry("fedavg", _CTL + "FedAvgController", ("fedavg_train", "evaluate"),
+    MethodEntry("fedavg", _CTL + "baselines.FedAvgController",
+                {"fedavg_train": _CTL + "baselines:fedavg_train"},
                 upload_checks={"fedavg_train": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads="the full model (every weight) and its training sample count, every round",
                 summary="FedAvg on the profile's deepest fusable architecture"),
-    MethodEntry("ohfl", _CTL + "OHFLController", ("ohfl_train", "ohfl_finetune", "evaluate"), local_epochs=20,
-                options=_OHFL,
+    MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
+                {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
+                local_epochs=20, options=_OHFL,
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses"),
                 summary="one-shot heterogeneous fusion (paper 003)"),
-    MethodEntry("fedsaf", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_fedsaf_options(False),
+    MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
+                **_PROTO_DEFAULTS, options=_fedsaf_options(False),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (paper 000)"),
-    MethodEntry("fedproto", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_fedsaf_options(True),
+    MethodEntry("fedproto", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
+                **_PROTO_DEFAULTS, options=_fedsaf_options(True),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
-    MethodEntry("fedtopo", _CTL + "FedTopoController", ("fedtopo_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_FEDTOPO,
+    MethodEntry("fedtopo", _CTL + "fedtopo.FedTopoController", {"fedtopo_train": _CTL + "fedtopo:fedtopo_train"},
+                **_PROTO_DEFAULTS, options=_FEDTOPO,
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},
                 uploads=("every round: a C x C class-relation matrix and the C training class counts "
                          "(Laplace-noised with --noisy-counts); the topology-inconsistency scores D_r/D_rs"),
@@ -287,14 +312,46 @@ _ENTRIES: list[MethodEntry] = [
 CATALOGUE: dict[str, MethodEntry] = {e.name: e for e in _ENTRIES}
 
 
+def _task_table(entries) -> dict[str, str]:
+    """``{task: handler path}`` over ``entries`` and the common tasks; ValueError when two entries answer one task
+    with different handlers (task names are global: a site resolves a task by its name)."""
+    table = dict(COMMON_SITE_HANDLERS)
+    for e in entries:
+        for task, path in e.site_handlers.items():
+            if table.setdefault(task, path) != path:
+                raise ValueError(f"method {e.name!r}: task {task!r} is already answered by {table[task]}, not {path}")
+    return table
+
+
+_task_table(_ENTRIES)
+
+
 def register(entry: MethodEntry) -> MethodEntry:
     """Add (or replace) a method entry at run time (a method defined outside this file, e.g. in a test or a
     plug-in module imported before the job is built). Returns the entry.
 
     Note: a method registered this way exists only in the process that registered it; an exported job that runs
-    it needs the registering module imported on the server (add the entry here for a permanent method)."""
+    it needs the registering module imported on the server, and its sites can answer only tasks that some entry
+    they know names (add the entry here for a permanent method).
+
+    Raises:
+        ValueError: the entry answers a task another entry answers with a different handler."""
+    _task_table([*(e for m, e in CATALOGUE.items() if m != entry.name), entry])
     CATALOGUE[entry.name] = entry
     return entry
+
+
+def site_handler(task: str):
+    """The site handler of ``task`` (resolved from the catalogue entries' ``site_handlers``; ``evaluate`` is
+    common), imported on use.
+
+    Raises:
+        ValueError: no entry answers ``task`` (the message lists the known tasks).
+    """
+    table = _task_table(CATALOGUE.values())
+    if task not in table:
+        raise ValueError(f"unknown task {task!r} (known: {sorted(table)})")
+    return resolve(table[task])
 
 
 def entry(method: str) -> MethodEntry:

@@ -42,12 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from hfl_components.flare.catalogue import METHODS as _CATALOGUE_METHODS
-from hfl_components.flare.catalogue import PROTOTYPE_METHODS
+from hfl_components.flare import catalogue
 
-# the method catalogue's methods, plus the local+ft control (Local's budget plus OHFL's fine-tuning) after Local
-METHODS = ("local", "local+ft", *(m for m in _CATALOGUE_METHODS if m != "local"))
-PROTO = PROTOTYPE_METHODS
+# the method catalogue's control (role "control": Local), the local+ft control (its budget plus the one-shot
+# method's fine-tuning) after it, then the other methods; what compare does with each comes from its entry
+CONTROL = catalogue.with_role("control")
+METHODS = (CONTROL, "local+ft", *(m for m in catalogue.methods() if m != CONTROL))
+PROTO = catalogue.prototype_methods()
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
            "sensitivity", "specificity", "threshold", "deploy_rule", "deployed_round", "wall_seconds", "server_seconds",
            "bytes_up", "bytes_down"]
@@ -89,7 +90,7 @@ def check_variant(method: str, args=None) -> str | None:
     simulate._add_method_args(p)
     p.add_argument("--out")
     p.add_argument("--overwrite", action="store_true")
-    argv = ["--method", "local" if name == "local+ft" else name, *extra]
+    argv = ["--method", CONTROL if name == "local+ft" else name, *extra]
     if args is not None:
         try:
             argv = simulate_argv(method, Path("RUN"), Path("PROFILE"), Path("DATA"), 0, args)[1:]
@@ -108,7 +109,12 @@ def check_variant(method: str, args=None) -> str | None:
 
 def _base(method: str) -> str:
     name = split_variant(method)[0]
-    return "local" if name == "local+ft" else name
+    return CONTROL if name == "local+ft" else name
+
+
+def _entry(method: str) -> catalogue.MethodEntry:
+    """The catalogue entry of a compare method, variant or the local+ft control."""
+    return catalogue.entry(_base(method))
 
 
 def proto_protocol(methods: list[str]) -> bool:
@@ -116,7 +122,7 @@ def proto_protocol(methods: list[str]) -> bool:
     ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
     training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
     bases = {_base(m) for m in methods}
-    return bool(bases & set(PROTO)) and bases <= set(PROTO) | {"local"}
+    return bool(bases & set(PROTO)) and bases <= set(PROTO) | {CONTROL}
 
 
 class BudgetError(ValueError):
@@ -147,6 +153,7 @@ def epoch_plan(method: str, args) -> dict[str, int]:
         BudgetError: ``args.rounds`` does not divide E (equal budgets).
     """
     base = _base(method)
+    schedule = _entry(method).schedule
     method = split_variant(method)[0]
     from hfl_components.flare.catalogue import method_defaults
 
@@ -158,14 +165,14 @@ def epoch_plan(method: str, args) -> dict[str, int]:
         plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"]
         return plan
 
-    ohfl = method_defaults("ohfl")
-    ft_given = args.finetune_epochs if args.finetune_epochs is not None else ohfl["finetune_epochs"]
+    anchor = method_defaults(catalogue.with_schedule("one_shot"))  # E = the one-shot method's L + F
+    ft_given = args.finetune_epochs if args.finetune_epochs is not None else anchor["finetune_epochs"]
     if not getattr(args, "unequal_budgets", False):
-        L = args.local_epochs if args.local_epochs is not None else ohfl["local_epochs"]
+        L = args.local_epochs if args.local_epochs is not None else anchor["local_epochs"]
         E = L + ft_given
-        if base == "ohfl":
+        if schedule == "one_shot":
             rounds, local, ft = 1, L, ft_given
-        elif base == "local":
+        elif schedule == "single":
             rounds, local, ft = 1, E, 0
         else:
             if args.rounds:
@@ -175,17 +182,18 @@ def epoch_plan(method: str, args) -> dict[str, int]:
                                       "divide it, or pass --unequal-budgets")
                 rounds = args.rounds
             else:
-                rounds = E // _divisor_at_most(E, 3 if base in PROTO else 2)
+                rounds = E // _divisor_at_most(E, _entry(method).epochs_per_round)
             local, ft = E // rounds, 0
     else:
         d = method_defaults(base)
-        rounds = 1 if base == "ohfl" else (args.rounds or d["rounds"])
+        rounds = 1 if schedule == "one_shot" else (args.rounds or d["rounds"])
         local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
-        if base == "local" and args.rounds is None and args.local_epochs is None:
-            rounds, local = 1, 20  # Local = each site's own model trained as in OHFL's local phase (20 epochs)
-        if method == "local+ft":  # Local's whole budget in one run plus OHFL's fine-tuning epochs (= OHFL's total)
+        if schedule == "single" and args.rounds is None and args.local_epochs is None:
+            # the control = each site's own model trained as in the one-shot method's local phase
+            rounds, local = 1, anchor["local_epochs"]
+        if method == "local+ft":  # the control's whole budget in one run plus the fine-tuning epochs (= OHFL's total)
             rounds, local = 1, rounds * local + ft_given
-        ft = ft_given if base == "ohfl" else 0
+        ft = ft_given if schedule == "one_shot" else 0
     plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft}
     plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"]
     return plan
@@ -237,7 +245,7 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
     base = _base(method)
     argv = ["simulate", "--method", base, "--profile", str(profile), "--data", str(data), "--labels", args.labels,
             "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--local-epochs", str(plan["local_epochs"])]
-    if base != "ohfl":
+    if _entry(method).schedule != "one_shot":
         argv += ["--rounds", str(plan["rounds"])]
     else:
         argv += ["--finetune-epochs", str(plan["finetune_epochs"])]
@@ -249,7 +257,7 @@ def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: i
         argv += ["--late-wait", str(args.late_wait)]
     extra = split_variant(method)[1]
     probe = getattr(args, "probe", None)
-    if base == "ohfl" and probe and "--probe" not in extra:
+    if _entry(method).option("probe") is not None and probe and "--probe" not in extra:
         argv += ["--probe", str(probe)]
     return argv + extra
 
@@ -338,7 +346,7 @@ def run_compare(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     unequal = bool(getattr(args, "unequal_budgets", False))
-    if not unequal and "local" in methods and "local+ft" in methods:
+    if not unequal and CONTROL in methods and "local+ft" in methods:
         methods.remove("local+ft")
         print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
               "as the local+ft control")
@@ -372,7 +380,7 @@ def run_compare(args) -> int:
               flush=True)
     for line in budget_lines(plans, unequal):
         print(f"[compare] budget: {line}")
-    if not getattr(args, "probe", None) and any(_base(m) == "ohfl" for m in methods):
+    if not getattr(args, "probe", None) and any(_entry(m).option("probe") is not None for m in methods):
         args.probe = probe_part_csv(data, out)
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
@@ -576,7 +584,7 @@ def _mean_std(vals: list) -> str:
     return f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}"
 
 
-def paired_diff(rows: list[dict], method: str, metric: str, ref: str = "local") -> dict[str, Any]:
+def paired_diff(rows: list[dict], method: str, metric: str, ref: str = CONTROL) -> dict[str, Any]:
     """Mean paired difference ``method - ref`` over matching (seed, site) pairs with a t-based 95% CI."""
     from scipy import stats
 
@@ -632,8 +640,8 @@ def control_method(methods, cj: dict) -> str | None:
     """The local+ft control among ``methods``: ``local+ft``, or under equal budgets ``local`` (the same run)."""
     if "local+ft" in methods:
         return "local+ft"
-    if "local" in methods and not cj.get("unequal_budgets"):
-        return "local"
+    if CONTROL in methods and not cj.get("unequal_budgets"):
+        return CONTROL
     return None
 
 
@@ -700,15 +708,16 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     methods = _order({m for m, _ in runs_by})
     control = control_method(methods, cj)
     pairs = []
-    for ref, label in ((control, "local+ft"), ("fedavg" if "fedavg" in methods else None, "FedAvg")):
+    reference = catalogue.with_role("reference")
+    for ref, label in ((control, "local+ft"), (reference if reference in methods else None, "FedAvg")):
         if not ref:
             continue
         for m in methods:
             if m != ref and not (label == "FedAvg" and m == control):
                 pairs.append((m, "deployed", ref, "deployed", f"{m} vs {label}" + (" (local, same E epochs)"
-                                                                                  if ref == "local" else "")))
+                                                                                  if ref == CONTROL else "")))
     for m in methods:
-        if _base(m) == "ohfl":
+        if _entry(m).schedule == "one_shot":  # its sites keep their pre-fusion local models
             pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
     paired = []
     for ma, ka, mb, kb, label in pairs:
@@ -753,7 +762,7 @@ def load_external(out: Path) -> dict | None:
     return {**json.loads(f_pair.read_text()), "rows": rows}
 
 
-def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
+def ohfl_targets(ext: dict, method: str | None = None) -> list[dict]:
     """Issue 11's targets for ``method`` (the main job) from an external evaluation (:func:`external_tables` or
     :func:`load_external`): one ``{"target", "value", "met"}`` per target, ``met`` True/False, or None for a number
     reported without a threshold (the verdict against FedAvg). ``[]`` when ``method`` has no external rows.
@@ -764,6 +773,7 @@ def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
     for AUC and for balanced accuracy (without a local+ft control in the comparison: one row "not measured", not
     met, rather than no row and "All targets met"); (5) the paired verdict against FedAvg, reported as it is.
     """
+    method = method or catalogue.with_schedule("one_shot")
     rows = [r for r in ext.get("rows", []) if r["method"] == method]
     if not rows:
         return []
@@ -793,7 +803,7 @@ def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
     for p in ext.get("paired", []):
         if p.get("a") != method or p.get("kind_a") != "deployed" or p.get("kind_b") != "deployed":
             continue
-        vs_fedavg = p.get("b") == "fedavg"
+        vs_fedavg = p.get("b") == catalogue.with_role("reference")
         if not vs_fedavg and (not ext.get("control") or p.get("b") != ext.get("control")):
             continue
         seen_control = seen_control or not vs_fedavg
@@ -875,7 +885,7 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
           f"seeds and images jointly ({ext['n_boot']} replicates, `hfl_components.training.paired`). Verdict: "
           "better (CI above 0) / worse (CI below 0) / no difference detected (CI covers 0). Pneumonia vs normal; "
           "balanced accuracy at the argmax rule.", ""]
-    if ext.get("control") == "local":
+    if ext.get("control") == CONTROL:
         L += ["Under equal budgets `local` is the local+ft control (each site's own model trained the same E epochs).",
               ""]
     L += ["| comparison | seeds | pairs | Δ AUC (95% CI) | verdict | Δ balanced accuracy (95% CI) | verdict |",
@@ -887,8 +897,9 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
     if len(seeds) < 3:
         L += ["", f"Only {len(seeds)} seed(s): the protocol asks for at least 3 before a verdict is reported as a "
               "result."]
-    if "ohfl" in methods:
-        L += targets_markdown(ohfl_targets(ext))
+    for m in methods:
+        if split_variant(m)[0] == _base(m) and _entry(m).schedule == "one_shot":
+            L += targets_markdown(ohfl_targets(ext, m))
     return L
 
 
@@ -955,12 +966,12 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
                 v = [r[metric] for r in rows if r["method"] == m and r["site"] == s and r[metric] is not None]
                 cells.append(_fmt(float(np.mean(v))) if v else "–")
             L.append(f"| {m} | " + " | ".join(cells) + " |")
-    if "local" in methods and len(methods) > 1:
+    if CONTROL in methods and len(methods) > 1:
         L += ["", "## Paired difference vs Local", "",
               "Mean of (method − Local) over matching (seed, site) test sets, 95% t-interval.", "",
               "| method | pairs | Δ accuracy | Δ balanced accuracy | Δ AUC |", "|---|---|---|---|---|"]
         for m in methods:
-            if m == "local":
+            if m == CONTROL:
                 continue
             cells = []
             n = 0
@@ -974,7 +985,7 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
     if ext:
         L += external_markdown(ext, plans)
     L += ["", "## Notes", ""]
-    if "fedavg" in methods:
+    if catalogue.with_role("reference") in methods:
         L.append("- FedAvg runs under its own rule: every site trains the deepest architecture (one shared model), "
                  "so its sites do not keep their own depth/width as under Local, local+ft and OHFL.")
     if "local+ft" in methods and cj.get("unequal_budgets"):

@@ -111,6 +111,14 @@ class MethodEntry:
             controller runs on each upload.
         uploads: one sentence: what a site uploads besides the common task metadata (docs/DEPLOYMENT.md, Privacy).
         summary: one line for ``--help``.
+        schedule: how ``cxr-hfl compare`` spends an equal epoch budget E on it: ``rounds`` (R rounds of E / R local
+            epochs), ``single`` (one run of E epochs: the control) or ``one_shot`` (L local epochs, one fusion, F
+            fine-tuning epochs; the budget is defined by the one-shot method's L + F, and its sites keep their
+            pre-fusion local models).
+        epochs_per_round: under ``rounds``, compare's default local epochs per round (R = E / this, or the largest
+            divisor of E below it).
+        role: ``control`` (the comparison's local control: ``local+ft``), ``reference`` (the federated baseline
+            every method is also paired against) or empty.
     """
 
     name: str
@@ -125,6 +133,9 @@ class MethodEntry:
     upload_checks: dict = field(default_factory=dict)
     uploads: str = ""
     summary: str = ""
+    schedule: str = "rounds"
+    epochs_per_round: int = 2
+    role: str = ""
 
     @property
     def site_tasks(self) -> tuple[str, ...]:
@@ -275,25 +286,26 @@ _FEDTOPO = (
 
 _PROTO_UPLOAD = ("every round: C x d class prototypes (mean training feature per class) and the C training class "
                  "counts; the alignment loss terms of the last batch")
-_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1}
+_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1, "epochs_per_round": 3}
 
 # ---------------------------------------------------------------------------------------------------- entries
 _ENTRIES: list[MethodEntry] = [
     MethodEntry("local", _CTL + "baselines.LocalController",
                 {"local_train": _CTL + "baselines:local_train"},
-                uploads="nothing model-related", summary="each site trains alone (baseline)"),
+                uploads="nothing model-related", summary="each site trains alone (baseline)", schedule="single",
+                role="control"),
     MethodEntry("fedavg", _CTL + "baselines.FedAvgController",
                 {"fedavg_train": _CTL + "baselines:fedavg_train"},
                 upload_checks={"fedavg_train": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads="the full model (every weight) and its training sample count, every round",
-                summary="FedAvg on the profile's deepest fusable architecture"),
+                summary="FedAvg on the profile's deepest fusable architecture", role="reference"),
     MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
                 {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
                 local_epochs=20, options=_OHFL,
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses"),
-                summary="one-shot heterogeneous fusion (paper 003)"),
+                summary="one-shot heterogeneous fusion (paper 003)", schedule="one_shot"),
     MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
                 **_PROTO_DEFAULTS, options=_fedsaf_options(False),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
@@ -363,6 +375,16 @@ def entry(method: str) -> MethodEntry:
     if method not in CATALOGUE:
         raise ValueError(f"unknown method {method!r}; known: {list(CATALOGUE)}")
     return CATALOGUE[method]
+
+
+def with_role(role: str) -> str | None:
+    """The first method whose entry has ``role`` (``control``, ``reference``), or None."""
+    return next((m for m, e in CATALOGUE.items() if e.role == role), None)
+
+
+def with_schedule(schedule: str) -> str | None:
+    """The first method whose entry has ``schedule`` (``single``, ``rounds``, ``one_shot``), or None."""
+    return next((m for m, e in CATALOGUE.items() if e.schedule == schedule), None)
 
 
 def methods() -> tuple[str, ...]:

@@ -92,7 +92,7 @@ def test_validate_options_types_choices_defaults_and_fixed_values():
         validate_options("fedtopo", {"top_q": 2.5})
     assert validate_options("local", {"strategy": "bogus"}) == {}  # other methods' options are not local's
     with pytest.raises(ValueError, match="unknown method"):
-        validate_options("fedprox", {})
+        validate_options("fedbogus", {})
 
 
 @pytest.mark.parametrize("method", ["fedsaf", "fedproto", "fedtopo"])

@@ -299,6 +299,12 @@ _ENTRIES: list[MethodEntry] = [
                 upload_checks={"fedavg_train": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads="the full model (every weight) and its training sample count, every round",
                 summary="FedAvg on the profile's deepest fusable architecture", role="reference"),
+    MethodEntry("fedprox", _CTL + "baselines.FedAvgController", {"fedprox_train": _CTL + "fedprox:fedprox_train"},
+                options=(Option("mu", float, 0.01, None, "FedProx proximal weight mu: each site minimises its loss + "
+                                "mu/2 ||w - w_global||^2 (0 = FedAvg)", check=_non_negative("mu")),),
+                upload_checks={"fedprox_train": "hfl_components.upload_checks:check_fedavg_upload"},
+                uploads="the full model (every weight) and its training sample count, every round",
+                summary="FedProx (Li et al., 2020): FedAvg with a proximal term at each site"),
     MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
                 {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
                 local_epochs=20, options=_OHFL,

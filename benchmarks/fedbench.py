@@ -59,9 +59,9 @@ def make_profile(partition: Path, out: Path, method: str, input_size: int, setti
     from nvflare_jobs.profiles import write_profile
     from nvflare_jobs.site_config import load_profile
 
-    from hfl_components.flare.catalogue import PROTOTYPE_METHODS, is_prototype
+    from hfl_components.flare.catalogue import is_prototype, prototype_methods
 
-    prof_method = method if is_prototype(method) else PROTOTYPE_METHODS[0]  # Local uses the same backbones
+    prof_method = method if is_prototype(method) else prototype_methods()[0]  # Local uses the same backbones
     write_profile(partition, out, prof_method, "subtype", [input_size], dict(settings))
     return load_profile(out)
 

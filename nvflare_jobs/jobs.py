@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hfl_components.flare.catalogue import METHODS  # noqa: F401 - kept name; the catalogue is the one list
-from hfl_components.models import deepest_spec  # noqa: F401 - kept name (moved to hfl_components.models)
 
 SITE_SCRIPT = Path(__file__).resolve().parent.parent / "hfl_components" / "flare" / "site_script.py"
 # Seconds the server tells a site to wait before asking for its next task (NVFlare's server config

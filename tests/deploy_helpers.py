@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-from hfl_components.flare.catalogue import METHODS, is_prototype  # noqa: E402,F401 - the one method list
+from hfl_components.flare.catalogue import is_prototype, methods  # noqa: E402,F401 - the one method list
+
+METHODS = methods()
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

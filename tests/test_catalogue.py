@@ -14,7 +14,7 @@ from hfl_components.flare.catalogue import OptionError, validate_options
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("method", catalogue.METHODS)
+@pytest.mark.parametrize("method", catalogue.methods())
 def test_entry_names_real_controller_site_tasks_and_upload_checks(method):
     from hfl_components.flare.controllers import HFLController
 
@@ -51,10 +51,13 @@ def test_consumers_read_the_catalogue():
     from nvflare_jobs import compare, jobs, privacy, profiles
     from nvflare_jobs.commands import simulate
 
-    assert jobs.METHODS == simulate.METHODS == catalogue.METHODS
-    assert set(compare.METHODS) == set(catalogue.METHODS) | {"local+ft"}
-    assert compare.PROTO == profiles.PROTO_METHODS == catalogue.PROTOTYPE_METHODS == ("fedsaf", "fedproto", "fedtopo")
-    for m in catalogue.METHODS:
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    assert next(a for a in p._actions if a.dest == "method").choices == catalogue.methods()
+    assert set(compare.METHODS) == set(catalogue.methods()) | {"local+ft"}
+    assert compare.PROTO == catalogue.prototype_methods() == ("fedsaf", "fedproto", "fedtopo")
+    assert profiles.PROTO_ROUNDS == catalogue.entry("fedsaf").rounds
+    for m in catalogue.methods():
         assert privacy.what_leaves(m).startswith(catalogue.entry(m).uploads)
     # every option of every method has its command-line flag, with the catalogue's choices
     p = argparse.ArgumentParser()

@@ -7,7 +7,7 @@ import argparse
 import pytest
 import yaml
 
-from hfl_components.flare.catalogue import METHODS, method_defaults
+from hfl_components.flare.catalogue import method_defaults, methods
 
 
 def _site_cfg(tmp_path, **extra):
@@ -37,7 +37,7 @@ def _simulate_args(method: str):
     return args
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", methods())
 def test_site_config_defaults_agree_with_simulate(tmp_path, method):
     """A hand-written site config without epochs trains what `cxr-hfl simulate` trains (OHFL: 20 + 10, not 2 + 2)."""
     from hfl_components.flare.site_methods import task_epochs as _epochs

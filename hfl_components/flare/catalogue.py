@@ -409,10 +409,6 @@ def is_prototype(method: str) -> bool:
     return bool(e and e.prototype)
 
 
-# kept names (other modules and branches import them)
-METHODS: tuple[str, ...] = methods()
-PROTOTYPE_METHODS: tuple[str, ...] = prototype_methods()
-METHOD_DEFAULTS: dict[str, dict] = {m: e.defaults() for m, e in CATALOGUE.items()}
 
 
 def method_defaults(method: str) -> dict:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from hfl_components.flare import catalogue
 
-METHODS = catalogue.METHODS  # kept name; the method catalogue is the one list
 # OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only): the
 # catalogue's OHFL options that the command line leaves unset until --paper has been applied.
 OHFL_DEFAULTS = {o.key: o.default for o in catalogue.entry("ohfl").options
@@ -73,9 +72,9 @@ SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=METHODS, required=True,
+    p.add_argument("--method", choices=catalogue.methods(), required=True,
                    help="; ".join(f"{m}: {e.summary}" for m, e in catalogue.CATALOGUE.items()))
-    protos = "/".join(catalogue.PROTOTYPE_METHODS)
+    protos = "/".join(catalogue.prototype_methods())
     p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
                                   f"(chest_xray_original; {protos}: the tuning + probe parts of "
                                   "chest_xray_224, see chest_xray/splits.py)")

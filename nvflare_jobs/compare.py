@@ -34,7 +34,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,55 +54,54 @@ COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy"
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
-def split_variant(method: str) -> tuple[str, list[str]]:
-    """``"ohfl:strategy=cdd:weighting=half"`` -> ``("ohfl", ["--strategy", "cdd", "--weighting", "half"])``: a method
-    variant passes extra ``cxr-hfl simulate`` options (the run folder and table rows keep the full name)."""
+def _option_key(name: str) -> str:
+    """A variant's option name (``strategy``, ``probe-at``, ``lambda``) as the options key (``probe_at``, ``lam``)."""
+    flag = "--" + name.strip().replace("_", "-")
+    for key, users in catalogue.all_options().items():
+        if any(o.cli_flag == flag for _, o in users):
+            return key
+    return name.strip().replace("-", "_")
+
+
+def split_variant(method: str) -> tuple[str, dict]:
+    """``"ohfl:strategy=cdd:weighting=half"`` -> ``("ohfl", {"strategy": "cdd", "weighting": "half"})``: a method
+    variant adds ``simulate`` options (values as typed; a name without ``=`` is a switch set to True, e.g.
+    ``ohfl:paper``; a repeated list option such as ``ablate`` collects its values). The run folder and table rows
+    keep the full name."""
     name, *opts = method.split(":")
-    extra = []
+    lists = {k for k, users in catalogue.all_options().items() if users[0][1].type is list}
+    extra: dict = {}
     for o in opts:
-        k, _, v = o.partition("=")
-        extra += [f"--{k.strip().replace('_', '-')}"] + ([v.strip()] if v else [])
+        k, eq, v = o.partition("=")
+        key = _option_key(k)
+        if key in lists:
+            extra.setdefault(key, []).append(v.strip())
+        else:
+            extra[key] = v.strip() if eq else True
     return name, extra
 
 
 def check_variant(method: str, args=None) -> str | None:
-    """Why the method variant ``method`` (e.g. ``ohfl:repair=foo``) would be refused by ``cxr-hfl simulate``, as one
-    line naming the variant and the option, or None when its options parse and pass ``catalogue.validate_options``
-    (the same checks ``simulate`` runs before anything starts), so a bad variant is refused before any run. With
-    the compare ``args``, the whole command line compare would give ``simulate`` is checked (epochs included, e.g.
-    ``ohfl:paper`` against the equal budget's fine-tuning epochs)."""
-    import argparse
-    import contextlib
-    import io
-
-    from nvflare_jobs.commands import simulate
+    """Why the method variant ``method`` (e.g. ``ohfl:repair=foo``) would be refused by ``simulate``, as one line
+    naming the variant and the option, or None when its options pass :func:`nvflare_jobs.simulation.check` (the
+    checks ``simulate`` runs before anything starts), so a bad variant is refused before any run. With the compare
+    ``args``, the options compare would give ``simulate`` are checked (epochs included, e.g. ``ohfl:paper``
+    against the equal budget's fine-tuning epochs)."""
+    from nvflare_jobs.simulation import check
 
     name, extra = split_variant(method)
     if not extra and args is None:
         return None
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise ValueError(message)
-
-    p = _Parser(prog="cxr-hfl simulate", add_help=False)
-    simulate._add_method_args(p)
-    p.add_argument("--out")
-    p.add_argument("--overwrite", action="store_true")
-    argv = ["--method", CONTROL if name == "local+ft" else name, *extra]
+    opts = extra
     if args is not None:
         try:
-            argv = simulate_argv(method, Path("RUN"), Path("PROFILE"), Path("DATA"), 0, args)[1:]
+            opts = simulate_options(method, Path("DATA"), 0, args)
         except BudgetError:  # refused with its own message once the budgets are planned
             pass
     try:
-        a = p.parse_args(argv)
-        with contextlib.redirect_stderr(io.StringIO()):  # warnings are printed again when the run starts
-            simulate._defaults(a)
+        check(_base(method), opts)
     except ValueError as e:
         return f"{'variant ' if extra else ''}{method}: {e}"
-    except SystemExit as e:
-        return f"{'variant ' if extra else ''}{method}: {str(e.code).removeprefix('cxr-hfl: ')}"
     return None
 
 
@@ -240,26 +238,41 @@ def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
     return part
 
 
-def simulate_argv(method: str, run_dir: Path, profile: Path, data: Path, seed: int, args) -> list[str]:
+def simulate_options(method: str, data: Path, seed: int, args) -> dict:
+    """The :func:`nvflare_jobs.simulation.simulate` options of one compare run: its epoch plan, the data, seed,
+    label scheme and pass-through settings, the probe for a method that has one, then the variant's options."""
     plan = epoch_plan(method, args)
-    base = _base(method)
-    argv = ["simulate", "--method", base, "--profile", str(profile), "--data", str(data), "--labels", args.labels,
-            "--seed", str(seed), "--out", str(run_dir), "--overwrite", "--local-epochs", str(plan["local_epochs"])]
-    if _entry(method).schedule != "one_shot":
-        argv += ["--rounds", str(plan["rounds"])]
+    e = _entry(method)
+    opts = {"data": str(data), "labels": args.labels, "seed": seed, "local_epochs": plan["local_epochs"]}
+    if e.schedule != "one_shot":
+        opts["rounds"] = plan["rounds"]
     else:
-        argv += ["--finetune-epochs", str(plan["finetune_epochs"])]
+        opts["finetune_epochs"] = plan["finetune_epochs"]
     if args.max_train_images:
-        argv += ["--max-train-images", str(args.max_train_images)]
+        opts["max_train_images"] = args.max_train_images
     if args.batch_size:
-        argv += ["--batch-size", str(args.batch_size)]
+        opts["batch_size"] = args.batch_size
     if getattr(args, "late_wait", None) is not None:
-        argv += ["--late-wait", str(args.late_wait)]
+        opts["late_wait"] = args.late_wait
     extra = split_variant(method)[1]
     probe = getattr(args, "probe", None)
-    if _entry(method).option("probe") is not None and probe and "--probe" not in extra:
-        argv += ["--probe", str(probe)]
-    return argv + extra
+    if e.option("probe") is not None and probe and "probe" not in extra:
+        opts["probe"] = str(probe)
+    return {**opts, **extra}
+
+
+def command_for(method: str, profile: Path, options: dict, out: Path) -> str:
+    """The ``cxr-hfl simulate`` command line equivalent to a :func:`simulate_options` run (printed and recorded)."""
+    import shlex
+
+    flags = {key: o.cli_flag for key, users in catalogue.all_options().items() for _, o in users}
+    argv = ["simulate", "--method", _base(method), "--profile", str(profile)]
+    for k, v in options.items():
+        flag = flags.get(k, "--" + k.replace("_", "-"))
+        for item in (v if isinstance(v, list) else [v]):
+            argv += [flag] if item is True else [flag, str(item)]
+    argv += ["--out", str(out), "--overwrite"]
+    return "cxr-hfl " + " ".join(shlex.quote(a) for a in argv)
 
 
 def probe_part_csv(data: Path, out: Path) -> Path | None:
@@ -301,12 +314,24 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
     return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto)
 
 
+def relative(path) -> str:
+    """``path`` relative to the working directory (``compare.json`` records no machine paths); a path on another
+    drive stays as given."""
+    import os
+
+    try:
+        return os.path.relpath(Path(path).resolve(), Path.cwd())
+    except ValueError:
+        return str(path)
+
+
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as typed: ``cxr-hfl <args>`` (shell-quoted)."""
+    """The command as typed: ``cxr-hfl <args>`` (shell-quoted), absolute paths made relative to the working
+    directory."""
     import shlex
 
     argv = sys.argv[1:] if argv is None else argv
-    return "cxr-hfl " + " ".join(shlex.quote(a) for a in argv)
+    return "cxr-hfl " + " ".join(shlex.quote(relative(a) if a.startswith("/") else a) for a in argv)
 
 
 def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
@@ -330,7 +355,9 @@ def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
 
 
 def run_compare(args) -> int:
+    from nvflare_jobs.evaluation import external_name
     from nvflare_jobs.profiles import DataNotFoundError, resolve_data
+    from nvflare_jobs.simulation import simulate
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if split_variant(m)[0] not in METHODS]
@@ -385,10 +412,12 @@ def run_compare(args) -> int:
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
     record_command(out, command_line(getattr(args, "_argv", None)), args.dry_run, {
-        "data": str(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
+        "data": relative(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
         "labels": args.labels, "epoch_plan": plans, "unequal_budgets": unequal,
-        "external": str(Path(ext).resolve()) if ext else None, "part": getattr(args, "part", None),
-        "probe": str(args.probe) if getattr(args, "probe", None) else None})
+        "external": relative(ext) if ext else None, "part": getattr(args, "part", None),
+        "external_name": external_name(ext, getattr(args, "part", None)) if ext else None,
+        "probe": relative(args.probe) if getattr(args, "probe", None) else None,
+        "paths": "relative to the working directory the command ran in"})
     failed = []
     for seed in args.seeds:
         seed_dir = out / f"seed{seed}"
@@ -400,14 +429,14 @@ def run_compare(args) -> int:
                 continue
             run_dir.mkdir(parents=True, exist_ok=True)
             profile = write_method_profile(part, run_dir, m, seed, args)
-            argv = simulate_argv(m, run_dir, profile, data, seed, args)
-            print(f"[compare] seed {seed} {m}: cxr-hfl {' '.join(argv)}", flush=True)
+            opts = simulate_options(m, data, seed, args)
+            cmd = command_for(m, profile, opts, run_dir)
+            print(f"[compare] seed {seed} {m}: {cmd}", flush=True)
             if args.dry_run:
                 continue
             t0 = time.perf_counter()
-            with open(run_dir / "simulate.log", "w") as log:
-                rc = subprocess.call([sys.executable, "-m", "nvflare_jobs.cli", *argv], stdout=log,
-                                     stderr=subprocess.STDOUT)
+            rc = simulate(_base(m), profile, opts, run_dir, overwrite=True, isolate=True,
+                          log=run_dir / "simulate.log", command=cmd).rc
             ok = (run_dir / "metrics.json").is_file()
             if ok and m != _base(m):  # the run folder says which control / variant it is
                 met = json.loads((run_dir / "metrics.json").read_text())
@@ -633,7 +662,7 @@ def _external_name(out: Path) -> tuple[str | None, dict]:
     cj = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
     if not cj.get("external"):
         return None, cj
-    return external_name(cj["external"], cj.get("part")), cj
+    return cj.get("external_name") or external_name(cj["external"], cj.get("part")), cj
 
 
 def control_method(methods, cj: dict) -> str | None:

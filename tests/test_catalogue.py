@@ -49,6 +49,7 @@ def test_one_method_list_no_spelled_out_tuples():
 
 def test_consumers_read_the_catalogue():
     from nvflare_jobs import compare, jobs, privacy, profiles
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
@@ -68,7 +69,7 @@ def test_consumers_read_the_catalogue():
         for _, o in users:
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
-    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
+    assert simulation.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
                                       "probe_at": "own", "init": "site", "gate": True}
 
 
@@ -144,28 +145,29 @@ def test_counts_seconds_and_fedtopo_integers_refuse_negative_values(tmp_path, ca
 
 
 def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
     with pytest.raises(SystemExit, match="--eval nearest-prototype is not an option of ohfl"):
-        simulate._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
+        simulation._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
     a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
-    simulate._defaults(a)
+    simulation._defaults(a)
     assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
     # OHFL's fusion levers (filled in before the check) are warned about too, not silently dropped
     for flags, given in ((["--ground-metric", "wts"], "--ground-metric wts"), (["--ot", "sinkhorn"], "--ot sinkhorn"),
                          (["--no-gate"], "--no-gate"), (["--no-repair"], "--repair none"),
                          (["--init", "shared"], "--init shared")):
-        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
         assert f"WARNING: {given} is not an option of fedavg (it is one of ohfl); ignored" in capsys.readouterr().err
     for flags in ([], ["--gate"], ["--ground-metric", "acts"]):  # the defaults: nothing to warn about
-        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
         assert "WARNING" not in capsys.readouterr().err, flags
     with pytest.raises(SystemExit, match="FedSAF alignment"):
-        simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
+        simulation._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
     a = p.parse_args(["--method", "fedtopo"])
-    simulate._defaults(a)
+    simulation._defaults(a)
     assert (a.rho, a.top_q, a.warmup, a.ablate, a.alignment) == (0.7, 3, 3, [], None)
 
 

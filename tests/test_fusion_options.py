@@ -153,7 +153,7 @@ def test_shared_initialisation_is_really_shared_and_nested(tmp_path):
 
 
 def test_simulate_options_reach_the_controller_and_the_sites():
-    from nvflare_jobs.commands.simulate import _defaults, _options
+    from nvflare_jobs.simulation import _defaults, _options
     from nvflare_jobs.jobs import build_job
 
     args = _parse(["--init", "shared", "--no-gate", "--repair", "channel", "--cka", "debiased", "--probe-at", "own",
@@ -195,7 +195,7 @@ def _parse(extra):
 
 
 def test_paper_flag_sets_the_papers_pipeline_and_rejects_conflicts():
-    from nvflare_jobs.commands.simulate import OHFL_DEFAULTS, _defaults
+    from nvflare_jobs.simulation import OHFL_DEFAULTS, _defaults
 
     a = _parse(["--paper"])
     _defaults(a)

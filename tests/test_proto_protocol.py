@@ -194,7 +194,8 @@ def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_pat
 
     from chest_xray import read_site_manifest
     from chest_xray.splits import split_rows
-    from nvflare_jobs.commands.simulate import _defaults, prepare_profile, register
+    from nvflare_jobs.commands.simulate import register
+    from nvflare_jobs.simulation import _defaults, prepare_profile
     from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
 
     if not (data_root / "chest_xray_224").is_dir():
@@ -352,6 +353,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
     command line leaves each method its own default unless --lambda / --gamma is given."""
     from hfl_components.alignment import FedSAFAuxLoss
     from hfl_components.flare.catalogue import validate_options
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     v = validate_options("fedproto", {})
@@ -377,7 +379,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
         p = argparse.ArgumentParser()
         simulate._add_method_args(p)
         a = p.parse_args(["--method", argv[0], *argv[1:]])
-        simulate._check_method_options(a)
+        simulation._check_method_options(a)
         return a.lam, a.gamma
 
     assert parsed("fedproto") == (0.0, 1 / 64)

@@ -154,7 +154,7 @@ def test_simulate_refuses_to_mix_runs_and_reports_bad_arguments_in_one_line(tmp_
 
 
 def test_overwrite_keeps_a_profile_that_lives_in_the_run_folder(tmp_path):
-    from nvflare_jobs.commands.simulate import _prepare_run_dir
+    from nvflare_jobs.simulation import _prepare_run_dir
 
     run = tmp_path / "run"
     (run / "site_configs").mkdir(parents=True)

@@ -73,7 +73,7 @@ PROTOTYPE_FILES = ("local_prototypes.npy", "local_counts.npy")
 def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> dict:
     """Evaluate the site's model on ``split`` with the evaluation rule of ``tc["eval"]``.
 
-    ``head`` (default): the site's own classifier head. ``nearest-prototype`` (FedSAF/FedProto option, issue 5): the
+    ``head`` (default): the site's own classifier head. ``nearest-prototype`` (FedSAF/FedProto option): the
     nearest of the site's *own* local prototypes (class means of its training features after its last local
     training, kept in its workspace). Nearest-*global*-prototype is deliberately not offered: under structural
     alignment the global prototypes live in another basis than the site's features.

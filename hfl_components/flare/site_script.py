@@ -18,6 +18,7 @@ import traceback
 import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
+from hfl_components.flare.inprocess import task_meta
 from hfl_components.flare.site_methods import handler as site_handler
 from hfl_components.flare.site_tasks import SiteRuntime, describe_error
 from hfl_components.flare.site_config import load_site_config
@@ -92,10 +93,7 @@ def main() -> None:
         if msg is None:
             break
         task = flare.get_task_name()
-        meta = dict(msg.meta or {})
-        meta.setdefault("round", msg.current_round or 0)
-        if msg.total_rounds:
-            meta.setdefault("total_rounds", int(msg.total_rounds))  # the sites' lr_schedule: cosine needs it
+        meta = task_meta(msg)  # + round and total_rounds (the sites' lr_schedule: cosine needs it)
         beat.start_task(task, meta["round"])
         try:
             if runtime is None:

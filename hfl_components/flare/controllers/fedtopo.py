@@ -1,4 +1,4 @@
-"""FedTopo (paper 002, Algorithm 1): class-relation topology exchange; the method's NVFlare adapter (server controller
+"""FedTopo (FedTopo paper, Algorithm 1): class-relation topology exchange; the method's NVFlare adapter (server controller
 and site handler)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hfl_components.flare.site_methods import features, ok_meta, option, site_ev
 
 # ============================================================================ FedTopo
 class FedTopoController(HFLController):
-    """FedTopo (paper 002, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
+    """FedTopo (FedTopo paper, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
     server aggregates them with observation masks and harmonic reliability weights (Eq. 4-7), smooths with EMA
     (Eq. 8) and broadcasts (R^g, S^g): ``C*C + C`` float32 numbers up and ``2*C*C`` down per site and round.
 
@@ -107,7 +107,7 @@ class FedTopoController(HFLController):
 
 # ============================================================================ site handler
 def fedtopo_train(rt, params, meta):
-    """FedTopo round (paper 002, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
+    """FedTopo round (FedTopo paper, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
     then upload only the local relation matrix R_k and class counts (optionally noisy).
 
     Warm-up: in rounds ``r <`` option ``warmup`` (0-based) the topology term is off (``TopologyLoss(warmup_active=True)``

@@ -1,14 +1,15 @@
-"""Choose FedProto's alignment weights (issue 16) on the sites' *validation* splits only.
+"""Choose FedProto's alignment weights on the sites' *validation* splits only.
 
 One federation in process (``benchmarks.fedbench``-style: the method's real controller and site handlers, NVFlare's
 transport replaced by a direct call) on ``chest_xray_224``'s tuning + probe parts (the ``evaluation`` part is never
 read), Dirichlet partition, 6 sites, the prototype defaults (``PROTO_TRAINING``). After the last round each site's
 deployed model is scored on its own validation split and on the pooled validation images of all sites restricted to
-the classes it holds (:func:`benchmarks.tune_proto.pooled_val_loader`). Also printed: the mean feature norm of each
+the classes it holds (:func:`studies.proto_tuning.tune_proto.pooled_val_loader`).
+Also printed: the mean feature norm of each
 site's training features and the spread of the global prototypes (why MSE alignment collapses). Test splits and the
 evaluation part are never touched.
 
-    PYTHONPATH=$PWD python benchmarks/tune_fedproto.py --method fedproto --opts lam=0,gamma=0.015625 --seed 0
+    python -m studies.proto_tuning.tune_fedproto --method fedproto --opts lam=0,gamma=0.015625 --seed 0
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class _Stop(BaseException):
@@ -31,9 +31,10 @@ class _Stop(BaseException):
 
 
 def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
-    from nvflare.app_common.abstract.fl_model import FLModel
-
-    from hfl_components.flare.site_methods import handler
+    """One federation in process (:class:`hfl_components.flare.inprocess.InProcessTransport`), stopped before its
+    final (test) evaluation task; returns ``(runtimes, trace of site-2's global prototypes per round)``. A site's
+    failure is raised, not answered."""
+    from hfl_components.flare.inprocess import InProcessTransport, runtime_answer
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
 
@@ -43,32 +44,23 @@ def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
     ctl = make_controller(method, profile, opts)
     runtimes = {s: SiteRuntime(cfg, workdir / s) for s, cfg in profile.items()}
     trace = []
+    handlers = runtime_answer(runtimes, raise_errors=True, on_result=on_result)
 
-    def send(task_name, data, timeout=0, **kw):
-        out = []
+    def answer(task_name, site, data):
         if task_name == "evaluate":  # never evaluate on test here: stop before the final evaluation task
             raise _Stop
-        for site, rt in runtimes.items():
-            meta = dict(data.meta or {})
-            meta.setdefault("round", data.current_round or 0)
-            params, metrics, meta_out = handler(task_name)(rt, dict(data.params or {}), meta)
-            if on_result is not None:  # e.g. benchmarks/tune_deploy.py: score every round's model on validation
-                on_result(site, rt, int(meta["round"]), metrics)
-            gp = (data.params or {}).get("global_prototypes")
-            if gp is not None and np.asarray(gp).size and site == "site-2":
-                P = np.asarray(gp)
-                trace.append({"round": data.current_round, "gp_norms": np.linalg.norm(P, axis=1).round(2).tolist(),
-                              "gp_pair_dist": [round(float(np.linalg.norm(P[i] - P[j])), 2)
-                                               for i in range(len(P)) for j in range(i + 1, len(P))],
-                              "terms": metrics.get("alignment_terms_last_batch")})
-            out.append(FLModel(params={k: np.array(v, copy=True) for k, v in (params or {}).items()},
-                               metrics=metrics, meta={"client_name": site, **meta_out}))
-        return out
+        params, metrics, meta_out = handlers(task_name, site, data)
+        gp = (data.params or {}).get("global_prototypes")
+        if gp is not None and np.asarray(gp).size and site == "site-2":
+            P = np.asarray(gp)
+            trace.append({"round": data.current_round, "gp_norms": np.linalg.norm(P, axis=1).round(2).tolist(),
+                          "gp_pair_dist": [round(float(np.linalg.norm(P[i] - P[j])), 2)
+                                           for i in range(len(P)) for j in range(i + 1, len(P))],
+                          "terms": metrics.get("alignment_terms_last_batch")})
+        return params, metrics, meta_out
 
-    ctl.send_model_and_wait = send
-    ctl.get_run_dir = lambda: str(workdir / "server")
-    ctl.info = lambda m: None
-    ctl.warning = lambda m: None
+    InProcessTransport(runtimes, answer).attach(ctl, workdir / "server", info=lambda m: None,
+                                                warning=lambda m: None)
     try:
         ctl.run()
     except _Stop:
@@ -109,11 +101,11 @@ def parse_opts(method: str, text: str, base: dict) -> dict:
 
 
 def main() -> None:
-    from benchmarks.tune_proto import build_sites, pooled_val_loader
+    from studies.proto_tuning.tune_proto import build_sites, pooled_val_loader
     from hfl_components.training import compute_metrics, extract_features, predict_proba
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--method", default="fedproto")
     ap.add_argument("--opts", default="", help="k=v,... method options (lam, gamma, alignment, rounds, ...)")
     ap.add_argument("--seed", type=int, default=0)

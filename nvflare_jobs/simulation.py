@@ -438,7 +438,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     if ws.exists():
         shutil.rmtree(ws)
     os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
-    from nvflare_jobs.progress import LiveProgress
+    from nvflare_jobs.progress import LiveProgress, quiet_log_config
     from nvflare_jobs.proctree import INTERRUPTED, unique_simulator_ports
 
     unique_simulator_ports()  # see its docstring: the port race behind "Connection reset by peer" at start
@@ -477,21 +477,6 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         print(f"cxr-hfl: the server stopped in phase {live.last_status.get('phase')!r}; see {ws}/server/log.txt",
               file=sys.stderr)
     return 0 if rc in (0, None) else int(rc)
-
-
-def quiet_log_config(run_dir: Path) -> Path:
-    """NVFlare's log config with the console handler at ERROR: INFO/WARNING lines go only to the workspace's
-    ``log.txt`` files (simulator server and every site), the console keeps errors and the live progress."""
-    import copy
-
-    from nvflare.fuel.utils.log_utils import concise_log_dict
-
-    cfg = copy.deepcopy(concise_log_dict)
-    cfg["handlers"]["consoleHandler"]["level"] = "ERROR"
-    cfg["handlers"]["consoleHandler"]["stream"] = "ext://sys.stderr"
-    path = run_dir / "nvflare_log_config.json"
-    path.write_text(json.dumps(cfg, indent=1))
-    return path
 
 
 def _final_sites(server_results: Path) -> set[str]:

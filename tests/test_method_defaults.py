@@ -28,12 +28,16 @@ class _RT:
 
 
 def _simulate_args(method: str):
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
     args = p.parse_args(["--method", method])
-    simulate._defaults(args)
+    simulation._defaults(args)
+    check = simulation.check(method, {})  # the library's defaults are the command line's
+    assert {k: check[k] for k in ("labels", "rounds", "default_local_epochs")} == \
+        {k: vars(args)[k] for k in ("labels", "rounds", "default_local_epochs")}
     return args
 
 

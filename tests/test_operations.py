@@ -68,7 +68,7 @@ def test_live_progress_lines_report_waiting_sites_epochs_and_exclusions_once(tmp
 
 
 def test_quiet_log_config_keeps_info_off_the_console(tmp_path):
-    from nvflare_jobs.simulation import quiet_log_config
+    from nvflare_jobs.progress import quiet_log_config
 
     cfg = json.loads(quiet_log_config(tmp_path).read_text())
     assert cfg["handlers"]["consoleHandler"]["level"] == "ERROR"

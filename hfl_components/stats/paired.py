@@ -320,11 +320,14 @@ def paired_cell(d: Mapping | None, scale: float = 1.0, nd: int = 3, unit: str = 
 
 
 def verdict_cell(d: Mapping | None) -> str:
-    """The verdict with its margin (``not worse (δ 0.02)``), or ``no verdict (n seeds < 5)``."""
+    """The verdict with its margin (``not worse (δ 0.02)``), or ``no verdict (n seed(s) < 5)`` for a result the rule
+    gives no verdict (also one written without the ``reliable`` flag)."""
     if not d or d.get("diff") is None:
         return "–"
-    if not d.get("verdict"):
-        return f"no verdict ({d.get('n_seeds', 0)} seed(s) < {MIN_SEEDS})"
+    if not d.get("reliable") or not d.get("verdict"):  # a result written before the rule carries no ``reliable``
+        n = d.get("n_seeds")
+        return f"no verdict ({'?' if n is None else n} seed(s) < {MIN_SEEDS})" if not d.get("reliable") \
+            else "no verdict"
     m = d.get("margin")
     return d["verdict"] + (f" (δ {m:g})" if m is not None and d["verdict"] != "better" else "")
 

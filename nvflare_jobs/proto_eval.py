@@ -4,9 +4,10 @@ Each site's deployed model is scored (a) on its own test split (the run's ``test
 committed ``evaluation`` part of ``chest_xray_224`` (1,715 images, never trained on: the sites are built from the
 tuning + probe parts) restricted to the classes that site holds in its training split. ``comparison.md`` gets a
 section with per-method means, every single-class (majority-class) site flagged, the learning-floor check, and
-paired differences against Local and against FedProto with seeds as clusters (:func:`hfl_components.stats.paired_nested`:
-the external images drawn once per replicate for every site, each test split on its own) and, from
-:data:`hfl_components.stats.MIN_SEEDS` seeds on, verdicts; one named primary endpoint, every other verdict exploratory.
+paired differences against Local and against FedProto with seeds as clusters
+(:func:`hfl_components.stats.paired_nested`: the external images drawn once per replicate for every site, each test
+split on its own) and, from :data:`hfl_components.stats.MIN_SEEDS` seeds on, verdicts; one named primary endpoint,
+every other verdict exploratory.
 """
 from __future__ import annotations
 
@@ -323,10 +324,11 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
         from hfl_components.stats import MARGINS, RULE_TEXT, endpoint_label, paired_cell, verdict_cell
 
         L += ["### Paired differences (A − B), seeds as clusters", "",
-              f"Mean over seeds of the seed's mean difference over its sites. 95% cluster bootstrap-t interval ({n_boot} "
-              "replicates): seeds resampled with their sites, images within class (the external images once per "
+              "Mean over seeds of the seed's mean difference over its sites. 95% cluster bootstrap-t interval "
+              f"({n_boot} replicates): seeds resampled with their sites, images within class (the external images once per "
               "replicate for every site and seed, each test split on its own), the replicates' standard error with "
-              "the t quantile at seeds − 1 degrees of freedom. Verdict: better / not worse (non-inferiority, margin "
+              "the t quantile at seeds − 1 degrees of freedom (beside it the seed-level t-interval, for these images "
+              "only). Verdict: better / not worse (non-inferiority, margin "
               f"δ {MARGINS['balanced_accuracy']} balanced accuracy, {MARGINS['auc']} AUC) / worse / inconclusive. "
               + RULE_TEXT + " " + ("The primary endpoint is marked; every other verdict is exploratory (no "
                                    "multiplicity correction)." if primary else

@@ -324,11 +324,12 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
         from hfl_components.stats import MARGINS, RULE_TEXT, endpoint_label, paired_cell, verdict_cell
 
         L += ["### Paired differences (A − B), seeds as clusters", "",
-              "Mean over seeds of the seed's mean difference over its sites. 95% cluster bootstrap-t interval "
-              f"({n_boot} replicates): seeds resampled with their sites, images within class (the external images once per "
-              "replicate for every site and seed, each test split on its own), the replicates' standard error with "
-              "the t quantile at seeds − 1 degrees of freedom (beside it the seed-level t-interval, for these images "
-              "only). Verdict: better / not worse (non-inferiority, margin "
+              "Mean over seeds of the seed's mean difference over its sites. 95% intervals, seeds − 1 degrees of "
+              "freedom. External part (one image pool shared by every site and seed): cluster bootstrap-t "
+              f"({n_boot} replicates: seeds resampled with their sites, one image draw within class per replicate "
+              "for all), beside it the seed-level t-interval for these images only. Test splits (each seed's sites "
+              "score images of their own, whose noise is inside the per-seed differences): the seed-level "
+              "t-interval. Verdict: better / not worse (non-inferiority, margin "
               f"δ {MARGINS['balanced_accuracy']} balanced accuracy, {MARGINS['auc']} AUC) / worse / inconclusive. "
               + RULE_TEXT + " " + ("The primary endpoint is marked; every other verdict is exploratory (no "
                                    "multiplicity correction)." if primary else

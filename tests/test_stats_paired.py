@@ -138,13 +138,15 @@ def test_crossed_cluster_interval_carries_the_seed_spread():
 
 def test_nested_cluster_interval_carries_the_seed_spread():
     """The same with every (seed, site) scored on its own images (one pool each): seed multiplicities weight the
-    replicates."""
+    replicates. No pool spans seeds, so the image noise is inside the per-seed values and the verdict interval is the
+    seed-level t-interval; the cluster interval is kept beside it."""
     y, A, B = _seed_dominated_crossed(seed=2)
     pairs = [{"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(y.size), "y": y,
               "pa": np.stack([1 - A[s, k], A[s, k]], 1), "pb": np.stack([1 - B[s, k], B[s, k]], 1)}
              for s in range(A.shape[0]) for k in range(2)]
     d = paired_nested(pairs, "balanced_accuracy", n_boot=300, seed=1)
-    ratio = (d["ci_high"] - d["ci_low"]) / (d["t_high"] - d["t_low"])
+    assert d["interval"] == "seed t" and (d["ci_low"], d["ci_high"]) == (d["t_low"], d["t_high"])
+    ratio = (d["cluster_high"] - d["cluster_low"]) / (d["t_high"] - d["t_low"])
     assert 0.8 < ratio < 1.5, ratio
     assert d["n_pairs"] == 10 and d["n_seeds"] == 5
     assert d["diff"] == pytest.approx(np.mean(list(d["per_seed"].values())))
@@ -171,8 +173,9 @@ def test_shared_external_images_are_drawn_once_for_every_site():
     d = paired_nested(pairs, "balanced_accuracy", n_boot=200)
     assert d["diff"] == pytest.approx(0.0) and d["ci_low"] == pytest.approx(0.0, abs=1e-12)
     assert d["ci_high"] == pytest.approx(0.0, abs=1e-12)
+    assert d["interval"] == "cluster bootstrap-t"  # the pool spans seeds
     own = paired_nested([dict(q, pool=(q["seed"], q["site"])) for q in pairs], "balanced_accuracy", n_boot=200)
-    assert own["ci_high"] - own["ci_low"] > 0.01  # separate pools: the cancellation is lost
+    assert own["cluster_high"] - own["cluster_low"] > 0.01  # separate pools: the cancellation is lost
 
 
 def test_proto_external_part_is_one_pool_shared_by_every_site_and_seed():
@@ -184,7 +187,7 @@ def test_proto_external_part_is_one_pool_shared_by_every_site_and_seed():
     res = {m: {"external": {key: {"ids": ids, "y": y, "probs": p[j]} for key, p in preds.items()}}
            for j, m in enumerate(("a", "b"))}
     d = paired(res, "a", "b", "external", "balanced_accuracy", n_boot=200)
-    assert d["n_seeds"] == 5 and d["n_pairs"] == 10
+    assert d["n_seeds"] == 5 and d["n_pairs"] == 10 and d["interval"] == "cluster bootstrap-t"
     assert d["ci_low"] == pytest.approx(0.0, abs=1e-12) and d["ci_high"] == pytest.approx(0.0, abs=1e-12)
 
 

@@ -25,14 +25,16 @@ Images are redrawn as the design says:
 Images are drawn within each class, so a replicate keeps the class sizes and an AUC stays defined. Resampling uses
 a seeded ``numpy.random.Generator``.
 
-**Intervals** (:mod:`.intervals`). ``ci_low``/``ci_high`` is the cluster bootstrap-t interval: the point estimate
-± t(0.975, S - 1) times the replicates' standard deviation (rescaled by sqrt(S / (S - 1))). Beside it,
-``t_low``/``t_high`` is the seed-level Student-t interval of the per-seed differences (``scipy.stats.t``, df = S - 1);
-it treats the images as fixed, i.e. it is an interval for the difference *on these images*. Comparisons given only
-cluster-level summaries (one metric value per (seed, site), :func:`paired_summaries`) have the seed-level interval
-only. Which interval may give verdicts was decided by the coverage simulation in ``tests/test_stats_coverage.py``
-(``docs/decisions.md``); the plain percentile interval of the same replicates under-covers with few seeds and is
-not reported.
+**Intervals** (:mod:`.intervals`). The cluster bootstrap-t interval (``cluster_low``/``cluster_high``): the point
+estimate ± t(0.975, S - 1) times the replicates' standard deviation (rescaled by sqrt(S / (S - 1))). The seed-level
+Student-t interval of the per-seed differences (``t_low``/``t_high``, ``scipy.stats.t``, df = S - 1): with images
+shared across seeds it treats them as fixed (an interval for the difference *on these images*); where every seed has
+images of its own, their noise is inside the per-seed values and it is an interval for new seeds and new images.
+``ci_low``/``ci_high``, the interval that gives verdicts, is therefore the cluster bootstrap-t when some image pool
+spans seeds (every crossed comparison; a nested one with a pool shared across seeds) and the seed-level t-interval
+otherwise (including :func:`paired_summaries`, one value per (seed, site)); ``interval`` names it. The choice rests on
+the coverage simulation in ``tests/test_stats_coverage.py`` (``docs/decisions.md``); the plain percentile interval of
+the same replicates under-covers with few seeds and is not reported.
 
 **Reporting rule.**
 
@@ -91,26 +93,33 @@ def _f(x) -> float | None:
 
 
 def _result(metric: str, design: str, seeds: list, a_seed: np.ndarray, b_seed: np.ndarray,
-            reps: np.ndarray | None, n_boot: int, alpha: float, margin: float | None, **extra) -> dict[str, Any]:
-    """The common result dict from per-seed means of A and B (S,) and the bootstrap replicates of Delta (R,)."""
+            reps: np.ndarray | None, n_boot: int, alpha: float, margin: float | None, shared_images: bool,
+            **extra) -> dict[str, Any]:
+    """The common result dict from per-seed means of A and B (S,) and the bootstrap replicates of Delta (R,).
+
+    The verdict interval (``ci_low``/``ci_high``) is the cluster bootstrap-t when images are shared across seeds
+    (``shared_images``: their sampling variance is in no per-seed value), else the seed-level t-interval (each
+    seed's images are its own, their noise is already inside the per-seed values); the cluster bootstrap-t is kept
+    as ``cluster_low``/``cluster_high`` either way."""
     d_seed = a_seed - b_seed
     ok = ~np.isnan(d_seed)
     S = int(ok.sum())
     diff, t_lo, t_hi = seed_t_interval(d_seed[ok], alpha) if S else (np.nan, np.nan, np.nan)
+    c_lo = c_hi = np.nan
     if reps is not None and S >= 2:
         reps = reps[np.isfinite(reps)]
         c_lo, c_hi = cluster_t_interval(diff, reps, S, alpha) if reps.size > 1 else (np.nan, np.nan)
-        interval = "cluster bootstrap-t"
+    if reps is not None and shared_images:
+        lo, hi, interval = _f(c_lo), _f(c_hi), "cluster bootstrap-t"
     else:
-        c_lo, c_hi = t_lo, t_hi
-        interval = "seed t"
+        lo, hi, interval = _f(t_lo), _f(t_hi), "seed t"
     reliable = S >= MIN_SEEDS
-    lo, hi = _f(c_lo), _f(c_hi)
     out = {"metric": metric, "design": design, "n_seeds": S, **extra,
            "a": _f(np.nanmean(a_seed)) if S else None, "b": _f(np.nanmean(b_seed)) if S else None,
            "diff": _f(diff) if S else None,
            "per_seed": {str(s): float(v) for s, v, o in zip(seeds, d_seed, ok) if o},
            "ci_low": lo, "ci_high": hi, "interval": interval, "t_low": _f(t_lo), "t_high": _f(t_hi),
+           "cluster_low": _f(c_lo), "cluster_high": _f(c_hi),
            "alpha": alpha, "n_boot": int(n_boot) if reps is not None else 0, "margin": margin,
            "reliable": reliable, "verdict": None, "superior": None, "non_inferior": None,
            "note": None if reliable else f"{S} seed(s) < {MIN_SEEDS}: no interval is reliable, no verdict"}
@@ -172,7 +181,7 @@ def paired_crossed(y, scores_a, scores_b, metric: str = "auc", n_boot: int = 100
         d = (rows[:, : S * K] - rows[:, S * K:]).reshape(-1, S, K).mean(2)  # (R, S) per-seed differences
         reps = combine_seeds(d, m)
     names = list(seeds) if seeds is not None else list(range(S))
-    return _result(metric, "crossed", names, a_seed, b_seed, reps, n_boot, alpha, margin_for(metric, margin),
+    return _result(metric, "crossed", names, a_seed, b_seed, reps, n_boot, alpha, margin_for(metric, margin), True,
                    n_sites=K, n_images=N, n_pairs=S * K)
 
 
@@ -257,7 +266,8 @@ def paired_nested(pairs: Sequence[dict], metric: str = "balanced_accuracy", n_bo
             d[r] = sr[:, 0] - sr[:, 1]
         reps = combine_seeds(d, m)
     n_ok = int((~np.isnan(point).any(axis=1)).sum())
-    return _result(metric, "nested", seeds, ps[:, 0], ps[:, 1], reps, n_boot, alpha, margin_for(metric, margin),
+    spans = any(len({q["seed"] for q in pairs if q["pool"] == key}) > 1 for key in pools)  # a pool across seeds
+    return _result(metric, "nested", seeds, ps[:, 0], ps[:, 1], reps, n_boot, alpha, margin_for(metric, margin), spans,
                    n_pairs=n_ok, n_sites=len({q.get("site") for q in pairs}))
 
 
@@ -280,7 +290,7 @@ def paired_summaries(a: Mapping[tuple, float | None], b: Mapping[tuple, float | 
     seeds = sorted({k[0] for k in keys}, key=str)
     a_seed = np.asarray([np.mean([a[k] for k in keys if k[0] == s]) for s in seeds], np.float64)
     b_seed = np.asarray([np.mean([b[k] for k in keys if k[0] == s]) for s in seeds], np.float64)
-    return _result(metric, "summaries", seeds, a_seed, b_seed, None, 0, alpha, margin_for(metric, margin),
+    return _result(metric, "summaries", seeds, a_seed, b_seed, None, 0, alpha, margin_for(metric, margin), False,
                    n_pairs=len(keys))
 
 

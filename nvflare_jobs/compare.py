@@ -21,7 +21,7 @@ through as they are), and the budget table says so.
 
 **External evaluation.** ``--external DIR`` (optionally ``--part evaluation`` of ``chest_xray_224``) evaluates every
 saved model of every run (each site's deployed and, for OHFL, pre-fusion local model, and the global model at each
-site's size) with :func:`nvflare_jobs.evaluation.evaluate_run`, which leaves out the OHFL probe pool. The primary
+site's size) with :func:`nvflare_jobs.evaluation.evaluate_run`, which leaves out the OHFL probe pool. The
 endpoints are each site's deployed-model AUC and balanced accuracy on that set; the paired differences (same seed,
 same site) against ``local+ft`` and against FedAvg carry 95% intervals with seeds as clusters and one shared image
 draw (:func:`hfl_components.stats.paired_crossed`) and, from :data:`hfl_components.stats.MIN_SEEDS` seeds on, a
@@ -850,7 +850,7 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
          f"{'/'.join(map(str, ext['probe_images_excluded']))} probe images; seeds {', '.join(map(str, seeds))}. "
          "Every saved model of every run was evaluated (`cxr-hfl evaluate`, argmax decision); the global model is "
          "scored at each site's input size and averaged over sites.", "",
-         "### Primary endpoints: each site's deployed model", "",
+         "### Endpoints: each site's deployed model", "",
          "Mean ± std over (seed, site) pairs.", "",
          "| method | epochs/site | model | n models | AUC | balanced accuracy | accuracy |", "|---|---|---|---|---|---|---|"]
     for m in methods:

@@ -13,9 +13,11 @@ balanced accuracy within a class) a cluster-bootstrap replicate with seed multip
 shared by the studies; every study's interval is still its own bootstrap interval). About 1,000 studies per
 setting, so a false-verdict rate of 7 % is resolved from 5 % (binomial sd 0.7 %).
 
-The interval's target: the cluster bootstrap-t (``ci_low``/``ci_high`` of :mod:`hfl_components.stats.paired`) is an
+The interval's target: the cluster bootstrap-t (the verdict interval where images are shared across seeds) is an
 interval for mu, the difference over new seeds *and* new images; the seed-level t-interval for mu + mean(c), the
-difference on these images.
+difference on these images. Without a shared image effect (sd_image 0) the studies are also those of the nested
+design, each seed scoring images of its own: there the seed-level t-interval (the verdict interval of that design) is
+one for mu.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def make_partition(name: str, n_sites: int, scheme: str, alpha: float = 0.5, cla
 def make_profile(partition: Path, out: Path, method: str, input_size: int, settings: dict) -> dict:
     """Site configs for ``method`` (heterogeneous backbones cycle hetero_cnn/densenet/resnet/efficientnet)."""
     from nvflare_jobs.profiles import write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     from hfl_components.flare.catalogue import is_prototype, prototype_methods
 

@@ -2,7 +2,7 @@
 
 The same job object runs in the simulator (``job.simulator_run``) and is exported (``job.export_job``) to a folder
 that ``nvflare job submit -j`` accepts. The job carries no hospital's paths: every site runs the same Client API
-script and finds its own config locally by site name (``nvflare_jobs.site_config``). The platform package
+script and finds its own config locally by site name (``hfl_components.flare.site_config``). The platform package
 (``cxr-hfl``, pinned dependencies) is installed at every site and on the server, so hospital IT can review one
 pinned version; the job ships only the site script.
 """

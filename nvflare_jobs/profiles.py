@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hfl_components.flare.catalogue import is_prototype, prototype_methods
 from hfl_components.flare.catalogue import method_defaults as _method_defaults
-from nvflare_jobs.site_config import write_site_config
+from hfl_components.flare.site_config import write_site_config
 
 DEPTHS = ("shallow", "medium", "deep")
 HETERO_FAMILIES = ("hetero_cnn", "densenet", "resnet", "efficientnet")

@@ -314,10 +314,10 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     partition_dir)."""
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
     from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS, proto_training_data, resolve_data, write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     if args.profile:
-        from nvflare_jobs.site_config import SiteConfigError, load_site_config
+        from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
         profile_dir = Path(args.profile).resolve()
         profile = load_profile(profile_dir, check_files=False)
@@ -406,7 +406,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.profiles import DataNotFoundError
     from nvflare_jobs.results import assemble_run, find_server_results, print_summary
-    from nvflare_jobs.site_config import ENV_DIR, SiteConfigError
+    from hfl_components.flare.site_config import ENV_DIR, SiteConfigError
 
     t0 = time.perf_counter()
     if args.probe and args.probe != "generated" and not Path(args.probe).exists():

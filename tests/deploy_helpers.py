@@ -55,7 +55,7 @@ def tiny_profile(manifests: dict[str, Path], out: Path, method: str = "local", i
                  **extra) -> Path:
     """One <site>.yaml per manifest: fusable cnn models for local/fedavg/ohfl, heterogeneous backbones with a common
     feature_dim for fedsaf/fedproto/fedtopo."""
-    from nvflare_jobs.site_config import write_site_config
+    from hfl_components.flare.site_config import write_site_config
 
     proto = is_prototype(method)
     labels = "subtype" if proto else "binary"

@@ -134,7 +134,7 @@ def test_collate_in_a_dataloader():
 def test_site_config_augment_key_default_and_errors(tmp_path):
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
     assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"
@@ -195,7 +195,7 @@ def test_site_config_refuses_augment_monai_with_fast_augment(tmp_path):
     explicit batch) stays valid: the prototype methods' profiles write fast_augment: true."""
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}, "fast_augment": True}
     assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"

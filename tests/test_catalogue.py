@@ -48,7 +48,8 @@ def test_one_method_list_no_spelled_out_tuples():
 
 
 def test_consumers_read_the_catalogue():
-    from nvflare_jobs import compare, jobs, privacy, profiles
+    from hfl_components.flare import privacy
+    from nvflare_jobs import compare, profiles
     from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 

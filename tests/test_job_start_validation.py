@@ -21,7 +21,7 @@ def _export_ohfl(tmp_path: Path, profile: Path) -> Path:
     from nvflare_jobs.simulation import _defaults, _options
     from nvflare_jobs.deploy import export_portable
     from nvflare_jobs.jobs import build_job
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     import argparse
 

@@ -11,7 +11,7 @@ from hfl_components.flare.catalogue import method_defaults, methods
 
 
 def _site_cfg(tmp_path, **extra):
-    from nvflare_jobs.site_config import load_site_config
+    from hfl_components.flare.site_config import load_site_config
 
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label,split\n")

@@ -112,7 +112,7 @@ def _args(**kw):
 def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparison(tmp_path):
     from nvflare_jobs.compare import epoch_plan, proto_protocol
     from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS, PROTO_TRAINING, write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     assert proto_protocol(["local", "fedproto", "fedsaf:alignment=rcsa", "fedtopo"])
     assert not proto_protocol(["local", "ohfl"]) and not proto_protocol(["local"])
@@ -252,7 +252,7 @@ def test_cosine_round_lr_factor_hand_values():
 def _toy_runtime(tmp_path, **cfg_kw):
     """A SiteRuntime on 12 tiny synthetic tensors (no image files): its loader cache is pre-filled."""
     from hfl_components.flare.site_tasks import SiteRuntime
-    from nvflare_jobs.site_config import DEFAULTS
+    from hfl_components.flare.site_config import DEFAULTS
 
     cfg = {**DEFAULTS, "site": "site-1", "data": {"manifest": str(tmp_path / "none.csv"), "labels": "subtype"},
            "model": {"family": "hetero_cnn", "in_channels": 1, "num_classes": 3, "feature_dim": 8}, **cfg_kw}
@@ -285,7 +285,7 @@ def test_adam_state_persists_across_rounds_and_cosine_sets_each_rounds_lr(tmp_pa
 def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_path):
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
     man = tmp_path / "m.csv"
     man.write_text("path,label,split\n/x.png,0,train\n")
@@ -304,7 +304,7 @@ def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_pat
 def test_site_config_as_an_operator_types_it(tmp_path):
     """Hand-typed YAML: ``1e-4`` is a number (PyYAML alone reads it as text), a quoted number is refused with a
     hint, SGD momentum must be below 1; each error names the site, the file and the key in one line."""
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
     man = tmp_path / "m.csv"
     man.write_text("path,label,split\n/x.png,0,train\n")
@@ -456,7 +456,7 @@ def test_site_config_deploy_rule_and_the_prototype_default(tmp_path):
     import yaml
 
     from nvflare_jobs.profiles import PROTO_TRAINING
-    from nvflare_jobs.site_config import DEFAULTS, SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import DEFAULTS, SiteConfigError, load_site_config
 
     assert DEFAULTS["deploy"] == "last" and PROTO_TRAINING["deploy"] == "best_val"
     man = tmp_path / "m.csv"

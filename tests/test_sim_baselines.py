@@ -76,7 +76,7 @@ def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition
     from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
     from hfl_components.flare.site_tasks import SiteRuntime
     from hfl_components.models import build_model
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     profile = load_profile(make_profile(partition3, tmp_path / "profile", "fedavg", max_train_images=16))
     spec = {"family": "cnn", "depth": "shallow", "width": 0.5, "in_channels": 1, "num_classes": 2}
@@ -105,7 +105,7 @@ def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition
 
 
 def test_site_config_errors_name_site_file_and_key(tmp_path, monkeypatch):
-    from nvflare_jobs.site_config import ENV_DIR, SiteConfigError, find_site_config, load_site_config
+    from hfl_components.flare.site_config import ENV_DIR, SiteConfigError, find_site_config, load_site_config
 
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label,split\n")

@@ -119,7 +119,7 @@ def run_in_simulator(profile_dir: str, workspace: str) -> int:
     """Build the toy method's job and run it in the NVFlare simulator (called in a fresh process)."""
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.proctree import unique_simulator_ports
-    from nvflare_jobs.site_config import ENV_DIR, load_profile
+    from hfl_components.flare.site_config import ENV_DIR, load_profile
 
     os.environ[ENV_DIR] = profile_dir
     unique_simulator_ports()

@@ -192,7 +192,7 @@ def run_simulate(args) -> int:
 
 def run_export(args) -> int:
     from nvflare_jobs.jobs import build_job
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     if not args.profile:
         print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
@@ -216,7 +216,7 @@ def run_export(args) -> int:
     from nvflare_jobs.deploy import export_portable
 
     export_portable(job, out)  # site script path made relative to the app's custom/ folder (portable to sites)
-    from nvflare_jobs.privacy import what_leaves
+    from hfl_components.flare.privacy import what_leaves
 
     print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
     print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")

@@ -21,6 +21,7 @@ method   labels  rounds local_epochs finetune_epochs
 ======== ======= ====== ============ ===============
 local    binary  3      2            10 (unused)
 fedavg   binary  3      2            10 (unused)
+fedprox  binary  3      2            10 (unused)
 ohfl     binary  3 (*)  20           10
 fedsaf   subtype 20     1            10 (unused)
 fedproto subtype 20     1            10 (unused)

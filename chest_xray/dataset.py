@@ -24,9 +24,6 @@ as junk.
 """
 from __future__ import annotations
 
-import codecs
-import csv
-import io
 import os
 import re
 import warnings
@@ -34,6 +31,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ._manifest import read_csv_rows  # noqa: F401 -- re-exported (partition reads site manifests with it)
+from ._walk import (  # noqa: F401 -- re-exported: the scan's public names and the walkers evaluate / predict use
+    _CLASS_DIRS,
+    _SPLIT_DIRS,
+    JUNK_DIR_NAMES,
+    JUNK_FILE_NAMES,
+    _dir_key,
+    _iter_candidates,
+    _skip,
+    _sniff_dicom,
+    _walk_files,
+    detect_layout,
+    junk_reason,
+)
 from .io import (
     DICOM_SUFFIXES,
     SUPPORTED_SUFFIXES,
@@ -44,12 +55,11 @@ from .io import (
     dicom_skip_reason,
     read_image,
 )
-
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
-_SPLIT_DIRS = ("train", "val", "test")
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
 _SUBTYPE = re.compile(r"_(bacteria|virus)_", re.IGNORECASE)
+
 
 
 class LabelError(ValueError):
@@ -110,298 +120,6 @@ def label_index(class_name: str, path: str | os.PathLike, labels: str = "binary"
             )
         return names.index("BACTERIAL" if m.group(1).lower() == "bacteria" else "VIRAL")
     raise LabelError(f"{path}: unknown class {class_name!r} for the subtype scheme {names}")
-
-
-#: Class folder names (upper case) a folder layout may hold; matched in any case (``normal/``, ``Pneumonia/``).
-_CLASS_DIRS = tuple(dict.fromkeys(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"]))
-
-
-def _named_subdirs(folder: Path, names) -> list[tuple[Path, str]]:
-    """``(path, canonical name)`` of each sub-folder of ``folder`` (links followed) whose name is one of ``names``
-    in any case, sorted by name; the canonical name is the one in ``names``."""
-    wanted = {n.lower(): n for n in names}
-    out: list[tuple[Path, str]] = []
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:
-        return out
-    for e in entries:
-        try:
-            if e.name.lower() in wanted and e.is_dir(follow_symlinks=True):
-                out.append((Path(e.path), wanted[e.name.lower()]))
-        except OSError:
-            continue
-    return out
-
-
-def detect_layout(root: str | os.PathLike) -> str:
-    """``"manifest"``, ``"classes"`` or ``"kaggle"``. Class and split folder names match in any case
-    (``normal/``, ``Pneumonia/``, ``Train/``).
-
-    Raises:
-        FileNotFoundError: ``root`` does not exist.
-        ValueError: ``root`` is none of the three layouts.
-    """
-    r = Path(root)
-    if not r.exists():
-        raise FileNotFoundError(f"{r}: data root does not exist")
-    if r.is_file():
-        if r.suffix.lower() == ".csv":
-            return "manifest"
-        raise ValueError(f"{r}: a data root file must be a CSV manifest")
-    if _named_subdirs(r, _CLASS_DIRS):
-        return "classes"
-    if any(_named_subdirs(d, _CLASS_DIRS) for d, _ in _named_subdirs(r, _SPLIT_DIRS)):
-        return "kaggle"
-    raise ValueError(
-        f"{r}: unrecognised data root; expected {{train,val,test}}/{{NORMAL,PNEUMONIA}}/, NORMAL/ and PNEUMONIA/, "
-        "or a CSV manifest with path,label[,patient_id] columns"
-    )
-
-
-#: File names that operating systems, file managers and archivers leave in exported folders (lower case): never
-#: images; listed in the scan report as junk.
-JUNK_FILE_NAMES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini", ".ds_store", ".localized",
-                   "icon\r", ".directory")
-#: Folders of such debris (lower case), never scanned: Mac zip resource forks, macOS volume metadata, Windows
-#: recycle bin, Synology thumbnails, Jupyter checkpoints.
-JUNK_DIR_NAMES = ("__macosx", ".trashes", ".spotlight-v100", ".fseventsd", "$recycle.bin", "@eadir",
-                  ".ipynb_checkpoints")
-
-
-def junk_reason(path: str | os.PathLike, is_dir: bool = False) -> str | None:
-    """Why a file or folder is operating-system / archive debris rather than data, or None.
-
-    ``Thumbs.db``, ``desktop.ini``, ``.DS_Store`` and the like (:data:`JUNK_FILE_NAMES`), Mac resource forks
-    ``._*``, other hidden names (leading dot), and the folders in :data:`JUNK_DIR_NAMES`.
-    """
-    name = os.fsdecode(Path(path).name)
-    low = name.lower()
-    if is_dir:
-        if low in JUNK_DIR_NAMES:
-            return f"operating-system / archive debris folder {name}, not scanned"
-        if name.startswith("."):
-            return f"hidden folder {name}, not scanned"
-        return None
-    if low in JUNK_FILE_NAMES:
-        return f"operating-system junk file {name!r}"
-    if name.startswith("._"):
-        return "Mac resource fork (._*), not an image"
-    if name.startswith("."):
-        return "hidden file"
-    return None
-
-
-def _skip(path, reason: str, kind: str) -> dict[str, str]:
-    return {"path": str(path), "reason": reason, "kind": kind}
-
-
-def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
-                blocked: set[tuple[int, int]] = frozenset()) -> list[Path]:
-    """Every file under ``top``, following symbolic links to folders, each real folder visited once.
-
-    The paths returned are the paths *as found* (through the links, never resolved). A folder reached a second
-    time (a symbolic-link cycle, or two links to one folder) is listed in ``skipped`` once per extra path and not
-    scanned again, so no image is counted twice. A link to a folder in ``blocked`` (the data root, its parent
-    folders, the other class folders) is listed and not followed: following it would loop or give another class's
-    images this folder's label. Junk folders and broken links are listed in ``skipped``.
-    """
-    out: list[Path] = []
-    stack = [top]
-    while stack:
-        d = stack.pop()
-        try:
-            st = os.stat(d)
-        except OSError as e:
-            skipped.append(_skip(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
-            continue
-        key = (st.st_dev, st.st_ino)
-        if d is not top and key in blocked:
-            skipped.append(_skip(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
-                                    "folders or another class folder: not followed (a cycle, or images of another "
-                                    "class)", "symbolic-link cycle"))
-            continue
-        if key in seen:
-            skipped.append(_skip(d, f"folder already scanned through another path (symbolic-link cycle or a "
-                                    f"second link to {os.path.realpath(d)})", "symbolic-link cycle"))
-            continue
-        seen.add(key)
-        try:
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError as e:
-            skipped.append(_skip(d, f"cannot list folder ({e.strerror or e})", "unreadable"))
-            continue
-        subdirs = []
-        for e in entries:
-            p = Path(e.path)
-            try:
-                is_dir = e.is_dir(follow_symlinks=True)
-                is_file = e.is_file(follow_symlinks=True)
-                is_link = e.is_symlink()
-            except OSError as err:
-                skipped.append(_skip(p, f"cannot stat ({err.strerror or err})", "unreadable"))
-                continue
-            if is_dir:
-                why = junk_reason(p, is_dir=True)
-                if why:
-                    skipped.append(_skip(p, why, "junk"))
-                else:
-                    subdirs.append(p)
-            elif is_file:
-                out.append(p)
-            elif is_link:
-                skipped.append(_skip(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
-                                     "broken symbolic link"))
-            else:
-                skipped.append(_skip(p, "not a regular file", "not a regular file"))
-        stack.extend(reversed(subdirs))
-    return out
-
-
-def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
-    """A CSV table as spreadsheet software saves it: ``(field names, rows)``.
-
-    Accepted: UTF-8 with or without a byte-order mark (bytes that are not UTF-8, e.g. a cp1252 file name, are
-    kept as surrogate escapes, so a path keeps its exact bytes on POSIX), UTF-16 with a BOM, LF / CRLF / CR line
-    ends, and comma, semicolon (the default in many European locales) or tab delimiters, detected from the header
-    line (the most frequent of the three; comma on a tie). Field names are stripped and lower-cased; values are
-    stripped of surrounding whitespace.
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: not parseable as CSV (the message names the file and line).
-    """
-    p = Path(path)
-    data = p.read_bytes()
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        text = data.decode("utf-16", errors="surrogateescape")
-    else:
-        text = data.decode("utf-8-sig", errors="surrogateescape")
-    header = text.splitlines()[0] if text else ""
-    delim = max((",", ";", "\t"), key=lambda c: (header.count(c), c == ","))
-    try:
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim)
-        rows = list(reader)
-    except csv.Error as e:
-        raise ValueError(f"{p}: not a readable CSV file ({e})") from None
-    if not rows:
-        return [], []
-    names = [h.strip().lower() for h in rows[0]]
-    out = []
-    for r in rows[1:]:
-        if not any(c.strip() for c in r):
-            continue  # blank line (spreadsheets add them at the end)
-        out.append({n: (r[i].strip() if i < len(r) else "") for i, n in enumerate(names)})
-    return names, out
-
-
-def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list[dict[str, str]]) -> None:
-    """List in ``skipped`` what a folder layout does not scan at this level: every sub-folder whose name is not in
-    ``accepted`` (lower case), and every image file (by suffix or DICOM marker). Other files (README,
-    MANIFEST.csv, licences) are documentation and are not listed."""
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as e:
-        skipped.append(_skip(folder, f"cannot list folder ({e.strerror or e})", "unreadable"))
-        return
-    for e in entries:
-        p = Path(e.path)
-        try:
-            is_dir = e.is_dir(follow_symlinks=True)
-        except OSError:
-            is_dir = False
-        if is_dir:
-            if e.name.lower() in accepted:
-                continue
-            why = junk_reason(p, is_dir=True)
-            skipped.append(_skip(p, why, "junk") if why else _skip(
-                p, f"folder {e.name!r} is not {expected}: not scanned (its images have no label)",
-                "not in a class folder"))
-        elif p.suffix.lower() in SUPPORTED_SUFFIXES or _sniff_dicom(p):
-            if junk_reason(p):
-                skipped.append(_skip(p, junk_reason(p), "junk"))
-            else:
-                skipped.append(_skip(p, f"image not inside {expected}: not scanned (no label)",
-                                     "not in a class folder"))
-
-
-def _manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
-    """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
-    an earlier row (same file, same label), and every row of a file listed with different labels are listed in
-    ``skipped`` with their row number (line of the CSV, header = line 1)."""
-    cols, rows = read_csv_rows(root)
-    if not {"path", "label"} <= set(cols):
-        raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
-    first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
-    conflicting: dict[str, set[str]] = {}
-    kept: list[tuple[int, Path, str, str | None]] = []
-    later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
-    for line, row in enumerate(rows, start=2):
-        raw = row["path"]
-        if not raw:
-            skipped.append(_skip(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
-            continue
-        p = Path(raw)
-        if not p.is_absolute():
-            p = root.parent / p
-        p = Path(os.path.abspath(p))
-        label = row["label"]
-        key = str(p)
-        if key in first:
-            line0, label0 = first[key]
-            if label0.strip().upper() == label.strip().upper():
-                skipped.append(_skip(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
-                                     "duplicate manifest row"))
-            else:
-                conflicting.setdefault(key, {label0}).add(label)
-                later.append((line, p))
-            continue
-        first[key] = (line, label)
-        pid = (row.get("patient_id") or "").strip() or None
-        kept.append((line, p, label, pid))
-    out: list[tuple[Path, str, str | None]] = []
-    for line, p in [(line, p) for line, p, _, _ in kept] + later:
-        if str(p) in conflicting:
-            labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
-            skipped.append(_skip(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
-                                    "none is used", "conflicting labels"))
-    out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
-    return sorted(out, key=lambda t: str(t[0]))
-
-
-def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
-    """(file, class name, manifest patient id or None), sorted by path; junk, cycles, broken links, images outside
-    the class folders and bad manifest rows go to ``skipped``."""
-    if layout == "manifest":
-        return _manifest_candidates(root, skipped)
-    out: list[tuple[Path, str, str | None]] = []
-    class_list = " / ".join(_CLASS_DIRS)
-    if layout == "classes":
-        dirs = [root]
-    else:
-        dirs = [d for d, _ in _named_subdirs(root, _SPLIT_DIRS)]
-        _list_outside(root, set(_SPLIT_DIRS), f"a split folder ({' / '.join(_SPLIT_DIRS)})", skipped)
-    class_dirs: list[tuple[Path, str]] = []
-    for d in dirs:
-        found = _named_subdirs(d, _CLASS_DIRS)
-        _list_outside(d, {c.lower() for c in _CLASS_DIRS}, f"a class folder ({class_list})", skipped)
-        class_dirs.extend(found)
-    seen: set[tuple[int, int]] = set()
-    # never entered through a link: the data root and every folder above it, the split and class folders
-    real = Path(os.path.realpath(root))
-    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
-    for cd, c in class_dirs:
-        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
-    return sorted(out, key=lambda t: str(t[0]))
 
 
 def scan_workers() -> int:
@@ -473,37 +191,13 @@ def scan_dataset(
     skipped: list[dict[str, str]] = []
     candidates = _iter_candidates(r, layout, skipped)
     n_walk_skipped = len(skipped)
-    records: list[dict[str, Any]] = []
-    notes: list[dict[str, str]] = []
-    label_errors: list[str] = []
 
     def one(candidate):
         path, cls, pid = candidate
         return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
                           allow_any_modality=allow_any_modality, allow_lateral=allow_lateral)
 
-    n_workers = scan_workers() if workers is None else int(workers)
-    if n_workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers!r}")
-    n_workers = min(n_workers, len(candidates))
-    if n_workers > 1:
-        with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
-            results = list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
-    else:
-        results = [one(c) for c in candidates]
-    for record, skip, file_notes, label_error in results:
-        notes.extend(file_notes)
-        if label_error is not None:
-            label_errors.append(label_error)
-        elif skip is not None:
-            skipped.append(skip)
-        else:
-            records.append(record)
-    if label_errors:
-        shown = "; ".join(" ".join(m.split()) for m in label_errors[:3])
-        more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
-        raise LabelError(f"{len(label_errors)} file(s) have a label that cannot be used under the {labels} scheme "
-                         f"(fix the class folders or the manifest): {shown}{more}")
+    records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     names = CLASS_NAMES[labels]
     report = {
         "root": str(r),
@@ -520,6 +214,44 @@ def scan_dataset(
     }
     return records, report
 
+
+
+def _run_scan(candidates: list, one, workers: int | None) -> list:
+    """``one(candidate)`` for every candidate, in order, in ``workers`` threads (None: :func:`scan_workers`)."""
+    n_workers = scan_workers() if workers is None else int(workers)
+    if n_workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    n_workers = min(n_workers, len(candidates))
+    if n_workers > 1:
+        with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
+            return list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
+    return [one(c) for c in candidates]
+
+
+def _collect(results: list, skipped: list[dict[str, str]], labels: str
+             ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """``(records, notes)`` from :func:`_scan_file` results; skips are appended to ``skipped``.
+
+    Raises:
+        LabelError: one or more files have an unusable label (one message: the count and the first three).
+    """
+    records: list[dict[str, Any]] = []
+    notes: list[dict[str, str]] = []
+    label_errors: list[str] = []
+    for record, skip, file_notes, label_error in results:
+        notes.extend(file_notes)
+        if label_error is not None:
+            label_errors.append(label_error)
+        elif skip is not None:
+            skipped.append(skip)
+        else:
+            records.append(record)
+    if label_errors:
+        shown = "; ".join(" ".join(m.split()) for m in label_errors[:3])
+        more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
+        raise LabelError(f"{len(label_errors)} file(s) have a label that cannot be used under the {labels} scheme "
+                         f"(fix the class folders or the manifest): {shown}{more}")
+    return records, notes
 
 def _scan_file(
     path: Path,
@@ -601,13 +333,6 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
         k = s.get("kind") or "unreadable"
         c[k] = c.get(k, 0) + 1
     return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128 (``io.sniff_dicom``)."""
-    from .io import sniff_dicom
-
-    return sniff_dicom(path)
 
 
 def _verified_size(path: Path) -> tuple[int, int]:

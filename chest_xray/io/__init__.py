@@ -7,7 +7,9 @@ only, and the one patient-level value a site needs for grouping, :func:`dicom_pa
 
 The package is one public face over private parts: ``_common`` (limits, suffixes, the error type, the warnings
 lock), ``_pil`` (JPEG / PNG), ``_dicom_header`` (parsing and attribute checks), ``_dicom`` (decoding and the
-grey-scale pipeline), ``_salt`` (the site salt and the hashed patient id) and ``_read`` (:func:`read_image`).
+grey-scale pipeline), ``_grayscale`` (the rules for missing, inconsistent or contradictory grey-scale attributes),
+``_gdcm`` (12-bit JPEG Extended through GDCM), ``_salt`` (the site salt and the hashed patient ids) and ``_read``
+(:func:`read_image`).
 """
 from __future__ import annotations
 
@@ -31,19 +33,26 @@ from ._common import (
 from ._dicom import _read_dicom
 from ._dicom_header import (
     DICOM_DECODER_HINT,
+    DIRECTORY_INDEX_REASON,
+    HTJ2K_DECODER_HINT,
     _dcmread,
     _import_pydicom,
+    decoder_hint,
     dicom_header,
     dicom_skip_reason,
+    is_directory_index,
     rescale_problem,
     voi_problem,
 )
-from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation
+from ._grayscale import polarity, voi_lut_bits
+from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation, jpeg_entropy_problem
 from ._read import read_image
 from ._salt import SALT_ENV, PatientSaltError, dicom_patient_id, site_salt
 
 __all__ = [
     "DICOM_DECODER_HINT",
+    "DIRECTORY_INDEX_REASON",
+    "HTJ2K_DECODER_HINT",
     "DICOM_SUFFIXES",
     "EXIF_SWAPS_AXES",
     "LATERAL_VIEWS",
@@ -56,13 +65,18 @@ __all__ = [
     "ImageReadError",
     "PatientSaltError",
     "check_readable",
+    "decoder_hint",
     "dicom_header",
     "dicom_patient_id",
     "dicom_skip_reason",
     "exif_orientation",
+    "is_directory_index",
+    "jpeg_entropy_problem",
+    "polarity",
     "read_image",
     "rescale_problem",
     "site_salt",
     "sniff_dicom",
+    "voi_lut_bits",
     "voi_problem",
 ]

@@ -24,10 +24,17 @@ PROJECTION_MODALITIES = ("CR", "DX", "DR")
 LATERAL_VIEWS = ("LL", "RL", "LAT", "LATERAL", "LLD", "RLD", "RLO", "LLO")
 
 
+#: libjpeg messages (lower case) that mean part of the image is missing or garbage: the file is refused. Other
+#: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
+#: pixels) are kept in ``meta["decoder_warnings"]``.
+_FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
+
+
 #: Categories of :attr:`ImageReadError.kind` (and of the scan report's ``skipped_by_reason`` counts).
 READ_ERROR_KINDS = (
     "missing file", "not a regular file", "empty file", "not an image", "corrupt or truncated", "too large",
     "multi-frame", "no pixel data", "colour image", "no decoder", "invalid DICOM attribute", "unreadable",
+    "directory index",
 )
 
 

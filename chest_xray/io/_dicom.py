@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ._common import ImageReadError, _one_line, _scale, _warnings_scope
-from ._dicom_header import _dcmread, _decoder_problem, _has_pixel_tag, _import_pydicom, rescale_problem, voi_problem
+from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
+from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
+from ._grayscale import polarity, voi_lut_bits
+from ._dicom_header import DIRECTORY_INDEX_REASON, _dcmread, decoder_hint, is_directory_index, _decoder_problem, _has_pixel_tag, _import_pydicom, rescale_problem, voi_problem
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -19,8 +21,10 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     ds = _dcmread(p)
     rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
     raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols)
-    out, voi, fallback = _grayscale(p, ds, raw, bits_stored)
-    inverted = photometric == "MONOCHROME1"
+    notes: list[dict[str, str]] = []
+    out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes)
+    inverted, note = polarity(ds, photometric)
+    notes += [note] if note else []
     if inverted:
         out = 1.0 - out
     meta = {
@@ -40,6 +44,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         "voi_fallback": _one_line(fallback) if fallback else None,
         "inverted": inverted,
         "decoder_warnings": _one_line("; ".join(decoder_said)) if decoder_said else None,
+        "grayscale_notes": notes,
     }
     return out.astype(np.float32, copy=False), meta
 
@@ -48,6 +53,8 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
     """Stage 1: ``(rows, columns, bits stored, photometric interpretation)`` of a single-frame grey-scale image
     with pixel data, or :class:`ImageReadError` (no pixel data, invalid attribute, multi-frame, too large,
     colour)."""
+    if is_directory_index(ds):
+        raise ImageReadError(p, DIRECTORY_INDEX_REASON, "directory index")
     if not _has_pixel_tag(ds):
         sop = str(ds.get("SOPClassUID", "")) and getattr(ds.SOPClassUID, "name", str(ds.SOPClassUID))
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
@@ -95,11 +102,11 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, 
     try:
         with _warnings_scope(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
-            raw = ds.pixel_array
-    except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one line naming the syntax
-        said = f" (decoder: {'; '.join(decoder_said)})" if decoder_said else ""
-        raise ImageReadError(p, f"cannot decode DICOM pixel data ({ts_name}){said}: {type(e).__name__}: {e}",
-                             "corrupt or truncated") from None
+            raw = gdcm_extended_12_bit(ds, rows, cols) if needs_direct_gdcm(ds) else ds.pixel_array
+    except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one short line naming the syntax
+        said = f" (decoder: {_one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
+        reason, kind = decoder_failure(e, ts_name, decoder_hint(tsyntax))
+        raise ImageReadError(p, reason + said, kind) from None
     fatal = [m for m in decoder_said if any(k in m.lower() for k in _FATAL_DECODER_MESSAGES)]
     if fatal:
         raise ImageReadError(p, f"corrupt compressed pixel data ({ts_name}): the decoder reported "
@@ -111,10 +118,11 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, 
     return raw, ts_name, decoder_said
 
 
-def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int) -> tuple[np.ndarray, str, str | None]:
+def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[str, str]]
+               ) -> tuple[np.ndarray, str, str | None]:
     """Stage 3, the DICOM grey-scale pipeline in the standard's order: modality LUT -> VOI LUT / window (the
-    presentation step, MONOCHROME1 inversion, is the caller's). Returns ``(values in [0, 1], voi kind, the reason
-    a VOI transform was ignored or None)``."""
+    presentation step, the polarity, is the caller's). Returns ``(values in [0, 1], voi kind, the reason a VOI
+    transform was ignored or None)``; a rule of :mod:`._grayscale` that changed the pixels appends to ``notes``."""
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     why = rescale_problem(ds)
@@ -138,11 +146,13 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int) -> tuple[np.ndarr
                 warnings.simplefilter("ignore")
                 if voi == "lut":
                     windowed = apply_voi_lut(arr, ds)
-                    lo, hi = 0.0, float(2 ** int(ds.VOILUTSequence[0].LUTDescriptor[2]) - 1)
+                    bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
+                    lo, hi = 0.0, float(2**bits - 1)
                 else:
                     windowed = apply_voi_lut(arr, ds, prefer_lut=False)
                     lo, hi = _window_output_range(ds, bits_stored or raw.dtype.itemsize * 8)
             out = _scale(windowed, lo, hi)
+            notes += [lut_note] if voi == "lut" and lut_note else []
         except Exception as e:  # noqa: BLE001 -- documented fallback below
             fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
     if out is None:
@@ -152,10 +162,6 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int) -> tuple[np.ndarr
     return out, voi, fallback
 
 
-#: libjpeg messages (lower case) that mean part of the image is missing or garbage: the file is refused. Other
-#: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
-#: pixels) are kept in ``meta["decoder_warnings"]``.
-_FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
 #: Words (lower case) of the lines libjpeg / OpenJPEG / CharLS (inside GDCM or Pillow) write straight to the
 #: C-level stderr while decoding; a captured line holding none of them is passed on to stderr unchanged.
 _DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantization", "j2k", "jp2", "codestream",

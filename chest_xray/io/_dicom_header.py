@@ -98,7 +98,7 @@ def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
     Returns:
         dict with ``modality`` (str, "" if absent), ``view_position`` (str), ``rows``, ``columns`` (int, 0 if
         absent), ``voi_fallback`` (why the VOI window/LUT will be ignored, see :func:`voi_problem`; None when it
-        is usable). No patient-identifying field is included.
+        is usable), ``directory_index`` (True for a DICOMDIR). No patient-identifying field is included.
 
     Raises:
         ImageReadError: not a parseable DICOM file, or Rows/Columns that are not integers.
@@ -112,6 +112,7 @@ def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
             "rows": int(ds.get("Rows", 0) or 0),
             "columns": int(ds.get("Columns", 0) or 0),
             "voi_fallback": voi_problem(ds),
+            "directory_index": is_directory_index(ds),
         }
     except (TypeError, ValueError) as e:
         raise ImageReadError(p, f"invalid DICOM attribute: {e}", "invalid DICOM attribute") from None
@@ -216,6 +217,8 @@ def dicom_skip_reason(header: dict[str, Any], allow_any_modality: bool = False, 
     Returns:
         a reason string, or None when the object should be used.
     """
+    if header.get("directory_index"):
+        return DIRECTORY_INDEX_REASON
     mod = header.get("modality", "")
     if not allow_any_modality and mod not in PROJECTION_MODALITIES:
         return f"DICOM modality {mod or '(missing)'} is not a projection radiograph (CR/DX/DR)"
@@ -226,6 +229,24 @@ def dicom_skip_reason(header: dict[str, Any], allow_any_modality: bool = False, 
 
 #: The decoder package this project pins for compressed DICOM (JPEG Lossless, JPEG-LS, JPEG 2000, RLE).
 DICOM_DECODER_HINT = "python-gdcm==3.2.6"
+#: The decoders this project pins for High-Throughput JPEG 2000 (GDCM does not decode it): pydicom's pylibjpeg
+#: plugin with OpenJPEG (both MIT).
+HTJ2K_DECODER_HINT = "pylibjpeg==2.1.0 and pylibjpeg-openjpeg==2.6.0"
+#: SOP Class UID of a DICOMDIR (Media Storage Directory Storage): an index of an export's files, never an image.
+DIRECTORY_SOP_CLASS = "1.2.840.10008.1.3.10"
+DIRECTORY_INDEX_REASON = "DICOMDIR: a DICOM directory index (it lists the export's files and holds no image)"
+
+
+def decoder_hint(uid) -> str:
+    """The pinned package(s) that decode transfer syntax ``uid``."""
+    return HTJ2K_DECODER_HINT if str(uid).startswith("1.2.840.10008.1.2.4.20") else DICOM_DECODER_HINT
+
+
+def is_directory_index(ds) -> bool:
+    """A DICOMDIR: Media Storage Directory Storage SOP class, or a Directory Record Sequence."""
+    meta = getattr(ds, "file_meta", None)
+    sop = str((meta.get("MediaStorageSOPClassUID") if meta is not None else None) or ds.get("SOPClassUID", "") or "")
+    return sop == DIRECTORY_SOP_CLASS or "DirectoryRecordSequence" in ds
 
 
 def _decoder_problem(ds) -> str | None:
@@ -241,5 +262,5 @@ def _decoder_problem(ds) -> str | None:
     except NotImplementedError:
         return f"unsupported transfer syntax {name} ({uid})"
     if not decoder.is_available:
-        return f"no decoder installed for {name} (install {DICOM_DECODER_HINT})"
+        return f"no decoder installed for {name} (install {decoder_hint(uid)})"
     return None

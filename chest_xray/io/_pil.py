@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import ImageReadError, _warnings_scope
+from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _warnings_scope
 
 _GRAY_MODES = {"L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32, "F": 32, "1": 1, "LA": 8}
 
@@ -47,7 +47,8 @@ def _true_frames(img) -> int:
 _LOAD_WITHOUT_BOMB_CHECK = ("JPEG", "PNG")
 
 
-def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
+def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: bool = True
+              ) -> tuple[np.ndarray, dict[str, Any]]:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
@@ -100,6 +101,11 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.nda
             arr, bit_depth = _pil_to_gray(upright)
         except (OSError, ValueError, SyntaxError, struct.error, EOFError, Image.DecompressionBombWarning) as e:
             raise ImageReadError(p, f"corrupt or truncated {fmt} data: {e}", "corrupt or truncated") from None
+    said = None
+    if fmt in ("JPEG", "MPO") and check_entropy:
+        fatal, said = jpeg_entropy_problem(p)
+        if fatal:
+            raise ImageReadError(p, f"corrupt JPEG data: the decoder reported {fatal!r}", "corrupt or truncated")
     if orientation in EXIF_SWAPS_AXES:
         width, height = height, width
     h, w = arr.shape
@@ -115,7 +121,39 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int) -> tuple[np.nda
         "draft": bool(draft),
         "exif_orientation": int(orientation),
     }
+    if fmt in ("JPEG", "MPO"):
+        meta["decoder_warnings"] = said
     return arr, meta
+
+
+def jpeg_entropy_problem(p: Path) -> tuple[str | None, str | None]:
+    """``(fatal, harmless)``: what libjpeg says about a JPEG file's entropy-coded data, decoded a second time.
+
+    Pillow drops libjpeg's warnings (python-pillow/Pillow#9106): a JPEG cut short by an interrupted copy (an EOI
+    marker after the cut) or with flipped bits decodes "fine", the missing part grey. The file is therefore decoded
+    once more by libjpeg-turbo through ``simplejpeg`` in strict mode (at 1/8 scale: the whole entropy-coded data
+    is still decoded, only the inverse DCT is reduced), which raises on the first warning. A warning that means
+    missing or garbage data (:data:`_FATAL_DECODER_MESSAGES`: premature end, bad Huffman code, ...) is ``fatal``;
+    "N extraneous bytes before marker" (harmless, common in real exports) is ``harmless``; anything else (a
+    colour space the strict decoder does not convert) leaves Pillow's decode standing. Flipped bits that keep the
+    Huffman stream valid cannot be detected this way (no checksum exists in JPEG). Without ``simplejpeg``
+    installed nothing is checked: ``(None, None)``.
+    """
+    try:
+        import simplejpeg
+    except ImportError:  # pinned in pyproject.toml; without it the check is skipped
+        return None, None
+    try:
+        simplejpeg.decode_jpeg(p.read_bytes(), colorspace="GRAY", min_factor=8, min_height=1, min_width=1,
+                               strict=True)
+    except ValueError as e:
+        msg = _one_line(str(e), 200)
+        if any(k in msg.lower() for k in _FATAL_DECODER_MESSAGES):
+            return msg, None
+        return None, (msg if "extraneous bytes" in msg.lower() else None)
+    except OSError:
+        return None, None
+    return None, None
 
 
 def _pil_to_gray(img) -> tuple[np.ndarray, int]:

@@ -13,7 +13,8 @@ from ._pil import _read_pil
 
 
 def read_image(
-    path: str | os.PathLike, target_size: int | None = None, *, max_pixels: int = MAX_PIXELS
+    path: str | os.PathLike, target_size: int | None = None, *, max_pixels: int = MAX_PIXELS,
+    check_entropy: bool = True,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Read a JPEG, PNG or DICOM chest X-ray into a grayscale float32 array.
 
@@ -26,6 +27,10 @@ def read_image(
             resize. DICOM and PNG are always decoded at full size.
         max_pixels: refuse images with more than this many pixels (rows x columns, read from the header before
             any pixel is decoded): the explicit decompression-bomb guard.
+        check_entropy: JPEGs are decoded a second time by a strict decoder that reports libjpeg's warnings
+            (:func:`chest_xray.io.jpeg_entropy_problem`), so that a file cut short or with corrupt entropy data is
+            refused as the DICOM path refuses it. False skips that second decode (training reads files that the
+            scan and ``site check`` already verified).
 
     Returns:
         ``(image, meta)``: ``image`` is float32 of shape (H, W) with values in [0, 1] (H, W = decoded rows and
@@ -35,22 +40,26 @@ def read_image(
         ``height``/``width`` (decoded, smaller than the original only in draft mode), ``bit_depth``
         (bits per stored sample), ``mode`` (Pillow mode, or "DICOM"), ``photometric_interpretation``
         ("MONOCHROME1"/"MONOCHROME2" for DICOM, "MONOCHROME2" for grayscale Pillow modes, else the Pillow mode),
-        ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent). DICOM adds
-        ``modality``, ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"),
-        ``voi_fallback`` (why an invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own
-        range, see :func:`voi_problem`; None when not needed), ``inverted`` and ``decoder_warnings`` (what the
-        compressed-pixel decoder reported without failing, e.g. libjpeg's "N extraneous bytes before marker
-        0xd9", one line; None when silent: the decoder's messages are captured, never printed). A JPEG whose other MPF images are
-        only previews is read as its primary image.
+        ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent); JPEGs add
+        ``decoder_warnings`` (a harmless libjpeg warning, one line, or None). DICOM adds ``modality``,
+        ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"), ``voi_fallback`` (why an
+        invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own range, see
+        :func:`voi_problem`; None when not needed), ``inverted``, ``decoder_warnings`` (what the compressed-pixel
+        decoder reported without failing, e.g. libjpeg's "N extraneous bytes before marker 0xd9", one line; None
+        when silent: the decoder's messages are captured, never printed) and ``grayscale_notes`` (list of
+        ``{"kind", "note"}``: every unusual step of the grey-scale pipeline that changed the pixels, e.g. a VOI LUT
+        rescaled to its data's range or a Photometric Interpretation / Presentation LUT Shape contradiction; see
+        :mod:`chest_xray.io._grayscale` for the rules). A JPEG whose other MPF images are only previews is read as
+        its primary image.
 
     Raises:
         ImageReadError: the only exception raised (any error from pydicom, Pillow or a decoder is converted):
             the file is missing, unreadable, empty, not a supported image, truncated or corrupt (for compressed
-            DICOM also when the decoder only *warns* that data is missing: premature end, bad Huffman code), larger
-            than ``max_pixels``, a
-            true multi-frame stack, or a DICOM object that is colour, has no pixel data, invalid Rows/Columns, or
-            a transfer syntax no installed decoder handles. The message is one line and starts with the path;
-            ``kind`` is one of :data:`READ_ERROR_KINDS`.
+            DICOM and for JPEG also when the decoder only *warns* that data is missing: premature end, bad
+            Huffman code), larger than ``max_pixels``, a true multi-frame stack, a DICOM directory index
+            (DICOMDIR), or a DICOM object that is colour, has no pixel data, invalid Rows/Columns, or a transfer
+            syntax no installed decoder handles (kind "no decoder", with the package that would decode it). The
+            message is one line and starts with the path; ``kind`` is one of :data:`READ_ERROR_KINDS`.
     """
     try:
         p = Path(os.fsdecode(path))
@@ -71,7 +80,7 @@ def read_image(
         check_readable(p)
         if _is_dicom(p):
             return _read_dicom(p, max_pixels)
-        return _read_pil(p, target_size, max_pixels)
+        return _read_pil(p, target_size, max_pixels, check_entropy)
     except ImageReadError:
         raise
     except MemoryError:

@@ -1,0 +1,171 @@
+"""Generator of the second-pass ingestion kinds, built at test time from the shared real images.
+
+Every function writes into a folder the test owns (``tmp_path``) and returns what it wrote; nothing is committed.
+Sources: the Kermany JPEGs of ``chest_xray_224`` / ``chest_xray_original`` and the field case
+``jpeg_lossless_sv1_reference_native.dcm`` (CR PA, 12-bit MONOCHROME2, 489 x 461, no VOI window). Every patient
+field written is synthetic.
+"""
+from __future__ import annotations
+
+import shutil
+import unicodedata
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+NATIVE = "jpeg_lossless_sv1_reference_native.dcm"
+
+
+def native_dicom(cases: Path) -> Path:
+    f = cases / NATIVE
+    if not f.is_file():
+        pytest.skip(f"field case not found: {f}")
+    return f
+
+
+# ------------------------------------------------------------------------------------------------ plain JPEGs
+def truncated_jpeg(src: Path, dest: Path, keep: float = 0.6) -> Path:
+    """An interrupted copy: the first ``keep`` of the file, then an EOI marker appended (so the file 'ends')."""
+    data = src.read_bytes()
+    dest.write_bytes(data[: int(len(data) * keep)] + b"\xff\xd9")
+    return dest
+
+
+def bit_flipped_jpeg(src: Path, dest: Path, n: int = 3, seed: int = 0) -> Path:
+    """``n`` bits flipped inside the entropy-coded data (after the start-of-scan header), at seeded positions."""
+    data = bytearray(src.read_bytes())
+    sos = data.find(b"\xff\xda")
+    start = sos + 4 + int.from_bytes(data[sos + 2: sos + 4], "big")
+    rng = np.random.default_rng(seed)
+    for pos in rng.integers(start + 64, len(data) - 64, n):
+        if data[pos] in (0xFF, 0x00) or data[pos - 1] == 0xFF:
+            pos += 2  # never make or break a marker: only entropy bits
+        data[pos] ^= 1 << int(rng.integers(8))
+    dest.write_bytes(bytes(data))
+    return dest
+
+
+def reencoded_jpeg(src: Path, dest: Path, quality: int = 50, scale: float = 1.0) -> Path:
+    """The same radiograph re-exported: decoded and encoded again (other bytes, near-identical pixels)."""
+    from PIL import Image
+
+    with Image.open(src) as im:
+        g = im.convert("L")
+        if scale != 1.0:
+            g = g.resize((round(g.width * scale), round(g.height * scale)), Image.Resampling.LANCZOS)
+        g.save(dest, "JPEG", quality=quality)
+    return dest
+
+
+def nfd_name(name: str) -> str:
+    return unicodedata.normalize("NFD", name)
+
+
+# ------------------------------------------------------------------------------------------------ DICOM kinds
+def _load(src: Path):
+    import pydicom
+
+    return pydicom.dcmread(src)
+
+
+def _save(ds, dest: Path, **attrs) -> Path:
+    for k, v in attrs.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            setattr(ds, k, v)
+    ds.save_as(dest)
+    return dest
+
+
+def dicom_from_jpeg(template: Path, jpeg: Path, dest: Path, **attrs) -> Path:
+    """A 12-bit CR DICOM (the native case's header) holding a Kermany JPEG's pixels (8-bit values x 16)."""
+    from PIL import Image
+
+    ds = _load(template)
+    with Image.open(jpeg) as im:
+        a = (np.asarray(im.convert("L"), dtype=np.uint16) * 16).astype(np.uint16)
+    ds.Rows, ds.Columns = a.shape
+    ds.PixelData = a.tobytes()
+    return _save(ds, dest, **attrs)
+
+
+def voi_lut_16_bit_descriptor(src: Path, dest: Path) -> tuple[Path, np.ndarray]:
+    """The native case with a VOI LUT whose descriptor says 16 bits while its data are 12-bit (a square-root
+    curve over 0..4095, as an Agfa CR writes). Returns the file and the LUT data."""
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    ds = _load(src)
+    lut = np.round(np.sqrt(np.arange(4096) / 4095.0) * 4095).astype(np.uint16)
+    item = Dataset()
+    item.LUTDescriptor = [4096, 0, 16]
+    item.LUTData = lut.tolist()
+    item["LUTData"].VR = "US"
+    ds.VOILUTSequence = Sequence([item])
+    return _save(ds, dest), lut
+
+
+def presentation_inverse(src: Path, dest: Path, photometric: str = "MONOCHROME2") -> Path:
+    return _save(_load(src), dest, PresentationLUTShape="INVERSE", PhotometricInterpretation=photometric)
+
+
+def jpeg_extended_12_bit(src: Path, dest: Path, quality: int = 95) -> Path:
+    """The native 12-bit case lossy-compressed as JPEG Extended (Process 2 & 4) by GDCM's encoder."""
+    import gdcm
+
+    r = gdcm.ImageReader()
+    r.SetFileName(str(src))
+    assert r.Read(), src
+    change = gdcm.ImageChangeTransferSyntax()
+    change.SetTransferSyntax(gdcm.TransferSyntax(gdcm.TransferSyntax.JPEGExtendedProcess2_4))
+    change.SetInput(r.GetImage())
+    codec = gdcm.JPEGCodec()
+    codec.SetLossless(False)
+    codec.SetQuality(quality)
+    change.SetUserCodec(codec)
+    assert change.Change()
+    w = gdcm.ImageWriter()
+    w.SetFileName(str(dest))
+    w.SetFile(r.GetFile())
+    w.SetImage(change.GetOutput())
+    assert w.Write()
+    return dest
+
+
+def htj2k(src: Path, dest: Path) -> Path:
+    """The native case as a lossless JPEG 2000 code-stream under the HTJ2K Lossless transfer syntax (Part 15
+    decoders read Part 1 code-streams; no HT encoder is installed)."""
+    import openjpeg
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import HTJ2KLossless
+
+    ds = _load(src)
+    stream = openjpeg.encode(ds.pixel_array, bits_stored=int(ds.BitsStored), photometric_interpretation=2,
+                             use_mct=False, codec_format=0)
+    ds.PixelData = encapsulate([stream])
+    ds["PixelData"].VR = "OB"
+    ds.file_meta.TransferSyntaxUID = HTJ2KLossless
+    ds.save_as(dest, enforce_file_format=True)
+    return dest
+
+
+def dicomdir(src: Path, folder: Path) -> Path:
+    """A DICOMDIR (directory index) written by pydicom's File-set writer for one copy of ``src``; returns the
+    DICOMDIR file (the indexed copy is removed, as exports that are copied class by class lose it)."""
+    from pydicom.fileset import FileSet
+
+    work = folder / "_fileset"
+    fs = FileSet()
+    ds = _load(src)
+    for k, v in (("StudyDate", "20260101"), ("StudyTime", "120000"), ("StudyID", "1"), ("SeriesNumber", 1),
+                 ("InstanceNumber", 1), ("PatientName", "SYNTHETIC^DICOMDIR")):
+        if k not in ds:
+            setattr(ds, k, v)
+    fs.add(ds)
+    fs.write(work)
+    out = folder / "DICOMDIR"
+    shutil.copy(work / "DICOMDIR", out)
+    shutil.rmtree(work)
+    return out

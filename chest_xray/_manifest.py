@@ -5,6 +5,7 @@ import codecs
 import csv
 import io
 import os
+import unicodedata
 from pathlib import Path
 
 from ._walk import _skip
@@ -47,10 +48,12 @@ def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, st
     return names, out
 
 
-def manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
+def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[dict[str, str]] | None = None
+                        ) -> list[tuple[Path, str, str | None]]:
     """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
     an earlier row (same file, same label), and every row of a file listed with different labels are listed in
-    ``skipped`` with their row number (line of the CSV, header = line 1)."""
+    ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
+    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``."""
     cols, rows = read_csv_rows(root)
     if not {"path", "label"} <= set(cols):
         raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
@@ -67,6 +70,12 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple
         if not p.is_absolute():
             p = root.parent / p
         p = Path(os.path.abspath(p))
+        found = match_normalised(p)
+        if found is not None and found[1] is not None:
+            p = found[0]
+            if notes is not None:
+                notes.append({"path": str(p), "note": f"manifest line {line}: {found[1]}",
+                              "kind": "name normalisation"})
         label = row["label"]
         key = str(p)
         if key in first:
@@ -90,3 +99,39 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple
     out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
     return sorted(out, key=lambda t: str(t[0]))
 
+
+
+def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
+    """The file ``path`` names, matched after Unicode normalisation where the exact name does not exist.
+
+    macOS writes file names decomposed (NFD: "e" + combining accent); a manifest typed on another system holds
+    them composed (NFC), or the other way round, and the bytes differ. Each path component that does not exist as
+    written is compared, in NFC, with the entries of its folder; one unique match is taken.
+
+    Returns:
+        ``(path on disk, message)``: the message says which normalisation was applied (None when the path exists
+        as written); None when no file matches.
+    """
+    p = Path(path)
+    if os.path.lexists(p):
+        return p, None
+    cur, forms = Path(p.anchor), set()
+    for comp in p.parts[1:] if p.anchor else p.parts:
+        cand = cur / comp
+        if os.path.lexists(cand):
+            cur = cand
+            continue
+        want = unicodedata.normalize("NFC", comp)
+        try:
+            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) == want]
+        except OSError:
+            return None
+        if len(hits) != 1:
+            return None
+        on_disk = hits[0]
+        forms.add(("NFD" if unicodedata.is_normalized("NFD", on_disk) else "NFC" if
+                   unicodedata.is_normalized("NFC", on_disk) else "mixed") + " on disk, "
+                  + ("NFC" if unicodedata.is_normalized("NFC", comp) else "NFD" if
+                     unicodedata.is_normalized("NFD", comp) else "mixed") + " in the manifest")
+        cur = cur / on_disk
+    return cur, ("file name matched after Unicode normalisation (" + "; ".join(sorted(forms)) + ")")

@@ -194,13 +194,15 @@ def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list
                                      "not in a class folder"))
 
 
-def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
+def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]],
+                     notes: list[dict[str, str]] | None = None) -> list[tuple[Path, str, str | None]]:
     """(file, class name, manifest patient id or None), sorted by path; junk, cycles, broken links, images outside
-    the class folders and bad manifest rows go to ``skipped``."""
+    the class folders and bad manifest rows go to ``skipped``; manifest rows matched after Unicode normalisation
+    to ``notes``."""
     if layout == "manifest":
         from ._manifest import manifest_candidates  # (imported here: the manifest module uses this one's _skip)
 
-        return manifest_candidates(root, skipped)
+        return manifest_candidates(root, skipped, notes)
     out: list[tuple[Path, str, str | None]] = []
     class_list = " / ".join(_CLASS_DIRS)
     if layout == "classes":

@@ -31,6 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .grouping import (
+    content_findings,
+    file_sha256,
+    group_records,
+    near_duplicate_signature,
+    note_findings,
+    public_summary,
+    skip_findings,
+)
 from ._manifest import read_csv_rows  # noqa: F401 -- re-exported (partition reads site manifests with it)
 from ._walk import (  # noqa: F401 -- re-exported: the scan's public names and the walkers evaluate / predict use
     _CLASS_DIRS,
@@ -50,9 +59,10 @@ from .io import (
     SUPPORTED_SUFFIXES,
     ImageReadError,
     PatientSaltError,
+    dicom_grouping_ids,
     dicom_header,
-    dicom_patient_id,
     dicom_skip_reason,
+    is_placeholder_id,
     read_image,
 )
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
@@ -150,6 +160,7 @@ def scan_dataset(
     allow_any_modality: bool = False,
     allow_lateral: bool = False,
     workers: int | None = None,
+    near_duplicates: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Scan a data root into one record per usable image.
 
@@ -164,15 +175,22 @@ def scan_dataset(
         workers: threads that read / verify files side by side (Pillow's and the DICOM decoders' C code release
             the GIL); None = :func:`scan_workers` (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one
             file after the other. The records, report and errors do not depend on it.
+        near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
+            and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
 
     Returns:
         ``(records, report)``. ``records`` is a list sorted by path of dicts ``path`` (absolute str), ``label``
         (int index into ``CLASS_NAMES[labels]``), ``patient_id`` (str: manifest value, else Kermany name prefix,
-        else salted DICOM PatientID hash, else the file stem), ``width``, ``height`` (int pixels, original).
-        ``report`` is a JSON-safe dict: ``root``, ``layout``, ``labels``, ``class_names``, ``n_files``,
+        else salted DICOM PatientID hash, else the file stem; then regrouped: an untrusted id gives way to a study
+        or accession id or one group per image, and exact duplicates share one id, see
+        :mod:`chest_xray.grouping`), ``width``, ``height`` (int pixels, original), ``sha256`` (the file's content
+        hash). ``report`` is a JSON-safe dict: ``root``, ``layout``, ``labels``, ``class_names``, ``n_files``,
         ``n_records``, ``per_class`` (name -> count), ``n_patients``, ``skipped`` (list of ``{"path", "reason",
-        "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``, e.g. a
-        VOI fallback).
+        "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``: a VOI
+        fallback, a grey-scale rule applied, a harmless decoder warning, a manifest name matched after Unicode
+        normalisation), ``duplicates`` and ``patient_ids`` (counts of the content-hash index and the trust rule)
+        and ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
+        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print).
 
     Raises:
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
@@ -189,30 +207,56 @@ def scan_dataset(
     r = Path(os.path.abspath(root))  # not resolved: a linked data root keeps its own path
     layout = detect_layout(r)
     skipped: list[dict[str, str]] = []
-    candidates = _iter_candidates(r, layout, skipped)
+    walk_notes: list[dict[str, str]] = []
+    candidates = _iter_candidates(r, layout, skipped, walk_notes)
     n_walk_skipped = len(skipped)
 
     def one(candidate):
         path, cls, pid = candidate
         return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
-                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral)
+                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
+                          near_duplicates=near_duplicates and verify)
 
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
+    notes = walk_notes + notes
+    records, summary = _group(records, r, layout, skipped, near_duplicates)
+    return records, _report(r, layout, labels, len(candidates) + n_walk_skipped, records, skipped, notes, summary)
+
+
+def _report(root: Path, layout: str, labels: str, n_files: int, records: list[dict[str, Any]],
+            skipped: list[dict[str, str]], notes: list[dict[str, str]], summary: dict[str, Any]) -> dict[str, Any]:
+    """The scan report (see :func:`scan_dataset`)."""
     names = CLASS_NAMES[labels]
-    report = {
-        "root": str(r),
+    return {
+        "root": str(root),
         "layout": layout,
         "labels": labels,
         "class_names": list(names),
-        "n_files": len(candidates) + n_walk_skipped,
+        "n_files": n_files,
         "n_records": len(records),
         "per_class": {n: sum(1 for x in records if x["label"] == k) for k, n in enumerate(names)},
         "n_patients": len({x["patient_id"] for x in records}),
         "skipped": sorted(skipped, key=lambda s: s["path"]),
         "skipped_by_reason": count_by_kind(skipped),
         "notes": notes,
+        **public_summary(summary),
+        "findings": content_findings(summary) + note_findings(notes) + skip_findings(skipped),
     }
-    return records, report
+
+
+def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list[dict[str, str]],
+           near_duplicates: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The trust rule and the content-hash index over the scan's records (:mod:`chest_xray.grouping`); skipped
+    contradictory duplicates are appended to ``skipped``. Records keep their content hash as ``sha256``."""
+    info = []
+    for rec in records:
+        g = rec.pop("_grouping")
+        top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
+        info.append({**g, "split": top if top in _SPLIT_DIRS else None})
+        rec["sha256"] = g["sha256"]
+    kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
+    skipped.extend(dup_skips)
+    return kept, summary
 
 
 
@@ -264,13 +308,15 @@ def _scan_file(
     salt: str | None,
     allow_any_modality: bool,
     allow_lateral: bool,
+    near_duplicates: bool = False,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
     """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
 
     Returns:
         ``(record, skip, notes, label_error)``: exactly one of ``record`` (the file's record), ``skip`` (its
         ``{"path", "reason", "kind"}`` entry) or ``label_error`` (the :class:`LabelError` message) is not None;
-        ``notes`` are the file's report notes (kept even when a later step skips the file).
+        ``notes`` are the file's report notes (kept even when a later step skips the file). A record carries
+        ``"_grouping"`` (content hash, near-duplicate signature, salted DICOM ids) for :func:`_group`.
     """
     notes: list[dict[str, str]] = []
     # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
@@ -293,28 +339,19 @@ def _scan_file(
         return None, None, notes, str(e)
     try:
         if is_dicom:
-            hdr = dicom_header(path)
-            why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
-            if why:
-                return None, _skip(path, why, "lateral view" if "lateral" in why
-                                   else "not a projection radiograph"), notes, None
-            width, height = hdr["columns"], hdr["rows"]
-            note = hdr.get("voi_fallback")
-            if verify:
-                _, meta = read_image(path)
-                width, height = meta["original_width"], meta["original_height"]
-                note = meta.get("voi_fallback") or note
-                if meta.get("decoder_warnings"):
-                    notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
-                                                             f"harmless extra bytes: {meta['decoder_warnings']}",
-                                  "kind": "decoder warning"})
-            if note:
-                notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
-                                                         f"its own range: {note}", "kind": "voi fallback"})
-            pid = pid or dicom_patient_id(path, salt) or path.stem
+            skip, width, height, image, group = _scan_dicom(path, verify, salt, allow_any_modality, allow_lateral,
+                                                            notes)
+            if skip is not None:
+                return None, skip, notes, None
+            group["judged"] = bool(pid) or group.get("patient") is not None
+            group["placeholder"] = is_placeholder_id(pid) if pid else group["placeholder"]
+            pid = pid or group.get("patient") or path.stem
         else:
-            width, height = _pil_size(path) if not verify else _verified_size(path)
+            width, height, image = _scan_pil(path, verify, notes)
+            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid)}
             pid = pid or patient_id_from_name(path)
+        group["sha256"] = file_sha256(path)
+        group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
     except ImageReadError as e:
         return None, _skip(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
@@ -322,8 +359,53 @@ def _scan_file(
     except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
         return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                            "unreadable"), notes, None
-    record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
+    record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height),
+              "_grouping": group}
     return record, None, notes, None
+
+
+def _note(path: Path, note: str, kind: str) -> dict[str, str]:
+    return {"path": str(path), "note": note, "kind": kind}
+
+
+def _meta_notes(path: Path, meta: dict[str, Any], notes: list[dict[str, str]]) -> None:
+    """Report notes for what the reader did to a file's pixels (harmless decoder warnings, grey-scale rules)."""
+    if meta.get("decoder_warnings"):
+        notes.append(_note(path, f"decoded, with a decoder warning about harmless extra bytes: "
+                                 f"{meta['decoder_warnings']}", "decoder warning"))
+    for n in meta.get("grayscale_notes") or ():
+        notes.append(_note(path, n["note"], n["kind"]))
+
+
+def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
+                notes: list[dict[str, str]]):
+    """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
+    hdr = dicom_header(path)
+    why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
+    if why:
+        kind = ("directory index" if hdr.get("directory_index") else "lateral view" if "lateral" in why
+                else "not a projection radiograph")
+        return _skip(path, why, kind), 0, 0, None, {}
+    width, height, image = hdr["columns"], hdr["rows"], None
+    note = hdr.get("voi_fallback")
+    if verify:
+        image, meta = read_image(path)
+        width, height = meta["original_width"], meta["original_height"]
+        note = meta.get("voi_fallback") or note
+        _meta_notes(path, meta, notes)
+    if note:
+        notes.append(_note(path, f"VOI window ignored, modality-LUT output scaled to its own range: {note}",
+                           "voi fallback"))
+    return None, width, height, image, dicom_grouping_ids(path, salt)
+
+
+def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
+    """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
+    if not verify:
+        return (*_pil_size(path), None)
+    image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
+    _meta_notes(path, meta, notes)
+    return meta["original_width"], meta["original_height"], image
 
 
 def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
@@ -333,11 +415,6 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
         k = s.get("kind") or "unreadable"
         c[k] = c.get(k, 0) + 1
     return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _verified_size(path: Path) -> tuple[int, int]:
-    _, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
-    return meta["original_width"], meta["original_height"]
 
 
 def _pil_size(path: Path) -> tuple[int, int]:

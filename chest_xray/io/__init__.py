@@ -47,7 +47,15 @@ from ._dicom_header import (
 from ._grayscale import polarity, voi_lut_bits
 from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation, jpeg_entropy_problem
 from ._read import read_image
-from ._salt import SALT_ENV, PatientSaltError, dicom_patient_id, site_salt
+from ._salt import (
+    PLACEHOLDER_PATIENT_IDS,
+    SALT_ENV,
+    PatientSaltError,
+    dicom_grouping_ids,
+    dicom_patient_id,
+    is_placeholder_id,
+    site_salt,
+)
 
 __all__ = [
     "DICOM_DECODER_HINT",
@@ -63,14 +71,17 @@ __all__ = [
     "SALT_ENV",
     "SUPPORTED_SUFFIXES",
     "ImageReadError",
+    "PLACEHOLDER_PATIENT_IDS",
     "PatientSaltError",
     "check_readable",
     "decoder_hint",
+    "dicom_grouping_ids",
     "dicom_header",
     "dicom_patient_id",
     "dicom_skip_reason",
     "exif_orientation",
     "is_directory_index",
+    "is_placeholder_id",
     "jpeg_entropy_problem",
     "polarity",
     "read_image",

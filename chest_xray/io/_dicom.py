@@ -12,7 +12,17 @@ import numpy as np
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._grayscale import polarity, voi_lut_bits
-from ._dicom_header import DIRECTORY_INDEX_REASON, _dcmread, decoder_hint, is_directory_index, _decoder_problem, _has_pixel_tag, _import_pydicom, rescale_problem, voi_problem
+from ._dicom_header import (
+    DIRECTORY_INDEX_REASON,
+    _dcmread,
+    _decoder_problem,
+    _has_pixel_tag,
+    _import_pydicom,
+    decoder_hint,
+    is_directory_index,
+    rescale_problem,
+    voi_problem,
+)
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:

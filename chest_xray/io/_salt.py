@@ -92,3 +92,46 @@ def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | 
         return None
     digest = hashlib.sha256((site_salt(salt) + "\x00" + pid).encode("utf-8")).hexdigest()
     return "dcm-" + digest[:16]
+
+
+#: PatientID values (upper case, stripped) that anonymisers and modalities write instead of an identity. A value
+#: made of one repeated character ("000000", "XXXX", "*") counts as well. See :func:`dicom_grouping_ids`.
+PLACEHOLDER_PATIENT_IDS = frozenset({
+    "ANONYMOUS", "ANONYMIZED", "ANONYMISED", "ANONYMIZE", "ANON", "UNKNOWN", "UNK", "NONE", "NULL", "N/A", "NA",
+    "NOID", "NO ID", "NO_ID", "NO-ID", "NOT AVAILABLE", "PATIENT", "PATIENTID", "PATIENT ID", "REMOVED", "DELETED",
+    "REDACTED", "BLANK", "EMPTY", "TEST", "DEFAULT", "NOPATIENTID", "DE-IDENTIFIED", "DEIDENTIFIED",
+})
+
+
+def is_placeholder_id(value: str) -> bool:
+    """A PatientID that names no one: one of :data:`PLACEHOLDER_PATIENT_IDS` (any case), or one character
+    repeated ("0000", "XXXXXX")."""
+    v = " ".join(str(value).split()).upper()
+    return v in PLACEHOLDER_PATIENT_IDS or len(set(v.replace(" ", ""))) <= 1
+
+
+def dicom_grouping_ids(path: str | os.PathLike, salt: str | None = None) -> dict:
+    """The salted ids a scan groups a DICOM file's images by, read from the header only.
+
+    Returns:
+        dict with ``patient`` (as :func:`dicom_patient_id`, or None), ``placeholder`` (True when the PatientID is
+        a placeholder, :func:`is_placeholder_id`), ``study`` (``"dcm-study-" + hash`` of the Study Instance UID,
+        or None) and ``accession`` (``"dcm-acc-" + hash`` of the Accession Number, or None). Raw values are never
+        returned.
+
+    Raises:
+        ImageReadError: not a parseable DICOM file.
+    """
+    ds = _dcmread(Path(path), stop_before_pixels=True)
+    out: dict = {"placeholder": False}
+    for key, attr, prefix in (("patient", "PatientID", "dcm-"), ("study", "StudyInstanceUID", "dcm-study-"),
+                              ("accession", "AccessionNumber", "dcm-acc-")):
+        value = str(ds.get(attr, "") or "").strip()
+        if key == "patient":
+            out["placeholder"] = bool(value) and is_placeholder_id(value)
+        if not value or (key == "accession" and is_placeholder_id(value)):
+            out[key] = None
+            continue
+        text = value if key == "patient" else f"{attr}\x00{value}"  # the patient hash stays dicom_patient_id's
+        out[key] = prefix + hashlib.sha256((site_salt(salt) + "\x00" + text).encode("utf-8")).hexdigest()[:16]
+    return out

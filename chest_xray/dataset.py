@@ -35,6 +35,7 @@ from .grouping import (
     content_findings,
     file_sha256,
     group_records,
+    meta_notes,
     near_duplicate_signature,
     note_findings,
     public_summary,
@@ -364,19 +365,6 @@ def _scan_file(
     return record, None, notes, None
 
 
-def _note(path: Path, note: str, kind: str) -> dict[str, str]:
-    return {"path": str(path), "note": note, "kind": kind}
-
-
-def _meta_notes(path: Path, meta: dict[str, Any], notes: list[dict[str, str]]) -> None:
-    """Report notes for what the reader did to a file's pixels (harmless decoder warnings, grey-scale rules)."""
-    if meta.get("decoder_warnings"):
-        notes.append(_note(path, f"decoded, with a decoder warning about harmless extra bytes: "
-                                 f"{meta['decoder_warnings']}", "decoder warning"))
-    for n in meta.get("grayscale_notes") or ():
-        notes.append(_note(path, n["note"], n["kind"]))
-
-
 def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
                 notes: list[dict[str, str]]):
     """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
@@ -387,15 +375,12 @@ def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: 
                 else "not a projection radiograph")
         return _skip(path, why, kind), 0, 0, None, {}
     width, height, image = hdr["columns"], hdr["rows"], None
-    note = hdr.get("voi_fallback")
     if verify:
         image, meta = read_image(path)
         width, height = meta["original_width"], meta["original_height"]
-        note = meta.get("voi_fallback") or note
-        _meta_notes(path, meta, notes)
-    if note:
-        notes.append(_note(path, f"VOI window ignored, modality-LUT output scaled to its own range: {note}",
-                           "voi fallback"))
+        notes += meta_notes(path, meta)
+    elif hdr.get("voi_fallback"):
+        notes += meta_notes(path, {"voi_fallback": hdr["voi_fallback"]})
     return None, width, height, image, dicom_grouping_ids(path, salt)
 
 
@@ -404,7 +389,7 @@ def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
     if not verify:
         return (*_pil_size(path), None)
     image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
-    _meta_notes(path, meta, notes)
+    notes += meta_notes(path, meta)
     return meta["original_width"], meta["original_height"], image
 
 

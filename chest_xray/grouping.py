@@ -239,11 +239,11 @@ def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
     if dup.get("contradictory_groups"):
         out.append(_finding("contradictory labels", dup["contradictory_groups"], "group(s)",
                             paths.get("contradictory", []),
-                            f" of identical images under different classes, {dup['contradictory_images']} images "
-                            "skipped"))
+                            f" of identical images under different classes ({dup['contradictory_images']} images; "
+                            "a scan skips them)"))
     if dup.get("across_splits"):
         out.append(_finding("duplicates across splits", dup["across_splits"], "group(s)", paths.get("across", []),
-                            " in more than one split folder of the export (its own split leaked)"))
+                            " in more than one split (train / val / test): test results would be optimistic"))
     if dup.get("near_pairs"):
         how = "grouped as one patient" if dup.get("near_grouped") else "reported only (--near-duplicates groups them)"
         out.append(_finding("near duplicates", dup["near_pairs"], "pair(s)", paths.get("near", []),
@@ -279,3 +279,55 @@ def skip_findings(skipped: list[dict[str, str]], ignore: tuple[str, ...] = ("jun
 def public_summary(summary: dict[str, Any]) -> dict[str, Any]:
     """``summary`` without paths: the counts that may leave the site."""
     return {k: {kk: vv for kk, vv in v.items() if kk != "paths"} for k, v in summary.items()}
+
+
+def meta_notes(path: str | os.PathLike, meta: dict[str, Any]) -> list[dict[str, str]]:
+    """Report notes for what :func:`chest_xray.read_image` did to a file's pixels beyond the plain pipeline: an
+    invalid VOI transform ignored, a grey-scale rule applied, a harmless decoder warning."""
+    out = []
+    if meta.get("voi_fallback"):
+        out.append({"path": str(path), "note": "VOI window ignored, modality-LUT output scaled to its own range: "
+                    f"{meta['voi_fallback']}", "kind": "voi fallback"})
+    if meta.get("decoder_warnings"):
+        out.append({"path": str(path), "note": "decoded, with a decoder warning about harmless extra bytes: "
+                    f"{meta['decoder_warnings']}", "kind": "decoder warning"})
+    out += [{"path": str(path), "note": n["note"], "kind": n["kind"]} for n in meta.get("grayscale_notes") or ()]
+    return out
+
+
+def site_findings(rows: list[dict[str, Any]], metas: list[dict[str, Any] | None],
+                  scan_report: dict[str, Any] | None = None, salt: str | None = None) -> list[dict[str, Any]]:
+    """The findings of a site's manifest, as a scan states them (``site check``'s one line each).
+
+    Args:
+        rows: manifest rows (``path``, ``label``, ``split``, ``patient_id``).
+        metas: per row, the :func:`chest_xray.read_image` metadata (None for an unreadable file); a
+            ``"signature"`` key (:func:`near_duplicate_signature`) adds near duplicates.
+        scan_report: the scan report of the partition the manifest came from, if at hand: its findings about
+            files the manifest no longer lists (skipped at the scan) are added, marked "at scan".
+        salt: site salt for the DICOM ids the trust rule judges.
+    """
+    from .io import ImageReadError, dicom_grouping_ids, is_placeholder_id
+
+    recs, info, notes = [], [], []
+    for r, m in zip(rows, metas):
+        if m is None:
+            continue
+        i = {"sha256": file_sha256(r["path"]), "signature": m.get("signature"), "split": r["split"],
+             "judged": True, "placeholder": is_placeholder_id(str(r.get("patient_id") or "x"))}
+        pid = str(r.get("patient_id") or "") or None
+        if m.get("format") == "DICOM":
+            try:
+                ids = dicom_grouping_ids(r["path"], salt)
+                pid, i = ids.get("patient") or pid, {**i, **ids}
+            except ImageReadError:
+                pass
+        recs.append({"path": r["path"], "label": int(r["label"]), "patient_id": pid or r["path"]})
+        info.append(i)
+        notes += meta_notes(r["path"], m)
+    _, _, summary = group_records(recs, info)
+    out = content_findings(summary) + note_findings(notes)
+    for f in (scan_report or {}).get("findings", []):
+        if f.get("kind", "").startswith("skipped: ") or f.get("kind") == "contradictory labels":
+            out.append({**f, "text": "at scan: " + f["text"]})
+    return out

@@ -368,7 +368,8 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a site manifest written by :func:`write_partition`.
 
     A hand-written manifest needs only ``path,label,split`` (:data:`REQUIRED_MANIFEST_COLUMNS`; label an integer
-    index, split train / val / test in any case); without ``patient_id`` the id comes from the file name
+    index, split train / val / test in any case; a path matching a file only after Unicode normalisation is
+    that file, :func:`chest_xray._manifest.match_normalised`); without ``patient_id`` the id comes from the file name
     (:func:`chest_xray.dataset.patient_id_from_name`), without ``width`` / ``height`` they are 0 (unknown).
 
     Returns:
@@ -379,6 +380,7 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a required column is missing or a value is malformed (the message names the file and line).
     """
+    from ._manifest import match_normalised
     from .dataset import patient_id_from_name, read_csv_rows
 
     p = Path(csv_path)
@@ -395,6 +397,8 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
                 raise ValueError("empty path")
             if not path.is_absolute():
                 path = p.parent / path
+            found = match_normalised(path)  # a name typed in NFC for a file written in NFD (macOS), or back
+            path = found[0] if found else path
             split = r["split"].strip().lower()  # "Train" from a spreadsheet is train, never silently no split
             if split not in SPLITS + ("probe",):
                 raise ValueError(f"split {r['split']!r} is not one of {', '.join(SPLITS)}")

@@ -169,3 +169,57 @@ def dicomdir(src: Path, folder: Path) -> Path:
     shutil.copy(work / "DICOMDIR", out)
     shutil.rmtree(work)
     return out
+
+
+# ------------------------------------------------------------------------------------------- every kind at once
+NFD_NAME = nfd_name("Röntgen_Thorax_Säugling.jpeg")  # as macOS writes it (decomposed umlauts)
+
+
+def every_kind(root: Path, cases: Path, data_root: Path) -> dict[str, str]:
+    """A class-folder export holding every second-pass kind, plus ``root/manifest.csv`` listing the kept and
+    skipped images with NFC-typed names. Returns file name -> what a scan must do: ``"kept"`` or a skip kind."""
+    nat = native_dicom(cases)
+    small = data_root / "chest_xray_224" / "train"
+    n_jpegs = sorted((small / "NORMAL").glob("*.jpeg"))
+    p_jpegs = sorted((small / "PNEUMONIA").glob("*.jpeg"))
+    if len(n_jpegs) < 12 or len(p_jpegs) < 12:
+        pytest.skip(f"real images not found in {small}")
+    big = sorted((data_root / "chest_xray_original" / "train" / "NORMAL").glob("*.jpeg"))[:1]
+    if not big:
+        pytest.skip("chest_xray_original not found")
+    n, p = root / "NORMAL", root / "PNEUMONIA"
+    n.mkdir(parents=True)
+    p.mkdir(parents=True)
+    want: dict[str, str] = {}
+    for f in n_jpegs[:4]:
+        shutil.copy(f, n / f.name)
+        want[f.name] = "kept"
+    for f in p_jpegs[:4]:
+        shutil.copy(f, p / f.name)
+        want[f.name] = "kept"
+    truncated_jpeg(big[0], n / "interrupted_copy.jpeg")
+    bit_flipped_jpeg(big[0], p / "flipped_bits.jpeg", seed=0)
+    want.update({"interrupted_copy.jpeg": "corrupt or truncated", "flipped_bits.jpeg": "corrupt or truncated"})
+    shutil.copy(n_jpegs[4], n / n_jpegs[4].name)  # the same bytes under both classes
+    shutil.copy(n_jpegs[4], p / "same_bytes_other_class.jpeg")
+    want.update({n_jpegs[4].name: "contradictory labels", "same_bytes_other_class.jpeg": "contradictory labels"})
+    shutil.copy(n_jpegs[5], n / n_jpegs[5].name)  # a re-export under a new accession number: same bytes
+    shutil.copy(n_jpegs[5], n / "IM-9999-0001-reexport.jpeg")
+    want.update({n_jpegs[5].name: "kept", "IM-9999-0001-reexport.jpeg": "kept"})
+    for k, src in enumerate(n_jpegs[6:9] + p_jpegs[6:9]):  # an anonymiser's constant PatientID
+        cls = n if k < 3 else p
+        dicom_from_jpeg(nat, src, cls / f"anon_{k}.dcm", PatientID="ANONYMOUS", StudyInstanceUID=f"1.2.3.{k}")
+        want[f"anon_{k}.dcm"] = "kept"
+    voi_lut_16_bit_descriptor(nat, p / "agfa_voi_lut.dcm")
+    presentation_inverse(nat, n / "mono2_inverse.dcm")
+    jpeg_extended_12_bit(nat, p / "jpeg_extended_12bit.dcm")
+    htj2k(nat, n / "htj2k.dcm")
+    dicomdir(nat, p)
+    want.update({"agfa_voi_lut.dcm": "kept", "mono2_inverse.dcm": "kept", "jpeg_extended_12bit.dcm": "kept",
+                 "htj2k.dcm": "kept", "DICOMDIR": "directory index"})
+    shutil.copy(n_jpegs[9], n / NFD_NAME)
+    want[NFD_NAME] = "kept"
+    rows = ["path,label"] + [f"{d.name}/{unicodedata.normalize('NFC', f.name)},{d.name}"
+                             for d in (n, p) for f in sorted(d.iterdir()) if f.name != "DICOMDIR"]
+    (root / "manifest.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return want

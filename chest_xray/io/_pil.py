@@ -47,21 +47,28 @@ def _true_frames(img) -> int:
 _LOAD_WITHOUT_BOMB_CHECK = ("JPEG", "PNG")
 
 
-def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: bool = True
-              ) -> tuple[np.ndarray, dict[str, Any]]:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+def _open_pil(p: Path):
+    """``PIL.Image.open(p)`` with its errors as :class:`ImageReadError` (decompression bombs never a warning)."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with _warnings_scope():
             # never let Pillow's bomb check degrade to a warning; our own guard below gives the clear error
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(p)
+            return Image.open(p)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageReadError(p, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
         raise ImageReadError(p, "not a recognised image format (JPEG, PNG or DICOM expected)", "not an image") from None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError) as e:
         raise ImageReadError(p, f"cannot open image: {e}", "corrupt or truncated") from None
+
+
+def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: bool = True
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+    from PIL import Image, ImageOps
+
+    img = _open_pil(p)
     with img:
         fmt = img.format or "UNKNOWN"
         width, height = img.size

@@ -82,8 +82,9 @@ def run_partition(args: argparse.Namespace) -> int:
             print(f"  {printable_path(s['path'])}: {s['reason']}", file=sys.stderr)
     for n in report.get("notes", [])[:10]:
         print(f"note: {printable_path(n['path'])}: {n['note']}", file=sys.stderr)
-    for f in report.get("findings", []):  # one line per finding: counts and example file names
-        print(f"finding: {printable_path(f['text'])}", file=sys.stderr)
+    for f in report.get("findings", []):  # one line per finding (skips are listed above): counts, example names
+        if not f["kind"].startswith("skipped: "):
+            print(f"finding: {printable_path(f['text'])}", file=sys.stderr)
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,

@@ -5,7 +5,7 @@ Signature: :func:`chest_xray.grouping.near_duplicate_signature` of the image as 
 (``read_image(path, target_size=1)``). Re-exports: every 8th image re-encoded four ways (JPEG quality 30 and 10,
 half size at quality 75, lossless PNG). Deterministic (no randomness). Writes ``results.json`` beside this file.
 
-    python studies/near_duplicates/measure.py
+    python -m studies.near_duplicates.measure
 """
 from __future__ import annotations
 

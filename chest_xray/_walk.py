@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .io import SUPPORTED_SUFFIXES, sniff_dicom
+from .io import DIRECTORY_INDEX_REASON, SUPPORTED_SUFFIXES, sniff_dicom
 from .labels import CLASS_NAMES
 
 _SPLIT_DIRS = ("train", "val", "test")
@@ -189,6 +189,8 @@ def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list
         elif p.suffix.lower() in SUPPORTED_SUFFIXES or _sniff_dicom(p):
             if junk_reason(p):
                 skipped.append(_skip(p, junk_reason(p), "junk"))
+            elif e.name.upper() == "DICOMDIR":  # a DICOM export's index, at any level: never an image
+                skipped.append(_skip(p, DIRECTORY_INDEX_REASON, "directory index"))
             else:
                 skipped.append(_skip(p, f"image not inside {expected}: not scanned (no label)",
                                      "not in a class folder"))

@@ -111,6 +111,18 @@ def presentation_inverse(src: Path, dest: Path, photometric: str = "MONOCHROME2"
     return _save(_load(src), dest, PresentationLUTShape="INVERSE", PhotometricInterpretation=photometric)
 
 
+def padded(src: Path, dest: Path, border: int = 24, value: int = 0) -> Path:
+    """The native case with a collimator border of ``border`` pixels set to ``value`` and declared as the Pixel
+    Padding Value (as DX detectors write the area outside the exposed field)."""
+    ds = _load(src)
+    a = ds.pixel_array.copy()
+    a[:border], a[-border:], a[:, :border], a[:, -border:] = value, value, value, value
+    ds.PixelData = a.tobytes()
+    ds.PixelPaddingValue = value
+    ds["PixelPaddingValue"].VR = "US"  # unsigned data (Pixel Representation 0)
+    return _save(ds, dest)
+
+
 def jpeg_extended_12_bit(src: Path, dest: Path, quality: int = 95) -> Path:
     """The native 12-bit case lossy-compressed as JPEG Extended (Process 2 & 4) by GDCM's encoder."""
     import gdcm
@@ -212,10 +224,11 @@ def every_kind(root: Path, cases: Path, data_root: Path) -> dict[str, str]:
         want[f"anon_{k}.dcm"] = "kept"
     voi_lut_16_bit_descriptor(nat, p / "agfa_voi_lut.dcm")
     presentation_inverse(nat, n / "mono2_inverse.dcm")
+    padded(nat, n / "collimator_padding.dcm")
     jpeg_extended_12_bit(nat, p / "jpeg_extended_12bit.dcm")
     htj2k(nat, n / "htj2k.dcm")
     dicomdir(nat, p)
-    want.update({"agfa_voi_lut.dcm": "kept", "mono2_inverse.dcm": "kept", "jpeg_extended_12bit.dcm": "kept",
+    want.update({"agfa_voi_lut.dcm": "kept", "mono2_inverse.dcm": "kept", "collimator_padding.dcm": "kept", "jpeg_extended_12bit.dcm": "kept",
                  "htj2k.dcm": "kept", "DICOMDIR": "directory index"})
     shutil.copy(n_jpegs[9], n / NFD_NAME)
     want[NFD_NAME] = "kept"

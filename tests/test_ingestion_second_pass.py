@@ -150,6 +150,20 @@ def test_presentation_lut_shape_inverse_rule(ingestion_cases, tmp_path):
     assert meta1["grayscale_notes"] == []
 
 
+def test_pixel_padding_is_left_out_of_the_range_and_shown_black(ingestion_cases, tmp_path):
+    import pydicom
+
+    f = K.padded(K.native_dicom(ingestion_cases), tmp_path / "pad.dcm", border=24, value=0)
+    img, meta = read_image(f)
+    a = pydicom.dcmread(f).pixel_array.astype(np.float64)
+    pad = a == 0
+    lo, hi = a[~pad].min(), a[~pad].max()  # the fallback range of the radiograph itself, by hand
+    expected = np.where(pad, 0.0, (a - lo) / (hi - lo))
+    np.testing.assert_allclose(img, expected, atol=1e-6)
+    assert [n["kind"] for n in meta["grayscale_notes"]] == ["pixel padding"]
+    assert f"{int(pad.sum())} pixels" in meta["grayscale_notes"][0]["note"]
+
+
 # ------------------------------------------------------------------------------------------- decoders
 def test_jpeg_extended_12_bit_is_decoded_by_gdcm(ingestion_cases, tmp_path, monkeypatch):
     nat = K.native_dicom(ingestion_cases)
@@ -246,9 +260,9 @@ def test_partition_and_site_check_on_a_folder_holding_every_kind(ingestion_cases
     assert sum(v == pid["IM-9999-0001-reexport.jpeg"] for v in pid.values()) == 2  # with its twin, no other
     assert len({pid[f"anon_{k}.dcm"] for k in range(6)}) == 6
     kinds = ("exact duplicates", "contradictory labels", "untrusted patient id", "VOI LUT rescaled",
-             "polarity contradiction", "skipped: corrupt or truncated", "skipped: directory index")
+             "polarity contradiction", "pixel padding", "skipped: corrupt or truncated", "skipped: directory index")
     lines = [ln for ln in err.splitlines() if ln.startswith("finding: ")]
-    for kind in kinds[:5]:
+    for kind in kinds[:6]:
         assert sum(ln.startswith(f"finding: {kind}: ") for ln in lines) == 1, (kind, lines)
     head = next(ln for ln in err.splitlines() if ln.startswith("skipped 5 file(s) ("))  # skips: counted, listed
     assert "corrupt or truncated 2" in head and "directory index 1" in head and "contradictory labels 2" in head

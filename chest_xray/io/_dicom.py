@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
-from ._grayscale import polarity, voi_lut_bits
+from ._grayscale import padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
     _dcmread,
@@ -32,11 +32,15 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
     raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols)
     notes: list[dict[str, str]] = []
-    out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes)
+    pad, pad_note = padding_mask(ds, raw)
+    notes += [pad_note] if pad_note else []
+    out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes, pad)
     inverted, note = polarity(ds, photometric)
     notes += [note] if note else []
     if inverted:
         out = 1.0 - out
+    if pad is not None:
+        out = np.where(pad, 0.0, out)  # padding outside the radiograph is black, whatever the polarity
     meta = {
         "format": "DICOM",
         "original_height": rows,
@@ -128,8 +132,8 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, 
     return raw, ts_name, decoder_said
 
 
-def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[str, str]]
-               ) -> tuple[np.ndarray, str, str | None]:
+def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[str, str]],
+               pad: np.ndarray | None = None) -> tuple[np.ndarray, str, str | None]:
     """Stage 3, the DICOM grey-scale pipeline in the standard's order: modality LUT -> VOI LUT / window (the
     presentation step, the polarity, is the caller's). Returns ``(values in [0, 1], voi kind, the reason a VOI
     transform was ignored or None)``; a rule of :mod:`._grayscale` that changed the pixels appends to ``notes``."""
@@ -166,9 +170,10 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
         except Exception as e:  # noqa: BLE001 -- documented fallback below
             fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
     if out is None:
-        # no (usable) VOI transform: the modality-LUT output scaled to its own range
+        # no (usable) VOI transform: the modality-LUT output scaled to its own range (padding pixels left out)
         a = np.asarray(arr, dtype=np.float64)
-        out = _scale(a, float(a.min()), float(a.max()))
+        inside = a[~pad] if pad is not None else a
+        out = _scale(a, float(inside.min()), float(inside.max()))
     return out, voi, fallback
 
 

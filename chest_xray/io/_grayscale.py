@@ -14,13 +14,18 @@ that changed its pixels.
   (which it pairs with MONOCHROME1; IDENTITY goes with MONOCHROME2). Rule: the image is inverted once when either
   says so, never twice; a pair that contradicts itself (MONOCHROME2 with INVERSE, MONOCHROME1 with IDENTITY) is
   noted, and so is a Presentation LUT Shape that is neither value (ignored).
+- **Pixel Padding Value** (PS3.3 C.7.5.1.1.2): stored values equal to it (or within it and Pixel Padding Range
+  Limit) lie outside the radiograph. Rule: they are left out of the range an image without a usable VOI transform
+  is scaled to, and shown black, as viewers show them; a note gives their count. A padding value no pixel holds is
+  ignored silently, and so is one every pixel holds (nothing would be left).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 #: Kinds of the notes these rules write (``meta["grayscale_notes"][i]["kind"]``).
-NOTE_KINDS = ("VOI LUT rescaled", "polarity contradiction", "Presentation LUT Shape ignored")
+NOTE_KINDS = ("VOI LUT rescaled", "polarity contradiction", "Presentation LUT Shape ignored", "pixel padding")
 
 
 def _note(kind: str, text: str) -> dict[str, str]:
@@ -74,3 +79,29 @@ def polarity(ds, photometric: str) -> tuple[bool, dict[str, str] | None]:
                                                      "inverted (low values bright), as either attribute says")
     return mono1, None
 
+
+
+def padding_mask(ds, raw: np.ndarray) -> tuple[np.ndarray | None, dict[str, str] | None]:
+    """Boolean mask (rows, cols) of the padding pixels by the rule in the module docstring, and its note; ``(None,
+    None)`` when there is no Pixel Padding Value, or it marks no pixel or every pixel."""
+    def first(v):
+        v = v[0] if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue" else v
+        return int(v)
+
+    try:
+        value = ds.get("PixelPaddingValue")
+        if value is None or value == "":
+            return None, None
+        lo = hi = first(value)
+        limit = ds.get("PixelPaddingRangeLimit")
+        if limit is not None and limit != "":
+            lo, hi = sorted((lo, first(limit)))
+    except (TypeError, ValueError, IndexError):
+        return None, _note("pixel padding", "Pixel Padding Value is not a number: ignored")
+    mask = (raw >= lo) & (raw <= hi)
+    n = int(mask.sum())
+    if n == 0 or n == mask.size:
+        return None, None
+    span = f"{lo}" if lo == hi else f"{lo}..{hi}"
+    return mask, _note("pixel padding", f"{n} pixels ({100.0 * n / mask.size:.1f} %) hold the Pixel Padding Value "
+                                        f"({span}): left out of the grey-scale range and shown black")

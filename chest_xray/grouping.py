@@ -164,7 +164,8 @@ def _regroup_untrusted(recs: list[dict[str, Any]], info: list[dict[str, Any]]) -
         for k in good:
             recs[k]["patient_id"] = info[k][key]
         summary["by_" + key] = len(good)
-        left = [k for k in left if k not in set(good)]
+        taken = set(good)
+        left = [k for k in left if k not in taken]
     for k in left:
         recs[k]["patient_id"] = "img-" + hashlib.sha256(recs[k]["path"].encode("utf-8", "surrogateescape")
                                                         ).hexdigest()[:16]
@@ -196,7 +197,7 @@ def group_records(records: list[dict[str, Any]], info: list[dict[str, Any]], *, 
             by_hash[i["sha256"]].append(k)
     groups = [g for g in by_hash.values() if len(g) > 1]
     contra = [g for g in groups if len({int(recs[k]["label"]) for k in g}) > 1]
-    same = [g for g in groups if g not in contra]
+    same = [g for g in groups if len({int(recs[k]["label"]) for k in g}) == 1]
     drop = {k for g in contra for k in g}
     u = _Union()
     for g in same:
@@ -207,7 +208,7 @@ def group_records(records: list[dict[str, Any]], info: list[dict[str, Any]], *, 
     near_contra = [(a, b) for a, b in pairs if recs[a]["label"] != recs[b]["label"]]
     if near_duplicates:
         for a, b in pairs:
-            if a not in drop and b not in drop and (a, b) not in near_contra:
+            if a not in drop and b not in drop and recs[a]["label"] == recs[b]["label"]:
                 u.join(recs[a]["patient_id"], recs[b]["patient_id"])
     for r in recs:
         r["patient_id"] = u.find(r["patient_id"])

@@ -107,6 +107,24 @@ def voi_lut_16_bit_descriptor(src: Path, dest: Path) -> tuple[Path, np.ndarray]:
     return _save(ds, dest), lut
 
 
+def voi_lut(src: Path, dest: Path, descriptor: list[int], vr: str = "US") -> tuple[Path, np.ndarray]:
+    """The native case with a VOI LUT of the given descriptor (entries: the square-root curve over 0..4095,
+    padded with 4095 or cut to the descriptor's count) written as US values or OW words."""
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    ds = _load(src)
+    n = descriptor[0] or 65536
+    curve = np.round(np.sqrt(np.arange(4096) / 4095.0) * 4095).astype(np.uint16)
+    data = np.concatenate([curve, np.full(max(0, n - 4096), 4095, np.uint16)])[:n]
+    item = Dataset()
+    item.LUTDescriptor = list(descriptor)
+    item.LUTData = data.tobytes() if vr == "OW" else data.tolist()
+    item["LUTData"].VR = vr
+    ds.VOILUTSequence = Sequence([item])
+    return _save(ds, dest), data
+
+
 def presentation_inverse(src: Path, dest: Path, photometric: str = "MONOCHROME2") -> Path:
     return _save(_load(src), dest, PresentationLUTShape="INVERSE", PhotometricInterpretation=photometric)
 

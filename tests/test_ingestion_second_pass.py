@@ -139,6 +139,22 @@ def test_voi_lut_descriptor_16_bit_with_12_bit_data_is_scaled_by_the_data(ingest
     assert "16-bit" in meta["grayscale_notes"][0]["note"] and "12-bit" in meta["grayscale_notes"][0]["note"]
 
 
+@pytest.mark.parametrize("descriptor, vr, rescaled", [([4096, 0, 12], "US", False), ([4096, 0, 16], "OW", True),
+                                                       ([0, 0, 16], "OW", True), ([4096, 0, 8], "US", True),
+                                                       ([3000, 1000, 16], "US", True)])
+def test_voi_lut_read_by_its_data_whatever_the_descriptor_says(ingestion_cases, tmp_path, descriptor, vr, rescaled):
+    """65536 entries (descriptor 0), OW words, a descriptor narrower than the data (pydicom overflowed and the LUT
+    was dropped), a first mapped value of 1000: the LUT applied by hand, scaled by its data's 12 bits."""
+    import pydicom
+
+    f, data = K.voi_lut(K.native_dicom(ingestion_cases), tmp_path / "lut.dcm", descriptor, vr)
+    img, meta = read_image(f)
+    stored = pydicom.dcmread(f).pixel_array.astype(np.int64)
+    expected = data[np.clip(stored - descriptor[1], 0, len(data) - 1)] / 4095.0
+    np.testing.assert_allclose(img, expected, atol=1e-6)
+    assert meta["voi"] == "lut" and bool(meta["grayscale_notes"]) == rescaled
+
+
 def test_presentation_lut_shape_inverse_rule(ingestion_cases, tmp_path):
     nat = K.native_dicom(ingestion_cases)
     plain, _ = read_image(nat)

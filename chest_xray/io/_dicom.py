@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
-from ._grayscale import padding_mask, polarity, voi_lut_bits
+from ._grayscale import apply_lut, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
     _dcmread,
@@ -159,8 +159,8 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
             with _warnings_scope():
                 warnings.simplefilter("ignore")
                 if voi == "lut":
-                    windowed = apply_voi_lut(arr, ds)
                     bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
+                    windowed = apply_lut(arr, ds.VOILUTSequence[0]) if lut_note else apply_voi_lut(arr, ds)
                     lo, hi = 0.0, float(2**bits - 1)
                 else:
                     windowed = apply_voi_lut(arr, ds, prefer_lut=False)

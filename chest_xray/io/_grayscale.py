@@ -43,17 +43,36 @@ def voi_lut_bits(item) -> tuple[int, dict[str, str] | None]:
         needs (at least 8), with a ``"VOI LUT rescaled"`` note.
     """
     desc_bits = int(item.LUTDescriptor[2])
-    data = item.LUTData
-    if isinstance(data, (bytes, bytearray)):  # OW: raw little-endian words
-        values = np.frombuffer(bytes(data)[: len(data) // 2 * 2], "<u2") if desc_bits > 8 else np.frombuffer(data, "u1")
-    else:
-        values = np.asarray(data if isinstance(data, (list, tuple)) or hasattr(data, "__len__") else [data])
+    values = lut_values(item)
     top = int(values.max()) if values.size else 0
     need = max(8, top.bit_length())
     if need == desc_bits:
         return desc_bits, None
     return need, _note("VOI LUT rescaled", f"VOI LUT Descriptor says {desc_bits}-bit entries but the LUT data are "
                                            f"{need}-bit (largest entry {top}): output scaled to 0..{2 ** need - 1}")
+
+
+def lut_values(item) -> np.ndarray:
+    """The entries of a LUT item (LUT Data as US values or OW words; 8-bit entries one per byte when the data
+    hold fewer than two bytes per entry), as integers."""
+    n = int(item.LUTDescriptor[0]) or 65536  # 0 means 2^16 entries
+    data = item.LUTData
+    if isinstance(data, (bytes, bytearray)):
+        raw = bytes(data)
+        return np.frombuffer(raw[: 2 * n], "<u2") if len(raw) >= 2 * n else np.frombuffer(raw[:n], "u1")
+    return np.asarray(data if isinstance(data, (list, tuple)) or hasattr(data, "__len__") else [data], np.int64)
+
+
+def apply_lut(arr: np.ndarray, item) -> np.ndarray:
+    """``arr`` (modality-LUT output) through a LUT item by hand (PS3.3 C.11.2.1.1): values below the first mapped
+    value take the first entry, above the last the last. Used where pydicom's LUT would read the descriptor's
+    bits literally (it refuses entries wider than the descriptor says)."""
+    values = lut_values(item)
+    first = int(item.LUTDescriptor[1])
+    if first >= 2**15 and np.min(arr) < 0:  # a negative first value written as US
+        first -= 2**16
+    idx = np.clip(np.rint(np.asarray(arr, dtype=np.float64)).astype(np.int64) - first, 0, len(values) - 1)
+    return values[idx].astype(np.float64)
 
 
 def polarity(ds, photometric: str) -> tuple[bool, dict[str, str] | None]:

@@ -308,7 +308,7 @@ def site_findings(rows: list[dict[str, Any]], metas: list[dict[str, Any] | None]
             files the manifest no longer lists (skipped at the scan) are added, marked "at scan".
         salt: site salt for the DICOM ids the trust rule judges.
     """
-    from .io import ImageReadError, dicom_grouping_ids, is_placeholder_id
+    from .io import ImageReadError, PatientSaltError, dicom_grouping_ids, is_placeholder_id
 
     recs, info, notes = [], [], []
     for r, m in zip(rows, metas):
@@ -321,7 +321,7 @@ def site_findings(rows: list[dict[str, Any]], metas: list[dict[str, Any] | None]
             try:
                 ids = dicom_grouping_ids(r["path"], salt)
                 pid, i = ids.get("patient") or pid, {**i, **ids}
-            except ImageReadError:
+            except (ImageReadError, PatientSaltError):  # no usable salt or header: the manifest's id is judged
                 pass
         recs.append({"path": r["path"], "label": int(r["label"]), "patient_id": pid or r["path"]})
         info.append(i)

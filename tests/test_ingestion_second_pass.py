@@ -221,11 +221,13 @@ def test_dicomdir_in_a_class_folder_is_a_directory_index(ingestion_cases, data_r
     (root / "NORMAL").mkdir(parents=True)
     (root / "PNEUMONIA").mkdir()
     K.dicomdir(K.native_dicom(ingestion_cases), root / "PNEUMONIA")
+    shutil.copy(root / "PNEUMONIA" / "DICOMDIR", root / "DICOMDIR")  # the export's own index, beside the classes
     shutil.copy(K.native_dicom(ingestion_cases), root / "PNEUMONIA" / "IMG0001")
     shutil.copy(_real_jpegs(data_root, "NORMAL", 1)[0], root / "NORMAL" / "n.jpeg")
     recs, rep = scan_dataset(root)
     assert sorted(Path(r["path"]).name for r in recs) == ["IMG0001", "n.jpeg"]
-    assert _names(rep["skipped"]) == {"DICOMDIR": "directory index"}
+    assert sorted((str(Path(s["path"]).relative_to(root)), s["kind"]) for s in rep["skipped"]) == [
+        ("DICOMDIR", "directory index"), ("PNEUMONIA/DICOMDIR", "directory index")]
     with pytest.raises(ImageReadError) as ei:
         read_image(root / "PNEUMONIA" / "DICOMDIR")
     assert ei.value.kind == "directory index"

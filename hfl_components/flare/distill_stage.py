@@ -129,3 +129,68 @@ def weights_of(uploads: dict[str, dict], mode: str):
     sites = sorted(uploads)
     return teacher_weights([uploads[s]["n_samples"] for s in sites], [uploads[s].get("val_auc") for s in sites],
                            mode=mode)
+
+
+def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: int, temperature: float,
+                  weighting: str, augment: bool, data_free: bool, data_free_rounds: int, in_channels: int,
+                  seed: int, max_seconds: float | None, log=None) -> dict:
+    """Distil the ensemble of every upload into each group's student (state dicts replaced in place).
+
+    Args:
+        students: {group: student entry} (:func:`initial_students`, ``state_dict`` filled in).
+        uploads: {site: upload} (the teachers, weighted by :func:`weights_of` with ``weighting``).
+        probe: {input size: (N, C, S, S)} probe images at every site size (unused when ``data_free``).
+        device: where it runs. steps, temperature, augment: :class:`~hfl_components.fusion.distill.DistillConfig`.
+        data_free, data_free_rounds: use :func:`~hfl_components.fusion.datafree.distill_data_free` instead.
+        in_channels: image channels (data-free). seed: group k uses ``seed + k``. max_seconds: wall-clock cap.
+        log: callable for progress lines.
+
+    Returns:
+        {group: record} with the loop's record plus ``mode`` (``probe`` | ``data_free``), ``sizes``, ``start``,
+        ``sites``, ``teachers``, ``teacher_weights`` and ``weighting``.
+    """
+    from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
+    from hfl_components.fusion.distill import DistillConfig, distill
+
+    teachers = teachers_of(uploads)
+    weights = weights_of(uploads, weighting)
+    recs = {}
+    for k, (g, st) in enumerate(sorted(students.items())):
+        model = student_model(st, seed + k)
+        sizes = sorted({int(uploads[s]["input_size"]) for s in st["sites"] if s in uploads}) or \
+            sorted({t.input_size for t in teachers})
+        if data_free:
+            cfg = DataFreeConfig(rounds=data_free_rounds, temperature=temperature, max_seconds=max_seconds,
+                                 seed=seed + k)
+            rec = distill_data_free(model, sizes, teachers, weights, in_channels=in_channels,
+                                    num_classes=int(st["spec"].get("num_classes", 2)), config=cfg, device=device)
+            rec["mode"] = "data_free"
+        else:
+            cfg = DistillConfig(steps=steps, temperature=temperature, augment=augment, max_seconds=max_seconds,
+                                seed=seed + k)
+            rec = distill(model, sizes, teachers, probe, weights, cfg, device=device,
+                          log=None if log is None else (lambda m, g=g: log(f"OHFL [{g}]: {m}"))).as_dict()
+            rec["mode"] = "probe"
+        rec.update({"sizes": sizes, "start": st["start"], "sites": st["sites"], "teachers": [t.name for t in teachers],
+                    "teacher_weights": [float(w) for w in weights], "weighting": weighting})
+        st["state_dict"] = {kk: v.detach().cpu() for kk, v in model.state_dict().items()}
+        recs[g] = rec
+        if log:
+            log(f"OHFL [{g}]: distilled ({rec['mode']}) in {rec['seconds']:.1f} s from {st['start']}")
+    return recs
+
+
+def references(uploads: dict, fused: dict, students: dict, server_seconds: dict) -> dict:
+    """Cost of each one-shot reference point (its AUC comes from ``evaluate``): server seconds and the bytes a site
+    would download to deploy it. ``ensemble``: every upload (no server work); ``fusion``: its group's fused model
+    (the fusion's seconds); ``distilled``: its group's global model (fusion + distillation)."""
+    from hfl_components.flare.messages import payload_bytes, to_numpy_state
+
+    def nbytes(sd):
+        return payload_bytes(to_numpy_state(sd))
+    fusion_s = server_seconds.get("fusion_total", 0.0)
+    return {"ensemble": {"server_seconds": 0.0,
+                         "bytes_down_per_site": sum(nbytes(u["state_dict"]) for u in uploads.values())},
+            "fusion": {"server_seconds": fusion_s, "bytes_down_per_site": {g: nbytes(f[1]) for g, f in fused.items()}},
+            "distilled": {"server_seconds": fusion_s + server_seconds.get("distillation", 0.0),
+                          "bytes_down_per_site": {g: nbytes(st["state_dict"]) for g, st in students.items()}}}

@@ -88,6 +88,22 @@ def _views(x: torch.Tensor, sizes) -> dict[int, torch.Tensor]:
             for s in sizes}
 
 
+def _generator_step(gen, opt_g, student, s_sizes, sizes, ens_logprob, cfg, num_classes, dev) -> torch.Tensor:
+    """One generator step of DENSE's Eq. 3-5 without the BatchNorm term: CE of the ensemble on random target
+    classes minus ``adv`` x the student's disagreement with the ensemble. Returns the loss."""
+    z = torch.randn(cfg.batch_size, cfg.nz, device=dev)
+    y = torch.randint(0, num_classes, (cfg.batch_size,), device=dev)
+    views = _views(gen(z), sizes)
+    lp = ens_logprob(views)
+    q = lp.exp()
+    adv = sum(distillation_loss(student(views[s]), q, 1.0) for s in s_sizes) / len(s_sizes)
+    loss_g = F.nll_loss(lp, y) - float(cfg.adv) * adv
+    opt_g.zero_grad(set_to_none=True)
+    loss_g.backward()
+    opt_g.step()
+    return loss_g
+
+
 def distill_data_free(student: nn.Module, student_sizes, teachers, weights=None, in_channels: int = 1,
                       num_classes: int = 2, config: DataFreeConfig | None = None, device=None) -> dict:
     """Distil the teachers' ensemble into ``student`` (in place) on generator images (DENSE, Zhang et al. 2022).
@@ -139,17 +155,7 @@ def distill_data_free(student: nn.Module, student_sizes, teachers, weights=None,
         for r in range(int(cfg.rounds)):
             student.eval()
             for _ in range(int(cfg.g_steps)):
-                z = torch.randn(cfg.batch_size, cfg.nz, device=dev)
-                y = torch.randint(0, num_classes, (cfg.batch_size,), device=dev)
-                views = _views(gen(z), sizes)
-                lp = ens_logprob(views)
-                ce = F.nll_loss(lp, y)
-                q = lp.exp()
-                adv = sum(distillation_loss(student(views[s]), q, 1.0) for s in s_sizes) / len(s_sizes)
-                loss_g = ce - float(cfg.adv) * adv
-                opt_g.zero_grad(set_to_none=True)
-                loss_g.backward()
-                opt_g.step()
+                loss_g = _generator_step(gen, opt_g, student, s_sizes, sizes, ens_logprob, cfg, num_classes, dev)
             rec["last_g_loss"] = loss_g.item()
             student.train()
             for _ in range(int(cfg.s_steps)):

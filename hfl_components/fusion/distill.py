@@ -301,6 +301,83 @@ def _targets(teachers, weights, views: dict[int, torch.Tensor], temperature: flo
     return torch.cat(out)
 
 
+def _check_inputs(student_sizes, teachers, images) -> tuple[list[int], set[int], int]:
+    """(student sizes, every size needed, N); raises ValueError as :func:`distill` documents."""
+    if not teachers:
+        raise ValueError("distillation needs at least one teacher")
+    sizes = sorted({int(s) for s in student_sizes})
+    need = set(sizes) | {int(t.input_size) for t in teachers}
+    missing = sorted(need - {int(s) for s in images})
+    if missing:
+        raise ValueError(f"no probe images at input sizes {missing} (have {sorted(images)})")
+    counts = {int(images[s].shape[0]) for s in need}
+    if len(counts) != 1:
+        raise ValueError(f"the probe must hold the same images at every size, got counts {sorted(counts)}")
+    return sizes, need, counts.pop()
+
+
+def _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g, dev):
+    """The training images (originals and, with ``augment``, their augmented views) at the student's sizes with
+    the ensemble's targets, and the held-aside images with theirs: ``(train, train_q, val, val_q)``; ``val`` and
+    ``val_q`` are None when nothing is held aside."""
+    for t in teachers:
+        t.model.to(dev).eval()
+    T = float(cfg.temperature)
+    train = {s: images[s][train_idx].to(dev, torch.float32) for s in need}
+    if cfg.augment and int(cfg.augment_copies) > 0:
+        views = [augment_all_sizes(train, g) for _ in range(int(cfg.augment_copies))]
+        train = {s: torch.cat([train[s]] + [v[s] for v in views]) for s in need}
+    train_q = _targets(teachers, weights, train, T)
+    train = {s: v for s, v in train.items() if s in sizes}  # the teachers' own sizes are not needed any more
+    if not val_idx.numel():
+        return train, train_q, None, None
+    val = {s: images[s][val_idx].to(dev, torch.float32) for s in need}
+    return train, train_q, val, _targets(teachers, weights, val, T)
+
+
+def _batches(n: int, batch_size: int, g: torch.Generator):
+    """Index batches (long tensors) of a fresh permutation of ``range(n)`` each pass, forever."""
+    while True:
+        order = torch.randperm(n, generator=g)
+        for i in range(0, n - batch_size + 1 if n >= batch_size else 1, batch_size):
+            yield order[i:i + batch_size]
+
+
+class _BestKeeper:
+    """Early stopping: the held-aside loss of the student at each check, the best weights so far (the initial
+    ones included) and the number of checks since the last improvement; writes into the :class:`DistillResult`."""
+
+    def __init__(self, student, val, val_q, sizes, temperature, res):
+        self.student, self.val, self.val_q, self.sizes, self.T, self.res = student, val, val_q, sizes, temperature, res
+        self.best = self.loss()
+        res.initial_val_loss = res.best_val_loss = self.best
+        if self.best is not None:
+            res.val_loss.append((0, self.best))
+        self.state = copy.deepcopy(student.state_dict())
+        self.bad = 0
+
+    def loss(self) -> float | None:
+        if self.val_q is None:
+            return None
+        self.student.eval()
+        with torch.no_grad():
+            return float(sum(distillation_loss(self.student(self.val[s]), self.val_q, self.T)
+                             for s in self.sizes) / len(self.sizes))
+
+    def check(self, step: int) -> float | None:
+        v = self.loss()
+        if v is None:  # nothing held aside: keep the last weights
+            self.state, self.res.best_step = copy.deepcopy(self.student.state_dict()), step
+            return None
+        self.res.val_loss.append((step, v))
+        if v < self.best:
+            self.best, self.bad, self.res.best_step, self.res.best_val_loss = v, 0, step, v
+            self.state = copy.deepcopy(self.student.state_dict())
+        else:
+            self.bad += 1
+        return v
+
+
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
             config: DistillConfig | None = None, device=None, log=None) -> DistillResult:
     """Train ``student`` (in place) to match the teachers' ensemble on unlabelled images (FedDF, Lin et al. 2020,
@@ -336,17 +413,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     teachers = list(teachers)
-    if not teachers:
-        raise ValueError("distillation needs at least one teacher")
-    sizes = sorted({int(s) for s in student_sizes})
-    need = set(sizes) | {int(t.input_size) for t in teachers}
-    missing = sorted(need - {int(s) for s in images})
-    if missing:
-        raise ValueError(f"no probe images at input sizes {missing} (have {sorted(images)})")
-    counts = {int(images[s].shape[0]) for s in need}
-    if len(counts) != 1:
-        raise ValueError(f"the probe must hold the same images at every size, got counts {sorted(counts)}")
-    n = counts.pop()
+    sizes, need, n = _check_inputs(student_sizes, teachers, images)
     train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
@@ -355,42 +422,19 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         student.eval()
         res.seconds = time.perf_counter() - t0
         return res
-    for t in teachers:
-        t.model.to(dev).eval()
     T = float(cfg.temperature)
     g = torch.Generator().manual_seed(int(cfg.seed) + 1)
-    train = {s: images[s][train_idx].to(dev, torch.float32) for s in need}
-    if cfg.augment and int(cfg.augment_copies) > 0:
-        views = [augment_all_sizes(train, g) for _ in range(int(cfg.augment_copies))]
-        train = {s: torch.cat([train[s]] + [v[s] for v in views]) for s in need}
-    train_q = _targets(teachers, weights, train, T)
-    train = {s: v for s, v in train.items() if s in sizes}  # the teachers' own sizes are not needed any more
-    val = {s: images[s][val_idx].to(dev, torch.float32) for s in need} if val_idx.numel() else None
-    val_q = _targets(teachers, weights, val, T) if val is not None else None
+    train, train_q, val, val_q = _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g,
+                                                dev)
 
-    def val_loss() -> float | None:
-        if val_q is None:
-            return None
-        student.eval()
-        with torch.no_grad():
-            return float(sum(distillation_loss(student(val[s]), val_q, T) for s in sizes) / len(sizes))
-
-    best = val_loss()
-    res.initial_val_loss = res.best_val_loss = best
-    if best is not None:
-        res.val_loss.append((0, best))
-    best_state = copy.deepcopy(student.state_dict())
+    keeper = _BestKeeper(student, val, val_q, sizes, T, res)
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
                           weight_decay=float(cfg.weight_decay))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(cfg.steps))
-    n_pool = train_q.shape[0]
-    bad, order, pos = 0, torch.empty(0, dtype=torch.long), 0
+    batches = _batches(train_q.shape[0], int(cfg.batch_size), g)
     res.stopped = "budget"
     for step in range(1, int(cfg.steps) + 1):
-        if pos + int(cfg.batch_size) > order.numel():
-            order, pos = torch.randperm(n_pool, generator=g), 0
-        idx = order[pos:pos + int(cfg.batch_size)].to(train_q.device)
-        pos += idx.numel()
+        idx = next(batches).to(train_q.device)
         s = sizes[(step - 1) % len(sizes)]
         student.train()
         loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
@@ -400,28 +444,18 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         sched.step()
         res.steps_run = step
         timed_out = cfg.max_seconds is not None and time.perf_counter() - t0 > float(cfg.max_seconds)
-        v = None
         if step % int(cfg.eval_every) == 0 or step == int(cfg.steps) or timed_out:
-            v = val_loss()
-            if v is None:  # nothing held aside: keep the last weights
-                best_state, res.best_step = copy.deepcopy(student.state_dict()), step
-            else:
-                res.val_loss.append((step, v))
-                if v < best:
-                    best, bad, res.best_step, res.best_val_loss = v, 0, step, v
-                    best_state = copy.deepcopy(student.state_dict())
-                else:
-                    bad += 1
+            v = keeper.check(step)
             if log:
-                log(f"distillation step {step}/{cfg.steps}: train loss {loss.item():.4f}"
-                    + ("" if v is None else f", held-aside loss {v:.4f} (best {best:.4f} at step {res.best_step})"))
-            if cfg.patience and bad >= int(cfg.patience):
+                log(f"distillation step {step}/{cfg.steps}: train loss {loss.item():.4f}" + (
+                    "" if v is None else f", held-aside loss {v:.4f} (best {keeper.best:.4f} at step {res.best_step})"))
+            if cfg.patience and keeper.bad >= int(cfg.patience):
                 res.stopped = "early"
                 break
         if timed_out:
             res.stopped = "time"
             break
-    student.load_state_dict(best_state)
+    student.load_state_dict(keeper.state)
     student.eval()
     res.seconds = time.perf_counter() - t0
     return res

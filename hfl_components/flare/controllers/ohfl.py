@@ -1,63 +1,18 @@
-"""OHFL (OHFL paper): one-shot upload, cross-layer OT fusion on the server, fine-tuning at the sites."""
+"""OHFL (OHFL paper): one-shot upload, cross-layer OT fusion on the server, fine-tuning at the sites: the method's
+NVFlare adapter (server controller and site handlers)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
-from hfl_components.flare.controllers.base import GLOBAL_PREFIX, HFLController, _jsonable
+from hfl_components.flare.controllers._probe_preload import ProbePreloader
+from hfl_components.flare.controllers.base import HFLController, _jsonable
+from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
+from hfl_components.flare.site_methods import ok_meta, option, task_epochs
 
-class ProbePreloader:
-    """The OHFL probe at each site input size, prepared in one background thread from the moment the first site
-    with that size uploads (:meth:`HFLController.on_site_result`), while slower sites still train.
-
-    ``load(size)`` returns ``(tensor, file names, warnings)``. :meth:`get` waits for a size already started, or
-    loads it now; either way the same function runs once per size, so the probe is the one a synchronous load
-    gives. ``seconds`` sums the loading time of every size (the work, wherever it ran); ``waited`` is how long
-    :meth:`get` blocked.
-    """
-
-    def __init__(self, load):
-        self._load = load
-        self._lock = threading.Lock()
-        self._pool = None
-        self._futures: dict = {}
-        self.seconds = 0.0
-        self.waited = 0.0
-
-    def _timed(self, size: int):
-        t0 = time.perf_counter()
-        try:
-            return self._load(size)
-        finally:
-            with self._lock:
-                self.seconds += time.perf_counter() - t0
-
-    def start(self, size: int):
-        """Start preparing the probe at ``size`` (once); returns its future."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        size = int(size)
-        with self._lock:
-            if size not in self._futures:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ohfl_probe")
-                self._futures[size] = self._pool.submit(self._timed, size)
-            return self._futures[size]
-
-    def get(self, size: int):
-        """The probe at ``size``: ``(tensor, file names, warnings)``; re-raises the loader's error."""
-        t0 = time.perf_counter()
-        try:
-            return self.start(size).result()
-        finally:
-            self.waited += time.perf_counter() - t0
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-
+log = logging.getLogger("cxr_hfl.site")
 
 _PRELOADER_LOCK = threading.Lock()
 _IMPORT_LOCK = threading.Lock()
@@ -266,7 +221,6 @@ class OHFLController(HFLController):
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
                                 "gate": bool(opts["gate"])}, **common)
 
-
     def _probe_for(self, models: list) -> tuple[dict, list]:
         """The probe images at every input size of ``models`` (and of the sites that did not upload):
         ({size: tensor (n, C, S, S)}, file names). Records ``server_seconds.probe`` / ``probe_wait`` and
@@ -307,38 +261,16 @@ class OHFLController(HFLController):
                                 seed=self.seed, repair=self.repair, cka=self.cka, device=device)
 
     def _distill(self, students: dict, uploads: dict, probe_all: dict, device) -> dict:
-        """Ensemble distillation into every group's student, in place of its state dict; returns the records."""
-        from hfl_components.flare import distill_stage as ds
-        from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
-        from hfl_components.fusion.distill import DistillConfig, distill
+        """Ensemble distillation into every group's student, in place of its state dict; returns the records
+        (``distill_stage.distil_groups`` with this job's options)."""
+        from hfl_components.flare.distill_stage import distil_groups
 
-        teachers = ds.teachers_of(uploads)
-        weights = ds.weights_of(uploads, self.distill_weights)
-        recs = {}
-        for k, (g, st) in enumerate(sorted(students.items())):
-            model = ds.student_model(st, self.seed + k)
-            sizes = sorted({int(uploads[s]["input_size"]) for s in st["sites"] if s in uploads}) or \
-                sorted({t.input_size for t in teachers})
-            if self.data_free:
-                cfg = DataFreeConfig(rounds=int(self.data_free_rounds), temperature=float(self.distill_temperature),
-                                     max_seconds=DATA_FREE_MAX_SECONDS, seed=self.seed + k)
-                rec = distill_data_free(model, sizes, teachers, weights, in_channels=int(self._in_channels),
-                                        num_classes=int(st["spec"].get("num_classes", 2)), config=cfg, device=device)
-                rec["mode"] = "data_free"
-            else:
-                cfg = DistillConfig(steps=int(self.distill_steps), temperature=float(self.distill_temperature),
-                                    augment=bool(self.distill_augment), max_seconds=DISTILL_MAX_SECONDS,
-                                    seed=self.seed + k)
-                rec = distill(model, sizes, teachers, probe_all, weights, cfg, device=device,
-                              log=lambda m, g=g: self.info(f"OHFL [{g}]: {m}")).as_dict()
-                rec["mode"] = "probe"
-            rec.update({"sizes": sizes, "start": st["start"], "sites": st["sites"],
-                        "teachers": [t.name for t in teachers], "teacher_weights": [float(w) for w in weights],
-                        "weighting": self.distill_weights})
-            st["state_dict"] = {kk: v.detach().cpu() for kk, v in model.state_dict().items()}
-            recs[g] = rec
-            self.info(f"OHFL [{g}]: distilled ({rec['mode']}) in {rec['seconds']:.1f} s from {st['start']}")
-        return recs
+        return distil_groups(students, uploads, probe_all, device, steps=int(self.distill_steps),
+                             temperature=float(self.distill_temperature), weighting=self.distill_weights,
+                             augment=bool(self.distill_augment), data_free=bool(self.data_free),
+                             data_free_rounds=int(self.data_free_rounds), in_channels=int(self._in_channels),
+                             seed=self.seed, max_seconds=DATA_FREE_MAX_SECONDS if self.data_free else
+                             DISTILL_MAX_SECONDS, log=self.info)
 
     def _save_group_models(self, students: dict, suffix: str = "") -> None:
         """One group: ``global_model.pt`` (distilled) / ``global_fused.pt`` (before distillation, ``suffix='_fused'``);
@@ -363,20 +295,30 @@ class OHFLController(HFLController):
                             provenance={"method": self.method, "seed": self.seed})
 
     def _references(self, uploads: dict, fused: dict, students: dict) -> dict:
-        """Cost of each one-shot reference point (its AUC comes from ``evaluate``): server seconds and the bytes a
-        site would download to deploy it. ``ensemble``: every upload (no server work); ``fusion``: its group's fused
-        model (the fusion's seconds); ``distilled``: its group's global model (fusion + distillation)."""
-        from hfl_components.flare.messages import payload_bytes, to_numpy_state
+        """Server seconds and download bytes of each one-shot reference point (``distill_stage.references``)."""
+        from hfl_components.flare.distill_stage import references
 
-        ss = self.record["server_seconds"]
-        per_group = {g: payload_bytes(to_numpy_state(st["state_dict"])) for g, st in students.items()}
-        return {"ensemble": {"server_seconds": 0.0,
-                             "bytes_down_per_site": sum(payload_bytes(to_numpy_state(u["state_dict"]))
-                                                        for u in uploads.values())},
-                "fusion": {"server_seconds": ss.get("fusion_total", 0.0),
-                           "bytes_down_per_site": {g: payload_bytes(to_numpy_state(fused[g][1])) for g in fused}},
-                "distilled": {"server_seconds": ss.get("fusion_total", 0.0) + ss.get("distillation", 0.0),
-                              "bytes_down_per_site": per_group}}
+        return references(uploads, fused, students, self.record["server_seconds"])
+
+    def _finetune(self, params: dict, meta: dict) -> None:
+        """Round 1: every site fine-tunes the global model of its architecture; the gate's outcomes are recorded."""
+        ft = self.broadcast("ohfl_finetune", 1, params, meta)
+        gate = {}
+        for site, r in ft.items():
+            m = r.metrics or {}
+            self.record["sites"].setdefault(site, {}).update({
+                "global_zero_shot": _jsonable(m.get("global_zero_shot")),
+                "finetune_loss": _jsonable(m.get("finetune_loss")),
+                "gate": _jsonable(m.get("gate"))})
+            if m.get("gate") is not None:
+                gate[site] = m["gate"]
+        if gate:
+            adopted = sorted(s for s, g in gate.items() if g.get("adopted"))
+            self.record["gate"] = {"adopted": len(adopted), "sites": len(gate), "adopted_sites": adopted,
+                                   "kept_local": sorted(set(gate) - set(adopted))}
+            self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
+                      + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
+                         if len(adopted) < len(gate) else ""))
 
     def run_method(self):
         from hfl_components.flare import distill_stage as ds
@@ -444,21 +386,89 @@ class OHFLController(HFLController):
             meta = {"global_specs": self.record["global_specs"], "site_groups": groups}
             (self.results_dir() / "global_models" / "groups.json").write_text(json.dumps(
                 {g: {"sites": st["sites"], "spec": st["spec"]} for g, st in students.items()}, indent=1))
-        ft = self.broadcast("ohfl_finetune", 1, params, meta)
-        gate = {}
-        for site, r in ft.items():
-            m = r.metrics or {}
-            self.record["sites"].setdefault(site, {}).update({
-                "global_zero_shot": _jsonable(m.get("global_zero_shot")),
-                "finetune_loss": _jsonable(m.get("finetune_loss")),
-                "gate": _jsonable(m.get("gate"))})
-            if m.get("gate") is not None:
-                gate[site] = m["gate"]
-        if gate:
-            adopted = sorted(s for s, g in gate.items() if g.get("adopted"))
-            self.record["gate"] = {"adopted": len(adopted), "sites": len(gate), "adopted_sites": adopted,
-                                   "kept_local": sorted(set(gate) - set(adopted))}
-            self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
-                      + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
-                         if len(adopted) < len(gate) else ""))
+        self._finetune(params, meta)
         self.final_evaluation(2)
+
+
+# ============================================================================ site handlers
+def ohfl_train(rt, params, meta):
+    """OHFL step 1: train the site's own depth/width model and upload it once (with spec, count, val acc)."""
+    tc = meta.get("task_config", {})
+    rt.ensure_own_model(option(meta, "init"), option(meta, "init_seed"))
+    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
+    rt.save_state()
+    rt.save_model(rt.state_dir / "local_model.pt", kind="local")
+    val = rt.evaluate("val")
+    local_test = rt.evaluate("test")
+    metrics = {"loss": [h["loss"] for h in hist], "val": val, "local": local_test}
+    return to_numpy_state(rt.model.state_dict()), metrics, ok_meta(
+        rt, spec=rt.spec, val_acc=float(val["accuracy"] or 0.0))
+
+
+def _val_key(m: dict) -> tuple:
+    """Ranking of a model on the site's validation split: AUC, then balanced accuracy, then lower log-loss."""
+    def v(x, default=-1.0):
+        return default if x is None else float(x)
+    return (v(m.get("auc")), v(m.get("balanced_accuracy")), -v(m.get("log_loss"), 1e9))
+
+
+def deployment_gate(fed_val: dict, local_val: dict) -> dict:
+    """The deployment gate: adopt the federated model only if it beats the site's local model on validation.
+
+    "Beats" means a strictly better (AUC, balanced accuracy, −log-loss) tuple, compared in that order, on the
+    site's own validation split; a tie keeps the local model (a hospital should not switch models for nothing).
+
+    Args:
+        fed_val, local_val: :func:`hfl_components.training.compute_metrics` dicts of the two models on the split.
+
+    Returns:
+        ``{"adopted": bool, "federated_val": {auc, balanced_accuracy, log_loss}, "local_val": {...}, "reason": str}``.
+    """
+    keys = ("auc", "balanced_accuracy", "log_loss")
+    fk, lk = _val_key(fed_val), _val_key(local_val)
+    adopted = fk > lk
+    def show(m):
+        return ", ".join(f"{k} {m.get(k):.3f}" if m.get(k) is not None else f"{k} -" for k in keys)
+    reason = (f"federated model beats the local model on validation ({show(fed_val)} vs {show(local_val)})" if adopted
+              else f"federated model does not beat the local model on validation ({show(fed_val)} vs "
+                   f"{show(local_val)}): keeping the local model")
+    return {"adopted": bool(adopted), "federated_val": {k: fed_val.get(k) for k in keys},
+            "local_val": {k: local_val.get(k) for k in keys}, "reason": reason}
+
+
+def ohfl_finetune(rt, params, meta):
+    """OHFL step 2: evaluate the global model zero-shot, fine-tune it at the site's input size, and deploy it --
+    unless the deployment gate (option ``gate``, on by default) finds that it does not beat the site's own
+    local model on the site's validation split, in which case the site keeps (deploys) its local model and says
+    so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
+    ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
+    tc = meta.get("task_config", {})
+    if meta.get("site_groups"):  # a job of several architecture groups: this site's group's global model
+        group = meta["site_groups"].get(rt.site)
+        if group is None or group not in meta.get("global_specs", {}):
+            raise ValueError(f"site {rt.site}: the server sent no global model for this site's architecture "
+                             f"({rt.cfg['model'].get('family')!r})")
+        rt.set_model(meta["global_specs"][group], from_numpy_state(params, f"{GLOBAL_PREFIX}{group}/"))
+    else:
+        rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
+    zero = rt.evaluate("test")
+    hist = rt.train(task_epochs(rt, tc, "finetune_epochs", "finetune_epochs"), float(tc.get("finetune_lr") or rt.cfg["finetune_lr"]),
+                    tag="finetune")
+    fed_val = rt.evaluate("val")
+    gate = None
+    if option(meta, "gate"):
+        from hfl_components.models import load_model_file
+
+        local_model, local_header = load_model_file(rt.state_dir / "local_model.pt")
+        # the fine-tuned federated candidate is kept whatever the gate decides (RUN/models/<site>_federated.pt),
+        # so the gate's choice can be checked offline against both candidates
+        rt.save_model(rt.state_dir / "federated_model.pt", kind="federated")
+        fed_spec, fed_sd = rt.spec, {k: v.detach().cpu().clone() for k, v in rt.model.state_dict().items()}
+        rt.set_model(local_header["spec"], local_model.state_dict())
+        gate = deployment_gate(fed_val, rt.evaluate("val"))
+        if gate["adopted"]:
+            rt.set_model(fed_spec, fed_sd)
+        log.warning("site %s: deployment gate: %s", rt.site, gate["reason"])
+    rt.save_state(deployed=True)
+    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": rt.evaluate("val"),
+                "gate": gate}, ok_meta(rt)

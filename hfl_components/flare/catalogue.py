@@ -181,7 +181,7 @@ _OHFL = (
            "upload into each architecture's global model on the probe pool (FedDF); 0 = fusion alone "
            "(docs/decisions.md)", cli_default=None, check=_non_negative("distill steps")),
     Option("distill_temperature", float, 2.0, None, "temperature of the distillation's soft targets (Hinton et al.)",
-           check=lambda v: None if 0 < v < math.inf else f"must be a finite number > 0, got {v}"),
+           check=lambda v: None if 0 < v < float("inf") else f"must be a finite number > 0, got {v}"),
     Option("distill_weights", str, "samples", ("samples", "score", "equal"),
            "teacher weights: training samples, validation AUC above chance, or equal"),
     Option("distill_augment", bool, False, None, "the sites' flip + affine on the distillation images (off: the "

@@ -9,6 +9,7 @@ import unicodedata
 from pathlib import Path
 
 from ._walk import _skip
+from .io._salt import patient_id_key
 
 
 def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
@@ -53,12 +54,15 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
     an earlier row (same file, same label), and every row of a file listed with different labels are listed in
     ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
-    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``."""
+    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``. Patient ids that
+    differ only in case or whitespace (:func:`chest_xray.io._salt.patient_id_key`) are one patient, under the
+    spelling of its first row."""
     cols, rows = read_csv_rows(root)
     if not {"path", "label"} <= set(cols):
         raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
     first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
     conflicting: dict[str, set[str]] = {}
+    spelling: dict[str, str] = {}  # patient_id_key -> the id as first written
     kept: list[tuple[int, Path, str, str | None]] = []
     later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
     for line, row in enumerate(rows, start=2):
@@ -89,6 +93,8 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
             continue
         first[key] = (line, label)
         pid = (row.get("patient_id") or "").strip() or None
+        if pid is not None:  # one patient however its id is spelled (case, whitespace): its first spelling
+            pid = spelling.setdefault(patient_id_key(pid), " ".join(pid.split()))
         kept.append((line, p, label, pid))
     out: list[tuple[Path, str, str | None]] = []
     for line, p in [(line, p) for line, p, _, _ in kept] + later:

@@ -110,12 +110,14 @@ def _read_manifest(cfg: dict, rep: dict):
 
 
 def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
+    from chest_xray.io._salt import patient_id_key  # ids differing only in case / whitespace: one patient
+
     man = cfg["data"]["manifest"]
     counts = {sp: {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k) for k, n in enumerate(names)}
               for sp in SPLITS}
     rep["counts"] = counts
     rep["n_images"] = len(rows)
-    rep["n_patients"] = len({r["patient_id"] for r in rows if r.get("patient_id")})
+    rep["n_patients"] = len({patient_id_key(r["patient_id"]) for r in rows if r.get("patient_id")})
     for sp in SPLITS:
         n = sum(counts[sp].values())
         if n == 0:
@@ -127,7 +129,7 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
     by_patient: dict[str, set] = {}
     for r in rows:
         if r.get("patient_id"):
-            by_patient.setdefault(r["patient_id"], set()).add(r["split"])
+            by_patient.setdefault(patient_id_key(r["patient_id"]), set()).add(r["split"])
     leak = sum(1 for s in by_patient.values() if len(s & set(SPLITS)) > 1)
     if leak:
         rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
@@ -201,7 +203,10 @@ def _findings(rows: list[dict], metas: list, cfg: dict) -> list[dict]:
 
 
 def format_report(rep: dict) -> str:
-    """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems)."""
+    """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems); every line that
+    may hold a file name is escaped to one line (:func:`chest_xray.io._common.printable`)."""
+    from chest_xray.io._common import printable
+
     out = [f"cxr-hfl site check: site {rep['site']} (config {rep['config']})"]
     if "counts" in rep or "model" in rep:
         if "manifest" in rep:
@@ -239,15 +244,15 @@ def format_report(rep: dict) -> str:
     if bad:
         out.append("  unreadable files (manifest line: file: reason):")
         for b in bad[:MAX_LISTED]:
-            out.append(f"    line {b['line']}: {b['path']}: {b['reason']}")
+            out.append(printable(f"    line {b['line']}: {b['path']}: {b['reason']}"))
         if len(bad) > MAX_LISTED:
             out.append(f"    ... and {len(bad) - MAX_LISTED} more (cxr-hfl site check --json FILE lists all)")
     for f in rep.get("findings") or ():  # one line per finding: counts, example file names, no patient field
-        out.append(f"  finding: {f['text']}")
+        out.append(printable(f"  finding: {f['text']}"))
     for w in rep["warnings"]:
-        out.append(f"  warning: {w}")
+        out.append(printable(f"  warning: {w}"))
     for e in rep["errors"]:
-        out.append(f"  ERROR: {e}")
+        out.append(printable(f"  ERROR: {e}"))
     out.append(f"  result: {'FAILED' if rep['errors'] else 'OK'} ({len(rep['errors'])} errors, "
                f"{len(rep['warnings'])} warnings)")
     return "\n".join(out)

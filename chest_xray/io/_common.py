@@ -44,6 +44,14 @@ def _one_line(text: str, limit: int = 300) -> str:
     return t if len(t) <= limit else t[: limit - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """``text`` on one screen line: control characters (a newline, a carriage return or a terminal escape in a
+    file name) and undecodable bytes (a cp1252 name, kept as surrogate escapes) written as Python escapes, e.g.
+    ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``. Everything a CLI prints that may hold a file name goes through it."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode()
+                   for c in str(text))
+
+
 class ImageReadError(Exception):
     """A file could not be read as a chest X-ray image.
 

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from chest_xray import scan_dataset
@@ -123,3 +124,92 @@ def test_dicom_patient_ids_differing_in_case_or_whitespace_are_one_patient(inges
     assert pid["c2.dcm"] != pid["c0.dcm"]  # "Hosp 123" is another spelling: inner whitespace counts
     text = json.dumps(rep)
     assert "hosp123" not in text.lower() and "DOE" not in text
+
+
+# ------------------------------------------------------------------------------------ VOI LUT variants
+def _with_lut(src: Path, dest: Path, descriptor, data, vr: str = "US", **attrs) -> Path:
+    """The native case with one VOI LUT item (``data`` as US values, OW words, or OW bytes when ``vr`` is
+    ``"OW8"``: one byte per entry, as some 8-bit LUTs are written) and the given attributes."""
+    import pydicom
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    ds = pydicom.dcmread(src)
+    for k, v in attrs.items():
+        setattr(ds, k, v)
+    item = Dataset()
+    item.LUTDescriptor = list(descriptor)
+    a = np.asarray(data)
+    item.LUTData = (a.astype(np.uint8).tobytes() if vr == "OW8" else a.astype(np.uint16).tobytes() if vr == "OW"
+                    else [int(x) for x in a])
+    item["LUTData"].VR = "OW" if vr.startswith("OW") else "US"
+    ds.VOILUTSequence = Sequence([item])
+    ds.save_as(dest)
+    return dest
+
+
+def _by_hand(values: np.ndarray, first: int, lut: np.ndarray, top: int) -> np.ndarray:
+    """PS3.3 C.11.2.1.1: values below the first mapped value take the first entry, above the last the last."""
+    return lut[np.clip(values - first, 0, len(lut) - 1)] / float(top)
+
+
+@pytest.mark.parametrize("vr", ["US", "OW", "OW8"])
+def test_8_bit_voi_lut_reaches_the_full_grey_range(ingestion_cases, tmp_path, vr):
+    """An 8-bit LUT (entries 0..255) was read 4x too dark through pydicom, or failed when packed one byte per
+    entry; the standard's mapping by hand is the reference."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    raw = pydicom.dcmread(nat).pixel_array.astype(np.int64)
+    lut = np.round(np.sqrt(np.arange(4096) / 4095.0) * 255).astype(np.int64)
+    f = _with_lut(nat, tmp_path / f"lut8_{vr}.dcm", [4096, 0, 8], lut, vr)
+    img, meta = read_image(f)
+    assert meta["voi"] == "lut" and meta["voi_fallback"] is None
+    assert np.abs(np.asarray(img, np.float64) - _by_hand(raw, 0, lut, 255)).max() <= 1.0 / 255
+
+
+@pytest.mark.parametrize("bits", [12, 16])
+def test_voi_lut_after_a_negative_rescale_intercept_maps_from_its_signed_first_value(ingestion_cases, tmp_path, bits):
+    """Rescale Slope 2, Intercept -1000: the LUT's first mapped value -1000 written as US (64536). With a
+    descriptor matching its data the image came out black."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    raw = pydicom.dcmread(nat).pixel_array.astype(np.int64)
+    lut = np.round(np.sqrt(np.arange(8192) / 8191.0) * 4095).astype(np.int64)
+    f = _with_lut(nat, tmp_path / f"rescaled_{bits}.dcm", [8192, 65536 - 1000, bits], lut,
+                  RescaleSlope=2, RescaleIntercept=-1000)
+    img, meta = read_image(f)
+    want = _by_hand(raw * 2 - 1000, -1000, lut, 4095)
+    assert meta["voi"] == "lut" and np.abs(np.asarray(img, np.float64) - want).max() <= 1.0 / 255
+    assert np.asarray(img).std() > 0.05  # not a blank image
+
+
+def test_the_same_bytes_under_three_classes_are_all_skipped_with_each_other_copy_named(data_root, tmp_path):
+    """Subtype labels: one image copied under NORMAL, BACTERIAL and VIRAL is one contradictory group of three."""
+    n = _real_jpegs(data_root, "NORMAL", 5)
+    p = _real_jpegs(data_root, "PNEUMONIA", 40)
+    bac = [f for f in p if "bacteria" in f.name][:4]
+    vir = [f for f in p if "virus" in f.name][:4]
+    if len(bac) < 4 or len(vir) < 4:
+        pytest.skip("subtype file names not found")
+    root = tmp_path / "d"
+    for cls, files in (("NORMAL", n[:4]), ("BACTERIAL", bac), ("VIRAL", vir)):
+        (root / cls).mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / cls / f.name)
+    copies = {"NORMAL": "same_n.jpeg", "BACTERIAL": "same_b.jpeg", "VIRAL": "same_v.jpeg"}
+    for cls, name in copies.items():
+        shutil.copy(n[4], root / cls / name)
+    recs, rep = scan_dataset(root, labels="subtype")
+    assert len(recs) == 12
+    why = {Path(s["path"]).name: s["reason"] for s in rep["skipped"]}
+    assert set(why) == set(copies.values())
+    for name, reason in why.items():
+        others = set(copies.values()) - {name}
+        assert all(o in reason for o in others) and "two classes" not in reason
+    assert rep["duplicates"]["contradictory_groups"] == 1 and rep["duplicates"]["contradictory_images"] == 3

@@ -160,7 +160,9 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
                 warnings.simplefilter("ignore")
                 if voi == "lut":
                     bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
-                    windowed = apply_lut(arr, ds.VOILUTSequence[0]) if lut_note else apply_voi_lut(arr, ds)
+                    # by hand, always: pydicom read 8-bit LUTs 4x too dark, refused 8-bit entries packed one per byte
+                    # and took a negative first mapped value written as US for a large positive one
+                    windowed = apply_lut(arr, ds.VOILUTSequence[0])
                     lo, hi = 0.0, float(2**bits - 1)
                 else:
                     windowed = apply_voi_lut(arr, ds, prefer_lut=False)

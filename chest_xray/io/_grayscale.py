@@ -65,8 +65,10 @@ def lut_values(item) -> np.ndarray:
 
 def apply_lut(arr: np.ndarray, item) -> np.ndarray:
     """``arr`` (modality-LUT output) through a LUT item by hand (PS3.3 C.11.2.1.1): values below the first mapped
-    value take the first entry, above the last the last. Used where pydicom's LUT would read the descriptor's
-    bits literally (it refuses entries wider than the descriptor says)."""
+    value take the first entry, above the last the last. Every VOI LUT is applied this way: pydicom's LUT reads
+    the descriptor's bits literally (it refuses entries wider than the descriptor says), read 8-bit LUTs 4x too
+    dark, refused 8-bit entries packed one per byte, and took a negative first mapped value written as US for a
+    large positive one."""
     values = lut_values(item)
     first = int(item.LUTDescriptor[1])
     if first >= 2**15 and np.min(arr) < 0:  # a negative first value written as US

@@ -327,6 +327,9 @@ def _scan_file(
         return None, _skip(path, why, "junk"), notes, None
     if path.is_dir():  # a manifest row naming a folder
         return None, _skip(path, "a folder, not an image file", "not a regular file"), notes, None
+    if path.exists() and not path.is_file():  # a pipe, socket or device (a manifest row): opening it could block
+        return None, _skip(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
+            None
     suffix = path.suffix.lower()
     # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
     # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split

@@ -213,3 +213,51 @@ def test_the_same_bytes_under_three_classes_are_all_skipped_with_each_other_copy
         others = set(copies.values()) - {name}
         assert all(o in reason for o in others) and "two classes" not in reason
     assert rep["duplicates"]["contradictory_groups"] == 1 and rep["duplicates"]["contradictory_images"] == 3
+
+
+# ------------------------------------------------------------------------ special files never opened
+_SCAN = ("import json, sys; from chest_xray import scan_dataset; recs, rep = scan_dataset(sys.argv[1], verify=False); "
+         "print(json.dumps({'n': len(recs), 'skipped': rep['skipped']}))")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_named_pipes_and_devices_are_skipped_without_being_opened(data_root, tmp_path):
+    """A FIFO listed in a manifest, or lying beside the class folders without a suffix, was opened to sniff for
+    DICOM: the scan blocked for ever (and the threads ignored SIGTERM). Run in a subprocess with a time limit."""
+    import subprocess
+    import sys
+
+    n, p = _real_jpegs(data_root, "NORMAL", 4), _real_jpegs(data_root, "PNEUMONIA", 4)
+    img = tmp_path / "img"
+    img.mkdir()
+    rows = []
+    for k, f in enumerate(n + p):
+        shutil.copy(f, img / f.name)
+        rows.append([str(img / f.name), "NORMAL" if k < 4 else "PNEUMONIA", f"P{k}"])
+    os.mkfifo(img / "pipe.jpeg")
+    os.mkfifo(img / "pipe_no_suffix")
+    rows += [[str(img / "pipe.jpeg"), "NORMAL", "Q1"], [str(img / "pipe_no_suffix"), "NORMAL", "Q2"]]
+    if os.path.exists("/dev/zero"):
+        rows.append(["/dev/zero", "NORMAL", "Q3"])
+    layouts = {"manifest": _manifest(tmp_path / "m.csv", rows)}
+    root = tmp_path / "folders"  # a class-folder layout with a pipe beside and inside the class folders
+    for cls, files in (("NORMAL", n), ("PNEUMONIA", p)):
+        (root / cls).mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / cls / f.name)
+    os.mkfifo(root / "pipe_at_root")
+    os.mkfifo(root / "NORMAL" / "pipe_in_class")
+    layouts["folders"] = root
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for name, target in layouts.items():
+        try:
+            done = subprocess.run([sys.executable, "-c", _SCAN, str(target)], capture_output=True, text=True,
+                                  timeout=90, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name}: the scan blocked on a named pipe")
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["n"] == 8, (name, out)
+        kinds = {Path(s["path"]).name: s["kind"] for s in out["skipped"]}
+        pipes = {k: v for k, v in kinds.items() if "pipe" in k or k == "zero"}
+        assert pipes and set(pipes.values()) <= {"not a regular file"}, (name, kinds)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import warnings
 from contextlib import contextmanager
@@ -85,8 +86,11 @@ def check_readable(path: str | os.PathLike) -> None:
 
 
 def sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128. Only a regular
+    file is opened: opening a named pipe (FIFO) would block until a writer came, and a device may never end."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as fh:
             head = fh.read(132)
     except OSError:

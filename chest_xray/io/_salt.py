@@ -5,6 +5,7 @@ import hashlib
 import os
 import secrets
 import threading
+import unicodedata
 from pathlib import Path
 
 from ._dicom_header import _dcmread
@@ -74,11 +75,11 @@ def site_salt(salt: str | None = None) -> str:
 
 def patient_id_key(value) -> str:
     """The form two patient ids are compared in: surrounding whitespace dropped, inner runs of whitespace made one
-    space, letters upper-cased (``"PAT01"``, ``" pat01 "`` and ``"Pat01\\t"`` are one patient; an id already in
+    space, Unicode composed (NFC), letters upper-cased (``"PAT01"``, ``" pat01 "`` and ``"Pat01\\t"`` are one patient; an id already in
     this form is unchanged, and so is its salted hash). Hospital systems and hand-typed manifests spell one id
     several ways; splitting them would put one patient in two splits, while joining two real ids that differ only
     in case merely groups them (never a leak)."""
-    return " ".join(str(value).split()).upper()
+    return " ".join(unicodedata.normalize("NFC", str(value)).split()).upper()
 
 
 def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | None:

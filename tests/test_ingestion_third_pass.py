@@ -262,3 +262,19 @@ def test_named_pipes_and_devices_are_skipped_without_being_opened(data_root, tmp
         kinds = {Path(s["path"]).name: s["kind"] for s in out["skipped"]}
         pipes = {k: v for k, v in kinds.items() if "pipe" in k or k == "zero"}
         assert pipes and set(pipes.values()) <= {"not a regular file"}, (name, kinds)
+
+
+def test_a_16_bit_voi_lut_shorter_than_its_descriptor_is_read_as_words_and_noted(ingestion_cases, tmp_path):
+    """OW LUT data holding fewer words than the descriptor's count were read one byte per entry (an 8-bit LUT):
+    a sawtooth of low and high bytes. The words it holds are the LUT; the mismatch is noted."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    raw = pydicom.dcmread(nat).pixel_array.astype(np.int64)
+    lut = np.round(np.sqrt(np.arange(2048) / 2047.0) * 4095).astype(np.int64)  # 2048 words, descriptor says 4096
+    img, meta = read_image(_with_lut(nat, tmp_path / "short.dcm", [4096, 0, 12], lut, "OW"))
+    assert np.abs(np.asarray(img, np.float64) - _by_hand(raw, 0, lut, 4095)).max() <= 1.0 / 255
+    kinds = [n["kind"] for n in meta["grayscale_notes"]]
+    assert kinds == ["VOI LUT length"] and "2048" in meta["grayscale_notes"][0]["note"]

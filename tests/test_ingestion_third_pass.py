@@ -278,3 +278,21 @@ def test_a_16_bit_voi_lut_shorter_than_its_descriptor_is_read_as_words_and_noted
     assert np.abs(np.asarray(img, np.float64) - _by_hand(raw, 0, lut, 4095)).max() <= 1.0 / 255
     kinds = [n["kind"] for n in meta["grayscale_notes"]]
     assert kinds == ["VOI LUT length"] and "2048" in meta["grayscale_notes"][0]["note"]
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.999])
+def test_an_uncompressed_dicom_cut_short_says_so_in_one_short_line(ingestion_cases, tmp_path, keep):
+    """pydicom's paragraph ("The number of bytes of pixel data is less than expected ... the dataset may be
+    corrupted, have an invalid group 0028 element value, or the transfer syntax may be incorrect") was cut to
+    300 characters; the reason now says how much of the pixel data arrived."""
+    from chest_xray import ImageReadError, read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    data = nat.read_bytes()
+    f = tmp_path / f"cut_{keep}.dcm"
+    f.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ImageReadError) as ei:
+        read_image(f)
+    e = ei.value
+    assert e.kind == "corrupt or truncated" and e.reason.startswith("truncated DICOM file")
+    assert len(e.reason) < 100 and "\n" not in str(e) and str(f) in str(e)

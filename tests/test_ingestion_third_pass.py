@@ -296,3 +296,25 @@ def test_an_uncompressed_dicom_cut_short_says_so_in_one_short_line(ingestion_cas
     e = ei.value
     assert e.kind == "corrupt or truncated" and e.reason.startswith("truncated DICOM file")
     assert len(e.reason) < 100 and "\n" not in str(e) and str(f) in str(e)
+
+
+# ------------------------------------------------------------------------------ a class inside another class
+def test_a_folder_named_after_another_class_inside_a_class_folder_is_not_given_its_label(data_root, tmp_path):
+    """``NORMAL/PNEUMONIA/`` (an export copied into the wrong folder) gave pneumonia images the NORMAL label with
+    no word. Such a folder, at any depth, is listed and not scanned; a folder agreeing with its class
+    (``PNEUMONIA/VIRAL/``, ``NORMAL/normal/``) and any other name are scanned as before."""
+    n, p = _real_jpegs(data_root, "NORMAL", 9), _real_jpegs(data_root, "PNEUMONIA", 10)
+    root = tmp_path / "d"
+    placed = {"NORMAL": n[:4], "PNEUMONIA": p[:4], "NORMAL/PNEUMONIA": p[4:7], "PNEUMONIA/old/Normal": n[4:6],
+              "PNEUMONIA/VIRAL": p[7:9], "NORMAL/normal": n[6:8], "NORMAL/batch 2": n[8:9]}
+    for folder, files in placed.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copy(f, root / folder / f.name)
+    recs, rep = scan_dataset(root, verify=False)
+    got = {Path(r["path"]).relative_to(root).parent.as_posix(): r["label"] for r in recs}
+    assert got == {"NORMAL": 0, "PNEUMONIA": 1, "PNEUMONIA/VIRAL": 1, "NORMAL/normal": 0, "NORMAL/batch 2": 0}
+    assert len(recs) == 4 + 4 + 2 + 2 + 1
+    amb = {Path(s["path"]).relative_to(root).as_posix() for s in rep["skipped"] if s["kind"] == "ambiguous class folder"}
+    assert amb == {"NORMAL/PNEUMONIA", "PNEUMONIA/old/Normal"}
+    assert any(f["text"].startswith("skipped: ambiguous class folder: 2") for f in rep["findings"])

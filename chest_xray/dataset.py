@@ -371,6 +371,8 @@ def _scan_file(
 def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
                 notes: list[dict[str, str]]):
     """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
+    if path.stat().st_size == 0:  # as for any other image, not "not a valid DICOM file"
+        raise ImageReadError(path, "empty file (0 bytes)", "empty file")
     hdr = dicom_header(path)
     why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
     if why:

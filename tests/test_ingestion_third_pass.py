@@ -318,3 +318,20 @@ def test_a_folder_named_after_another_class_inside_a_class_folder_is_not_given_i
     amb = {Path(s["path"]).relative_to(root).as_posix() for s in rep["skipped"] if s["kind"] == "ambiguous class folder"}
     assert amb == {"NORMAL/PNEUMONIA", "PNEUMONIA/old/Normal"}
     assert any(f["text"].startswith("skipped: ambiguous class folder: 2") for f in rep["findings"])
+
+
+def test_a_zero_byte_file_is_an_empty_file_whatever_its_suffix(data_root, tmp_path):
+    """A zero-byte ``.dcm`` was "not a valid DICOM file" (kind "not an image") while a zero-byte ``.jpeg`` was an
+    empty file: an interrupted copy reads the same whatever the format."""
+    n, p = _real_jpegs(data_root, "NORMAL", 3), _real_jpegs(data_root, "PNEUMONIA", 3)
+    root = tmp_path / "d"
+    for cls, files in (("NORMAL", n), ("PNEUMONIA", p)):
+        (root / cls).mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / cls / f.name)
+    for name in ("zero.dcm", "zero.DICOM", "zero.jpeg", "zero.png"):
+        (root / "NORMAL" / name).write_bytes(b"")
+    recs, rep = scan_dataset(root, verify=False)
+    assert len(recs) == 6
+    assert {Path(s["path"]).name: s["kind"] for s in rep["skipped"]} == dict.fromkeys(
+        ("zero.dcm", "zero.DICOM", "zero.jpeg", "zero.png"), "empty file")

@@ -412,6 +412,7 @@ def _pil_size(path: Path) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     from .io import EXIF_SWAPS_AXES, MAX_PIXELS, _warnings_scope, check_readable, exif_orientation
+    from .io._common import image_signature
 
     try:
         if path.stat().st_size == 0:
@@ -428,6 +429,9 @@ def _pil_size(path: Path) -> tuple[int, int]:
     except Image.DecompressionBombError as e:
         raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
+        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
+            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
+                                 "corrupt or truncated") from None
         raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
                              "not an image") from None
     except FileNotFoundError as e:

@@ -335,3 +335,24 @@ def test_a_zero_byte_file_is_an_empty_file_whatever_its_suffix(data_root, tmp_pa
     assert len(recs) == 6
     assert {Path(s["path"]).name: s["kind"] for s in rep["skipped"]} == dict.fromkeys(
         ("zero.dcm", "zero.DICOM", "zero.jpeg", "zero.png"), "empty file")
+
+
+@pytest.mark.parametrize("keep", [2, 3, 20, 120])
+def test_a_jpeg_cut_inside_its_header_is_truncated_not_an_unknown_format(data_root, tmp_path, keep):
+    """A copy interrupted after a few bytes still starts with the JPEG marker: it is "corrupt or truncated", not
+    "not a recognised image format"."""
+    n, p = _real_jpegs(data_root, "NORMAL", 3), _real_jpegs(data_root, "PNEUMONIA", 3)
+    root = tmp_path / "d"
+    for cls, files in (("NORMAL", n), ("PNEUMONIA", p)):
+        (root / cls).mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / cls / f.name)
+    (root / "NORMAL" / "cut.jpeg").write_bytes(n[0].read_bytes()[:keep])
+    recs, rep = scan_dataset(root, verify=False)
+    assert len(recs) == 6
+    assert [(Path(s["path"]).name, s["kind"]) for s in rep["skipped"]] == [("cut.jpeg", "corrupt or truncated")]
+    from chest_xray import ImageReadError, read_image  # the reader site check and training use says the same
+
+    with pytest.raises(ImageReadError) as ei:
+        read_image(root / "NORMAL" / "cut.jpeg")
+    assert ei.value.kind == "corrupt or truncated"

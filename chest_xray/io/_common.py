@@ -98,6 +98,16 @@ def sniff_dicom(path: Path) -> bool:
     return len(head) == 132 and head[128:132] == b"DICM"
 
 
+def image_signature(path: Path) -> str | None:
+    """"JPEG" or "PNG" when the file starts with that format's signature, else None."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return None
+    return "JPEG" if head.startswith(b"\xff\xd8") else "PNG" if head.startswith(b"\x89PNG\r\n\x1a\n") else None
+
+
 def _is_dicom(path: Path) -> bool:
     return path.suffix.lower() in DICOM_SUFFIXES or sniff_dicom(path)
 

@@ -107,12 +107,25 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
 
 
 
+def _legacy_decoded(comp: str) -> str | None:
+    """A path component holding bytes that are not UTF-8 (kept as surrogate escapes by :func:`read_csv_rows`) read
+    as Windows-1252, the encoding spreadsheet software in Western Europe saves CSV files in; NFC. None otherwise."""
+    if not any("\udc80" <= c <= "\udcff" for c in comp):
+        return None
+    try:
+        return unicodedata.normalize("NFC", comp.encode("utf-8", "surrogateescape").decode("cp1252"))
+    except UnicodeError:
+        return None
+
+
 def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
     """The file ``path`` names, matched after Unicode normalisation where the exact name does not exist.
 
     macOS writes file names decomposed (NFD: "e" + combining accent); a manifest typed on another system holds
-    them composed (NFC), or the other way round, and the bytes differ. Each path component that does not exist as
-    written is compared, in NFC, with the entries of its folder; one unique match is taken.
+    them composed (NFC), or the other way round, and the bytes differ. A manifest saved in Windows-1252 holds
+    bytes that are not UTF-8 where the disk holds UTF-8 names. Each path component that does not exist as written
+    is compared, in NFC (and, when it holds non-UTF-8 bytes, read as Windows-1252), with the entries of its
+    folder; one unique match is taken.
 
     Returns:
         ``(path on disk, message)``: the message says which normalisation was applied (None when the path exists
@@ -127,14 +140,18 @@ def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
         if os.path.lexists(cand):
             cur = cand
             continue
-        want = unicodedata.normalize("NFC", comp)
+        want, legacy = unicodedata.normalize("NFC", comp), _legacy_decoded(comp)
         try:
-            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) == want]
+            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) in (want, legacy)]
         except OSError:
             return None
         if len(hits) != 1:
             return None
         on_disk = hits[0]
+        if legacy is not None and unicodedata.normalize("NFC", on_disk) == legacy:
+            forms.add("the manifest's bytes read as Windows-1252: the CSV is not UTF-8")
+            cur = cur / on_disk
+            continue
         forms.add(("NFD" if unicodedata.is_normalized("NFD", on_disk) else "NFC" if
                    unicodedata.is_normalized("NFC", on_disk) else "mixed") + " on disk, "
                   + ("NFC" if unicodedata.is_normalized("NFC", comp) else "NFD" if

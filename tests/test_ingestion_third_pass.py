@@ -356,3 +356,22 @@ def test_a_jpeg_cut_inside_its_header_is_truncated_not_an_unknown_format(data_ro
     with pytest.raises(ImageReadError) as ei:
         read_image(root / "NORMAL" / "cut.jpeg")
     assert ei.value.kind == "corrupt or truncated"
+
+
+def test_a_manifest_saved_in_windows_1252_finds_utf8_file_names(data_root, tmp_path):
+    """Spreadsheet software in Western Europe saves CSV in Windows-1252: "Röntgen" arrives as the byte 0xF6, the
+    disk holds UTF-8. Every row was "No such file"; the name is matched and the note says why."""
+    n, p = _real_jpegs(data_root, "NORMAL", 4), _real_jpegs(data_root, "PNEUMONIA", 4)
+    img = tmp_path / "Aufnahmen_Thorax_ä"
+    img.mkdir()
+    lines = ["path;label;patient_id"]
+    for k, f in enumerate(n + p):
+        name = f"Röntgen_Säugling_{k}.jpeg"
+        shutil.copy(f, img / name)
+        lines.append(f"{img / name};{'NORMAL' if k < 4 else 'PNEUMONIA'};P{k}")
+    m = tmp_path / "m.csv"
+    m.write_bytes(("\r\n".join(lines) + "\r\n").encode("cp1252"))
+    recs, rep = scan_dataset(m, verify=False)
+    assert sorted(Path(r["path"]).name for r in recs) == sorted(f"Röntgen_Säugling_{k}.jpeg" for k in range(8))
+    assert all(Path(r["path"]).is_file() for r in recs) and rep["skipped"] == []
+    assert len(rep["notes"]) == 8 and all("Windows-1252" in x["note"] for x in rep["notes"])

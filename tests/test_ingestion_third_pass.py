@@ -375,3 +375,17 @@ def test_a_manifest_saved_in_windows_1252_finds_utf8_file_names(data_root, tmp_p
     assert sorted(Path(r["path"]).name for r in recs) == sorted(f"Röntgen_Säugling_{k}.jpeg" for k in range(8))
     assert all(Path(r["path"]).is_file() for r in recs) and rep["skipped"] == []
     assert len(rep["notes"]) == 8 and all("Windows-1252" in x["note"] for x in rep["notes"])
+
+
+def test_a_symbolic_link_loop_in_a_manifest_is_named_a_loop(data_root, tmp_path):
+    """A link to itself was "broken symbolic link (its target ... does not exist)": the target exists, as a loop."""
+    from chest_xray import ImageReadError, read_image
+
+    loop = tmp_path / "loop.jpeg"
+    os.symlink("loop.jpeg", loop)
+    gone = tmp_path / "gone.jpeg"
+    os.symlink("nowhere.jpeg", gone)
+    for f, word in ((loop, "symbolic-link loop"), (gone, "does not exist")):
+        with pytest.raises(ImageReadError) as ei:
+            read_image(f)
+        assert word in ei.value.reason and ei.value.kind == "missing file"

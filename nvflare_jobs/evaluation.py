@@ -325,10 +325,12 @@ def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int]) -> di
 
 def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
                  max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
-                 part: str | None = None, log=print) -> dict[str, Any]:
+                 part: str | None = None, log=print, audit: bool = True) -> dict[str, Any]:
     """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/<name>/``.
 
     Args:
+        audit: then run the shortcut audit (:func:`nvflare_jobs.audit.audit_external`: ``audit.json`` and a
+            Grad-CAM montage in the same folder); an audit that fails is reported in one line, never fatal.
         part: a committed part of ``chest_xray_224`` (``evaluation`` for headline numbers), ``data`` its root.
         global_sizes: ``all`` scores the global model at every site's size (and the site mean ``global``),
             ``largest`` only at the largest (no ``global`` mean).
@@ -443,6 +445,13 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
                "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
                "models": summ_models}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if audit:
+        from nvflare_jobs.audit import audit_external
+
+        try:
+            audit_external(run, out_dir, log=log)
+        except (ValueError, OSError, RuntimeError) as e:
+            log(f"[audit] skipped: the audit failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
             "n_images": len(records), "probe_images_excluded": n_probe}
 

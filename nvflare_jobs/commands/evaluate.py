@@ -73,6 +73,7 @@ def register(sub) -> None:
     c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
+    c.add_argument("--no-audit", action="store_true", help="skip the shortcut audit of the external evaluation")
     c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
     c.set_defaults(func=run_compare)
 
@@ -91,7 +92,21 @@ def register(sub) -> None:
                    help="class-stratified subset of the external set (quick checks)")
     e.add_argument("--n-boot", type=int, default=500,
                    help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
+    e.add_argument("--no-audit", action="store_true",
+                   help="skip the shortcut audit (metadata baseline, perturbation probes, Grad-CAM; timing runs)")
     e.set_defaults(func=run_evaluate)
+
+    a = sub.add_parser("audit", help="shortcut audit of a run's models on an evaluated external set (evaluate "
+                                     "runs it by default): metadata baseline, perturbation probes, Grad-CAM")
+    a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
+    a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
+    a.add_argument("--part", choices=PARTS, help="the committed part it was evaluated on")
+    a.add_argument("--probe-images", type=_positive_int, default=300,
+                   help="class-balanced, seeded subsample for the perturbation probes (default 300)")
+    a.add_argument("--saliency-images", type=_positive_int, default=8,
+                   help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
+    a.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
+    a.set_defaults(func=run_audit)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
     p.add_argument("--model", required=True, help="a model file, e.g. RUN/models/site-1_deployed.pt")
@@ -122,7 +137,8 @@ def run_evaluate(args) -> int:
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
-                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot)
+                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot,
+                           audit=not args.no_audit)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3
@@ -135,6 +151,12 @@ def run_evaluate(args) -> int:
     print(f"[cxr-hfl] {res['n_images']} images ({res['probe_images_excluded']} probe images left out); wrote "
           f"{len(res['models'])} model results to {res['summary'].parent}")
     return 0
+
+
+def run_audit(args) -> int:
+    from nvflare_jobs.audit import run_audit_cli
+
+    return run_audit_cli(args)
 
 
 def run_predict(args) -> int:

@@ -313,10 +313,10 @@ def summary_lines(a: dict) -> list[str]:
     if md.get("auc") is not None:
         out.append(f"metadata baseline AUC {md['auc']:.3f} [{md['ci_low']:.3f}, {md['ci_high']:.3f}] from "
                    f"{', '.join(md.get('features') or []) or 'no feature'}")
-        cz = sorted(k for k, v in (md.get("margins") or {}).items() if v.get("covers_zero"))
+        cz = sorted(k for k, v in (md.get("margins") or {}).items() if v.get("beats_metadata") is False)
         if cz:
-            out.append(f"FLAG: {len(cz)} models do not beat the metadata baseline (margin CI covers 0): "
-                       + ", ".join(cz))
+            out.append(f"FLAG: {len(cz)} models are not shown to beat the metadata baseline (margin CI not above "
+                       "0): " + ", ".join(cz))
     flags = [f"{n} {p}" for n, r in ((a.get("probes") or {}).get("models") or {}).items()
              for p, v in r.items() if isinstance(v, dict) and v.get("flagged")]
     if flags:
@@ -359,3 +359,118 @@ def run_audit_cli(args) -> int:
                    device=args.device)
     print(f"[cxr-hfl] audit: {ext / 'audit.json'}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _cell(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
+    if not d or d.get(v) is None:
+        return "–"
+    f = f"{{:{'+' if signed else ''}.{nd}f}}"
+    lo, hi = d.get("ci_low"), d.get("ci_high")
+    ci = f" [{f.format(lo)}, {f.format(hi)}]" if lo is not None and hi is not None else ""
+    return f.format(d[v]) + ci
+
+
+def audit_html(a: dict, ext_dir: Path) -> list[str]:
+    """HTML of one ``audit.json`` for ``cxr-hfl report`` (flags in red; the montage embedded)."""
+    import base64
+    import html
+
+    from hfl_components.audit.probes import GAMMA, SHIFT_FRACTION, TOLERANCE
+
+    esc = html.escape
+    red = "class='warn'"
+
+    def table(head, rows):  # rows: lists of (text, flagged)
+        h = "".join(f"<th>{esc(c)}</th>" for c in head)
+        b = "".join("<tr>" + "".join(f"<td {red if fl else ''}>{esc(str(t))}</td>" for t, fl in r) + "</tr>"
+                    for r in rows)
+        return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+
+    body = [f"<h3>Shortcut audit ({a.get('n_images')} images; {esc(str(a.get('device')))})</h3>"]
+    md = a.get("metadata") or {}
+    if md.get("auc") is not None:
+        body.append(f"<p><b>Metadata baseline</b>: a cross-validated random forest on file-level facts only "
+                    f"({esc(', '.join(md.get('features') or []))}) predicts PNEUMONIA with AUC "
+                    f"{_cell(md, 'auc', signed=False)} (95% CI). Strongest single facts: "
+                    + esc(", ".join(f"{k} {v:.2f}" for k, v in list((md.get('fact_aucs') or {}).items())[:4]))
+                    + ". A model whose margin CI is not above 0 (red) is not shown to read more than the file.</p>")
+        rows = [[(n, False), (_cell({"mean_change": v["model_auc"], "ci_low": v["model_ci"][0],
+                                     "ci_high": v["model_ci"][1]}, signed=False), False),
+                 (_cell({"mean_change": v["margin"], "ci_low": v["margin_ci"][0], "ci_high": v["margin_ci"][1]}),
+                  v.get("beats_metadata") is False)]
+                for n, v in (md.get("margins") or {}).items()]
+        body.append(table(["model", "AUC [95% CI]", "margin model − metadata [95% CI]"], rows))
+    else:
+        body.append(f"<p>Metadata baseline: not computed ({esc(str(md.get('skipped')))}).</p>")
+    na = md.get("not_applicable") or {}
+    if na:
+        body.append("<p>Not applicable: " + esc("; ".join(f"{k}: {v}" for k, v in na.items())) + ".</p>")
+    pr = a.get("probes") or {}
+    if pr.get("models"):
+        body.append(f"<p><b>Perturbation probes</b> on a fixed class-balanced subsample of {pr.get('n_images')} "
+                    f"images: mean change of p(PNEUMONIA) [95% CI] (Δp(NORMAL) = −Δp). flip: horizontal mirror; "
+                    f"shift: {100 * SHIFT_FRACTION:.0f}% along both axes with a black (zero) border; contrast: "
+                    f"gamma {GAMMA}; aspect: centred square crop against the model's own squaring. Red: beyond the "
+                    f"tolerance ±{TOLERANCE} with a CI excluding 0.</p>")
+        rows = []
+        for n, r in pr["models"].items():
+            row = [(n, False)]
+            for p in ("flip", "shift", "contrast", "aspect"):
+                v = r.get(p) or {}
+                row.append(("not applicable (square images)" if v.get("applicable") is False else _cell(v),
+                            bool(v.get("flagged"))))
+            rows.append(row)
+        body.append(table(["model", "flip", "shift / border", "contrast", "aspect"], rows))
+    sa = a.get("saliency") or {}
+    if sa.get("models"):
+        body.append(f"<p><b>Saliency</b> (Grad-CAM, {sa.get('n_images')} fixed images per model): share of the "
+                    f"saliency in the outer {100 * sa.get('band', 0.1):.0f}% border band, mean [95% CI]; a uniform "
+                    f"map gives {sa.get('uniform_share', 0):.2f}. This number is crude: Grad-CAM maps are coarse, "
+                    "and a high share is a hint to look at the montage, not a finding.</p>")
+        body.append(table(["model", "border share"], [[(n, False), (_cell(v.get("border_share"), "mean",
+                                                                          signed=False), False)]
+                                                       for n, v in sa["models"].items()]))
+        png = ext_dir / str(sa.get("montage") or "")
+        if sa.get("montage") and png.is_file():
+            b64 = base64.b64encode(png.read_bytes()).decode("ascii")
+            body.append(f'<figure><img style="max-width:1000px" src="data:image/png;base64,{b64}" '
+                        f'alt="Grad-CAM montage"><figcaption>Grad-CAM for PNEUMONIA, one row per model '
+                        f'({esc(", ".join(sa.get("montage_models") or []))})</figcaption></figure>')
+    op = a.get("operating_point") or {}
+    if op.get("models"):
+        fed = op.get("federated") or {}
+        body.append("<p><b>Clinical operating point</b>: each deployed model's temperature (fit on its site's "
+                    "validation split) and the one federated threshold on calibrated p(PNEUMONIA) chosen for a target "
+                    f"sensitivity of {fed.get('target', '–')} on the sites' pooled coarse validation histograms "
+                    f"(pooled validation sensitivity {_cell({'mean_change': fed.get('sensitivity')}, signed=False)}).</p>")
+        rows = [[(n, False), (f"{v['temperature']:.2f}", False), (f"{v['threshold']:.3f}", False),
+                 (_cell(v.get("sensitivity"), "value", signed=False),
+                  (v.get("sensitivity") or {}).get("value") is not None and v.get("target_sensitivity") is not None
+                  and v["sensitivity"]["value"] < 0.9),
+                 (_cell(v.get("specificity"), "value", signed=False), False),
+                 (_cell({"mean_change": v.get("ece_before")}, signed=False), False),
+                 (_cell({"mean_change": v.get("ece_after")}, signed=False), False),
+                 (_cell({"mean_change": ((fed.get("site_sensitivity") or {}).get(n.rpartition("_")[0]) or {})
+                         .get("sensitivity")}, signed=False), False)]
+                for n, v in op["models"].items()]
+        body.append(table(["model", "T", "threshold", "sensitivity [95% CI]", "specificity [95% CI]",
+                           "ECE before", "ECE after", "site's own val. sensitivity"], rows))
+    if a.get("skipped"):
+        body.append("<p>Skipped:</p><ul>" + "".join(f"<li>{esc(s)}</li>" for s in a["skipped"]) + "</ul>")
+    return body
+
+
+def card_note(run: Path) -> str | None:
+    """One sentence for the model card: the audit's headline per evaluated set, or None without an audit."""
+    notes = []
+    for f in find_audits(run):
+        a = json.loads(f.read_text())
+        md = a.get("metadata") or {}
+        flags = [p for r in ((a.get("probes") or {}).get("models") or {}).values() for p, v in r.items()
+                 if isinstance(v, dict) and v.get("flagged")]
+        weak = sum(1 for v in (md.get("margins") or {}).values() if v.get("beats_metadata") is False)
+        meta = f"file facts alone reach AUC {md['auc']:.2f}" if md.get("auc") is not None else "no metadata baseline"
+        notes.append(f"{f.parent.name}: {meta}; {weak} of {len(md.get('margins') or {})} models not shown to beat "
+                     f"it; {len(flags)} probe results beyond the tolerance")
+    return "; ".join(notes) or None

@@ -159,8 +159,9 @@ def metadata_baseline(facts: Sequence[dict[str, Any]], y, seed: int = 0, n_boot:
 
 def auc_margin(y, p_model, meta_scores, n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
     """A model's AUC, the metadata baseline's, and the margin (model - metadata), each with a 95 % CI from the same
-    paired bootstrap over images; ``covers_zero`` when the margin's CI includes 0 (the model is not shown to beat
-    the file facts).
+    paired bootstrap over images; ``covers_zero`` when the margin's CI includes 0, ``beats_metadata`` when its
+    lower bound is above 0 (only then is the model shown to do better than the file facts; the audit flags every
+    other model).
 
     Args:
         y: (N,) binary labels. p_model: (N,) the model's p(class 1). meta_scores: (N,) the baseline's out-of-fold
@@ -179,4 +180,5 @@ def auc_margin(y, p_model, meta_scores, n_boot: int = 1000, seed: int = 0) -> di
     lo, hi = cis[2]
     return {"model_auc": a, "model_ci": list(cis[0]), "metadata_auc": b, "metadata_ci": list(cis[1]),
             "margin": m, "margin_ci": [lo, hi],
-            "covers_zero": None if lo is None else bool(lo <= 0.0 <= hi)}
+            "covers_zero": None if lo is None else bool(lo <= 0.0 <= hi),
+            "beats_metadata": None if lo is None else bool(lo > 0.0)}

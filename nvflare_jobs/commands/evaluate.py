@@ -207,6 +207,11 @@ def run_report(args) -> int:
         print(f"cxr-hfl report: {e.filename or args.path}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] report: {out}")
+    from nvflare_jobs.audit import find_audits, summary_lines
+
+    for f in find_audits(args.path):
+        for line in summary_lines(json.loads(f.read_text())):
+            print(f"audit ({f.parent.name}): {line}")
     mpath = Path(args.path) / "metrics.json"
     if mpath.is_file():
         m = json.loads(mpath.read_text())

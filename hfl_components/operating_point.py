@@ -183,3 +183,33 @@ def site_sensitivity(p_pos, y, threshold: float) -> dict:
     return {"sensitivity": float((p[pos] >= threshold).mean()) if pos.any() else None,
             "specificity": float((p[neg] < threshold).mean()) if neg.any() else None,
             "n_positive": int(pos.sum()), "n_negative": int(neg.sum())}
+
+
+def site_report(val_probs, val_y, grid: Sequence[float] = DEFAULT_GRID, min_count: int = DEFAULT_MIN_COUNT) -> dict:
+    """What one site sends (step 1-2): its temperature, the ECE of its validation split before and after it, and
+    the coarse histogram of calibrated p(positive). ``val_probs`` (N, C) of its deployed model (C > 2: class 0 is
+    negative, the rest positive); ``val_y`` (N,) labels (> 0 positive)."""
+    p = np.asarray(val_probs, np.float64)
+    y = (np.asarray(val_y).astype(int) > 0).astype(int)
+    pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)
+    T = fit_temperature(pb, y)
+    cal = apply_temperature(pb, T)
+    return {"temperature": T, "ece_before": expected_calibration_error(pb, y),
+            "ece_after": expected_calibration_error(cal, y), "n_val": int(y.size),
+            "histogram": coarse_histogram(cal[:, 1], y, grid, min_count)}
+
+
+def federated_operating_point(reports: dict[str, dict], target: float = DEFAULT_TARGET_SENSITIVITY) -> dict | None:
+    """The server's step 3 on the sites' :func:`site_report` answers (``{site: report}``; sites without a histogram
+    are left out): :func:`pooled_threshold` plus the sites pooled and the rule's name. None when no site sent one
+    or no positive validation image exists."""
+    hs = {s: r["histogram"] for s, r in reports.items() if r and r.get("histogram")}
+    if not hs:
+        return None
+    try:
+        res = pooled_threshold(list(hs.values()), target)
+    except ValueError:
+        return None
+    return {**res, "sites": sorted(hs), "min_count": max(int(h["min_count"]) for h in hs.values()),
+            "rule": "largest threshold on calibrated p(positive) whose pooled histogram sensitivity (lower bound) "
+                    "reaches the target"}

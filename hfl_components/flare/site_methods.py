@@ -139,8 +139,52 @@ def ohfl_finetune(rt, params, meta):
             rt.set_model(fed_spec, fed_sd)
         log.warning("site %s: deployment gate: %s", rt.site, gate["reason"])
     rt.save_state(deployed=True)
-    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": rt.evaluate("val"),
-                "gate": gate}, _ok(rt)
+    val = rt.evaluate("val", with_predictions=True)
+    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": val,
+                "gate": gate, "operating_point": _operating_point_report(rt, val)}, _ok(rt)
+
+
+OPERATING_POINT_FILE = "pending_operating_point.json"  # the deployed model's temperature until the threshold comes
+
+
+def _operating_point_report(rt, val: dict) -> dict | None:
+    """Clinical operating point, site side (:mod:`hfl_components.operating_point`): fit the deployed model's
+    temperature on the validation split, keep it in the state folder, and return what leaves the site (the
+    temperature, ECE before/after, the coarse histogram of calibrated validation scores with its minimum count per
+    bin); the per-image scores (``val["_probs"]``) are removed from ``val`` here and never sent. None for labels
+    other than binary/subtype or a validation split without both classes."""
+    import json
+
+    from hfl_components.operating_point import site_report
+
+    probs, y = val.pop("_probs", None), val.pop("_labels", None)
+    (rt.state_dir / OPERATING_POINT_FILE).unlink(missing_ok=True)
+    if not probs or len({int(v > 0) for v in y}) < 2:
+        return None
+    rep = site_report(np.asarray(probs), np.asarray(y))
+    (rt.state_dir / OPERATING_POINT_FILE).write_text(json.dumps({"temperature": rep["temperature"]}))
+    return rep
+
+
+def _apply_operating_point(rt, meta: dict, tc: dict) -> dict | None:
+    """The server's federated threshold (``meta["operating_point"]``): stored with the temperature in the
+    deployed model's file header; returns the site's own validation sensitivity/specificity at it (on calibrated
+    scores), which the server reports beside the pooled one."""
+    import json
+
+    from hfl_components.operating_point import apply_temperature, site_sensitivity
+
+    fed, f = meta.get("operating_point"), rt.state_dir / OPERATING_POINT_FILE
+    if not fed or not f.is_file():
+        return None
+    T = float(json.loads(f.read_text())["temperature"])
+    rt.operating_point = {"temperature": T, "threshold": float(fed["threshold"]), "target": fed.get("target"),
+                          "rule": "federated: pooled coarse validation histograms"}
+    rt.save_model(rt.state_dir / "deployed_model.pt", kind="deployed")
+    val = site_evaluate(rt, "val", tc, with_predictions=True)
+    p = np.asarray(val["_probs"], np.float64)
+    cal = apply_temperature(np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1), T)
+    return {"temperature": T, **site_sensitivity(cal[:, 1], np.asarray(val["_labels"]) > 0, fed["threshold"])}
 
 
 # ---------------------------------------------------------------------------- FedSAF / FedProto
@@ -301,6 +345,8 @@ def evaluate_deployed(rt, params, meta):
     # per-image test probabilities + labels go to the server for pooled metrics unless the site opts out
     test = site_evaluate(rt, "test", tc, with_predictions=bool(rt.cfg.get("share_predictions", True)))
     out = {"test": test, "val": site_evaluate(rt, "val", tc)}
+    if meta.get("operating_point"):  # OHFL: the federated threshold for the deployed, calibrated model
+        out["operating_point"] = _apply_operating_point(rt, meta, tc)
     sel = rt.state_dir / "deploy_selection.json"  # which round was deployed, by which rule (RoundRuntime.deploy_round)
     if rt.cfg.get("deploy", "last") == "best_val" and sel.is_file():
         import json

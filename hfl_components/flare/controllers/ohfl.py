@@ -174,7 +174,8 @@ class OHFLController(HFLController):
                    weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
                    fusion_device=opts["server_device"] or "auto",
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
-                                "gate": bool(opts["gate"])}, **common)
+                                "gate": bool(opts["gate"]),
+                                "target_sensitivity": float(opts.get("target_sensitivity") or 0.95)}, **common)
 
     def run_method(self):
         from hfl_components.flare.messages import from_numpy_state, to_numpy_state
@@ -229,9 +230,10 @@ class OHFLController(HFLController):
         self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-        gate = {}
+        gate, op_reports = {}, {}
         for site, r in ft.items():
             m = r.metrics or {}
+            op_reports[site] = m.get("operating_point")
             self.record["sites"].setdefault(site, {}).update({
                 "global_zero_shot": _jsonable(m.get("global_zero_shot")),
                 "finetune_loss": _jsonable(m.get("finetune_loss")),
@@ -245,4 +247,11 @@ class OHFLController(HFLController):
             self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
-        self.final_evaluation(2)
+        from hfl_components.operating_point import federated_operating_point
+
+        op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
+        self.record["operating_point"] = _jsonable(op)
+        self.final_evaluation(2, meta={"operating_point": op} if op else None)
+        if op:
+            self.record["operating_point"]["site_sensitivity"] = {
+                s: b["operating_point"] for s, b in self.record["sites"].items() if b.get("operating_point")}

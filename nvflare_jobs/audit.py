@@ -122,7 +122,7 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
                 meta["margins"][name] = auc_margin(y[ok], _p_pos(p)[ok], scores, n_boot=n_boot, seed=seed)
     out["metadata"] = meta
     # ------------------------------------------------------------------ probes and saliency
-    from hfl_components.audit.probes import PROBES, all_square, balanced_subsample, p_pneumonia, perturb, probe_change
+    from hfl_components.audit.probes import all_square, balanced_subsample
     from hfl_components.audit.saliency import BORDER_BAND, border_share, gradcam_maps, uniform_border_share
     from hfl_components.audit.intervals import mean_ci
 
@@ -159,20 +159,7 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
             continue
         size = int(m["input_size"] or header.get("input_size") or 64)
         aspect = model_aspect(header, run)
-        X = pimg.get(size, aspect)
-        p0 = p_pneumonia(model, X)
-        res = {}
-        for pr in PROBES:
-            if pr == "aspect":
-                if square:
-                    res[pr] = {"applicable": False, "reason": "every probed image is square"}
-                    continue
-                alt = "crop" if aspect != "crop" else "stretch"
-                res[pr] = {**probe_change(p0, p_pneumonia(model, pimg.get(size, alt)), n_boot, seed),
-                           "applicable": True, "compared": f"{alt} vs {aspect}"}
-            else:
-                res[pr] = {**probe_change(p0, p_pneumonia(model, perturb(X, pr)), n_boot, seed),
-                           "applicable": True}
+        res = probe_model(model, size, aspect, pimg, square, n_boot, seed)
         out["probes"]["models"][name] = {"kind": m["kind"], "input_size": size, "aspect": aspect, **res}
         try:
             maps = gradcam_maps(model, simg.get(size, aspect))
@@ -197,6 +184,30 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
     for line in summary_lines(out):
         log(f"[audit] {line}")
     return out
+
+
+def probe_model(model, size: int, aspect: str, images: _Images, square: bool, n_boot: int = 1000,
+                seed: int = 0) -> dict[str, dict]:
+    """The four probes (:data:`hfl_components.audit.probes.PROBES`) of one model on ``images`` at its input size and
+    squaring ``aspect``: ``{probe: probe_change(...) + {"applicable": bool}}``. The aspect probe decodes the files
+    again cut to their centred square (``crop``; a ``crop`` model: ``stretch``); with ``square`` it is reported as
+    not applicable."""
+    from hfl_components.audit.probes import PROBES, p_pneumonia, perturb, probe_change
+
+    X = images.get(size, aspect)
+    p0 = p_pneumonia(model, X)
+    res: dict[str, dict] = {}
+    for pr in PROBES:
+        if pr == "aspect":
+            if square:
+                res[pr] = {"applicable": False, "reason": "every probed image is square"}
+                continue
+            alt = "crop" if aspect != "crop" else "stretch"
+            res[pr] = {**probe_change(p0, p_pneumonia(model, images.get(size, alt)), n_boot, seed),
+                       "applicable": True, "compared": f"{alt} vs {aspect}"}
+        else:
+            res[pr] = {**probe_change(p0, p_pneumonia(model, perturb(X, pr)), n_boot, seed), "applicable": True}
+    return res
 
 
 def _montage_rows(cams: dict, registry: dict) -> list[str]:

@@ -91,8 +91,11 @@ def coarse_histogram(p_pos, y, grid: Sequence[float] = DEFAULT_GRID, min_count: 
     """Per-class histogram of p(positive) (N,) for binary labels ``y`` (N,), safe to send to the server.
 
     Counts on ``grid`` (bins [e_i, e_{i+1}), the last closed), then, per class, adjacent bins merged left to right
-    until each holds >= ``min_count`` images; a remainder under ``min_count`` joins the bin before it (a class with
-    fewer than ``min_count`` images in all: one bin spanning the grid). Empty stretches join the next bin.
+    until each holds >= ``min_count`` images; a remainder under ``min_count`` joins the last non-empty bin; an
+    empty stretch outside a bin is a bin of count 0 (a class with fewer than ``min_count`` images in all: one bin
+    spanning the grid). What this reveals: per class, counts of >= ``min_count`` images per bin, and where the
+    non-empty bins start and end (to one grid step: e.g. that one of the >= ``min_count`` images of the lowest bin
+    lies in its first grid step), never which image or its score.
 
     Returns:
         ``{"min_count": k, "classes": {"0": {"edges": [...], "counts": [...]}, "1": {...}}}`` (JSON-safe; edges are
@@ -112,21 +115,28 @@ def coarse_histogram(p_pos, y, grid: Sequence[float] = DEFAULT_GRID, min_count: 
     out = {"min_count": int(min_count), "classes": {}}
     for c in (0, 1):
         fine, _ = np.histogram(np.clip(p[y == c], grid[0], grid[-1]), bins=grid)
-        edges, counts, acc, start = [float(grid[0])], [], 0, 0
+        if fine.sum() < min_count:  # too few images for any bin: one bin, nothing about the scores
+            out["classes"][str(c)] = {"edges": [float(grid[0]), float(grid[-1])], "counts": [int(fine.sum())]}
+            continue
+        edges, counts, acc = [float(grid[0])], [], 0
         for i, n in enumerate(fine):
+            if acc == 0 and n == 0:  # an empty stretch outside any bin: a bin of count 0
+                if counts and counts[-1] == 0:
+                    edges[-1] = float(grid[i + 1])
+                else:
+                    edges.append(float(grid[i + 1]))
+                    counts.append(0)
+                continue
             acc += int(n)
             if acc >= min_count:
                 edges.append(float(grid[i + 1]))
                 counts.append(acc)
                 acc = 0
-        if acc or not counts:  # remainder (< min_count) or a class too small for any full bin
-            if counts:
-                counts[-1] += acc
-                edges[-1] = float(grid[-1])
-            else:
-                edges.append(float(grid[-1]))
-                counts.append(acc)
-        else:
+        if acc:  # a remainder under min_count joins the last non-empty bin (and the empty ones after it)
+            while counts[-1] == 0:
+                counts.pop()
+                edges.pop()
+            counts[-1] += acc
             edges[-1] = float(grid[-1])
         out["classes"][str(c)] = {"edges": edges, "counts": counts}
     return out
@@ -213,3 +223,22 @@ def federated_operating_point(reports: dict[str, dict], target: float = DEFAULT_
     return {**res, "sites": sorted(hs), "min_count": max(int(h["min_count"]) for h in hs.values()),
             "rule": "largest threshold on calibrated p(positive) whose pooled histogram sensitivity (lower bound) "
                     "reaches the target"}
+
+
+def metrics_at_operating_point(probs, y, op: dict, n_boot: int = 500, seed: int = 0) -> dict:
+    """A deployed model's external results at its operating point ``op`` (``{"temperature", "threshold", ...}``,
+    from its file header): sensitivity and specificity of calibrated p(positive) >= threshold, each
+    ``{"value", "ci_low", "ci_high"}`` (stratified percentile bootstrap over images,
+    :func:`hfl_components.training.pooled_metrics_with_ci`), and the top-label ECE before and after the
+    temperature. ``probs`` (N, C) (C > 2: class 0 negative, the rest positive), ``y`` (N,) labels (> 0 positive)."""
+    from hfl_components.training import pooled_metrics_with_ci
+
+    p = np.asarray(probs, np.float64)
+    yb = (np.asarray(y).astype(int) > 0).astype(int)
+    pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)
+    cal = apply_temperature(pb, float(op["temperature"]))
+    ci = pooled_metrics_with_ci(yb, cal, 2, n_boot=n_boot, seed=seed, threshold=float(op["threshold"]))
+    return {"temperature": float(op["temperature"]), "threshold": float(op["threshold"]),
+            "target_sensitivity": op.get("target"), "sensitivity": ci["sensitivity"],
+            "specificity": ci["specificity"], "ece_before": expected_calibration_error(pb, yb),
+            "ece_after": expected_calibration_error(cal, yb)}

@@ -260,8 +260,7 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
     after the temperature; and the server's pooled choice with each site's own validation sensitivity from
     ``metrics.json``."""
     from hfl_components.models import read_model_header
-    from hfl_components.operating_point import apply_temperature, expected_calibration_error
-    from hfl_components.training import pooled_metrics_with_ci
+    from hfl_components.operating_point import metrics_at_operating_point
 
     res: dict[str, Any] = {"models": {}}
     mpath = run / "metrics.json"
@@ -279,15 +278,7 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
         if not op or op.get("threshold") is None:
             missing.append(name)
             continue
-        p = np.asarray(p, np.float64)
-        pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)  # binary view of a subtype model
-        cal = apply_temperature(pb, float(op["temperature"]))
-        ci = pooled_metrics_with_ci(y, cal, 2, n_boot=n_boot, seed=seed, threshold=float(op["threshold"]))
-        res["models"][name] = {"temperature": op["temperature"], "threshold": op["threshold"],
-                               "target_sensitivity": op.get("target"),
-                               "sensitivity": ci["sensitivity"], "specificity": ci["specificity"],
-                               "ece_before": expected_calibration_error(pb, y),
-                               "ece_after": expected_calibration_error(cal, y)}
+        res["models"][name] = metrics_at_operating_point(p, y, op, n_boot=n_boot, seed=seed)
     if missing:
         skipped.append(f"operating point: {len(missing)} deployed models carry no temperature/threshold "
                        f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): a run without the "

@@ -420,6 +420,10 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
             res["val_n"] = int(len(vy))
             res["test_at_val_threshold"] = compute_metrics(y, p, C, threshold=thr)
         res["val_threshold"] = thr
+        if C == 2 and blob.get("operating_point"):  # the federated threshold on the temperature-scaled model
+            from hfl_components.operating_point import metrics_at_operating_point
+
+            res["operating_point"] = metrics_at_operating_point(p, y, blob["operating_point"], n_boot=n_boot)
         res["pooled_ci"] = pooled_metrics_with_ci(y, p, C, n_boot=n_boot, threshold=None)
         res["overlap"] = overlap
         (out_dir / f"{m['name']}.json").write_text(json.dumps(res, indent=1))
@@ -432,7 +436,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
                       "val_threshold": v["val_threshold"],
                       **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
                           "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
-                         if "test_at_val_threshold" in v else {})}
+                         if "test_at_val_threshold" in v else {}),
+                      **({"operating_point": v["operating_point"]} if "operating_point" in v else {})}
                    for k, v in results.items()}
     g = global_site_mean(results, run_site_sizes(run)) if global_sizes == "all" else None
     if g:
@@ -470,6 +475,10 @@ def _line(name: str, size: int, res: dict) -> str:
     if "test_at_val_threshold" in res:
         tv = res["test_at_val_threshold"]
         s += f"  | thr {res['val_threshold']:.3f}: sens {f(tv['sensitivity'])} spec {f(tv['specificity'])}"
+    if "operating_point" in res:
+        op = res["operating_point"]
+        s += (f"  | federated thr {op['threshold']:.3f} (T {op['temperature']:.2f}): sens "
+              f"{f(op['sensitivity']['value'])} spec {f(op['specificity']['value'])}")
     return s
 
 

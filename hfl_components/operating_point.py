@@ -225,20 +225,32 @@ def federated_operating_point(reports: dict[str, dict], target: float = DEFAULT_
                     "reaches the target"}
 
 
+def _rate_ci(hits: np.ndarray, n_boot: int, rng, alpha: float = 0.05) -> dict:
+    """The mean of 0/1 ``hits`` with a percentile-bootstrap CI over them; None values when empty."""
+    if hits.size == 0:
+        return {"value": None, "ci_low": None, "ci_high": None}
+    out = {"value": float(hits.mean()), "ci_low": None, "ci_high": None}
+    if n_boot > 0:
+        b = hits[rng.integers(0, hits.size, (int(n_boot), hits.size))].mean(axis=1)
+        lo, hi = np.percentile(b, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+        out.update(ci_low=float(lo), ci_high=float(hi))
+    return out
+
+
 def metrics_at_operating_point(probs, y, op: dict, n_boot: int = 500, seed: int = 0) -> dict:
     """A deployed model's external results at its operating point ``op`` (``{"temperature", "threshold", ...}``,
     from its file header): sensitivity and specificity of calibrated p(positive) >= threshold, each
-    ``{"value", "ci_low", "ci_high"}`` (stratified percentile bootstrap over images,
-    :func:`hfl_components.training.pooled_metrics_with_ci`), and the top-label ECE before and after the
-    temperature. ``probs`` (N, C) (C > 2: class 0 negative, the rest positive), ``y`` (N,) labels (> 0 positive)."""
-    from hfl_components.training import pooled_metrics_with_ci
-
+    ``{"value", "ci_low", "ci_high"}`` (percentile bootstrap over the images of each class, i.e. class-stratified),
+    and the top-label ECE before and after the temperature. ``probs`` (N, C) (C > 2: class 0 negative, the rest
+    positive), ``y`` (N,) labels (> 0 positive)."""
     p = np.asarray(probs, np.float64)
     yb = (np.asarray(y).astype(int) > 0).astype(int)
     pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)
     cal = apply_temperature(pb, float(op["temperature"]))
-    ci = pooled_metrics_with_ci(yb, cal, 2, n_boot=n_boot, seed=seed, threshold=float(op["threshold"]))
+    pred = cal[:, 1] >= float(op["threshold"])
+    rng = np.random.default_rng(seed)
     return {"temperature": float(op["temperature"]), "threshold": float(op["threshold"]),
-            "target_sensitivity": op.get("target"), "sensitivity": ci["sensitivity"],
-            "specificity": ci["specificity"], "ece_before": expected_calibration_error(pb, yb),
-            "ece_after": expected_calibration_error(cal, yb)}
+            "target_sensitivity": op.get("target"), "n_positive": int(yb.sum()), "n_negative": int((1 - yb).sum()),
+            "sensitivity": _rate_ci(pred[yb == 1].astype(float), n_boot, rng),
+            "specificity": _rate_ci((~pred[yb == 0]).astype(float), n_boot, rng),
+            "ece_before": expected_calibration_error(pb, yb), "ece_after": expected_calibration_error(cal, yb)}

@@ -314,6 +314,13 @@ def render_compare(cdir: Path) -> str:
         body.append(_figure(_png_b64(fig), "Per-site accuracy by method"))
     body.append("<h2>Tables</h2><pre>" + html.escape(md) + "</pre>")
     body.append("<h2>Runs</h2>")
+    from nvflare_jobs.audit import card_note
+
+    notes = [[method, seed, card_note(Path(m.get("_run_dir") or cdir / f"seed{seed}" / method))]
+             for method, seed, m in runs]
+    if any(n[2] for n in notes):
+        body += ["<h3>Shortcut audit per run (details in each run's report)</h3>",
+                 _table(["method", "seed", "audit"], [n for n in notes if n[2]])]
     for method, seed, m in runs:
         p = cdir / f"seed{seed}" / method / "site_accuracy.png"
         if p.is_file():

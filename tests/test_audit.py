@@ -335,7 +335,8 @@ def test_audit_of_dicom_input_never_writes_patient_fields(data_root, tmp_path):
                 secret.add(str(el.value).strip())
     assert any("^" in s or len(s) > 3 for s in secret)  # the files do carry names
     base = data_root / "chest_xray_224" / "train"
-    rows = [(str(f), "NORMAL") for f in dcm] + [(str(f), "NORMAL") for f in sorted((base / "NORMAL").glob("*.jpeg"))[:5]]
+    rows = [(str(f), "NORMAL") for f in dcm]
+    rows += [(str(f), "NORMAL") for f in sorted((base / "NORMAL").glob("*.jpeg"))[:5]]
     rows += [(str(f), "PNEUMONIA") for f in sorted((base / "PNEUMONIA").glob("*.jpeg"))[:8]]
     run = _fake_run(tmp_path, [[rows[-1][0], 1, "train", "x"]])
     ext = _csv(tmp_path / "ext.csv", rows)
@@ -350,3 +351,89 @@ def test_audit_of_dicom_input_never_writes_patient_fields(data_root, tmp_path):
             text = f.read_text(errors="ignore")
             leaked = [s for s in secret if s in text]
             assert not leaked, (f.name, leaked)
+
+
+# ------------------------------------------------------------------------------------------- site check
+def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root, tmp_path):
+    """chest_xray_original: PNEUMONIA images are smaller, so the facts alone predict the label and the check names
+    them; the same files with labels that do not follow the class folder give no warning. Counts and feature
+    names only: no file name on the screen."""
+    from nvflare_jobs.site_check import check_site, format_report
+    from nvflare_jobs.site_config import write_site_config
+
+    root = data_root / "chest_xray_original" / "train"
+    files = [(f, k) for k, c in enumerate(("NORMAL", "PNEUMONIA")) for f in sorted((root / c).glob("*.jpeg"))[:14]]
+    for name, label_of in (("real", lambda i, k: k), ("shuffled", lambda i, k: (i // 2) % 2)):
+        man = tmp_path / f"{name}.csv"
+        with man.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["path", "label", "split", "patient_id"])
+            for i, (f, k) in enumerate(files):
+                w.writerow([str(f), label_of(i, k), "train", f"p{i}"])
+            for j, (f, k) in enumerate(files[:2] + files[-2:]):  # val/test rows so the check has every split
+                w.writerow([str(f), k, "val" if j % 2 else "test", f"q{j}"])
+        cfg = tmp_path / f"{name}.yaml"
+        write_site_config({"data": {"manifest": str(man), "labels": "binary"},
+                           "model": {"family": "cnn", "depth": "shallow", "width": 0.25}, "input_size": 16,
+                           "batch_size": 4, "threads": 1, "seed": 0}, cfg)
+        rep = check_site(cfg)
+        warn = [w for w in rep["warnings"] if w.startswith("file facts alone predict")]
+        if name == "real":
+            assert rep["metadata"]["auc"] >= 0.8 and len(warn) == 1 and "strongest:" in warn[0], rep["warnings"]
+            screen = format_report(rep)
+            assert "file facts alone predict the training labels" in screen
+            assert not any(f.name in screen for f, _ in files)
+        else:
+            assert not warn and rep["metadata"]["auc"] < 0.8
+
+
+@pytest.mark.slow
+def test_ohfl_run_carries_the_federated_operating_point_and_evaluate_audits_it(data_root, tmp_path):
+    """A real OHFL simulator run: every deployed model file carries its temperature and the one federated
+    threshold; metrics.json has the pooled choice and each site's own validation sensitivity; evaluate (on images
+    of the tuning part) writes audit.json with sensitivity/specificity at that threshold."""
+    from chest_xray.splits import split_rows
+    from hfl_components.models import read_model_header
+    from nvflare_jobs.evaluation import evaluate_run
+    from tests.sim_helpers import load_metrics, make_partition, make_profile, run_cli
+
+    part = make_partition(data_root, tmp_path / "p", 3)
+    profile = make_profile(part, tmp_path / "profile", "ohfl")
+    run = tmp_path / "run"
+    r = run_cli("simulate", "--method", "ohfl", "--profile", str(profile), "--probe",
+                str(data_root / "chest_xray_224"), "--probe-size", "24", "--target-sensitivity", "0.9",
+                "--out", str(run))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = load_metrics(run)
+    op = m["operating_point"]
+    assert op["target"] == 0.9 and op["n_sites"] == 3 and 0.0 <= op["threshold"] <= 1.0
+    assert op["sensitivity"] >= 0.9 and set(op["site_sensitivity"]) == {"site-1", "site-2", "site-3"}
+    for s in ("site-1", "site-2", "site-3"):
+        h = read_model_header(run / "models" / f"{s}_deployed.pt")["operating_point"]
+        assert h["threshold"] == op["threshold"] and h["temperature"] > 0
+        assert m["sites"][s]["operating_point"]["temperature"] == pytest.approx(h["temperature"])
+        assert "operating_point" not in read_model_header(run / "models" / f"{s}_local.pt")
+    root = data_root / "chest_xray_224"
+    rows = split_rows("tuning")
+    ext = _csv(tmp_path / "tuning.csv", [(str(root / r["path"]), r["label"]) for r in rows[:12] + rows[-12:]])
+    res = evaluate_run(run, ext, n_boot=20, log=lambda *_: None)
+    a = json.loads((res["dir"] / "audit.json").read_text())
+    assert set(a["operating_point"]["models"]) == {"site-1_deployed", "site-2_deployed", "site-3_deployed"}
+    for v in a["operating_point"]["models"].values():
+        assert v["threshold"] == op["threshold"] and v["sensitivity"]["value"] is not None
+    assert res["models"]["site-1_deployed"]["operating_point"]["threshold"] == op["threshold"]
+
+
+def test_vectorised_bootstrap_aucs_equal_the_aucs_of_the_resamples():
+    from hfl_components.audit.metadata import _auc, bootstrap_aucs
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 120)
+    s1, s2 = np.round(rng.random(120) + 0.5 * y, 1), rng.random(120)  # s1 with ties
+    idx = rng.integers(0, 120, (50, 120))
+    got = bootstrap_aucs(y, [s1, s2], idx)
+    want = np.array([[_auc(y[i], s1[i]), _auc(y[i], s2[i])] for i in idx])
+    assert np.allclose(got, want)
+    from sklearn.metrics import roc_auc_score
+
+    assert _auc(y, s1) == pytest.approx(roc_auc_score(y, s1))

@@ -17,7 +17,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from chest_xray.file_facts import CATEGORICAL_FACTS, GEOMETRIC_FACTS, NUMERIC_FACTS
-from hfl_components.audit.intervals import paired_bootstrap
 
 #: Cross-validated metadata AUC at or above which ``site check`` warns that the labels are predictable from files.
 WARN_AUC = 0.8
@@ -36,6 +35,37 @@ def _auc(y: np.ndarray, s: np.ndarray) -> float | None:
         return None
     r = rankdata(np.asarray(s, np.float64))
     return float((r[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def bootstrap_aucs(y, scores: Sequence, idx: np.ndarray) -> np.ndarray:
+    """AUCs (B, K) of K score vectors (each (N,)) on B resamples ``idx`` (B, N) of the images at once, the same
+    resample for every score vector (paired). Each resample's AUC is the Mann-Whitney statistic with the resample's
+    multiplicities as weights (ties count half), so it equals :func:`_auc` of ``(y[idx[b]], s[idx[b]])``; NaN where a
+    resample lacks a class."""
+    y = np.asarray(y).astype(bool)
+    B, N = idx.shape
+    W = np.zeros((B, N))
+    np.add.at(W, (np.repeat(np.arange(B), N), idx.ravel()), 1.0)
+    wp, wn = W * y, W * ~y
+    npos, nneg = wp.sum(1), wn.sum(1)
+    out = np.full((B, len(scores)), np.nan)
+    ok = (npos > 0) & (nneg > 0)
+    for k, s in enumerate(scores):
+        s = np.asarray(s, np.float64)
+        order = np.argsort(s, kind="stable")
+        ss = s[order]
+        P = np.cumsum(wp[:, order], axis=1)
+        C = np.cumsum(wn[:, order], axis=1)
+        starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+        ends = np.r_[starts[1:], N] - 1
+        Cb = np.where(starts > 0, C[:, np.maximum(starts - 1, 0)], 0.0)  # negatives strictly below the group
+        Pb = np.where(starts > 0, P[:, np.maximum(starts - 1, 0)], 0.0)
+        pos_g = P[:, ends] - Pb
+        tied_neg = C[:, ends] - Cb
+        num = (pos_g * (Cb + 0.5 * tied_neg)).sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[:, k] = np.where(ok, num / (npos * nneg), np.nan)
+    return out
 
 
 def facts_matrix(facts: Sequence[dict[str, Any]]) -> tuple[np.ndarray, list[str], dict[str, str]]:
@@ -112,7 +142,7 @@ def fact_aucs(facts: Sequence[dict[str, Any]], y) -> dict[str, float]:
 
 
 def cross_validated_scores(X: np.ndarray, y, seed: int = 0, folds: int = N_FOLDS) -> np.ndarray:
-    """Out-of-fold p(class 1) (N,) of a random forest (200 trees, leaves of >= 3 images) on ``X`` (N, F), stratified
+    """Out-of-fold p(class 1) (N,) of a random forest (100 trees, leaves of >= 3 images) on ``X`` (N, F), stratified
     k-fold with ``min(folds, smallest class count)`` folds, seeded.
 
     Raises:
@@ -128,7 +158,7 @@ def cross_validated_scores(X: np.ndarray, y, seed: int = 0, folds: int = N_FOLDS
     if counts.min() < 2:
         raise ValueError(f"too few images of one class for cross-validation (class counts {counts.tolist()})")
     k = int(min(folds, counts.min()))
-    clf = RandomForestClassifier(n_estimators=200, min_samples_leaf=3, random_state=seed, n_jobs=1)
+    clf = RandomForestClassifier(n_estimators=100, min_samples_leaf=3, random_state=seed, n_jobs=1)
     cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=seed)
     return cross_val_predict(clf, X, y, cv=cv, method="predict_proba")[:, 1]
 
@@ -152,9 +182,18 @@ def metadata_baseline(facts: Sequence[dict[str, Any]], y, seed: int = 0, n_boot:
         return out
     out["scores"] = s
     out["auc"] = _auc(y, s)
-    (lo, hi), = paired_bootstrap(lambda i: (_auc(y[i], s[i]),), len(y), n_boot, seed)
+    b = bootstrap_aucs(y, [s], np.random.default_rng(seed).integers(0, len(y), (int(n_boot), len(y))))[:, 0]
+    lo, hi = _pct(b)
     out.update(ci_low=lo, ci_high=hi)
     return out
+
+
+def _pct(v: np.ndarray, alpha: float = 0.05) -> tuple:
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return None, None
+    lo, hi = np.percentile(v, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    return float(lo), float(hi)
 
 
 def auc_margin(y, p_model, meta_scores, n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
@@ -170,11 +209,8 @@ def auc_margin(y, p_model, meta_scores, n_boot: int = 1000, seed: int = 0) -> di
     y = np.asarray(y).astype(int)
     pm, ps = np.asarray(p_model, np.float64), np.asarray(meta_scores, np.float64)
 
-    def stat(i):
-        a, b = _auc(y[i], pm[i]), _auc(y[i], ps[i])
-        return a, b, (None if a is None or b is None else a - b)
-
-    cis = paired_bootstrap(stat, len(y), n_boot, seed)
+    boots = bootstrap_aucs(y, [pm, ps], np.random.default_rng(seed).integers(0, len(y), (int(n_boot), len(y))))
+    cis = [_pct(boots[:, 0]), _pct(boots[:, 1]), _pct(boots[:, 0] - boots[:, 1])]
     a, b = _auc(y, pm), _auc(y, ps)
     m = None if a is None or b is None else a - b
     lo, hi = cis[2]

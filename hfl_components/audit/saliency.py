@@ -31,11 +31,12 @@ def last_conv_layer(model: torch.nn.Module) -> str:
 
 def gradcam_maps(model: torch.nn.Module, X: torch.Tensor, class_idx: int = 1, layer: str | None = None) -> np.ndarray:
     """Grad-CAM maps (N, S, S) in [0, 1] for ``class_idx`` (default 1, PNEUMONIA) of images ``X`` (N, C, S, S),
-    at the last convolution (or ``layer``); runs on the model's device. Each map is min-max scaled by MONAI."""
+    at the last convolution (or ``layer``); runs on the model's device. Each map is min-max scaled to [0, 1] with
+    1 = most salient (:func:`minmax`; MONAI's default post-processing maps the maximum to 0)."""
     from monai.visualize import GradCAM
 
     dev = next(model.parameters()).device
-    cam = GradCAM(nn_module=model, target_layers=layer or last_conv_layer(model))
+    cam = GradCAM(nn_module=model, target_layers=layer or last_conv_layer(model), postprocessing=minmax)
     was = model.training
     model.eval()
     try:
@@ -45,6 +46,14 @@ def gradcam_maps(model: torch.nn.Module, X: torch.Tensor, class_idx: int = 1, la
         model.train(was)
     m = m.detach().float().cpu().numpy()[:, 0]
     return np.nan_to_num(m, nan=0.0)
+
+
+def minmax(x: torch.Tensor) -> torch.Tensor:
+    """Each map of ``x`` (N, 1, H, W) scaled to [0, 1] (min -> 0, max -> 1); an all-equal map -> 0."""
+    flat = x.reshape(x.shape[0], -1)
+    lo, hi = flat.min(1, keepdim=True).values, flat.max(1, keepdim=True).values
+    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    return ((flat - lo) / span * (hi > lo)).reshape(x.shape)
 
 
 def border_share(maps: np.ndarray, band: float = BORDER_BAND) -> np.ndarray:

@@ -78,10 +78,8 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
     Returns the audit dict (as written). Raises FileNotFoundError: no ``predictions.npz`` in ``ext_dir`` (run
     ``cxr-hfl evaluate`` first).
     """
-    import torch
-
+    from chest_xray.file_facts import facts_for
     from hfl_components.training.device import describe_device, resolve_device
-    from nvflare_jobs.evaluation import load_model_file, model_aspect
 
     run, ext_dir = Path(run).resolve(), Path(ext_dir)
     npz = ext_dir / "predictions.npz"
@@ -98,83 +96,16 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
                            "class_counts": {"NORMAL": int((y == 0).sum()), "PNEUMONIA": int((y == 1).sum())},
                            "device": describe_device(dev), "seed": seed, "n_boot": n_boot, "skipped": skipped}
     log(f"[audit] {len(paths)} images, {len(preds)} models, on {out['device']}")
-    # ------------------------------------------------------------------ metadata baseline
-    from chest_xray.file_facts import facts_for
-    from hfl_components.audit.metadata import auc_margin, metadata_baseline
-
     facts, problems = facts_for(paths)
-    ok = np.array([f is not None for f in facts])
-    for line in problems[:5]:
-        skipped.append(f"metadata: file facts unreadable, image left out of the baseline: {line}")
-    if len(problems) > 5:
-        skipped.append(f"metadata: {len(problems) - 5} more images with unreadable file facts left out")
-    meta: dict[str, Any] = {"skipped": "no image with readable file facts"}
-    if ok.any():
-        mb = metadata_baseline([f for f in facts if f is not None], y[ok], seed=seed, n_boot=n_boot)
-        scores = mb.pop("scores")
-        meta = {**mb, "n": int(ok.sum()), "margins": {}}
-        for fact, why in mb["not_applicable"].items():
-            skipped.append(f"metadata: feature {fact} not applicable ({why})")
-        if mb["skipped"]:
-            skipped.append(f"metadata: no baseline AUC ({mb['skipped']})")
-        else:
-            for name, p in preds.items():
-                meta["margins"][name] = auc_margin(y[ok], _p_pos(p)[ok], scores, n_boot=n_boot, seed=seed)
-    out["metadata"] = meta
-    # ------------------------------------------------------------------ probes and saliency
-    from hfl_components.audit.probes import all_square, balanced_subsample
-    from hfl_components.audit.saliency import BORDER_BAND, border_share, gradcam_maps, uniform_border_share
-    from hfl_components.audit.intervals import mean_ci
-
-    pidx = balanced_subsample(y, probe_images, seed)
-    sidx = balanced_subsample(y, saliency_images, seed + 1)
-    prow = [{"path": paths[i], "label": int(y[i])} for i in pidx]
-    srow = [{"path": paths[i], "label": int(y[i])} for i in sidx]
-    pimg, simg = _Images(prow), _Images(srow)
-    sizes = [(f["width"], f["height"]) for f in (facts[i] for i in pidx) if f is not None]
-    square = bool(sizes) and all_square(sizes)
-    if square:
-        skipped.append("probes: aspect not applicable (every probed image is square, so crop and stretch agree)")
-    out["probes"] = {"n_images": len(pidx), "class_counts": {"NORMAL": int((y[pidx] == 0).sum()),
-                                                             "PNEUMONIA": int((y[pidx] == 1).sum())},
-                     "aspect_applicable": not square, "models": {}}
-    out["saliency"] = {"n_images": len(sidx), "band": BORDER_BAND, "uniform_share": uniform_border_share(),
-                       "crude": True, "models": {}}
+    out["metadata"] = _metadata_section(facts, problems, y, preds, n_boot, seed, skipped)
     registry = _models_by_name(run)
     loaded: dict[str, Any] = {}
-    cams: dict[str, np.ndarray] = {}
-    for name in preds:
-        m = registry.get(name)
-        if m is None:
-            skipped.append(f"probes/saliency: {name}: its model file is no longer in the run, skipped")
-            continue
-        key = str(m["path"])
-        try:
-            if key not in loaded:
-                model, header = load_model_file(m["path"])
-                loaded[key] = (model.to(dev).eval(), header)
-            model, header = loaded[key]
-        except (ValueError, OSError, RuntimeError, KeyError) as e:
-            skipped.append(f"probes/saliency: {name}: cannot load {m['path']} ({str(e).splitlines()[0]})")
-            continue
-        size = int(m["input_size"] or header.get("input_size") or 64)
-        aspect = model_aspect(header, run)
-        res = probe_model(model, size, aspect, pimg, square, n_boot, seed, p0=_p_pos(preds[name])[pidx])
-        out["probes"]["models"][name] = {"kind": m["kind"], "input_size": size, "aspect": aspect, **res}
-        try:
-            maps = gradcam_maps(model, simg.get(size, aspect))
-            bs = border_share(maps)
-            share = mean_ci(bs[np.isfinite(bs)], n_boot=n_boot, seed=seed)
-            out["saliency"]["models"][name] = {"kind": m["kind"], "border_share": share}
-            cams[name] = maps
-        except (ValueError, RuntimeError) as e:
-            skipped.append(f"saliency: {name}: Grad-CAM failed ({str(e).splitlines()[0]})")
-    # ------------------------------------------------------------------ operating point
-    out["operating_point"] = operating_point_results(run, preds, y, registry, loaded, n_boot, seed, skipped)
-    # ------------------------------------------------------------------ montage and file
+    cams, simg = _probe_and_saliency(run, out, paths, y, facts, preds, registry, loaded, dev,
+                                     probe_images, saliency_images, n_boot, seed, skipped)
+    out["operating_point"] = operating_point_results(run, preds, y, registry, n_boot, seed, skipped)
     png = ext_dir / "audit_saliency.png"
     rows = _montage_rows(cams, registry)
-    if rows and srow:
+    if rows and simg.rows:
         montage_figure(simg, rows, cams, registry, loaded, run, png)
         out["saliency"]["montage"] = png.name
         out["saliency"]["montage_models"] = rows
@@ -184,6 +115,82 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
     for line in summary_lines(out):
         log(f"[audit] {line}")
     return out
+
+
+def _metadata_section(facts: list, problems: list[str], y: np.ndarray, preds: dict, n_boot: int, seed: int,
+                      skipped: list[str]) -> dict[str, Any]:
+    """The metadata baseline of the images whose file facts could be read, and every model's margin over it."""
+    from hfl_components.audit.metadata import auc_margin, metadata_baseline
+
+    ok = np.array([f is not None for f in facts])
+    for line in problems[:5]:
+        skipped.append(f"metadata: file facts unreadable, image left out of the baseline: {line}")
+    if len(problems) > 5:
+        skipped.append(f"metadata: {len(problems) - 5} more images with unreadable file facts left out")
+    if not ok.any():
+        return {"skipped": "no image with readable file facts"}
+    mb = metadata_baseline([f for f in facts if f is not None], y[ok], seed=seed, n_boot=n_boot)
+    scores = mb.pop("scores")
+    meta = {**mb, "n": int(ok.sum()), "margins": {}}
+    for fact, why in mb["not_applicable"].items():
+        skipped.append(f"metadata: feature {fact} not applicable ({why})")
+    if mb["skipped"]:
+        skipped.append(f"metadata: no baseline AUC ({mb['skipped']})")
+        return meta
+    for name, p in preds.items():
+        meta["margins"][name] = auc_margin(y[ok], _p_pos(p)[ok], scores, n_boot=n_boot, seed=seed)
+    return meta
+
+
+def _probe_and_saliency(run: Path, out: dict, paths: list[str], y: np.ndarray, facts: list, preds: dict,
+                        registry: dict, loaded: dict, dev, probe_images: int, saliency_images: int, n_boot: int,
+                        seed: int, skipped: list[str]) -> tuple[dict, _Images]:
+    """Probes and Grad-CAM of every model in ``preds`` (loaded onto ``dev`` into ``loaded``); fills
+    ``out["probes"]`` and ``out["saliency"]``; returns the Grad-CAM maps per model and the saliency images."""
+    from hfl_components.audit.intervals import mean_ci
+    from hfl_components.audit.probes import all_square, balanced_subsample
+    from hfl_components.audit.saliency import BORDER_BAND, border_share, gradcam_maps, uniform_border_share
+    from nvflare_jobs.evaluation import load_model_file, model_aspect
+
+    pidx = balanced_subsample(y, probe_images, seed)
+    sidx = balanced_subsample(y, saliency_images, seed + 1)
+    pimg = _Images([{"path": paths[i], "label": int(y[i])} for i in pidx])
+    simg = _Images([{"path": paths[i], "label": int(y[i])} for i in sidx])
+    sizes = [(f["width"], f["height"]) for f in (facts[i] for i in pidx) if f is not None]
+    square = bool(sizes) and all_square(sizes)
+    if square:
+        skipped.append("probes: aspect not applicable (every probed image is square, so crop and stretch agree)")
+    out["probes"] = {"n_images": len(pidx), "class_counts": {"NORMAL": int((y[pidx] == 0).sum()),
+                                                             "PNEUMONIA": int((y[pidx] == 1).sum())},
+                     "aspect_applicable": not square, "models": {}}
+    out["saliency"] = {"n_images": len(sidx), "band": BORDER_BAND, "uniform_share": uniform_border_share(),
+                       "crude": True, "models": {}}
+    cams: dict[str, np.ndarray] = {}
+    for name in preds:
+        m = registry.get(name)
+        if m is None:
+            skipped.append(f"probes/saliency: {name}: its model file is no longer in the run, skipped")
+            continue
+        try:
+            if str(m["path"]) not in loaded:
+                model, header = load_model_file(m["path"])
+                loaded[str(m["path"])] = (model.to(dev).eval(), header)
+            model, header = loaded[str(m["path"])]
+        except (ValueError, OSError, RuntimeError, KeyError) as e:
+            skipped.append(f"probes/saliency: {name}: cannot load {m['path']} ({str(e).splitlines()[0]})")
+            continue
+        size = int(m["input_size"] or header.get("input_size") or 64)
+        aspect = model_aspect(header, run)
+        res = probe_model(model, size, aspect, pimg, square, n_boot, seed, p0=_p_pos(preds[name])[pidx])
+        out["probes"]["models"][name] = {"kind": m["kind"], "input_size": size, "aspect": aspect, **res}
+        try:
+            cams[name] = gradcam_maps(model, simg.get(size, aspect))
+            bs = border_share(cams[name])
+            out["saliency"]["models"][name] = {"kind": m["kind"],
+                                               "border_share": mean_ci(bs[np.isfinite(bs)], n_boot=n_boot, seed=seed)}
+        except (ValueError, RuntimeError) as e:
+            skipped.append(f"saliency: {name}: Grad-CAM failed ({str(e).splitlines()[0]})")
+    return cams, simg
 
 
 def probe_model(model, size: int, aspect: str, images: _Images, square: bool, n_boot: int = 1000,
@@ -255,8 +262,8 @@ def montage_figure(simg: _Images, rows: list[str], cams: dict, registry: dict, l
     plt.close(fig)
 
 
-def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dict, loaded: dict, n_boot: int,
-                            seed: int, skipped: list[str]) -> dict[str, Any]:
+def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dict, n_boot: int, seed: int,
+                            skipped: list[str]) -> dict[str, Any]:
     """Per deployed model carrying ``operating_point`` in its file header: sensitivity / specificity at the
     federated threshold on its calibrated p(PNEUMONIA) with 95 % CIs (stratified image bootstrap), ECE before and
     after the temperature; and the server's pooled choice with each site's own validation sensitivity from
@@ -360,117 +367,11 @@ def run_audit_cli(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------- report
 def _cell(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
+    """``value [low, high]`` of a dict with ``v``, ``ci_low``, ``ci_high``; ``–`` when the value is missing."""
     if not d or d.get(v) is None:
         return "–"
     f = f"{{:{'+' if signed else ''}.{nd}f}}"
     lo, hi = d.get("ci_low"), d.get("ci_high")
     ci = f" [{f.format(lo)}, {f.format(hi)}]" if lo is not None and hi is not None else ""
     return f.format(d[v]) + ci
-
-
-def audit_html(a: dict, ext_dir: Path) -> list[str]:
-    """HTML of one ``audit.json`` for ``cxr-hfl report`` (flags in red; the montage embedded)."""
-    import base64
-    import html
-
-    from hfl_components.audit.probes import GAMMA, SHIFT_FRACTION, TOLERANCE
-
-    esc = html.escape
-    red = "class='warn'"
-
-    def table(head, rows):  # rows: lists of (text, flagged)
-        h = "".join(f"<th>{esc(c)}</th>" for c in head)
-        b = "".join("<tr>" + "".join(f"<td {red if fl else ''}>{esc(str(t))}</td>" for t, fl in r) + "</tr>"
-                    for r in rows)
-        return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
-
-    body = [f"<h3>Shortcut audit ({a.get('n_images')} images; {esc(str(a.get('device')))})</h3>"]
-    md = a.get("metadata") or {}
-    if md.get("auc") is not None:
-        body.append(f"<p><b>Metadata baseline</b>: a cross-validated random forest on file-level facts only "
-                    f"({esc(', '.join(md.get('features') or []))}) predicts PNEUMONIA with AUC "
-                    f"{_cell(md, 'auc', signed=False)} (95% CI). Strongest single facts: "
-                    + esc(", ".join(f"{k} {v:.2f}" for k, v in list((md.get('fact_aucs') or {}).items())[:4]))
-                    + ". A model whose margin CI is not above 0 (red) is not shown to read more than the file.</p>")
-        rows = [[(n, False), (_cell({"mean_change": v["model_auc"], "ci_low": v["model_ci"][0],
-                                     "ci_high": v["model_ci"][1]}, signed=False), False),
-                 (_cell({"mean_change": v["margin"], "ci_low": v["margin_ci"][0], "ci_high": v["margin_ci"][1]}),
-                  v.get("beats_metadata") is False)]
-                for n, v in (md.get("margins") or {}).items()]
-        body.append(table(["model", "AUC [95% CI]", "margin model − metadata [95% CI]"], rows))
-    else:
-        body.append(f"<p>Metadata baseline: not computed ({esc(str(md.get('skipped')))}).</p>")
-    na = md.get("not_applicable") or {}
-    if na:
-        body.append("<p>Not applicable: " + esc("; ".join(f"{k}: {v}" for k, v in na.items())) + ".</p>")
-    pr = a.get("probes") or {}
-    if pr.get("models"):
-        body.append(f"<p><b>Perturbation probes</b> on a fixed class-balanced subsample of {pr.get('n_images')} "
-                    f"images: mean change of p(PNEUMONIA) [95% CI] (Δp(NORMAL) = −Δp). flip: horizontal mirror; "
-                    f"shift: {100 * SHIFT_FRACTION:.0f}% along both axes with a black (zero) border; contrast: "
-                    f"gamma {GAMMA}; aspect: centred square crop against the model's own squaring. Red: beyond the "
-                    f"tolerance ±{TOLERANCE} with a CI excluding 0.</p>")
-        rows = []
-        for n, r in pr["models"].items():
-            row = [(n, False)]
-            for p in ("flip", "shift", "contrast", "aspect"):
-                v = r.get(p) or {}
-                row.append(("not applicable (square images)" if v.get("applicable") is False else _cell(v),
-                            bool(v.get("flagged"))))
-            rows.append(row)
-        body.append(table(["model", "flip", "shift / border", "contrast", "aspect"], rows))
-    sa = a.get("saliency") or {}
-    if sa.get("models"):
-        body.append(f"<p><b>Saliency</b> (Grad-CAM, {sa.get('n_images')} fixed images per model): share of the "
-                    f"saliency in the outer {100 * sa.get('band', 0.1):.0f}% border band, mean [95% CI]; a uniform "
-                    f"map gives {sa.get('uniform_share', 0):.2f}. This number is crude: Grad-CAM maps are coarse, "
-                    "and a high share is a hint to look at the montage, not a finding.</p>")
-        body.append(table(["model", "border share"], [[(n, False), (_cell(v.get("border_share"), "mean",
-                                                                          signed=False), False)]
-                                                       for n, v in sa["models"].items()]))
-        png = ext_dir / str(sa.get("montage") or "")
-        if sa.get("montage") and png.is_file():
-            b64 = base64.b64encode(png.read_bytes()).decode("ascii")
-            body.append(f'<figure><img style="max-width:1000px" src="data:image/png;base64,{b64}" '
-                        f'alt="Grad-CAM montage"><figcaption>Grad-CAM for PNEUMONIA, one row per model '
-                        f'({esc(", ".join(sa.get("montage_models") or []))})</figcaption></figure>')
-    op = a.get("operating_point") or {}
-    if op.get("models"):
-        fed = op.get("federated") or {}
-        body.append("<p><b>Clinical operating point</b>: each deployed model's temperature (fit on its site's "
-                    "validation split) and the one federated threshold on calibrated p(PNEUMONIA) chosen for a target "
-                    f"sensitivity of {fed.get('target', '–')} on the sites' pooled coarse validation histograms "
-                    "(pooled validation sensitivity, a lower bound: "
-                    f"{_cell({'mean_change': fed.get('sensitivity')}, signed=False)}).</p>")
-        rows = [[(n, False), (f"{v['temperature']:.2f}", False), (f"{v['threshold']:.3f}", False),
-                 (_cell(v.get("sensitivity"), "value", signed=False),
-                  (v.get("sensitivity") or {}).get("value") is not None and v.get("target_sensitivity") is not None
-                  and v["sensitivity"]["value"] < 0.9),
-                 (_cell(v.get("specificity"), "value", signed=False), False),
-                 (_cell({"mean_change": v.get("ece_before")}, signed=False), False),
-                 (_cell({"mean_change": v.get("ece_after")}, signed=False), False),
-                 (_cell({"mean_change": ((fed.get("site_sensitivity") or {}).get(n.rpartition("_")[0]) or {})
-                         .get("sensitivity")}, signed=False), False)]
-                for n, v in op["models"].items()]
-        body.append(table(["model", "T", "threshold", "sensitivity [95% CI]", "specificity [95% CI]",
-                           "ECE before", "ECE after", "site's own val. sensitivity"], rows))
-    if a.get("skipped"):
-        body.append("<p>Skipped:</p><ul>" + "".join(f"<li>{esc(s)}</li>" for s in a["skipped"]) + "</ul>")
-    return body
-
-
-def card_note(run: Path) -> str | None:
-    """One sentence for the model card: the audit's headline per evaluated set, or None without an audit."""
-    notes = []
-    for f in find_audits(run):
-        a = json.loads(f.read_text())
-        md = a.get("metadata") or {}
-        flags = [p for r in ((a.get("probes") or {}).get("models") or {}).values() for p, v in r.items()
-                 if isinstance(v, dict) and v.get("flagged")]
-        weak = sum(1 for v in (md.get("margins") or {}).values() if v.get("beats_metadata") is False)
-        meta = f"file facts alone reach AUC {md['auc']:.2f}" if md.get("auc") is not None else "no metadata baseline"
-        notes.append(f"{f.parent.name}: {meta}; {weak} of {len(md.get('margins') or {})} models not shown to beat "
-                     f"it; {len(flags)} probe results beyond the tolerance")
-    return "; ".join(notes) or None

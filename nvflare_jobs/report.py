@@ -211,7 +211,7 @@ def render_run(run: Path) -> str:
                 ["manifests", "; ".join(mans)],
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
-    from nvflare_jobs.audit import audit_html, card_note
+    from nvflare_jobs.audit_report import audit_html, card_note
 
     body.append(model_card(m, card_note(run)))
     # results tables
@@ -314,7 +314,7 @@ def render_compare(cdir: Path) -> str:
         body.append(_figure(_png_b64(fig), "Per-site accuracy by method"))
     body.append("<h2>Tables</h2><pre>" + html.escape(md) + "</pre>")
     body.append("<h2>Runs</h2>")
-    from nvflare_jobs.audit import card_note
+    from nvflare_jobs.audit_report import card_note
 
     notes = [[method, seed, card_note(Path(m.get("_run_dir") or cdir / f"seed{seed}" / method))]
              for method, seed, m in runs]

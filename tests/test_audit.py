@@ -425,16 +425,17 @@ def test_ohfl_run_carries_the_federated_operating_point_and_evaluate_audits_it(d
     assert res["models"]["site-1_deployed"]["operating_point"]["threshold"] == op["threshold"]
 
 
-def test_vectorised_bootstrap_aucs_equal_the_aucs_of_the_resamples():
-    from hfl_components.audit.metadata import _auc, bootstrap_aucs
+def test_bootstrap_aucs_are_the_weighted_aucs_of_each_draw():
+    from sklearn.metrics import roc_auc_score
+
+    from hfl_components.audit.metadata import _auc, _draws, bootstrap_aucs
 
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, 120)
     s1, s2 = np.round(rng.random(120) + 0.5 * y, 1), rng.random(120)  # s1 with ties
-    idx = rng.integers(0, 120, (50, 120))
-    got = bootstrap_aucs(y, [s1, s2], idx)
-    want = np.array([[_auc(y[i], s1[i]), _auc(y[i], s2[i])] for i in idx])
+    W = _draws(y, 30, seed=1)
+    assert (W[:, y == 1].sum(1) == (y == 1).sum()).all()  # class-stratified draws
+    got = bootstrap_aucs(y, [s1, s2], W)
+    want = np.array([[roc_auc_score(y, s1, sample_weight=w), roc_auc_score(y, s2, sample_weight=w)] for w in W])
     assert np.allclose(got, want)
-    from sklearn.metrics import roc_auc_score
-
     assert _auc(y, s1) == pytest.approx(roc_auc_score(y, s1))

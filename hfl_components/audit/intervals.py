@@ -1,8 +1,8 @@
-"""The audit's interval for a mean change, behind one small function so that it can be re-pointed at the
-project's shared statistics module later without touching its callers.
-
-A percentile bootstrap over images (Efron & Tibshirani 1993, ch. 13): images are treated as independent,
-which ignores that several images may come from one patient; the intervals are then somewhat too narrow.
+"""The audit's interval for a mean change, behind one small function: a percentile bootstrap over images through
+the project's statistics module (:func:`hfl_components.stats.draw_image_counts`,
+:func:`hfl_components.stats.percentile_interval`; Efron & Tibshirani 1993, ch. 13). Images are treated as
+independent, which ignores that several images may come from one patient; the intervals are then somewhat too
+narrow. One run (one seed) is audited at a time, so there is no seed level to resample.
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ def mean_ci(values, n_boot: int = N_BOOT, seed: int = 0, alpha: float = 0.05) ->
 
     Returns ``{"mean", "ci_low", "ci_high", "n"}`` (floats; ``None`` for an empty input).
     """
+    from hfl_components.stats import draw_image_counts, percentile_interval
+
     v = np.asarray(values, dtype=np.float64).ravel()
     if v.size == 0:
         return {"mean": None, "ci_low": None, "ci_high": None, "n": 0}
-    idx = np.random.default_rng(seed).integers(0, v.size, (int(n_boot), v.size))
-    lo, hi = np.percentile(v[idx].mean(axis=1), [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    w = draw_image_counts(np.random.default_rng(seed), int(n_boot), np.zeros(v.size, int))
+    lo, hi = percentile_interval(w @ v / v.size, alpha)
     return {"mean": float(v.mean()), "ci_low": float(lo), "ci_high": float(hi), "n": int(v.size)}

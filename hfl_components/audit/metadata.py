@@ -4,9 +4,9 @@ DICOM photometric interpretation and manufacturer; :mod:`chest_xray.file_facts`)
 A model whose AUC is not clearly above this baseline may be reading the acquisition (which scanner, which export,
 which class folder was resized how) rather than the lungs. The baseline is a scikit-learn random forest
 (Breiman 2001) on the facts, scored by out-of-fold predictions of a stratified k-fold cross-validation, so every
-image is scored by a forest that never saw it. Its AUC carries a percentile-bootstrap CI over images, and a model's
-margin (model AUC - baseline AUC) carries a paired CI (both AUCs on the same resampled images; the baseline's
-out-of-fold scores are not refitted per resample). Facts that take a single value on every image carry no
+image is scored by a forest that never saw it. Its AUC carries a percentile-bootstrap CI over images resampled within
+each class (:mod:`hfl_components.stats`), and a model's margin (model AUC - baseline AUC) carries a paired CI
+(both AUCs on the same resampled images; the baseline's out-of-fold scores are not refitted per resample). Facts that take a single value on every image carry no
 information and are reported as not applicable (e.g. every image 224 x 224: the geometric facts), never silently
 dropped.
 """
@@ -37,35 +37,22 @@ def _auc(y: np.ndarray, s: np.ndarray) -> float | None:
     return float((r[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
-def bootstrap_aucs(y, scores: Sequence, idx: np.ndarray) -> np.ndarray:
-    """AUCs (B, K) of K score vectors (each (N,)) on B resamples ``idx`` (B, N) of the images at once, the same
-    resample for every score vector (paired). Each resample's AUC is the Mann-Whitney statistic with the resample's
-    multiplicities as weights (ties count half), so it equals :func:`_auc` of ``(y[idx[b]], s[idx[b]])``; NaN where a
-    resample lacks a class."""
-    y = np.asarray(y).astype(bool)
-    B, N = idx.shape
-    W = np.zeros((B, N))
-    np.add.at(W, (np.repeat(np.arange(B), N), idx.ravel()), 1.0)
-    wp, wn = W * y, W * ~y
-    npos, nneg = wp.sum(1), wn.sum(1)
-    out = np.full((B, len(scores)), np.nan)
-    ok = (npos > 0) & (nneg > 0)
-    for k, s in enumerate(scores):
-        s = np.asarray(s, np.float64)
-        order = np.argsort(s, kind="stable")
-        ss = s[order]
-        P = np.cumsum(wp[:, order], axis=1)
-        C = np.cumsum(wn[:, order], axis=1)
-        starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
-        ends = np.r_[starts[1:], N] - 1
-        Cb = np.where(starts > 0, C[:, np.maximum(starts - 1, 0)], 0.0)  # negatives strictly below the group
-        Pb = np.where(starts > 0, P[:, np.maximum(starts - 1, 0)], 0.0)
-        pos_g = P[:, ends] - Pb
-        tied_neg = C[:, ends] - Cb
-        num = (pos_g * (Cb + 0.5 * tied_neg)).sum(axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[:, k] = np.where(ok, num / (npos * nneg), np.nan)
-    return out
+def bootstrap_aucs(y, scores: Sequence, weights: np.ndarray) -> np.ndarray:
+    """AUCs (B, K) of K score vectors (each (N,)) under B image-weight rows ``weights`` (B, N) (bootstrap
+    multiplicities, :func:`hfl_components.stats.draw_image_counts`), the same weights for every score vector
+    (paired); :class:`hfl_components.stats.WeightedAUC` (Mann-Whitney, ties one half). NaN where a class has no
+    weight."""
+    from hfl_components.stats import WeightedAUC
+
+    auc = WeightedAUC(np.asarray(y).astype(np.int64), np.stack([np.asarray(s, np.float64) for s in scores]))
+    return np.stack([auc(w) for w in np.asarray(weights, np.float64)])
+
+
+def _draws(y, n_boot: int, seed: int) -> np.ndarray:
+    """Class-stratified bootstrap multiplicities (n_boot, N) of the images (every draw keeps both classes)."""
+    from hfl_components.stats import draw_image_counts
+
+    return draw_image_counts(np.random.default_rng(seed), int(n_boot), np.asarray(y).astype(int))
 
 
 def facts_matrix(facts: Sequence[dict[str, Any]]) -> tuple[np.ndarray, list[str], dict[str, str]]:
@@ -182,7 +169,7 @@ def metadata_baseline(facts: Sequence[dict[str, Any]], y, seed: int = 0, n_boot:
         return out
     out["scores"] = s
     out["auc"] = _auc(y, s)
-    b = bootstrap_aucs(y, [s], np.random.default_rng(seed).integers(0, len(y), (int(n_boot), len(y))))[:, 0]
+    b = bootstrap_aucs(y, [s], _draws(y, n_boot, seed))[:, 0]
     lo, hi = _pct(b)
     out.update(ci_low=lo, ci_high=hi)
     return out
@@ -209,7 +196,7 @@ def auc_margin(y, p_model, meta_scores, n_boot: int = 1000, seed: int = 0) -> di
     y = np.asarray(y).astype(int)
     pm, ps = np.asarray(p_model, np.float64), np.asarray(meta_scores, np.float64)
 
-    boots = bootstrap_aucs(y, [pm, ps], np.random.default_rng(seed).integers(0, len(y), (int(n_boot), len(y))))
+    boots = bootstrap_aucs(y, [pm, ps], _draws(y, n_boot, seed))
     cis = [_pct(boots[:, 0]), _pct(boots[:, 1]), _pct(boots[:, 0] - boots[:, 1])]
     a, b = _auc(y, pm), _auc(y, ps)
     m = None if a is None or b is None else a - b

@@ -289,9 +289,10 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
             continue
         res["models"][name] = metrics_at_operating_point(p, y, op, n_boot=n_boot, seed=seed)
     if missing:
+        why = ((rec or {}).get("skipped") or "a run without the federated operating point (not OHFL, trained before "
+               "it existed, or no validation split)")
         skipped.append(f"operating point: {len(missing)} deployed models carry no temperature/threshold "
-                       f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): a run without the "
-                       "federated operating point (not OHFL, trained before it existed, or no validation split)")
+                       f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): {why}")
     return res
 
 

@@ -439,3 +439,16 @@ def test_bootstrap_aucs_are_the_weighted_aucs_of_each_draw():
     want = np.array([[roc_auc_score(y, s1, sample_weight=w), roc_auc_score(y, s2, sample_weight=w)] for w in W])
     assert np.allclose(got, want)
     assert _auc(y, s1) == pytest.approx(roc_auc_score(y, s1))
+
+def test_audit_cli_bad_input_gives_one_line_and_exit_2(tmp_path, capsys):
+    from nvflare_jobs.cli import main
+
+    assert main(["audit", "--run", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"cxr-hfl audit: no run folder {tmp_path / 'nope'}"
+    (tmp_path / "run").mkdir()
+    assert main(["audit", "--run", str(tmp_path / "run")]) == 2
+    assert "0 evaluated sets under external/" in capsys.readouterr().err
+    assert main(["audit", "--run", str(tmp_path / "run"), "--data", str(tmp_path / "ext.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("run `cxr-hfl evaluate --run " + str(tmp_path / "run") + " --data ...` first")
+    assert len(err.splitlines()) == 1

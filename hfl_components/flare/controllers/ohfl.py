@@ -247,7 +247,8 @@ class OHFLController(HFLController):
         from hfl_components.operating_point import federated_operating_point
 
         op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
-        self.record["operating_point"] = _jsonable(op)
+        self.record["operating_point"] = _jsonable(op) if op else {
+            "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
         self.final_evaluation(2, meta={"operating_point": op} if op else None)
         if op:
             self.record["operating_point"]["site_sensitivity"] = {

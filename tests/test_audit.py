@@ -363,7 +363,9 @@ def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root,
     from nvflare_jobs.site_config import write_site_config
 
     root = data_root / "chest_xray_original" / "train"
-    files = [(f, k) for k, c in enumerate(("NORMAL", "PNEUMONIA")) for f in sorted((root / c).glob("*.jpeg"))[:14]]
+    pool = {k: sorted((root / c).glob("*.jpeg"))[:16] for k, c in enumerate(("NORMAL", "PNEUMONIA"))}
+    files = [(f, k) for k in (0, 1) for f in pool[k][:14]]
+    held = [(f, k) for k in (0, 1) for f in pool[k][14:]]  # distinct files for val / test
     for name, label_of in (("real", lambda i, k: k), ("shuffled", lambda i, k: (i // 2) % 2)):
         man = tmp_path / f"{name}.csv"
         with man.open("w", newline="") as fh:
@@ -371,7 +373,7 @@ def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root,
             w.writerow(["path", "label", "split", "patient_id"])
             for i, (f, k) in enumerate(files):
                 w.writerow([str(f), label_of(i, k), "train", f"p{i}"])
-            for j, (f, k) in enumerate(files[:2] + files[-2:]):  # val/test rows so the check has every split
+            for j, (f, k) in enumerate(held):  # val/test rows so the check has every split
                 w.writerow([str(f), k, "val" if j % 2 else "test", f"q{j}"])
         cfg = tmp_path / f"{name}.yaml"
         write_site_config({"data": {"manifest": str(man), "labels": "binary"},

@@ -249,7 +249,7 @@ def montage_figure(simg: _Images, rows: list[str], cams: dict, registry: dict, l
         for c in range(n):
             ax = axes[r][c]
             ax.imshow(X[c, 0].numpy(), cmap="gray", vmin=0, vmax=1)
-            ax.imshow(maps[c], cmap="jet", alpha=0.35, vmin=0, vmax=1)
+            ax.imshow(np.ma.masked_less(maps[c], 0.05), cmap="jet", alpha=0.45, vmin=0, vmax=1)  # 0: clear
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
@@ -288,6 +288,9 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
             missing.append(name)
             continue
         res["models"][name] = metrics_at_operating_point(p, y, op, n_boot=n_boot, seed=seed)
+    if rec and rec.get("threshold") == 0.0:
+        skipped.append("operating point: the pooled validation histograms reach the target sensitivity only at "
+                       "threshold 0 (every image called PNEUMONIA): too few validation images per bin to do better")
     if missing:
         why = ((rec or {}).get("skipped") or "a run without the federated operating point (not OHFL, trained before "
                "it existed, or no validation split)")

@@ -173,7 +173,7 @@ def test_metadata_geometry_of_identical_images_is_reported_not_applicable():
               "manufacturer": None} for yi in y]
     r = metadata_baseline(facts, y, n_boot=200)
     for g in ("width", "height", "aspect", "area"):
-        assert r["not_applicable"][g] == "not applicable: every image is 224 x 224 px"
+        assert r["not_applicable"][g] == "every image is 224 x 224 px"
     assert r["features"] == ["file_kb"] and r["auc"] > 0.9  # file size alone still carries the label here
 
 
@@ -290,7 +290,8 @@ def test_evaluate_writes_audit_json_and_report_shows_it(data_root, tmp_path):
     a = json.loads((res["dir"] / "audit.json").read_text())
     assert a["n_images"] == 24 and a["class_counts"] == {"NORMAL": 12, "PNEUMONIA": 12}
     md = a["metadata"]
-    assert md["not_applicable"]["height"] == "not applicable: every image is 224 x 224 px"
+    assert md["not_applicable"]["height"] == "every image is 224 x 224 px"
+    assert "metadata: feature height not applicable (every image is 224 x 224 px)" in a["skipped"]
     assert "width" not in md["features"] and set(md["margins"]) == set(res["models"])
     models = a["probes"]["models"]
     assert set(models) == set(res["models"]) and a["probes"]["aspect_applicable"] is False

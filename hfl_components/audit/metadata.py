@@ -98,7 +98,7 @@ def facts_matrix(facts: Sequence[dict[str, Any]]) -> tuple[np.ndarray, list[str]
     if all(g in na for g in GEOMETRIC_FACTS):
         w, h = facts[0].get("width"), facts[0].get("height")
         for g in GEOMETRIC_FACTS:
-            na[g] = f"not applicable: every image is {w} x {h} px"
+            na[g] = f"every image is {w} x {h} px"
     X = np.stack(cols, axis=1) if cols else np.zeros((n, 0))
     return X, names, na
 

@@ -455,3 +455,31 @@ def test_audit_cli_bad_input_gives_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.endswith("run `cxr-hfl evaluate --run " + str(tmp_path / "run") + " --data ...` first")
     assert len(err.splitlines()) == 1
+
+
+def test_predict_applies_a_deployed_models_federated_operating_point(data_root, tmp_path):
+    """A model file carrying a temperature and a threshold: predict writes calibrated probabilities and calls
+    PNEUMONIA at the federated threshold; an explicit --threshold still wins."""
+    from hfl_components.operating_point import apply_temperature
+    from nvflare_jobs.evaluation import predict_files
+
+    files = sorted((data_root / "chest_xray_224" / "train" / "PNEUMONIA").glob("*.jpeg"))[:4]
+    run = _fake_run(tmp_path, [[str(files[0]), 1, "train", "x"]])
+    with_op, plain = run / "models" / "site-1_deployed.pt", tmp_path / "plain.pt"
+    from hfl_components.models import load_model_file, save_model_file
+
+    model, h = load_model_file(with_op)
+    save_model_file(plain, h["spec"], model.state_dict(), input_size=h["input_size"], labels="binary")
+    rows = {}
+    for name, f in (("op", with_op), ("plain", plain)):
+        out = tmp_path / f"{name}.csv"
+        s = predict_files(f, [str(x) for x in files], out)
+        with out.open() as fh:
+            rows[name] = list(csv.DictReader(fh))
+        assert s["calibrated"] is (name == "op")
+    raw = np.array([[float(r["p_NORMAL"]), float(r["p_PNEUMONIA"])] for r in rows["plain"]])
+    cal = np.array([float(r["p_PNEUMONIA"]) for r in rows["op"]])
+    assert np.allclose(cal, apply_temperature(raw, 1.5)[:, 1], atol=1e-4)
+    assert [r["predicted"] for r in rows["op"]] == ["PNEUMONIA" if p >= 0.4 else "NORMAL" for p in cal]
+    s = predict_files(with_op, [str(x) for x in files], tmp_path / "t.csv", threshold=1.0)
+    assert s["threshold"] == 1.0

@@ -178,7 +178,9 @@ def run_predict(args) -> int:
         print(f"cxr-hfl predict: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
-          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}")
+          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}"
+          + (f"; calibrated probabilities, federated threshold {s['threshold']:.3f}"
+             if s.get("calibrated") and args.threshold is None else ""))
     if not s["n_ok"]:
         print(f"cxr-hfl predict: no file could be predicted: all {s['n_files']} were skipped (reasons in "
               f"{args.out})", file=sys.stderr)

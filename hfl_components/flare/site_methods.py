@@ -117,7 +117,8 @@ def ohfl_finetune(rt, params, meta):
     unless the deployment gate (``task_config["gate"]``, on by default) finds that it does not beat the site's own
     local model on the site's validation split, in which case the site keeps (deploys) its local model and says
     so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
-    ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
+    ``federated_model.pt`` (kind ``federated``) whatever the gate decides. Then the site fits the deployed model's
+    temperature and sends the coarse histogram of its calibrated validation scores (:func:`_operating_point_report`)."""
     tc = meta.get("task_config", {})
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")

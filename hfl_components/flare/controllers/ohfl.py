@@ -91,7 +91,9 @@ class OHFLController(HFLController):
     Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
     job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
     deploys the fine-tuned global model only if it beats the site's own local model on its validation split). The
-    gate's outcome per site is recorded under ``record["gate"]``.
+    gate's outcome per site is recorded under ``record["gate"]``. ``target_sensitivity``: the clinical operating
+    point (:mod:`hfl_components.operating_point`): the sites' coarse validation histograms are pooled into one
+    threshold, sent with the final evaluation; ``record["operating_point"]``.
     """
 
     method = "ohfl"

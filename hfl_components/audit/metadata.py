@@ -4,11 +4,11 @@ DICOM photometric interpretation and manufacturer; :mod:`chest_xray.file_facts`)
 A model whose AUC is not clearly above this baseline may be reading the acquisition (which scanner, which export,
 which class folder was resized how) rather than the lungs. The baseline is a scikit-learn random forest
 (Breiman 2001) on the facts, scored by out-of-fold predictions of a stratified k-fold cross-validation, so every
-image is scored by a forest that never saw it. Its AUC carries a percentile-bootstrap CI over images resampled within
-each class (:mod:`hfl_components.stats`), and a model's margin (model AUC - baseline AUC) carries a paired CI
-(both AUCs on the same resampled images; the baseline's out-of-fold scores are not refitted per resample). Facts that take a single value on every image carry no
-information and are reported as not applicable (e.g. every image 224 x 224: the geometric facts), never silently
-dropped.
+image is scored by a forest that never saw it. Its AUC carries a percentile-bootstrap CI over images resampled
+within each class (:mod:`hfl_components.stats`), and a model's margin (model AUC - baseline AUC) carries a paired
+CI (both AUCs on the same resampled images; the baseline's out-of-fold scores are not refitted per resample).
+Facts that take a single value on every image carry no information and are reported as not applicable (e.g.
+every image 224 x 224: the geometric facts), never silently dropped.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ subprocesses, with an environment that keeps NVFlare's state out of the user's h
 * ``PATH`` starts with this interpreter's ``bin`` folder (the POC start scripts run ``python3``, which must be the
   interpreter that has ``cxr-hfl`` and NVFlare installed),
 * ``CXR_HFL_SITE_CONFIG_DIR`` removed, so POC sites find their config the production way:
-  ``<site workspace>/local/cxr_hfl/<site>.yaml`` (see :mod:`nvflare_jobs.site_config`).
+  ``<site workspace>/local/cxr_hfl/<site>.yaml`` (see :mod:`hfl_components.flare.site_config`).
 
 The POC consortium is provisioned from the same ``site_configs/project.yml`` as production (its coordinator admin
 and role), with the hospitals renamed to the profile's site names, the server on localhost, and the one
@@ -181,7 +181,7 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike) ->
                 log=out / "provision.log")
     prod = _latest_prod(out, proj["name"])
     kits = []
-    from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+    from hfl_components.flare.site_config import LOCAL_SUBDIR, write_sample_config
 
     for q in proj["participants"]:
         if q["type"] == "server":
@@ -344,7 +344,7 @@ class Poc:
                 with broken sites, e.g. to rehearse how a failing site is reported).
         """
         from nvflare_jobs.site_check import check_site
-        from nvflare_jobs.site_config import check_profile
+        from hfl_components.flare.site_config import check_profile
 
         profile_dir = Path(profile_dir).resolve()
         profile, problems = check_profile(profile_dir, check_files=False)
@@ -383,7 +383,7 @@ class Poc:
                     log=self.logs / "poc_prepare.log")
         prod = _latest_prod(Path(self.env["NVFLARE_POC_WORKSPACE"]), poc_proj["name"])
         allow_controllers(prod / "server")
-        from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+        from hfl_components.flare.site_config import LOCAL_SUBDIR, write_sample_config
 
         for site, cfg in profile.items():
             dst = prod / site / LOCAL_SUBDIR

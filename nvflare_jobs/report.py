@@ -211,10 +211,18 @@ def render_run(run: Path) -> str:
                 ["manifests", "; ".join(mans)],
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
-    from nvflare_jobs.audit_report import audit_html, card_note
+    from nvflare_jobs.audit_report import card_note
 
     body.append(model_card(m, card_note(run)))
-    # results tables
+    body += _results_sections(m)
+    body += _figure_sections(run, m, names, bool(empty))
+    body += _external_sections(run)
+    return _page(f"cxr-hfl report {m.get('method')}", body)
+
+
+def _results_sections(m: dict) -> list[str]:
+    """Per-site test results, pooled metrics with CIs, bytes / server seconds / fairness."""
+    body: list[str] = []
     rows = []
     for s, b in m.get("sites", {}).items():
         t = b.get("test") or {}
@@ -239,7 +247,12 @@ def render_run(run: Path) -> str:
         extra.append(["fairness variance (acc %^2)", _f(m["fairness_variance"], 2)])
     if extra:
         body.append(_table(["", ""], extra))
-    # figures
+    return body
+
+
+def _figure_sections(run: Path, m: dict, names: list, empty: bool) -> list[str]:
+    """The run's figures, CKA heatmaps and per-site confusion matrices (the accuracy chart left out when empty)."""
+    body: list[str] = []
     body.append("<h2>Figures</h2>")
     for fname, cap in FIGURE_FILES:
         if fname == "site_accuracy.png" and empty:
@@ -254,6 +267,12 @@ def render_run(run: Path) -> str:
         if cm:
             body.append(_figure(_png_b64(confusion_figure(cm, names or [str(i) for i in range(len(cm))], s)),
                                 f"Confusion matrix {s}"))
+    return body
+
+
+def _external_sections(run: Path) -> list[str]:
+    """One table per external validation folder of the run."""
+    body: list[str] = []
     for ext in sorted(run.glob("external/*/summary.json")) + sorted(run.glob("external/summary.json")):
         e = json.loads(ext.read_text())
         erows = [[k, v.get("input_size"), *[_f(v.get(x)) for x in ("accuracy", "balanced_accuracy", "auc")],
@@ -269,8 +288,10 @@ def render_run(run: Path) -> str:
                  *(["<p>global: each metric at every site's input size, averaged over sites (no size chosen on "
                     "the test set).</p>"] if "global" in e.get("models", {}) else [])]
         if (ext.parent / "audit.json").is_file():
+            from nvflare_jobs.audit_report import audit_html
+
             body += audit_html(json.loads((ext.parent / "audit.json").read_text()), ext.parent)
-    return _page(f"cxr-hfl report {m.get('method')}", body)
+    return body
 
 
 def render_compare(cdir: Path) -> str:

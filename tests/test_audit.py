@@ -361,7 +361,7 @@ def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root,
     them; the same files with labels that do not follow the class folder give no warning. Counts and feature
     names only: no file name on the screen."""
     from nvflare_jobs.site_check import check_site, format_report
-    from nvflare_jobs.site_config import write_site_config
+    from hfl_components.flare.site_config import write_site_config
 
     root = data_root / "chest_xray_original" / "train"
     pool = {k: sorted((root / c).glob("*.jpeg"))[:16] for k, c in enumerate(("NORMAL", "PNEUMONIA"))}

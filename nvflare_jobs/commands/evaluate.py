@@ -100,17 +100,7 @@ def register(sub) -> None:
                    help="skip the shortcut audit (metadata baseline, perturbation probes, Grad-CAM; timing runs)")
     e.set_defaults(func=run_evaluate)
 
-    a = sub.add_parser("audit", help="shortcut audit of a run's models on an evaluated external set (evaluate "
-                                     "runs it by default): metadata baseline, perturbation probes, Grad-CAM")
-    a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
-    a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
-    a.add_argument("--part", choices=PARTS, help="the committed part it was evaluated on")
-    a.add_argument("--probe-images", type=_positive_int, default=300,
-                   help="class-balanced, seeded subsample for the perturbation probes (default 300)")
-    a.add_argument("--saliency-images", type=_positive_int, default=8,
-                   help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
-    a.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
-    a.set_defaults(func=run_audit)
+    _register_audit(sub)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
     p.add_argument("--model", required=True, help="a model file, e.g. RUN/models/site-1_deployed.pt")
@@ -126,6 +116,20 @@ def register(sub) -> None:
     r.add_argument("path", help="run folder (metrics.json) or compare folder (comparison.csv)")
     r.add_argument("--out", help="HTML file (default PATH/report.html)")
     r.set_defaults(func=run_report)
+
+
+def _register_audit(sub) -> None:
+    a = sub.add_parser("audit", help="shortcut audit of a run's models on an evaluated external set (evaluate "
+                                     "runs it by default): metadata baseline, perturbation probes, Grad-CAM")
+    a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
+    a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
+    a.add_argument("--part", choices=PARTS, help="the committed part it was evaluated on")
+    a.add_argument("--probe-images", type=_positive_int, default=300,
+                   help="class-balanced, seeded subsample for the perturbation probes (default 300)")
+    a.add_argument("--saliency-images", type=_positive_int, default=8,
+                   help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
+    a.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
+    a.set_defaults(func=run_audit)
 
 
 def run_evaluate(args) -> int:

@@ -364,9 +364,9 @@ def targets_html(cdir: Path) -> list[str]:
     status = {True: "met", False: "NOT met", None: "reported"}
     missed = [t for t in targets if t["met"] is False]
     head = ("<p><b>Targets not met: " + html.escape("; ".join(f"{t['target']} ({t['value']})" for t in missed))
-            + "</b></p>") if missed else "<p>All of issue 11's targets are met.</p>"
+            + "</b></p>") if missed else "<p>All of the main job's targets are met.</p>"
     where = f"{ext.get('name')}" + (f", part {ext.get('part')}" if ext.get("part") else "")
-    return [f"<h2>Issue 11 targets (OHFL main job, external evaluation: {html.escape(str(where))})</h2>", head,
+    return [f"<h2>Main-job targets (OHFL, external evaluation: {html.escape(str(where))})</h2>", head,
             _table(["target", "value", "status"], [[t["target"], t["value"], status[t["met"]]] for t in targets])]
 
 

@@ -283,12 +283,12 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
     for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
                   "| ohfl vs FedAvg | 2 | 4 |", "no verdict (2 seed(s) < 5), exploratory", "global (site mean)",
                   "pre-fusion local (per site)",
-                  "### Issue 11 targets (OHFL main job, external evaluation)"):
+                  "### Main-job targets (OHFL, external evaluation)"):
         assert part_ in md, part_
     assert main(["report", str(out)]) == 0
     html = (out / "report.html").read_text()
     assert "--dry-run" not in html and "--n-boot 40" in html
-    assert "<h2>Issue 11 targets (OHFL main job, external evaluation: ext)</h2>" in html
+    assert "<h2>Main-job targets (OHFL, external evaluation: ext)</h2>" in html
     # resumed: nothing is run or evaluated again
     capsys.readouterr()
     assert main(real) == 0

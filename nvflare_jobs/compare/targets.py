@@ -104,7 +104,7 @@ def targets_markdown(targets: list[dict]) -> list[str]:
     """Markdown lines of :func:`ohfl_targets` (a table; empty when there are none)."""
     if not targets:
         return []
-    L = ["", "### Issue 11 targets (OHFL main job, external evaluation)", "",
+    L = ["", "### Main-job targets (OHFL, external evaluation)", "",
          "| target | value | met |", "|---|---|---|"]
     for t in targets:
         L.append(f"| {t['target']} | {t['value']} | "

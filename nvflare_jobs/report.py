@@ -127,7 +127,7 @@ def _model_name(spec: dict | None) -> str:
     return "/".join(str(spec[k]) for k in ("family", "depth", "width") if spec.get(k) is not None) or "?"
 
 
-def model_card(m: dict) -> str:
+def model_card(m: dict, audit: str | None = None) -> str:
     sites = m.get("sites", {})
     rows = [[s, _model_name(b.get("model")), b.get("input_size"), b.get("n_train"), b.get("n_test"),
              _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc"))]
@@ -148,7 +148,8 @@ def model_card(m: dict) -> str:
             "<p><b>Per-site results</b> (each site's own held-out test split, argmax decision):</p>"
             + _table(["site", "model", "input px", "n train", "n test", "accuracy", "AUC"], rows)
             + "<p><b>Limitations:</b> small test splits give wide confidence intervals; the pooled 95% CIs below are "
-              "bootstrap intervals over images, not over sites or centres.</p></div>")
+              "bootstrap intervals over images, not over sites or centres.</p>"
+            + (f"<p><b>Shortcut audit</b> (section below): {html.escape(audit)}.</p>" if audit else "") + "</div>")
 
 
 def excluded_rows(m: dict) -> list[list]:
@@ -210,7 +211,9 @@ def render_run(run: Path) -> str:
                 ["manifests", "; ".join(mans)],
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
-    body.append(model_card(m))
+    from nvflare_jobs.audit_report import card_note
+
+    body.append(model_card(m, card_note(run)))
     body += _results_sections(m)
     body += _figure_sections(run, m, names, bool(empty))
     body += _external_sections(run)
@@ -284,6 +287,10 @@ def _external_sections(run: Path) -> list[str]:
                          "specificity @thr"], erows),
                  *(["<p>global: each metric at every site's input size, averaged over sites (no size chosen on "
                     "the test set).</p>"] if "global" in e.get("models", {}) else [])]
+        if (ext.parent / "audit.json").is_file():
+            from nvflare_jobs.audit_report import audit_html
+
+            body += audit_html(json.loads((ext.parent / "audit.json").read_text()), ext.parent)
     return body
 
 
@@ -328,6 +335,13 @@ def render_compare(cdir: Path) -> str:
         body.append(_figure(_png_b64(fig), "Per-site accuracy by method"))
     body.append("<h2>Tables</h2><pre>" + html.escape(md) + "</pre>")
     body.append("<h2>Runs</h2>")
+    from nvflare_jobs.audit_report import card_note
+
+    notes = [[method, seed, card_note(Path(m.get("_run_dir") or cdir / f"seed{seed}" / method))]
+             for method, seed, m in runs]
+    if any(n[2] for n in notes):
+        body += ["<h3>Shortcut audit per run (details in each run's report)</h3>",
+                 _table(["method", "seed", "audit"], [n for n in notes if n[2]])]
     for method, seed, m in runs:
         p = cdir / f"seed{seed}" / method / "site_accuracy.png"
         if p.is_file():

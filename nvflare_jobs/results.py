@@ -74,7 +74,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
             all_y.extend(test["_labels"])
         block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
                  "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
-        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy"):
+        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point"):
             if k in s:
                 block[k] = _strip_predictions(s[k])
         sites[site] = block
@@ -95,6 +95,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
         metrics["server_fusion_s"] = rec.get("server_fusion_s", {})
         metrics["global_model"] = rec.get("global_spec")
+        metrics["operating_point"] = rec.get("operating_point")
         if rec.get("gate"):
             metrics["gate"] = rec["gate"]
         if rec.get("probe"):

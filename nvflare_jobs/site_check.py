@@ -16,6 +16,7 @@ import numpy as np
 
 SPLITS = ("train", "val", "test")
 MAX_LISTED = 10  # unreadable files listed on the screen (all are in the report dict)
+METADATA_MIN_PER_CLASS = 10  # training images per class below which the metadata check is not run
 
 
 def check_site(config: str | os.PathLike, site: str | None = None, read_images: bool = True,
@@ -63,7 +64,29 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     _count(rows, names, rep, cfg)
     if read_images:
         _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
+        _metadata_check(rows, rep)
     return rep
+
+
+def _metadata_check(rows: list[dict], rep: dict) -> None:
+    """Warn when file-level facts alone predict the training labels (cross-validated AUC >= WARN_AUC,
+    :mod:`hfl_components.audit.metadata`); ``rep["metadata"]`` keeps the AUC, its CI and the features (counts and
+    feature names only)."""
+    from chest_xray.file_facts import facts_for
+    from hfl_components.audit.metadata import WARN_AUC, metadata_baseline
+
+    train = [r for r in rows if r["split"] == "train"]
+    facts, _ = facts_for([r["path"] for r in train])
+    keep = [(f, int(r["label"] > 0)) for f, r in zip(facts, train) if f is not None]
+    if min(sum(y for _, y in keep), sum(1 - y for _, y in keep)) < METADATA_MIN_PER_CLASS:
+        return  # too few training images of a class for a cross-validated AUC worth a warning
+    mb = metadata_baseline([f for f, _ in keep], [y for _, y in keep], n_boot=200)
+    rep["metadata"] = {k: mb[k] for k in ("auc", "ci_low", "ci_high", "n", "features", "fact_aucs", "skipped")}
+    if mb["auc"] is not None and mb["auc"] >= WARN_AUC:
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(mb["fact_aucs"].items())[:3])
+        rep["warnings"].append(f"file facts alone predict the training labels: cross-validated AUC {mb['auc']:.2f} "
+                               f"[{mb['ci_low']:.2f}, {mb['ci_high']:.2f}] on {mb['n']} images (strongest: {top}); "
+                               "a model may learn the acquisition, not the lungs")
 
 
 def _check_model(cfg: dict, rep: dict) -> None:

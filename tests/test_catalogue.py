@@ -71,7 +71,7 @@ def test_consumers_read_the_catalogue():
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
     assert simulation.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
-                                      "probe_at": "own", "init": "site", "gate": True}
+                                      "probe_at": "own", "init": "site", "gate": True, "target_sensitivity": 0.95}
 
 
 def test_validate_options_types_choices_defaults_and_fixed_values():

@@ -407,6 +407,8 @@ class HFLController(ModelController):
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
             if m.get("deploy") is not None:  # deploy: best_val -> {rule, round, score} of the deployed round
                 self.record["sites"][site]["deploy"] = _jsonable(m["deploy"])
+            if m.get("operating_point") is not None:  # OHFL: the site's own sensitivity at the federated threshold
+                self.record["sites"][site]["operating_point"] = _jsonable(m["operating_point"])
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the

@@ -8,6 +8,8 @@ import time
 
 import logging
 
+import numpy as np
+
 from hfl_components.flare.controllers.base import HFLController, _jsonable
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
 from hfl_components.flare.site_methods import ok_meta, option, task_epochs
@@ -99,7 +101,9 @@ class OHFLController(HFLController):
     Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
     job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
     deploys the fine-tuned global model only if it beats the site's own local model on its validation split). The
-    gate's outcome per site is recorded under ``record["gate"]``.
+    gate's outcome per site is recorded under ``record["gate"]``. ``target_sensitivity``: the clinical operating
+    point (:mod:`hfl_components.operating_point`): the sites' coarse validation histograms are pooled into one
+    threshold, sent with the final evaluation; ``record["operating_point"]``.
     """
 
     method = "ohfl"
@@ -179,7 +183,8 @@ class OHFLController(HFLController):
                    weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
                    fusion_device=opts["server_device"] or "auto",
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
-                                "gate": bool(opts["gate"])}, **common)
+                                "gate": bool(opts["gate"]),
+                                "target_sensitivity": float(opts.get("target_sensitivity") or 0.95)}, **common)
 
     def run_method(self):
         from hfl_components.flare.messages import from_numpy_state, to_numpy_state
@@ -234,9 +239,10 @@ class OHFLController(HFLController):
         self.save_global_model(spec, weights)
         meta = {"global_spec": spec}
         ft = self.broadcast("ohfl_finetune", 1, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-        gate = {}
+        gate, op_reports = {}, {}
         for site, r in ft.items():
             m = r.metrics or {}
+            op_reports[site] = m.get("operating_point")
             self.record["sites"].setdefault(site, {}).update({
                 "global_zero_shot": _jsonable(m.get("global_zero_shot")),
                 "finetune_loss": _jsonable(m.get("finetune_loss")),
@@ -250,7 +256,15 @@ class OHFLController(HFLController):
             self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
-        self.final_evaluation(2)
+        from hfl_components.operating_point import federated_operating_point
+
+        op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
+        self.record["operating_point"] = _jsonable(op) if op else {
+            "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
+        self.final_evaluation(2, meta={"operating_point": op} if op else None)
+        if op:
+            self.record["operating_point"]["site_sensitivity"] = {
+                s: b["operating_point"] for s, b in self.record["sites"].items() if b.get("operating_point")}
 
 
 # ============================================================================ site handlers
@@ -304,7 +318,8 @@ def ohfl_finetune(rt, params, meta):
     unless the deployment gate (option ``gate``, on by default) finds that it does not beat the site's own
     local model on the site's validation split, in which case the site keeps (deploys) its local model and says
     so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
-    ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
+    ``federated_model.pt`` (kind ``federated``) whatever the gate decides. Then the site fits the deployed model's
+    temperature and sends the coarse histogram of its calibrated validation scores (:func:`_operating_point_report`)."""
     tc = meta.get("task_config", {})
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")
@@ -326,5 +341,27 @@ def ohfl_finetune(rt, params, meta):
             rt.set_model(fed_spec, fed_sd)
         log.warning("site %s: deployment gate: %s", rt.site, gate["reason"])
     rt.save_state(deployed=True)
-    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": rt.evaluate("val"),
-                "gate": gate}, ok_meta(rt)
+    val = rt.evaluate("val", with_predictions=True)
+    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": val,
+                "gate": gate, "operating_point": _operating_point_report(rt, val)}, ok_meta(rt)
+
+
+def _operating_point_report(rt, val: dict) -> dict | None:
+    """Clinical operating point, site side (:mod:`hfl_components.operating_point`): fit the deployed model's
+    temperature on the validation split, keep it in the state folder
+    (:data:`hfl_components.flare.site_methods.OPERATING_POINT_FILE`, until the server's threshold arrives with the
+    final evaluation), and return what leaves the site (the temperature, ECE before/after, the coarse histogram of
+    calibrated validation scores with its minimum count per bin); the per-image scores (``val["_probs"]``) are
+    removed from ``val`` here and never sent. None for a validation split without both classes."""
+    import json
+
+    from hfl_components.flare.site_methods import OPERATING_POINT_FILE
+    from hfl_components.operating_point import site_report
+
+    probs, y = val.pop("_probs", None), val.pop("_labels", None)
+    (rt.state_dir / OPERATING_POINT_FILE).unlink(missing_ok=True)
+    if not probs or len({int(v > 0) for v in y}) < 2:
+        return None
+    rep = site_report(np.asarray(probs), np.asarray(y))
+    (rt.state_dir / OPERATING_POINT_FILE).write_text(json.dumps({"temperature": rep["temperature"]}))
+    return rep

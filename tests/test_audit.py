@@ -483,3 +483,31 @@ def test_predict_applies_a_deployed_models_federated_operating_point(data_root, 
     assert [r["predicted"] for r in rows["op"]] == ["PNEUMONIA" if p >= 0.4 else "NORMAL" for p in cal]
     s = predict_files(with_op, [str(x) for x in files], tmp_path / "t.csv", threshold=1.0)
     assert s["threshold"] == 1.0
+
+
+def test_predict_does_not_apply_a_degenerate_federated_threshold(data_root, tmp_path, capsys):
+    """A federated threshold of 0 (histograms too coarse for the target) would call every image PNEUMONIA: predict
+    warns, naming the model file, and predicts at argmax of the calibrated probabilities instead."""
+    from hfl_components.models import load_model_file, save_model_file
+    from hfl_components.operating_point import apply_temperature
+    from nvflare_jobs.evaluation import predict_files
+
+    files = sorted((data_root / "chest_xray_224" / "train" / "NORMAL").glob("*.jpeg"))[:4]
+    run = _fake_run(tmp_path, [[str(files[0]), 0, "train", "x"]])
+    model, h = load_model_file(run / "models" / "site-1_deployed.pt")
+    zero, plain = tmp_path / "zero.pt", tmp_path / "plain.pt"
+    save_model_file(zero, h["spec"], model.state_dict(), input_size=h["input_size"], labels="binary",
+                    operating_point={"temperature": 1.5, "threshold": 0.0})
+    save_model_file(plain, h["spec"], model.state_dict(), input_size=h["input_size"], labels="binary")
+    capsys.readouterr()
+    s = predict_files(zero, [str(x) for x in files], tmp_path / "zero.csv")
+    err = capsys.readouterr().err
+    assert "federated threshold is 0" in err and str(zero) in err and len(err.strip().splitlines()) == 1
+    assert s["threshold"] is None and s["calibrated"] is True
+    predict_files(plain, [str(x) for x in files], tmp_path / "plain.csv")
+    with (tmp_path / "plain.csv").open() as fh:
+        raw = np.array([[float(r["p_NORMAL"]), float(r["p_PNEUMONIA"])] for r in csv.DictReader(fh)])
+    cal = apply_temperature(raw, 1.5)
+    with (tmp_path / "zero.csv").open() as fh:
+        got = [r["predicted"] for r in csv.DictReader(fh)]
+    assert got == ["PNEUMONIA" if c[1] > c[0] else "NORMAL" for c in cal]

@@ -15,7 +15,11 @@ POC_ENV = "CXR_HFL_POC_DIR"
 def register(sub) -> None:
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
     p.add_argument("--project", help="NVFlare project.yml (default: site_configs/project.yml of this repository)")
-    p.add_argument("--out", required=True, help="folder for the startup kits")
+    p.add_argument("--out", required=True, help="folder for the startup kits (keep it outside any repository: "
+                                                "OUT/<project>/state/ holds the root CA's private key)")
+    p.add_argument("--job-store", metavar="DIR",
+                   help="absolute folder on the server machine for its job store and snapshots (default "
+                        "/var/lib/cxr-hfl/<project>; NVFlare's own default is the system temp folder)")
     p.set_defaults(func=run_provision)
 
     poc = sub.add_parser("poc", help="a local proof-of-concept consortium (nvflare poc) named after a profile")
@@ -86,8 +90,12 @@ def run_provision(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"cxr-hfl provision: --out {args.out} is a file, not a folder", file=sys.stderr)
         return 2
-    res = provision(args.project, args.out)
+    res = provision(args.project, args.out, job_store=args.job_store)
     print(f"[cxr-hfl] provisioned {res['project']} -> {res['prod_dir']}")
+    print(f"CA state (root CA private key): {res['state_dir']} (mode 600): move it offline now; it is needed only "
+          "to add a participant or renew certificates (docs/DEPLOYMENT.md, Certificates)")
+    print(f"server job store: {res['job_store']} (on the server machine; --job-store DIR to change)")
+    print("hospital kits: log streaming to the server is off (local/resources.json)")
     print("Give each participant ONLY its own kit (it holds that participant's private key):")
     for k in res["kits"]:
         who = {"server": "server operator", "client": f"hospital {k['name']} ({k['org']})",

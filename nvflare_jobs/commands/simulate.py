@@ -109,6 +109,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones "
                    f"({protos})")
     _add_catalogue_options(p)
+    from nvflare_jobs.jobs import add_tracking_args
+
+    add_tracking_args(p)
     g = p.add_argument_group("OHFL")
     g.add_argument("--paper", action="store_true",
                    help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
@@ -315,7 +318,9 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _options(args, data_root, part_dir) -> dict:
+def _options(args, data_root, part_dir, on_server: bool = False) -> dict:
+    """The job options. ``on_server`` (export-job): the probe is a path on the server machine, checked there at
+    job start (before any site trains), so it must be absolute and is not looked up here."""
     from nvflare_jobs.profiles import default_probe
 
     probe = args.probe
@@ -325,7 +330,12 @@ def _options(args, data_root, part_dir) -> dict:
             raise SystemExit("cxr-hfl: OHFL needs a public probe set for CKA: pass --probe DIR (public images, no "
                              "site's patients), a probe.csv from `cxr-hfl partition --probe-fraction`, or "
                              "--probe generated")
-    if probe and probe != "generated":
+    if on_server and probe and probe != "generated":
+        if not os.path.isabs(probe):
+            raise SystemExit(f"cxr-hfl: --probe {probe}: give the probe's absolute path on the server machine "
+                             "(the server checks it when the job starts, before any site trains)")
+        probe = os.path.normpath(probe)
+    elif probe and probe != "generated":
         probe = str(Path(probe).resolve())
         if not Path(probe).exists():
             raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
@@ -372,7 +382,8 @@ def run_simulate(args) -> int:
     if sharing:
         print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
               "to the server for pooled metrics (share_predictions: true); a real site's default is false")
-    job = build_job(args.method, profile, opts)
+    job = build_job(args.method, profile, opts, tracking=getattr(args, "tracking", "tensorboard"),
+                    tracking_uri=getattr(args, "tracking_uri", None))
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
@@ -497,8 +508,9 @@ def run_export(args) -> int:
         return 2
     _defaults(args)
     profile = load_profile(args.profile, check_files=False, require_data=False)
-    opts = _options(args, None, None)
-    job = build_job(args.method, profile, opts)
+    opts = _options(args, None, None, on_server=True)
+    job = build_job(args.method, profile, opts, tracking=getattr(args, "tracking", "tensorboard"),
+                    tracking_uri=getattr(args, "tracking_uri", None))
     out = Path(args.out).resolve()
     from nvflare_jobs.deploy import export_portable
 

@@ -13,11 +13,16 @@ import yaml
 
 from nvflare_jobs.deploy._env import POC_ADMIN, SERVER_PORTS, STATE_FILE, DeployError, nvflare_env, run_nvflare
 from nvflare_jobs.deploy._export import check_job_folder
-from nvflare_jobs.deploy._provision import _latest_prod, allow_controllers, coordinator, load_project
+from nvflare_jobs.deploy._kits import configure_server_kit, no_log_streaming, protect_keys
+from nvflare_jobs.deploy._provision import _latest_prod, coordinator, load_project
 from nvflare_jobs.deploy._results import assemble_downloaded
 
 
 # ------------------------------------------------------------------------------------------------ POC
+POC_HEARTBEAT_TIMEOUT_S = 30
+POC_CLIENT_OUTCOME_WAIT_S = 15
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
@@ -103,7 +108,10 @@ class Poc:
         run_nvflare(["poc", "prepare", "-i", str(proj_file), "--force"], self.env, timeout=300,
                     log=self.logs / "poc_prepare.log")
         prod = _latest_prod(Path(self.env["NVFLARE_POC_WORKSPACE"]), poc_proj["name"])
-        allow_controllers(prod / "server")
+        # POC timeouts are short: every site runs on this machine, and a test kills sites on purpose
+        configure_server_kit(prod / "server", self.dir / "store", heartbeat_timeout_s=POC_HEARTBEAT_TIMEOUT_S,
+                             client_outcome_wait_s=POC_CLIENT_OUTCOME_WAIT_S)
+        protect_keys(Path(self.env["NVFLARE_POC_WORKSPACE"]))
         from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
 
         for site, cfg in profile.items():
@@ -111,6 +119,7 @@ class Poc:
             dst.mkdir(parents=True, exist_ok=True)
             shutil.copy2(cfg["config_path"], dst / f"{site}.yaml")
             write_sample_config(dst, site)
+            no_log_streaming(prod / site)
         labels = next(iter(profile.values()))["data"]["labels"]
         st = {"poc_dir": str(self.dir), "nvflare_poc_workspace": self.env["NVFLARE_POC_WORKSPACE"],
               "home": self.env["HOME"], "project": poc_proj["name"], "prod_dir": str(prod),

@@ -1,13 +1,13 @@
 """Offline provisioning of the consortium's startup kits from a project.yml."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import yaml
 
 from nvflare_jobs.deploy._env import DEFAULT_PROJECT, DeployError, nvflare_env, run_nvflare
+from nvflare_jobs.deploy._kits import configure_server_kit, no_log_streaming, protect_keys
 
 
 # ------------------------------------------------------------------------------------------------ provisioning
@@ -58,8 +58,15 @@ def _latest_prod(root: Path, name: str) -> Path:
 KIT_CERT = {"server": "server.crt", "client": "client.crt", "admin": "client.crt"}
 
 
-def provision(project_file: str | os.PathLike | None, out: str | os.PathLike) -> dict:
-    """Run ``nvflare provision`` offline into ``out``.
+DEFAULT_STORE = "/var/lib/cxr-hfl"
+
+
+def provision(project_file: str | os.PathLike | None, out: str | os.PathLike,
+              job_store: str | os.PathLike | None = None) -> dict:
+    """Run ``nvflare provision`` offline into ``out``, then set up each kit's ``local/`` (``nvflare_jobs.deploy._kits``):
+    hospitals without log streaming, the server's job store in ``job_store`` (an absolute folder on the server
+    machine; default ``/var/lib/cxr-hfl/<project>``) with short client timeouts, and every private key and the CA
+    state (``out/<project>/state/``) readable by their owner only.
 
     Returns:
         ``{"project": name, "prod_dir": Path, "kits": [{"name", "type", "org", "role", "kit", "cert",
@@ -79,9 +86,15 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike) ->
 
     for q in proj["participants"]:
         if q["type"] == "server":
-            allow_controllers(prod / q["name"])
+            store = job_store or f"{DEFAULT_STORE}/{proj['name']}"
+            try:
+                configure_server_kit(prod / q["name"], store)
+            except ValueError as e:
+                raise DeployError(f"--job-store: {e}") from None
         elif q["type"] == "client":  # the hospital writes local/cxr_hfl/<site>.yaml from this template
             write_sample_config(prod / q["name"] / LOCAL_SUBDIR, q["name"])
+            no_log_streaming(prod / q["name"])
+    protect_keys(out / proj["name"])
     for q in proj["participants"]:
         if q["type"] not in KIT_CERT:
             continue
@@ -93,24 +106,5 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike) ->
             start = f"bash {kit}/startup/start.sh"
         kits.append({"name": q["name"], "type": q["type"], "org": q.get("org"), "role": q.get("role"),
                      "kit": kit, "cert": cert, "start": start})
-    return {"project": proj["name"], "prod_dir": prod, "kits": kits}
-
-
-SERVER_ALLOW = "hfl_components.flare.controllers"
-
-
-def allow_controllers(server_kit: str | os.PathLike) -> Path:
-    """Write the server's ``local/resources.json``: NVFlare's default resources with this platform's controllers
-    (from the installed ``cxr-hfl`` package) added to ``class_allow_list``. Returns the file."""
-    local = Path(server_kit) / "local"
-    dst = local / "resources.json"
-    src = dst if dst.is_file() else local / "resources.json.default"
-    doc = json.loads(src.read_text()) if src.is_file() else {"format_version": 2}
-    if "class_allow_list" not in doc:
-        from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
-
-        doc["class_allow_list"] = list(DEFAULT_CLASS_ALLOW_LIST)
-    if "*" not in doc["class_allow_list"] and SERVER_ALLOW not in doc["class_allow_list"]:
-        doc["class_allow_list"].append(SERVER_ALLOW)
-    dst.write_text(json.dumps(doc, indent=4))
-    return dst
+    return {"project": proj["name"], "prod_dir": prod, "kits": kits, "state_dir": out / proj["name"] / "state",
+            "job_store": store}

@@ -66,10 +66,11 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     for name in ("global_model.pt", "alignment_record.json"):
         if (src.parent / name).is_file():
             shutil.copy2(src.parent / name, out / name)
-    sites, all_p, all_y = {}, [], []
+    sites, all_p, all_y, pooled_sites = {}, [], [], []
     for site, s in sorted(rec.get("sites", {}).items()):
         test = s.get("test") or {}
         if test.get("_probs"):
+            pooled_sites.append(site)
             all_p.extend(test["_probs"])
             all_y.extend(test["_labels"])
         block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
@@ -89,7 +90,12 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
                "sites": sites, "pooled": pooled, "mean": mean, "std": std,
                "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
                "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
-               "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s)}
+               "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s),
+               # which sites' per-image predictions the pooled metrics come from (share_predictions: true)
+               "pooled_sites": pooled_sites}
+    tb = src.parent.parent / "tb_events"  # NVFlare's TBAnalyticsReceiver: <server run dir>/tb_events/<site>/
+    if tb.is_dir():
+        metrics["tensorboard"] = str(tb.resolve())
     if rec.get("method") == "ohfl":
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None

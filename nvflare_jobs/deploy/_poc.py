@@ -209,8 +209,14 @@ class Poc:
         if busy:
             raise DeployError(f"port(s) {busy} already in use by another NVFlare server/POC on this machine (not "
                               f"the one in {self.dir}); stop it first")
-        text = run_nvflare(["poc", "start", "--timeout", str(timeout)], self.env, timeout=timeout + 60,
-                           log=self.logs / "poc_start.log")
+        try:
+            text = run_nvflare(["poc", "start", "--timeout", str(timeout)], self.env, timeout=timeout + 60,
+                               log=self.logs / "poc_start.log")
+        except (KeyboardInterrupt, DeployError):
+            # NVFlare's start scripts daemonise the server and sites (they are not our child processes): end
+            # every process of this POC, by PID, before reporting the interrupt or the failure
+            self.stop()
+            raise
         st["started"] = time.time()
         self._save(st)
         return text
@@ -291,19 +297,29 @@ class Poc:
                            log=self.logs / "job_list.log", json_out=True)
         return data.get("jobs", data) if isinstance(data, dict) else data
 
-    def download(self, job_id: str, out: str | os.PathLike | None = None) -> tuple[Path, dict]:
-        """Download the job's server workspace and assemble ``metrics.json`` / plots into ``out`` (default
-        ``<poc dir>/runs/<job id>``), exactly as ``cxr-hfl simulate`` does. Returns (run dir, metrics)."""
+    def download_raw(self, job_id: str) -> tuple[Path, dict]:
+        """``nvflare job download`` into ``<poc dir>/downloads``; returns (the job's folder, its meta or {})."""
         self.require_running()
         dl = self.dir / "downloads"
         data = run_nvflare(["job", "download", job_id, "-o", str(dl), "--force", *self._kit_args()], self.env,
                            timeout=300, log=self.logs / "job_download.log", json_out=True)
         path = Path(data.get("download_path") or dl / job_id)
-        run_dir = Path(out).resolve() if out else self.dir / "runs" / job_id
         meta = {}
         try:
             meta = self.meta(job_id)
         except DeployError:
             pass
-        metrics = assemble_downloaded(path, run_dir, labels_hint=self.state().get("labels"), job_meta=meta)
+        return path, meta
+
+    def assemble(self, job_id: str, path: Path, out=None, meta: dict | None = None) -> tuple[Path, dict]:
+        """Write a downloaded job's run folder (default ``<poc dir>/runs/<job id>``). Returns (run dir, metrics)."""
+        run_dir = Path(out).resolve() if out else self.dir / "runs" / job_id
+        metrics = assemble_downloaded(path, run_dir, labels_hint=self.state().get("labels"), job_meta=meta or {})
+        metrics["run_dir"] = str(run_dir)
         return run_dir, metrics
+
+    def download(self, job_id: str, out: str | os.PathLike | None = None) -> tuple[Path, dict]:
+        """Download the job's server workspace and assemble ``metrics.json`` / plots into ``out`` (default
+        ``<poc dir>/runs/<job id>``), exactly as ``cxr-hfl simulate`` does. Returns (run dir, metrics)."""
+        path, meta = self.download_raw(job_id)
+        return self.assemble(job_id, path, out, meta)

@@ -89,9 +89,9 @@ def tracking_receivers(tracking: str = "tensorboard", tracking_uri: str | None =
     if tracking == "mlflow":
         import importlib.util
 
-        if importlib.util.find_spec("mlflow") is None:
+        if any(importlib.util.find_spec(m) is None for m in ("mlflow", "alembic", "sqlalchemy")):
             raise ValueError(f"--tracking mlflow needs MLflow on the server: pip install '{MLFLOW_EXTRA}' "
-                             "(the pinned mlflow-skinny)")
+                             "(the pinned mlflow-skinny and its SQLite store)")
         from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver
 
         out.append(MLflowReceiver(tracking_uri=tracking_uri,

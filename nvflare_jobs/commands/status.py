@@ -29,6 +29,11 @@ def register(sub) -> None:
     r.add_argument("--out", required=True, help="run folder to write (metrics.json, sites.csv, plots)")
     r.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="first wait up to SECONDS for the job")
     r.set_defaults(func=run_results)
+    q = sub.add_parser("submit", help="check an exported (or edited) job folder as the server will, then submit it "
+                                      "with your startup kit (production; POC: cxr-hfl poc submit)")
+    q.add_argument("--job", "-j", required=True, help="job folder written by cxr-hfl export-job")
+    _kit_args(q)
+    q.set_defaults(func=run_submit)
 
 
 def _kit_args(p) -> None:
@@ -90,6 +95,26 @@ def run_status(args) -> int:
     finally:
         sess.close()
     return 0 if "FAILED" not in str(v.get("job_state")) and "ABNORMAL" not in str(v.get("job_state")) else 1
+
+
+def run_submit(args) -> int:
+    from nvflare_jobs.deploy import DeployError, check_job_folder
+
+    try:
+        check_job_folder(args.job)
+    except DeployError as e:
+        print(f"cxr-hfl submit: {e}; nothing was submitted", file=sys.stderr)
+        return 2
+    sess = _session(args)
+    try:
+        job_id = sess.submit_job(str(Path(args.job).resolve()))
+    finally:
+        sess.close()
+    kit = args.startup_kit
+    print(f"[cxr-hfl] submitted {Path(args.job).name}: job id {job_id}")
+    print(f"watch it:  cxr-hfl status {job_id} --startup-kit {kit} --watch")
+    print(f"results:   cxr-hfl results {job_id} --startup-kit {kit} --out runs/{job_id} --wait 3600")
+    return 0
 
 
 def run_results(args) -> int:

@@ -22,7 +22,7 @@ The public face of the private parts ``_env`` (the nvflare command line), ``_pro
 """
 from nvflare_jobs.deploy._env import (DEFAULT_PROJECT, POC_ADMIN, REPO, SERVER_PORTS, SITE_SCRIPT_NAME, STATE_FILE,
                                       DeployError, nvflare_env, nvflare_exe, run_nvflare)
-from nvflare_jobs.deploy._export import check_job_folder, export_portable, make_portable
+from nvflare_jobs.deploy._export import check_job_folder, check_server_app, export_portable, make_portable
 from nvflare_jobs.deploy._poc import Poc, port_in_use
 from nvflare_jobs.deploy._kits import (SERVER_ALLOW, allow_controllers, configure_server_kit, no_log_streaming,
                                        protect_keys, server_store)
@@ -30,6 +30,6 @@ from nvflare_jobs.deploy._provision import KIT_CERT, coordinator, load_project, 
 from nvflare_jobs.deploy._results import assemble_downloaded, run_findings
 
 __all__ = ["DEFAULT_PROJECT", "POC_ADMIN", "REPO", "SERVER_PORTS", "SITE_SCRIPT_NAME", "STATE_FILE", "DeployError",
-           "nvflare_env", "nvflare_exe", "run_nvflare", "check_job_folder", "export_portable", "make_portable",
+           "nvflare_env", "nvflare_exe", "run_nvflare", "check_job_folder", "check_server_app", "export_portable", "make_portable",
            "Poc", "port_in_use", "KIT_CERT", "SERVER_ALLOW", "allow_controllers", "coordinator", "load_project",
            "provision", "submitters", "configure_server_kit", "no_log_streaming", "protect_keys", "server_store", "assemble_downloaded", "run_findings"]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from nvflare_jobs.deploy._env import SITE_SCRIPT_NAME, DeployError
 
+SERVER_PACKAGE = "hfl_components.flare.controllers"
+
 
 # ------------------------------------------------------------------------------------------------ job export
 def export_portable(job, out: str | os.PathLike) -> Path:
@@ -58,13 +60,21 @@ def make_portable(job_folder: str | os.PathLike) -> None:
 
 
 def check_job_folder(job_folder: str | os.PathLike) -> dict:
-    """Check an exported job folder is self-contained: meta.json with a deploy_map, each app's config, the site
-    script inside each site app, and no absolute script paths. Returns meta.json."""
+    """Check an exported (or hand-edited) job folder before it is deployed: meta.json with a deploy_map, each
+    app's config readable JSON, the site script inside each site app, no absolute script paths, and the server's
+    workflow settings as the server will check them (:func:`check_server_app`). Returns meta.json.
+
+    Raises:
+        DeployError: naming the file and what is wrong.
+    """
     folder = Path(job_folder)
     meta_p = folder / "meta.json"
     if not meta_p.is_file():
         raise DeployError(f"{folder}: no meta.json (not an exported NVFlare job)")
-    meta = json.loads(meta_p.read_text())
+    meta = _json(meta_p)
+    for cfg in sorted(folder.glob("app_*/config/config_fed_*.json")):
+        _json(cfg)
+    check_server_app(folder)
     for app, targets in meta.get("deploy_map", {}).items():
         if not (folder / app / "config").is_dir():
             raise DeployError(f"{folder}: deploy_map names {app} but {app}/config is missing")
@@ -81,3 +91,36 @@ def check_job_folder(job_folder: str | os.PathLike) -> dict:
             raise DeployError(f"{folder}/{app}/custom ships {extra[0].name}: a job may ship only {SITE_SCRIPT_NAME} "
                               "(the sites run their installed cxr-hfl package)")
     return meta
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise DeployError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_server_app(job_folder: str | os.PathLike) -> None:
+    """Build each of this platform's server workflows of a job folder from its ``config_fed_server.json`` args and
+    run its option check (``HFLController.check_options``), as the server does at job start; files the method
+    reads on the server (the OHFL probe) are checked there, not here.
+
+    Raises:
+        DeployError: naming the config file, the workflow and the bad argument or option.
+    """
+    import importlib
+
+    for cfg in sorted(Path(job_folder).glob("app_*/config/config_fed_server.json")):
+        for wf in _json(cfg).get("workflows", []):
+            path = str(wf.get("path") or wf.get("name") or "")
+            if not path.startswith(SERVER_PACKAGE):
+                continue
+            mod, _, cls_name = path.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(mod), cls_name)
+            except (ImportError, AttributeError):
+                raise DeployError(f"{cfg}: workflow {path} is not in the installed cxr-hfl package") from None
+            try:
+                cls(**(wf.get("args") or {})).check_options()
+            except (TypeError, ValueError) as e:
+                raise DeployError(f"{cfg}: workflow {cls_name}: {e}") from None

@@ -130,13 +130,13 @@ def admin_view(session, job_id: str) -> dict:
     try:
         from nvflare.fuel.flare_api.api_spec import TargetType
 
-        info = session.check_status(TargetType.CLIENT) or []
+        info = session.check_status(TargetType.SERVER) or {}
         connected = {}
-        for c in info if isinstance(info, list) else []:
-            name = c.get("client_name") or c.get("name")
-            last = c.get("last_connect_time")
-            if name:
-                connected[name] = None if not isinstance(last, (int, float)) else round(time.time() - last, 1)
+        for c in info.get("clients") or []:  # [{"client_name", "client_last_conn_time", "fqcn"}]
+            last = c.get("client_last_conn_time")
+            if c.get("client_name"):
+                connected[c["client_name"]] = (None if not isinstance(last, (int, float))
+                                               else round(max(0.0, time.time() - last), 1))
     except Exception:  # noqa: BLE001 - the view still shows the job
         connected = None
     dm = meta.get("deploy_map") or {}

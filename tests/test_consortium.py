@@ -246,3 +246,24 @@ def test_cli_lists_status_results_and_submit():
     assert r.returncode == 2 and "--startup-kit" in r.stderr
     r = run_cli("results", "abc", "--out", "x", "--startup-kit", "/nonexistent")
     assert r.returncode == 2 and "not an admin startup kit" in r.stderr
+
+
+def test_adding_a_hospital_later_keeps_the_ca_and_existing_kits(kits, tmp_path):
+    """Re-provisioning into the same folder with the CA state present (DEPLOYMENT.md, Certificates) reuses the
+    root CA and every certificate already handed out; only the new hospital needs its kit."""
+    import yaml
+
+    from nvflare_jobs.deploy import provision
+
+    out, res = kits
+    proj = yaml.safe_load(PROJECT.read_text())
+    proj["participants"].append({"name": "hospital-g", "type": "client", "org": "new_hospital_org"})
+    f = tmp_path / "project.yml"
+    f.write_text(yaml.safe_dump(proj, sort_keys=False))
+    res2 = provision(f, out, job_store="/srv/cxr-hfl/store")
+    assert res2["prod_dir"] != res["prod_dir"]
+    old, new = res["prod_dir"], res2["prod_dir"]
+    assert (new / "hospital-g" / "startup" / "rootCA.pem").read_bytes() == (old / "hospital-a" / "startup" /
+                                                                             "rootCA.pem").read_bytes()
+    for k in ("hospital-a", "hospital-f"):
+        assert (new / k / "startup" / "client.crt").read_bytes() == (old / k / "startup" / "client.crt").read_bytes()

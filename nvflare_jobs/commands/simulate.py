@@ -488,6 +488,8 @@ def _print_summary(m: dict, run_dir: Path) -> None:
             print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
+    if m.get("tensorboard"):
+        print(f"training curves (per-site loss, validation): tensorboard --logdir {m['tensorboard']}")
 
 
 def run_export(args) -> int:

@@ -1,4 +1,4 @@
-"""FedSAF alignment benchmark (issue 5; not a test): the paper's Tables III, VIII and IX on chest X-rays.
+"""FedSAF alignment benchmark (not a test): the paper's Tables III, VIII and IX on chest X-rays.
 
 Setting (sized for 2 CPU cores; every number below is a command-line option):
 
@@ -21,9 +21,9 @@ Runs execute the real FedSAF server workflow and site handlers in process (see `
 ``benchmarks/results/bench_alignment.json`` after every run; rerunning the same command resumes. The whole budget is
 printed before anything runs.
 
-    .venv/bin/python benchmarks/bench_alignment.py                      # full grid (36 runs)
-    .venv/bin/python benchmarks/bench_alignment.py --tiny               # smoke test: 1 alpha, 1 seed, 2 rounds, 24 imgs
-    .venv/bin/python benchmarks/bench_alignment.py --budget-only
+    .venv/bin/python -m benchmarks.bench_alignment                      # full grid (36 runs)
+    .venv/bin/python -m benchmarks.bench_alignment --tiny               # smoke test: 1 alpha, 1 seed, 2 rounds, 24 imgs
+    .venv/bin/python -m benchmarks.bench_alignment --budget-only
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
-                      mean_std, run_federation)
+from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,
+                                  mean_std, run_federation)
 
 KINDS = ("mse", "cosine", "gcsa", "rcsa")
 LEVELS = {"proto-only": (1.0, 0.0), "instance-only": (0.0, 1.0), "both": (1.0, 1.0)}

@@ -6,7 +6,7 @@ For input sizes 64/128/224 it measures images/s for
   cached  - one epoch over a MONAI CacheDataset that already holds the resized images,
 and prints each as a ratio to plain decode.
 
-    .venv/bin/python benchmarks/bench_data.py [--n 120] [--sizes 64 128 224] [--data DIR]
+    .venv/bin/python -m benchmarks.bench_data [--n 120] [--sizes 64 128 224] [--data DIR]
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
-"""Dead-site benchmark (not a test; operations issue, part 1): how long a FedAvg run takes when one site worker is
+"""Dead-site benchmark (not a test): how long a FedAvg run takes when one site worker is
 killed after its first task, against the same run with every site healthy.
 
 Setup (defaults): real chest_xray_original images, 4 width sites (class-balanced subset of 240 images partitioned
 by width, each site capped at 40 training images), FedAvg 3 rounds x 1 local epoch, ``--late-wait 900`` (the fixed
 late wait that used to be waited out for a dead site). The killed run kills ``site-2``'s simulator worker
 (SIGKILL) as soon as the server starts round 1. Printed: wall seconds of both runs, their ratio, the reasons site-2
-was excluded, and whether the killed run stayed under the bound stated in README.md ("Operations": 5 minutes).
+was excluded, and whether the killed run stayed under the bound stated in docs/operations.md (5 minutes).
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_dead_site.py [--data ../shared/data] [--sites 4] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_dead_site [--data ../shared/data] [--sites 4] [--rounds 3]
         [--max-train-images 40] [--no-baseline] [--out bench_dead_site.json]
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from tests.sim_helpers import make_partition, make_profile, read_status  # noqa: E402
 

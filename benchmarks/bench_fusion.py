@@ -1,6 +1,6 @@
 """Benchmark of the OHFL fusion library (not a test).
 
-Part 0 (``--server RUN``, issue 15) — the OHFL server's fusion of the main job's six site models (``RUN/models/
+Part 0 (``--server RUN``) — the OHFL server's fusion of the main job's six site models (``RUN/models/
 site-*_local.pt`` of a ``simulate --method ohfl --sites 6 --scheme width`` run; He-random models of the same specs
 when absent) with the job's defaults read from the method catalogue (today cid, emd, acts, channel repair, linear
 CKA, probe of 64 ``chest_xray_224`` probe images at each model's own input size, 64/96/128 px): seconds per phase (cka, alignment, ot, averaging, repair), their share of the
@@ -9,7 +9,7 @@ the number of sites (2, 6, 12, 24 via perturbed copies of the six), and the fitt
 slope of log seconds on log width / log sites). ``--baseline COMMIT`` times the same six-model fusion with the
 fusion code of an older commit in a subprocess, side by side (``git archive``; nothing is installed), and prints
 the largest per-tensor relative difference between the two fused models (with ``acts`` exactly tied OT plans can
-make it large while the models compute the same function; see benchmarks/results/server_fusion.md, section 5a).
+make it large while the models compute the same function; see studies/speed/RESULTS.md).
 
 Part 1 — server fusion time by phase (CKA, alignment incl. depth balancing, OT, averaging) for 2–12 cnn-family models
 at width multipliers 0.25–2 and vgg11-family models at 0.125–0.5, printing how the time grows with width. Sites get
@@ -23,10 +23,10 @@ held-out test slice: each local model, the best single model, the OHFL CID globa
 fine-tuning) and naive averaging (same CID layer maps and identity insertion, then plain parameter averaging of
 neuron i with neuron i, no OT; an inserted identity layer wider than its target layer is cropped).
 
-    .venv/bin/python benchmarks/bench_fusion.py --server runs/demo [--baseline 4291d41]   # part 0 (issue 15)
-    .venv/bin/python benchmarks/bench_fusion.py                 # timing, default grid
-    .venv/bin/python benchmarks/bench_fusion.py --quick         # small grid (~1 min)
-    .venv/bin/python benchmarks/bench_fusion.py --accuracy --epochs 8
+    .venv/bin/python -m benchmarks.bench_fusion --server runs/demo [--baseline COMMIT]   # part 0
+    .venv/bin/python -m benchmarks.bench_fusion                 # timing, default grid
+    .venv/bin/python -m benchmarks.bench_fusion --quick         # small grid (~1 min)
+    .venv/bin/python -m benchmarks.bench_fusion --accuracy --epochs 8
 
 Caveat (accuracy part): at these CPU budgets (300 images per site, 32 px, a few epochs, no validation-based
 early stopping) some local models stay near the majority class and the zero-shot fused models usually do too; the
@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hfl_components.fusion import (PHASES, aggregate_models, align_layers, cka_cost_matrix,  # noqa: E402
                                    insert_identity_layers)
@@ -127,13 +126,13 @@ def bench_timing(args) -> None:
                 prev = total
 
 
-# ---------------------------------------------------------------- server (part 0, issue 15)
+# ---------------------------------------------------------------- server (part 0)
 
 MAIN_JOB = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
 
 
 def _server_defaults() -> dict:
-    """The OHFL server's fusion defaults, read from the method catalogue (one source; issue 14)."""
+    """The OHFL server's fusion defaults, read from the method catalogue (one source)."""
     from hfl_components.flare import catalogue
 
     d = {o.key: o.default for o in catalogue.entry("ohfl").options}
@@ -150,7 +149,7 @@ def _probe_at() -> str:
     return {o.key: o.default for o in catalogue.entry("ohfl").options}["probe_at"]
 
 
-PROBE_AT = _probe_at()  # "own": every model probed at its own input size (the server's default since issue 11)
+PROBE_AT = _probe_at()  # "own": every model probed at its own input size (the server's default)
 
 
 def main_job_models(run: Path | None, width: float = 1.0, seed_offset: int = 0) -> tuple[list[dict], str]:
@@ -246,8 +245,7 @@ def _baseline(commit: str, models: list[dict], probe: torch.Tensor, repeat: int,
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout, check=True)
     torch.save({"models": models, "probe": probe}, tmp / "inputs.pt")
     code = f"""
-import json, sys, time, torch
-sys.path.insert(0, {str(tmp)!r})
+import json, time, torch
 torch.set_num_threads({torch.get_num_threads()})
 from hfl_components.fusion import aggregate_models
 assert aggregate_models.__code__.co_filename.startswith({str(tmp)!r})
@@ -262,7 +260,7 @@ for _ in range({repeat}):
 torch.save(sd, {str(tmp / "fused.pt")!r})
 print(json.dumps(best))
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp)}  # that commit's copy first (the assert checks)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp), env=env)
     if r.returncode != 0:
         print(f"# baseline {commit} failed: {r.stderr[-500:]}")
@@ -279,7 +277,7 @@ def bench_server(args) -> None:
     import os
 
     run = Path(args.server) if args.server else None
-    print(f"# server fusion (issue 15): load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
+    print(f"# server fusion: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores, torch "
           f"threads {torch.get_num_threads()}, options {SERVER_DEFAULTS}, best of {args.repeat}")
     models, src = main_job_models(run)
     if PROBE_AT == "own":  # as the controller does: the same images at every site input size

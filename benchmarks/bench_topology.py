@@ -1,4 +1,4 @@
-"""FedTopo benchmark (issue 6; not a test): the paper's Tables I, II and III on chest X-rays.
+"""FedTopo benchmark (not a test): the paper's Tables I, II and III on chest X-rays.
 
 Setting (sized for 2 CPU cores; every number below is a command-line option):
 
@@ -25,9 +25,9 @@ Tables (mean +- std over seeds of the mean site test accuracy, each site evaluat
 Runs execute the real server workflows and site handlers in process (see ``fedbench.py``). Results go to
 ``benchmarks/results/bench_topology.json`` after every run; rerunning resumes. The budget is printed first.
 
-    .venv/bin/python benchmarks/bench_topology.py                      # full grid
-    .venv/bin/python benchmarks/bench_topology.py --tiny               # smoke test (1 split, 1 seed, 2 rounds)
-    .venv/bin/python benchmarks/bench_topology.py --budget-only
+    .venv/bin/python -m benchmarks.bench_topology                      # full grid
+    .venv/bin/python -m benchmarks.bench_topology --tiny               # smoke test (1 split, 1 seed, 2 rounds)
+    .venv/bin/python -m benchmarks.bench_topology --budget-only
 """
 from __future__ import annotations
 
@@ -36,9 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,  # noqa: E402
-                      mean_std, run_federation)
+from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,
+                                  mean_std, run_federation)
 
 from hfl_components.flare.catalogue import PROTOTYPE_METHODS, TOPOLOGY_ABLATIONS  # noqa: E402
 

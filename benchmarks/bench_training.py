@@ -1,4 +1,4 @@
-"""Training throughput benchmark (not a test; training issue, "Benchmark").
+"""Training throughput benchmark (not a test).
 
 1. Model-only: SGD training steps (forward + backward + update, batch 16) on random tensors, for the fusable
    ``cnn`` depths and every heterogeneous backbone, at each input size -> images/s and seconds per batch.
@@ -9,11 +9,11 @@
    the data layer costs nothing). The one-off cache fill (decode + resize) is timed separately.
 
    Both the first epoch (cache fill + one epoch: what a site pays once) and the cached epoch are set against
-   model-only throughput (issue 15 targets: cached >= 0.9x model-only). The model-only rate of each (model, size)
+   model-only throughput (target: cached >= 0.9x model-only). The model-only rate of each (model, size)
    is measured again immediately before its pipeline run (side by side, so both see the same machine load), and
    the plain full-resolution decoding rate of the same images (``read_image`` without a target + the eval
    resize/pad/scale, as ``bench_data.py``) immediately before that: the cache fill (JPEG draft-mode decoding +
-   resize) and the first epoch are also given as ratios to it (issue 15: first epoch >= 2x plain decoding).
+   resize) and the first epoch are also given as ratios to it (target: first epoch >= 2x plain decoding).
 
 3. Federation overhead (``--simulate local,fedavg,ohfl``): one ``cxr-hfl simulate`` run per method, one after the
    other in the same invocation (default arguments: the main job's, 6 width sites), and from each metrics.json
@@ -23,7 +23,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_training.py [--sizes 64,96,128] [--threads 1] [--batches 10]
+    .venv/bin/python -m benchmarks.bench_training [--sizes 64,96,128] [--threads 1] [--batches 10]
         [--data ../shared/data/chest_xray_original] [--n-images 128] [--out bench.json]
         [--simulate local,fedavg,ohfl] [--sim-args "--sites 6 --scheme width"] [--skip-throughput]
         [--pipeline-only] [--augment monai,batch]
@@ -40,7 +40,6 @@ import torch
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hfl_components.models import build_model, count_parameters  # noqa: E402
 from hfl_components.models.hetero import hetero_pool_specs  # noqa: E402

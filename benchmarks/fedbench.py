@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
 

@@ -1,8 +1,8 @@
 """Write ``benchmarks/results/fedsaf_table3.md`` and ``fedtopo_table1.md`` from ``cxr-hfl compare`` folders run
-under issue 16's protocol (sites from ``chest_xray_224`` tuning + probe, the prototype methods' defaults, each site
-model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
+under the prototype-method protocol (``docs/evaluation.md``: sites from ``chest_xray_224`` tuning + probe, the
+prototype methods' defaults, each site model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
 
-    PYTHONPATH=$PWD python benchmarks/proto_results.py --compare "alpha 0.5=runs/grid_a05" \
+    python -m benchmarks.proto_results --compare "alpha 0.5=runs/grid_a05" \
         --compare "alpha 1.0=runs/a10_s0" --compare "pathological=runs/path_s0" --out /tmp/tables
 
 (the folders are what ``cxr-hfl compare --out`` wrote; the exact commands behind the committed files are written at
@@ -19,7 +19,7 @@ seed) from one compare folder holding the variants of :data:`ABLATIONS`, each pa
     cxr-hfl compare --methods local,fedsaf,fedsaf:lam=0:gamma=0,fedsaf:gamma=0,fedsaf:lam=0,fedtopo,\
         fedtopo:ablate=local_topology,fedtopo:ablate=no_reliability,fedtopo:ablate=no_missing_mask,\
         fedtopo:ablate=no_ema --labels subtype --scheme dirichlet --alpha 0.5 --seeds 0 --out runs/ablate_s0
-    PYTHONPATH=$PWD python benchmarks/proto_results.py --ablation "Dirichlet alpha 0.5, 6 sites (1 seed)=runs/ablate_s0"
+    python -m benchmarks.proto_results --ablation "Dirichlet alpha 0.5, 6 sites (1 seed)=runs/ablate_s0"
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def outcome(b: dict) -> list[str]:
 
 
 def protocol_head(floor: float) -> list[str]:
-    """The protocol paragraph every results file opens with (issue 16), as markdown lines."""
+    """The protocol paragraph every results file opens with, as markdown lines."""
     return ["Protocol (issue 16): 6 sites from the `tuning` + `probe` parts of `chest_xray_224` (1,055 images, "
             "3 classes NORMAL / BACTERIAL / VIRAL, patient-grouped 80/10/10 site splits in which every class a site "
             "holds >= 8 images of has >= 2 images in val and in test: `PROTO_MIN_EVAL_PER_CLASS`), label skew by "
@@ -174,7 +174,7 @@ def protocol_head(floor: float) -> list[str]:
             "FedSAF and FedTopo at lambda = gamma = 1.", ""]
 
 
-# The paper ablation tables regenerated at 1 seed (issue 16): rows (method variant, row label, paper cell), the full
+# The paper ablation tables regenerated at 1 seed: rows (method variant, row label, paper cell), the full
 # method every variant is paired against, and what the paper numbers are.
 ABLATIONS = {
     "fedsaf_table8": {
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"proto_results.py: --out {out} is a file, not a folder", file=sys.stderr)
         raise SystemExit(2)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/proto_results.py " + " ".join(
+    command = "python -m benchmarks.proto_results " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     notes = ["## Caveats", "", *[f"- {n}" for n in NOTES], ""]
     blocks = [load(*c.split("=", 1)[:1], Path(c.split("=", 1)[1])) for c in a.compare]

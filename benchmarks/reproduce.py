@@ -1,8 +1,8 @@
 """Paper-table reproductions at CPU budgets: OHFL Tables 2, 4, 5 (through ``cxr-hfl compare``), FedSAF Tables III and
 VIII and FedTopo Tables I and II (through ``bench_alignment.py`` / ``bench_topology.py``).
 
-    .venv/bin/python benchmarks/reproduce.py --budget quick --seeds 0 [--tables ohfl_table2,...] [--dry-run]
-    .venv/bin/python benchmarks/reproduce.py --budget tiny --seeds 0 --tables fedsaf_table3,fedtopo_table1 --dry-run
+    .venv/bin/python -m benchmarks.reproduce --budget quick --seeds 0 [--tables ohfl_table2,...] [--dry-run]
+    .venv/bin/python -m benchmarks.reproduce --budget tiny --seeds 0 --tables fedsaf_table3,fedtopo_table1 --dry-run
 
 Prints its budget (number of simulator runs and an estimate of the wall time) before it starts; resumable (every
 run folder with a metrics.json is skipped, so the same command continues where it stopped). Runs go to
@@ -19,8 +19,9 @@ FedSAF / FedTopo tables delegate to the in-process federation drivers (``bench_a
 ``bench_topology.main``, called with explicit options; their budget blocks are printed by ``--budget-only`` before
 anything runs). Their results are kept in ``--out``/fedsaf|fedtopo/bench_*_<store>.json (resumable; ``tiny`` and
 ``quick`` share one store since they differ only in the grid) and the tables are written from those files, beside
-them (``--out``/fedsaf|fedtopo/<table>.md; the committed ``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` are issue
-16's protocol, written by ``benchmarks/proto_results.py``):
+them (``--out``/fedsaf|fedtopo/<table>_driver.md, a name of their own; the committed
+``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` follow the prototype-method protocol of
+``benchmarks/proto_results.py``):
 FedSAF Table III -- alignment MSE / cosine / GCSA / RCSA per Dirichlet alpha; Table VIII -- GCSA prototype-level only /
 instance-level only / both; FedTopo Table I -- Local / FedProto / FedSAF-GCSA / FedTopo on Dirichlet-0.1 and
 pathological splits; Table II -- FedTopo ablations. ``tiny`` runs one alpha (0.1) and one split (Dirichlet 0.1), the
@@ -39,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 BUDGETS = {  # to compare (equal budgets: E = local + fine-tuning epochs per site for every method; FedAvg runs
     # `rounds` rounds of E / rounds epochs); seconds per simulator run measured on 2 shared CPU cores (approximate)
@@ -123,7 +123,7 @@ TABLE5_METHODS = [f"ohfl:alignment={a}:strategy={s}" for a in ("random", "cka") 
 
 def compare_args(methods, sites, seeds, out, budget, data, external=None, part=None) -> argparse.Namespace:
     """``cxr-hfl compare``'s options for one table: equal epoch budgets, and (when ``external``) every saved model
-    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of issue 11, Sec. 3."""
+    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of docs/evaluation.md."""
     b = BUDGETS[budget]
     argv = ["compare", "--methods", ",".join(methods), "--sites", str(sites), "--seeds", ",".join(map(str, seeds)),
             "--out", str(out)] + (["--external", str(external)] + (["--part", part] if part else []) if external else [])
@@ -230,7 +230,7 @@ def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
     groups: dict[str, list] = {}
 
     p = PAPER[table]
-    L = [f"# {p['caption']}", "", f"Command: `{cmd}`", "", f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` "
+    L = [f"# {p['caption']} (in-process driver)", "", f"Command: `{cmd}`", "", f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` "
          f"({json.dumps({k: v for k, v in BUDGETS[budget].items() if k != 's_per_run'})}) · data: the width "
          "partition of chest_xray_original. Ours: mean ± std over seeds of the per-seed pooled test accuracy (%) "
          "unless stated.", ""]
@@ -311,10 +311,7 @@ def external_section(root: Path) -> list[str]:
 # ---- FedSAF / FedTopo tables: delegate to bench_alignment / bench_topology ----------------------------------------
 
 def _drivers():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_alignment
-    import bench_topology
-    import fedbench
+    from benchmarks import bench_alignment, bench_topology, fedbench
     return bench_alignment, bench_topology, fedbench
 
 
@@ -431,7 +428,7 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
     smoke = budget != "full"
     driver = "bench_alignment" if group == "fedsaf" else "bench_topology"
     rel = store.relative_to(REPO) if store.is_relative_to(REPO) else store
-    L = [f"# {p['caption']}", "", f"Command: `{cmd}`", "",
+    L = [f"# {p['caption']} (in-process driver)", "", f"Command: `{cmd}`", "",
          f"Delegates to `{driver}.main({' '.join(str(rel) if x == str(store) else x for x in argv)})` "
          "(resumable: finished runs in that file are skipped).", "",
          f"Seeds: {', '.join(map(str, seeds))} · budget `{budget}` ({json.dumps(st)}) · "
@@ -522,11 +519,11 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
               "50 = the same on a 2-class site): " + "; ".join(f"{g}: " + ", ".join(v) for g, v in bal.items())
               + ". Accuracy alone flatters sites that predict their dominant class under label skew."]
     L += ["", "## Ordering", "", *_groups_note(groups, _bench_reason(group, st, len(seeds)), smoke)]
-    # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables are issue 16's
-    # protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's smaller budget
+    # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables follow the
+    # prototype protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's budget
     L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
                   f"`benchmarks/results/{table}.md` is issue 16's protocol, written by `benchmarks/proto_results.py`."]
-    dest = store.parent / f"{table}.md"
+    dest = store.parent / f"{table}_driver.md"  # a name of its own: benchmarks/results/{table}.md is proto_results'
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L).rstrip() + "\n")
     return dest

@@ -1,9 +1,9 @@
-"""Batch-level training augmentation: the ``train`` transforms' random flip + affine on a whole batch (issue 15).
+"""Batch-level training augmentation: the ``train`` transforms' random flip + affine on a whole batch.
 
 :func:`chest_xray.build_transforms` augments one image at a time with MONAI's ``RandFlipd`` (horizontal, p=0.5) and
 ``RandAffined`` (p=0.8, rotation uniform in +-10 degrees, translation uniform in +-6 % of the side per axis, bilinear,
 zero padding). At 64-128 px that costs ~2-4 ms per image, almost all Python/metadata overhead, and with the site's
-``num_workers=0`` it runs serially with the training step (``benchmarks/results/server_fusion.md`` 5d). Here the same
+``num_workers=0`` it runs serially with the training step (``studies/speed/RESULTS.md``). Here the same
 random parameters are drawn per image, but applied to the collated batch at once: flips by index reversal
 (``Tensor.flip``) and one ``torch.nn.functional.affine_grid`` + ``grid_sample`` for the images that get an affine
 (MONAI's ``AffineTransform`` layer was tried: its pixel-space convention does not map an integer translation to an

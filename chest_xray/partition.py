@@ -210,7 +210,7 @@ def partition_records(
         max_tries: dirichlet re-draw limit.
         min_eval_per_class: m >= 0; after the split, every class a site holds at least 4 m images of gets at least
             m images in val and in test, moved from train patient by patient (:func:`_min_eval_per_class`; 0, the
-            default: no change). The prototype methods' comparison uses 2 (issue 16).
+            default: no change). The prototype methods' comparison uses 2.
 
     Returns:
         a :class:`PartitionResult`.

@@ -67,7 +67,7 @@ def write_pool_csv(parts: tuple[str, ...] | list[str], root: str | Path, out_csv
     """Write the images of committed ``parts`` as one manifest CSV (``path`` absolute, ``label``, ``patient_id``)
     that :func:`chest_xray.scan_dataset` reads like a data root.
 
-    The prototype methods (FedSAF / FedProto / FedTopo, issue 16) build their simulated sites from
+    The prototype methods (FedSAF / FedProto / FedTopo) build their simulated sites from
     ``TRAINING_PARTS`` of ``chest_xray_224`` (1,055 images): the ``evaluation`` part is then never trained on and
     stays the external test set. ``extra_roots``: further data roots (e.g. the patient-disjoint
     ``chest_xray_original``) whose every image is appended (path, label, patient id from

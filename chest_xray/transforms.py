@@ -4,12 +4,12 @@ The pipeline is a MONAI ``Compose`` of dictionary transforms on keys ``image`` (
 tensor (1, S, S) out) and ``label`` (int). How a non-square image becomes S x S is the ``aspect`` choice
 (:data:`ASPECTS`): ``stretch`` (the default: resize H x W -> S x S, ignoring the aspect ratio, as the third-party
 ``chest_xray_224`` images were made), ``letterbox`` (longer side -> S, zero padding to a square; the padded share
-differs between classes on Kermany and is a shortcut, issue 11) or ``crop`` (central square, then resize).
+differs between classes on Kermany and is a shortcut) or ``crop`` (central square, then resize).
 Its deterministic prefix (decode, make square, scale) is cached by
 :func:`make_site_dataset` (``CacheDataset`` in memory or ``PersistentDataset`` on disk), so later epochs do not
 decode the 2,000-px JPEGs again; the random suffix (flip, rotation, translation) runs every epoch and only for
 the samples whose label is in ``augment_classes``. This per-image ``train`` pipeline is the sites' default
-(site-config ``augment: monai``); ``augment: batch`` (opt-in, issue 15) trains on the eval-mode cache with the same
+(site-config ``augment: monai``); ``augment: batch`` (opt-in) trains on the eval-mode cache with the same
 flip + affine applied per collated batch (:mod:`chest_xray.batch_augment`).
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ class ApplyToClassesd(Randomizable, Transform):
     afterwards): the pipeline hands it a plain tensor and converts its output back to one, so the ``MetaTensor``
     that ``RandFlipd`` / ``RandAffined`` would build and carry is never read. The pixels are bitwise the same
     (``tests/test_data_transforms.py``) and, with ``RandAffined``'s cached sampling grid (``cache_grid``, the
-    output being always s x s), one image's flip + affine costs about a quarter of what it did (issue 15,
-    ``benchmarks/results/server_fusion.md`` 7b).
+    output being always s x s), one image's flip + affine is much cheaper (timings:
+    ``studies/augmentation/RESULTS.md``).
     """
 
     def __init__(self, transform: Compose, classes: Sequence[int] | None, label_key: str = "label"):
@@ -127,8 +127,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         augment_classes: label indices to augment in train mode; None = every class (pass
             :func:`default_augment_classes` for the OHFL rule); ignored in eval mode.
         aspect: one of :data:`ASPECTS` (default ``stretch``). Sites, the server's probe and ``evaluate`` must use
-            the same choice: a model trained on letterboxed Kermany images learns the padding share (AUC 0.87 for
-            pneumonia on ``chest_xray_original`` by itself) and fails on unpadded images.
+            the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it
+            separates the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
 
     Returns:
         the ``Compose``; applied to ``{"image": path, "label": int}`` it gives ``{"image": FloatTensor (1, S, S)
@@ -261,7 +261,7 @@ def make_site_dataset(
 
 
 class TensorAugmentDataset(torch.utils.data.Dataset):
-    """Training images held as one cached tensor, augmented with cheap tensor operations (issue 16).
+    """Training images held as one cached tensor, augmented with cheap tensor operations.
 
     ``images`` are the eval-mode tensors of :func:`make_site_dataset` (``(N, 1, S, S)`` in [0, 1]); an item of a
     class in ``augment_classes`` is flipped horizontally with probability 0.5 and shifted by a random integer number

@@ -51,7 +51,7 @@ def check_model_upload(params: dict, meta: dict, ctx: dict) -> None:
 
 def check_prototype_upload(params: dict, meta: dict, ctx: dict) -> None:
     """FedSAF / FedProto: ``prototypes`` (C x d) and ``counts`` (C,) as
-    ``hfl_components.alignment.validate_prototype_upload`` checks them (paper 000, Sec. III), and counts that add
+    ``hfl_components.alignment.validate_prototype_upload`` checks them (FedSAF paper, Sec. III), and counts that add
     up to the site's ``meta["n_train"]`` when it is given.
 
     Raises:
@@ -70,7 +70,7 @@ def check_prototype_upload(params: dict, meta: dict, ctx: dict) -> None:
 
 def check_topology_upload(params: dict, meta: dict, ctx: dict) -> None:
     """FedTopo: ``R`` (C x C) and ``counts`` (C,) as ``hfl_components.topology.validate_topology_upload`` checks
-    them (paper 002, Eq. 4), and a unit diagonal of R exactly at the classes with a positive count.
+    them (FedTopo paper, Eq. 4), and a unit diagonal of R exactly at the classes with a positive count.
 
     Raises:
         ValueError: a bad shape or value, or a diagonal that disagrees with the counts.

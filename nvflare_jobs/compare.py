@@ -112,7 +112,7 @@ def _base(method: str) -> str:
 
 
 def proto_protocol(methods: list[str]) -> bool:
-    """True when the methods are prototype methods, with or without Local (issue 16's protocol): sites from
+    """True when the methods are prototype methods, with or without Local (the prototype-method protocol): sites from
     ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
     training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
     bases = {_base(m) for m in methods}
@@ -150,7 +150,7 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     method = split_variant(method)[0]
     from hfl_components.flare.catalogue import method_defaults
 
-    if getattr(args, "proto_protocol", False):  # issue 16: every method at the prototype methods' rounds x epochs
+    if getattr(args, "proto_protocol", False):  # every method at the prototype methods' rounds x epochs
         d = method_defaults(PROTO[0])
         plan = {"rounds": args.rounds or d["rounds"],
                 "local_epochs": args.local_epochs if args.local_epochs is not None else d["local_epochs"],
@@ -349,7 +349,7 @@ def run_compare(args) -> int:
         return 2
     try:
         data = None
-        if args.proto_protocol and not args.data:  # issue 16: chest_xray_224's tuning + probe parts
+        if args.proto_protocol and not args.data:  # chest_xray_224's tuning + probe parts
             from nvflare_jobs.profiles import proto_training_data
 
             data = proto_training_data(out / "data_pool.csv")
@@ -731,7 +731,7 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     return {**info, "rows": rows}
 
 
-# Issue 11's targets for the main job (3 seeds, external evaluation part), checked on every compare with OHFL.
+# The fusion targets for the main job (3 seeds, external evaluation part), checked on every compare with OHFL.
 GLOBAL_AUC_TARGET = 0.75   # the fused global model's zero-shot mean AUC
 STRETCH_GAP = 0.05         # stretch: global within this of its parents' (pre-fusion local models') mean AUC
 
@@ -754,7 +754,7 @@ def load_external(out: Path) -> dict | None:
 
 
 def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
-    """Issue 11's targets for ``method`` (the main job) from an external evaluation (:func:`external_tables` or
+    """The fusion targets for ``method`` (the main job) from an external evaluation (:func:`external_tables` or
     :func:`load_external`): one ``{"target", "value", "met"}`` per target, ``met`` True/False, or None for a number
     reported without a threshold (the verdict against FedAvg). ``[]`` when ``method`` has no external rows.
 

@@ -16,8 +16,8 @@ from hfl_components.models import deepest_spec  # noqa: F401 - kept name (moved 
 SITE_SCRIPT = Path(__file__).resolve().parent.parent / "hfl_components" / "flare" / "site_script.py"
 # Seconds the server tells a site to wait before asking for its next task (NVFlare's server config
 # ``server.task_request_interval``, default 2 s). Every round starts when the slowest site next asks, so the 2 s
-# default cost up to 2 s per round boundary (measured: the main job's evaluation round waited 1.5 s for sites
-# that had polled just before it was scheduled); 0.5 s is NVFlare's own client-side default.
+# default cost up to 2 s per round boundary (studies/speed/RESULTS.md); 0.5 s is NVFlare's own client-side
+# default.
 TASK_REQUEST_INTERVAL_S = 0.5
 
 

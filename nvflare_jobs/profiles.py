@@ -10,26 +10,22 @@ from nvflare_jobs.site_config import write_site_config
 
 DEPTHS = ("shallow", "medium", "deep")
 HETERO_FAMILIES = ("hetero_cnn", "densenet", "resnet", "efficientnet")
-# Prototype methods' default backbones (issue 16): the pool's families, the two slowest made smaller so that one
-# epoch of 6 sites on ~850 training images at 64 px costs a few CPU seconds (ms per image, forward + backward, 1
-# thread: hetero_cnn 2.2, densenet 5.8 -> 3.4, resnet 3.0, efficientnet 9.3 -> 4.5). EfficientNet's BatchNorm
-# momentum is PyTorch's 0.1 instead of MONAI's 0.01: with 0.01 its eval-mode predictions stayed one class after 12
-# epochs at a 212-image site (validation balanced accuracy 0.33), with 0.1 they did not (0.51).
+# Prototype methods' default backbones: the pool's families, the two slowest made smaller so that one
+# epoch of 6 sites on ~850 training images at 64 px costs a few CPU seconds. EfficientNet's BatchNorm momentum is
+# PyTorch's 0.1 instead of MONAI's 0.01: with 0.01 its eval-mode predictions stayed one class (docs/decisions.md).
 PROTO_BACKBONES = {
     "densenet": {"block_config": [2, 2, 2]},
     "efficientnet": {"blocks": ["r1_k3_s11_e1_i32_o16_se0.25", "r1_k3_s22_e4_i16_o24_se0.25",
                                 "r1_k3_s22_e4_i24_o40_se0.25"], "bn_momentum": 0.1},
 }
-# Prototype methods' default site training (issue 16), chosen on the sites' validation splits by
-# benchmarks/tune_proto.py (results in benchmarks/results/proto_tuning.md); never on test or evaluation images.
-# augment_classes "all" (sixth pass): with "auto" only the minority classes were flipped / shifted, so at a
-# label-skewed site a flipped or black-bordered image was a minority-class image (a label shortcut) and un-augmented
-# test images looked like the majority class; every class augmented gained +2.2 / +4.0 pp own / pooled validation
-# balanced accuracy (Local, Dirichlet 0.5, seeds 0-2).
+# Prototype methods' default site training, chosen on the sites' validation splits by
+# studies/proto_tuning/tune_proto.py (results in studies/proto_tuning/RESULTS.md); never on test or evaluation images.
+# augment_classes "all": with "auto" only the minority classes were flipped / shifted, so at a label-skewed site a
+# flipped or black-bordered image was a minority-class image (a label shortcut; docs/decisions.md).
 PROTO_TRAINING = {"input_size": 64, "lr": 0.001, "optimizer": "adam", "lr_schedule": "cosine",
                   "balanced_sampling": True, "class_weights": None, "fast_augment": True, "deploy": "best_val",
                   "augment_classes": "all"}
-# Prototype methods' site splits (issue 16): every class a site holds >= 4 x 2 images of gets >= 2 images in val and
+# Prototype methods' site splits: every class a site holds >= 4 x 2 images of gets >= 2 images in val and
 # in test (chest_xray.partition_records(min_eval_per_class=...); patients whole, train keeps >= half of the class).
 # With the 80/10/10 cut alone a class of 8-20 images at a site often had 0-1 validation / test images, so neither the
 # validation model selection (deploy: best_val) nor the single-class check of the test split could see it.
@@ -81,7 +77,7 @@ PROTO_METHODS = PROTOTYPE_METHODS  # kept name; the method catalogue decides
 
 
 def proto_training_data(out_csv: Path) -> Path | None:
-    """Default data set of the prototype methods (issue 16): the ``tuning`` + ``probe`` parts of the shared
+    """Default data set of the prototype methods: the ``tuning`` + ``probe`` parts of the shared
     ``chest_xray_224`` pool (1,055 images, 3 subtypes) written as one manifest CSV at ``out_csv``.
 
     Their heterogeneity is the model's, not the resolution's, so they do not need ``chest_xray_original`` (~100

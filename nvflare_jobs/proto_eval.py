@@ -1,4 +1,4 @@
-"""Site-model evaluation of the personalised methods (Local, FedProto, FedSAF, FedTopo; issue 16).
+"""Site-model evaluation of the personalised methods (Local, FedProto, FedSAF, FedTopo).
 
 Each site's deployed model is scored (a) on its own test split (the run's ``test_predictions.csv``) and (b) on the
 committed ``evaluation`` part of ``chest_xray_224`` (1,715 images, never trained on: the sites are built from the
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-FLOOR = 0.55  # issue 16's learning floor: mean site balanced accuracy on 3 classes (chance 1/3)
+FLOOR = 0.55  # the prototype methods' learning floor: mean site balanced accuracy on 3 classes (chance 1/3)
 NOTES = [
     "With 3 classes the structural terms have little to align: FedSAF's GCSA compares 3 x 3 centred Gram matrices "
     "(a site holding 2 classes contributes a single off-diagonal entry), and FedTopo's top-q keeps every negative "
@@ -163,7 +163,7 @@ def single_class_chance(test_y: np.ndarray, ext_y: np.ndarray, ext_probs: np.nda
     predicts the minority class for some of the external images but whose test split holds only one or two of them
     can land on "single-class" by chance alone; a value near 1 says the test-split check could hardly come out
     otherwise for this model, a value near 0 that the single-class test outcome is unusual for it. Not part of
-    issue 16's floor: a diagnostic printed beside each single-class flag.
+    the learning floor: a diagnostic printed beside each single-class flag.
 
     Args:
         test_y: (n,) class indices of the site's test split. ext_y: (m,) class indices of the external images
@@ -285,7 +285,7 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
     """Markdown section + JSON summary of the personalised-methods protocol for the runs under ``out``."""
     res = collect(out, data_root)
     methods = [m for m in methods if m in res]
-    L = ["", "## Site models on their own test splits and on the external evaluation part (issue 16)", "",
+    L = ["", "## Site models on their own test splits and on the external evaluation part", "",
          "Each site's deployed model, on (a) its own test split and (b) the committed `evaluation` part of "
          "`chest_xray_224` (1,715 images, patient-disjoint, never trained on) restricted to the classes that site "
          "holds in its training split. Balanced accuracy = mean recall over the classes present (argmax rule); AUC = "

@@ -356,7 +356,7 @@ def render_compare(cdir: Path) -> str:
 
 
 def targets_html(cdir: Path) -> list[str]:
-    """HTML of issue 11's targets for the main job (``compare.ohfl_targets`` on the comparison's external
+    """HTML of the fusion targets for the main job (``compare.ohfl_targets`` on the comparison's external
     evaluation): a table with the numbers, and a sentence naming the targets that are not met. ``[]`` when the
     comparison has no OHFL run evaluated externally."""
     from nvflare_jobs.compare import load_external, ohfl_targets

@@ -1,4 +1,4 @@
-"""Moved to :mod:`hfl_components.flare.site_config` (issue 14: the site layer owns what the site script needs, so that
+"""Moved to :mod:`hfl_components.flare.site_config` (the site layer owns what the site script needs, so that
 nothing under ``hfl_components`` imports ``nvflare_jobs``). This name stays for compatibility: it *is* that module
 (same object, so monkeypatching either name patches both)."""
 import sys

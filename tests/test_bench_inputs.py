@@ -14,11 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def _run(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+def _run(capsys):
+    where = {"bench_fusion_runs": "studies.fusion_defaults", "bench_gate": "studies.fusion_defaults",
+             "augment_accuracy": "studies.augmentation"}
 
     def run(script, *args):
-        mod = importlib.import_module(script.removesuffix(".py"))
+        name = script.removesuffix(".py")
+        mod = importlib.import_module(f"{where[name]}.{name}")
         rc = mod.main([str(a) for a in args])
         return rc, capsys.readouterr().err.strip()
     return run
@@ -59,8 +61,7 @@ def test_gate_refuses_unequal_control_count(tmp_path, _run):
 def test_tune_fedproto_opts_are_typed_and_checked(monkeypatch):
     """tune_fedproto.py --opts: values typed and checked by the catalogue; a malformed item, an unknown key (was
     silently ignored and recorded in the summary as if used) or a bad value is refused naming it."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tune_fedproto import parse_opts
+    from studies.proto_tuning.tune_fedproto import parse_opts
 
     base = {"rounds": 20, "local_epochs": 1, "seed": 0}
     o = parse_opts("fedproto", "lam=0,gamma=0.015625,rounds=3", base)
@@ -74,10 +75,9 @@ def test_tune_fedproto_opts_are_typed_and_checked(monkeypatch):
 
 
 def test_tune_deploy_selects_rounds_as_the_site_runtime_does(monkeypatch):
-    """benchmarks/tune_deploy.py's post-hoc rule equals SiteRuntime.deploy_round's: best own-val balanced accuracy,
+    """studies/proto_tuning/tune_deploy.py's post-hoc rule equals SiteRuntime.deploy_round's: best own-val balanced accuracy,
     ties -> the later round, None -> -1, a one-class validation split -> the last round."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tune_deploy import select_round
+    from studies.proto_tuning.tune_deploy import select_round
 
     assert select_round([0.4, 0.6, None, 0.6, 0.3], 3) == 3
     assert select_round([None, None], 2) == 1
@@ -90,8 +90,7 @@ def test_tune_deploy_smoothed_rule_and_rerank_of_saved_records(monkeypatch, tmp_
     0.6, 0.5, 0.433, 0.567, 0.7, 0.7 -> the later of the tied last two); --rerank scores the picked rounds."""
     import json
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tune_deploy import rerank, select_round, select_round_window
+    from studies.proto_tuning.tune_deploy import rerank, select_round, select_round_window
 
     curve = [0.9, 0.3, 0.3, 0.7, 0.7, 0.7]
     assert select_round_window(curve, 2, 0) == select_round(curve, 2) == 0
@@ -162,7 +161,7 @@ def test_bench_startup_help_explains_instead_of_running():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_startup.py"), "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "studies.speed.bench_startup", "--help"], capture_output=True,
                        text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and r.stdout.startswith("usage: bench_startup.py") and "CXR_SCAN_WORKERS" in r.stdout
     assert "reached simulator_run" not in r.stdout
@@ -172,8 +171,7 @@ def test_tune_logit_adjust_hand_case(monkeypatch):
     """Post-hoc logit adjustment (Menon et al. 2021, Eq. 3): logits (2, 0, 1), training counts (90, 10, 0), tau 1 ->
     (2 - ln .9, 0 - ln .1, 1 - ln .9) = (2.105, 2.303, 1.105): class 1; tau 0 -> class 0; the absent class gets the
     majority's log prior (no boost); no training images is refused."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from tune_logit_adjust import adjusted_predictions
+    from studies.proto_tuning.tune_logit_adjust import adjusted_predictions
 
     L = np.array([[2.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
     assert adjusted_predictions(L, np.array([90, 10, 0]), 1.0).tolist() == [1, 1]
@@ -189,8 +187,7 @@ def test_tune_logit_adjust_bad_input_is_one_line_exit_2(monkeypatch, tmp_path, c
     --taus: exit 2 with one line naming the folder / file / option (were tracebacks)."""
     from PIL import Image
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import tune_logit_adjust as tla
+    from studies.proto_tuning import tune_logit_adjust as tla
 
     def run(*args):
         with pytest.raises(SystemExit) as e:
@@ -225,8 +222,7 @@ def test_shortcut_probe_transforms_and_pooled_change(monkeypatch):
     border; the pooled change is the mean over sites of each site's mean change of p(its minority classes)."""
     import torch
 
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from shortcut_probe import summary, transform
+    from studies.shortcut.shortcut_probe import summary, transform
 
     X = torch.arange(50.0).repeat(1, 1, 50, 1)  # column index as the pixel value
     assert torch.equal(transform(X, "flip")[0, 0, 0], torch.arange(49.0, -1.0, -1.0))
@@ -248,8 +244,7 @@ def test_shortcut_probe_transforms_and_pooled_change(monkeypatch):
 def test_shortcut_probe_paired_arms_hand_case(monkeypatch):
     """B - A paired by (run, site): differences +0.1, +0.3 (run 0) and -0.1 (run 1) -> mean +0.1; a site missing
     from arm B is not a pair."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from shortcut_probe import paired_arms
+    from studies.shortcut.shortcut_probe import paired_arms
 
     a = [{"auc_per_site": {"s1": 0.5, "s2": 0.5, "s3": 0.9}}, {"auc_per_site": {"s1": 0.8}}]
     b = [{"auc_per_site": {"s1": 0.6, "s2": 0.8}}, {"auc_per_site": {"s1": 0.7}}]

@@ -34,7 +34,7 @@ def test_one_method_list_no_spelled_out_tuples():
     pat = re.compile(r"""\(\s*"(local|fedavg|ohfl|fedsaf|fedproto|fedtopo)",\s*"(fedavg|ohfl|fedsaf|fedproto|fedtopo)",""")
     offenders = []
     for p in list(REPO.glob("hfl_components/**/*.py")) + list(REPO.glob("nvflare_jobs/**/*.py")) + \
-            list(REPO.glob("benchmarks/*.py")) + [REPO / "tests" / "deploy_helpers.py"]:
+            list(REPO.glob("benchmarks/*.py")) + list(REPO.glob("studies/*/*.py")) + [REPO / "tests" / "deploy_helpers.py"]:
         if p.name == "catalogue.py":
             continue
         for i, line in enumerate(p.read_text().splitlines(), 1):

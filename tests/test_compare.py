@@ -167,12 +167,11 @@ def test_method_variants_and_reproduce_budget():
     assert split_variant("ohfl:strategy=cdd:alignment=random") == ("ohfl", ["--strategy", "cdd", "--alignment",
                                                                              "random"])
     assert split_variant("local+ft") == ("local+ft", [])
-    r = subprocess.run([sys.executable, "benchmarks/reproduce.py", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.reproduce", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "34 simulator runs" in r.stdout and "equal budgets: every method trains 3 epochs" in r.stdout and "ohfl:strategy=rand" in r.stdout and "k6" in r.stdout
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from reproduce import ordering_note
+    from benchmarks.reproduce import ordering_note
 
     assert "differs" in ordering_note([("a", "80.0", "90"), ("b", "85.0", "88")])[0]
     assert "Same ordering" in ordering_note([("a", "91.0", "90"), ("b", "85.0", "88")])[0]

@@ -4,15 +4,11 @@ hand-made compare summary into the rows, paired Δ, verdicts and flags computed 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 import pytest
 
-from tests.sim_helpers import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-import proto_results as pr  # noqa: E402
+from benchmarks import proto_results as pr
 
 
 def _simulate_args(method: str):

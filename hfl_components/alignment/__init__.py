@@ -1,4 +1,4 @@
-"""FedSAF structural alignment and prototype utilities (issue 5, section 1; pure PyTorch).
+"""FedSAF structural alignment and prototype utilities (pure PyTorch).
 
 See :mod:`.losses` for the alignment losses (Eq. 6, 12–19) and :mod:`.prototypes` for prototype construction
 (Eq. 3–5, 15), the effective-rank diagnostic (Fig. 1) and upload validation.

@@ -234,8 +234,8 @@ class FedSAFAuxLoss:
       ``z~_j = P_g^{y_j}`` over the samples ``J`` whose class is available in the global set.
 
     ``kind`` selects the discrepancy at both levels (``gcsa``/``rcsa``, or the coordinate baselines ``mse``/``cosine``
-    as in the paper's "Ours-MSE"), so only the alignment function differs between runs. Issue 5 vs paper: the
-    paper's plain coordinate baseline (Eq. 2/6, FedProto) is instance-level only; issue 5 runs ``mse``/``cosine``
+    as in the paper's "Ours-MSE"), so only the alignment function differs between runs. Difference from the
+    paper: its plain coordinate baseline (Eq. 2/6, FedProto) is instance-level only; here ``mse``/``cosine`` run
     through both levels, so ``FedSAFAuxLoss(P_g, "mse", lam=0, gamma=lam_fedproto)`` recovers FedProto's Eq. 2
     exactly (instance level: ``mean_j ||z_j - P_g^{y_j}||^2``). Round 0 (``global_prototypes
     is None``): returns 0, supervised loss only.

@@ -8,8 +8,8 @@ Decisions (PITFALLS.md, "Prototypes"):
   (``training.extract_features`` then :func:`local_prototypes`), not accumulated during training (which mixes
   features of several model states). Classes absent on a site get a zero row and count 0.
 * The FedProto server mean (Eq. 3) is **sample-weighted per class**: site ``k``'s class-``c`` prototype is weighted by
-  its class-``c`` count ``n_k^c`` (issue 5; the FedProto paper weights, its reference code does not). The paper's
-  Eq. 3 writes one client weight ``omega_i`` for all classes; the issue's per-class counts win.
+  its class-``c`` count ``n_k^c`` (the FedProto paper weights, its reference code does not). The paper's
+  Eq. 3 writes one client weight ``omega_i`` for all classes; here the per-class counts are used.
 * Global prototypes are float tensors ``(C, d)`` plus a bool mask ``(C,)`` of classes any site observed; missing
   classes have zero rows and must be excluded by the mask (``FedSAFAuxLoss(global_mask=...)``).
 """

@@ -1,4 +1,4 @@
-"""The method catalogue: one declarative entry per federated method (issue 14).
+"""The method catalogue: one declarative entry per federated method.
 
 Everything that needs to know a method reads its :class:`MethodEntry` here: the CLI (``--method`` choices, the
 method-specific flags and their help), job building and export (``nvflare_jobs.jobs.make_controller``), ``cxr-hfl
@@ -28,8 +28,9 @@ fedtopo  subtype 20     1            10 (unused)
 
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
 
-Prototype methods (issue 16): 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
-training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px; ``nvflare_jobs.profiles.PROTO_TRAINING``; ``benchmarks/results/proto_tuning.md``).
+Prototype methods: 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
+training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px;
+``nvflare_jobs.profiles.PROTO_TRAINING``; ``studies/proto_tuning/RESULTS.md``).
 FedProto's alignment weights default to lambda 0 / gamma 1/64 (:data:`FEDPROTO_LAM`, :data:`FEDPROTO_GAMMA`: the
 paper's instance-level MSE at its reference code's scale); FedSAF and FedTopo to 1 / 1.
 
@@ -168,19 +169,19 @@ COMMON_OPTIONS: tuple[Option, ...] = (
 )
 
 _OHFL = (
-    Option("strategy", str, "cid", ("cid", "cdd", "cia", "rand"), "OHFL pairwise fusion order (paper 003, Sec. 3.3)"),
+    Option("strategy", str, "cid", ("cid", "cdd", "cia", "rand"), "OHFL pairwise fusion order (OHFL paper, Sec. 3.3)"),
     Option("alignment", str, "cka", ("cka", "random"), "OHFL layer alignment: cka|random", cli_default=None),
     Option("ot", str, "emd", ("emd", "sinkhorn"), "OT solver (Sinkhorn uses the paper's eps = 0.01)",
            cli_default=None),
     Option("ground_metric", str, "acts", ("wts", "acts"), "OT ground metric: incoming weights or probe activations "
-           "(acts chosen in benchmarks/results/fusion_ladder.md: six-site fusion 0.780 vs 0.260 with wts)",
+           "(evidence for the default: docs/decisions.md)",
            cli_default=None),
     Option("cka", str, "linear", ("linear", "debiased", "pooled"),
            "CKA for the layer alignment: linear (the paper's Eq. 1), debiased (unbiased HSIC), pooled (linear on "
            "conv channel means)", cli_default=None),
     Option("probe_at", str, "own", ("largest", "own"),
-           "probe every model at the largest site input size, or each at its own size (same images); own chosen "
-           "with repair=channel in benchmarks/results/fusion_ladder.md (main job, 3 seeds, tuning part)",
+           "probe every model at the largest site input size, or each at its own size (same images); own is "
+           "chosen together with repair=channel (docs/decisions.md)",
            cli_default=None),
     Option("init", str, "site", ("site", "shared"),
            "OHFL sites start from their own random initialisation, or from one shared (nested for different "
@@ -197,8 +198,7 @@ _OHFL = (
     Option("repair", repair_name, "channel", ("none", "layer", "channel"),
            "after each pairwise fusion, match the fused model's activation statistics on the probe to its parents' "
            "(not in the paper): none, layer (one scale per layer) or channel (REPAIR: each neuron's mean and std "
-           "through the OT plan; the default, with probe_at=own: main job's global zero-shot AUC 0.918/0.832/0.883 "
-           "vs 0.830/0.837/0.532 with layer, seeds 0/1/2, tuning part)", cli_default=None),
+           "through the OT plan; the default, with probe_at=own: docs/decisions.md)", cli_default=None),
     Option("server_device", str, "auto", None, "where the server runs OHFL's fusion probe passes (CKA, repair): "
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
@@ -208,11 +208,11 @@ _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the protot
                  "the modulated CE", flag="--lambda", cli_default=None, check=_non_negative("lambda"))
 _GAMMA = Option("gamma", float, 1.0, None, "FedSAF/FedProto: weight of the instance-level term; FedTopo: modulation "
                 "strength", cli_default=None, check=_non_negative("gamma"))
-# FedProto's alignment weights (issue 16). FedProto's loss (FedSAF paper Eq. 2, the FedProto baseline) is
+# FedProto's alignment weights. FedProto's loss (FedSAF paper Eq. 2, the FedProto baseline) is
 # CE + lambda_FP * R(f(x), P_g^y) per sample: the instance level only, so the prototype level is off (lam 0). Its
 # reference code takes R = nn.MSELoss (mean over the d feature elements) with lambda_FP = 1; our "mse" sums over d
 # (losses.py, "Scale of lambda"), so lambda_FP = 1 is gamma = 1/d = 1/64 at the default feature_dim 64. Chosen on
-# validation (benchmarks/results/proto_tuning.md, "FedProto's alignment weights"): at lam = gamma = 1 the MSE term
+# validation (studies/proto_tuning/RESULTS.md, "FedProto's alignment weights"): at lam = gamma = 1 the MSE term
 # (~100x the paper's weight) pulls every site's features onto the averaged global prototypes, whose bacterial and
 # viral rows end 0.08 apart, and the sites' heads collapse to one class.
 FEDPROTO_LAM = 0.0
@@ -268,11 +268,11 @@ _ENTRIES: list[MethodEntry] = [
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses"),
-                summary="one-shot heterogeneous fusion (paper 003)"),
+                summary="one-shot heterogeneous fusion (OHFL paper)"),
     MethodEntry("fedsaf", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_fedsaf_options(False),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
-                uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (paper 000)"),
+                uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (FedSAF paper)"),
     MethodEntry("fedproto", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
                 options=_fedsaf_options(True),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
@@ -282,7 +282,7 @@ _ENTRIES: list[MethodEntry] = [
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},
                 uploads=("every round: a C x C class-relation matrix and the C training class counts "
                          "(Laplace-noised with --noisy-counts); the topology-inconsistency scores D_r/D_rs"),
-                summary="class-relation topology exchange (paper 002)"),
+                summary="class-relation topology exchange (FedTopo paper)"),
 ]
 CATALOGUE: dict[str, MethodEntry] = {e.name: e for e in _ENTRIES}
 

@@ -1,5 +1,5 @@
 """What travels between the server and the sites: message helpers shared by the controllers and the site runtime
-(issue 14: the controllers import these, not the whole site runtime).
+(the controllers import these, not the whole site runtime).
 
 Messages carry NumPy arrays in ``FLModel.params`` (models the server sends under the :data:`GLOBAL_PREFIX`) and plain
 JSON in ``meta`` / ``metrics``.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 # torch is imported where a tensor is made (from_numpy_state), not here: the server's controllers import this
-# module, and keeping torch out of their import lets the NVFlare server start its workflow ~2-4 s sooner (the
-# server needs torch only once uploads arrive; issue 15)
+# module, and keeping torch out of their import lets the NVFlare server start its workflow sooner (the
+# server needs torch only once uploads arrive)
 GLOBAL_PREFIX = "global."
 
 

@@ -38,7 +38,7 @@ import yaml
 
 ENV_DIR = "CXR_HFL_SITE_CONFIG_DIR"
 LOCAL_SUBDIR = Path("local") / "cxr_hfl"
-#: training augmentation implementations (site-config key ``augment``): the first is the default (issue 15)
+#: training augmentation implementations (site-config key ``augment``): the first is the default
 AUGMENTS = ("monai", "batch")
 
 DEFAULTS = {
@@ -54,7 +54,7 @@ DEFAULTS = {
     "optimizer": "sgd",
     "weight_decay": 0.0,
     # which model a site deploys: last (the last round's) | best_val (the round whose site validation balanced
-    # accuracy is best, ties -> the later round; round-based methods, issue 16)
+    # accuracy is best, ties -> the later round; round-based methods)
     "deploy": "last",
     # exponential moving average of the weights (and BatchNorm buffers) after every optimiser step; the site
     # evaluates and deploys the average, the method's uploads use the trained weights. null/0 = off
@@ -65,8 +65,8 @@ DEFAULTS = {
     "balanced_sampling": False,  # true: class-balanced WeightedRandomSampler over the training split
     "fast_augment": False,  # true: training images as one cached tensor, flip + shift on tensors (no rotation)
     # training augmentation (flip p=0.5 + affine p=0.8, +-10 deg, +-6 % shift): batch = per collated batch on the
-    # site's device (chest_xray.batch_augment, issue 15) | monai = per image, MONAI RandFlipd + RandAffined
-    "augment": "monai",  # the default whose accuracy the 3-seed comparisons measured; batch is opt-in (README)
+    # site's device (chest_xray.batch_augment) | monai = per image, MONAI RandFlipd + RandAffined
+    "augment": "monai",  # the default the 3-seed comparisons measured; batch is opt-in (docs/decisions.md)
     "augment_classes": "auto",
     "threads": 1,
     "seed": 0,

@@ -162,7 +162,7 @@ _nearest_prototype_probs = nearest_prototype_probs
 def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> dict:
     """Evaluate the site's model on ``split`` with the evaluation rule of ``tc["eval"]``.
 
-    ``head`` (default): the site's own classifier head. ``nearest-prototype`` (FedSAF/FedProto option, issue 5): the
+    ``head`` (default): the site's own classifier head. ``nearest-prototype`` (FedSAF/FedProto option): the
     nearest of the site's *own* local prototypes (class means of its training features after its last local
     training, kept in its workspace). Nearest-*global*-prototype is deliberately not offered: under structural
     alignment the global prototypes live in another basis than the site's features.
@@ -189,7 +189,7 @@ def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> d
 
 
 def fedsaf_train(rt, params, meta):
-    """FedSAF round (paper 000, Sec. III): train with the structural (or coordinate) alignment loss against the
+    """FedSAF round (FedSAF paper, Sec. III): train with the structural (or coordinate) alignment loss against the
     global prototypes, then upload class-mean prototypes of the training features and class counts.
 
     Round 0 receives no global prototypes (the server sends none), so it is supervised-only (CE); from round 1 the
@@ -233,7 +233,7 @@ def fedsaf_train(rt, params, meta):
 
 # ---------------------------------------------------------------------------- FedTopo
 def fedtopo_train(rt, params, meta):
-    """FedTopo round (paper 002, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
+    """FedTopo round (FedTopo paper, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
     then upload only the local relation matrix R_k and class counts (optionally noisy).
 
     Warm-up: in rounds ``r < tc["warmup"]`` (0-based) the topology term is off (``TopologyLoss(warmup_active=True)``

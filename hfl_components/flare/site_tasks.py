@@ -77,7 +77,7 @@ def describe_error(exc: BaseException) -> str:
 def balanced_sampler(labels: list[int], generator: torch.Generator) -> torch.utils.data.WeightedRandomSampler:
     """Class-balanced sampling of one site's training split: image ``i`` of class ``c`` is drawn with probability
     ``1 / (K n_c)`` (K = classes present), with replacement, ``len(labels)`` draws per epoch, so each present class
-    fills 1/K of an epoch in expectation (issue 16: training under label skew). Raises ValueError on no labels."""
+    fills 1/K of an epoch in expectation (training under label skew). Raises ValueError on no labels."""
     y = np.asarray(labels, dtype=np.int64)
     if y.size == 0:
         raise ValueError("balanced sampling needs at least one training image")
@@ -165,7 +165,7 @@ class SiteRuntime:
             rows = self.rows(split)
             if not rows:
                 raise ValueError(f"site {self.site}: the {split} split of {self.cfg['data']['manifest']} is empty")
-            # the classes augmented in training (issue 16's "all": every class, so augmentation is no label shortcut)
+            # the classes augmented in training ("all": every class, so augmentation is no label shortcut)
             aug = resolve_augment_classes(self.cfg["augment_classes"], self.rows("train"),
                                           self.num_classes) if train_mode else []
             collate = None
@@ -180,9 +180,9 @@ class SiteRuntime:
                     items = [base[i] for i in range(len(base))]
                     images = torch.stack([torch.as_tensor(it["image"]) for it in items])
                     labels = [int(it["label"]) for it in items]
-                    if self.cfg.get("fast_augment"):  # issue 16: flip + integer shift per item, no rotation
+                    if self.cfg.get("fast_augment"):  # flip + integer shift per item, no rotation
                         ds = TensorAugmentDataset(images, labels, augment_classes=aug)
-                    else:  # issue 15: the MONAI pipeline's flip + affine per collated batch, on the site's device
+                    else:  # the MONAI pipeline's flip + affine per collated batch, on the site's device
                         ds = CachedTensorDataset(images, labels)
                         collate = BatchAugmentCollate(aug, device=self.device)
                 else:
@@ -297,7 +297,7 @@ class SiteRuntime:
         model; returns whether it was deployed.
 
         ``deploy: last``: every round is deployed (the last round's model is what the site keeps). ``deploy:
-        best_val`` (model selection on validation, issue 16): the round is deployed when its validation balanced
+        best_val`` (model selection on validation): the round is deployed when its validation balanced
         accuracy ``val["balanced_accuracy"]`` (None counts as -1) is at least the best so far in this job (ties ->
         the later round); round 0 starts a new job's record. A validation split holding fewer than two classes
         (``val["class_counts"]``) cannot rank rounds by balanced accuracy -- it would favour the round predicting

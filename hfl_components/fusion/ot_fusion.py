@@ -56,8 +56,8 @@ def solve_ot(cost, solver: str = "emd", reg: float = 0.01, num_itermax: int | No
     Args:
         cost: array-like (n, m), finite, non-negative ground cost (any scale; divided by its max internally).
         solver: ``"emd"`` (exact: ``ot.emd``'s network simplex, also for square problems: on the ``acts`` costs
-            of the main job's 1000 x 1000 fc layer SciPy's assignment solver took 0.15–2.3 s against the simplex's
-            0.24–0.35 s, and ~1.4x less on ``wts`` costs; see benchmarks/results/server_fusion.md) or
+            of the main job's 1000 x 1000 fc layer SciPy's assignment solver was not faster; timings in
+            ``studies/speed/RESULTS.md``) or
             ``"sinkhorn"`` (entropic, ``ot.sinkhorn`` with
             ``method="sinkhorn_log"``, regularisation ``reg`` relative to the max-normalised cost; ε-scaling warm
             starts when the plain iteration stalls, see :func:`_sinkhorn_log`).

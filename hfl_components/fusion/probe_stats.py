@@ -1,4 +1,4 @@
-"""Every probe statistic the server's fusion needs from one model, in one forward pass (issue 15).
+"""Every probe statistic the server's fusion needs from one model, in one forward pass.
 
 OHFL's server probes models for three things: the Gram matrices of CKA (Sec. 3.1, Eq. 1; :mod:`.cka`), the
 pre-activation standard deviation of each hidden layer (layer repair) and each neuron's pre-activation mean and std
@@ -34,12 +34,11 @@ def one_intra_op_thread():
 
     The per-layer OT work (cost blocks, plan products, averaging) is hundreds of small operations; with PyTorch's
     default of one thread per core, each of them synchronises its OpenMP threads, and on a busy machine (the
-    server shares its cores with the sites and, here, other jobs) that made them 3-10x slower than on one thread
-    (the six-model fusion's OT phase: 8.5 s on 2 threads vs 5.2 s on 1 at load average 3-4). The probe forward
+    server shares its cores with the sites and other jobs) that made them several times slower than on one thread
+    (timings: ``studies/speed/RESULTS.md``). The probe forward
     passes, whose convolutions do gain from threads, run outside this block; the per-layer statistics inside
     those passes (:func:`channel_stats`, the repair's per-neuron product), also many small block operations, run
-    inside it (issue 15: on 2 threads at load 3 the six-model repair phase took 14.5 s against 2.9 s before the
-    blocked statistics)."""
+    inside it for the same reason (``studies/speed/RESULTS.md``)."""
     old = torch.get_num_threads()
     if old == 1:
         yield
@@ -68,7 +67,7 @@ def channel_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Two passes in float64 (mean, then the sum of squared deviations) over blocks of :data:`_CHUNK` rows of the
     (n·H·W, C) view, each block converted to float64 on its own: the same float64 arithmetic as ``y.double()``'s
     ``mean`` / ``std`` up to the order of summation (relative difference ~1e-14), without the float64 copy and the
-    transposed copy of a whole 128 px activation map (~5x faster here; issue 15).
+    transposed copy of a whole 128 px activation map (faster; ``studies/speed/RESULTS.md``).
     """
     flat = neuron_rows(y)
     n = flat.shape[0]
@@ -87,7 +86,7 @@ def layer_std(y: torch.Tensor) -> float:
     """Std (unbiased) of all entries of one layer's pre-activations.
 
     Computed by PyTorch's float32 reduction (Welford-type, relative error ~1e-7 against float64 on the 8 M entries
-    of a 128 px conv layer), ~5x faster than a float64 copy; the repair scales it feeds are ratios of such stds.
+    of a 128 px conv layer), faster than a float64 copy; the repair scales it feeds are ratios of such stds.
     """
     return float(y.std())
 
@@ -138,7 +137,7 @@ def layer_stats(y: torch.Tensor, need, info) -> dict:
 
 def fast_layout(model: nn.Module, probe: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Put a CPU conv model and its probe in channels-last memory format (PyTorch's oneDNN convolutions and max
-    pooling are ~1.5x faster on it for these thin CNNs); returns the probe to feed and whether the model was
+    pooling are faster on it for these thin CNNs); returns the probe to feed and whether the model was
     converted (undo with ``model.to(memory_format=torch.contiguous_format)``). Values are unchanged; outputs
     differ from the default layout by float rounding only."""
     p = next(model.parameters(), None)

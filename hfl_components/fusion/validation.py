@@ -1,4 +1,4 @@
-"""Validation of an OHFL upload (issue 4, Sec. 3: the server checks every upload before fusing it)."""
+"""Validation of an OHFL upload (the server checks every upload before fusing it)."""
 from __future__ import annotations
 
 import numbers

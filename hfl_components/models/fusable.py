@@ -1,6 +1,6 @@
 """Fusable CNN families for OHFL (depth- and width-varying, BatchNorm-free).
 
-Architecture (OHFL paper, Sec. 4.3, and the models issue table): Conv2d 3x3 (padding 1) + ReLU layers grouped in
+Architecture (OHFL paper, Sec. 4.3): Conv2d 3x3 (padding 1) + ReLU layers grouped in
 stages, each stage closed by a 2x2 max-pool; an adaptive average pool; Linear + ReLU hidden layers; a class layer.
 All depths of a family share the same stages, so an extra conv sits inside a stage and the identity-layer
 balancing of OHFL Sec. 3.2 is exact.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Channel / unit counts at width 1.0 (models issue, Sec. 1).
+# Channel / unit counts at width 1.0.
 FAMILIES: dict[str, dict] = {
     "cnn": {
         "pool": 4,

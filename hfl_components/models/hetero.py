@@ -1,4 +1,4 @@
-"""Heterogeneous backbone pool for the prototype methods (FedSAF, FedTopo; models issue, Sec. 1).
+"""Heterogeneous backbone pool for the prototype methods (FedSAF, FedTopo).
 
 Every model here is a :class:`HeteroNet`: a backbone, a projection to a feature space shared by all sites, and a
 linear class layer::
@@ -210,7 +210,7 @@ def _backbone_efficientnet(r: dict) -> tuple[nn.Module, int]:
 
     # bn_momentum (optional): MONAI's default BatchNorm momentum is 0.01 (TF's 0.99), so the
     # running statistics lag far behind a model trained for a few hundred steps and eval-mode predictions collapse
-    # to one class (issue 16); the prototype methods' backbones set 0.1, PyTorch's default
+    # to one class; the prototype methods' backbones set 0.1, PyTorch's default
     extra = {}
     if r.get("bn_momentum") is not None:
         mom = float(r["bn_momentum"])

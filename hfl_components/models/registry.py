@@ -1,4 +1,4 @@
-"""Spec -> nn.Module registry (models issue, Sec. 1).
+"""Spec -> nn.Module registry.
 
 One table, :data:`FAMILY_TABLE`, maps every model family to its ``(build, resolve)`` pair: ``build(spec)`` returns
 the ``nn.Module``; ``resolve(spec)`` returns the spec with every default filled in and raises ``ValueError`` on bad

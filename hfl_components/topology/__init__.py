@@ -1,4 +1,4 @@
-"""FedTopo relation-topology sharing (issue 6, section 1): pure NumPy server/site maths in :mod:`.relations`
+"""FedTopo relation-topology sharing: pure NumPy server/site maths in :mod:`.relations`
 (Eq. 2–8, 25–26, noisy counts, validation, ablations) and the topology-guided loss in :mod:`.loss` (Eq. 9–13)."""
 from .loss import TopologyLoss, is_warmup_round, topology_guidance, topology_guided_loss
 from .relations import (

@@ -5,9 +5,9 @@ Reference: "FedTopo" — ../shared/papers/002_fb7c67fce2254bf3.txt, Section IV a
 below are the paper's). Payloads are NumPy arrays: ``R`` is ``(C, C)`` float64 in ``[0, 1]``, ``counts`` is ``(C,)``
 (integer-valued, float or int dtype); ``S`` (reliability) is ``(C, C)`` float64 in ``[0, 1]``.
 
-Decisions and issue-vs-paper differences (issue 6 wins):
+Decisions and differences from the paper (these win):
 
-* Eq. 7's normaliser is the best-supported **off-diagonal** pair (issue 6): the paper's ``max_{a,b}`` includes the
+* Eq. 7's normaliser is the best-supported **off-diagonal** pair: the paper's ``max_{a,b}`` includes the
   diagonal, whose weight ``n_c / 2`` always dominates. Diagonal entries of ``S`` are clipped to 1 (never used by the
   loss), so ``S`` stays in ``[0, 1]``. If no off-diagonal pair is observed in a round, observed off-diagonal support
   is 0 and observed diagonal entries are 1.
@@ -20,7 +20,7 @@ Decisions and issue-vs-paper differences (issue 6 wins):
 * Initial state (Algorithm 1): ``R_0 = I_C``, ``S_0 = 0`` (:func:`initial_topology`).
 * A zero-norm prototype has no direction: its cosine is taken as 0, i.e. relation 0.5.
 
-Ablations (paper Table II; issue 6), see :class:`TopologyAblation`.
+Ablations (paper Table II), see :class:`TopologyAblation`.
 """
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def aggregate_topology(R_list: Sequence, counts_list: Sequence, R_prev, S_prev, 
 
 
 def noisy_counts(counts, present, scale: float, seed: Optional[int] = None) -> np.ndarray:
-    """Privacy-noised class counts for upload (issue 6; paper Sec. IV-C mentions "noisy counts").
+    """Privacy-noised class counts for upload (paper Sec. IV-C mentions "noisy counts").
 
     Mechanism: Laplace noise ``Lap(0, scale)`` is added to the count of every *present* class, the result rounded to
     the nearest integer and clamped to ``>= 1``; absent classes stay exactly 0. The presence mask itself is sent as
@@ -258,7 +258,7 @@ def topology_inconsistency(R_k, mask_k, R_g, S_g):
 def validate_topology_upload(R, counts, C: int, atol: float = 1e-6) -> None:
     """Check one site's ``(R_k, n_k)`` upload; raise ``ValueError`` with the reason when it must be dropped.
 
-    Requirements (issue 6): ``R`` is ``(C, C)``, finite, within ``[0, 1]`` (tolerance ``atol``), symmetric within
+    Requirements: ``R`` is ``(C, C)``, finite, within ``[0, 1]`` (tolerance ``atol``), symmetric within
     ``atol``; ``counts`` is ``(C,)``, finite and non-negative.
 
     Raises:
@@ -288,7 +288,7 @@ def validate_topology_upload(R, counts, C: int, atol: float = 1e-6) -> None:
 
 @dataclass(frozen=True)
 class TopologyAblation:
-    """Ablation switches of the paper's Table II (issue 6 definitions). All False = full FedTopo.
+    """Ablation switches of the paper's Table II (this module's definitions). All False = full FedTopo.
 
     Attributes:
         no_reliability: server uses ``w = M`` (plain average over the sites observing a pair) and ``S = 1`` on

@@ -1,4 +1,4 @@
-"""Local training and evaluation shared by every method (training issue, Sec. 2).
+"""Local training and evaluation shared by every method.
 
 ``train_local`` runs a site's local epochs with an optional auxiliary loss; ``evaluate`` / ``compute_metrics`` give
 JSON-safe scikit-learn metrics (undefined -> None); ``pooled_metrics_with_ci`` adds bootstrap 95% CIs;

@@ -1,4 +1,4 @@
-"""Local training loop shared by every method (training issue, Sec. 2).
+"""Local training loop shared by every method.
 
 OHFL's local settings are the defaults (SGD, lr 0.01, momentum 0.9; batch 16 is the loader's business). Methods
 plug their auxiliary loss into :func:`train_local` through ``aux_loss(z, logits, y)``; the loop itself never

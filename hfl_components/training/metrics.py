@@ -1,4 +1,4 @@
-"""Evaluation: predictions, scikit-learn metrics, Youden thresholds and bootstrap CIs (training issue, Sec. 2).
+"""Evaluation: predictions, scikit-learn metrics, Youden thresholds and bootstrap CIs.
 
 Every metric dict is JSON-safe: plain ``int``/``float``/``list``/``None``; a metric that is undefined on the given
 sample (ROC-AUC with one class present, sensitivity without positives, ...) is ``None``, never NaN.
@@ -272,7 +272,7 @@ def pooled_metrics_with_ci(y_true, probs, num_classes: int, n_boot: int = 1000, 
 
     Args:
         y_true: (N,) int labels; probs: (N, C) class probabilities; num_classes: C.
-        n_boot: number of bootstrap replicates (1000 default; ~6 s for C = 3, N = 1000 on one core).
+        n_boot: number of bootstrap replicates (default 1000).
         seed: NumPy ``default_rng`` seed, so intervals repeat.
         threshold: binary decision threshold (see :func:`compute_metrics`).
         alpha: 1 - confidence level (0.05 -> 95% interval from the 2.5th/97.5th percentiles).

@@ -1,6 +1,6 @@
 """Paired method comparison on a shared external test set: differences with a joint seeds x images bootstrap CI.
 
-Setting (issue 11, Sec. 3): every method is run with the same seeds; in each seed every site ends with one deployed
+Setting (docs/evaluation.md): every method is run with the same seeds; in each seed every site ends with one deployed
 model, and every model is scored on the *same* external images. For two methods A and B the paired difference is
 
     Delta = mean over seeds s and sites k of [ M(y, p_A[s, k]) - M(y, p_B[s, k]) ]

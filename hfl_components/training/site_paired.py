@@ -1,4 +1,4 @@
-"""Paired differences between two methods' *site* models, each site scored on its own images (issue 16).
+"""Paired differences between two methods' *site* models, each site scored on its own images.
 
 Personalised methods (Local, FedProto, FedSAF, FedTopo) end with one model per site, and each site is scored on
 images of its own: its test split, or the external evaluation images of the classes it holds. For methods A and B

@@ -12,11 +12,11 @@ from pathlib import Path
 from hfl_components.flare import catalogue
 
 METHODS = catalogue.METHODS  # kept name; the method catalogue is the one list
-# OHFL fusion defaults, chosen on the fusion ladder (benchmarks/results/fusion_ladder.md, tuning part only): the
+# OHFL fusion defaults, chosen on the fusion ladder (studies/fusion_defaults/RESULTS.md, tuning part only): the
 # catalogue's OHFL options that the command line leaves unset until --paper has been applied.
 OHFL_DEFAULTS = {o.key: o.default for o in catalogue.entry("ohfl").options
                  if o.cli_default is None and o.key != "alignment"}
-# The OHFL paper's pipeline (paper 003, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
+# The OHFL paper's pipeline (OHFL paper, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
 PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
          "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
          "finetune_epochs": 50}

@@ -1,4 +1,4 @@
-"""Server-side workflows, one module per method (issue 14); the classes keep their old paths
+"""Server-side workflows, one module per method; the classes keep their old paths
 ``hfl_components.flare.controllers.<Class>`` (exported jobs and the method catalogue name them so).
 
 * :mod:`.base`: :class:`HFLController` (task broadcast, waits, option and upload checks, results on disk);

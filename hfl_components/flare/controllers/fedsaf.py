@@ -1,4 +1,4 @@
-"""FedSAF (paper 000) and FedProto (the MSE + weighted-mean shorthand): prototype exchange."""
+"""FedSAF (FedSAF paper) and FedProto (the MSE + weighted-mean shorthand): prototype exchange."""
 from __future__ import annotations
 
 import time
@@ -9,11 +9,11 @@ from hfl_components.flare.controllers.base import HFLController, _payload_round
 
 # ============================================================================ FedSAF / FedProto
 class FedSAFController(HFLController):
-    """FedSAF (paper 000, Sec. III): sites keep heterogeneous models and exchange only class prototypes (C x d)
+    """FedSAF (FedSAF paper, Sec. III): sites keep heterogeneous models and exchange only class prototypes (C x d)
     and counts; the server builds global prototypes (FedProto weighted mean Eq. 3, fixed hypersphere Eq. 4, or
     trainable FedTGP-style Eq. 5) and logs their effective dimensionality (Fig. 1) every round.
 
-    Round 0 broadcasts nothing (supervised-only local training, issue 5 -- also for ``fixed`` prototypes, so every
+    Round 0 broadcasts nothing (supervised-only local training -- also for ``fixed`` prototypes, so every
     construction starts from the same supervised round); from round 1 the server sends ``global_prototypes``
     (C x d) and ``global_mask`` (C,), i.e. ``C*d + C`` float32 numbers down per site, and every site uploads
     ``prototypes`` (C x d) and ``counts`` (C,), ``C*d + C`` numbers up. An upload that is not C x d, not finite,
@@ -44,7 +44,7 @@ class FedSAFController(HFLController):
     @classmethod
     def from_options(cls, method, profile, opts, common, task_config):
         # --method fedproto is shorthand for the coordinate (MSE) alignment with FedProto's weighted-mean prototypes,
-        # run through the same two-level framework as FedSAF (the paper's "Ours-MSE"; issue 5): the catalogue fixes
+        # run through the same two-level framework as FedSAF (the paper's "Ours-MSE"): the catalogue fixes
         # its alignment and prototypes.
         dims = {cfg["model"].get("feature_dim") for cfg in profile.values()}
         if len(dims) != 1 or None in dims:

@@ -1,4 +1,4 @@
-"""FedTopo (paper 002, Algorithm 1): class-relation topology exchange."""
+"""FedTopo (FedTopo paper, Algorithm 1): class-relation topology exchange."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,7 @@ from hfl_components.flare.controllers.base import HFLController, _payload_round
 
 # ============================================================================ FedTopo
 class FedTopoController(HFLController):
-    """FedTopo (paper 002, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
+    """FedTopo (FedTopo paper, Algorithm 1): sites upload a C x C relation matrix R_k and class counts n_k; the
     server aggregates them with observation masks and harmonic reliability weights (Eq. 4-7), smooths with EMA
     (Eq. 8) and broadcasts (R^g, S^g): ``C*C + C`` float32 numbers up and ``2*C*C`` down per site and round.
 

@@ -1,4 +1,4 @@
-"""OHFL (paper 003): one-shot upload, cross-layer OT fusion on the server, fine-tuning at the sites."""
+"""OHFL (OHFL paper): one-shot upload, cross-layer OT fusion on the server, fine-tuning at the sites."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from hfl_components.flare.controllers.base import GLOBAL_PREFIX, HFLController, 
 
 class ProbePreloader:
     """The OHFL probe at each site input size, prepared in one background thread from the moment the first site
-    with that size uploads (:meth:`HFLController.on_site_result`), while slower sites still train (issue 15).
+    with that size uploads (:meth:`HFLController.on_site_result`), while slower sites still train.
 
     ``load(size)`` returns ``(tensor, file names, warnings)``. :meth:`get` waits for a size already started, or
     loads it now; either way the same function runs once per size, so the probe is the one a synchronous load
@@ -64,7 +64,7 @@ _PRELOADER_LOCK = threading.Lock()
 
 # ============================================================================ OHFL
 class OHFLController(HFLController):
-    """OHFL (paper 003): one-shot upload of depth/width-varying site models, cross-layer OT fusion on the server
+    """OHFL (OHFL paper): one-shot upload of depth/width-varying site models, cross-layer OT fusion on the server
     (CKA layer alignment Sec. 3.1, identity balancing Sec. 3.2, OT neuron alignment Sec. 3.3-3.4, multi-model
     aggregation Sec. 3.5 / Algorithm 1), then each site fine-tunes the global model.
 
@@ -72,18 +72,15 @@ class OHFLController(HFLController):
         strategy (str): ``cid`` | ``cdd`` | ``cia`` | ``rand``. Default ``cid``.
         alignment (str): ``cka`` | ``random``. Default ``cka``.
         ot_solver (str): ``emd`` | ``sinkhorn``. Default ``emd``.
-        ground_metric (str): ``wts`` (the paper) | ``acts``. Default ``acts``: with stretched images (issue 11's
-            data-layer fix) the main job's six-site fusion scores zero-shot AUC 0.780 with ``acts`` vs 0.260 with
-            ``wts`` on the tuning part of chest_xray_224, seed 0 (``benchmarks/results/fusion_ladder.md``).
+        ground_metric (str): ``wts`` (the paper) | ``acts``. Default ``acts`` (chosen on the tuning part of
+            chest_xray_224: ``docs/decisions.md``, ``studies/fusion_defaults/RESULTS.md``).
         probe (str): folder of public images for CKA, or ``generated`` (logged warning). Required.
         probe_size (int): number of probe images. Default 64.
         weighting (str): ``samples`` (cumulative sample counts) | ``half``. Default ``samples``.
         repair (str): ``none`` (the paper) | ``layer`` (one scale per fused hidden layer) | ``channel`` (REPAIR:
             every neuron's mean and std through the OT plan); ``hfl_components.fusion.repair``. True/False are read
-            as ``layer``/``none``. Default ``channel`` (issue 11, with ``probe_at="own"``: the main job's six-site
-            fusion scored zero-shot AUC 0.918 / 0.832 / 0.883 on seeds 0 / 1 / 2 against 0.830 / 0.837 / 0.532 with
-            ``layer`` and the largest-size probe; tuning part of chest_xray_224,
-            ``benchmarks/results/fusion_ladder.md``).
+            as ``layer``/``none``. Default ``channel``, with ``probe_at="own"`` (chosen on the tuning part of
+            chest_xray_224: ``docs/decisions.md``, ``studies/fusion_defaults/RESULTS.md``).
         cka (str): ``linear`` (the paper's Eq. 1) | ``debiased`` | ``pooled``. Default ``linear``.
         probe_at (str): ``largest`` (every model probed at the largest site input size) | ``own`` (each model at
             its own input size, the same images; fused models at their target's size). Default ``own``.

@@ -1,12 +1,12 @@
-"""Start-up of the main job before NVFlare's simulator starts (issue 15, federation overhead).
+"""Start-up of the main job before NVFlare's simulator starts (federation overhead).
 
 Runs ``cxr-hfl simulate --method ohfl --sites 6 --scheme width --seed 0`` (data: ``$CXR_DATA``) with
 ``FedJob.simulator_run`` patched to stop there, and prints the wall and process-CPU seconds (getrusage user+sys)
 from interpreter start to that call, the seconds spent inside ``scan_dataset``, and which heavy modules are
 imported by then. Nothing is simulated; the job is written to a temporary folder that is removed.
 
-    PYTHONPATH=$PWD CXR_DATA=/work/shared/data .venv/bin/python benchmarks/bench_startup.py
-    CXR_SCAN_WORKERS=1 ... benchmarks/bench_startup.py      # the sequential scan, for comparison
+    CXR_DATA=../shared/data .venv/bin/python -m studies.speed.bench_startup
+    CXR_SCAN_WORKERS=1 ... -m studies.speed.bench_startup      # the sequential scan, for comparison
 """
 import resource
 import sys

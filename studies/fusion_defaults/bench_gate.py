@@ -1,4 +1,4 @@
-"""Deployment-gate criteria of OHFL, checked offline on the committed ``tuning`` part (issue 11; not a test).
+"""Deployment-gate criteria of OHFL, checked offline on the committed ``tuning`` part (not a test).
 
 For each site of finished OHFL runs: the two candidates the gate chose between -- the site's pre-fusion local model
 (``models/<site>_local.pt``) and the fine-tuned federated model (``models/<site>_federated.pt``, kept since issue
@@ -7,7 +7,7 @@ criterion picks one candidate per site from the *validation* metrics only; the p
 the ``tuning`` part of ``chest_xray_224`` (735 images, at the site's input size, argmax rule; never the
 ``evaluation`` part), next to the local+ft control when its run is given.
 
-    python benchmarks/bench_gate.py RUN_DIR [RUN_DIR ...] [--control LOCAL_RUN_DIR ...]
+    python -m studies.fusion_defaults.bench_gate RUN_DIR [RUN_DIR ...] [--control LOCAL_RUN_DIR ...]
 """
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+REPO = Path(__file__).resolve().parents[2]
 
-import bench_fusion_ladder as L  # noqa: E402
+from studies.fusion_defaults import bench_fusion_ladder as L  # noqa: E402
 
 
 def _key(m, keys):
@@ -73,7 +71,7 @@ def main(argv=None) -> int:
         if not (run / "metrics.json").is_file():
             print(f"bench_gate: {run}: no metrics.json (not a finished run folder)", file=sys.stderr)
             return 2
-    from bench_fusion_runs import ensure_tuning_cache
+    from studies.fusion_defaults.bench_fusion_runs import ensure_tuning_cache
 
     ensure_tuning_cache()
     torch.set_num_threads(1)

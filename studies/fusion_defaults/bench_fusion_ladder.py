@@ -1,4 +1,4 @@
-"""Fusion ladder (issue 11, section 1): where does OHFL's one-shot fusion lose what the sites learned? (not a test)
+"""Fusion ladder: where does OHFL's one-shot fusion lose what the sites learned? (not a test)
 
 Each rung fuses parents that differ in one more way and scores the fused model *zero-shot* (no fine-tuning) against
 its parents on the committed ``tuning`` part of ``../shared/data/chest_xray_224`` (735 images, patient-disjoint
@@ -26,19 +26,18 @@ each parent at its own size: the upper reference) and probe distillation (the en
 server's probe images, distilled into the target architecture from the fused weights; a cheap server-side
 alternative).
 
-Levers, varied one at a time from the baseline (the defaults before issue 11): ground metric wts/acts; emd/Sinkhorn;
+Levers, varied one at a time from the baseline (the defaults before this study): ground metric wts/acts; emd/Sinkhorn;
 repair none/layer/channel; per-site vs shared (nested) initialisation; probe at the largest size vs at each
 model's own size; linear vs debiased vs pooled CKA.
 
-    .venv/bin/python benchmarks/bench_fusion_ladder.py                    # one seed, all levers
-    .venv/bin/python benchmarks/bench_fusion_ladder.py --seeds 0,1,2 --configs baseline,winner --rungs f
+    .venv/bin/python -m studies.fusion_defaults.bench_fusion_ladder                    # one seed, all levers
+    .venv/bin/python -m studies.fusion_defaults.bench_fusion_ladder --seeds 0,1,2 --configs baseline,winner --rungs f
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -46,18 +45,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 from hfl_components.fusion import aggregate_models  # noqa: E402
 from hfl_components.models.fusable import build_fusable, shared_init_state  # noqa: E402
 
 # decoded images and trained parents depend on how images are made square (chest_xray.DEFAULT_ASPECT, "stretch"
-# since issue 11's data-layer fix); the folder names it so letterboxed parents are never reused
+# since the data-layer fix); the folder names it so letterboxed parents are never reused
 from chest_xray import DEFAULT_ASPECT  # noqa: E402
 
 CACHE = REPO / "runs" / f"ladder_cache_{DEFAULT_ASPECT}"
-OUT = REPO / "benchmarks" / "results" / "fusion_ladder.md"
+OUT = REPO / "runs" / "studies" / "fusion_ladder.md"  # raw tables; the condensed ones: RESULTS.md
 SIZES = (64, 96, 128)
 EPOCHS = 20
 PROBE_N = 64
@@ -78,7 +76,7 @@ LEVERS = {
     "paper": {"ot_solver": "sinkhorn", "repair": "none"},
     "acts+channel": {"ground_metric": "acts", "repair": "channel"},  # finalist combinations, not single levers
     "acts+probe=own": {"ground_metric": "acts", "probe": "own"},
-    "acts+channel+own": {"ground_metric": "acts", "repair": "channel", "probe": "own"},  # defaults since issue 11
+    "acts+channel+own": {"ground_metric": "acts", "repair": "channel", "probe": "own"},  # today's defaults
 }
 
 

@@ -22,7 +22,7 @@ independently; every site scores the same images, so the image part of the CI is
 ``augment_classes`` setting; and the untransformed images' balanced accuracy / AUC. ``--pair-arms``: two arms'
 untransformed scores paired by (seed, site). No shortcut: changes near 0 and of no consistent sign.
 
-    PYTHONPATH=$PWD python benchmarks/shortcut_probe.py runs/ohfl_auto_s0 runs/ohfl_all_s0 --labels binary
+    python -m studies.shortcut.shortcut_probe runs/ohfl_auto_s0 runs/ohfl_all_s0 --labels binary
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TRANSFORMS = ("flip", "shift", "rotate+shift")
 
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="run folders (cxr-hfl simulate --out) with models/<site>_deployed.pt")
     ap.add_argument("--labels", default="binary", choices=("binary", "subtype"))
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--kinds", default="local,deployed", help="model files to probe, comma-separated: local (trained "
                     "on the site's data alone), federated, deployed (what the site keeps) (default: %(default)s)")
     ap.add_argument("--pair-arms", action="store_true", help="the runs are two arms of equal length in the same "

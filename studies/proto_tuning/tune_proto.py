@@ -1,4 +1,4 @@
-"""Choose the prototype methods' training defaults (issue 16) on the sites' *validation* splits only.
+"""Choose the prototype methods' training defaults on the sites' *validation* splits only.
 
 Sites: ``chest_xray_224``'s tuning + probe parts (:data:`chest_xray.splits.TRAINING_PARTS`, 1,055 images; the
 ``evaluation`` part is never read), 3 subtype classes, Dirichlet alpha 0.5, 6 sites, the prototype methods'
@@ -8,7 +8,7 @@ epoch at a time, and after each epoch its model is scored on its own validation 
 accuracy on validation per (setting, epoch), the share of sites whose validation predictions are a single class.
 Test splits and the evaluation part are never touched.
 
-    PYTHONPATH=$PWD python benchmarks/tune_proto.py --seeds 0,1 --epochs 30 --out benchmarks/results/proto_tuning.md
+    python -m studies.proto_tuning.tune_proto --seeds 0,1 --epochs 30 --out runs/studies/proto_tuning.md
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def main() -> None:
     from hfl_components.training import compute_metrics, predict_proba
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--configs", default="plain@0.01,weights@0.01,sampler@0.01,sampler@0.03",
@@ -168,8 +168,9 @@ def main() -> None:
                           + f" | last {k}: bal acc {c[-k:].mean():.3f} AUC {ca[-k:].mean():.3f} single-class "
                           f"{sc[-k:].mean():.2f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     checkpoints = [e for e in (5, 10, 15, 20, 25, 30, 40, 50) if e <= a.epochs]
-    L = ["# Prototype methods: training defaults chosen on validation (issue 16)", "",
-         f"Command: `python benchmarks/tune_proto.py --seeds {a.seeds} --epochs {a.epochs} --configs {a.configs} "
+    L = ["# Prototype methods: training defaults chosen on validation", "",
+         f"Command: `python -m studies.proto_tuning.tune_proto --seeds {a.seeds} --epochs {a.epochs} "
+         f"--configs {a.configs} "
          f"--input-size {a.input_size}`", "",
          "Sites from `chest_xray_224` tuning + probe parts (the evaluation part is never read), 3 subtype classes, "
          f"Dirichlet alpha {a.alpha}, 6 sites, seeds {a.seeds}, heterogeneous backbones at {a.input_size} px, each "

@@ -1,4 +1,4 @@
-"""Offline re-fusion of a finished OHFL run's site models (issue 11, seed-2 diagnosis; not a test).
+"""Offline re-fusion of a finished OHFL run's site models (the seed-2 diagnosis of studies/fusion_defaults; not a test).
 
 Reads ``RUN/models/site-N_local.pt`` (the models the sites uploaded), their sample counts (``RUN/metrics.json``) and
 the probe the server used (``RUN/job_options.json`` -> ``probe``, ``seed``), and fuses them with the server's own
@@ -7,7 +7,7 @@ one or more lever settings. Every model is scored zero-shot on the committed ``t
 ``chest_xray_224`` (735 images, cached by ``bench_fusion_ladder.py``; never the ``evaluation`` part); a fused model
 at every site input size, AUCs averaged.
 
-    python benchmarks/bench_fusion_runs.py RUN [RUN ...] --configs default,sinkhorn,repair=none --pairs
+    python -m studies.fusion_defaults.bench_fusion_runs RUN [RUN ...] --configs default,sinkhorn,repair=none --pairs
 """
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+REPO = Path(__file__).resolve().parents[2]
 
-import bench_fusion_ladder as L  # noqa: E402
+from studies.fusion_defaults import bench_fusion_ladder as L  # noqa: E402
 from hfl_components.fusion import aggregate_models  # noqa: E402
 
 DEFAULT = {"ot_solver": "emd", "ground_metric": "acts", "repair": "layer", "cka": "linear", "probe_at": "largest",

@@ -1,4 +1,4 @@
-"""Does ``augment: batch`` (issue 15's faster data pipeline) train site models as good as ``augment: monai``?
+"""Does ``augment: batch`` (the faster, opt-in data pipeline) train site models as good as ``augment: monai``?
 
 The main job (OHFL, 6 width sites on ``chest_xray_original``, defaults) is run per seed twice on the identical
 partition: once at the defaults (``monai``), once with the same site configs plus ``augment: batch``
@@ -6,7 +6,7 @@ partition: once at the defaults (``monai``), once with the same site configs plu
 image), accuracy at 0.5 and AUC, with a joint seeds x images bootstrap 95% CI of batch - monai and the verdict wording
 of ``cxr-hfl compare`` (better / no difference detected / worse).
 
-    PYTHONPATH=$PWD python benchmarks/augment_accuracy.py --seeds 0,1,2 --out runs/aug
+    python -m studies.augmentation.augment_accuracy --seeds 0,1,2 --out runs/aug
 
 Finished runs (``<out>/<arm>_s<seed>/metrics.json``) are reused. ~3-7 min a run on 2 shared cores.
 """
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated distinct integer seeds (default: %(default)s)")
     ap.add_argument("--out", default="runs/aug")
-    ap.add_argument("--probe", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--probe", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--no-run", action="store_true", help="only analyse finished runs")
     a = ap.parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 """Post-hoc logit adjustment of the personalised methods' deployed site models, measured on *validation* images only
-(issue 16, ``proto_tuning.md``, ninth pass).
+(``studies/proto_tuning/RESULTS.md``).
 
 Logit adjustment (Menon et al., "Long-tail learning via logit adjustment", ICLR 2021, Eq. 3, post-hoc form):
 predict ``argmax_c f_c(x) - tau * log pi_c`` with ``pi`` the site's training class frequencies; ``tau > 0`` moves the
@@ -11,7 +11,7 @@ validation split (biased upwards: ``deploy: best_val`` chose the round on it) an
 images restricted to the classes it holds ("others' val", images no selection saw); single-class counts on both.
 Test splits and the evaluation part are never read.
 
-    PYTHONPATH=$PWD python benchmarks/tune_logit_adjust.py --compare runs/grid_a05
+    python -m studies.proto_tuning.tune_logit_adjust --compare runs/grid_a05
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def adjusted_predictions(logits: np.ndarray, train_counts: np.ndarray, tau: float) -> np.ndarray:

@@ -1,14 +1,15 @@
-"""Choose FedProto's alignment weights (issue 16) on the sites' *validation* splits only.
+"""Choose FedProto's alignment weights on the sites' *validation* splits only.
 
 One federation in process (``benchmarks.fedbench``-style: the method's real controller and site handlers, NVFlare's
 transport replaced by a direct call) on ``chest_xray_224``'s tuning + probe parts (the ``evaluation`` part is never
 read), Dirichlet partition, 6 sites, the prototype defaults (``PROTO_TRAINING``). After the last round each site's
 deployed model is scored on its own validation split and on the pooled validation images of all sites restricted to
-the classes it holds (:func:`benchmarks.tune_proto.pooled_val_loader`). Also printed: the mean feature norm of each
+the classes it holds (:func:`studies.proto_tuning.tune_proto.pooled_val_loader`).
+Also printed: the mean feature norm of each
 site's training features and the spread of the global prototypes (why MSE alignment collapses). Test splits and the
 evaluation part are never touched.
 
-    PYTHONPATH=$PWD python benchmarks/tune_fedproto.py --method fedproto --opts lam=0,gamma=0.015625 --seed 0
+    python -m studies.proto_tuning.tune_fedproto --method fedproto --opts lam=0,gamma=0.015625 --seed 0
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class _Stop(BaseException):
@@ -52,7 +52,7 @@ def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
             meta = dict(data.meta or {})
             meta.setdefault("round", data.current_round or 0)
             params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
-            if on_result is not None:  # e.g. benchmarks/tune_deploy.py: score every round's model on validation
+            if on_result is not None:  # e.g. tune_deploy: score every round's model on validation
                 on_result(site, rt, int(meta["round"]), metrics)
             gp = (data.params or {}).get("global_prototypes")
             if gp is not None and np.asarray(gp).size and site == "site-2":
@@ -109,11 +109,11 @@ def parse_opts(method: str, text: str, base: dict) -> dict:
 
 
 def main() -> None:
-    from benchmarks.tune_proto import build_sites, pooled_val_loader
+    from studies.proto_tuning.tune_proto import build_sites, pooled_val_loader
     from hfl_components.training import compute_metrics, extract_features, predict_proba
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--method", default="fedproto")
     ap.add_argument("--opts", default="", help="k=v,... method options (lam, gamma, alignment, rounds, ...)")
     ap.add_argument("--seed", type=int, default=0)

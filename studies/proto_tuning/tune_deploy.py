@@ -1,6 +1,7 @@
-"""Choose the prototype methods' deploy rule and split policy (issue 16) on *validation* images only.
+"""Choose the prototype methods' deploy rule and split policy on *validation* images only.
 
-One in-process federation (:func:`benchmarks.tune_fedproto.run`: the method's real controller and site handlers) on
+One in-process federation (:func:`studies.proto_tuning.tune_fedproto.run`: the method's real controller and site
+handlers) on
 ``chest_xray_224``'s tuning + probe parts, Dirichlet alpha 0.5, 6 sites, the prototype defaults. After every
 round each site's model is scored on its own validation split (what ``deploy: best_val`` ranks rounds by) and on
 the validation images of the *other five* sites restricted to the classes it holds ("others' val": images the
@@ -8,7 +9,7 @@ selection never saw, the validation analogue of the external evaluation part). P
 last round's model, ``best_val`` = the round chosen as the site runtime chooses it (best own-val balanced
 accuracy, ties -> later, a one-class val split -> last). Test splits and the evaluation part are never read.
 
-    PYTHONPATH=$PWD python benchmarks/tune_deploy.py --method local --seed 0 --min-eval-per-class 2
+    python -m studies.proto_tuning.tune_deploy --method local --seed 0 --min-eval-per-class 2
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def select_round(val_scores: list[float | None], n_val_classes: int) -> int:
@@ -136,13 +136,13 @@ def rerank(json_path: str, windows: tuple[int, ...] = (0, 1, 2, 3),
 
 
 def main() -> None:
-    from benchmarks.tune_fedproto import parse_opts, run
-    from benchmarks.tune_proto import build_sites, pooled_val_loader
+    from studies.proto_tuning.tune_fedproto import parse_opts, run
+    from studies.proto_tuning.tune_proto import build_sites, pooled_val_loader
     from hfl_components.training import compute_metrics, predict_proba
     from nvflare_jobs.profiles import PROTO_TRAINING
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/chest_xray_224"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared/data/chest_xray_224"))
     ap.add_argument("--method", default="local")
     ap.add_argument("--opts", default="")
     ap.add_argument("--seed", type=int, default=0)

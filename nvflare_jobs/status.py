@@ -112,6 +112,9 @@ def run_folder_view(run_dir: str | Path) -> dict:
     tb = sorted({str(p.parent.parent) for p in (run / "workspace").rglob("events.out.tfevents.*")}) \
         if (run / "workspace").is_dir() else []
     view["tensorboard"] = tb[0] if tb else None
+    idx = _read(run / "models.json")
+    view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")}
+                      for e in (idx or {}).get("models", [])]
     return view
 
 
@@ -177,6 +180,9 @@ def format_view(v: dict) -> str:
     g = v.get("gate")
     if g:
         lines.append("  gate: " + json.dumps(g, default=str)[:400])
+    if v.get("models"):
+        lines.append(f"  models: {len(v['models'])} files (models.json): "
+                     + ", ".join(m["name"] for m in v["models"][:8]) + (" ..." if len(v["models"]) > 8 else ""))
     if v.get("tensorboard"):
         lines.append(f"  TensorBoard: tensorboard --logdir {v['tensorboard']}")
     return "\n".join(lines)

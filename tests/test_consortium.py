@@ -267,3 +267,31 @@ def test_adding_a_hospital_later_keeps_the_ca_and_existing_kits(kits, tmp_path):
                                                                              "rootCA.pem").read_bytes()
     for k in ("hospital-a", "hospital-f"):
         assert (new / k / "startup" / "client.crt").read_bytes() == (old / k / "startup" / "client.crt").read_bytes()
+
+
+def test_models_index_lists_every_model_file_with_hash_metrics_and_gate(tmp_path):
+    import hashlib
+
+    from nvflare_jobs.results import write_models_index
+    from nvflare_jobs.status import run_folder_view
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "site-1_deployed.pt").write_bytes(b"weights one")
+    (tmp_path / "models" / "site-1_local.pt").write_bytes(b"weights two")
+    (tmp_path / "global_model.pt").write_bytes(b"global")
+    m = _metrics(method="ohfl", seed=3, gate={"adopted_sites": ["hospital-a"], "kept_local": ["site-1"]},
+                 global_model={"family": "cnn", "depth": "deep"})
+    m["sites"]["site-1"] = dict(m["sites"]["hospital-a"], input_size=96)
+    idx = json.loads(write_models_index(tmp_path, m).read_text())
+    by = {e["name"]: e for e in idx["models"]}
+    assert sorted(by) == ["global_model", "site-1_deployed", "site-1_local"]
+    d = by["site-1_deployed"]
+    assert d["sha256"] == hashlib.sha256(b"weights one").hexdigest() and d["bytes"] == len(b"weights one")
+    assert (d["kind"], d["site"], d["method"], d["seed"], d["input_size"]) == ("deployed", "site-1", "ohfl", 3, 96)
+    assert d["test"]["accuracy"] == 0.8 and d["gate"] == "kept its local model"
+    assert by["site-1_local"]["test"] is None
+    assert by["global_model"]["kind"] == "global" and by["global_model"]["model"] == {"family": "cnn", "depth": "deep"}
+    (tmp_path / "metrics.json").write_text(json.dumps(m))
+    v = run_folder_view(tmp_path)
+    assert [e["name"] for e in v["models"]] == ["site-1_deployed", "site-1_local", "global_model"]
+    assert v["job_state"] == "FINISHED:COMPLETED" and "hospital-a" in v["sites"]

@@ -43,6 +43,13 @@ def test_simulator_run_writes_per_site_loss_curves_and_nothing_identifying(tmp_p
         leaks = [s for s in forbidden | {u for u in used[:50]} | {u.rsplit("/", 1)[-1] for u in used[:50]}
                  if s.encode() in blob]
         assert not leaks, f"{site}: {leaks[:5]}"
+    # the run's models.json indexes every model file with its hash
+    import hashlib
+
+    idx = json.loads((run / "models.json").read_text())["models"]
+    assert {e["name"] for e in idx} >= {f"{s}_deployed" for s in sites}
+    for e in idx:
+        assert e["sha256"] == hashlib.sha256((run / e["file"]).read_bytes()).hexdigest()
     r = run_cli("status", str(run), "--json")
     v = json.loads(r.stdout)
     assert r.returncode == 0 and v["job_state"] == "FINISHED:COMPLETED" and sorted(v["sites"]) == sites

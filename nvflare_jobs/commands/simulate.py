@@ -294,8 +294,8 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     return profile_dir, load_profile(profile_dir), data, part_dir
 
 
-RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-                "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+RUN_OUTPUTS = ("metrics.json", "models.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json",
+               "global_model.pt", "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
                "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 
 

@@ -309,6 +309,9 @@ def evaluate_deployed(rt, params, meta):
     return {}, out, _ok(rt, spec=rt.spec)
 
 
+from hfl_components.flare.site_crosseval import cross_eval  # noqa: E402 - registered below
+
+
 def _with_method(handler):
     """Wrap a handler so the site runtime knows the method of the task it runs (``meta["method"]``, sent by the
     server; recorded in the provenance of the model files the site saves)."""
@@ -328,5 +331,6 @@ _HANDLERS = {
     "fedsaf_train": fedsaf_train,
     "fedtopo_train": fedtopo_train,
     "evaluate": evaluate_deployed,
+    "cross_eval": cross_eval,  # cross-site evaluation of model files (hfl_components.flare.site_crosseval)
 }
 HANDLERS = {task: _with_method(h) for task, h in _HANDLERS.items()}

@@ -26,7 +26,7 @@ def _model_files(tmp_path, labels=("binary", "binary")):
         torch.manual_seed(10 + i)
         m = build_model(spec)
         f = tmp_path / "models" / f"model_{chr(97 + i)}.pt"
-        f.parent.mkdir(exist_ok=True)
+        f.parent.mkdir(parents=True, exist_ok=True)
         save_model_file(f, spec, m.state_dict(), input_size=32, labels=lab, kind="deployed")
         out.append(f)
     return out

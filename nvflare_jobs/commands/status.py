@@ -164,7 +164,7 @@ def report_downloaded(download: Path, meta: dict, assemble) -> int:
         rec = json.loads(find_server_results(download).read_text())
     except FileNotFoundError:
         rec = None
-    if rec is None or (rec.get("failed") and not rec.get("sites")):
+    if rec is None or (rec.get("failed") and not rec.get("sites") and not rec.get("cross_site")):
         reason = (rec or {}).get("failed") or "the server wrote no results (see its log in the download)"
         print(f"[cxr-hfl] job {meta.get('job_id')}: {status}: {reason}", file=sys.stderr)
         print(f"  downloaded to {download}; no metrics.json written (no site finished)", file=sys.stderr)
@@ -177,6 +177,11 @@ def report_downloaded(download: Path, meta: dict, assemble) -> int:
         t = b.get("test") or {}
         acc = t.get("accuracy")
         print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    for site, row in sorted((m.get("cross_site") or {}).items()):  # a cross-site evaluation job
+        print(f"  {site:<12} " + "  ".join(
+            f"{name}: " + (f"refused ({v['refused']})" if "refused" in v else
+                           f"bal. acc. {v.get('balanced_accuracy') or 0:.3f}, AUC {v.get('auc') or 0:.3f}")
+            for name, v in row.items()))
     for line in run_findings(m):
         print(line)
     if m.get("tensorboard"):

@@ -44,10 +44,19 @@ def assemble_downloaded(download_dir: str | os.PathLike, run_dir: str | os.PathL
     job_meta = job_meta or {}
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"job_id": job_meta.get("job_id"), "job_status": job_meta.get("status"),
+             "submitter": job_meta.get("submitter_name"), "submitter_role": job_meta.get("submitter_role"),
+             "downloaded_from": str(Path(download_dir).resolve())}
+    if "cross_site" in rec:  # a cross-site evaluation job: its matrix files, no per-site training results
+        import shutil
+
+        for name in ("cross_site.json", "cross_site.csv", "cross_site.png"):
+            if (src.parent / name).is_file():
+                shutil.copy2(src.parent / name, run_dir / name)
+        metrics = {"method": rec.get("method"), "sites": {}, "excluded_sites": rec.get("excluded", {}),
+                   "cross_site": rec["cross_site"], "models": rec.get("models"), "failed": rec.get("failed"), **extra}
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        return metrics
     seed = int((rec.get("task_config") or {}).get("seed", 0) or 0)
     return assemble_run(src, run_dir, labels=labels, seed=seed, wall_time_s=_duration_s(job_meta),
-                        class_names=CLASS_NAMES[labels],
-                        extra={"job_id": job_meta.get("job_id"), "job_status": job_meta.get("status"),
-                               "submitter": job_meta.get("submitter_name"),
-                               "submitter_role": job_meta.get("submitter_role"),
-                               "downloaded_from": str(Path(download_dir).resolve())})
+                        class_names=CLASS_NAMES[labels], extra=extra)

@@ -52,16 +52,22 @@ def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.1f}"
 
 
-def _paired_cell(summary: dict, a: str, b: str, evalset: str, metric: str = "balanced_accuracy") -> str:
+def _paired_cell(summary: dict, a: str, b: str, evalset: str, metric: str = "balanced_accuracy",
+                 primary: tuple | None = None) -> str:
+    """``Δ pp (CI or per-seed differences), n pairs: **verdict**, primary|exploratory`` of the paired entry
+    (``hfl_components.stats`` rule: no interval nor verdict under 5 seeds); ``primary``: ``(a, b, evalset, metric)``
+    of the table's primary endpoint."""
+    from hfl_components.stats import endpoint_label, paired_cell, verdict_cell
+
     for d in summary["paired"]:
         if d["method_a"] == a and d["method_b"] == b and d["set"] == evalset and d["metric"] == metric:
-            ci = f" [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]" if d["ci_low"] is not None else ""
-            return f"{100 * d['diff']:+.1f}{ci} pp, {d['n_pairs']} pairs: **{d['verdict']}**"
+            role = endpoint_label((a, b, evalset, metric) == primary)
+            return (f"{paired_cell(d, 100, 1, ' pp')}, {d['n_pairs']} pairs: **{verdict_cell(d)}**, {role}")
     return "–"
 
 
 def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = None,
-          ref_label: str | None = None) -> list[str]:
+          ref_label: str | None = None, primary: tuple[str, str] | None = None) -> list[str]:
     """One markdown table per compare block: a row per method (mean site balanced accuracy / AUC on the test splits
     and on the external part, single-class site counts, paired Δ balanced accuracy vs ``ref`` with its CI and
     verdict, looked up in the block's ``summary["paired"]``).
@@ -69,9 +75,12 @@ def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = N
     ``methods``: method names (row label from :data:`LABEL`) or ``(method, row label, paper cell)`` triples (the same
     run may appear under two labels, e.g. FedTopo's 'w/o top-q' = full FedTopo); ``paper_col``: when given, the
     header of a last column holding each triple's paper cell (absent otherwise, so the plain tables are unchanged);
-    ``ref_label``: how the Δ column headers name ``ref`` (default: its row label).
+    ``ref_label``: how the Δ column headers name ``ref`` (default: its row label); ``primary``: ``(method,
+    "test"|"external")``, the table's primary endpoint (that method's Δ balanced accuracy vs ``ref`` on that set);
+    every other Δ is labelled exploratory, and so is every one when None.
     """
     L = []
+    pkey = (primary[0], ref, primary[1], "balanced_accuracy") if primary else None
     rows_all = [(m, LABEL.get(m, m), None) if isinstance(m, str) else m for m in methods]
     ref_label = ref_label or next((lab for m, lab, _ in rows_all if m == ref), LABEL.get(ref, ref))
     for b in blocks:
@@ -88,6 +97,12 @@ def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = N
               f"sites (test / ext.) | Δ bal. acc. vs {ref_label}, test | Δ vs {ref_label}, external |"
               + (f" {paper_col} |" if paper_col else ""),
               "|---|---|---|---|---|---|---|---|---|" + ("---|" if paper_col else "")]
+        if primary and primary[0] in s["methods"]:
+            L[-3:-3] = [f"Primary endpoint of this table: {LABEL.get(primary[0], primary[0])} vs {ref_label}, Δ "
+                        f"balanced accuracy on the {'external part' if primary[1] == 'external' else 'test splits'}; "
+                        "every other Δ is exploratory (no multiplicity correction).", ""]
+        else:
+            L[-3:-3] = ["No primary endpoint in this table: every Δ is exploratory.", ""]
         for m, label, paper in rows:
             v = s["methods"][m]
             flag = " ⚠ majority-class sites" if v["single_class_test"] or v["single_class_external"] else ""
@@ -96,8 +111,8 @@ def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = N
             L.append(f"| {label}{n1}{flag} | {seeds} | {_pct(v['test_bal_acc'])} | {_pct(v['test_auc'])} | "
                      f"{_pct(v['external_bal_acc'])} | {_pct(v['external_auc'])} | {v['single_class_test']} / "
                      f"{v['single_class_external']} | "
-                     + ("–" if m == ref else _paired_cell(s, m, ref, "test")) + " | "
-                     + ("–" if m == ref else _paired_cell(s, m, ref, "external")) + " |"
+                     + ("–" if m == ref else _paired_cell(s, m, ref, "test", primary=pkey)) + " | "
+                     + ("–" if m == ref else _paired_cell(s, m, ref, "external", primary=pkey)) + " |"
                      + (f" {paper or '–'} |" if paper_col else ""))
         L.append("")
     return L
@@ -119,8 +134,8 @@ def outcome(b: dict) -> list[str]:
          f"**Learning floor (mean site balanced accuracy >= {FLOOR} on the sites' test splits and on the external "
          f"evaluation part, no site whose test split holds >= 2 classes predicting one class): "
          f"{'met by every method' if ok else 'NOT met'}.** Test / external mean site balanced accuracy (point "
-         "estimates, which the floor is judged on; in brackets a 95% percentile-bootstrap CI over the site models, "
-         "2,000 replicates), single-class site models (test / external):", ""]
+         "estimates, which the floor is judged on; in brackets, from 5 seeds on, a 95% seed-level t-interval of the "
+         "per-seed means), single-class site models (test / external); the verdicts below are exploratory:", ""]
 
     def ci(c) -> str:
         return f" [{c[0]:.3f}, {c[1]:.3f}]" if c else ""
@@ -165,8 +180,11 @@ def protocol_head(floor: float) -> list[str]:
             "round), the same rule for every method. Each site's deployed model is scored on its own test split and on the committed "
             "`evaluation` part (1,715 images, never trained on) restricted to the classes the site holds. "
             "Balanced accuracy = mean recall over the classes present; AUC = macro one-vs-rest. Δ: paired "
-            "difference over (seed, site) pairs with a joint seeds x images bootstrap 95% CI (500 replicates) "
-            "and the verdict better / no difference detected / worse. Rows flagged ⚠ hold at least one site "
+            "difference, mean over seeds of the seed's mean over its sites, with a 95% interval with seeds as "
+            "clusters (`hfl_components.stats`: on the external part a cluster bootstrap-t, 500 replicates, one "
+            "shared image draw; on the test splits the seed-level t-interval) "
+            "and the verdict better / not worse (margin 3 pp) / worse / inconclusive; under 5 seeds the per-seed "
+            "differences are shown and there is no interval and no verdict. Rows flagged ⚠ hold at least one site "
             "model that predicts a single class although its images hold >= 2 classes (majority-class "
             f"prediction). Learning floor (pass/fail): mean site balanced accuracy >= {floor} on both sets and no "
             "single-class test-split site model. FedProto runs at its paper weights (instance-level MSE only, "
@@ -226,8 +244,8 @@ ABLATION_LIMITS = {
 
 def ablation_pairs(res: dict, ref: str, methods: list[str], n_boot: int = 500) -> list[dict]:
     """Paired differences of every method in ``methods`` (but ``ref``) against ``ref``: balanced accuracy and AUC on
-    the sites' test splits and on the external part, each a :func:`nvflare_jobs.proto_eval.paired` result (joint
-    seeds x images bootstrap, ``n_boot`` replicates) with ``method_a`` / ``method_b`` / ``set`` added, the entries
+    the sites' test splits and on the external part, each a :func:`nvflare_jobs.proto_eval.paired` result (seeds as
+    clusters, ``n_boot`` replicates) with ``method_a`` / ``method_b`` / ``set`` added, the entries
     :func:`_paired_cell` looks up. ``res``: :func:`nvflare_jobs.proto_eval.collect`'s per-(seed, site) predictions.
     Methods absent from ``res`` are skipped."""
     from nvflare_jobs.proto_eval import paired
@@ -274,15 +292,10 @@ def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: s
     seeds = sorted({x for r in present for x in b["seeds"].get(r[0], [])})
     new = [p for p in Path(b["dir"]).glob("seed*/*/metrics.json") if ":" in p.parent.name]
     wall = sum(json.loads(p.read_text()).get("wall_time_s") or 0 for p in new)
-    hw = [(d["ci_high"] - d["ci_low"]) / 2 for d in s["paired"] if d["method_b"] == ref and d["set"] == "test"
-          and d["metric"] == "balanced_accuracy" and d["ci_low"] is not None
-          and d["method_a"] in {m for m, _, _ in present} and d["method_a"] not in b.get("identical", ())]
-    half = (f" (the test-split balanced-accuracy CIs here are ±{100 * min(hw):.1f} to ±{100 * max(hw):.1f} pp wide)"
-            if hw else "")
     L = [spec["title"], "", spec["paper"], "", *protocol_head(floor),
          f"**1 seed** (seed{'s' if len(seeds) != 1 else ''} {','.join(map(str, seeds))}): every row is one (seed 0) "
-         "run of 6 sites, so each paired CI rests on 6 site pairs and resamples images only (no seed-to-seed "
-         "variation).", "",
+         "run of 6 sites. The 6 sites of one seed are not independent replicates, so no interval is reliable and "
+         "no verdict is given: each Δ is that seed's difference.", "",
          *table([b], present, ref, spec["paper_col"], ref_label)]
     if missing:
         L += [f"Not run in this folder: {'; '.join(missing)}.", ""]
@@ -305,10 +318,8 @@ def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: s
            + "; ".join(flagged) + ".") if flagged else "No site model predicts a single class on either set.", "",
           "#### What this ablation can and cannot show (1 seed)", "",
           f"- {ABLATION_LIMITS[name]}",
-          "- 6 site pairs at 1 seed cannot detect differences of a few pp" + half + ": a 'no difference detected' "
-          "verdict is not evidence that a term is useless, and a 'better' / 'worse' (mostly on the external part, "
-          "1,715 shared images, images resampled only) says nothing about another seed's partition and training "
-          "noise.",
+          "- One seed says nothing about another seed's partition and training noise: a difference "
+          "here, in either direction, is not evidence that a term helps or is useless.",
           "- The paper's numbers are CIFAR-10 at Dir(0.1) with 20 clients; ours are chest X-ray subtypes (3 classes) "
           "at Dir(0.5) with 6 sites. Neither the paper's ordering nor its gaps are expected to carry over, and none "
           "is claimed.", "",
@@ -388,12 +399,14 @@ def main(argv: list[str] | None = None) -> None:
         outs = [ln for b in blocks for ln in outcome(b)]
         saf = ["# FedSAF Table III analogue: alignment function (issue 16 protocol)", "", PAPER["fedsaf"], "", *head,
                *table(blocks, ["fedproto", "fedsaf", "fedsaf:alignment=rcsa", "fedsaf:alignment=cosine", "local"],
-                      "fedproto"), *outs, *notes,
-               "Runs at 1 seed are labelled (1 seed); their paired CIs rest on 6 site pairs and resample images only.",
+                      "fedproto", primary=("fedsaf", "external")), *outs, *notes,
+               "Runs at 1 seed are labelled (1 seed); like every row under 5 seeds they show per-seed differences, no "
+               "interval and no verdict.",
                ""]
         topo = ["# FedTopo Table I analogue: Local / FedProto / FedSAF / FedTopo (issue 16 protocol)", "",
                 PAPER["fedtopo"], "", *head,
-                *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local"), *outs, *notes, ""]
+                *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local", primary=("fedtopo", "external")),
+                *outs, *notes, ""]
         for name, lines in (("fedsaf_table3", saf), ("fedtopo_table1", topo)):
             f = out / f"{name}.md"
             text = "\n".join([*lines, f"Table: `{command}`.", ""])

@@ -289,21 +289,23 @@ def write_table(table: str, root: Path, seeds, budget: str, cmd: str) -> Path:
 
 def external_section(root: Path) -> list[str]:
     """The paired external-evaluation rows of every compare folder under ``root`` (``paired_external.json``)."""
+    from hfl_components.stats import RULE_TEXT, paired_cell, verdict_cell
+
     L = []
     for f in sorted(root.glob("*/paired_external.json")):
         e = json.loads(f.read_text())
         if not L:
             L += ["## External evaluation (chest_xray_224 evaluation part)", "",
-                  "Each site's deployed model, paired (same seed, same site); 95% bootstrap CI over seeds and images "
-                  "jointly; verdict better / no difference detected / worse.", "",
-                  "| folder | comparison | pairs | Δ AUC (95% CI) | verdict | Δ balanced acc. (95% CI) | verdict |",
+                  "Each site's deployed model, paired (same seed, same site); 95% cluster bootstrap-t interval (seeds "
+                  "resampled with their sites, one shared image draw; `hfl_components.stats`); verdict better / not "
+                  "worse (non-inferiority margin) / worse / inconclusive. " + RULE_TEXT + " Every verdict here is "
+                  "exploratory (a reproduction, no primary endpoint).", "",
+                  "| folder | comparison | pairs | Δ AUC | verdict | Δ balanced acc. | verdict |",
                   "|---|---|---|---|---|---|---|"]
         for p in e.get("paired", []):
             cells = []
             for k in ("auc", "balanced_accuracy"):
-                d = p[k]
-                ci = f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d.get("ci_low") is not None else ""
-                cells += [f"{d['diff']:+.3f}{ci}", d.get("verdict") or "–"]
+                cells += [paired_cell(p[k]), verdict_cell(p[k])]
             L.append(f"| {f.parent.name} | {p['comparison']} | {p['auc']['n_pairs']} | " + " | ".join(cells) + " |")
     return L + ([""] if L else [])
 
@@ -568,8 +570,8 @@ def main(argv=None) -> int:
         print(f"[reproduce] OHFL: {len(steps)} comparisons, {n_runs} simulator runs x ~"
               f"{BUDGETS[a.budget]['s_per_run']} s = ~{est / 60:.0f} min; protocol: equal epoch budgets, every "
               "saved model evaluated on chest_xray_224's evaluation part"
-              + (" (off: --no-external)" if a.no_external else "") + ", paired 95% bootstrap CIs over seeds and "
-              "images")
+              + (" (off: --no-external)" if a.no_external else "") + ", paired 95% intervals with seeds as "
+              "clusters")
         ns = compare_args(TABLE2_METHODS, 6, seeds, out, a.budget, None)
         for line in budget_lines({m: epoch_plan(m, ns) for m in TABLE2_METHODS}, False):
             print(f"  budget: {line}")

@@ -21,10 +21,11 @@ through as they are), and the budget table says so.
 
 **External evaluation.** ``--external DIR`` (optionally ``--part evaluation`` of ``chest_xray_224``) evaluates every
 saved model of every run (each site's deployed and, for OHFL, pre-fusion local model, and the global model at each
-site's size) with :func:`nvflare_jobs.evaluation.evaluate_run`, which leaves out the OHFL probe pool. The primary
+site's size) with :func:`nvflare_jobs.evaluation.evaluate_run`, which leaves out the OHFL probe pool. The
 endpoints are each site's deployed-model AUC and balanced accuracy on that set; the paired differences (same seed,
-same site) against ``local+ft`` and against FedAvg carry 95% bootstrap CIs over seeds and images jointly
-(:func:`hfl_components.training.paired.paired_bootstrap`) and a verdict.
+same site) against ``local+ft`` and against FedAvg carry 95% intervals with seeds as clusters and one shared image
+draw (:func:`hfl_components.stats.paired_crossed`) and, from :data:`hfl_components.stats.MIN_SEEDS` seeds on, a
+verdict; the deployed models' AUC against local+ft is the primary endpoint, every other verdict exploratory.
 
 A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
 Resumable: a run whose ``metrics.json`` exists is not run again, nor an external evaluation already written.
@@ -577,19 +578,14 @@ def _mean_std(vals: list) -> str:
 
 
 def paired_diff(rows: list[dict], method: str, metric: str, ref: str = "local") -> dict[str, Any]:
-    """Mean paired difference ``method - ref`` over matching (seed, site) pairs with a t-based 95% CI."""
-    from scipy import stats
+    """Paired difference ``method - ref`` over matching (seed, site) rows (one metric value per site test split):
+    :func:`hfl_components.stats.paired_summaries` (seeds as clusters, seed-level t-interval); ``n`` = pairs."""
+    from hfl_components.stats import paired_summaries
 
     a = {(r["seed"], r["site"]): r[metric] for r in rows if r["method"] == method}
     b = {(r["seed"], r["site"]): r[metric] for r in rows if r["method"] == ref}
-    d = np.asarray([a[k] - b[k] for k in a if k in b and a[k] is not None and b[k] is not None], dtype=float)
-    if d.size == 0:
-        return {"n": 0, "mean": None, "ci_low": None, "ci_high": None}
-    mean = float(d.mean())
-    if d.size < 2:
-        return {"n": 1, "mean": mean, "ci_low": None, "ci_high": None}
-    half = float(stats.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
-    return {"n": int(d.size), "mean": mean, "ci_low": mean - half, "ci_high": mean + half}
+    d = paired_summaries(a, b, metric)
+    return {**d, "n": d["n_pairs"], "mean": d["diff"]}
 
 
 def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
@@ -677,7 +673,7 @@ def _paired_arrays(runs_by: dict, ma: str, mb: str, name: str, kind_a: str = "de
 def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     """Rows of every run's external evaluation (``comparison_external.csv``) and the paired differences of the
     deployed models against the local+ft control and FedAvg (``paired_external.json``). None without one."""
-    from hfl_components.training.paired import PAIRED_METRICS, paired_bootstrap
+    from hfl_components.stats import PAIRED_METRICS, paired_crossed
 
     name, cj = _external_name(out)
     if not name:
@@ -710,6 +706,9 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     for m in methods:
         if _base(m) == "ohfl":
             pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
+    # the primary endpoint: the main job's deployed models' AUC against local+ft (every other verdict exploratory)
+    primary = next(((m, "deployed", control, "deployed") for m in sorted(methods, key=lambda m: m != "ohfl")
+                    if _base(m) == "ohfl" and control), None)
     paired = []
     for ma, ka, mb, kb, label in pairs:
         arr = _paired_arrays(runs_by, ma, mb, name, ka, kb)
@@ -718,9 +717,10 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
         y, A, B, seeds, sites = arr
         if len(set(y.tolist())) < 2:
             continue
-        res = {"comparison": label, "a": ma, "b": mb, "kind_a": ka, "kind_b": kb, "seeds": seeds, "sites": sites}
+        res = {"comparison": label, "a": ma, "b": mb, "kind_a": ka, "kind_b": kb, "seeds": seeds, "sites": sites,
+               "primary": "auc" if (ma, ka, mb, kb) == primary else None}
         for metric in PAIRED_METRICS:
-            res[metric] = paired_bootstrap(y, A, B, metric, n_boot=n_boot, seed=0)
+            res[metric] = paired_crossed(y, A, B, metric, n_boot=n_boot, seed=0, seeds=seeds)
         paired.append(res)
     first = next(iter(summaries.values()))
     info = {"name": name, "data": first.get("data"), "part": first.get("part"),
@@ -760,10 +760,14 @@ def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
 
     Targets: (1) the global model's zero-shot AUC (site input sizes averaged), mean over seeds, >= 0.75;
     (2) stretch: within 0.05 of the pre-fusion local models' mean; (3) the deployed models' mean AUC >= the
-    pre-fusion local models' mean; (4) the paired verdict of the deployed models against local+ft is not "worse",
-    for AUC and for balanced accuracy (without a local+ft control in the comparison: one row "not measured", not
+    pre-fusion local models' mean; (4) the deployed models are not worse than local+ft, for AUC and for balanced
+    accuracy: non-inferiority, the interval's lower bound above minus the margin of
+    :data:`hfl_components.stats.MARGINS` (with fewer than :data:`hfl_components.stats.MIN_SEEDS` seeds there is no
+    verdict and the target is not met; without a local+ft control in the comparison: one row "not measured", not
     met, rather than no row and "All targets met"); (5) the paired verdict against FedAvg, reported as it is.
     """
+    from hfl_components.stats import MARGINS, paired_cell, verdict_cell
+
     rows = [r for r in ext.get("rows", []) if r["method"] == method]
     if not rows:
         return []
@@ -801,15 +805,16 @@ def ohfl_targets(ext: dict, method: str = "ohfl") -> list[dict]:
             d = p.get(metric) or {}
             if d.get("diff") is None:
                 continue
-            value = f"{d['diff']:+.3f} (95% CI {d['ci_low']:+.3f} to {d['ci_high']:+.3f}): {d.get('verdict')}"
+            value = f"{paired_cell(d)}: {verdict_cell(d)}"
             if vs_fedavg:
                 out.append({"target": f"verdict against equal-epoch FedAvg, {label} (reported, no threshold)",
                             "value": value, "met": None})
-            else:
-                out.append({"target": f"verdict against local+ft not 'worse', {label}", "value": value,
-                            "met": d.get("verdict") != "worse"})
+            else:  # non-inferiority with the margin fixed in advance; no verdict (too few seeds) is not met
+                m = d.get("margin", MARGINS.get(metric))
+                out.append({"target": f"deployed models not worse than local+ft, {label} (non-inferiority, "
+                                      f"margin {m:g})", "value": value, "met": bool(d.get("non_inferior"))})
     if not seen_control:  # target (4) cannot be judged: say so instead of leaving it out ("All targets met")
-        out.append({"target": "verdict against local+ft not 'worse'",
+        out.append({"target": "deployed models not worse than local+ft",
                     "value": "not measured: no local+ft control run in this comparison (add local to --methods)",
                     "met": False})
     return out
@@ -831,10 +836,9 @@ def targets_markdown(targets: list[dict]) -> list[str]:
 
 
 def _ci_cell(d: dict) -> str:
-    if d.get("diff") is None:
-        return "–"
-    ci = (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d.get("ci_low") is not None else "")
-    return f"{d['diff']:+.3f}{ci}"
+    from hfl_components.stats import paired_cell
+
+    return paired_cell(d)
 
 
 def external_markdown(ext: dict, plans: dict) -> list[str]:
@@ -846,7 +850,7 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
          f"{'/'.join(map(str, ext['probe_images_excluded']))} probe images; seeds {', '.join(map(str, seeds))}. "
          "Every saved model of every run was evaluated (`cxr-hfl evaluate`, argmax decision); the global model is "
          "scored at each site's input size and averaged over sites.", "",
-         "### Primary endpoints: each site's deployed model", "",
+         "### Endpoints: each site's deployed model", "",
          "Mean ± std over (seed, site) pairs.", "",
          "| method | epochs/site | model | n models | AUC | balanced accuracy | accuracy |", "|---|---|---|---|---|---|---|"]
     for m in methods:
@@ -870,23 +874,28 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
                  and r["auc"] is not None]
             cells.append(_fmt(float(np.mean(v))) if v else "–")
         L.append(f"| {m} | " + " | ".join(cells) + " |")
+    from hfl_components.stats import MARGINS, RULE_TEXT, endpoint_label, verdict_cell
+
     L += ["", "### Paired differences (same seed, same site)", "",
-          f"Mean of (A − B) over the (seed, site) pairs of the deployed models; 95% percentile bootstrap CI resampling "
-          f"seeds and images jointly ({ext['n_boot']} replicates, `hfl_components.training.paired`). Verdict: "
-          "better (CI above 0) / worse (CI below 0) / no difference detected (CI covers 0). Pneumonia vs normal; "
-          "balanced accuracy at the argmax rule.", ""]
+          "Mean over seeds of the seed's mean (A − B) over its sites' deployed models. 95% interval: cluster "
+          f"bootstrap-t ({ext['n_boot']} replicates, `hfl_components.stats`): seeds resampled as clusters with their "
+          "sites, one image draw per replicate shared by every seed and site, the replicates' standard error with "
+          "the t quantile at seeds − 1 degrees of freedom; beside it the seed-level t-interval of the per-seed "
+          "differences, an interval for these images only. Verdict: better (lower bound > 0) / not worse "
+          f"(non-inferiority, lower bound > −δ; δ {MARGINS['auc']} AUC, {MARGINS['balanced_accuracy']} balanced "
+          "accuracy) / worse (upper bound < 0) / inconclusive. " + RULE_TEXT + " Only the primary endpoint's verdict "
+          "is confirmatory; the others are exploratory (no multiplicity correction). Pneumonia vs normal; balanced "
+          "accuracy at the argmax rule.", ""]
     if ext.get("control") == "local":
         L += ["Under equal budgets `local` is the local+ft control (each site's own model trained the same E epochs).",
               ""]
-    L += ["| comparison | seeds | pairs | Δ AUC (95% CI) | verdict | Δ balanced accuracy (95% CI) | verdict |",
+    L += ["| comparison | seeds | pairs | Δ AUC | verdict | Δ balanced accuracy | verdict |",
           "|---|---|---|---|---|---|---|"]
     for p in ext["paired"]:
         a, b = p["auc"], p["balanced_accuracy"]
-        L.append(f"| {p['comparison']} | {len(p['seeds'])} | {a['n_pairs']} | {_ci_cell(a)} | {a['verdict'] or '–'} "
-                 f"| {_ci_cell(b)} | {b['verdict'] or '–'} |")
-    if len(seeds) < 3:
-        L += ["", f"Only {len(seeds)} seed(s): the protocol asks for at least 3 before a verdict is reported as a "
-              "result."]
+        role = {k: endpoint_label(p.get("primary") == k) for k in ("auc", "balanced_accuracy")}
+        L.append(f"| {p['comparison']} | {len(p['seeds'])} | {a['n_pairs']} | {_ci_cell(a)} | "
+                 f"{verdict_cell(a)}, {role['auc']} | {_ci_cell(b)} | {verdict_cell(b)}, {role['balanced_accuracy']} |")
     if "ohfl" in methods:
         L += targets_markdown(ohfl_targets(ext))
     return L
@@ -956,21 +965,21 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
                 cells.append(_fmt(float(np.mean(v))) if v else "–")
             L.append(f"| {m} | " + " | ".join(cells) + " |")
     if "local" in methods and len(methods) > 1:
+        from hfl_components.stats import RULE_TEXT, paired_cell, verdict_cell
+
         L += ["", "## Paired difference vs Local", "",
-              "Mean of (method − Local) over matching (seed, site) test sets, 95% t-interval.", "",
-              "| method | pairs | Δ accuracy | Δ balanced accuracy | Δ AUC |", "|---|---|---|---|---|"]
+              "Mean over seeds of the seed's mean (method − Local) over its sites' own test sets; 95% seed-level "
+              "t-interval (seeds − 1 degrees of freedom; the sites of a seed are not independent). " + RULE_TEXT
+              + " Verdicts here are exploratory.", "",
+              "| method | pairs | Δ accuracy | Δ balanced accuracy | Δ AUC | verdict (balanced accuracy) |",
+              "|---|---|---|---|---|---|"]
         for m in methods:
             if m == "local":
                 continue
-            cells = []
-            n = 0
-            for k in ("accuracy", "balanced_accuracy", "auc"):
-                d = paired_diff(rows, m, k)
-                n = max(n, d["n"])
-                cells.append("–" if d["mean"] is None else
-                             f"{d['mean']:+.3f}" + (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})"
-                                                    if d["ci_low"] is not None else ""))
-            L.append(f"| {m} | {n} | " + " | ".join(cells) + " |")
+            ds = {k: paired_diff(rows, m, k) for k in ("accuracy", "balanced_accuracy", "auc")}
+            n = max(d["n"] for d in ds.values())
+            L.append(f"| {m} | {n} | " + " | ".join(paired_cell(d) for d in ds.values())
+                     + f" | {verdict_cell(ds['balanced_accuracy'])} |")
     if ext:
         L += external_markdown(ext, plans)
     L += ["", "## Notes", ""]

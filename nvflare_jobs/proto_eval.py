@@ -4,8 +4,10 @@ Each site's deployed model is scored (a) on its own test split (the run's ``test
 committed ``evaluation`` part of ``chest_xray_224`` (1,715 images, never trained on: the sites are built from the
 tuning + probe parts) restricted to the classes that site holds in its training split. ``comparison.md`` gets a
 section with per-method means, every single-class (majority-class) site flagged, the learning-floor check, and
-paired differences with joint seeds x images bootstrap CIs and verdicts
-(:func:`hfl_components.training.site_paired.paired_site_bootstrap`) against Local and against FedProto.
+paired differences against Local and against FedProto with seeds as clusters
+(:func:`hfl_components.stats.paired_nested`: the external images drawn once per replicate for every site, each test
+split on its own) and, from :data:`hfl_components.stats.MIN_SEEDS` seeds on, verdicts; one named primary endpoint,
+every other verdict exploratory.
 """
 from __future__ import annotations
 
@@ -21,9 +23,8 @@ NOTES = [
     "With 3 classes the structural terms have little to align: FedSAF's GCSA compares 3 x 3 centred Gram matrices "
     "(a site holding 2 classes contributes a single off-diagonal entry), and FedTopo's top-q keeps every negative "
     "class (q >= C - 1 = 2), so its top-q selection is inactive.",
-    "With about 18 (seed, site) pairs (3 seeds x 6 sites) and test splits of ~10-40 images a site, paired "
-    "differences under about 4-5 percentage points of balanced accuracy are not detectable: a 'no difference "
-    "detected' verdict is not evidence of equality.",
+    "Seeds are the unit of training randomness: the sites of one seed share their global prototypes and are not "
+    "independent replicates. An 'inconclusive' verdict is not evidence of equality.",
 ]
 
 
@@ -215,7 +216,7 @@ def single_class_chance(test_y: np.ndarray, ext_y: np.ndarray, ext_probs: np.nda
 
 def collect(out: Path, data_root: Path | None = None) -> dict[str, Any]:
     """Per (method, seed, site) predictions on both evaluation sets for every run under ``out``."""
-    from hfl_components.training.site_paired import site_metric
+    from hfl_components.stats import site_metric
 
     res: dict[str, Any] = {}
     for f in sorted(Path(out).glob("seed*/*/metrics.json")):
@@ -234,25 +235,15 @@ def _fmt(v) -> str:
     return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"
 
 
-def mean_ci(values, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> tuple[float, float] | None:
-    """Percentile-bootstrap CI of the mean site metric over site models.
+def mean_ci(values: dict) -> tuple[float, float] | None:
+    """95% seed-level t-interval of the mean site metric: ``values`` ``{(seed, site): value}`` averaged within each
+    seed, then over seeds (:func:`hfl_components.stats.seed_mean_interval`; the sites of a seed are not
+    independent). ``(low, high)``, or None with fewer than :data:`hfl_components.stats.MIN_SEEDS` seeds (no
+    reliable interval)."""
+    from hfl_components.stats import seed_mean_interval
 
-    The (seed, site) models are resampled with replacement: the between-site spread of the mean, with each site's
-    own image noise inside its value. NaNs are dropped.
-
-    Args:
-        values: (K,) one metric value per site model, e.g. its balanced accuracy (a fraction).
-        n_boot: replicates. seed: seeds the resampling. alpha: 0.05 -> 95% CI.
-
-    Returns:
-        ``(low, high)``, or None with fewer than 2 values.
-    """
-    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
-    if v.size < 2:
-        return None
-    idx = np.random.default_rng(seed).integers(0, v.size, (n_boot, v.size))
-    means = v[idx].mean(axis=1)
-    return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
+    d = seed_mean_interval(values)
+    return (d["ci_low"], d["ci_high"]) if d["ci_low"] is not None else None
 
 
 def _ms(v: list[float]) -> str:
@@ -263,8 +254,10 @@ def _ms(v: list[float]) -> str:
 
 
 def paired(res: dict, a: str, b: str, evalset: str, metric: str, n_boot: int = 500) -> dict[str, Any] | None:
-    """Paired A - B on one evaluation set (``test`` or ``external``) over their common (seed, site) pairs."""
-    from hfl_components.training.site_paired import paired_site_bootstrap
+    """Paired A - B on one evaluation set (``test`` or ``external``) over their common (seed, site) pairs
+    (:func:`hfl_components.stats.paired_nested`): the external part is one image pool shared by every site and
+    seed (one draw per replicate), each (seed, site) test split a pool of its own."""
+    from hfl_components.stats import paired_nested
 
     ra, rb = res.get(a, {}).get(evalset, {}), res.get(b, {}).get(evalset, {})
     keys = sorted(set(ra) & set(rb))
@@ -278,11 +271,14 @@ def paired(res: dict, a: str, b: str, evalset: str, metric: str, n_boot: int = 5
         pool = "evaluation" if evalset == "external" else f"{s}/{site}"
         pairs.append({"seed": s, "site": site, "pool": pool, "ids": da["ids"], "y": da["y"], "pa": da["probs"],
                       "pb": db["probs"]})
-    return paired_site_bootstrap(pairs, metric, n_boot=n_boot, seed=0) if pairs else None
+    return paired_nested(pairs, metric, n_boot=n_boot, seed=0) if pairs else None
 
 
-def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | None = None) -> tuple[str, dict]:
-    """Markdown section + JSON summary of the personalised-methods protocol for the runs under ``out``."""
+def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | None = None,
+            primary: tuple[str, str, str, str] | None = None) -> tuple[str, dict]:
+    """Markdown section + JSON summary of the personalised-methods protocol for the runs under ``out``.
+    ``primary``: the primary endpoint ``(method A, method B, "test"|"external", metric)`` (its verdict is marked
+    primary, every other one exploratory); None: every verdict exploratory."""
     res = collect(out, data_root)
     methods = [m for m in methods if m in res]
     L = ["", "## Site models on their own test splits and on the external evaluation part", "",
@@ -303,8 +299,8 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
         be = float(np.nanmean([v["balanced_accuracy"] for v in e.values()])) if e else float("nan")
         ok = bt >= FLOOR and be >= FLOOR and sc_t == 0
         summary["methods"][m] = {"pairs": len(t), "test_bal_acc": bt, "external_bal_acc": be,
-                                 "test_bal_acc_ci": mean_ci([v["balanced_accuracy"] for v in t.values()]),
-                                 "external_bal_acc_ci": mean_ci([v["balanced_accuracy"] for v in e.values()]),
+                                 "test_bal_acc_ci": mean_ci({k: v["balanced_accuracy"] for k, v in t.items()}),
+                                 "external_bal_acc_ci": mean_ci({k: v["balanced_accuracy"] for k, v in e.items()}),
                                  "test_auc": float(np.nanmean([v["auc"] for v in t.values()])) if t else None,
                                  "external_auc": float(np.nanmean([v["auc"] for v in e.values()])) if e else None,
                                  "single_class_test": sc_t, "single_class_external": sc_e, "floor_met": bool(ok)}
@@ -325,21 +321,31 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
     comps = [(m, "local") for m in methods if m != "local" and "local" in methods]
     comps += [(m, "fedproto") for m in methods if m not in ("fedproto", "local") and "fedproto" in methods]
     if comps:
-        L += ["### Paired differences (A − B) with joint seeds x images bootstrap 95% CIs", "",
-              f"{n_boot} replicates; seeds resampled, images resampled within class (the external images once per "
-              "replicate for every site, each test split on its own); verdict: better / no difference detected / "
-              "worse.", "",
-              "| A vs B | set | metric | pairs | A | B | Δ (95% CI) | verdict |", "|---|---|---|---|---|---|---|---|"]
+        from hfl_components.stats import MARGINS, RULE_TEXT, endpoint_label, paired_cell, verdict_cell
+
+        L += ["### Paired differences (A − B), seeds as clusters", "",
+              "Mean over seeds of the seed's mean difference over its sites. 95% intervals, seeds − 1 degrees of "
+              "freedom. External part (one image pool shared by every site and seed): cluster bootstrap-t "
+              f"({n_boot} replicates: seeds resampled with their sites, one image draw within class per replicate "
+              "for all), beside it the seed-level t-interval for these images only. Test splits (each seed's sites "
+              "score images of their own, whose noise is inside the per-seed differences): the seed-level "
+              "t-interval. Verdict: better / not worse (non-inferiority, margin "
+              f"δ {MARGINS['balanced_accuracy']} balanced accuracy, {MARGINS['auc']} AUC) / worse / inconclusive. "
+              + RULE_TEXT + " " + ("The primary endpoint is marked; every other verdict is exploratory (no "
+                                   "multiplicity correction)." if primary else
+                                   "No primary endpoint is named here: every verdict is exploratory."), "",
+              "| A vs B | set | metric | pairs | A | B | Δ | verdict | endpoint |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for a, b in comps:
             for evalset in ("test", "external"):
                 for metric in ("balanced_accuracy", "auc"):
                     d = paired(res, a, b, evalset, metric, n_boot)
                     if d is None:
                         continue
-                    summary["paired"].append({**d, "method_a": a, "method_b": b, "set": evalset})
-                    ci = (f" ({d['ci_low']:+.3f} to {d['ci_high']:+.3f})" if d["ci_low"] is not None else "")
+                    role = endpoint_label((a, b, evalset, metric) == primary)
+                    summary["paired"].append({**d, "method_a": a, "method_b": b, "set": evalset, "endpoint": role})
                     L.append(f"| {a} vs {b} | {evalset} | {metric.replace('_', ' ')} | {d['n_pairs']} | "
-                             f"{_fmt(d['a'])} | {_fmt(d['b'])} | {d['diff']:+.3f}{ci} | {d['verdict'] or '–'} |")
+                             f"{_fmt(d['a'])} | {_fmt(d['b'])} | {paired_cell(d)} | {verdict_cell(d)} | {role} |")
     L += ["", *[f"- {n}" for n in NOTES], ""]
     rows = [{"method": m, "set": k, "seed": s, "site": site, "n": int(len(v["y"])),
              "balanced_accuracy": v["balanced_accuracy"], "auc": v["auc"], "single_class": v["single_class"]}

@@ -242,12 +242,20 @@ def test_shortcut_probe_transforms_and_pooled_change(monkeypatch):
 
 
 def test_shortcut_probe_paired_arms_hand_case(monkeypatch):
-    """B - A paired by (run, site): differences +0.1, +0.3 (run 0) and -0.1 (run 1) -> mean +0.1; a site missing
-    from arm B is not a pair."""
+    """B - A paired by (run = seed, site), every site scoring the same images: balanced accuracies B - A are +0.5 and
+    0 (run 0) and -0.5 (run 1); the mean over seeds of the per-seed means is (0.25 - 0.5) / 2. A site missing from
+    arm B is not a pair; 2 seeds give no interval and no verdict; one shared image pool with seeds as clusters."""
     from studies.shortcut.shortcut_probe import paired_arms
 
-    a = [{"auc_per_site": {"s1": 0.5, "s2": 0.5, "s3": 0.9}}, {"auc_per_site": {"s1": 0.8}}]
-    b = [{"auc_per_site": {"s1": 0.6, "s2": 0.8}}, {"auc_per_site": {"s1": 0.7}}]
-    d = paired_arms(a, b, "auc")
-    assert d["n_pairs"] == 3 and d["diff"] == pytest.approx(0.1)
-    assert -0.1 - 1e-9 <= d["ci_low"] <= d["diff"] <= d["ci_high"] <= 0.3 + 1e-9
+    y = np.array([0, 0, 1, 1])
+    right, zero = np.eye(2)[y], np.eye(2)[[0, 0, 0, 0]]  # balanced accuracy 1 / 0.5
+
+    def site(p):
+        return {"y": y, "p": {"none": p}}
+    a = [{"s1": site(zero), "s2": site(right), "s3": site(right)}, {"s1": site(right)}]
+    b = [{"s1": site(right), "s2": site(right)}, {"s1": site(zero)}]
+    d = paired_arms(a, b, "balanced_accuracy", n_boot=20)
+    assert d["n_pairs"] == 3 and d["diff"] == pytest.approx(-0.125)
+    assert d["per_seed"] == pytest.approx({"0": 0.25, "1": -0.5}) and d["verdict"] is None and not d["reliable"]
+    with pytest.raises(ValueError, match="different images"):
+        paired_arms(a, [{"s1": {"y": y[::-1], "p": {"none": right}}}, {}], "auc")

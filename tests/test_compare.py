@@ -68,15 +68,20 @@ def test_unequal_budgets_need_the_flag(tmp_path):
 
 
 def test_paired_difference_ci():
+    """Seeds are the clusters: the three sites of a seed are averaged first, then the Student-t interval over the
+    five per-seed means (df 4): 0.1, 0.1, 0.2, 0.0, 0.1."""
     from nvflare_jobs.compare import paired_diff
 
-    diffs = {(0, 0): 0.05, (0, 1): 0.1, (0, 2): 0.15, (1, 0): 0.08, (1, 1): 0.12, (1, 2): 0.1}
+    diffs = {(s, i): m + (i - 1) * 0.05 for s, m in enumerate((0.1, 0.1, 0.2, 0.0, 0.1)) for i in range(3)}
     rows = [{"method": "local", "seed": s, "site": f"site-{i}", "accuracy": 0.6} for s, i in diffs]
     rows += [{"method": "ohfl", "seed": s, "site": f"site-{i}", "accuracy": 0.6 + d} for (s, i), d in diffs.items()]
     d = paired_diff(rows, "ohfl", "accuracy")
-    assert d["n"] == 6 and d["mean"] == pytest.approx(0.1)
-    half = 2.5706 * 0.0340587727318528 / 6 ** 0.5  # t(0.975, 5) * sd / sqrt(n)
+    assert d["n"] == 15 and d["mean"] == pytest.approx(0.1) and d["n_seeds"] == 5
+    half = 2.7764 * 0.0707106781 / 5 ** 0.5  # t(0.975, 4) * sd of the seed means / sqrt(5)
     assert d["ci_low"] == pytest.approx(0.1 - half, abs=1e-4) and d["ci_high"] == pytest.approx(0.1 + half, abs=1e-4)
+    assert d["verdict"] == "better"
+    three = paired_diff([r for r in rows if r["seed"] < 3], "ohfl", "accuracy")
+    assert three["verdict"] is None and three["per_seed"] == pytest.approx({"0": 0.1, "1": 0.1, "2": 0.2})
     assert paired_diff(rows, "fedavg", "accuracy")["n"] == 0
 
 
@@ -269,10 +274,14 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
                         for s in (0, 1) for k in ("site-1", "site-2")])
         d = paired["ohfl vs FedAvg"][metric]
         assert d["n_pairs"] == 4 and d["diff"] == pytest.approx(want, abs=1e-6)
-        assert d["ci_low"] <= d["ci_high"] and d["verdict"] in ("better", "worse", "no difference detected")
+        # 2 seeds: per-seed differences, no reliable interval, no verdict
+        assert d["per_seed"].keys() == {"0", "1"} and d["verdict"] is None and not d["reliable"]
     assert paired["ohfl vs FedAvg"]["auc"]["diff"] != 0  # the fake models' scores differ: not a 0 == 0 check
+    assert paired["ohfl vs local+ft (local, same E epochs)"]["primary"] == "auc"  # the one primary endpoint
+    assert [p["primary"] for p in paired.values()].count("auc") == 1
     for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
-                  "| ohfl vs FedAvg | 2 | 4 |", "global (site mean)", "pre-fusion local (per site)",
+                  "| ohfl vs FedAvg | 2 | 4 |", "no verdict (2 seed(s) < 5), exploratory", "global (site mean)",
+                  "pre-fusion local (per site)",
                   "### Issue 11 targets (OHFL main job, external evaluation)"):
         assert part_ in md, part_
     assert main(["report", str(out)]) == 0

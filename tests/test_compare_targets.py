@@ -24,17 +24,20 @@ def _write_tables(out):
         w.writerow(cols)
         w.writerows(rows)
 
-    def d(diff, lo, hi, verdict):
-        return {"diff": diff, "ci_low": lo, "ci_high": hi, "verdict": verdict, "n_pairs": 4}
+    def d(diff, lo, hi, margin):  # a result of hfl_components.stats at 5 seeds, its verdict from the same rule
+        from hfl_components.stats import verdict
+
+        return {"diff": diff, "ci_low": lo, "ci_high": hi, "verdict": verdict(lo, hi, margin), "n_pairs": 10,
+                "n_seeds": 5, "reliable": True, "margin": margin, "non_inferior": lo > -margin,
+                "per_seed": {str(s): diff for s in range(5)}}
     paired = [
         {"comparison": "ohfl vs local+ft (local, same E epochs)", "a": "ohfl", "b": "local", "kind_a": "deployed",
-         "kind_b": "deployed", "auc": d(-0.01, -0.03, 0.01, "no difference detected"),
-         "balanced_accuracy": d(-0.05, -0.08, -0.02, "worse")},
+         "kind_b": "deployed", "auc": d(-0.01, -0.015, 0.01, 0.02), "balanced_accuracy": d(-0.05, -0.08, -0.02, 0.03)},
         {"comparison": "ohfl vs FedAvg", "a": "ohfl", "b": "fedavg", "kind_a": "deployed", "kind_b": "deployed",
-         "auc": d(0.02, 0.01, 0.03, "better"), "balanced_accuracy": d(0.0, -0.1, 0.1, "no difference detected")},
+         "auc": d(0.02, 0.01, 0.03, 0.02), "balanced_accuracy": d(0.0, -0.1, 0.1, 0.03)},
         {"comparison": "ohfl deployed vs its own pre-fusion local models", "a": "ohfl", "b": "ohfl",
-         "kind_a": "deployed", "kind_b": "local", "auc": d(0.0, -0.1, 0.1, "no difference detected"),
-         "balanced_accuracy": d(0.0, -0.1, 0.1, "no difference detected")}]
+         "kind_a": "deployed", "kind_b": "local", "auc": d(0.0, -0.1, 0.1, 0.02),
+         "balanced_accuracy": d(0.0, -0.1, 0.1, 0.03)}]
     (out / "paired_external.json").write_text(json.dumps({"name": "chest_xray_224-evaluation", "part": "evaluation",
                                                           "control": "local", "paired": paired}))
 
@@ -50,9 +53,10 @@ def test_targets_from_the_external_tables(tmp_path):
     assert s["met"] is False and s["value"] == "0.700 vs 0.850 (gap -0.150)"
     dep = t["deployed models' mean AUC >= the pre-fusion local models' mean"]  # (0.9+0.9+0.8+0.8)/4 = 0.85: equal
     assert dep["met"] is True and dep["value"] == "0.850 (4 models) vs 0.850 (4 models)"
-    assert t["verdict against local+ft not 'worse', AUC"]["met"] is True
-    ba = t["verdict against local+ft not 'worse', balanced accuracy"]
-    assert ba["met"] is False and ba["value"] == "-0.050 (95% CI -0.080 to -0.020): worse"
+    auc = t["deployed models not worse than local+ft, AUC (non-inferiority, margin 0.02)"]
+    assert auc["met"] is True and auc["value"] == "-0.010 (95% CI -0.015 to +0.010): not worse (δ 0.02)"
+    ba = t["deployed models not worse than local+ft, balanced accuracy (non-inferiority, margin 0.03)"]
+    assert ba["met"] is False and ba["value"] == "-0.050 (95% CI -0.080 to -0.020): worse (δ 0.03)"
     fa = t["verdict against equal-epoch FedAvg, AUC (reported, no threshold)"]
     assert fa["met"] is None and fa["value"].endswith(": better")
     assert len(t) == 7  # the deployed-vs-own-local pair is not a target row
@@ -72,9 +76,9 @@ def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
     pj["paired"] = [p for p in pj["paired"] if p["b"] != "local"]
     (tmp_path / "paired_external.json").write_text(json.dumps(pj))
     t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
-    miss = t["verdict against local+ft not 'worse'"]
+    miss = t["deployed models not worse than local+ft"]
     assert miss["met"] is False and miss["value"].startswith("not measured: no local+ft control")
-    assert not any(k.startswith("verdict against local+ft not 'worse', ") for k in t)
+    assert not any(k.startswith("deployed models not worse than local+ft, ") for k in t)
     # global 0.700 (not met), stretch (not met), deployed = local (met), the missing control (not met); FedAvg reported
     assert "3 of 4 targets not met." in "\n".join(targets_markdown(list(t.values())))
 
@@ -88,9 +92,32 @@ def test_compare_report_html_states_the_targets_not_met(tmp_path):
     assert "Issue 11 targets (OHFL main job, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
     head = html.split("<b>Targets not met: ", 1)[1].split("</b>", 1)[0]
     assert "global model zero-shot mean AUC &gt;= 0.75 (0.700 over 2 seed(s)" in head
-    assert "balanced accuracy (-0.050 (95% CI -0.080 to -0.020): worse)" in head
-    assert "deployed models" not in head  # met targets are not listed as missed
+    assert "balanced accuracy (non-inferiority, margin 0.03) (-0.050 (95% CI -0.080 to -0.020): worse (δ 0.03))" \
+        in head
+    assert "mean AUC &gt;= the pre-fusion" not in head and "AUC (non-inferiority" not in head  # met: not listed
     assert html.count("NOT met") == 3
+
+
+def test_fewer_than_five_seeds_give_no_verdict_and_the_target_is_not_met(tmp_path):
+    """A paired result under 5 seeds (or one written before the rule, without ``reliable``) has no verdict: the
+    non-inferiority target shows the per-seed differences and is not met."""
+    from nvflare_jobs.compare import load_external, ohfl_targets
+
+    _write_tables(tmp_path)
+    pj = json.loads((tmp_path / "paired_external.json").read_text())
+    pj["paired"][0]["auc"] = {"diff": 0.05, "ci_low": 0.01, "ci_high": 0.09, "verdict": None, "n_seeds": 3,
+                              "reliable": False, "margin": 0.02, "non_inferior": None,
+                              "per_seed": {"0": 0.07, "1": 0.01, "2": 0.07}}
+    pj["paired"][0]["balanced_accuracy"] = {"diff": 0.04, "ci_low": 0.01, "ci_high": 0.07, "verdict": "better",
+                                            "n_pairs": 18}  # the old format: no seed rule recorded
+    (tmp_path / "paired_external.json").write_text(json.dumps(pj))
+    t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
+    auc = t["deployed models not worse than local+ft, AUC (non-inferiority, margin 0.02)"]
+    assert auc["met"] is False
+    assert auc["value"] == "+0.050; per seed +0.070 / +0.010 / +0.070 (3 seed(s): no reliable interval): " \
+        "no verdict (3 seed(s) < 5)"
+    old = t["deployed models not worse than local+ft, balanced accuracy (non-inferiority, margin 0.03)"]
+    assert old["met"] is False and old["value"].endswith(": no verdict (? seed(s) < 5)")  # its stored verdict ignored
 
 
 def test_no_targets_without_an_external_evaluation(tmp_path):

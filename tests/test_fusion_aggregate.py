@@ -97,6 +97,33 @@ def test_cumulative_sample_weights_give_the_sample_weighted_mean():
         assert torch.allclose(sd[key], ((a + b) / 2 + c) / 2, atol=1e-6), key
 
 
+def test_rand_is_the_sample_weighted_mean_of_every_pairwise_fusion():
+    """RAND with one neuron per layer (every OT plan 1x1: a pairwise fusion is the weighted average of its two
+    parents) and unequal sample counts. ``samples``: every site ends with weight n_k / N, the base included (it enters
+    each of its n - 1 pairs with n_base / (n - 1)); ``half``: each pair is (x_k + x_base) / 2 and the n - 1 results
+    are averaged equally. Either differs from the last pairwise fusion alone and from an unweighted mean."""
+    spec = {**BASE, "stages": [[1], [1], [1]], "hidden": [1, 1]}
+    counts = (10, 30, 60, 100)
+    from tests.fusion_helpers import he_model
+
+    ms = [SiteModel(f"s{k}", spec, he_model(spec, 10 + k, bias_range=0.5).state_dict(), n, 0.5)
+          for k, n in enumerate(counts)]  # non-zero biases: every parameter tells the weightings apart
+    _, sd, rec = aggregate_models(ms, "rand", seed=1)
+    base = next(m for m in ms if m.name == rec["base"])
+    others = [m for m in ms if m is not base]
+    assert len(rec["pairs"]) == 3
+    for key in sd:
+        expect = sum(m.n_samples * m.state_dict[key] for m in ms) / sum(counts)
+        assert torch.allclose(sd[key], expect, atol=1e-6), key
+        last = (others[-1].n_samples * others[-1].state_dict[key] + base.n_samples / 3 * base.state_dict[key]) / (
+            others[-1].n_samples + base.n_samples / 3)
+        assert not torch.allclose(sd[key], last, atol=1e-3), key  # not the last pairwise fusion alone
+    _, sd, _ = aggregate_models(ms, "rand", seed=1, weighting="half")
+    for key in sd:
+        expect = sum((m.state_dict[key] + base.state_dict[key]) / 2 for m in others) / 3
+        assert torch.allclose(sd[key], expect, atol=1e-6), key
+
+
 def test_aggregate_rejects_bad_input(sites):
     with pytest.raises(ValueError, match="strategy"):
         aggregate_models(sites, "fedavg", probe=PROBE)

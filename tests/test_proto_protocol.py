@@ -143,7 +143,7 @@ def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparis
 def test_weighted_auc_and_balanced_accuracy_equal_scikit_learn():
     from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 
-    from hfl_components.training.site_paired import site_metric, weighted_auc
+    from hfl_components.stats import site_metric, weighted_auc
 
     rng = np.random.default_rng(3)
     y = rng.integers(0, 3, 60)
@@ -164,16 +164,16 @@ def test_weighted_auc_and_balanced_accuracy_equal_scikit_learn():
         site_metric("f1", y, p)
 
 
-def test_paired_site_bootstrap_verdicts():
-    from hfl_components.training.site_paired import paired_site_bootstrap, verdict
+def test_paired_nested_verdicts():
+    from hfl_components.stats import paired_nested, verdict
 
     assert [verdict(0.01, 0.2), verdict(-0.1, 0.1), verdict(-0.3, -0.01), verdict(None, 1)] == [
-        "better", "no difference detected", "worse", None]
+        "better", "inconclusive", "worse", None]
     rng = np.random.default_rng(0)
     y = np.repeat([0, 1, 2], 20)
     good = np.eye(3)[y] * 0.8 + 0.1  # always right
     pairs_same, pairs_good = [], []
-    for s in range(3):
+    for s in range(5):
         for k in range(2):
             ids = np.sort(rng.choice(60, 30, replace=False))
             noise = rng.dirichlet([1, 1, 1], 60)
@@ -181,12 +181,14 @@ def test_paired_site_bootstrap_verdicts():
                                "pb": noise[ids]})
             pairs_good.append({"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(30), "y": y[ids],
                                "pa": good[ids], "pb": noise[ids]})
-    d = paired_site_bootstrap(pairs_same, "balanced_accuracy", n_boot=50)
-    assert d["diff"] == 0 and d["ci_low"] == 0 and d["ci_high"] == 0 and d["verdict"] == "no difference detected"
-    g = paired_site_bootstrap(pairs_good, "auc", n_boot=50)
-    assert g["a"] == 1.0 and g["n_pairs"] == 6 and g["verdict"] == "better"
-    r = paired_site_bootstrap([dict(q, pa=q["pb"], pb=q["pa"]) for q in pairs_good], "balanced_accuracy", n_boot=50)
+    d = paired_nested(pairs_same, "balanced_accuracy", n_boot=50)
+    assert d["diff"] == 0 and d["ci_low"] == 0 and d["ci_high"] == 0 and d["verdict"] == "not worse"
+    g = paired_nested(pairs_good, "auc", n_boot=50)
+    assert g["a"] == 1.0 and g["n_pairs"] == 10 and g["verdict"] == "better"
+    r = paired_nested([dict(q, pa=q["pb"], pb=q["pa"]) for q in pairs_good], "balanced_accuracy", n_boot=50)
     assert r["verdict"] == "worse" and r["a"] == pytest.approx(r["b"] + r["diff"]) and r["b"] == 1.0
+    three = paired_nested([q for q in pairs_good if q["seed"] < 3], "auc", n_boot=50)
+    assert three["verdict"] is None and not three["reliable"] and len(three["per_seed"]) == 3
 
 
 def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_path, data_root, monkeypatch):
@@ -219,8 +221,8 @@ def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_pat
     assert [c["model"]["family"] for c in profile.values()][:4] == ["hetero_cnn", "densenet", "resnet", "efficientnet"]
 
 
-def test_paired_site_bootstrap_point_estimates_equal_site_metric():
-    from hfl_components.training.site_paired import paired_site_bootstrap, site_metric
+def test_paired_nested_point_estimates_equal_site_metric():
+    from hfl_components.stats import paired_nested, site_metric
 
     rng = np.random.default_rng(1)
     pairs = []
@@ -230,7 +232,7 @@ def test_paired_site_bootstrap_point_estimates_equal_site_metric():
             pairs.append({"seed": s, "site": k, "pool": f"{s}/{k}", "ids": np.arange(25), "y": y,
                           "pa": rng.dirichlet([1, 1, 1], 25), "pb": rng.dirichlet([1, 1, 1], 25)})
     for metric in ("balanced_accuracy", "auc"):
-        d = paired_site_bootstrap(pairs, metric, n_boot=0)
+        d = paired_nested(pairs, metric, n_boot=0)
         a = np.mean([site_metric(metric, q["y"], q["pa"]) for q in pairs])
         b = np.mean([site_metric(metric, q["y"], q["pb"]) for q in pairs])
         assert d["a"] == pytest.approx(a) and d["b"] == pytest.approx(b) and d["diff"] == pytest.approx(a - b)

@@ -18,7 +18,10 @@ parameters, ties by name), into which the others are fused one by one.
 Weights. ``weighting="samples"`` (default): the running model carries the cumulative sample count of the models
 fused into it, so each step is w_fused : w_new and every site ends with weight ∝ its sample count regardless of the
 order (a fixed 0.5 over-weights the models fused last, see PITFALLS). ``weighting="half"``: every step 0.5 : 0.5.
-For ``rand`` the n − 1 results are averaged with weights (n_base + n_k) under ``samples`` and equally under ``half``.
+For ``rand`` under ``samples`` the base enters each of its n − 1 pairs with n_base / (n − 1) (its samples split over
+its pairs) and the n − 1 results are averaged with weights n_k + n_base / (n − 1), so every site, the base included,
+ends with weight ∝ its sample count; under ``half`` every pair is 0.5 : 0.5 and the results are averaged equally
+(the paper's plain parameter averaging, Sec. 4.3).
 """
 from __future__ import annotations
 
@@ -196,7 +199,10 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         ordered = sorted(sites, key=lambda s: s.name)
         base = _random.Random(seed).choice(ordered)
         record["base"] = base.name
-        results = [fuse(run(s), run(base)) for s in ordered if s is not base]
+        b_run = run(base)
+        if weighting == "samples" and len(ordered) > 1:  # the base's samples are split over its n - 1 pairs
+            b_run.weight = b_run.weight / (len(ordered) - 1)
+        results = [fuse(run(s), b_run) for s in ordered if s is not base]
         order = [base.name] + [s.name for s in ordered if s is not base]
         if not results:
             final = run(base)

@@ -2,9 +2,10 @@
 
 The main job (OHFL, 6 width sites on ``chest_xray_original``, defaults) is run per seed twice on the identical
 partition: once at the defaults (``monai``), once with the same site configs plus ``augment: batch``
-(``--profile``). Compared: the pooled test predictions of the deployed site models, paired by (seed, site, test
-image), accuracy at 0.5 and AUC, with a joint seeds x images bootstrap 95% CI of batch - monai and the verdict wording
-of ``cxr-hfl compare`` (better / no difference detected / worse).
+(``--profile``). Compared: each deployed site model's test predictions, paired by (seed, site), balanced accuracy
+(argmax) and AUC, batch - monai with seeds as clusters (:func:`hfl_components.stats.paired_nested`: each site's test
+split its own image pool) and the reporting rule of ``hfl_components.stats`` (per-seed differences and no verdict
+under 5 seeds).
 
     python -m studies.augmentation.augment_accuracy --seeds 0,1,2 --out runs/aug
 
@@ -44,44 +45,29 @@ def _preds(d: Path) -> dict:
 
 
 def compare(out: Path, seeds: list[int], n_boot: int = 2000) -> dict:
-    """Paired batch - monai differences of pooled accuracy and AUC (joint seeds x images bootstrap, 95% CI).
-    Raises ValueError when the two arms of a seed scored different test images."""
-    from sklearn.metrics import roc_auc_score
+    """Paired batch - monai differences of the site models' balanced accuracy and AUC
+    (:func:`hfl_components.stats.paired_nested`). Raises ValueError when the two arms of a seed scored different
+    test images."""
+    from hfl_components.stats import paired_nested
 
-    from hfl_components.training.paired import verdict  # compare's wording
-
-    y, pm, pb, s_of = [], [], [], []
-    per_seed = {}
+    pairs, per_seed, n = [], {}, 0
     for s in seeds:
         a, b = _preds(out / f"monai_s{s}"), _preds(out / f"batch_s{s}")
         if a.keys() != b.keys():
             raise ValueError(f"seed {s}: the two arms scored different test images")
-        k = sorted(a)
-        y += [a[i][0] for i in k]
-        pm += [a[i][1] for i in k]
-        pb += [b[i][1] for i in k]
-        s_of += [s] * len(k)
+        n += len(a)
+        for site in sorted({k[0] for k in a}):
+            k = sorted(i for i in a if i[0] == site)
+            pa, pb = np.asarray([b[i][1] for i in k]), np.asarray([a[i][1] for i in k])
+            pairs.append({"seed": s, "site": site, "pool": (s, site), "ids": np.arange(len(k)),
+                          "y": np.asarray([a[i][0] for i in k]), "pa": np.stack([1 - pa, pa], 1),
+                          "pb": np.stack([1 - pb, pb], 1)})
         per_seed[s] = {arm: {key: json.load(open(out / f"{arm}_s{s}" / "metrics.json")).get(key)
                              for key in ("pooled", "gate", "wall_time_s")} for arm in ("monai", "batch")}
-    y, pm, pb, s_of = map(np.asarray, (y, pm, pb, s_of))
-
-    def stats(i):
-        return (((pm[i] >= 0.5) == y[i]).mean(), ((pb[i] >= 0.5) == y[i]).mean(),
-                roc_auc_score(y[i], pm[i]), roc_auc_score(y[i], pb[i]))
-
-    base = stats(np.arange(len(y)))
-    rng = np.random.default_rng(0)
-    boots = []
-    for _ in range(n_boot):
-        idx = np.concatenate([rng.choice(np.flatnonzero(s_of == s), int((s_of == s).sum()))
-                              for s in rng.choice(seeds, len(seeds))])
-        boots.append(stats(idx))
-    boots = np.asarray(boots)
-    res = {"seeds": seeds, "n_images": int(len(y)), "per_seed": per_seed}
-    for name, i, j in (("accuracy", 0, 1), ("auc", 2, 3)):
-        lo, hi = np.percentile(boots[:, j] - boots[:, i], [2.5, 97.5])
-        res[name] = {"monai": float(base[i]), "batch": float(base[j]), "diff": float(base[j] - base[i]),
-                     "ci": [float(lo), float(hi)], "verdict": verdict(float(lo), float(hi))}
+    res = {"seeds": seeds, "n_images": n, "per_seed": per_seed}
+    for name in ("balanced_accuracy", "auc"):
+        d = paired_nested(pairs, name, n_boot=n_boot, seed=0)
+        res[name] = {**d, "monai": d["b"], "batch": d["a"]}
     return res
 
 
@@ -118,10 +104,12 @@ def main(argv=None) -> int:
     for s, d in res["per_seed"].items():
         print(f"seed {s}: " + "  ".join(f"{arm} acc {d[arm]['pooled']['accuracy']['value']:.3f} gate "
                                          f"{(d[arm]['gate'] or {}).get('adopted')}/6" for arm in ("monai", "batch")))
-    for m in ("accuracy", "auc"):
+    from hfl_components.stats import paired_cell, verdict_cell
+
+    for m in ("balanced_accuracy", "auc"):
         r = res[m]
-        print(f"{m}: monai {r['monai']:.3f}  batch {r['batch']:.3f}  batch - monai {r['diff']:+.3f} "
-              f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] over {res['n_images']} paired images: {r['verdict']}")
+        print(f"{m}: monai {r['monai']:.3f}  batch {r['batch']:.3f}  batch - monai {paired_cell(r)} over "
+              f"{r['n_pairs']} (seed, site) pairs, {res['n_images']} images: {verdict_cell(r)}")
     return 0
 
 

@@ -17,10 +17,12 @@ shortcut; the untransformed scores are then not held out):
 
 Reported per run, model kind and transform: the change of p(the site's training minority classes, as ``auto``
 resolves them from the site's manifest; summed when several), averaged over the images, then over the sites that
-have a minority class, with a 95 % percentile-bootstrap CI (sites resampled, then images within each site
-independently; every site scores the same images, so the image part of the CI is somewhat narrow); the runs'
-``augment_classes`` setting; and the untransformed images' balanced accuracy / AUC. ``--pair-arms``: two arms'
-untransformed scores paired by (seed, site). No shortcut: changes near 0 and of no consistent sign.
+have a minority class, with a 95 % percentile-bootstrap interval over the images only (one image draw per replicate,
+within class, shared by every site, since every site scores the same images; the run's models fixed: one run is one
+seed and says nothing about training randomness, so this interval gives no verdict); the runs' ``augment_classes``
+setting; and the untransformed images' balanced accuracy / AUC. ``--pair-arms``: two arms' untransformed scores
+paired by (seed, site), seeds as clusters (:func:`hfl_components.stats.paired_nested` with the tuning images as one
+shared pool: the crossed design). No shortcut: changes near 0 and of no consistent sign.
 
     python -m studies.shortcut.shortcut_probe runs/ohfl_auto_s0 runs/ohfl_all_s0 --labels binary
 """
@@ -101,28 +103,29 @@ def site_shifts(run: Path, labels: str, data_root: Path, kind: str = "deployed")
 
 def summary(sites: dict, n_boot: int = 1000, seed: int = 0) -> dict:
     """Mean change of p(the site's training minority classes) (transformed - original) pooled over the sites that
-    have a minority class, per transform, with a bootstrap CI (sites resampled, then images within each); per-site
-    means alongside. A shortcut learnt from minority-only augmentation shows as a positive change."""
-    rng = np.random.default_rng(seed)
+    have a minority class, per transform, with a 95% percentile interval over the images only (one image draw per
+    replicate, within class, shared by every site: :func:`hfl_components.stats.draw_image_counts`; the sites of the
+    run are not resampled, they are one seed's models); per-site means alongside. A shortcut learnt from
+    minority-only augmentation shows as a positive change."""
+    from hfl_components.stats import draw_image_counts, percentile_interval
+
     names = sorted(s for s in sites if sites[s]["minority"])
+    if not names:
+        return {}
+    w = draw_image_counts(np.random.default_rng(seed), n_boot, sites[names[0]]["y"])  # (R, N), shared by the sites
     res = {}
     for t in TRANSFORMS:
-        d = {s: (sites[s]["p"][t] - sites[s]["p"]["none"])[:, sites[s]["minority"]].sum(1, keepdims=True)
-             for s in names}  # (N, 1) per site
-        point = np.mean([d[s].mean(0) for s in names], axis=0)
-        boots = []
-        for _ in range(n_boot):
-            ss = rng.choice(names, len(names))
-            boots.append(np.mean([d[s][rng.integers(0, len(d[s]), len(d[s]))].mean(0) for s in ss], axis=0))
-        lo, hi = np.percentile(np.asarray(boots), [2.5, 97.5], axis=0)
-        res[t] = {"mean_change": float(point[0]), "ci_low": float(lo[0]), "ci_high": float(hi[0]),
-                  "per_site": {s: float(d[s].mean()) for s in names}}
+        d = np.stack([(sites[s]["p"][t] - sites[s]["p"]["none"])[:, sites[s]["minority"]].sum(1)
+                      for s in names])  # (K, N)
+        lo, hi = percentile_interval(((w @ d.T) / w.sum(1, keepdims=True)).mean(1))
+        res[t] = {"mean_change": float(d.mean()), "ci_low": float(lo), "ci_high": float(hi),
+                  "per_site": {s: float(v) for s, v in zip(names, d.mean(1))}}
     return res
 
 
 def untransformed_scores(sites: dict) -> dict:
     """Mean over site models of balanced accuracy and macro AUC on the untransformed images (the tuning part)."""
-    from hfl_components.training.site_paired import site_metric
+    from hfl_components.stats import site_metric
 
     out = {}
     for m in ("balanced_accuracy", "auc"):
@@ -133,15 +136,30 @@ def untransformed_scores(sites: dict) -> dict:
 
 
 def paired_arms(a: list[dict], b: list[dict], metric: str, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Arm B - arm A of a per-site untransformed score, paired by (run index, site): ``a[i]`` and ``b[i]`` are the
-    ``untransformed`` summaries of the same seed's runs. Mean difference over the pairs with a 95 % percentile
-    bootstrap CI over the pairs."""
-    d = [b[i][f"{metric}_per_site"][s] - a[i][f"{metric}_per_site"][s]
-         for i in range(len(a)) for s in a[i][f"{metric}_per_site"] if s in b[i][f"{metric}_per_site"]]
-    d = np.asarray(d, np.float64)
-    idx = np.random.default_rng(seed).integers(0, d.size, (n_boot, d.size))
-    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
-    return {"n_pairs": int(d.size), "diff": float(d.mean()), "ci_low": float(lo), "ci_high": float(hi)}
+    """Arm B - arm A of a site model's untransformed score, paired by (run index = seed, site): ``a[i]`` and ``b[i]``
+    are :func:`site_shifts` of the same seed's runs of the two arms, every site scoring the same tuning images.
+
+    :func:`hfl_components.stats.paired_nested` with the images as one shared pool (the crossed design: one image
+    draw per replicate for every seed, site and arm) and the seeds resampled as clusters with their sites.
+
+    Returns:
+        Its result dict (``diff``, ``per_seed``, ``ci_low``/``ci_high`` (cluster bootstrap-t), ``t_low``/``t_high``,
+        ``reliable``, ``verdict``, ``n_pairs``, ...), A = arm B and B = arm A.
+
+    Raises:
+        ValueError: two paired site models scored different images, or no site pairs.
+    """
+    from hfl_components.stats import paired_nested
+
+    pairs = []
+    for i, (sa, sb) in enumerate(zip(a, b)):
+        for site in sorted(set(sa) & set(sb)):
+            ya, yb = np.asarray(sa[site]["y"]), np.asarray(sb[site]["y"])
+            if not np.array_equal(ya, yb):
+                raise ValueError(f"run {i} {site}: the two arms' models scored different images")
+            pairs.append({"seed": i, "site": site, "pool": "tuning", "ids": np.arange(ya.size), "y": ya,
+                          "pa": sb[site]["p"]["none"], "pb": sa[site]["p"]["none"]})
+    return paired_nested(pairs, metric, n_boot=n_boot, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"shortcut_probe: no chest_xray_224 root at {a.data} (--data)", file=sys.stderr)
         raise SystemExit(2)
     torch.set_num_threads(2)
-    allres = {}
+    allres, probes = {}, {}
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not kinds or not set(kinds) <= {"local", "federated", "deployed"}:
         print(f"shortcut_probe: --kinds must list local / federated / deployed, got {a.kinds!r}", file=sys.stderr)
@@ -179,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         res = summary(sites)
         key = f"{r} ({kind})"
+        probes[key] = sites
         allres[key] = {"augment_classes": {s: v["augment_classes"] for s, v in sites.items()}, "changes": res}
         allres[key]["minority"] = {s: v["minority"] for s, v in sites.items()}
         allres[key]["untransformed"] = untransformed_scores(sites)
@@ -196,15 +215,21 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
         h = len(a.runs) // 2
         for kind in kinds:
-            ua = [allres.get(f"{r} ({kind})", {}).get("untransformed") for r in a.runs[:h]]
-            ub = [allres.get(f"{r} ({kind})", {}).get("untransformed") for r in a.runs[h:]]
+            ua = [probes.get(f"{r} ({kind})") for r in a.runs[:h]]
+            ub = [probes.get(f"{r} ({kind})") for r in a.runs[h:]]
             if None in ua or None in ub:
                 continue
+            from hfl_components.stats import paired_cell, verdict_cell
+
             for m in ("balanced_accuracy", "auc"):
-                d = paired_arms(ua, ub, m)
+                try:
+                    d = paired_arms(ua, ub, m)
+                except ValueError as e:
+                    print(f"shortcut_probe: --pair-arms: {e}", file=sys.stderr)
+                    raise SystemExit(2)
                 allres[f"paired {kind} {m}"] = d
-                print(f"{kind} {m}: B - A {d['diff']:+.4f} [95% CI {d['ci_low']:+.4f}, {d['ci_high']:+.4f}] over "
-                      f"{d['n_pairs']} (seed, site) pairs")
+                print(f"{kind} {m}: B - A {paired_cell(d, nd=4)}, {verdict_cell(d)}, over {d['n_pairs']} (seed, "
+                      f"site) pairs of {d['n_seeds']} seed(s) (exploratory)")
     if a.json:
         Path(a.json).write_text(json.dumps(allres, indent=1))
 

@@ -190,6 +190,34 @@ def test_nothing_from_a_site_log_reaches_the_server(consortium):
     kit_cfg.write_text(text)
 
 
+def test_cross_site_evaluation_job_gives_the_sites_x_models_matrix(consortium):
+    """2 model files x the POC's 2 sites: the model files travel in the job's server app (read there by a path
+    relative to the app), and the matrix equals each file scored locally on each site's test split."""
+    from tests.test_crosssite import _model_files
+
+    from nvflare_jobs.crosssite import score_locally
+
+    c, poc = consortium, consortium["poc"]
+    files = _model_files(c["tmp"])
+    r = run_cli("export-eval", "--profile", str(c["profile"]), "--model", str(files[0]), "--model", str(files[1]),
+                "--out", str(c["tmp"] / "jobs_eval"))
+    assert r.returncode == 0, r.stderr
+    run = c["tmp"] / "run_eval"
+    job_id = poc.submit(c["tmp"] / "jobs_eval" / "cxr_hfl_cross_site")
+    assert str(poc.wait(job_id, timeout=300).get("status")) == "FINISHED:COMPLETED"
+    r = run_cli("poc", "download", "--workspace", str(c["ws"]), job_id, "--out", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr + r.stdout
+    res = json.loads((run / "cross_site.json").read_text())
+    assert res["sites"] == SITES and res["models"] == ["model_a", "model_b"] and (run / "cross_site.png").is_file()
+    for site in SITES:
+        local = score_locally(c["profile"] / f"{site}.yaml", site, files)
+        for name in res["models"]:
+            got, want = res["matrix"][site][name], local[name]
+            assert got["confusion_matrix"] == want["confusion_matrix"], (site, name)
+            assert got["balanced_accuracy"] == pytest.approx(want["balanced_accuracy"], abs=1e-6)
+    assert "model_a: bal. acc." in r.stdout
+
+
 def test_a_site_that_goes_away_does_not_hold_the_job(consortium):
     c, poc = consortium, consortium["poc"]
     job = _export(c, "jobs_gone", c["profile"])

@@ -24,9 +24,6 @@ as junk.
 """
 from __future__ import annotations
 
-import codecs
-import csv
-import io
 import os
 import re
 import warnings
@@ -34,22 +31,46 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .grouping import (
+    content_findings,
+    file_sha256,
+    group_records,
+    meta_notes,
+    near_duplicate_signature,
+    note_findings,
+    public_summary,
+    skip_findings,
+)
+from ._manifest import read_csv_rows  # noqa: F401 -- re-exported (partition reads site manifests with it)
+from ._walk import (  # noqa: F401 -- re-exported: the scan's public names and the walkers evaluate / predict use
+    _CLASS_DIRS,
+    _SPLIT_DIRS,
+    JUNK_DIR_NAMES,
+    JUNK_FILE_NAMES,
+    _dir_key,
+    _iter_candidates,
+    _skip,
+    _sniff_dicom,
+    _walk_files,
+    detect_layout,
+    junk_reason,
+)
 from .io import (
     DICOM_SUFFIXES,
     SUPPORTED_SUFFIXES,
     ImageReadError,
     PatientSaltError,
+    dicom_grouping_ids,
     dicom_header,
-    dicom_patient_id,
     dicom_skip_reason,
+    is_placeholder_id,
     read_image,
 )
-
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
-_SPLIT_DIRS = ("train", "val", "test")
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
 _SUBTYPE = re.compile(r"_(bacteria|virus)_", re.IGNORECASE)
+
 
 
 class LabelError(ValueError):
@@ -112,298 +133,6 @@ def label_index(class_name: str, path: str | os.PathLike, labels: str = "binary"
     raise LabelError(f"{path}: unknown class {class_name!r} for the subtype scheme {names}")
 
 
-#: Class folder names (upper case) a folder layout may hold; matched in any case (``normal/``, ``Pneumonia/``).
-_CLASS_DIRS = tuple(dict.fromkeys(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"]))
-
-
-def _named_subdirs(folder: Path, names) -> list[tuple[Path, str]]:
-    """``(path, canonical name)`` of each sub-folder of ``folder`` (links followed) whose name is one of ``names``
-    in any case, sorted by name; the canonical name is the one in ``names``."""
-    wanted = {n.lower(): n for n in names}
-    out: list[tuple[Path, str]] = []
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:
-        return out
-    for e in entries:
-        try:
-            if e.name.lower() in wanted and e.is_dir(follow_symlinks=True):
-                out.append((Path(e.path), wanted[e.name.lower()]))
-        except OSError:
-            continue
-    return out
-
-
-def detect_layout(root: str | os.PathLike) -> str:
-    """``"manifest"``, ``"classes"`` or ``"kaggle"``. Class and split folder names match in any case
-    (``normal/``, ``Pneumonia/``, ``Train/``).
-
-    Raises:
-        FileNotFoundError: ``root`` does not exist.
-        ValueError: ``root`` is none of the three layouts.
-    """
-    r = Path(root)
-    if not r.exists():
-        raise FileNotFoundError(f"{r}: data root does not exist")
-    if r.is_file():
-        if r.suffix.lower() == ".csv":
-            return "manifest"
-        raise ValueError(f"{r}: a data root file must be a CSV manifest")
-    if _named_subdirs(r, _CLASS_DIRS):
-        return "classes"
-    if any(_named_subdirs(d, _CLASS_DIRS) for d, _ in _named_subdirs(r, _SPLIT_DIRS)):
-        return "kaggle"
-    raise ValueError(
-        f"{r}: unrecognised data root; expected {{train,val,test}}/{{NORMAL,PNEUMONIA}}/, NORMAL/ and PNEUMONIA/, "
-        "or a CSV manifest with path,label[,patient_id] columns"
-    )
-
-
-#: File names that operating systems, file managers and archivers leave in exported folders (lower case): never
-#: images; listed in the scan report as junk.
-JUNK_FILE_NAMES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini", ".ds_store", ".localized",
-                   "icon\r", ".directory")
-#: Folders of such debris (lower case), never scanned: Mac zip resource forks, macOS volume metadata, Windows
-#: recycle bin, Synology thumbnails, Jupyter checkpoints.
-JUNK_DIR_NAMES = ("__macosx", ".trashes", ".spotlight-v100", ".fseventsd", "$recycle.bin", "@eadir",
-                  ".ipynb_checkpoints")
-
-
-def junk_reason(path: str | os.PathLike, is_dir: bool = False) -> str | None:
-    """Why a file or folder is operating-system / archive debris rather than data, or None.
-
-    ``Thumbs.db``, ``desktop.ini``, ``.DS_Store`` and the like (:data:`JUNK_FILE_NAMES`), Mac resource forks
-    ``._*``, other hidden names (leading dot), and the folders in :data:`JUNK_DIR_NAMES`.
-    """
-    name = os.fsdecode(Path(path).name)
-    low = name.lower()
-    if is_dir:
-        if low in JUNK_DIR_NAMES:
-            return f"operating-system / archive debris folder {name}, not scanned"
-        if name.startswith("."):
-            return f"hidden folder {name}, not scanned"
-        return None
-    if low in JUNK_FILE_NAMES:
-        return f"operating-system junk file {name!r}"
-    if name.startswith("._"):
-        return "Mac resource fork (._*), not an image"
-    if name.startswith("."):
-        return "hidden file"
-    return None
-
-
-def _skip(path, reason: str, kind: str) -> dict[str, str]:
-    return {"path": str(path), "reason": reason, "kind": kind}
-
-
-def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
-                blocked: set[tuple[int, int]] = frozenset()) -> list[Path]:
-    """Every file under ``top``, following symbolic links to folders, each real folder visited once.
-
-    The paths returned are the paths *as found* (through the links, never resolved). A folder reached a second
-    time (a symbolic-link cycle, or two links to one folder) is listed in ``skipped`` once per extra path and not
-    scanned again, so no image is counted twice. A link to a folder in ``blocked`` (the data root, its parent
-    folders, the other class folders) is listed and not followed: following it would loop or give another class's
-    images this folder's label. Junk folders and broken links are listed in ``skipped``.
-    """
-    out: list[Path] = []
-    stack = [top]
-    while stack:
-        d = stack.pop()
-        try:
-            st = os.stat(d)
-        except OSError as e:
-            skipped.append(_skip(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
-            continue
-        key = (st.st_dev, st.st_ino)
-        if d is not top and key in blocked:
-            skipped.append(_skip(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
-                                    "folders or another class folder: not followed (a cycle, or images of another "
-                                    "class)", "symbolic-link cycle"))
-            continue
-        if key in seen:
-            skipped.append(_skip(d, f"folder already scanned through another path (symbolic-link cycle or a "
-                                    f"second link to {os.path.realpath(d)})", "symbolic-link cycle"))
-            continue
-        seen.add(key)
-        try:
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError as e:
-            skipped.append(_skip(d, f"cannot list folder ({e.strerror or e})", "unreadable"))
-            continue
-        subdirs = []
-        for e in entries:
-            p = Path(e.path)
-            try:
-                is_dir = e.is_dir(follow_symlinks=True)
-                is_file = e.is_file(follow_symlinks=True)
-                is_link = e.is_symlink()
-            except OSError as err:
-                skipped.append(_skip(p, f"cannot stat ({err.strerror or err})", "unreadable"))
-                continue
-            if is_dir:
-                why = junk_reason(p, is_dir=True)
-                if why:
-                    skipped.append(_skip(p, why, "junk"))
-                else:
-                    subdirs.append(p)
-            elif is_file:
-                out.append(p)
-            elif is_link:
-                skipped.append(_skip(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
-                                     "broken symbolic link"))
-            else:
-                skipped.append(_skip(p, "not a regular file", "not a regular file"))
-        stack.extend(reversed(subdirs))
-    return out
-
-
-def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
-    """A CSV table as spreadsheet software saves it: ``(field names, rows)``.
-
-    Accepted: UTF-8 with or without a byte-order mark (bytes that are not UTF-8, e.g. a cp1252 file name, are
-    kept as surrogate escapes, so a path keeps its exact bytes on POSIX), UTF-16 with a BOM, LF / CRLF / CR line
-    ends, and comma, semicolon (the default in many European locales) or tab delimiters, detected from the header
-    line (the most frequent of the three; comma on a tie). Field names are stripped and lower-cased; values are
-    stripped of surrounding whitespace.
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: not parseable as CSV (the message names the file and line).
-    """
-    p = Path(path)
-    data = p.read_bytes()
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        text = data.decode("utf-16", errors="surrogateescape")
-    else:
-        text = data.decode("utf-8-sig", errors="surrogateescape")
-    header = text.splitlines()[0] if text else ""
-    delim = max((",", ";", "\t"), key=lambda c: (header.count(c), c == ","))
-    try:
-        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim)
-        rows = list(reader)
-    except csv.Error as e:
-        raise ValueError(f"{p}: not a readable CSV file ({e})") from None
-    if not rows:
-        return [], []
-    names = [h.strip().lower() for h in rows[0]]
-    out = []
-    for r in rows[1:]:
-        if not any(c.strip() for c in r):
-            continue  # blank line (spreadsheets add them at the end)
-        out.append({n: (r[i].strip() if i < len(r) else "") for i, n in enumerate(names)})
-    return names, out
-
-
-def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list[dict[str, str]]) -> None:
-    """List in ``skipped`` what a folder layout does not scan at this level: every sub-folder whose name is not in
-    ``accepted`` (lower case), and every image file (by suffix or DICOM marker). Other files (README,
-    MANIFEST.csv, licences) are documentation and are not listed."""
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as e:
-        skipped.append(_skip(folder, f"cannot list folder ({e.strerror or e})", "unreadable"))
-        return
-    for e in entries:
-        p = Path(e.path)
-        try:
-            is_dir = e.is_dir(follow_symlinks=True)
-        except OSError:
-            is_dir = False
-        if is_dir:
-            if e.name.lower() in accepted:
-                continue
-            why = junk_reason(p, is_dir=True)
-            skipped.append(_skip(p, why, "junk") if why else _skip(
-                p, f"folder {e.name!r} is not {expected}: not scanned (its images have no label)",
-                "not in a class folder"))
-        elif p.suffix.lower() in SUPPORTED_SUFFIXES or _sniff_dicom(p):
-            if junk_reason(p):
-                skipped.append(_skip(p, junk_reason(p), "junk"))
-            else:
-                skipped.append(_skip(p, f"image not inside {expected}: not scanned (no label)",
-                                     "not in a class folder"))
-
-
-def _manifest_candidates(root: Path, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
-    """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
-    an earlier row (same file, same label), and every row of a file listed with different labels are listed in
-    ``skipped`` with their row number (line of the CSV, header = line 1)."""
-    cols, rows = read_csv_rows(root)
-    if not {"path", "label"} <= set(cols):
-        raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
-    first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
-    conflicting: dict[str, set[str]] = {}
-    kept: list[tuple[int, Path, str, str | None]] = []
-    later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
-    for line, row in enumerate(rows, start=2):
-        raw = row["path"]
-        if not raw:
-            skipped.append(_skip(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
-            continue
-        p = Path(raw)
-        if not p.is_absolute():
-            p = root.parent / p
-        p = Path(os.path.abspath(p))
-        label = row["label"]
-        key = str(p)
-        if key in first:
-            line0, label0 = first[key]
-            if label0.strip().upper() == label.strip().upper():
-                skipped.append(_skip(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
-                                     "duplicate manifest row"))
-            else:
-                conflicting.setdefault(key, {label0}).add(label)
-                later.append((line, p))
-            continue
-        first[key] = (line, label)
-        pid = (row.get("patient_id") or "").strip() or None
-        kept.append((line, p, label, pid))
-    out: list[tuple[Path, str, str | None]] = []
-    for line, p in [(line, p) for line, p, _, _ in kept] + later:
-        if str(p) in conflicting:
-            labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
-            skipped.append(_skip(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
-                                    "none is used", "conflicting labels"))
-    out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
-    return sorted(out, key=lambda t: str(t[0]))
-
-
-def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, str | None]]:
-    """(file, class name, manifest patient id or None), sorted by path; junk, cycles, broken links, images outside
-    the class folders and bad manifest rows go to ``skipped``."""
-    if layout == "manifest":
-        return _manifest_candidates(root, skipped)
-    out: list[tuple[Path, str, str | None]] = []
-    class_list = " / ".join(_CLASS_DIRS)
-    if layout == "classes":
-        dirs = [root]
-    else:
-        dirs = [d for d, _ in _named_subdirs(root, _SPLIT_DIRS)]
-        _list_outside(root, set(_SPLIT_DIRS), f"a split folder ({' / '.join(_SPLIT_DIRS)})", skipped)
-    class_dirs: list[tuple[Path, str]] = []
-    for d in dirs:
-        found = _named_subdirs(d, _CLASS_DIRS)
-        _list_outside(d, {c.lower() for c in _CLASS_DIRS}, f"a class folder ({class_list})", skipped)
-        class_dirs.extend(found)
-    seen: set[tuple[int, int]] = set()
-    # never entered through a link: the data root and every folder above it, the split and class folders
-    real = Path(os.path.realpath(root))
-    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
-    for cd, c in class_dirs:
-        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
-    return sorted(out, key=lambda t: str(t[0]))
-
-
 def scan_workers() -> int:
     """Default number of threads :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set (an
     integer >= 1; 1 = no threads), else ``min(4, os.cpu_count())``.
@@ -432,6 +161,7 @@ def scan_dataset(
     allow_any_modality: bool = False,
     allow_lateral: bool = False,
     workers: int | None = None,
+    near_duplicates: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Scan a data root into one record per usable image.
 
@@ -446,15 +176,22 @@ def scan_dataset(
         workers: threads that read / verify files side by side (Pillow's and the DICOM decoders' C code release
             the GIL); None = :func:`scan_workers` (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one
             file after the other. The records, report and errors do not depend on it.
+        near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
+            and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
 
     Returns:
         ``(records, report)``. ``records`` is a list sorted by path of dicts ``path`` (absolute str), ``label``
         (int index into ``CLASS_NAMES[labels]``), ``patient_id`` (str: manifest value, else Kermany name prefix,
-        else salted DICOM PatientID hash, else the file stem), ``width``, ``height`` (int pixels, original).
-        ``report`` is a JSON-safe dict: ``root``, ``layout``, ``labels``, ``class_names``, ``n_files``,
+        else salted DICOM PatientID hash, else the file stem; then regrouped: an untrusted id gives way to a study
+        or accession id or one group per image, and exact duplicates share one id, see
+        :mod:`chest_xray.grouping`), ``width``, ``height`` (int pixels, original), ``sha256`` (the file's content
+        hash). ``report`` is a JSON-safe dict: ``root``, ``layout``, ``labels``, ``class_names``, ``n_files``,
         ``n_records``, ``per_class`` (name -> count), ``n_patients``, ``skipped`` (list of ``{"path", "reason",
-        "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``, e.g. a
-        VOI fallback).
+        "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``: a VOI
+        fallback, a grey-scale rule applied, a harmless decoder warning, a manifest name matched after Unicode
+        normalisation), ``duplicates`` and ``patient_ids`` (counts of the content-hash index and the trust rule)
+        and ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
+        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print).
 
     Raises:
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
@@ -471,26 +208,81 @@ def scan_dataset(
     r = Path(os.path.abspath(root))  # not resolved: a linked data root keeps its own path
     layout = detect_layout(r)
     skipped: list[dict[str, str]] = []
-    candidates = _iter_candidates(r, layout, skipped)
+    walk_notes: list[dict[str, str]] = []
+    candidates = _iter_candidates(r, layout, skipped, walk_notes)
     n_walk_skipped = len(skipped)
-    records: list[dict[str, Any]] = []
-    notes: list[dict[str, str]] = []
-    label_errors: list[str] = []
 
     def one(candidate):
         path, cls, pid = candidate
         return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
-                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral)
+                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
+                          near_duplicates=near_duplicates and verify)
 
+    records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
+    notes = walk_notes + notes
+    records, summary = _group(records, r, layout, skipped, near_duplicates)
+    return records, _report(r, layout, labels, len(candidates) + n_walk_skipped, records, skipped, notes, summary)
+
+
+def _report(root: Path, layout: str, labels: str, n_files: int, records: list[dict[str, Any]],
+            skipped: list[dict[str, str]], notes: list[dict[str, str]], summary: dict[str, Any]) -> dict[str, Any]:
+    """The scan report (see :func:`scan_dataset`)."""
+    names = CLASS_NAMES[labels]
+    return {
+        "root": str(root),
+        "layout": layout,
+        "labels": labels,
+        "class_names": list(names),
+        "n_files": n_files,
+        "n_records": len(records),
+        "per_class": {n: sum(1 for x in records if x["label"] == k) for k, n in enumerate(names)},
+        "n_patients": len({x["patient_id"] for x in records}),
+        "skipped": sorted(skipped, key=lambda s: s["path"]),
+        "skipped_by_reason": count_by_kind(skipped),
+        "notes": notes,
+        **public_summary(summary),
+        "findings": content_findings(summary) + note_findings(notes) + skip_findings(skipped),
+    }
+
+
+def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list[dict[str, str]],
+           near_duplicates: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The trust rule and the content-hash index over the scan's records (:mod:`chest_xray.grouping`); skipped
+    contradictory duplicates are appended to ``skipped``. Records keep their content hash as ``sha256``."""
+    info = []
+    for rec in records:
+        g = rec.pop("_grouping")
+        top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
+        info.append({**g, "split": top if top in _SPLIT_DIRS else None})
+        rec["sha256"] = g["sha256"]
+    kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
+    skipped.extend(dup_skips)
+    return kept, summary
+
+
+
+def _run_scan(candidates: list, one, workers: int | None) -> list:
+    """``one(candidate)`` for every candidate, in order, in ``workers`` threads (None: :func:`scan_workers`)."""
     n_workers = scan_workers() if workers is None else int(workers)
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     n_workers = min(n_workers, len(candidates))
     if n_workers > 1:
         with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
-            results = list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
-    else:
-        results = [one(c) for c in candidates]
+            return list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
+    return [one(c) for c in candidates]
+
+
+def _collect(results: list, skipped: list[dict[str, str]], labels: str
+             ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """``(records, notes)`` from :func:`_scan_file` results; skips are appended to ``skipped``.
+
+    Raises:
+        LabelError: one or more files have an unusable label (one message: the count and the first three).
+    """
+    records: list[dict[str, Any]] = []
+    notes: list[dict[str, str]] = []
+    label_errors: list[str] = []
     for record, skip, file_notes, label_error in results:
         notes.extend(file_notes)
         if label_error is not None:
@@ -504,22 +296,7 @@ def scan_dataset(
         more = f"; and {len(label_errors) - 3} more" if len(label_errors) > 3 else ""
         raise LabelError(f"{len(label_errors)} file(s) have a label that cannot be used under the {labels} scheme "
                          f"(fix the class folders or the manifest): {shown}{more}")
-    names = CLASS_NAMES[labels]
-    report = {
-        "root": str(r),
-        "layout": layout,
-        "labels": labels,
-        "class_names": list(names),
-        "n_files": len(candidates) + n_walk_skipped,
-        "n_records": len(records),
-        "per_class": {n: sum(1 for x in records if x["label"] == k) for k, n in enumerate(names)},
-        "n_patients": len({x["patient_id"] for x in records}),
-        "skipped": sorted(skipped, key=lambda s: s["path"]),
-        "skipped_by_reason": count_by_kind(skipped),
-        "notes": notes,
-    }
-    return records, report
-
+    return records, notes
 
 def _scan_file(
     path: Path,
@@ -532,13 +309,15 @@ def _scan_file(
     salt: str | None,
     allow_any_modality: bool,
     allow_lateral: bool,
+    near_duplicates: bool = False,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
     """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
 
     Returns:
         ``(record, skip, notes, label_error)``: exactly one of ``record`` (the file's record), ``skip`` (its
         ``{"path", "reason", "kind"}`` entry) or ``label_error`` (the :class:`LabelError` message) is not None;
-        ``notes`` are the file's report notes (kept even when a later step skips the file).
+        ``notes`` are the file's report notes (kept even when a later step skips the file). A record carries
+        ``"_grouping"`` (content hash, near-duplicate signature, salted DICOM ids) for :func:`_group`.
     """
     notes: list[dict[str, str]] = []
     # the path as found (a symbolic link keeps its own name): it gives the type, the label's subtype and the
@@ -561,28 +340,19 @@ def _scan_file(
         return None, None, notes, str(e)
     try:
         if is_dicom:
-            hdr = dicom_header(path)
-            why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
-            if why:
-                return None, _skip(path, why, "lateral view" if "lateral" in why
-                                   else "not a projection radiograph"), notes, None
-            width, height = hdr["columns"], hdr["rows"]
-            note = hdr.get("voi_fallback")
-            if verify:
-                _, meta = read_image(path)
-                width, height = meta["original_width"], meta["original_height"]
-                note = meta.get("voi_fallback") or note
-                if meta.get("decoder_warnings"):
-                    notes.append({"path": str(path), "note": f"decoded, with a decoder warning about "
-                                                             f"harmless extra bytes: {meta['decoder_warnings']}",
-                                  "kind": "decoder warning"})
-            if note:
-                notes.append({"path": str(path), "note": f"VOI window ignored, modality-LUT output scaled to "
-                                                         f"its own range: {note}", "kind": "voi fallback"})
-            pid = pid or dicom_patient_id(path, salt) or path.stem
+            skip, width, height, image, group = _scan_dicom(path, verify, salt, allow_any_modality, allow_lateral,
+                                                            notes)
+            if skip is not None:
+                return None, skip, notes, None
+            group["judged"] = bool(pid) or group.get("patient") is not None
+            group["placeholder"] = is_placeholder_id(pid) if pid else group["placeholder"]
+            pid = pid or group.get("patient") or path.stem
         else:
-            width, height = _pil_size(path) if not verify else _verified_size(path)
+            width, height, image = _scan_pil(path, verify, notes)
+            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid)}
             pid = pid or patient_id_from_name(path)
+        group["sha256"] = file_sha256(path)
+        group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
     except ImageReadError as e:
         return None, _skip(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
@@ -590,8 +360,37 @@ def _scan_file(
     except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
         return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                            "unreadable"), notes, None
-    record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height)}
+    record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height),
+              "_grouping": group}
     return record, None, notes, None
+
+
+def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
+                notes: list[dict[str, str]]):
+    """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
+    hdr = dicom_header(path)
+    why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
+    if why:
+        kind = ("directory index" if hdr.get("directory_index") else "lateral view" if "lateral" in why
+                else "not a projection radiograph")
+        return _skip(path, why, kind), 0, 0, None, {}
+    width, height, image = hdr["columns"], hdr["rows"], None
+    if verify:
+        image, meta = read_image(path)
+        width, height = meta["original_width"], meta["original_height"]
+        notes += meta_notes(path, meta)
+    elif hdr.get("voi_fallback"):
+        notes += meta_notes(path, {"voi_fallback": hdr["voi_fallback"]})
+    return None, width, height, image, dicom_grouping_ids(path, salt)
+
+
+def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
+    """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
+    if not verify:
+        return (*_pil_size(path), None)
+    image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
+    notes += meta_notes(path, meta)
+    return meta["original_width"], meta["original_height"], image
 
 
 def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
@@ -601,18 +400,6 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
         k = s.get("kind") or "unreadable"
         c[k] = c.get(k, 0) + 1
     return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128 (``io.sniff_dicom``)."""
-    from .io import sniff_dicom
-
-    return sniff_dicom(path)
-
-
-def _verified_size(path: Path) -> tuple[int, int]:
-    _, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
-    return meta["original_width"], meta["original_height"]
 
 
 def _pil_size(path: Path) -> tuple[int, int]:

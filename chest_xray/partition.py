@@ -22,12 +22,25 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._assign import (  # noqa: F401 -- the split helpers keep their names here
+    _cut_by_fractions,
+    _cut_contiguous,
+    _fill_empty_splits,
+    _majority_label,
+    _min_eval_per_class,
+    _patients,
+    _split_patients,
+    assign_dirichlet,
+    assign_pathological,
+    assign_width,
+    probe_pool,
+)
 
 SCHEMES = ("width", "dirichlet", "pathological")
 SPLITS = ("train", "val", "test")
@@ -55,124 +68,6 @@ class PartitionResult:
     sites: dict[str, list[dict[str, Any]]]
     probe: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
-
-
-def _patients(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by[str(r["patient_id"])].append(r)
-    return {k: sorted(v, key=lambda r: r["path"]) for k, v in sorted(by.items())}
-
-
-def _majority_label(rows: list[dict[str, Any]]) -> int:
-    c = Counter(int(r["label"]) for r in rows)
-    return min(c, key=lambda k: (-c[k], k))
-
-
-def _cut_contiguous(sizes: list[int], n_groups: int) -> list[int]:
-    """Group index for each item of an ordered list so the groups are contiguous with near-equal total size.
-
-    Item i goes to group floor(N * (cumulative size before i + size_i / 2) / total), i.e. by the position of its
-    midpoint; with unit sizes this is the usual near-equal contiguous cut.
-    """
-    total = float(sum(sizes))
-    out, cum = [], 0.0
-    for s in sizes:
-        g = int(n_groups * (cum + s / 2.0) / total) if total > 0 else 0
-        out.append(min(max(g, 0), n_groups - 1))
-        cum += s
-    return out
-
-
-def _cut_by_fractions(sizes: list[int], fractions: list[float]) -> list[int]:
-    """Like :func:`_cut_contiguous` with group widths given by ``fractions`` (summing to 1)."""
-    edges = np.cumsum(np.asarray(fractions, dtype=np.float64))
-    edges[-1] = 1.0 + 1e-12
-    total = float(sum(sizes))
-    out, cum = [], 0.0
-    for s in sizes:
-        pos = (cum + s / 2.0) / total if total > 0 else 0.0
-        out.append(int(np.searchsorted(edges, pos, side="right")))
-        cum += s
-    return [min(g, len(fractions) - 1) for g in out]
-
-
-def _split_patients(
-    patients: dict[str, list[dict[str, Any]]], rng: np.random.Generator, fractions: tuple[float, ...]
-) -> dict[str, str]:
-    """Patient -> split, stratified by majority label and grouped by patient, sizes by image count."""
-    by_class: dict[int, list[str]] = defaultdict(list)
-    for pid, rows in patients.items():
-        by_class[_majority_label(rows)].append(pid)
-    out: dict[str, str] = {}
-    order: dict[int, list[str]] = {}
-    for k in sorted(by_class):
-        pids = sorted(by_class[k])
-        pids = [pids[i] for i in rng.permutation(len(pids))]
-        order[k] = pids
-        groups = _cut_by_fractions([len(patients[p]) for p in pids], list(fractions))
-        for p, g in zip(pids, groups):
-            out[p] = SPLITS[g]
-    _fill_empty_splits(out, order, {p: len(rows) for p, rows in patients.items()}, fractions)
-    return out
-
-
-def _fill_empty_splits(out: dict[str, str], order: dict[int, list[str]], sizes: dict[str, int],
-                       fractions: tuple[float, ...]) -> None:
-    """Give val and then test at least one patient each (in place) when the site has >= 3 patients.
-
-    The image-count cut leaves val/test empty when a class has fewer than ~10 patients (no patient's midpoint falls
-    in the narrow 0.8-0.9 / 0.9-1.0 bands). Each empty split with a non-zero fraction takes one patient from
-    train: from the class with the most train patients (ties -> smaller label index, which keeps the classes
-    balanced across the filled splits), the train patient with the fewest images (ties -> the last in that class's
-    seeded order, nearest the val/test boundary). Train always keeps at least one patient. Deterministic: no
-    random draws.
-    """
-    if len(out) < 3:
-        return
-    for split, frac in zip(SPLITS[1:], fractions[1:]):
-        if frac <= 0 or split in out.values():
-            continue
-        train = {k: [p for p in pids if out[p] == "train"] for k, pids in order.items()}
-        if sum(len(v) for v in train.values()) < 2:
-            return
-        k = min(train, key=lambda c: (-len(train[c]), c))
-        cand = train[k]
-        i = min(range(len(cand)), key=lambda j: (sizes[cand[j]], -j))  # fewest images; ties -> last in order
-        out[cand[i]] = split
-
-
-def _min_eval_per_class(out: dict[str, str], patients: dict[str, list[dict[str, Any]]], m: int,
-                        fractions: tuple[float, ...]) -> list[dict[str, Any]]:
-    """Give each class at least ``m`` images in val and in test (in place) where the site holds enough of it.
-
-    Applied per class k the site holds ``n_k >= 4 m`` images of (so that training keeps at least half of them):
-    while val (then test) holds fewer than ``m`` images of class k, the train patient with an image of class k that
-    has the fewest images of other classes (ties -> fewest images, then patient id) moves to that split, unless the
-    move would leave train with fewer than ``n_k / 2`` images of class k. Patients stay whole; a split whose
-    fraction is 0 is left alone. Deterministic: no random draws. Returns one record per move (class, split,
-    patient, images) for the partition's parameters.
-    """
-    moves: list[dict[str, Any]] = []
-    if m <= 0:
-        return moves
-    labs = {p: [int(r["label"]) for r in rows] for p, rows in patients.items()}
-    for k in sorted({lab for ls in labs.values() for lab in ls}):
-        n_k = sum(ls.count(k) for ls in labs.values())
-        if n_k < 4 * m:
-            continue
-        for split, frac in zip(SPLITS[1:], fractions[1:]):
-            if frac <= 0:
-                continue
-            while sum(labs[p].count(k) for p in out if out[p] == split) < m:
-                cand = sorted((p for p in out if out[p] == "train" and k in labs[p]),
-                              key=lambda p: (len(labs[p]) - labs[p].count(k), len(labs[p]), p))
-                train_k = sum(labs[p].count(k) for p in out if out[p] == "train")
-                if not cand or train_k - labs[cand[0]].count(k) < n_k / 2:
-                    break
-                out[cand[0]] = split
-                moves.append({"class": k, "split": split, "patient": cand[0], "images": len(labs[cand[0]])})
-    return moves
 
 
 def partition_records(
@@ -219,6 +114,44 @@ def partition_records(
         ValueError: unknown scheme, n_sites < 1, more sites than patients, bad fractions, a pathological setting
             that leaves a class with no site, or no Dirichlet draw meeting ``min_per_site`` in ``max_tries``.
     """
+    _check_arguments(records, n_sites, scheme, probe_fraction, split_fractions, min_eval_per_class)
+    n_classes = max(int(r["label"]) for r in records) + 1
+    if class_names is not None:
+        if len(class_names) < n_classes:
+            raise ValueError(f"class_names {class_names} has fewer entries than the labels present ({n_classes})")
+        n_classes = len(class_names)
+    names = list(class_names) if class_names is not None else [str(k) for k in range(n_classes)]
+    rng = np.random.default_rng(seed)
+    patients = _patients(records)
+    plabel = {p: _majority_label(rows) for p, rows in patients.items()}
+
+    # 1. probe pool: per class, a seeded random set of patients covering ~probe_fraction of the class's images
+    probe_pids = probe_pool(patients, plabel, n_classes, probe_fraction, rng)
+    pool = {p: rows for p, rows in patients.items() if p not in probe_pids}
+    if len(pool) < n_sites:
+        raise ValueError(f"{len(pool)} patients cannot fill {n_sites} sites")
+
+    # 2. patients -> sites
+    params: dict[str, Any] = {"n_sites": n_sites, "probe_fraction": probe_fraction,
+                              "split_fractions": list(split_fractions)}
+    if min_eval_per_class:
+        params["min_eval_per_class"] = int(min_eval_per_class)
+    if scheme == "width":
+        site_of = assign_width(pool, plabel, n_classes, n_sites)
+    elif scheme == "dirichlet":
+        site_of = assign_dirichlet(pool, plabel, n_classes, n_sites, rng, alpha, min_per_site, max_tries, params)
+    else:  # pathological
+        site_of = assign_pathological(pool, plabel, n_classes, n_sites, rng, classes_per_site, params)
+
+    # 3. per-site patient-grouped stratified splits (each site its own RNG stream, so sites are independent)
+    sites = _split_sites(pool, site_of, n_sites, seed, split_fractions, int(min_eval_per_class), params)
+    probe = sorted((_row(r, "probe") for p in sorted(probe_pids) for r in patients[p]), key=lambda r: r["path"])
+    return PartitionResult(scheme=scheme, seed=int(seed), alpha=float(alpha), class_names=names, sites=sites,
+                           probe=probe, params=params)
+
+
+def _check_arguments(records, n_sites, scheme, probe_fraction, split_fractions, min_eval_per_class) -> None:
+    """Raise ValueError (one line) on an argument :func:`partition_records` cannot use."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown partition scheme {scheme!r}; expected one of {SCHEMES}")
     if n_sites < 1:
@@ -231,98 +164,22 @@ def partition_records(
         raise ValueError("no records to partition")
     if isinstance(min_eval_per_class, bool) or not isinstance(min_eval_per_class, int) or min_eval_per_class < 0:
         raise ValueError(f"min_eval_per_class must be a non-negative integer, got {min_eval_per_class!r}")
-    n_classes = max(int(r["label"]) for r in records) + 1
-    if class_names is not None:
-        if len(class_names) < n_classes:
-            raise ValueError(f"class_names {class_names} has fewer entries than the labels present ({n_classes})")
-        n_classes = len(class_names)
-    names = list(class_names) if class_names is not None else [str(k) for k in range(n_classes)]
-    rng = np.random.default_rng(seed)
-    patients = _patients(records)
-    plabel = {p: _majority_label(rows) for p, rows in patients.items()}
 
-    # 1. probe pool: per class, a seeded random set of patients covering ~probe_fraction of the class's images
-    probe_pids: set[str] = set()
-    if probe_fraction > 0:
-        for k in range(n_classes):
-            pids = sorted(p for p in patients if plabel[p] == k)
-            pids = [pids[i] for i in rng.permutation(len(pids))]
-            groups = _cut_by_fractions([len(patients[p]) for p in pids], [probe_fraction, 1.0 - probe_fraction])
-            probe_pids.update(p for p, g in zip(pids, groups) if g == 0)
-    pool = {p: rows for p, rows in patients.items() if p not in probe_pids}
-    if len(pool) < n_sites:
-        raise ValueError(f"{len(pool)} patients cannot fill {n_sites} sites")
 
-    # 2. patients -> sites
-    params: dict[str, Any] = {"n_sites": n_sites, "probe_fraction": probe_fraction,
-                              "split_fractions": list(split_fractions)}
-    if min_eval_per_class:
-        params["min_eval_per_class"] = int(min_eval_per_class)
-    site_of: dict[str, int] = {}
-    if scheme == "width":
-        for k in range(n_classes):
-            pids = [p for p in pool if plabel[p] == k]
-            pids.sort(key=lambda p: (float(np.median([r["width"] for r in pool[p]])), p))
-            for p, g in zip(pids, _cut_contiguous([len(pool[p]) for p in pids], n_sites)):
-                site_of[p] = g
-    elif scheme == "dirichlet":
-        params.update(alpha=alpha, min_per_site=min_per_site)
-        for attempt in range(max_tries):
-            trial: dict[str, int] = {}
-            for k in range(n_classes):
-                pids = sorted(p for p in pool if plabel[p] == k)
-                if not pids:
-                    continue
-                pids = [pids[i] for i in rng.permutation(len(pids))]
-                props = rng.dirichlet(np.full(n_sites, float(alpha)))
-                for p, g in zip(pids, _cut_by_fractions([len(pool[p]) for p in pids], list(props))):
-                    trial[p] = g
-            counts = Counter()
-            for p, g in trial.items():
-                counts[g] += len(pool[p])
-            if all(counts[s] >= min_per_site for s in range(n_sites)):
-                site_of = trial
-                params["dirichlet_draws"] = attempt + 1
-                break
-        else:
-            raise ValueError(
-                f"no Dirichlet(alpha={alpha}) draw gave every one of {n_sites} sites >= {min_per_site} images "
-                f"in {max_tries} tries; raise alpha or lower min_per_site"
-            )
-    else:  # pathological
-        m = classes_per_site if classes_per_site is not None else max(1, n_classes - 1)
-        if not 1 <= m <= n_classes:
-            raise ValueError(f"classes_per_site must be in 1..{n_classes}, got {m}")
-        if n_sites * m < n_classes:
-            raise ValueError(f"{n_sites} sites x {m} classes cannot cover {n_classes} classes")
-        order = [int(c) for c in rng.permutation(n_classes)]
-        holders: dict[int, list[int]] = defaultdict(list)
-        site_classes = {}
-        for s in range(n_sites):
-            site_classes[s] = sorted(order[(s * m + j) % n_classes] for j in range(m))
-            for c in site_classes[s]:
-                holders[c].append(s)
-        params.update(classes_per_site=m, site_classes={f"site-{s + 1}": site_classes[s] for s in range(n_sites)})
-        for k in range(n_classes):
-            pids = sorted(p for p in pool if plabel[p] == k)
-            pids = [pids[i] for i in rng.permutation(len(pids))]
-            hs = holders[k]
-            for p, g in zip(pids, _cut_contiguous([len(pool[p]) for p in pids], len(hs))):
-                site_of[p] = hs[g]
-
-    # 3. per-site patient-grouped stratified splits (each site its own RNG stream, so sites are independent)
+def _split_sites(pool: dict[str, list[dict[str, Any]]], site_of: dict[str, int], n_sites: int, seed: int,
+                 split_fractions: tuple[float, float, float], min_eval_per_class: int,
+                 params: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Site name -> manifest rows, each site split by its own RNG stream ``[seed, site index]``."""
     sites: dict[str, list[dict[str, Any]]] = {}
     for s in range(n_sites):
         sp = {p: pool[p] for p in pool if site_of.get(p) == s}
         split = _split_patients(sp, np.random.default_rng([seed, s + 1]), split_fractions)
-        moved = _min_eval_per_class(split, sp, int(min_eval_per_class), split_fractions)
+        moved = _min_eval_per_class(split, sp, min_eval_per_class, split_fractions)
         if moved:
             params.setdefault("eval_moves", {})[f"site-{s + 1}"] = moved
         rows = [_row(r, split[p]) for p in sp for r in sp[p]]
         sites[f"site-{s + 1}"] = sorted(rows, key=lambda r: r["path"])
-    probe = sorted((_row(r, "probe") for p in sorted(probe_pids) for r in patients[p]), key=lambda r: r["path"])
-    return PartitionResult(scheme=scheme, seed=int(seed), alpha=float(alpha), class_names=names, sites=sites,
-                           probe=probe, params=params)
+    return sites
 
 
 #: ``width`` scheme: warn when the middle 90% of image widths (5th-95th percentile) spans less than this fraction of
@@ -511,7 +368,8 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a site manifest written by :func:`write_partition`.
 
     A hand-written manifest needs only ``path,label,split`` (:data:`REQUIRED_MANIFEST_COLUMNS`; label an integer
-    index, split train / val / test in any case); without ``patient_id`` the id comes from the file name
+    index, split train / val / test in any case; a path matching a file only after Unicode normalisation is
+    that file, :func:`chest_xray._manifest.match_normalised`); without ``patient_id`` the id comes from the file name
     (:func:`chest_xray.dataset.patient_id_from_name`), without ``width`` / ``height`` they are 0 (unknown).
 
     Returns:
@@ -522,6 +380,7 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a required column is missing or a value is malformed (the message names the file and line).
     """
+    from ._manifest import match_normalised
     from .dataset import patient_id_from_name, read_csv_rows
 
     p = Path(csv_path)
@@ -538,6 +397,8 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
                 raise ValueError("empty path")
             if not path.is_absolute():
                 path = p.parent / path
+            found = match_normalised(path)  # a name typed in NFC for a file written in NFD (macOS), or back
+            path = found[0] if found else path
             split = r["split"].strip().lower()  # "Train" from a spreadsheet is train, never silently no split
             if split not in SPLITS + ("probe",):
                 raise ValueError(f"split {r['split']!r} is not one of {', '.join(SPLITS)}")

@@ -34,7 +34,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         ``manifest``, ``counts`` ({split: {class: n}}), ``n_images``, ``n_patients``, ``unreadable`` ([{"line",
         "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
-        below ``input_size``), ``augment_classes`` (names of the classes augmented in training, resolved as the
+        below ``input_size``), ``findings`` (one ``{"kind", "count", "examples", "text"}`` per data finding, see
+        :func:`chest_xray.grouping.site_findings`), ``augment_classes`` (names of the classes augmented in training, resolved as the
         site does) and ``augment_config`` (the config's value), ``model`` (spec), ``n_params``, ``input_size``,
         ``batch_size``, ``device`` (description), ``amp``.
     """
@@ -143,8 +144,11 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
 def _read_one(row: dict, size: int):
     from chest_xray import ImageReadError, read_image
 
+    from chest_xray.grouping import near_duplicate_signature
+
     try:
-        _, meta = read_image(row["path"], target_size=size)
+        img, meta = read_image(row["path"], target_size=size)
+        meta["signature"] = near_duplicate_signature(img)  # for the near-duplicate finding
         return row, meta, None
     except ImageReadError as e:
         return row, None, e.reason
@@ -166,6 +170,7 @@ def _read_all(rows: list[dict], cfg: dict, rep: dict, workers: int) -> None:
         hs.append(int(meta.get("original_height", meta.get("height", 0))))
     rep["unreadable"] = bad
     rep["formats"] = dict(sorted(formats.items()))
+    rep["findings"] = _findings(rows, [m for _, m, _ in results], cfg)
 
     def stats(v):
         return {"min": int(min(v)), "median": float(np.median(v)), "max": int(max(v))} if v else None
@@ -177,6 +182,22 @@ def _read_all(rows: list[dict], cfg: dict, rep: dict, workers: int) -> None:
     if rep["smaller_than_input"]:
         rep["warnings"].append(f"{rep['smaller_than_input']} images are smaller than the input size {size} px "
                                "(they are upsampled)")
+
+
+def _findings(rows: list[dict], metas: list, cfg: dict) -> list[dict]:
+    """The manifest's data findings (duplicates, untrusted patient ids, grey-scale rules applied), plus the files
+    the scan skipped when the manifest sits in a partition folder (``OUT/sites/<site>.csv`` beside
+    ``OUT/scan_report.json``). See :func:`chest_xray.grouping.site_findings`."""
+    import json
+
+    from chest_xray.grouping import site_findings
+
+    scan = Path(cfg["data"]["manifest"]).resolve().parent.parent / "scan_report.json"
+    try:
+        report = json.loads(scan.read_text()) if scan.is_file() else None
+    except (OSError, ValueError):
+        report = None
+    return site_findings(rows, metas, report)
 
 
 def format_report(rep: dict) -> str:
@@ -221,6 +242,8 @@ def format_report(rep: dict) -> str:
             out.append(f"    line {b['line']}: {b['path']}: {b['reason']}")
         if len(bad) > MAX_LISTED:
             out.append(f"    ... and {len(bad) - MAX_LISTED} more (cxr-hfl site check --json FILE lists all)")
+    for f in rep.get("findings") or ():  # one line per finding: counts, example file names, no patient field
+        out.append(f"  finding: {f['text']}")
     for w in rep["warnings"]:
         out.append(f"  warning: {w}")
     for e in rep["errors"]:

@@ -69,7 +69,8 @@ def test_dicom_meta_and_patient_id_carry_no_patient_fields(dicom_dir):
             assert s not in text and (pid is None or s not in pid)
         assert set(meta) <= {"format", "original_height", "original_width", "height", "width", "bit_depth", "mode",
                              "photometric_interpretation", "draft", "modality", "view_position",
-                             "transfer_syntax", "voi", "voi_fallback", "inverted", "decoder_warnings"}
+                             "transfer_syntax", "voi", "voi_fallback", "inverted", "decoder_warnings",
+                             "grayscale_notes"}
         if pid is not None:
             assert pid.startswith("dcm-")
             assert dicom_patient_id(f, salt="site-secret") == pid

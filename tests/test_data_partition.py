@@ -277,7 +277,7 @@ def test_partition_of_too_few_patients_warns(tmp_path, capsys):
     for cls in ("NORMAL", "PNEUMONIA"):
         (tmp_path / "d" / cls).mkdir(parents=True)
         for i, w in enumerate((300, 900)):
-            Image.new("L", (w, 256), 128).save(tmp_path / "d" / cls / f"{cls}{i}.png")
+            Image.new("L", (w, 256), 128 if cls == "NORMAL" else 96).save(tmp_path / "d" / cls / f"{cls}{i}.png")
     out = tmp_path / "p"
     assert main(["partition", "--data", str(tmp_path / "d"), "--sites", "2", "--out", str(out)]) == 0
     err = capsys.readouterr().err

@@ -42,6 +42,9 @@ def register(subparsers) -> None:
                    help="read image headers only (faster; corrupt files are then found only at training)")
     p.add_argument("--allow-lateral", action="store_true", help="keep lateral DICOM views")
     p.add_argument("--allow-any-modality", action="store_true", help="keep DICOM modalities other than CR/DX/DR")
+    p.add_argument("--near-duplicates", action="store_true",
+                   help="also group near duplicates (the same radiograph re-encoded or resized) as one patient, as "
+                        "exact duplicates always are (see docs/DATA.md)")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=run_partition)
 
@@ -65,7 +68,8 @@ def run_partition(args: argparse.Namespace) -> int:
 
     try:
         records, report = scan_dataset(args.data, labels=args.labels, verify=not args.no_verify,
-                                       allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral)
+                                       allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral,
+                                       near_duplicates=args.near_duplicates)
     except (FileNotFoundError, ValueError) as e:
         print(f"cxr-hfl partition: {e}", file=sys.stderr)
         return 2
@@ -78,6 +82,9 @@ def run_partition(args: argparse.Namespace) -> int:
             print(f"  {printable_path(s['path'])}: {s['reason']}", file=sys.stderr)
     for n in report.get("notes", [])[:10]:
         print(f"note: {printable_path(n['path'])}: {n['note']}", file=sys.stderr)
+    for f in report.get("findings", []):  # one line per finding (skips are listed above): counts, example names
+        if not f["kind"].startswith("skipped: "):
+            print(f"finding: {printable_path(f['text'])}", file=sys.stderr)
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,
@@ -91,7 +98,8 @@ def run_partition(args: argparse.Namespace) -> int:
     out = Path(args.out)
     extra = {"data_root": report["root"], "labels": args.labels, "layout": report["layout"],
              "n_scanned": report["n_records"], "n_skipped": len(report["skipped"]),
-             "skipped_by_reason": report["skipped_by_reason"], "n_notes": len(report.get("notes", []))}
+             "skipped_by_reason": report["skipped_by_reason"], "n_notes": len(report.get("notes", [])),
+             "duplicates": report.get("duplicates"), "patient_ids": report.get("patient_ids")}
     try:
         path = write_partition(result, out, extra=extra, scan_report=report)  # atomic: all files or none
     except OSError as e:

@@ -1,0 +1,137 @@
+"""CSV manifests as spreadsheets save them, and a manifest's rows as scan candidates."""
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import os
+import unicodedata
+from pathlib import Path
+
+from ._walk import _skip
+
+
+def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
+    """A CSV table as spreadsheet software saves it: ``(field names, rows)``.
+
+    Accepted: UTF-8 with or without a byte-order mark (bytes that are not UTF-8, e.g. a cp1252 file name, are
+    kept as surrogate escapes, so a path keeps its exact bytes on POSIX), UTF-16 with a BOM, LF / CRLF / CR line
+    ends, and comma, semicolon (the default in many European locales) or tab delimiters, detected from the header
+    line (the most frequent of the three; comma on a tie). Field names are stripped and lower-cased; values are
+    stripped of surrounding whitespace.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: not parseable as CSV (the message names the file and line).
+    """
+    p = Path(path)
+    data = p.read_bytes()
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        text = data.decode("utf-16", errors="surrogateescape")
+    else:
+        text = data.decode("utf-8-sig", errors="surrogateescape")
+    header = text.splitlines()[0] if text else ""
+    delim = max((",", ";", "\t"), key=lambda c: (header.count(c), c == ","))
+    try:
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim)
+        rows = list(reader)
+    except csv.Error as e:
+        raise ValueError(f"{p}: not a readable CSV file ({e})") from None
+    if not rows:
+        return [], []
+    names = [h.strip().lower() for h in rows[0]]
+    out = []
+    for r in rows[1:]:
+        if not any(c.strip() for c in r):
+            continue  # blank line (spreadsheets add them at the end)
+        out.append({n: (r[i].strip() if i < len(r) else "") for i, n in enumerate(names)})
+    return names, out
+
+
+def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[dict[str, str]] | None = None
+                        ) -> list[tuple[Path, str, str | None]]:
+    """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
+    an earlier row (same file, same label), and every row of a file listed with different labels are listed in
+    ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
+    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``."""
+    cols, rows = read_csv_rows(root)
+    if not {"path", "label"} <= set(cols):
+        raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
+    first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
+    conflicting: dict[str, set[str]] = {}
+    kept: list[tuple[int, Path, str, str | None]] = []
+    later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
+    for line, row in enumerate(rows, start=2):
+        raw = row["path"]
+        if not raw:
+            skipped.append(_skip(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
+            continue
+        p = Path(raw)
+        if not p.is_absolute():
+            p = root.parent / p
+        p = Path(os.path.abspath(p))
+        found = match_normalised(p)
+        if found is not None and found[1] is not None:
+            p = found[0]
+            if notes is not None:
+                notes.append({"path": str(p), "note": f"manifest line {line}: {found[1]}",
+                              "kind": "name normalisation"})
+        label = row["label"]
+        key = str(p)
+        if key in first:
+            line0, label0 = first[key]
+            if label0.strip().upper() == label.strip().upper():
+                skipped.append(_skip(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
+                                     "duplicate manifest row"))
+            else:
+                conflicting.setdefault(key, {label0}).add(label)
+                later.append((line, p))
+            continue
+        first[key] = (line, label)
+        pid = (row.get("patient_id") or "").strip() or None
+        kept.append((line, p, label, pid))
+    out: list[tuple[Path, str, str | None]] = []
+    for line, p in [(line, p) for line, p, _, _ in kept] + later:
+        if str(p) in conflicting:
+            labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
+            skipped.append(_skip(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
+                                    "none is used", "conflicting labels"))
+    out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
+    return sorted(out, key=lambda t: str(t[0]))
+
+
+
+def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
+    """The file ``path`` names, matched after Unicode normalisation where the exact name does not exist.
+
+    macOS writes file names decomposed (NFD: "e" + combining accent); a manifest typed on another system holds
+    them composed (NFC), or the other way round, and the bytes differ. Each path component that does not exist as
+    written is compared, in NFC, with the entries of its folder; one unique match is taken.
+
+    Returns:
+        ``(path on disk, message)``: the message says which normalisation was applied (None when the path exists
+        as written); None when no file matches.
+    """
+    p = Path(path)
+    if os.path.lexists(p):
+        return p, None
+    cur, forms = Path(p.anchor), set()
+    for comp in p.parts[1:] if p.anchor else p.parts:
+        cand = cur / comp
+        if os.path.lexists(cand):
+            cur = cand
+            continue
+        want = unicodedata.normalize("NFC", comp)
+        try:
+            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) == want]
+        except OSError:
+            return None
+        if len(hits) != 1:
+            return None
+        on_disk = hits[0]
+        forms.add(("NFD" if unicodedata.is_normalized("NFD", on_disk) else "NFC" if
+                   unicodedata.is_normalized("NFC", on_disk) else "mixed") + " on disk, "
+                  + ("NFC" if unicodedata.is_normalized("NFC", comp) else "NFD" if
+                     unicodedata.is_normalized("NFD", comp) else "mixed") + " in the manifest")
+        cur = cur / on_disk
+    return cur, ("file name matched after Unicode normalisation (" + "; ".join(sorted(forms)) + ")")

@@ -1,0 +1,115 @@
+"""Shared pieces of the readers: limits, suffixes, the one error type, file checks and the warnings lock."""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+#: Largest image (rows x columns) any reader will decode. A 4,300 x 3,500 detector image is 15 MP; 50 MP leaves
+#: ample room while refusing decompression bombs (Pillow itself only *warns* at 89 MP).
+MAX_PIXELS = 50_000_000
+
+#: File suffixes the readers accept (lower case). Anything else is reported as unsupported by the scanner.
+PIL_SUFFIXES = (".jpeg", ".jpg", ".png")
+DICOM_SUFFIXES = (".dcm", ".dicom")
+SUPPORTED_SUFFIXES = PIL_SUFFIXES + DICOM_SUFFIXES
+
+#: DICOM modalities that are projection radiographs (computed / digital radiography).
+PROJECTION_MODALITIES = ("CR", "DX", "DR")
+#: ViewPosition values that are lateral (not PA/AP) projections.
+LATERAL_VIEWS = ("LL", "RL", "LAT", "LATERAL", "LLD", "RLD", "RLO", "LLO")
+
+
+#: libjpeg messages (lower case) that mean part of the image is missing or garbage: the file is refused. Other
+#: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
+#: pixels) are kept in ``meta["decoder_warnings"]``.
+_FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
+
+
+#: Categories of :attr:`ImageReadError.kind` (and of the scan report's ``skipped_by_reason`` counts).
+READ_ERROR_KINDS = (
+    "missing file", "not a regular file", "empty file", "not an image", "corrupt or truncated", "too large",
+    "multi-frame", "no pixel data", "colour image", "no decoder", "invalid DICOM attribute", "unreadable",
+    "directory index",
+)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` with every run of whitespace (newlines included) collapsed to one space, cut to ``limit`` chars."""
+    t = " ".join(str(text).split())
+    return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
+class ImageReadError(Exception):
+    """A file could not be read as a chest X-ray image.
+
+    Attributes:
+        path: the file, as given (a non-UTF-8 name keeps its bytes as surrogate escapes, as ``os.fsdecode``).
+        reason: what went wrong, in words, on one line (never contains patient-identifying DICOM fields).
+        kind: the category of the problem, one of :data:`READ_ERROR_KINDS` (scan reports count skips by it).
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str, kind: str = "unreadable"):
+        self.path = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+        self.reason = _one_line(reason)
+        self.kind = kind
+        super().__init__(f"{self.path!s}: {self.reason}")
+
+    def __reduce__(self):  # picklable across DataLoader workers
+        return (type(self), (self.path, self.reason, self.kind))
+
+
+def check_readable(path: str | os.PathLike) -> None:
+    """Open ``path`` for reading once, so that a file the process may not read is named as such.
+
+    Raises:
+        ImageReadError: kind ``"unreadable"``, e.g. "cannot open file (Permission denied)".
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "unreadable") from None
+
+
+def sniff_dicom(path: Path) -> bool:
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(132)
+    except OSError:
+        return False
+    return len(head) == 132 and head[128:132] == b"DICM"
+
+
+def _is_dicom(path: Path) -> bool:
+    return path.suffix.lower() in DICOM_SUFFIXES or sniff_dicom(path)
+
+
+#: ``warnings.catch_warnings`` swaps the process-wide filter list (and, with ``record=True``, ``showwarning``): two
+#: threads inside it at once can record each other's warnings or leave a filter behind when they leave out of
+#: order (Python < 3.14). Every warnings scope in this module holds this lock.
+_WARNINGS_LOCK = threading.RLock()
+
+
+@contextmanager
+def _warnings_scope(record: bool = False):
+    """``warnings.catch_warnings(record=record)`` held under :data:`_WARNINGS_LOCK`, so that a scan verifying files
+    in threads (:func:`chest_xray.dataset.scan_dataset`) attributes each warning to its own file and leaves the
+    filters as it found them. Yields the list of caught warnings (``record=True``) or None."""
+    with _WARNINGS_LOCK, warnings.catch_warnings(record=record) as caught:
+        yield caught
+
+
+
+def _scale(a, lo: float, hi: float) -> np.ndarray:
+    """``(a - lo) / (hi - lo)`` clipped to [0, 1]; zeros when ``hi <= lo`` (a constant image)."""
+    a = np.asarray(a, dtype=np.float64)
+    if hi <= lo:
+        return np.zeros(a.shape, np.float32)
+    return np.clip((a - lo) / (hi - lo), 0.0, 1.0)
+

@@ -1,0 +1,250 @@
+"""DICOM reader: decoding (decoder messages captured) and the grey-scale pipeline (modality LUT, VOI, inversion)."""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
+from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
+from ._grayscale import apply_lut, padding_mask, polarity, voi_lut_bits
+from ._dicom_header import (
+    DIRECTORY_INDEX_REASON,
+    _dcmread,
+    _decoder_problem,
+    _has_pixel_tag,
+    _import_pydicom,
+    decoder_hint,
+    is_directory_index,
+    rescale_problem,
+    voi_problem,
+)
+
+
+def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """A DICOM file through the grey-scale pipeline (see :func:`chest_xray.io.read_image` for the contract)."""
+    _import_pydicom()
+    ds = _dcmread(p)
+    rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
+    raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols)
+    notes: list[dict[str, str]] = []
+    pad, pad_note = padding_mask(ds, raw)
+    notes += [pad_note] if pad_note else []
+    out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes, pad)
+    inverted, note = polarity(ds, photometric)
+    notes += [note] if note else []
+    if inverted:
+        out = 1.0 - out
+    if pad is not None:
+        out = np.where(pad, 0.0, out)  # padding outside the radiograph is black, whatever the polarity
+    meta = {
+        "format": "DICOM",
+        "original_height": rows,
+        "original_width": cols,
+        "height": int(out.shape[0]),
+        "width": int(out.shape[1]),
+        "bit_depth": int(bits_stored or raw.dtype.itemsize * 8),
+        "mode": "DICOM",
+        "photometric_interpretation": photometric,
+        "draft": False,
+        "modality": str(ds.get("Modality", "") or "").strip().upper(),
+        "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
+        "transfer_syntax": ts_name,
+        "voi": voi,
+        "voi_fallback": _one_line(fallback) if fallback else None,
+        "inverted": inverted,
+        "decoder_warnings": _one_line("; ".join(decoder_said)) if decoder_said else None,
+        "grayscale_notes": notes,
+    }
+    return out.astype(np.float32, copy=False), meta
+
+
+def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
+    """Stage 1: ``(rows, columns, bits stored, photometric interpretation)`` of a single-frame grey-scale image
+    with pixel data, or :class:`ImageReadError` (no pixel data, invalid attribute, multi-frame, too large,
+    colour)."""
+    if is_directory_index(ds):
+        raise ImageReadError(p, DIRECTORY_INDEX_REASON, "directory index")
+    if not _has_pixel_tag(ds):
+        sop = str(ds.get("SOPClassUID", "")) and getattr(ds.SOPClassUID, "name", str(ds.SOPClassUID))
+        raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
+                             "no pixel data")
+    try:
+        with _warnings_scope():
+            warnings.simplefilter("ignore")  # pydicom warns before it raises on an invalid IS/US value
+            n_frames = int(ds.get("NumberOfFrames", 1) or 1)
+            rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
+            samples = int(ds.get("SamplesPerPixel", 1) or 1)
+            bits_stored = int(ds.get("BitsStored", 0) or 0)
+    except (TypeError, ValueError) as e:
+        raise ImageReadError(p, f"invalid DICOM attribute (Rows/Columns/NumberOfFrames/SamplesPerPixel/BitsStored): "
+                             f"{e}", "invalid DICOM attribute") from None
+    if n_frames > 1:
+        raise ImageReadError(p, f"multi-frame DICOM ({n_frames} frames) is not a single radiograph", "multi-frame")
+    if rows <= 0 or cols <= 0:
+        raise ImageReadError(p, f"invalid DICOM dimensions {rows}x{cols}", "invalid DICOM attribute")
+    if rows * cols > max_pixels:
+        raise ImageReadError(
+            p,
+            f"image too large: {cols}x{rows} = {rows * cols:,} pixels exceeds the limit of {max_pixels:,} "
+            "(decompression-bomb guard)",
+            "too large",
+        )
+    photometric = str(ds.get("PhotometricInterpretation", "") or "").strip().upper()
+    if samples == 1 and not photometric:
+        raise ImageReadError(p, "Photometric Interpretation missing: cannot tell MONOCHROME1 (inverted) from "
+                             "MONOCHROME2", "invalid DICOM attribute")
+    if samples != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        raise ImageReadError(p, f"colour DICOM ({photometric or 'unknown photometric'}) is not a radiograph",
+                             "colour image")
+    return rows, cols, bits_stored, photometric
+
+
+def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, list[str]]:
+    """Stage 2: ``(stored values (rows, cols), transfer syntax name, decoder messages)``; the decoder's messages
+    are captured, and one that means missing or garbage data refuses the file."""
+    why = _decoder_problem(ds)
+    if why:
+        raise ImageReadError(p, why, "no decoder")
+    tsyntax = ds.file_meta.get("TransferSyntaxUID")
+    ts_name = getattr(tsyntax, "name", str(tsyntax))
+    decoder_said: list[str] = []
+    try:
+        with _warnings_scope(), _decoder_messages(decoder_said):
+            warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
+            raw = gdcm_extended_12_bit(ds, rows, cols) if needs_direct_gdcm(ds) else ds.pixel_array
+    except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one short line naming the syntax
+        said = f" (decoder: {_one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
+        reason, kind = decoder_failure(e, ts_name, decoder_hint(tsyntax))
+        raise ImageReadError(p, reason + said, kind) from None
+    fatal = [m for m in decoder_said if any(k in m.lower() for k in _FATAL_DECODER_MESSAGES)]
+    if fatal:
+        raise ImageReadError(p, f"corrupt compressed pixel data ({ts_name}): the decoder reported "
+                             f"{'; '.join(fatal)}", "corrupt or truncated")
+    if raw.ndim != 2:
+        # Number of Frames is 1 here: more values than Rows x Columns means the header does not describe the data
+        raise ImageReadError(p, f"pixel data does not match Rows {rows} x Columns {cols} (decoded shape "
+                             f"{tuple(raw.shape)}): invalid Rows / Columns", "invalid DICOM attribute")
+    return raw, ts_name, decoder_said
+
+
+def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[str, str]],
+               pad: np.ndarray | None = None) -> tuple[np.ndarray, str, str | None]:
+    """Stage 3, the DICOM grey-scale pipeline in the standard's order: modality LUT -> VOI LUT / window (the
+    presentation step, the polarity, is the caller's). Returns ``(values in [0, 1], voi kind, the reason a VOI
+    transform was ignored or None)``; a rule of :mod:`._grayscale` that changed the pixels appends to ``notes``."""
+    from pydicom.pixels import apply_modality_lut, apply_voi_lut
+
+    why = rescale_problem(ds)
+    if why:
+        raise ImageReadError(p, why, "invalid DICOM attribute")
+    try:
+        arr = apply_modality_lut(raw, ds)
+    except Exception as e:  # noqa: BLE001
+        raise ImageReadError(p, f"invalid modality LUT / Rescale Slope, Intercept ({type(e).__name__}: {e})",
+                             "invalid DICOM attribute") from None
+    voi, fallback = "none", voi_problem(ds)
+    if fallback is None:
+        if ds.get("VOILUTSequence"):
+            voi = "lut"
+        elif ds.get("WindowCenter") is not None and ds.get("WindowWidth") is not None:
+            voi = "window"
+    out = None
+    if voi != "none":
+        try:
+            with _warnings_scope():
+                warnings.simplefilter("ignore")
+                if voi == "lut":
+                    bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
+                    windowed = apply_lut(arr, ds.VOILUTSequence[0]) if lut_note else apply_voi_lut(arr, ds)
+                    lo, hi = 0.0, float(2**bits - 1)
+                else:
+                    windowed = apply_voi_lut(arr, ds, prefer_lut=False)
+                    lo, hi = _window_output_range(ds, bits_stored or raw.dtype.itemsize * 8)
+            out = _scale(windowed, lo, hi)
+            notes += [lut_note] if voi == "lut" and lut_note else []
+        except Exception as e:  # noqa: BLE001 -- documented fallback below
+            fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
+    if out is None:
+        # no (usable) VOI transform: the modality-LUT output scaled to its own range (padding pixels left out)
+        a = np.asarray(arr, dtype=np.float64)
+        inside = a[~pad] if pad is not None else a
+        out = _scale(a, float(inside.min()), float(inside.max()))
+    return out, voi, fallback
+
+
+#: Words (lower case) of the lines libjpeg / OpenJPEG / CharLS (inside GDCM or Pillow) write straight to the
+#: C-level stderr while decoding; a captured line holding none of them is passed on to stderr unchanged.
+_DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantization", "j2k", "jp2", "codestream",
+                          "tile", "premature end", "gdcm", "warning:", "error:")
+
+
+_FD2_LOCK = threading.Lock()
+
+
+class _decoder_messages:
+    """Context manager: while decoding, what C libraries write to file descriptor 2 (libjpeg's "Corrupt JPEG data:
+    ..." lines, which name no file) is captured; decoder messages are appended to ``into`` (one line each) and
+    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged. File descriptor
+    2 is process-wide: a lock makes concurrent decodes in threads take turns, so that none restores another's
+    redirection."""
+
+    def __init__(self, into: list[str]):
+        self.into = into
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        _FD2_LOCK.acquire()
+        self.tmp = None
+        try:
+            sys.stderr.flush()
+            self.tmp = tempfile.TemporaryFile()
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # no usable fd 2 (embedded interpreter): do not capture
+            if self.tmp is not None:
+                self.tmp.close()
+            self.tmp = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.tmp is None:
+            _FD2_LOCK.release()
+            return False
+        try:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+        finally:
+            _FD2_LOCK.release()
+        self.tmp.seek(0)
+        text = self.tmp.read().decode("utf-8", errors="replace")
+        self.tmp.close()
+        other = []
+        for line in text.splitlines():
+            if any(w in line.lower() for w in _DECODER_MESSAGE_WORDS):
+                self.into.append(_one_line(line, 200))
+            elif line.strip():
+                other.append(line)
+        if other:
+            os.write(2, ("\n".join(other) + "\n").encode("utf-8", errors="replace"))
+        return False
+
+
+def _window_output_range(ds, bits: int) -> tuple[float, float]:
+    """Output range [y_min, y_max] of pydicom's ``apply_windowing`` for this dataset (PS3.3 C.11.2.1.2)."""
+    if ds.get("ModalityLUTSequence"):
+        return 0.0, float(2 ** int(ds.ModalityLUTSequence[0].LUTDescriptor[2]) - 1)
+    if int(ds.get("PixelRepresentation", 0) or 0) == 0:
+        y_min, y_max = 0.0, float(2**bits - 1)
+    else:
+        y_min, y_max = float(-(2 ** (bits - 1))), float(2 ** (bits - 1) - 1)
+    slope, intercept = ds.get("RescaleSlope"), ds.get("RescaleIntercept")
+    if slope is not None and intercept is not None:
+        y_min, y_max = y_min * float(slope) + float(intercept), y_max * float(slope) + float(intercept)
+    return min(y_min, y_max), max(y_min, y_max)

@@ -1,0 +1,126 @@
+"""Rules for the grey-scale attributes of a DICOM image that are missing, inconsistent or contradictory.
+
+Each rule reads the attribute as the major viewers do and returns a note that :func:`chest_xray.io.read_image`
+records in ``meta["grayscale_notes"]`` (a scan lists it, ``site check`` counts it), so a site can see every step
+that changed its pixels.
+
+- **VOI LUT output range** (PS3.3 C.11.2.1.1): the LUT Descriptor's third value gives the bits of a LUT entry,
+  and the LUT output is scaled to [0, 2^bits - 1]. Some CR modalities (Agfa among them) write 16 while the LUT data
+  are 12-bit; read literally, the image is 16x too dark. Rule: the output range is [0, 2^b - 1] with b the bits
+  the LUT's largest entry needs (at least 8) whenever b differs from the descriptor's value, as cornerstone and
+  dicom-rs do; a note names both bit counts.
+- **Polarity: Photometric Interpretation and Presentation LUT Shape** (PS3.3 C.7.6.3.1.2, C.11.6.1.1): the
+  standard has two ways of saying "low values are bright": MONOCHROME1, and a Presentation LUT Shape of INVERSE
+  (which it pairs with MONOCHROME1; IDENTITY goes with MONOCHROME2). Rule: the image is inverted once when either
+  says so, never twice; a pair that contradicts itself (MONOCHROME2 with INVERSE, MONOCHROME1 with IDENTITY) is
+  noted, and so is a Presentation LUT Shape that is neither value (ignored).
+- **Pixel Padding Value** (PS3.3 C.7.5.1.1.2): stored values equal to it (or within it and Pixel Padding Range
+  Limit) lie outside the radiograph. Rule: they are left out of the range an image without a usable VOI transform
+  is scaled to, and shown black, as viewers show them; a note gives their count. A padding value no pixel holds is
+  ignored silently, and so is one every pixel holds (nothing would be left).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Kinds of the notes these rules write (``meta["grayscale_notes"][i]["kind"]``).
+NOTE_KINDS = ("VOI LUT rescaled", "polarity contradiction", "Presentation LUT Shape ignored", "pixel padding")
+
+
+def _note(kind: str, text: str) -> dict[str, str]:
+    return {"kind": kind, "note": text}
+
+
+def voi_lut_bits(item) -> tuple[int, dict[str, str] | None]:
+    """Bits of a VOI LUT's output (the scale of its entries), and a note when the descriptor disagrees with them.
+
+    Args:
+        item: a VOI LUT Sequence item (LUT Descriptor and LUT Data present, as :func:`voi_problem` checked).
+
+    Returns:
+        ``(bits, note)``: the descriptor's bits when the data need exactly those, else the bits the largest entry
+        needs (at least 8), with a ``"VOI LUT rescaled"`` note.
+    """
+    desc_bits = int(item.LUTDescriptor[2])
+    values = lut_values(item)
+    top = int(values.max()) if values.size else 0
+    need = max(8, top.bit_length())
+    if need == desc_bits:
+        return desc_bits, None
+    return need, _note("VOI LUT rescaled", f"VOI LUT Descriptor says {desc_bits}-bit entries but the LUT data are "
+                                           f"{need}-bit (largest entry {top}): output scaled to 0..{2 ** need - 1}")
+
+
+def lut_values(item) -> np.ndarray:
+    """The entries of a LUT item (LUT Data as US values or OW words; 8-bit entries one per byte when the data
+    hold fewer than two bytes per entry), as integers."""
+    n = int(item.LUTDescriptor[0]) or 65536  # 0 means 2^16 entries
+    data = item.LUTData
+    if isinstance(data, (bytes, bytearray)):
+        raw = bytes(data)
+        return np.frombuffer(raw[: 2 * n], "<u2") if len(raw) >= 2 * n else np.frombuffer(raw[:n], "u1")
+    return np.asarray(data if isinstance(data, (list, tuple)) or hasattr(data, "__len__") else [data], np.int64)
+
+
+def apply_lut(arr: np.ndarray, item) -> np.ndarray:
+    """``arr`` (modality-LUT output) through a LUT item by hand (PS3.3 C.11.2.1.1): values below the first mapped
+    value take the first entry, above the last the last. Used where pydicom's LUT would read the descriptor's
+    bits literally (it refuses entries wider than the descriptor says)."""
+    values = lut_values(item)
+    first = int(item.LUTDescriptor[1])
+    if first >= 2**15 and np.min(arr) < 0:  # a negative first value written as US
+        first -= 2**16
+    idx = np.clip(np.rint(np.asarray(arr, dtype=np.float64)).astype(np.int64) - first, 0, len(values) - 1)
+    return values[idx].astype(np.float64)
+
+
+def polarity(ds, photometric: str) -> tuple[bool, dict[str, str] | None]:
+    """Whether the grey-scale output is inverted (low values bright), by the rule in the module docstring.
+
+    Args:
+        ds: the pydicom data set.
+        photometric: its Photometric Interpretation, "MONOCHROME1" or "MONOCHROME2".
+
+    Returns:
+        ``(inverted, note)``: note is None when the attributes agree or the shape is absent.
+    """
+    shape = str(ds.get("PresentationLUTShape", "") or "").strip().upper()
+    mono1 = photometric == "MONOCHROME1"
+    if not shape:
+        return mono1, None
+    if shape not in ("IDENTITY", "INVERSE"):
+        return mono1, _note("Presentation LUT Shape ignored", f"unknown Presentation LUT Shape {shape!r} ignored; "
+                                                               f"polarity from {photometric}")
+    inverse = shape == "INVERSE"
+    if inverse != mono1:
+        return True, _note("polarity contradiction", f"{photometric} with Presentation LUT Shape {shape}: read as "
+                                                     "inverted (low values bright), as either attribute says")
+    return mono1, None
+
+
+
+def padding_mask(ds, raw: np.ndarray) -> tuple[np.ndarray | None, dict[str, str] | None]:
+    """Boolean mask (rows, cols) of the padding pixels by the rule in the module docstring, and its note; ``(None,
+    None)`` when there is no Pixel Padding Value, or it marks no pixel or every pixel."""
+    def first(v):
+        v = v[0] if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue" else v
+        return int(v)
+
+    try:
+        value = ds.get("PixelPaddingValue")
+        if value is None or value == "":
+            return None, None
+        lo = hi = first(value)
+        limit = ds.get("PixelPaddingRangeLimit")
+        if limit is not None and limit != "":
+            lo, hi = sorted((lo, first(limit)))
+    except (TypeError, ValueError, IndexError):
+        return None, _note("pixel padding", "Pixel Padding Value is not a number: ignored")
+    mask = (raw >= lo) & (raw <= hi)
+    n = int(mask.sum())
+    if n == 0 or n == mask.size:
+        return None, None
+    span = f"{lo}" if lo == hi else f"{lo}..{hi}"
+    return mask, _note("pixel padding", f"{n} pixels ({100.0 * n / mask.size:.1f} %) hold the Pixel Padding Value "
+                                        f"({span}): left out of the grey-scale range and shown black")

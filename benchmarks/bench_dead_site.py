@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,10 +31,10 @@ BOUND_S = 300.0
 
 
 def run_once(profile: Path, run: Path, rounds: int, kill: str | None) -> dict:
-    argv = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", "fedavg", "--profile", str(profile),
-            "--rounds", str(rounds), "--late-wait", "900", "--out", str(run)]
+    from nvflare_jobs.simulation import start
+
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, log = start("fedavg", profile, {"rounds": rounds, "late_wait": 900}, run)
     killed_at = None
     while kill and killed_at is None and proc.poll() is None:
         if (read_status(run).get("round") or 0) >= 1:
@@ -45,7 +44,8 @@ def run_once(profile: Path, run: Path, rounds: int, kill: str | None) -> dict:
                     p.kill()
                     killed_at = time.perf_counter() - t0
         time.sleep(0.5)
-    out, err = proc.communicate()
+    proc.wait()
+    err = log.read_text()
     wall = time.perf_counter() - t0
     metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else {}
     return {"rc": proc.returncode, "wall_s": round(wall, 1), "killed_at_s": killed_at and round(killed_at, 1),

@@ -39,10 +39,10 @@ from pathlib import Path
 from benchmarks.fedbench import (RESULTS, ResultStore, estimate_seconds, fmt_s, make_partition, make_profile,
                                   mean_std, run_federation)
 
-from hfl_components.flare.catalogue import PROTOTYPE_METHODS, TOPOLOGY_ABLATIONS  # noqa: E402
+from hfl_components.flare.catalogue import TOPOLOGY_ABLATIONS, prototype_methods  # noqa: E402
 
 # Local plus the catalogue's prototype methods (FedProto first, the table's baseline row)
-METHODS = ("local", *sorted(PROTOTYPE_METHODS, key=lambda m: m != "fedproto"))
+METHODS = ("local", *sorted(prototype_methods(), key=lambda m: m != "fedproto"))
 ABLATIONS = TOPOLOGY_ABLATIONS
 SPLITS = ("dirichlet0.1", "pathological")
 S_PER_IMAGE = 0.006

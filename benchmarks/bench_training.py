@@ -262,19 +262,21 @@ def main(argv=None) -> int:
 def simulate_overhead(method: str, sim_args: str, data: Path) -> dict:
     """Run the simulator once and print wall time against the sites' own compute time."""
     import shlex
-    import subprocess
     import tempfile
 
+    from nvflare_jobs.commands.simulate import options_from_argv
+    from nvflare_jobs.simulation import simulate
+
     out = Path(tempfile.mkdtemp(prefix="bench_sim_")) / "run"
-    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", method,
-           *(["--data", str(data)] if data.exists() else []), "--out", str(out), *shlex.split(sim_args)]
-    print(f"\nfederation overhead: {' '.join(cmd[2:])}", flush=True)
+    method, opts = options_from_argv(["--method", method, *(["--data", str(data)] if data.exists() else []),
+                                      *shlex.split(sim_args)])
+    print(f"\nfederation overhead: simulate {method} {opts} -> {out}", flush=True)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    run = simulate(method, opts.pop("profile", None), opts, out, isolate=True)
     wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        print(f"simulation failed (rc={r.returncode}): {r.stderr[-2000:]}")
-        return {"error": r.returncode}
+    if not run.ok:
+        print(f"simulation failed (rc={run.rc}): {run.log.read_text()[-2000:]}")
+        return {"error": run.rc}
     m = json.loads((out / "metrics.json").read_text())
     t = m["timing"]
     t["process_wall_s"] = round(wall, 2)

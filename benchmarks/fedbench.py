@@ -2,7 +2,7 @@
 
 Each benchmark run is one federation executed **in process**: the method's real server workflow
 (``nvflare_jobs.jobs.make_controller`` -> ``hfl_components.flare.controllers``) and the real site handlers
-(``hfl_components.flare.site_methods.HANDLERS`` on a ``SiteRuntime`` per site) with NVFlare's transport replaced by
+(``hfl_components.flare.inprocess.InProcessTransport``: the catalogue's site handlers on a ``SiteRuntime`` per site) with NVFlare's transport replaced by
 a direct call (``send_model_and_wait`` runs each site's handler in turn and copies its arrays, as the NUMPY exchange
 does). Maths, validation, payload accounting and evaluation are therefore those of ``cxr-hfl simulate``, without
 the simulator's ~15 s start-up per run and its one process per site, which matters on 2 shared cores. Sites run one
@@ -56,20 +56,19 @@ def make_partition(name: str, n_sites: int, scheme: str, alpha: float = 0.5, cla
 def make_profile(partition: Path, out: Path, method: str, input_size: int, settings: dict) -> dict:
     """Site configs for ``method`` (heterogeneous backbones cycle hetero_cnn/densenet/resnet/efficientnet)."""
     from nvflare_jobs.profiles import write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
-    from hfl_components.flare.catalogue import PROTOTYPE_METHODS, is_prototype
+    from hfl_components.flare.catalogue import is_prototype, prototype_methods
 
-    prof_method = method if is_prototype(method) else PROTOTYPE_METHODS[0]  # Local uses the same backbones
+    prof_method = method if is_prototype(method) else prototype_methods()[0]  # Local uses the same backbones
     write_profile(partition, out, prof_method, "subtype", [input_size], dict(settings))
     return load_profile(out)
 
 
 def run_federation(method: str, profile: dict, opts: dict, workdir: Path, log=None) -> dict:
-    """Run one federation in process; returns a summary with the server record and client seconds per round."""
-    from nvflare.app_common.abstract.fl_model import FLModel
-
-    from hfl_components.flare.site_methods import HANDLERS
+    """Run one federation in process (:class:`hfl_components.flare.inprocess.InProcessTransport` with the real site
+    handlers); returns a summary with the server record and client seconds per round."""
+    from hfl_components.flare.inprocess import InProcessTransport, runtime_answer
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
 
@@ -78,30 +77,11 @@ def run_federation(method: str, profile: dict, opts: dict, workdir: Path, log=No
     workdir.mkdir(parents=True)
     ctl = make_controller(method, profile, opts)
     runtimes = {s: SiteRuntime(cfg, workdir / s) for s, cfg in profile.items()}
-    calls = []
-
-    def send(task_name, data, timeout=0, **kw):
-        out, secs = [], {}
-        for site, rt in runtimes.items():
-            meta = dict(data.meta or {})
-            meta.setdefault("round", data.current_round or 0)
-            t0 = time.perf_counter()
-            try:
-                params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
-            except Exception as e:  # noqa: BLE001 - reported like the site script does
-                params, metrics, meta_out = {}, {}, {"status": "error",
-                                                    "error": f"site {site}: {type(e).__name__}: {e}"}
-            secs[site] = time.perf_counter() - t0
-            out.append(FLModel(params={k: np.array(v, copy=True) for k, v in (params or {}).items()},
-                               metrics=metrics, meta={"client_name": site, **meta_out}))
-        calls.append({"task": task_name, "round": data.current_round, "site_seconds": secs})
-        return out
-
+    transport = InProcessTransport(runtimes, runtime_answer(runtimes))
+    calls = transport.calls
     msgs = []
-    ctl.send_model_and_wait = send
-    ctl.get_run_dir = lambda: str(workdir / "server")
-    ctl.info = lambda m: msgs.append(("info", m))
-    ctl.warning = lambda m: (msgs.append(("warning", m)), log and log(f"    WARNING {m}"))
+    transport.attach(ctl, workdir / "server", info=lambda m: msgs.append(("info", m)),
+                     warning=lambda m: (msgs.append(("warning", m)), log and log(f"    WARNING {m}")))
     t0 = time.perf_counter()
     ctl.run()
     wall = time.perf_counter() - t0

@@ -168,7 +168,7 @@ def outcome(b: dict) -> list[str]:
 
 def protocol_head(floor: float) -> list[str]:
     """The protocol paragraph every results file opens with, as markdown lines."""
-    return ["Protocol (issue 16): 6 sites from the `tuning` + `probe` parts of `chest_xray_224` (1,055 images, "
+    return ["Protocol (prototype methods, `docs/evaluation.md`): 6 sites from the `tuning` + `probe` parts of `chest_xray_224` (1,055 images, "
             "3 classes NORMAL / BACTERIAL / VIRAL, patient-grouped 80/10/10 site splits in which every class a site "
             "holds >= 8 images of has >= 2 images in val and in test: `PROTO_MIN_EVAL_PER_CLASS`), label skew by "
             "Dirichlet or "
@@ -196,7 +196,7 @@ def protocol_head(floor: float) -> list[str]:
 # method every variant is paired against, and what the paper numbers are.
 ABLATIONS = {
     "fedsaf_table8": {
-        "title": "# FedSAF Table VIII analogue: GCSA loss terms (issue 16 protocol, 1 seed)",
+        "title": "# FedSAF Table VIII analogue: GCSA loss terms (prototype-methods protocol, 1 seed)",
         "paper": "FedSAF paper Table VIII (CIFAR-10, Dir(0.1), HtFE9, GCSA): test accuracy %, mean ± std over the "
                  "paper's runs; IV (both terms) is the best, I (neither term) the worst, by 3.2 pp. The paper ran this "
                  "ablation on Dir(0.1) only; our column is Dir(0.5) at 6 sites, so the paper numbers are a reference, "
@@ -211,7 +211,7 @@ ABLATIONS = {
                  ("local", "Local (reference; not a Table VIII row)", None)],
     },
     "fedtopo_table2": {
-        "title": "# FedTopo Table II analogue: FedTopo ablations (issue 16 protocol, 1 seed)",
+        "title": "# FedTopo Table II analogue: FedTopo ablations (prototype-methods protocol, 1 seed)",
         "paper": "FedTopo paper Table II (CIFAR-10, Dirichlet alpha = 0.1, the only setting the paper ablates): "
                  "test accuracy %, and in brackets the paper's Δ = full FedTopo minus the variant (positive = the "
                  "variant is worse). Its 'w/o Topo. Loss' row is standalone local training, i.e. our Local. Our "
@@ -397,13 +397,13 @@ def main(argv: list[str] | None = None) -> None:
     if blocks:
         head = protocol_head(FLOOR)
         outs = [ln for b in blocks for ln in outcome(b)]
-        saf = ["# FedSAF Table III analogue: alignment function (issue 16 protocol)", "", PAPER["fedsaf"], "", *head,
+        saf = ["# FedSAF Table III analogue: alignment function (prototype-methods protocol)", "", PAPER["fedsaf"], "", *head,
                *table(blocks, ["fedproto", "fedsaf", "fedsaf:alignment=rcsa", "fedsaf:alignment=cosine", "local"],
                       "fedproto", primary=("fedsaf", "external")), *outs, *notes,
                "Runs at 1 seed are labelled (1 seed); like every row under 5 seeds they show per-seed differences, no "
                "interval and no verdict.",
                ""]
-        topo = ["# FedTopo Table I analogue: Local / FedProto / FedSAF / FedTopo (issue 16 protocol)", "",
+        topo = ["# FedTopo Table I analogue: Local / FedProto / FedSAF / FedTopo (prototype-methods protocol)", "",
                 PAPER["fedtopo"], "", *head,
                 *table(blocks, ["local", "fedproto", "fedsaf", "fedtopo"], "local", primary=("fedtopo", "external")),
                 *outs, *notes, ""]

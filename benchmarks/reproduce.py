@@ -524,7 +524,7 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
     # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables follow the
     # prototype protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's budget
     L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
-                  f"`benchmarks/results/{table}.md` is issue 16's protocol, written by `benchmarks/proto_results.py`."]
+                  f"`benchmarks/results/{table}.md` follows the prototype-methods protocol (`docs/evaluation.md`), written by `benchmarks/proto_results.py`."]
     dest = store.parent / f"{table}_driver.md"  # a name of its own: benchmarks/results/{table}.md is proto_results'
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L).rstrip() + "\n")

@@ -124,8 +124,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
     Args:
         input_size: S, the site's square input side in pixels (>= 8).
         mode: ``"train"`` or ``"eval"`` (eval is fully deterministic).
-        augment_classes: label indices to augment in train mode; None = every class (pass
-            :func:`default_augment_classes` for the OHFL rule); ignored in eval mode.
+        augment_classes: label indices to augment in train mode; None = every class, ``[]`` = none (pass
+            :func:`default_augment_classes` for the OHFL minority rule); ignored in eval mode.
         aspect: one of :data:`ASPECTS` (default ``stretch``). Sites, the server's probe and ``evaluate`` must use
             the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it
             separates the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
@@ -202,13 +202,14 @@ def default_augment_classes(train_rows: Sequence[Mapping[str, Any]]) -> list[int
 def resolve_augment_classes(setting: str | Sequence[int] | None, train_rows: Sequence[Mapping[str, Any]],
                             num_classes: int) -> list[int]:
     """The label indices a site augments for its site-config ``augment_classes`` value: ``"auto"`` ->
-    :func:`default_augment_classes` of ``train_rows``, ``"all"`` -> ``0..num_classes-1``, None -> none, a list ->
-    itself. Returns a sorted list without duplicates."""
+    :func:`default_augment_classes` of ``train_rows``, ``"all"`` or None -> ``0..num_classes-1`` (None means every
+    class, as everywhere in this package), a list -> itself (``[]``: none). Returns a sorted list without
+    duplicates."""
     if setting == "auto":
         return default_augment_classes(train_rows)
-    if setting == "all":
+    if setting == "all" or setting is None:
         return list(range(int(num_classes)))
-    return sorted({int(k) for k in setting or []})
+    return sorted({int(k) for k in setting})
 
 
 def make_site_dataset(
@@ -229,8 +230,8 @@ def make_site_dataset(
             :func:`chest_xray.read_site_manifest`.
         input_size: S, the square side in pixels.
         mode: ``"train"`` (class-restricted augmentation) or ``"eval"``.
-        augment_classes: classes to augment in train mode; None = :func:`default_augment_classes` of the rows
-            whose ``split`` is ``train`` (all rows when none has a split).
+        augment_classes: classes to augment in train mode; None = every class, ``[]`` = none (pass
+            :func:`default_augment_classes` of the training rows for the OHFL minority rule).
         cache_dir: None -> ``CacheDataset`` (decoded, resized images held in memory: N x S^2 x 4 bytes);
             a folder -> ``PersistentDataset`` under ``cache_dir/s<S>-<aspect>`` (survives restarts; keyed by path
             and label; the aspect is in the folder name so a cache of another geometry is never reused).
@@ -247,9 +248,6 @@ def make_site_dataset(
             first: it skips unreadable files.
     """
     data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
-    if mode == "train" and augment_classes is None:
-        train = [r for r in rows if r.get("split") == "train"]
-        augment_classes = default_augment_classes(train if train else rows)
     transform = build_transforms(input_size, mode, augment_classes, aspect=aspect)
     if seed is not None:
         transform.set_random_state(seed=seed)

@@ -2,7 +2,7 @@
 
 The same job object runs in the simulator (``job.simulator_run``) and is exported (``job.export_job``) to a folder
 that ``nvflare job submit -j`` accepts. The job carries no hospital's paths: every site runs the same Client API
-script and finds its own config locally by site name (``nvflare_jobs.site_config``). The platform package
+script and finds its own config locally by site name (``hfl_components.flare.site_config``). The platform package
 (``cxr-hfl``, pinned dependencies) is installed at every site and on the server, so hospital IT can review one
 pinned version; the job ships only the site script.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hfl_components.flare.catalogue import METHODS  # noqa: F401 - kept name; the catalogue is the one list
-from hfl_components.models import deepest_spec  # noqa: F401 - kept name (moved to hfl_components.models)
 
 SITE_SCRIPT = Path(__file__).resolve().parent.parent / "hfl_components" / "flare" / "site_script.py"
 # Seconds the server tells a site to wait before asking for its next task (NVFlare's server config

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hfl_components.flare.catalogue import PROTOTYPE_METHODS, is_prototype
+from hfl_components.flare.catalogue import is_prototype, prototype_methods
 from hfl_components.flare.catalogue import method_defaults as _method_defaults
-from nvflare_jobs.site_config import write_site_config
+from hfl_components.flare.site_config import write_site_config
 
 DEPTHS = ("shallow", "medium", "deep")
 HETERO_FAMILIES = ("hetero_cnn", "densenet", "resnet", "efficientnet")
@@ -32,8 +32,8 @@ PROTO_TRAINING = {"input_size": 64, "lr": 0.001, "optimizer": "adam", "lr_schedu
 PROTO_MIN_EVAL_PER_CLASS = 2
 # federated rounds and local epochs per round of the prototype methods (and of Local when compared with them): the
 # one source is the method catalogue
-PROTO_ROUNDS = _method_defaults(PROTOTYPE_METHODS[0])["rounds"]
-PROTO_LOCAL_EPOCHS = _method_defaults(PROTOTYPE_METHODS[0])["local_epochs"]
+PROTO_ROUNDS = _method_defaults(prototype_methods()[0])["rounds"]
+PROTO_LOCAL_EPOCHS = _method_defaults(prototype_methods()[0])["local_epochs"]
 
 NO_DATA_HELP = """no chest X-ray data found.
 Looked at --data, then $CXR_DATA, then ../shared/data (beside the repository).
@@ -71,9 +71,6 @@ def resolve_data(arg: str | None) -> Path:
                 p = p / "chest_xray_original"
             return p.resolve()
     raise DataNotFoundError(NO_DATA_HELP)
-
-
-PROTO_METHODS = PROTOTYPE_METHODS  # kept name; the method catalogue decides
 
 
 def proto_training_data(out_csv: Path) -> Path | None:
@@ -160,7 +157,7 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     proto = is_prototype(method) if proto is None else bool(proto)
     if proto:
         settings = {**{k: v for k, v in PROTO_TRAINING.items() if k != "input_size"}, **settings}
-    models = assign_models(sites, PROTO_METHODS[0] if proto else method, input_sizes, num_classes,
+    models = assign_models(sites, prototype_methods()[0] if proto else method, input_sizes, num_classes,
                            feature_dim=int(settings.pop("feature_dim", 64)))
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.yaml"):

@@ -181,3 +181,18 @@ class LiveProgress:
             else:
                 b.set_description_str(f"{s}: starting", refresh=False)
             b.refresh()
+
+
+def quiet_log_config(run_dir: Path) -> Path:
+    """NVFlare's log config with the console handler at ERROR: INFO/WARNING lines go only to the workspace's
+    ``log.txt`` files (simulator server and every site), the console keeps errors and the live progress."""
+    import copy
+
+    from nvflare.fuel.utils.log_utils import concise_log_dict
+
+    cfg = copy.deepcopy(concise_log_dict)
+    cfg["handlers"]["consoleHandler"]["level"] = "ERROR"
+    cfg["handlers"]["consoleHandler"]["stream"] = "ext://sys.stderr"
+    path = run_dir / "nvflare_log_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path

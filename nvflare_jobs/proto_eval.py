@@ -318,6 +318,16 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
               "of its class (`single_class_chance`; a diagnostic, not part of the floor). A high P(single) with a "
               "test split of one or two minority images says the flag is what this model gives most of the time on "
               "such a split; the external column says whether it predicts more than one class on 1,715 images.", ""]
+    L += _paired_lines(res, methods, n_boot, primary, summary)
+    L += ["", *[f"- {n}" for n in NOTES], ""]
+    summary["rows"] = _rows(res, methods)
+    return "\n".join(L), summary
+
+
+def _paired_lines(res: dict, methods: list[str], n_boot: int, primary, summary: dict) -> list[str]:
+    """The paired-differences table (each method against Local and against FedProto); its rows go to
+    ``summary["paired"]``."""
+    L: list[str] = []
     comps = [(m, "local") for m in methods if m != "local" and "local" in methods]
     comps += [(m, "fedproto") for m in methods if m not in ("fedproto", "local") and "fedproto" in methods]
     if comps:
@@ -346,7 +356,11 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
                     summary["paired"].append({**d, "method_a": a, "method_b": b, "set": evalset, "endpoint": role})
                     L.append(f"| {a} vs {b} | {evalset} | {metric.replace('_', ' ')} | {d['n_pairs']} | "
                              f"{_fmt(d['a'])} | {_fmt(d['b'])} | {paired_cell(d)} | {verdict_cell(d)} | {role} |")
-    L += ["", *[f"- {n}" for n in NOTES], ""]
+    return L
+
+
+def _rows(res: dict, methods: list[str]) -> list[dict]:
+    """One row per (method, set, seed, site) with class counts and, for test splits, the single-class chance."""
     rows = [{"method": m, "set": k, "seed": s, "site": site, "n": int(len(v["y"])),
              "balanced_accuracy": v["balanced_accuracy"], "auc": v["auc"], "single_class": v["single_class"]}
             for m in methods for k in ("test", "external") for (s, site), v in sorted(res[m].get(k, {}).items())]
@@ -357,8 +371,7 @@ def section(out: Path, methods: list[str], n_boot: int = 500, data_root: Path | 
         r["class_counts"] = np.bincount(np.asarray(d["y"], int), minlength=np.asarray(d["probs"]).shape[1]).tolist()
         if r["set"] == "test" and t is not None and e is not None:
             r["single_class_chance"] = single_class_chance(t["y"], e["y"], e["probs"])
-    summary["rows"] = rows
-    return "\n".join(L), summary
+    return rows
 
 
 def _flag_detail(res_m: dict, seed: int, site: str, evalset: str) -> str:

@@ -244,7 +244,15 @@ def render_run(run: Path) -> str:
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
     body.append(model_card(m))
-    # results tables
+    body += _results_sections(m)
+    body += _figure_sections(run, m, names, bool(empty))
+    body += _external_sections(run)
+    return _page(f"cxr-hfl report {m.get('method')}", body)
+
+
+def _results_sections(m: dict) -> list[str]:
+    """Per-site test results, pooled metrics with CIs, bytes / server seconds / fairness."""
+    body: list[str] = []
     rows = []
     for s, b in m.get("sites", {}).items():
         t = b.get("test") or {}
@@ -273,7 +281,12 @@ def render_run(run: Path) -> str:
         extra.append(["fairness variance (acc %^2)", _f(m["fairness_variance"], 2)])
     if extra:
         body.append(_table(["", ""], extra))
-    # figures
+    return body
+
+
+def _figure_sections(run: Path, m: dict, names: list, empty: bool) -> list[str]:
+    """The run's figures, CKA heatmaps and per-site confusion matrices (the accuracy chart left out when empty)."""
+    body: list[str] = []
     body.append("<h2>Figures</h2>")
     for fname, cap in FIGURE_FILES:
         if fname == "site_accuracy.png" and empty:
@@ -288,6 +301,12 @@ def render_run(run: Path) -> str:
         if cm:
             body.append(_figure(_png_b64(confusion_figure(cm, names or [str(i) for i in range(len(cm))], s)),
                                 f"Confusion matrix {s}"))
+    return body
+
+
+def _external_sections(run: Path) -> list[str]:
+    """One table per external validation folder of the run."""
+    body: list[str] = []
     for ext in sorted(run.glob("external/*/summary.json")) + sorted(run.glob("external/summary.json")):
         e = json.loads(ext.read_text())
         erows = [[k, v.get("input_size"), *[_f(v.get(x)) for x in ("accuracy", "balanced_accuracy", "auc")],
@@ -302,7 +321,7 @@ def render_run(run: Path) -> str:
                          "specificity @thr"], erows),
                  *(["<p>global: each metric at every site's input size, averaged over sites (no size chosen on "
                     "the test set).</p>"] if "global" in e.get("models", {}) else [])]
-    return _page(f"cxr-hfl report {m.get('method')}", body)
+    return body
 
 
 def render_compare(cdir: Path) -> str:
@@ -368,9 +387,9 @@ def targets_html(cdir: Path) -> list[str]:
     status = {True: "met", False: "NOT met", None: "reported"}
     missed = [t for t in targets if t["met"] is False]
     head = ("<p><b>Targets not met: " + html.escape("; ".join(f"{t['target']} ({t['value']})" for t in missed))
-            + "</b></p>") if missed else "<p>All of issue 11's targets are met.</p>"
+            + "</b></p>") if missed else "<p>All of the main job's targets are met.</p>"
     where = f"{ext.get('name')}" + (f", part {ext.get('part')}" if ext.get("part") else "")
-    return [f"<h2>Issue 11 targets (OHFL main job, external evaluation: {html.escape(str(where))})</h2>", head,
+    return [f"<h2>Main-job targets (OHFL, external evaluation: {html.escape(str(where))})</h2>", head,
             _table(["target", "value", "status"], [[t["target"], t["value"], status[t["met"]]] for t in targets])]
 
 

@@ -215,3 +215,47 @@ def _write_predictions(path: Path, rec: dict, class_names: list[str]) -> None:
             t = s.get("test") or {}
             for i, (p, y) in enumerate(zip(t.get("_probs", []), t.get("_labels", []))):
                 w.writerow([site, i, y, *[round(float(v), 5) for v in p]])
+
+
+def print_summary(m: dict, run_dir: Path) -> None:
+    """Print a finished run's per-site table, gate and deploy decisions, pooled accuracy and warnings."""
+    print(f"\n[cxr-hfl] {m['method']} finished in {m['wall_time_s']:.0f} s -> {run_dir}")
+    print(f"{'site':<10}{'model':<22}{'size':>5}{'n_test':>8}{'acc':>8}{'bal_acc':>9}{'auc':>7}")
+    for site, b in m["sites"].items():
+        t = b.get("test") or {}
+        spec = b.get("model") or {}
+        name = f"{spec.get('family')}/{spec.get('depth', spec.get('feature_dim', ''))}"
+
+        def f(v):
+            return "   -" if v is None else f"{v:.3f}"
+        print(f"{site:<10}{name:<22}{b.get('input_size') or '':>5}{b.get('n_test') or '':>8}{f(t.get('accuracy')):>8}"
+              f"{f(t.get('balanced_accuracy')):>9}{f(t.get('auc')):>7}")
+    gate = m.get("gate")
+    if gate:
+        print(f"deployment gate: {gate['adopted']} of {gate['sites']} sites adopted the federated model"
+              + (f"; kept their own local model: {', '.join(gate['kept_local'])}" if gate.get("kept_local") else ""))
+    deploy = {s: b["deploy"] for s, b in m["sites"].items() if isinstance(b.get("deploy"), dict)}
+    if deploy:  # deploy: best_val (metrics.json sites.<site>.deploy)
+        print("deployed round (deploy: best_val): " + "; ".join(
+            f"{s} round {d.get('round')} ({d.get('rule')}, validation balanced accuracy "
+            + (f"{d['score']:.3f})" if isinstance(d.get("score"), (int, float)) and d["score"] >= 0 else "n/a)")
+            for s, d in deploy.items()))
+    if m.get("pooled"):
+        acc = m["pooled"].get("accuracy") or {}
+        if isinstance(acc, dict) and acc.get("value") is not None:
+            print(f"pooled accuracy {acc['value']:.3f} (95% CI {acc['ci_low']:.3f}-{acc['ci_high']:.3f})")
+    for site, b in m["sites"].items():
+        cm = (b.get("test") or {}).get("confusion_matrix")
+        if cm and sum(1 for col in zip(*cm) if sum(col) > 0) == 1:
+            print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
+                  f"(confusion matrix {cm}); it has not learned a usable decision rule")
+    if m.get("excluded_sites"):
+        print("excluded sites (metrics.json: excluded_sites):")
+        for site, events in m["excluded_sites"].items():
+            reasons = list(dict.fromkeys(ev.get("reason") for ev in events))
+            where = ", ".join(f"round {ev.get('round')} {ev.get('task')}" for ev in events)
+            print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
+    for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
+        print(f"note: {note}")
+    if m.get("tensorboard"):
+        print(f"training curves (per-site loss, validation): tensorboard --logdir {m['tensorboard']}")

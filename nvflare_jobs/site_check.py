@@ -40,7 +40,7 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         ``batch_size``, ``device`` (description), ``amp``.
     """
     from chest_xray import CLASS_NAMES
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
     p = Path(config)
     site = site or p.stem

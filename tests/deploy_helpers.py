@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-from hfl_components.flare.catalogue import METHODS, is_prototype  # noqa: E402,F401 - the one method list
+from hfl_components.flare.catalogue import is_prototype, methods  # noqa: E402,F401 - the one method list
+
+METHODS = methods()
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,7 +55,7 @@ def tiny_profile(manifests: dict[str, Path], out: Path, method: str = "local", i
                  **extra) -> Path:
     """One <site>.yaml per manifest: fusable cnn models for local/fedavg/ohfl, heterogeneous backbones with a common
     feature_dim for fedsaf/fedproto/fedtopo."""
-    from nvflare_jobs.site_config import write_site_config
+    from hfl_components.flare.site_config import write_site_config
 
     proto = is_prototype(method)
     labels = "subtype" if proto else "binary"

@@ -37,7 +37,7 @@ def wide_pngs(tmp_path):
 
 
 def test_site_config_aspect_key_default_and_errors(tmp_path):
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
     assert validate_site_config(dict(base), "s", check_files=False)["aspect"] == "stretch"

@@ -134,7 +134,7 @@ def test_collate_in_a_dataloader():
 def test_site_config_augment_key_default_and_errors(tmp_path):
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
     assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"
@@ -165,7 +165,7 @@ def test_site_train_loader_per_augment_key(tmp_path, augment):
             f = tmp_path / f"img{k}.png"
             Image.fromarray((rng.random((40, 50)) * 150 + 60).astype(np.uint8)).save(f)
             w.writerow([str(f), k % 2, "train", f"p{k}"])
-    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 6, "augment_classes": None,
+    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 6, "augment_classes": [],
            "augment": augment, "data": {"labels": "binary", "manifest": str(man)},
            "model": {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}}
     rt = SiteRuntime(cfg, tmp_path / "ws")
@@ -195,7 +195,7 @@ def test_site_config_refuses_augment_monai_with_fast_augment(tmp_path):
     explicit batch) stays valid: the prototype methods' profiles write fast_augment: true."""
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}, "fast_augment": True}
     assert validate_site_config(dict(base), "s", check_files=False)["augment"] == "monai"

@@ -14,16 +14,20 @@ from hfl_components.flare.catalogue import OptionError, validate_options
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("method", catalogue.METHODS)
+@pytest.mark.parametrize("method", catalogue.methods())
 def test_entry_names_real_controller_site_tasks_and_upload_checks(method):
     from hfl_components.flare.controllers import HFLController
-    from hfl_components.flare.site_methods import HANDLERS
 
     e = catalogue.entry(method)
     cls = catalogue.resolve(e.controller)
     assert issubclass(cls, HFLController)
-    assert set(e.site_tasks) <= set(HANDLERS), f"{method}: site tasks without a handler"
-    assert "evaluate" in e.site_tasks
+    for task in e.site_tasks:  # every task resolves at the site, to the handler its entry names
+        assert callable(catalogue.site_handler(task)), f"{method}: task {task} without a handler"
+    for task, path in e.site_handlers.items():
+        assert catalogue.site_handler(task) is catalogue.resolve(path)
+        assert cls.__module__ == path.partition(":")[0] or cls.__module__ == catalogue.resolve(path).__module__ or \
+            method in ("fedprox",), f"{method}: handler {path} outside its adapter module {cls.__module__}"
+    assert e.site_tasks[-1] == "evaluate" and e.training_task == next(iter(e.site_handlers))
     for task, path in e.upload_checks.items():
         assert task in e.site_tasks and callable(catalogue.resolve(path))
     assert e.uploads and e.family in ("fusable", "prototype")
@@ -44,13 +48,18 @@ def test_one_method_list_no_spelled_out_tuples():
 
 
 def test_consumers_read_the_catalogue():
-    from nvflare_jobs import compare, jobs, privacy, profiles
+    from hfl_components.flare import privacy
+    from nvflare_jobs import compare, profiles
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
-    assert jobs.METHODS == simulate.METHODS == catalogue.METHODS
-    assert set(compare.METHODS) == set(catalogue.METHODS) | {"local+ft"}
-    assert compare.PROTO == profiles.PROTO_METHODS == catalogue.PROTOTYPE_METHODS == ("fedsaf", "fedproto", "fedtopo")
-    for m in catalogue.METHODS:
+    p = argparse.ArgumentParser()
+    simulate._add_method_args(p)
+    assert next(a for a in p._actions if a.dest == "method").choices == catalogue.methods()
+    assert set(compare.METHODS) == set(catalogue.methods()) | {"local+ft"}
+    assert compare.PROTO == catalogue.prototype_methods() == ("fedsaf", "fedproto", "fedtopo")
+    assert profiles.PROTO_ROUNDS == catalogue.entry("fedsaf").rounds
+    for m in catalogue.methods():
         assert privacy.what_leaves(m).startswith(catalogue.entry(m).uploads)
     # every option of every method has its command-line flag, with the catalogue's choices
     p = argparse.ArgumentParser()
@@ -61,7 +70,7 @@ def test_consumers_read_the_catalogue():
         for _, o in users:
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
-    assert simulate.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
+    assert simulation.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
                                       "probe_at": "own", "init": "site", "gate": True}
 
 
@@ -88,7 +97,7 @@ def test_validate_options_types_choices_defaults_and_fixed_values():
         validate_options("fedtopo", {"top_q": 2.5})
     assert validate_options("local", {"strategy": "bogus"}) == {}  # other methods' options are not local's
     with pytest.raises(ValueError, match="unknown method"):
-        validate_options("fedprox", {})
+        validate_options("fedbogus", {})
 
 
 @pytest.mark.parametrize("method", ["fedsaf", "fedproto", "fedtopo"])
@@ -137,28 +146,29 @@ def test_counts_seconds_and_fedtopo_integers_refuse_negative_values(tmp_path, ca
 
 
 def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
     with pytest.raises(SystemExit, match="--eval nearest-prototype is not an option of ohfl"):
-        simulate._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
+        simulation._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
     a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
-    simulate._defaults(a)
+    simulation._defaults(a)
     assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
     # OHFL's fusion levers (filled in before the check) are warned about too, not silently dropped
     for flags, given in ((["--ground-metric", "wts"], "--ground-metric wts"), (["--ot", "sinkhorn"], "--ot sinkhorn"),
                          (["--no-gate"], "--no-gate"), (["--no-repair"], "--repair none"),
                          (["--init", "shared"], "--init shared")):
-        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
         assert f"WARNING: {given} is not an option of fedavg (it is one of ohfl); ignored" in capsys.readouterr().err
     for flags in ([], ["--gate"], ["--ground-metric", "acts"]):  # the defaults: nothing to warn about
-        simulate._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
         assert "WARNING" not in capsys.readouterr().err, flags
     with pytest.raises(SystemExit, match="FedSAF alignment"):
-        simulate._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
+        simulation._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
     a = p.parse_args(["--method", "fedtopo"])
-    simulate._defaults(a)
+    simulation._defaults(a)
     assert (a.rho, a.top_q, a.warmup, a.ablate, a.alignment) == (0.7, 3, 3, [], None)
 
 

@@ -22,7 +22,7 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_equal_epoch_budgets_by_default(tmp_path):
     """FedAvg rounds x local epochs = Local's epochs = OHFL's local + fine-tuning epochs."""
-    from nvflare_jobs.compare import BudgetError, budget_lines, epoch_plan, simulate_argv
+    from nvflare_jobs.compare import BudgetError, budget_lines, epoch_plan, simulate_options
 
     plans = {m: epoch_plan(m, _args()) for m in ("local", "local+ft", "fedavg", "ohfl", "fedsaf")}
     assert plans["ohfl"] == {"rounds": 1, "local_epochs": 20, "finetune_epochs": 10, "total_epochs_per_site": 30}
@@ -37,17 +37,16 @@ def test_equal_epoch_budgets_by_default(tmp_path):
     assert epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3))["rounds"] == 7  # 7 is odd: 1 epoch/round
     with pytest.raises(BudgetError, match="--unequal-budgets"):
         epoch_plan("fedavg", _args(local_epochs=4, finetune_epochs=3, rounds=2))
-    argv = simulate_argv("fedavg", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5,
-                         _args(local_epochs=1, finetune_epochs=1, rounds=1, late_wait=60))
-    assert argv[argv.index("--rounds") + 1] == "1" and argv[argv.index("--local-epochs") + 1] == "2"
-    assert argv[argv.index("--late-wait") + 1] == "60"
+    opts = simulate_options("fedavg", tmp_path / "d", 5, _args(local_epochs=1, finetune_epochs=1, rounds=1,
+                                                                late_wait=60))
+    assert (opts["rounds"], opts["local_epochs"], opts["late_wait"]) == (1, 2, 60)
     r = run_cli("compare", "--methods", "fedavg,ohfl", "--local-epochs", "4", "--finetune-epochs", "3", "--rounds", "2",
                 "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "does not divide" in r.stderr
 
 
 def test_unequal_budgets_need_the_flag(tmp_path):
-    from nvflare_jobs.compare import budget_lines, epoch_plan, simulate_argv
+    from nvflare_jobs.compare import budget_lines, command_for, epoch_plan, simulate_options
 
     a = _args(local_epochs=4, finetune_epochs=3, rounds=2, max_train_images=20, unequal_budgets=True)
     assert epoch_plan("local", a)["local_epochs"] == 4
@@ -55,12 +54,12 @@ def test_unequal_budgets_need_the_flag(tmp_path):
     assert epoch_plan("local+ft", a) == {"rounds": 1, "local_epochs": 11, "finetune_epochs": 0,
                                          "total_epochs_per_site": 11}  # Local's 8 + OHFL's 3 fine-tuning epochs
     assert epoch_plan("ohfl", a) == {"rounds": 1, "local_epochs": 4, "finetune_epochs": 3, "total_epochs_per_site": 7}
-    argv = simulate_argv("local+ft", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
-    assert argv[argv.index("--method") + 1] == "local" and argv[argv.index("--local-epochs") + 1] == "11"
-    assert argv[argv.index("--rounds") + 1] == "1"
-    assert argv[argv.index("--seed") + 1] == "5" and argv[argv.index("--profile") + 1] == str(tmp_path / "p")
-    ohfl = simulate_argv("ohfl", tmp_path / "r", tmp_path / "p", tmp_path / "d", 5, a)
-    assert "--rounds" not in ohfl and ohfl[ohfl.index("--finetune-epochs") + 1] == "3"
+    opts = simulate_options("local+ft", tmp_path / "d", 5, a)
+    assert (opts["local_epochs"], opts["rounds"], opts["seed"]) == (11, 1, 5)
+    cmd = command_for("local+ft", tmp_path / "p", opts, tmp_path / "r")
+    assert f"--method local --profile {tmp_path / 'p'}" in cmd and "--local-epochs 11 --rounds 1" in cmd
+    ohfl = simulate_options("ohfl", tmp_path / "d", 5, a)
+    assert "rounds" not in ohfl and ohfl["finetune_epochs"] == 3
     u = _args(unequal_budgets=True)
     plans = {m: epoch_plan(m, u) for m in ("local", "fedavg", "ohfl")}
     assert [p["total_epochs_per_site"] for p in plans.values()] == [20, 6, 30]  # each method's own defaults
@@ -98,9 +97,9 @@ def test_bad_method_variant_is_refused_before_any_run(tmp_path, capsys):
     from nvflare_jobs.compare import check_variant
 
     out = tmp_path / "cmp"
-    for variant, says in (("ohfl:repair=foo", "argument --repair: invalid choice: 'foo'"),
+    for variant, says in (("ohfl:repair=foo", "option 'repair' (--repair) must be one of ['none', 'layer', 'channel']"),
                           ("fedproto:lambda=-1", "option 'lam' (--lambda): lambda must be a finite number >= 0"),
-                          ("ohfl:bogus=1", "unrecognized arguments: --bogus 1"),
+                          ("ohfl:bogus=1", "unknown option(s) ['bogus'] for ohfl"),
                           ("fedsaf:paper", "--paper is an OHFL option"),
                           # compare's own --finetune-epochs (equal budget) contradicts the paper's 50
                           ("ohfl:paper", "--paper uses the paper's 50 finetune epochs")):
@@ -169,9 +168,11 @@ def test_method_variants_and_reproduce_budget():
     from nvflare_jobs.compare import split_variant
     from tests.sim_helpers import REPO_ROOT
 
-    assert split_variant("ohfl:strategy=cdd:alignment=random") == ("ohfl", ["--strategy", "cdd", "--alignment",
-                                                                             "random"])
-    assert split_variant("local+ft") == ("local+ft", [])
+    assert split_variant("ohfl:strategy=cdd:alignment=random") == ("ohfl", {"strategy": "cdd", "alignment": "random"})
+    assert split_variant("fedtopo:ablate=no_ema:ablate=no_topq:lambda=0") == (
+        "fedtopo", {"ablate": ["no_ema", "no_topq"], "lam": "0"})
+    assert split_variant("ohfl:paper") == ("ohfl", {"paper": True})
+    assert split_variant("local+ft") == ("local+ft", {})
     r = subprocess.run([sys.executable, "-m", "benchmarks.reproduce", "--dry-run", "--seeds", "0,1"], cwd=REPO_ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -282,12 +283,12 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
     for part_ in ("## Budget", "## External evaluation", "### Paired differences (same seed, same site)",
                   "| ohfl vs FedAvg | 2 | 4 |", "no verdict (2 seed(s) < 5), exploratory", "global (site mean)",
                   "pre-fusion local (per site)",
-                  "### Issue 11 targets (OHFL main job, external evaluation)"):
+                  "### Main-job targets (OHFL, external evaluation)"):
         assert part_ in md, part_
     assert main(["report", str(out)]) == 0
     html = (out / "report.html").read_text()
     assert "--dry-run" not in html and "--n-boot 40" in html
-    assert "<h2>Issue 11 targets (OHFL main job, external evaluation: ext)</h2>" in html
+    assert "<h2>Main-job targets (OHFL, external evaluation: ext)</h2>" in html
     # resumed: nothing is run or evaluated again
     capsys.readouterr()
     assert main(real) == 0

@@ -1,4 +1,4 @@
-"""Issue 11's targets in compare's tables and in the comparison's report.html (hand-made external tables)."""
+"""The main job's targets in compare's tables and in the comparison's report.html (hand-made external tables)."""
 from __future__ import annotations
 
 import csv
@@ -89,7 +89,7 @@ def test_compare_report_html_states_the_targets_not_met(tmp_path):
     _write_tables(tmp_path)
     (tmp_path / "comparison.csv").write_text("method,seed\n")
     html = render_report(tmp_path).read_text()
-    assert "Issue 11 targets (OHFL main job, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
+    assert "Main-job targets (OHFL, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
     head = html.split("<b>Targets not met: ", 1)[1].split("</b>", 1)[0]
     assert "global model zero-shot mean AUC &gt;= 0.75 (0.700 over 2 seed(s)" in head
     assert "balanced accuracy (non-inferiority, margin 0.03) (-0.050 (95% CI -0.080 to -0.020): worse (δ 0.03))" \

@@ -58,7 +58,7 @@ def test_exported_eval_job_carries_its_models_and_passes_the_job_check(tmp_path)
 @pytest.mark.timeout(600)
 def test_cross_site_job_matrix_equals_local_scoring_and_refuses_other_label_schemes(tmp_path, data_root, monkeypatch):
     from nvflare_jobs.crosssite import build_eval_job, model_entries, score_locally
-    from nvflare_jobs.site_config import ENV_DIR, load_profile
+    from hfl_components.flare.site_config import ENV_DIR, load_profile
 
     man = tiny_manifests(data_root, tmp_path / "data", SITES)
     profile_dir = tiny_profile(man, tmp_path / "profile")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from chest_xray import build_transforms, default_augment_classes, make_site_dataset
+from chest_xray import ApplyToClassesd, build_transforms, default_augment_classes, make_site_dataset
 
 torch.set_num_threads(1)
 
@@ -172,8 +172,12 @@ def test_site_dataset_cached_in_memory_and_on_disk(real_files, tmp_path):
     assert any(_padding_extent(lds[i]["image"][0].numpy()) != (0, 0) for i in range(len(rows)))
     assert any((tmp_path / "cache" / "s64-letterbox").iterdir())
     assert all(torch.equal(a, ds[i]["image"]) for i, a in enumerate(first))
-    # train mode: the default augments the minority class only; a DataLoader batches it
-    tr = make_site_dataset(rows[:3], 32, "train", seed=0)  # labels 0, 1, 0 -> class 1 is the minority
+    # train mode (None: every class is augmented, as in build_transforms); a DataLoader batches it
+    tr = make_site_dataset(rows[:3], 32, "train", seed=0)
+    gate = [t for t in tr.transform.transforms if isinstance(t, ApplyToClassesd)]
+    assert len(gate) == 1 and gate[0].classes is None  # None: no class filter (majority class 0 augmented too)
+    none = make_site_dataset(rows[:3], 32, "train", augment_classes=[])
+    assert [t.classes for t in none.transform.transforms if isinstance(t, ApplyToClassesd)] == [frozenset()]
     loader = torch.utils.data.DataLoader(tr, batch_size=3)
     batch = next(iter(loader))
     assert tuple(batch["image"].shape) == (3, 1, 32, 32) and batch["label"].tolist() == [0, 1, 0]

@@ -28,7 +28,7 @@ def test_project_yml_has_server_six_hospitals_and_a_coordinator():
 
 
 def test_provision_offline_writes_every_kit_with_its_certificate(tmp_path):
-    from nvflare_jobs.site_config import validate_site_config
+    from hfl_components.flare.site_config import validate_site_config
 
     out = tmp_path / "prov"
     r = run_cli("provision", "--project", str(PROJECT), "--out", str(out), timeout=300)
@@ -130,7 +130,7 @@ def test_check_job_folder_rejects_machine_paths(tmp_path):
 def test_site_finds_its_config_in_its_own_kit_local_folder(tmp_path, monkeypatch):
     """A POC/provisioned site job runs with cwd = the site's workspace (the kit: startup/, local/); the lookup
     also works from deeper folders (the job's run folder) and stops at the kit."""
-    from nvflare_jobs.site_config import ENV_DIR, SiteConfigError, find_site_config
+    from hfl_components.flare.site_config import ENV_DIR, SiteConfigError, find_site_config
 
     monkeypatch.delenv(ENV_DIR, raising=False)
     kit = tmp_path / "hospital-a"
@@ -157,7 +157,7 @@ def test_site_finds_its_config_in_its_own_kit_local_folder(tmp_path, monkeypatch
 
 
 def test_share_predictions_switch_is_validated_and_off_by_default(tmp_path):
-    from nvflare_jobs.site_config import SiteConfigError, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, validate_site_config
 
     base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
     # a real site keeps its per-image predictions unless it opts in
@@ -168,7 +168,7 @@ def test_share_predictions_switch_is_validated_and_off_by_default(tmp_path):
 
 
 def test_error_reasons_sent_to_the_server_carry_no_paths():
-    from nvflare_jobs.privacy import redact_paths
+    from hfl_components.flare.privacy import redact_paths
 
     msg = ("site hospital-a: task local_train failed: ImageReadError: cannot decode "
            "/data/pacs/CompressedSamples^RG1/RG1_UNCR.dcm (truncated); manifest /data/site.csv")

@@ -109,7 +109,7 @@ def test_poc_end_to_end(tmp_path, data_root):
 
         from nvflare_jobs.deploy import check_job_folder, export_portable
         from nvflare_jobs.jobs import build_job
-        from nvflare_jobs.site_config import load_profile
+        from hfl_components.flare.site_config import load_profile
 
         sess = new_secure_session(st["coordinator"], st["admin_kit"], timeout=60)
         try:

@@ -3,7 +3,7 @@ import json
 
 
 def test_best_val_deployed_round_is_in_metrics_json_and_the_summary(tmp_path, capsys):
-    from nvflare_jobs.commands.simulate import _print_summary
+    from nvflare_jobs.results import print_summary as _print_summary
     from nvflare_jobs.results import assemble_run
 
     test = {"n": 4, "accuracy": 0.75, "balanced_accuracy": 0.5, "auc": 0.6,

@@ -271,7 +271,7 @@ def test_predict_skips_what_is_not_a_chest_radiograph(fake_run, data_root, tmp_p
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from nvflare_jobs.evaluation import MIN_IMAGE_SIDE, screen_image
+    from chest_xray.screening import MIN_IMAGE_SIDE, screen_image
 
     src = tmp_path / "in"
     src.mkdir()

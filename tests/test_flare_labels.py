@@ -6,7 +6,7 @@ import pytest
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from chest_xray import LabelSchemeMismatch
-from hfl_components.flare.site_methods import _ok
+from hfl_components.flare.site_methods import ok_meta as _ok
 
 
 def _answer(site: str, labels: str | None) -> FLModel:

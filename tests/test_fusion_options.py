@@ -153,7 +153,7 @@ def test_shared_initialisation_is_really_shared_and_nested(tmp_path):
 
 
 def test_simulate_options_reach_the_controller_and_the_sites():
-    from nvflare_jobs.commands.simulate import _defaults, _options
+    from nvflare_jobs.simulation import _defaults, _options
     from nvflare_jobs.jobs import build_job
 
     args = _parse(["--init", "shared", "--no-gate", "--repair", "channel", "--cka", "debiased", "--probe-at", "own",
@@ -195,7 +195,7 @@ def _parse(extra):
 
 
 def test_paper_flag_sets_the_papers_pipeline_and_rejects_conflicts():
-    from nvflare_jobs.commands.simulate import OHFL_DEFAULTS, _defaults
+    from nvflare_jobs.simulation import OHFL_DEFAULTS, _defaults
 
     a = _parse(["--paper"])
     _defaults(a)
@@ -253,8 +253,8 @@ def _good_model():
 
 
 def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it(tmp_path):
-    from hfl_components.flare.site_methods import deployment_gate, ohfl_finetune
-    from hfl_components.flare.site_tasks import GLOBAL_PREFIX, to_numpy_state
+    from hfl_components.flare.controllers.ohfl import deployment_gate, ohfl_finetune
+    from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
 
     assert deployment_gate({"auc": 0.9}, {"auc": 0.8})["adopted"]
     assert not deployment_gate({"auc": 0.8, "balanced_accuracy": 0.7}, {"auc": 0.8, "balanced_accuracy": 0.7})["adopted"]
@@ -270,7 +270,7 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
         rt = t.rt
         save_model_file(rt.state_dir / "local_model.pt", SPEC, local.state_dict(), input_size=16, labels="binary")
         params = to_numpy_state(fed.state_dict(), GLOBAL_PREFIX)
-        _, metrics, _ = ohfl_finetune(rt, params, {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
+        _, metrics, _ = ohfl_finetune(rt, params, {"global_spec": SPEC, "task_config": {"finetune_epochs": 0, "gate": True}})
         gate = metrics["gate"]
         assert gate["adopted"] is adopt
         assert ("does not beat" in gate["reason"]) is (not adopt)
@@ -281,6 +281,10 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
         assert head["kind"] == "federated"
         assert all(torch.equal(cand.state_dict()[k], v) for k, v in fed.state_dict().items())
         assert metrics["val"]["auc"] == pytest.approx(1.0)
+    # the handler keeps no default of its own: a task config without the option is refused, naming it
+    with pytest.raises(ValueError, match="lacks option 'gate'"):
+        ohfl_finetune(_TensorRuntime(tmp_path / "none", x, y).rt, to_numpy_state(good.state_dict(), GLOBAL_PREFIX),
+                      {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
     # the gate off: the federated model is deployed whatever it scores
     t = _TensorRuntime(tmp_path / "off", x, y)
     save_model_file(t.rt.state_dir / "local_model.pt", SPEC, good.state_dict(), input_size=16, labels="binary")
@@ -292,7 +296,7 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
 def test_controller_counts_adopting_sites(monkeypatch, tmp_path):
     from tests.test_fusion_rung0 import _fl
     from hfl_components.flare.controllers import OHFLController
-    from hfl_components.flare.site_tasks import to_numpy_state
+    from hfl_components.flare.messages import to_numpy_state
 
     sd = to_numpy_state(he_model(SPEC, 0, bias_range=0.2).state_dict())
     ctl = OHFLController(probe="generated", min_sites=1, probe_size=8)

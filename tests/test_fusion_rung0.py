@@ -65,7 +65,7 @@ def test_rung0_permuted_copy_through_the_server_reproduces_the_parent(monkeypatc
     size, under each repair mode and both ground metrics. (With ``probe_at="own"`` a copy uploaded at another size
     is probed on other-resolution images, so it is not the same function of its probe and rung 0 is not exact
     there by construction; README, issue 11.)"""
-    from hfl_components.flare.site_tasks import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
+    from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
     from hfl_components.models import build_model
     from nvflare_jobs.evaluation import load_model_file
 

@@ -17,10 +17,11 @@ SITES = ("hospital-a", "hospital-b")
 
 
 def _export_ohfl(tmp_path: Path, profile: Path) -> Path:
-    from nvflare_jobs.commands.simulate import _add_method_args, _defaults, _options
+    from nvflare_jobs.commands.simulate import _add_method_args
+    from nvflare_jobs.simulation import _defaults, _options
     from nvflare_jobs.deploy import export_portable
     from nvflare_jobs.jobs import build_job
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     import argparse
 
@@ -80,7 +81,8 @@ def test_edited_exported_job_fails_the_option_check_naming_the_option(tmp_path):
 def test_export_job_refuses_a_probe_too_small_for_cka(capsys):
     import argparse
 
-    from nvflare_jobs.commands.simulate import _add_method_args, _defaults
+    from nvflare_jobs.commands.simulate import _add_method_args
+    from nvflare_jobs.simulation import _defaults
 
     p = argparse.ArgumentParser()
     _add_method_args(p)

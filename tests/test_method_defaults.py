@@ -7,11 +7,11 @@ import argparse
 import pytest
 import yaml
 
-from hfl_components.flare.catalogue import METHODS, method_defaults
+from hfl_components.flare.catalogue import method_defaults, methods
 
 
 def _site_cfg(tmp_path, **extra):
-    from nvflare_jobs.site_config import load_site_config
+    from hfl_components.flare.site_config import load_site_config
 
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label,split\n")
@@ -28,19 +28,23 @@ class _RT:
 
 
 def _simulate_args(method: str):
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
     args = p.parse_args(["--method", method])
-    simulate._defaults(args)
+    simulation._defaults(args)
+    check = simulation.check(method, {})  # the library's defaults are the command line's
+    assert {k: check[k] for k in ("labels", "rounds", "default_local_epochs")} == \
+        {k: vars(args)[k] for k in ("labels", "rounds", "default_local_epochs")}
     return args
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", methods())
 def test_site_config_defaults_agree_with_simulate(tmp_path, method):
     """A hand-written site config without epochs trains what `cxr-hfl simulate` trains (OHFL: 20 + 10, not 2 + 2)."""
-    from hfl_components.flare.site_methods import _epochs
+    from hfl_components.flare.site_methods import task_epochs as _epochs
 
     args = _simulate_args(method)
     cfg = _site_cfg(tmp_path)
@@ -53,7 +57,7 @@ def test_site_config_defaults_agree_with_simulate(tmp_path, method):
 
 
 def test_ohfl_defaults_are_the_simulators_and_explicit_values_win(tmp_path):
-    from hfl_components.flare.site_methods import _epochs
+    from hfl_components.flare.site_methods import task_epochs as _epochs
 
     assert (method_defaults("ohfl")["local_epochs"], method_defaults("ohfl")["finetune_epochs"]) == (20, 10)
     rt = _RT(_site_cfg(tmp_path, local_epochs=4), "ohfl")

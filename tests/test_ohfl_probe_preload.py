@@ -18,7 +18,7 @@ def _fl(params, meta):
 
 
 def _uploads():
-    from hfl_components.flare.site_tasks import to_numpy_state
+    from hfl_components.flare.messages import to_numpy_state
 
     out = {}
     for k, (depth, size) in enumerate([("shallow", 32), ("deep", 64), ("deep", 64)]):

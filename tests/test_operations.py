@@ -68,7 +68,7 @@ def test_live_progress_lines_report_waiting_sites_epochs_and_exclusions_once(tmp
 
 
 def test_quiet_log_config_keeps_info_off_the_console(tmp_path):
-    from nvflare_jobs.commands.simulate import quiet_log_config
+    from nvflare_jobs.progress import quiet_log_config
 
     cfg = json.loads(quiet_log_config(tmp_path).read_text())
     assert cfg["handlers"]["consoleHandler"]["level"] == "ERROR"
@@ -76,7 +76,7 @@ def test_quiet_log_config_keeps_info_off_the_console(tmp_path):
 
 
 def test_rerun_into_an_unfinished_run_folder_says_how_to_replace_it(tmp_path):
-    from nvflare_jobs.commands.simulate import _prepare_run_dir
+    from nvflare_jobs.simulation import _prepare_run_dir
 
     run = tmp_path / "run"
     (run / "workspace").mkdir(parents=True)

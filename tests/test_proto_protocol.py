@@ -112,7 +112,7 @@ def _args(**kw):
 def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparison(tmp_path):
     from nvflare_jobs.compare import epoch_plan, proto_protocol
     from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS, PROTO_TRAINING, write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     assert proto_protocol(["local", "fedproto", "fedsaf:alignment=rcsa", "fedtopo"])
     assert not proto_protocol(["local", "ohfl"]) and not proto_protocol(["local"])
@@ -196,7 +196,8 @@ def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_pat
 
     from chest_xray import read_site_manifest
     from chest_xray.splits import split_rows
-    from nvflare_jobs.commands.simulate import _defaults, prepare_profile, register
+    from nvflare_jobs.commands.simulate import register
+    from nvflare_jobs.simulation import _defaults, prepare_profile
     from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
 
     if not (data_root / "chest_xray_224").is_dir():
@@ -251,7 +252,7 @@ def test_cosine_round_lr_factor_hand_values():
 def _toy_runtime(tmp_path, **cfg_kw):
     """A SiteRuntime on 12 tiny synthetic tensors (no image files): its loader cache is pre-filled."""
     from hfl_components.flare.site_tasks import SiteRuntime
-    from nvflare_jobs.site_config import DEFAULTS
+    from hfl_components.flare.site_config import DEFAULTS
 
     cfg = {**DEFAULTS, "site": "site-1", "data": {"manifest": str(tmp_path / "none.csv"), "labels": "subtype"},
            "model": {"family": "hetero_cnn", "in_channels": 1, "num_classes": 3, "feature_dim": 8}, **cfg_kw}
@@ -284,7 +285,7 @@ def test_adam_state_persists_across_rounds_and_cosine_sets_each_rounds_lr(tmp_pa
 def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_path):
     import yaml
 
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
     man = tmp_path / "m.csv"
     man.write_text("path,label,split\n/x.png,0,train\n")
@@ -303,7 +304,7 @@ def test_site_config_rejects_unknown_optimizer_schedule_and_weight_decay(tmp_pat
 def test_site_config_as_an_operator_types_it(tmp_path):
     """Hand-typed YAML: ``1e-4`` is a number (PyYAML alone reads it as text), a quoted number is refused with a
     hint, SGD momentum must be below 1; each error names the site, the file and the key in one line."""
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config
 
     man = tmp_path / "m.csv"
     man.write_text("path,label,split\n/x.png,0,train\n")
@@ -354,6 +355,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
     command line leaves each method its own default unless --lambda / --gamma is given."""
     from hfl_components.alignment import FedSAFAuxLoss
     from hfl_components.flare.catalogue import validate_options
+    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
 
     v = validate_options("fedproto", {})
@@ -379,7 +381,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
         p = argparse.ArgumentParser()
         simulate._add_method_args(p)
         a = p.parse_args(["--method", argv[0], *argv[1:]])
-        simulate._check_method_options(a)
+        simulation._check_method_options(a)
         return a.lam, a.gamma
 
     assert parsed("fedproto") == (0.0, 1 / 64)
@@ -392,7 +394,7 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
     """deploy: best_val (issue 16): scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
     five rounds of the real Local handler -> the deployed model file and the model the final evaluation task scores
     are round 3's weights (the later of the two 0.60 rounds), not round 4's; deploy: last deploys round 4's."""
-    from hfl_components.flare.site_methods import HANDLERS
+    from hfl_components.flare.site_methods import handler
     from hfl_components.models import load_model_file
 
     for rule, expect in (("best_val", 3), ("last", 4)):
@@ -403,8 +405,8 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
             {"balanced_accuracy": next(scores), "accuracy": 0.5} if split == "val" else {"balanced_accuracy": 0.5}))
         snaps = []
         for rnd in range(5):
-            HANDLERS["local_train"](rt, {}, {"round": rnd, "total_rounds": 5, "method": "local",
-                                              "task_config": {"local_epochs": 1}})
+            handler("local_train")(rt, {}, {"round": rnd, "total_rounds": 5, "method": "local",
+                                            "task_config": {"local_epochs": 1}})
             snaps.append({k: v.detach().clone() for k, v in rt.model.state_dict().items()})
         assert any(not torch.equal(snaps[3][k], snaps[4][k]) for k in snaps[3])  # round 4 did change the weights
         deployed, _ = load_model_file(rt.state_dir / "deployed_model.pt")
@@ -413,7 +415,7 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
         rec = json.loads((rt.state_dir / "deploy_selection.json").read_text())
         assert rec["round"] == expect and rec["score"] == pytest.approx(0.6 if rule == "best_val" else 0.3)
         scores = iter([0.5] * 2)  # the final evaluation task's validation score
-        _, metrics, _ = HANDLERS["evaluate"](rt, {}, {"method": "local", "task_config": {}})
+        _, metrics, _ = handler("evaluate")(rt, {}, {"method": "local", "task_config": {}})
         # the evaluate answer says which round was deployed (metrics.json sites.<site>.deploy); only under best_val
         assert metrics.get("deploy") == ({"rule": "best_val", "round": 3, "score": 0.6} if rule == "best_val"
                                          else None)
@@ -454,7 +456,7 @@ def test_site_config_deploy_rule_and_the_prototype_default(tmp_path):
     import yaml
 
     from nvflare_jobs.profiles import PROTO_TRAINING
-    from nvflare_jobs.site_config import DEFAULTS, SiteConfigError, load_site_config
+    from hfl_components.flare.site_config import DEFAULTS, SiteConfigError, load_site_config
 
     assert DEFAULTS["deploy"] == "last" and PROTO_TRAINING["deploy"] == "best_val"
     man = tmp_path / "m.csv"
@@ -541,7 +543,7 @@ def test_weight_ema_is_the_hand_computed_average_of_every_steps_weights_and_is_w
             validate_site_config({**base, "weight_ema": bad}, "s", check_files=False)
 
 
-@pytest.mark.parametrize("setting,expected", [("all", {0, 1, 2}), ("auto", {1, 2}), (None, set()), ([2], {2})])
+@pytest.mark.parametrize("setting,expected", [("all", {0, 1, 2}), ("auto", {1, 2}), ([], set()), ([2], {2})])
 def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_path, setting, expected):
     """Sixth tuning pass (proto_tuning.md): with ``auto`` only the classes smaller than the site's largest are
     flipped / shifted, a label shortcut at a skewed site; the prototype methods' default ``all`` augments every class
@@ -570,6 +572,23 @@ def test_augment_classes_all_augments_every_class_at_a_label_skewed_site(tmp_pat
     assert SiteRuntime(cfg, tmp_path / "ws").loader("train").dataset.augment == expected
     with pytest.raises(ValueError, match="augment_classes.*'all'"):
         validate_site_config({**cfg, "augment_classes": "every"}, "site-1", check_files=False)
+
+
+def test_augment_classes_null_is_refused_not_guessed():
+    """None means every class in the code (``build_transforms``, ``make_site_dataset``, ``batch_augment``,
+    ``resolve_augment_classes``) but a site config's null once meant none: it is refused, naming the site, the key
+    and both spellings, instead of silently changing what a site augments."""
+    from chest_xray import resolve_augment_classes
+    from hfl_components.flare.site_config import validate_site_config
+
+    cfg = {"data": {"labels": "subtype"}, "model": {"family": "cnn", "depth": "shallow"}, "augment_classes": None}
+    with pytest.raises(ValueError) as e:
+        validate_site_config(cfg, "site-9", check_files=False, require_data=False)
+    msg = str(e.value)
+    assert "'site-9'" in msg and "'augment_classes'" in msg and "'all'" in msg and "[]" in msg
+    rows = [{"label": 0}] * 3 + [{"label": 1}]
+    assert resolve_augment_classes(None, rows, 3) == resolve_augment_classes("all", rows, 3) == [0, 1, 2]
+    assert resolve_augment_classes([], rows, 3) == [] and resolve_augment_classes("auto", rows, 3) == [1]
 
 
 @pytest.mark.parametrize("bad", ["ALL", "every", [0, "1"], [-1], [3], [True], [0, 0], True, 3])

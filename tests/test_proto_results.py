@@ -12,17 +12,12 @@ from benchmarks import proto_results as pr
 
 
 def _simulate_args(method: str):
-    """The ``simulate`` options a compare method variant gives (compare's own parser path: split_variant, then
-    simulate's parser and defaults)."""
-    from nvflare_jobs.commands import simulate
+    """The ``simulate`` options a compare method variant gives (split_variant, then simulation.check)."""
+    from nvflare_jobs import simulation
     from nvflare_jobs.compare import split_variant
 
     name, extra = split_variant(method)
-    p = argparse.ArgumentParser()
-    simulate._add_method_args(p)
-    a = p.parse_args(["--method", name, *extra])
-    simulate._defaults(a)
-    return name, a
+    return name, argparse.Namespace(**simulation.check(name, extra))
 
 
 def test_ablation_variant_specs_set_lambda_gamma_and_ablate():
@@ -40,7 +35,7 @@ def test_ablation_variant_specs_set_lambda_gamma_and_ablate():
     for spec in pr.ABLATIONS.values():
         for m, _, _ in spec["rows"]:
             assert check_variant(m) is None, m
-    assert "invalid choice: 'no_such'" in check_variant("fedtopo:ablate=no_such")
+    assert "unknown ablation ['no_such']" in check_variant("fedtopo:ablate=no_such")
 
 
 def _pred(y, pred, C=3):

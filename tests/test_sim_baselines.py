@@ -72,10 +72,11 @@ def test_fedavg_simulation_uses_deepest_architecture_and_counts_bytes(partition3
 def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition3, tmp_path):
     """The server's FedAvg aggregation path, fed with uploads that two real sites produced by training."""
     from hfl_components.aggregation import weighted_average
-    from hfl_components.flare.site_methods import fedavg_train
-    from hfl_components.flare.site_tasks import GLOBAL_PREFIX, SiteRuntime, to_numpy_state
+    from hfl_components.flare.controllers.baselines import fedavg_train
+    from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
+    from hfl_components.flare.site_tasks import SiteRuntime
     from hfl_components.models import build_model
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     profile = load_profile(make_profile(partition3, tmp_path / "profile", "fedavg", max_train_images=16))
     spec = {"family": "cnn", "depth": "shallow", "width": 0.5, "in_channels": 1, "num_classes": 2}
@@ -104,7 +105,7 @@ def test_fedavg_aggregate_is_sample_weighted_mean_of_real_site_uploads(partition
 
 
 def test_site_config_errors_name_site_file_and_key(tmp_path, monkeypatch):
-    from nvflare_jobs.site_config import ENV_DIR, SiteConfigError, find_site_config, load_site_config
+    from hfl_components.flare.site_config import ENV_DIR, SiteConfigError, find_site_config, load_site_config
 
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label,split\n")
@@ -153,7 +154,7 @@ def test_simulate_refuses_to_mix_runs_and_reports_bad_arguments_in_one_line(tmp_
 
 
 def test_overwrite_keeps_a_profile_that_lives_in_the_run_folder(tmp_path):
-    from nvflare_jobs.commands.simulate import _prepare_run_dir
+    from nvflare_jobs.simulation import _prepare_run_dir
 
     run = tmp_path / "run"
     (run / "site_configs").mkdir(parents=True)

@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from nvflare.app_common.abstract.fl_model import FLModel
+from hfl_components.flare.inprocess import InProcessTransport
 
 from tests.sim_helpers import assert_canonical, load_metrics, make_partition, make_profile, run_cli
 
@@ -24,28 +24,15 @@ C, D = 3, 4
 
 
 # ---------------------------------------------------------------------------------------------- fake transport
-class FakeTransport:
-    """Stands in for ``ModelController.send_model_and_wait``: answers each task from ``answer(task, rnd, site,
-    data)`` and keeps what the server sent."""
-
-    def __init__(self, sites, answer):
-        self.sites, self.answer, self.sent = sites, answer, []
-
-    def __call__(self, task_name, data, timeout=0, **kw):
-        self.sent.append((task_name, data.current_round, data.params, data.meta))
-        out = []
-        for s in self.sites:
-            params, metrics, meta = self.answer(task_name, data.current_round, s, data)
-            out.append(FLModel(params=params, metrics=metrics, meta={"client_name": s, **meta}))
-        return out
+def transport(sites, answer):
+    """The in-process federation with answers from ``answer(task, rnd, site, data)``; ``.sent`` keeps what the server
+    sent."""
+    return InProcessTransport(sites, lambda task, site, data: answer(task, data.current_round, site, data))
 
 
-def _wire(ctl, tmp_path, transport):
+def _wire(ctl, tmp_path, fake):
     logs = {"info": [], "warning": []}
-    ctl.get_run_dir = lambda: str(tmp_path)
-    ctl.info = logs["info"].append
-    ctl.warning = logs["warning"].append
-    ctl.send_model_and_wait = transport
+    fake.attach(ctl, tmp_path, info=logs["info"].append, warning=logs["warning"].append)
     return logs
 
 
@@ -82,7 +69,7 @@ def test_bad_prototype_upload_is_dropped_with_reason_and_round_completes(tmp_pat
 
     ctl = FedSAFController(num_classes=C, feature_dim=D, num_rounds=3, min_sites=1,
                            task_config={"alignment": "gcsa", "lambda": 1.0, "gamma": 1.0})
-    fake = FakeTransport(["site-1", "site-2", "site-3"], answer)
+    fake = transport(["site-1", "site-2", "site-3"], answer)
     logs = _wire(ctl, tmp_path, fake)
     ctl.run()
 
@@ -143,7 +130,7 @@ def test_fedsaf_binary_structural_alignment_is_reported(tmp_path):
         return {"prototypes": P, "counts": np.asarray([3, 2], np.float32)}, {}, {"status": "ok", "n_train": 5}
 
     ctl = FedSAFController(num_classes=2, feature_dim=D, num_rounds=1, task_config={"alignment": "rcsa"})
-    logs = _wire(ctl, tmp_path, FakeTransport(["site-1"], answer))
+    logs = _wire(ctl, tmp_path, transport(["site-1"], answer))
     ctl.run()
     assert any("2 classes" in w and "instance-level" in w for w in logs["warning"])
 
@@ -166,7 +153,7 @@ def test_make_controller_fedsaf_options():
 
 
 def test_nearest_prototype_probabilities():
-    from hfl_components.flare.site_methods import _nearest_prototype_probs
+    from hfl_components.alignment.prototypes import nearest_prototype_probs as _nearest_prototype_probs
 
     P = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     counts = np.array([5, 3, 0])  # class 2 absent on this site: never predicted

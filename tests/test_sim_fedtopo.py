@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.sim_helpers import assert_canonical, load_metrics, make_partition, make_profile, run_cli
-from tests.test_sim_fedsaf import FakeTransport, _eval_answer, _wire
+from tests.test_sim_fedsaf import _eval_answer, _wire, transport
 
 torch.set_num_threads(1)
 
@@ -73,7 +73,7 @@ def test_bad_topology_upload_is_dropped_with_reason_and_round_completes(tmp_path
 
     ctl = FedTopoController(num_classes=C, rho=0.7, num_rounds=2, min_sites=1,
                             task_config={"top_q": 3, "warmup": 1, "lambda": 1.0, "gamma": 1.0, "ablate": []})
-    fake = FakeTransport(["site-1", "site-2", "site-3"], answer)
+    fake = transport(["site-1", "site-2", "site-3"], answer)
     logs = _wire(ctl, tmp_path, fake)
     ctl.run()
     rec = json.loads((tmp_path / "cxr_hfl_results" / "server_results.json").read_text())
@@ -123,7 +123,7 @@ def test_no_topq_noop_and_server_ablations_are_reported(tmp_path):
         R, n = UPLOADS[site]
         return {"R": R, "counts": n}, {}, {"status": "ok"}
 
-    fake = FakeTransport(["site-1", "site-2"], answer)
+    fake = transport(["site-1", "site-2"], answer)
     logs = _wire(ctl, tmp_path, fake)
     ctl.run()
     rec = json.loads((tmp_path / "cxr_hfl_results" / "server_results.json").read_text())

@@ -67,7 +67,7 @@ def _fl_model(params, meta):
 def test_ohfl_server_rejects_nan_and_shape_mismatched_uploads_and_continues(monkeypatch):
     """A NaN upload and a shape-mismatched upload are excluded by name; the round goes on with the good one."""
     from hfl_components.flare.controllers import OHFLController
-    from hfl_components.flare.site_tasks import to_numpy_state
+    from hfl_components.flare.messages import to_numpy_state
     from hfl_components.models import build_model
 
     spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}

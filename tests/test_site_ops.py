@@ -25,7 +25,7 @@ def _base(**kw):
 
 # ------------------------------------------------------------------------------------------------ part 4: devices
 def test_device_and_amp_keys_are_validated_naming_the_file(tmp_path):
-    from nvflare_jobs.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
     assert validate_site_config(_base(), "s", check_files=False)["device"] == "auto"
     assert validate_site_config(_base(), "s", check_files=False)["amp"] is False
@@ -94,7 +94,7 @@ def test_cuda_site_training_and_fusion_match_cpu(tmp_path, data_root):
     from hfl_components.flare.site_tasks import SiteRuntime
     from hfl_components.fusion import aggregate_models
     from hfl_components.training import train_local
-    from nvflare_jobs.site_config import load_site_config
+    from hfl_components.flare.site_config import load_site_config
 
     ref = train_local(_model(), _tiny_loader(), 2, lr=0.01, seed=0)
     mc = _model()
@@ -206,8 +206,8 @@ def test_unreadable_image_is_reported_as_the_file_and_reason_not_monai_wrapper(t
     the reason without the path."""
     from chest_xray import ImageReadError
     from hfl_components.flare.site_tasks import SiteRuntime, describe_error
-    from nvflare_jobs.privacy import redact_paths
-    from nvflare_jobs.site_config import load_site_config
+    from hfl_components.flare.privacy import redact_paths
+    from hfl_components.flare.site_config import load_site_config
 
     man = tiny_manifests(data_root, tmp_path / "data", ["hospital-a"])
     rows = man["hospital-a"].read_text().splitlines()
@@ -236,7 +236,7 @@ def test_unreadable_image_is_reported_as_the_file_and_reason_not_monai_wrapper(t
 # ------------------------------------------------------------------------------------------------ part 5: deployment
 def test_example_consortium_profiles_name_the_six_hospitals_and_export(tmp_path):
     from nvflare_jobs.deploy import check_job_folder, load_project
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     hospitals = [q["name"] for q in load_project(REPO_ROOT / "site_configs" / "project.yml")["participants"]
                  if q["type"] == "client"]

@@ -77,7 +77,8 @@ class MomentumFedAvgController(FedAvgController):
 
 
 ENTRY = catalogue.register(catalogue.MethodEntry(
-    "fedavg_momentum", f"{__name__}.MomentumFedAvgController", ("fedavg_train", "evaluate"),
+    "fedavg_momentum", f"{__name__}.MomentumFedAvgController",
+    {"fedavg_train": "hfl_components.flare.controllers.baselines:fedavg_train"},  # FedAvg's site handler
     options=(catalogue.Option("server_lr", float, 1.0, None, "server learning rate",
                               check=lambda v: None if v > 0 else f"must be > 0, got {v}"),
              catalogue.Option("momentum", float, 0.9, None, "server momentum beta",
@@ -118,7 +119,7 @@ def run_in_simulator(profile_dir: str, workspace: str) -> int:
     """Build the toy method's job and run it in the NVFlare simulator (called in a fresh process)."""
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.proctree import unique_simulator_ports
-    from nvflare_jobs.site_config import ENV_DIR, load_profile
+    from hfl_components.flare.site_config import ENV_DIR, load_profile
 
     os.environ[ENV_DIR] = profile_dir
     unique_simulator_ports()

@@ -299,6 +299,6 @@ def test_device_check_imports_neither_torch_nor_sklearn():
     # the submodules stay attributes of the package, as when it imported them eagerly (in a fresh interpreter,
     # where nothing has imported them yet)
     code = ("import hfl_components.training as t; "
-            "print(t.metrics.compute_metrics is t.compute_metrics, t.paired.__name__, 'loop' in dir(t))")
+            "print(t.loop.__name__, t.metrics.compute_metrics is t.compute_metrics, 'loop' in dir(t))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "hfl_components.training.paired", "True"]
+    assert out.stdout.split() == ["hfl_components.training.loop", "True", "True"]

@@ -7,7 +7,8 @@ sites (epochs a site config leaves out), the privacy summary, the benchmarks' in
 method order. Only plain data here: no NVFlare, torch or data imports (controllers are named by class path and
 imported when a job is built).
 
-An entry holds: the name, the server controller (class path), the site task handlers it uses, the model family
+An entry holds: the name, the server controller (class path), its site task handlers (task -> function path,
+resolved at the site by :func:`site_handler`; ``evaluate`` is common to every method), the model family
 (``fusable``: cnn/vgg11 that OHFL can fuse; ``prototype``: heterogeneous backbones with a common feature_dim), the
 default label scheme, rounds and epochs, its options (type, allowed values, default, help; validated once by
 :func:`validate_options` when the controller is built, and again when an exported job starts on the server), and
@@ -20,6 +21,7 @@ method   labels  rounds local_epochs finetune_epochs
 ======== ======= ====== ============ ===============
 local    binary  3      2            10 (unused)
 fedavg   binary  3      2            10 (unused)
+fedprox  binary  3      2            10 (unused)
 ohfl     binary  3 (*)  20           10
 fedsaf   subtype 20     1            10 (unused)
 fedproto subtype 20     1            10 (unused)
@@ -39,56 +41,18 @@ controller; see docs/INTERFACES.md, "Adding a method".
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
-_UNSET = object()
-
-
-@dataclass(frozen=True)
-class Option:
-    """One method option: ``opts[key]`` in a job, ``--flag`` on the command line.
-
-    Args:
-        key: the option's name in ``opts`` (and the argparse ``dest``).
-        type: ``str``, ``int``, ``float``, ``bool`` or ``list`` (a repeatable flag; ``choices`` apply per item).
-        default: the value used when the option is missing or None.
-        choices: allowed values (None: any value of the type).
-        help: one line for ``--help``.
-        check: ``(value) -> error message or None`` for conditions beyond ``choices`` (ranges).
-        flag: the command-line flag (default ``--key`` with ``_`` -> ``-``).
-        cli_default: what argparse stores when the flag is absent (default: ``default``); None for options that
-            are filled in later (so that ``--paper`` can tell "not given" from the default).
-        required: a missing value is an error (the message is ``required``'s text).
-        fixed: the method always uses this value whatever is given (``fedproto``'s alignment); the given value is
-            still checked against ``choices``.
-        what: the noun for one item in error messages (default: the key), e.g. ``ablation``.
-        strict: the command line refuses the flag with a non-default value for a method that lacks the option
-            (default: a warning that it is ignored).
-    """
-
-    key: str
-    type: Any = str
-    default: Any = None
-    choices: tuple | None = None
-    help: str = ""
-    check: Callable[[Any], str | None] | None = None
-    flag: str | None = None
-    cli_default: Any = _UNSET
-    required: str | None = None
-    fixed: Any = _UNSET
-    what: str | None = None
-    strict: bool = False
-
-    @property
-    def cli_flag(self) -> str:
-        return self.flag or "--" + self.key.replace("_", "-")
-
-    @property
-    def argparse_default(self):
-        return self.default if self.cli_default is _UNSET else self.cli_default
-
+from hfl_components.flare._options import (  # the public face of the option machinery
+    _UNSET,
+    Option,
+    OptionError,
+    _in_unit_interval,
+    _non_negative,
+    check_option,
+    repair_name,
+    resolve,
+)
 
 @dataclass(frozen=True)
 class MethodEntry:
@@ -98,7 +62,10 @@ class MethodEntry:
         name: ``--method`` value and the name in results.
         controller: class path of its ``hfl_components.flare.controllers.HFLController`` subclass; the class's
             ``from_options(method, profile, opts, common, task_config)`` builds it from validated options.
-        site_tasks: task names the server sends (answered by ``hfl_components.flare.site_methods.HANDLERS``).
+        site_handlers: task -> path ``module:function`` of the site handler that answers it
+            (``handler(rt, params, meta) -> (params, metrics, meta)``, :mod:`hfl_components.flare.site_methods`);
+            resolved at the site by :func:`site_handler`. The common ``evaluate`` task is not listed. The first task
+            is the method's training task (``FedAvgController``'s ``task_name``).
         family: ``fusable`` (cnn/vgg11, one architecture family that OHFL can fuse) or ``prototype``
             (heterogeneous backbones with a common ``feature_dim``).
         labels, rounds, local_epochs, finetune_epochs: defaults (module docstring table).
@@ -108,11 +75,19 @@ class MethodEntry:
             controller runs on each upload.
         uploads: one sentence: what a site uploads besides the common task metadata (docs/DEPLOYMENT.md, Privacy).
         summary: one line for ``--help``.
+        schedule: how ``cxr-hfl compare`` spends an equal epoch budget E on it: ``rounds`` (R rounds of E / R local
+            epochs), ``single`` (one run of E epochs: the control) or ``one_shot`` (L local epochs, one fusion, F
+            fine-tuning epochs; the budget is defined by the one-shot method's L + F, and its sites keep their
+            pre-fusion local models).
+        epochs_per_round: under ``rounds``, compare's default local epochs per round (R = E / this, or the largest
+            divisor of E below it).
+        role: ``control`` (the comparison's local control: ``local+ft``), ``reference`` (the federated baseline
+            every method is also paired against) or empty.
     """
 
     name: str
     controller: str
-    site_tasks: tuple[str, ...]
+    site_handlers: dict
     family: str = "fusable"
     labels: str = "binary"
     rounds: int = 3
@@ -122,6 +97,19 @@ class MethodEntry:
     upload_checks: dict = field(default_factory=dict)
     uploads: str = ""
     summary: str = ""
+    schedule: str = "rounds"
+    epochs_per_round: int = 2
+    role: str = ""
+
+    @property
+    def site_tasks(self) -> tuple[str, ...]:
+        """The tasks the server sends: the method's own, then the common ``evaluate``."""
+        return (*self.site_handlers, *(t for t in COMMON_SITE_HANDLERS if t not in self.site_handlers))
+
+    @property
+    def training_task(self) -> str:
+        """The method's first (training) task."""
+        return next(iter(self.site_handlers))
 
     @property
     def prototype(self) -> bool:
@@ -137,23 +125,9 @@ class MethodEntry:
         return next((o for o in self.options if o.key == key), None)
 
 
-def repair_name(v) -> str:
-    """``repair`` as a name: True/False read as ``layer``/``none`` (``fusion.pairwise.repair_mode``)."""
-    return {True: "layer", False: "none"}.get(v, v) if isinstance(v, bool) else str(v)
-
-
-def _in_unit_interval(v) -> str | None:
-    return None if 0.0 <= float(v) < 1.0 else f"rho must lie in [0, 1), got {v}"
-
-
-def _non_negative(name: str) -> Callable[[Any], str | None]:
-    """A check: ``v`` is None or a finite number >= 0 (a loss weight or noise scale; inf is refused too)."""
-    def check(v):
-        return None if v is None or 0 <= float(v) < math.inf else f"{name} must be a finite number >= 0, got {v}"
-    return check
-
-
 _CTL = "hfl_components.flare.controllers."
+# the one task every method sends last: each site evaluates the model it deploys
+COMMON_SITE_HANDLERS = {"evaluate": "hfl_components.flare.site_methods:evaluate_deployed"}
 TOPOLOGY_ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", "local_topology")
 
 # ---------------------------------------------------------------------------------------------------- options
@@ -203,6 +177,11 @@ _OHFL = (
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
 )
+# Gradient-norm clip of local training with the alignment / topology loss: without it a FedProto-MSE run on
+# chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
+GRAD_CLIP = Option("grad_clip", float, 10.0, None, "clip the global gradient norm of local training to this value "
+                   "in rounds trained with the method's auxiliary loss (0 or none: no clip)", cli_default=None,
+                   check=_non_negative("grad-clip"))
 # lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
 _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "
                  "the modulated CE", flag="--lambda", cli_default=None, check=_non_negative("lambda"))
@@ -234,11 +213,12 @@ def _fedsaf_options(fedproto: bool) -> tuple[Option, ...]:
                "FedSAF/FedProto evaluation: the site's own head (default) or the nearest of the site's own local "
                "prototypes (nearest-global is not offered)", strict=True),
         *((_FEDPROTO_LAMBDA, _FEDPROTO_GAMMA) if fedproto else (_LAMBDA, _GAMMA)),
+        GRAD_CLIP,
     )
 
 
 _FEDTOPO = (
-    _LAMBDA, _GAMMA,
+    _LAMBDA, _GAMMA, GRAD_CLIP,
     Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only", strict=True),
     Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)",
            check=_non_negative("top-q")),
@@ -253,32 +233,42 @@ _FEDTOPO = (
 
 _PROTO_UPLOAD = ("every round: C x d class prototypes (mean training feature per class) and the C training class "
                  "counts; the alignment loss terms of the last batch")
-_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1}
+_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1, "epochs_per_round": 3}
 
 # ---------------------------------------------------------------------------------------------------- entries
 _ENTRIES: list[MethodEntry] = [
-    MethodEntry("local", _CTL + "LocalController", ("local_train", "evaluate"),
-                uploads="nothing model-related", summary="each site trains alone (baseline)"),
-    MethodEntry("fedavg", _CTL + "FedAvgController", ("fedavg_train", "evaluate"),
+    MethodEntry("local", _CTL + "baselines.LocalController",
+                {"local_train": _CTL + "baselines:local_train"},
+                uploads="nothing model-related", summary="each site trains alone (baseline)", schedule="single",
+                role="control"),
+    MethodEntry("fedavg", _CTL + "baselines.FedAvgController",
+                {"fedavg_train": _CTL + "baselines:fedavg_train"},
                 upload_checks={"fedavg_train": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads="the full model (every weight) and its training sample count, every round",
-                summary="FedAvg on the profile's deepest fusable architecture"),
-    MethodEntry("ohfl", _CTL + "OHFLController", ("ohfl_train", "ohfl_finetune", "evaluate"), local_epochs=20,
-                options=_OHFL,
+                summary="FedAvg on the profile's deepest fusable architecture", role="reference"),
+    MethodEntry("fedprox", _CTL + "baselines.FedAvgController", {"fedprox_train": _CTL + "fedprox:fedprox_train"},
+                options=(Option("mu", float, 0.01, None, "FedProx proximal weight mu: each site minimises its loss + "
+                                "mu/2 ||w - w_global||^2 (0 = FedAvg)", check=_non_negative("mu")),),
+                upload_checks={"fedprox_train": "hfl_components.upload_checks:check_fedavg_upload"},
+                uploads="the full model (every weight) and its training sample count, every round",
+                summary="FedProx (Li et al., 2020): FedAvg with a proximal term at each site"),
+    MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
+                {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
+                local_epochs=20, options=_OHFL,
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses"),
-                summary="one-shot heterogeneous fusion (OHFL paper)"),
-    MethodEntry("fedsaf", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_fedsaf_options(False),
+                summary="one-shot heterogeneous fusion (OHFL paper)", schedule="one_shot"),
+    MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
+                **_PROTO_DEFAULTS, options=_fedsaf_options(False),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (FedSAF paper)"),
-    MethodEntry("fedproto", _CTL + "FedSAFController", ("fedsaf_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_fedsaf_options(True),
+    MethodEntry("fedproto", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
+                **_PROTO_DEFAULTS, options=_fedsaf_options(True),
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
-    MethodEntry("fedtopo", _CTL + "FedTopoController", ("fedtopo_train", "evaluate"), **_PROTO_DEFAULTS,
-                options=_FEDTOPO,
+    MethodEntry("fedtopo", _CTL + "fedtopo.FedTopoController", {"fedtopo_train": _CTL + "fedtopo:fedtopo_train"},
+                **_PROTO_DEFAULTS, options=_FEDTOPO,
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},
                 uploads=("every round: a C x C class-relation matrix and the C training class counts "
                          "(Laplace-noised with --noisy-counts); the topology-inconsistency scores D_r/D_rs"),
@@ -287,14 +277,46 @@ _ENTRIES: list[MethodEntry] = [
 CATALOGUE: dict[str, MethodEntry] = {e.name: e for e in _ENTRIES}
 
 
+def _task_table(entries) -> dict[str, str]:
+    """``{task: handler path}`` over ``entries`` and the common tasks; ValueError when two entries answer one task
+    with different handlers (task names are global: a site resolves a task by its name)."""
+    table = dict(COMMON_SITE_HANDLERS)
+    for e in entries:
+        for task, path in e.site_handlers.items():
+            if table.setdefault(task, path) != path:
+                raise ValueError(f"method {e.name!r}: task {task!r} is already answered by {table[task]}, not {path}")
+    return table
+
+
+_task_table(_ENTRIES)
+
+
 def register(entry: MethodEntry) -> MethodEntry:
     """Add (or replace) a method entry at run time (a method defined outside this file, e.g. in a test or a
     plug-in module imported before the job is built). Returns the entry.
 
     Note: a method registered this way exists only in the process that registered it; an exported job that runs
-    it needs the registering module imported on the server (add the entry here for a permanent method)."""
+    it needs the registering module imported on the server, and its sites can answer only tasks that some entry
+    they know names (add the entry here for a permanent method).
+
+    Raises:
+        ValueError: the entry answers a task another entry answers with a different handler."""
+    _task_table([*(e for m, e in CATALOGUE.items() if m != entry.name), entry])
     CATALOGUE[entry.name] = entry
     return entry
+
+
+def site_handler(task: str):
+    """The site handler of ``task`` (resolved from the catalogue entries' ``site_handlers``; ``evaluate`` is
+    common), imported on use.
+
+    Raises:
+        ValueError: no entry answers ``task`` (the message lists the known tasks).
+    """
+    table = _task_table(CATALOGUE.values())
+    if task not in table:
+        raise ValueError(f"unknown task {task!r} (known: {sorted(table)})")
+    return resolve(table[task])
 
 
 def entry(method: str) -> MethodEntry:
@@ -306,6 +328,16 @@ def entry(method: str) -> MethodEntry:
     if method not in CATALOGUE:
         raise ValueError(f"unknown method {method!r}; known: {list(CATALOGUE)}")
     return CATALOGUE[method]
+
+
+def with_role(role: str) -> str | None:
+    """The first method whose entry has ``role`` (``control``, ``reference``), or None."""
+    return next((m for m, e in CATALOGUE.items() if e.role == role), None)
+
+
+def with_schedule(schedule: str) -> str | None:
+    """The first method whose entry has ``schedule`` (``single``, ``rounds``, ``one_shot``), or None."""
+    return next((m for m, e in CATALOGUE.items() if e.schedule == schedule), None)
 
 
 def methods() -> tuple[str, ...]:
@@ -324,10 +356,6 @@ def is_prototype(method: str) -> bool:
     return bool(e and e.prototype)
 
 
-# kept names (other modules and branches import them)
-METHODS: tuple[str, ...] = methods()
-PROTOTYPE_METHODS: tuple[str, ...] = prototype_methods()
-METHOD_DEFAULTS: dict[str, dict] = {m: e.defaults() for m, e in CATALOGUE.items()}
 
 
 def method_defaults(method: str) -> dict:
@@ -352,47 +380,6 @@ def all_options() -> dict[str, list[tuple[str, Option]]]:
         for o in e.options:
             out.setdefault(o.key, []).append((m, o))
     return out
-
-
-class OptionError(ValueError):
-    """A method option with a value the method does not accept; the message names the method and the option."""
-
-
-def _check_one(method: str, o: Option, v) -> Any:
-    """The checked, typed value of option ``o`` (``v`` not None)."""
-    where = f"{method}: option {o.key!r} ({o.cli_flag})"
-    if o.type is list:
-        items = list(v) if isinstance(v, (list, tuple)) else [v]
-        bad = [x for x in items if o.choices is not None and x not in o.choices]
-        if bad:
-            raise OptionError(f"{where}: unknown {o.what or o.key} {bad}; allowed: {list(o.choices)}")
-        return sorted(set(items))
-    try:
-        if o.type is bool:
-            if isinstance(v, str) and v.lower() in ("true", "false", "1", "0", "yes", "no"):
-                v = v.lower() in ("true", "1", "yes")
-            elif not isinstance(v, (bool, int)):
-                raise TypeError
-            val = bool(v)
-        elif o.type is int:
-            if isinstance(v, float) and not v.is_integer():
-                raise TypeError
-            val = int(v)
-        elif o.type is float:
-            val = float(v)
-            if math.isnan(val):
-                raise TypeError
-        else:
-            val = o.type(v)
-    except (TypeError, ValueError):
-        raise OptionError(f"{where}: expected {o.type.__name__}, got {v!r}") from None
-    if o.choices is not None and val not in o.choices:
-        raise OptionError(f"{where} must be one of {list(o.choices)}, got {val!r} ({o.help})")
-    if o.check is not None:
-        msg = o.check(val)
-        if msg:
-            raise OptionError(f"{where}: {msg}")
-    return val
 
 
 def validate_options(method: str, opts: dict, *, require: bool = True) -> dict:
@@ -420,19 +407,9 @@ def validate_options(method: str, opts: dict, *, require: bool = True) -> dict:
             v = list(o.default) if isinstance(o.default, list) else o.default
             val = v
         else:
-            val = _check_one(method, o, v)
+            val = check_option(method, o, v)
         out[o.key] = o.fixed if o.fixed is not _UNSET else val
     return out
-
-
-def resolve(path: str):
-    """The object at ``"package.module:name"`` or ``"package.module.Name"`` (imported on use)."""
-    import importlib
-
-    mod, sep, name = path.partition(":")
-    if not sep:
-        mod, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(mod), name)
 
 
 def what_leaves(method: str) -> str:

@@ -159,10 +159,6 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     Raises:
         SiteConfigError: unknown keys, missing data/model, impossible sizes, missing files.
     """
-    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES, num_classes
-    from hfl_components.models import validate_spec
-    from hfl_components.training.device import check_device_name
-
     if not isinstance(raw, dict):
         raise _err(site, path, "<root>", "must be a YAML mapping")
     unknown = set(raw) - TOP_KEYS
@@ -173,6 +169,17 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     cfg = dict(DEFAULTS)
     cfg.update(raw)
     cfg["site"] = site
+    cfg["data"] = _data_section(raw, site, path, check_files, require_data)
+    cfg["model"] = _model_section(raw, site, path, cfg["data"]["labels"])
+    _check_training(cfg, site, path)
+    _check_augmentation(cfg, raw, site, path)
+    return cfg
+
+
+def _data_section(raw: dict, site: str, path, check_files: bool, require_data: bool) -> dict:
+    """``{"manifest": absolute path or None, "labels": scheme}`` of a site config's ``data``."""
+    from chest_xray.labels import DEFAULT_LABEL_SCHEME, LABEL_SCHEMES
+
     data = raw.get("data")
     if data is None and not require_data:
         data = {}
@@ -193,7 +200,14 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     labels = data.get("labels", DEFAULT_LABEL_SCHEME)
     if labels not in LABEL_SCHEMES:
         raise _err(site, path, "data.labels", f"must be one of {', '.join(LABEL_SCHEMES)}, got {labels!r}")
-    cfg["data"] = {"manifest": None if manifest is None else str(manifest), "labels": labels}
+    return {"manifest": None if manifest is None else str(manifest), "labels": labels}
+
+
+def _model_section(raw: dict, site: str, path, labels: str) -> dict:
+    """The checked model spec of a site config (``in_channels`` 1 by default, ``num_classes`` of the labels)."""
+    from chest_xray.labels import num_classes
+    from hfl_components.models import validate_spec
+
     model = raw.get("model")
     if not isinstance(model, dict):
         raise _err(site, path, "model", "missing; e.g. {family: cnn, depth: shallow, width: 1.0}")
@@ -204,7 +218,14 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         validate_spec(model)
     except (ValueError, TypeError) as e:
         raise _err(site, path, "model", str(e)) from None
-    cfg["model"] = model
+    return model
+
+
+def _check_training(cfg: dict, site: str, path) -> None:
+    """Sizes, epochs, learning rates, optimiser, deploy rule, EMA, schedule, weight decay, switches, device, caps,
+    seed and cache folder of a site config (SiteConfigError naming the key)."""
+    from hfl_components.training.device import check_device_name
+
     for key in ("input_size", "batch_size", "threads"):
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -248,6 +269,10 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
     if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
         raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+
+
+def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
+    """Aspect, augmentation implementation and switches, and ``augment_classes`` (SiteConfigError naming the key)."""
     from chest_xray import ASPECTS
 
     if cfg["aspect"] not in ASPECTS:
@@ -264,12 +289,13 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]
     n_cls = int(cfg["model"]["num_classes"])
-    if not (ac in ("auto", "all", None)
+    if ac is None:  # None means every class in the code but meant none here once: refused rather than guessed
+        raise _err(site, path, "augment_classes", "null is ambiguous: write 'all' for every class or [] for none")
+    if not (ac in ("auto", "all")
             or (isinstance(ac, list) and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < n_cls
                                              for c in ac) and len(set(ac)) == len(ac))):
-        raise _err(site, path, "augment_classes", f"must be 'auto', 'all', null (none) or a list of distinct class "
+        raise _err(site, path, "augment_classes", f"must be 'auto', 'all', [] (none) or a list of distinct class "
                                                   f"indices 0..{n_cls - 1} ({cfg['data']['labels']} labels), got {ac!r}")
-    return cfg
 
 
 def load_site_config(site: str, path: str | os.PathLike | None = None, check_files: bool = True,
@@ -354,7 +380,7 @@ batch_size: 16
 # seed: 0
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
-# augment_classes: auto            # auto (minority classes) | all (prototype methods' profiles) | null (none) | [0, 1]
+# augment_classes: auto            # auto (minority classes) | all (prototype methods' profiles) | [] (none) | [0, 1]
 # augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split

@@ -36,7 +36,7 @@ def score_models(rt, models: list[dict], states: list[dict]) -> dict:
 
 
 def cross_eval(rt, params, meta):
-    """The ``cross_eval`` task handler (site_methods.HANDLERS)."""
+    """The ``cross_eval`` task handler (resolved by :func:`hfl_components.flare.site_methods.handler`)."""
     models = list(meta.get("models") or [])
     scores = score_models(rt, models, model_states(params or {}, len(models)))
     return {}, {"cross_site": scores}, {"status": "ok", "n_train": rt.n_train(),

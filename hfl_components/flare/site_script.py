@@ -1,7 +1,7 @@
 """NVFlare Client API script run by every site, for every method (the only site code that imports NVFlare).
 
 It learns its site name from NVFlare, finds the hospital's own config locally (``hfl_components.flare.site_config``),
-and answers tasks by name with the handlers of :mod:`hfl_components.flare.site_methods`. A task that fails (bad
+and answers tasks by name with the handlers the method catalogue names (:func:`hfl_components.flare.site_methods.handler`). A task that fails (bad
 config, missing data, a bug) is answered with ``meta["status"] = "error"`` and a message naming the site, so the
 server can log it and carry on with the other sites instead of the whole federation aborting.
 """
@@ -18,7 +18,8 @@ import traceback
 import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from hfl_components.flare.site_methods import HANDLERS
+from hfl_components.flare.inprocess import task_meta
+from hfl_components.flare.site_methods import handler as site_handler
 from hfl_components.flare.site_tasks import SiteRuntime, describe_error
 from hfl_components.flare.site_config import load_site_config
 from hfl_components.flare.privacy import redact_paths
@@ -141,18 +142,13 @@ def _serve(site: str, workdir: str) -> None:
         if msg is None:
             break
         task = flare.get_task_name()
-        meta = dict(msg.meta or {})
-        meta.setdefault("round", msg.current_round or 0)
-        if msg.total_rounds:
-            meta.setdefault("total_rounds", int(msg.total_rounds))  # the sites' lr_schedule: cosine needs it
+        meta = task_meta(msg)  # + round and total_rounds (the sites' lr_schedule: cosine needs it)
         beat.start_task(task, meta["round"])
         try:
             if runtime is None:
                 runtime = SiteRuntime(load_site_config(site), workdir)
                 beat.runtime = runtime
-            handler = HANDLERS.get(task)
-            if handler is None:
-                raise ValueError(f"unknown task {task!r} (known: {sorted(HANDLERS)})")
+            handler = site_handler(task)  # the catalogue entry's handler; ValueError for an unknown task
             log.info("site %s: task %s round %s", site, task, meta["round"])
             t0 = time.perf_counter()
             params, metrics, meta_out = handler(runtime, dict(msg.params or {}), meta)

@@ -26,19 +26,10 @@ import numpy as np
 import torch
 
 from hfl_components.models import build_model
-from hfl_components.flare.messages import (  # noqa: F401 - kept names (moved to messages.py)
-    GLOBAL_PREFIX,
-    from_numpy_state,
-    payload_bytes,
-    to_numpy_state,
-)
 
 log = logging.getLogger("cxr_hfl.site")
 
 STATE_DIR = "cxr_hfl_state"
-# Gradient-norm clip for training with an auxiliary (prototype / topology) loss: without it a FedProto-MSE run on
-# chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
-AUX_GRAD_CLIP = 10.0
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -131,7 +122,7 @@ class SiteRuntime:
         self.spec = None
         self._ema = None  # torch.optim.swa_utils.AveragedModel of self._ema_src (site config weight_ema)
         self._ema_src = None
-        self.method = None  # the method of the task being run (meta["method"], set by site_methods.HANDLERS)
+        self.method = None  # the method of the task being run (meta["method"], set by site_methods.handler)
         self._manifest_sha = None
         # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
         self.progress: dict = {}
@@ -351,9 +342,11 @@ class SiteRuntime:
 
     # ---------------------------------------------------------------- training / evaluation
     def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0,
-              total_rounds: int | None = None) -> list[dict]:
+              total_rounds: int | None = None, grad_clip: float | None = None) -> list[dict]:
         """Train the site's model for ``epochs`` epochs at ``lr`` (scaled by :func:`round_lr_factor` when the site
-        config sets ``lr_schedule: cosine`` and ``total_rounds`` is known) with the config's optimiser."""
+        config sets ``lr_schedule: cosine`` and ``total_rounds`` is known) with the config's optimiser, the
+        method's ``aux_loss`` added to the CE, and the gradient norm clipped at ``grad_clip`` (None: no clip; the
+        method's option, e.g. the prototype methods' ``grad_clip``)."""
         from hfl_components.training import train_local
 
         model = self.ensure_own_model()
@@ -383,7 +376,7 @@ class SiteRuntime:
         return train_local(model, self.loader("train"), epochs, lr=lr, momentum=float(self.cfg["momentum"]),
                            class_weights=cw, aux_loss=aux_loss, on_epoch=on_epoch,
                            optimizer=self._optimizer(model, lr), weight_decay=float(self.cfg.get("weight_decay", 0.0)),
-                           grad_clip=AUX_GRAD_CLIP if aux_loss is not None else None,
+                           grad_clip=grad_clip,
                            seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp,
                            on_step=on_step)
 

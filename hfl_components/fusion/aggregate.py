@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hfl_components.fusion._arch import hidden_rows, layer_table, spec_signature
+from hfl_components.fusion._timing import timed
 from hfl_components.fusion.pairwise import PHASES, fuse_pair
 from hfl_components.fusion.probe_stats import StatsCache
 
@@ -118,6 +119,26 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     """
     t_start = time.perf_counter()
     sites = [_as_site(m) for m in models]
+    _check(sites, strategy, weighting, probe)
+    fz = _Fusion(sites, probe, strategy, weighting, seed, dict(alignment=alignment, ot_solver=ot_solver,
+                 ground_metric=ground_metric, sinkhorn_reg=sinkhorn_reg, repair=repair, cka=cka, device=device))
+    record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
+                    "ground_metric": ground_metric, "repair": repair, "cka": cka,
+                    "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
+    if strategy in ("cid", "cdd"):
+        final, order = _by_depth(fz, sites, strategy == "cdd", record)
+    elif strategy == "cia":
+        final, order = _by_accuracy(fz, sites)
+    else:
+        final, order = _random_base(fz, sites, seed, weighting, record)
+    state_dict = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in final.state_dict.items()}
+    record.update({"order": order, "pairs": fz.pairs, "phase_seconds": fz.phase, "probe_passes": fz.cache.passes,
+                   "total_seconds": time.perf_counter() - t_start})
+    return copy.deepcopy(final.spec), state_dict, record
+
+
+def _check(sites: list[SiteModel], strategy: str, weighting: str, probe) -> None:
+    """The inputs of :func:`aggregate_models`; ValueError naming the first problem."""
     if not sites:
         raise ValueError("aggregate_models needs at least one model")
     names = [s.name for s in sites]
@@ -135,87 +156,95 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         if lacking:
             raise ValueError(f"probes given per input size {sorted(probe)}, but no probe fits {lacking}")
 
-    def probe_for(size):
-        return probe[int(size)] if isinstance(probe, dict) else probe
 
-    phase = dict.fromkeys(PHASES, 0.0)
-    pairs: list[dict] = []
-    cache = StatsCache()  # each model's probe statistics, computed once across the pairwise fusions
-    record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
-                    "ground_metric": ground_metric, "repair": repair, "cka": cka,
-                    "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
+class _Fusion:
+    """The pairwise fusions of one aggregation: their records, summed phase seconds and the shared statistics cache."""
 
-    def fuse(src: _Running, tgt: _Running, running_is_src: bool = True) -> _Running:
-        k = len(pairs)
-        w_s, w_t = (src.weight, tgt.weight) if weighting == "samples" else (0.5, 0.5)
-        spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), probe_for(src.size),
-                                  w_s, w_t, alignment=alignment, ot_solver=ot_solver, ground_metric=ground_metric,
-                                  seed=None if seed is None else seed + k, sinkhorn_reg=sinkhorn_reg,
-                                  repair=repair, probe_tgt=probe_for(tgt.size), cka=cka, device=device,
-                                  stats_cache=cache, reuse=strategy != "rand" and k < len(sites) - 2)
-        cache.drop(src.state_dict)  # its pre-activations ('acts' metric) are not needed again
-        if strategy != "rand":  # rand's base is the target of every pair
-            cache.drop(tgt.state_dict)
-        for p in PHASES:
-            phase[p] += rec["seconds"][p]
-        pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t, **rec})
-        members = src.members + tgt.members if running_is_src else tgt.members + src.members
-        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members, tgt.size)
+    def __init__(self, sites, probe, strategy: str, weighting: str, seed, fuse_kw: dict):
+        self.n_sites, self.probe, self.strategy, self.weighting, self.seed = len(sites), probe, strategy, weighting, seed
+        self.fuse_kw = fuse_kw
+        self.phase = dict.fromkeys(PHASES, 0.0)
+        self.pairs: list[dict] = []
+        self.cache = StatsCache()  # each model's probe statistics, computed once across the pairwise fusions
 
-    def run(s: SiteModel) -> _Running:
+    def probe_for(self, size):
+        return self.probe[int(size)] if isinstance(self.probe, dict) else self.probe
+
+    @staticmethod
+    def start(s: SiteModel) -> _Running:
         return _Running(s.name, s.spec, s.state_dict, float(s.n_samples), [s.name],
                         None if s.input_size is None else int(s.input_size))
 
-    def chain(items: list[_Running]) -> _Running:
+    def fuse(self, src: _Running, tgt: _Running, running_is_src: bool = True) -> _Running:
+        """Fuse ``src`` into ``tgt`` (:func:`fuse_pair`, step k seeded ``seed + k``) with the strategy's weights."""
+        k = len(self.pairs)
+        w_s, w_t = (src.weight, tgt.weight) if self.weighting == "samples" else (0.5, 0.5)
+        spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), self.probe_for(src.size),
+                                  w_s, w_t, seed=None if self.seed is None else self.seed + k,
+                                  probe_tgt=self.probe_for(tgt.size), stats_cache=self.cache,
+                                  reuse=self.strategy != "rand" and k < self.n_sites - 2, **self.fuse_kw)
+        self.cache.drop(src.state_dict)  # its pre-activations ('acts' metric) are not needed again
+        if self.strategy != "rand":  # rand's base is the target of every pair
+            self.cache.drop(tgt.state_dict)
+        for p in PHASES:
+            self.phase[p] += rec["seconds"][p]
+        self.pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t,
+                           **rec})
+        members = src.members + tgt.members if running_is_src else tgt.members + src.members
+        return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members, tgt.size)
+
+    def chain(self, items: list[_Running]) -> _Running:
         cur = items[0]
         for nxt in items[1:]:
-            cur = fuse(cur, nxt)
+            cur = self.fuse(cur, nxt)
         return cur
 
-    if strategy in ("cid", "cdd"):
-        groups: dict[tuple, list[SiteModel]] = {}
-        for s in sorted(sites, key=lambda s: s.name):
-            groups.setdefault(spec_signature(s.spec), []).append(s)
-        reps = []
-        for sig, members in groups.items():
-            base = min(members, key=lambda s: (-_n_params(s.spec), s.name))
-            cur = run(base)
-            for other in members:
-                if other is not base:
-                    cur = fuse(run(other), cur, running_is_src=False)
-            reps.append((len(hidden_rows(members[0].spec)), sig, cur))
-        reps.sort(key=lambda t: (t[0], t[1]), reverse=(strategy == "cdd"))
-        record["groups"] = [sorted(r[2].members) for r in reps]
-        final = chain([r[2] for r in reps])
-        order = final.members
-    elif strategy == "cia":
-        missing = [s.name for s in sites if s.val_acc is None]
-        if missing:
-            raise ValueError(f"strategy 'cia' needs val_acc for every model; missing for {missing}")
-        ordered = sorted(sites, key=lambda s: (float(s.val_acc), s.name))
-        final = chain([run(s) for s in ordered])
-        order = [s.name for s in ordered]
-    else:  # rand
-        ordered = sorted(sites, key=lambda s: s.name)
-        base = _random.Random(seed).choice(ordered)
-        record["base"] = base.name
-        b_run = run(base)
-        if weighting == "samples" and len(ordered) > 1:  # the base's samples are split over its n - 1 pairs
-            b_run.weight = b_run.weight / (len(ordered) - 1)
-        results = [fuse(run(s), b_run) for s in ordered if s is not base]
-        order = [base.name] + [s.name for s in ordered if s is not base]
-        if not results:
-            final = run(base)
-        else:
-            t0 = time.perf_counter()
-            ws = [r.weight if weighting == "samples" else 1.0 for r in results]
-            tot = sum(ws)
-            sd = {k: (sum(w * r.state_dict[k].to(torch.float64) for w, r in zip(ws, results)) / tot)
-                  .to(torch.float32) for k in results[0].state_dict}
-            phase["averaging"] += time.perf_counter() - t0
-            final = _Running(f"mean{[r.label for r in results]}", copy.deepcopy(base.spec), sd,
-                             sum(s.n_samples for s in sites), order)
-    state_dict = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in final.state_dict.items()}
-    record.update({"order": order, "pairs": pairs, "phase_seconds": phase, "probe_passes": cache.passes,
-                   "total_seconds": time.perf_counter() - t_start})
-    return copy.deepcopy(final.spec), state_dict, record
+
+def _by_depth(fz: _Fusion, sites: list[SiteModel], deep_first: bool, record: dict) -> tuple[_Running, list]:
+    """``cid`` / ``cdd``: each same-depth group fused into its widest member, then the groups' representatives
+    chained by depth (shallow to deep, or deep to shallow)."""
+    groups: dict[tuple, list[SiteModel]] = {}
+    for s in sorted(sites, key=lambda s: s.name):
+        groups.setdefault(spec_signature(s.spec), []).append(s)
+    reps = []
+    for sig, members in groups.items():
+        base = min(members, key=lambda s: (-_n_params(s.spec), s.name))
+        cur = fz.start(base)
+        for other in members:
+            if other is not base:
+                cur = fz.fuse(fz.start(other), cur, running_is_src=False)
+        reps.append((len(hidden_rows(members[0].spec)), sig, cur))
+    reps.sort(key=lambda t: (t[0], t[1]), reverse=deep_first)
+    record["groups"] = [sorted(r[2].members) for r in reps]
+    final = fz.chain([r[2] for r in reps])
+    return final, final.members
+
+
+def _by_accuracy(fz: _Fusion, sites: list[SiteModel]) -> tuple[_Running, list]:
+    """``cia``: sites chained by validation accuracy, low to high (ties by name)."""
+    missing = [s.name for s in sites if s.val_acc is None]
+    if missing:
+        raise ValueError(f"strategy 'cia' needs val_acc for every model; missing for {missing}")
+    ordered = sorted(sites, key=lambda s: (float(s.val_acc), s.name))
+    return fz.chain([fz.start(s) for s in ordered]), [s.name for s in ordered]
+
+
+def _random_base(fz: _Fusion, sites: list[SiteModel], seed, weighting: str, record: dict) -> tuple[_Running, list]:
+    """``rand``: every other model fused into one seeded random base; the results averaged parameter-wise."""
+    ordered = sorted(sites, key=lambda s: s.name)
+    base = _random.Random(seed).choice(ordered)
+    record["base"] = base.name
+    b_run = fz.start(base)
+    if weighting == "samples" and len(ordered) > 1:  # the base's samples are split over its n - 1 pairs
+        b_run.weight = b_run.weight / (len(ordered) - 1)
+    results = [fz.fuse(fz.start(s), b_run) for s in ordered if s is not base]
+    order = [base.name] + [s.name for s in ordered if s is not base]
+    if not results:
+        return fz.start(base), order
+    with timed(fz.phase, "averaging"):
+        ws = [r.weight if weighting == "samples" else 1.0 for r in results]
+        tot = sum(ws)
+        sd = {k: (sum(w * r.state_dict[k].to(torch.float64) for w, r in zip(ws, results)) / tot)
+              .to(torch.float32) for k in results[0].state_dict}
+    return _Running(f"mean{[r.label for r in results]}", copy.deepcopy(base.spec), sd,
+                    sum(s.n_samples for s in sites), order), order

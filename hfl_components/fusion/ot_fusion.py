@@ -276,37 +276,13 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
         OTMarginalError: from :func:`solve_ot`.
     """
     rows_s, rows_t = layer_table(src_spec), layer_table(tgt_spec)
-    lay_s = [(r.kind, r.stage) for r in rows_s]
-    if lay_s != [(r.kind, r.stage) for r in rows_t]:
-        raise ValueError("OT fusion needs depth-balanced models (same hidden-layer layout); balance them first")
-    ws, wt = float(weight_src), float(weight_tgt)
-    if not (np.isfinite(ws) and np.isfinite(wt) and ws > 0 and wt > 0):
-        raise ValueError(f"fusion weights must be positive and finite, got {weight_src!r}, {weight_tgt!r}")
-    ws, wt = ws / (ws + wt), wt / (ws + wt)
-    if ground_metric not in ("wts", "acts"):
-        raise ValueError(f"ground_metric must be 'wts' or 'acts', got {ground_metric!r}")
+    ws, wt = _check_fusion_inputs(rows_s, rows_t, weight_src, weight_tgt, ground_metric)
     secs = {"ot": 0.0, "averaging": 0.0}
     t0 = time.perf_counter()
     acts_s, acts_t = acts_src, acts_tgt
     if ground_metric == "acts":
-        from hfl_components.fusion.probe_stats import hidden_layer_stats
-        from hfl_components.models.fusable import build_fusable
-
-        def _acts(spec, sd, x):
-            if x is None:
-                raise ValueError("ground_metric='acts' needs a probe batch")
-            m = build_fusable(spec)
-            m.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in sd.items()})
-            return hidden_layer_stats(m, x, ["acts"])["acts"]
-
-        if acts_s is None:
-            acts_s = _acts(src_spec, src_sd, probe)
-        if acts_t is None:
-            acts_t = _acts(tgt_spec, tgt_sd, probe if probe_tgt is None else probe_tgt)
-        n_hidden = len(rows_s) - 1
-        if len(acts_s) != n_hidden or len(acts_t) != n_hidden:
-            raise ValueError(f"'acts' needs the pre-activations of {n_hidden} hidden layers, got {len(acts_s)} "
-                             f"and {len(acts_t)}")
+        acts_s, acts_t = _activations(src_spec, src_sd, tgt_spec, tgt_sd, probe, probe_tgt, acts_s, acts_t,
+                                      len(rows_s) - 1)
     pool2 = resolve(tgt_spec)["pool"] ** 2
     P = torch.eye(resolve(src_spec)["in_channels"], dtype=torch.float64)  # row-normalised previous plan
     prev_kind = "conv"
@@ -334,20 +310,8 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
                 W_bar, b_bar = W_hat, b  # identity plan: class k -> class k
                 rec["plan"] = "identity"
             else:
-                if ground_metric == "wts":
-                    xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
-                    xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
-                    M = torch.cdist(xs, xt).numpy()
-                    T, info = solve_ot(M, solver=solver, reg=reg)
-                else:
-                    T, info = solved[idx]
-                Tt = torch.from_numpy(T)
-                col = Tt.sum(0, keepdim=True)
-                row = Tt.sum(1, keepdim=True)
-                Tb = Tt / col  # column-normalised: T / β
-                W_bar = plan_t_matmul(Tb, W_hat)
-                b_bar = Tb.T @ b
-                P = Tt / row  # row-normalised: T / α, carried into the next layer
+                T, info = (_wts_plan(W_hat, b, Wt, bt, solver, reg) if ground_metric == "wts" else solved[idx])
+                W_bar, b_bar, P, Tb = _transport(T, W_hat, b)
                 if plans is not None:
                     plans.append(Tb)
                 rec.update({"plan": "ot", **{k: info[k] for k in ("transport_cost", "cost_scale", "marginal_rel_err",
@@ -363,3 +327,52 @@ def ot_fuse_balanced(src_spec: dict, src_sd: StateDict, tgt_spec: dict, tgt_sd: 
     # everything not spent averaging (including the 'acts' forward passes) counts as OT time
     secs["ot"] = (time.perf_counter() - t0) - secs["averaging"]
     return out, records, secs
+
+
+def _check_fusion_inputs(rows_s, rows_t, weight_src, weight_tgt, ground_metric) -> tuple[float, float]:
+    """The normalised weights ``(ws, wt)``; ValueError for different layouts, bad weights or metric."""
+    if [(r.kind, r.stage) for r in rows_s] != [(r.kind, r.stage) for r in rows_t]:
+        raise ValueError("OT fusion needs depth-balanced models (same hidden-layer layout); balance them first")
+    ws, wt = float(weight_src), float(weight_tgt)
+    if not (np.isfinite(ws) and np.isfinite(wt) and ws > 0 and wt > 0):
+        raise ValueError(f"fusion weights must be positive and finite, got {weight_src!r}, {weight_tgt!r}")
+    if ground_metric not in ("wts", "acts"):
+        raise ValueError(f"ground_metric must be 'wts' or 'acts', got {ground_metric!r}")
+    return ws / (ws + wt), wt / (ws + wt)
+
+
+def _activations(src_spec, src_sd, tgt_spec, tgt_sd, probe, probe_tgt, acts_s, acts_t, n_hidden: int):
+    """The hidden layers' pre-activations of source (on ``probe``) and target (on ``probe_tgt`` or ``probe``), those
+    not given computed by one hooked pass; ValueError without a probe or for the wrong number of layers."""
+    from hfl_components.fusion.probe_stats import hidden_layer_stats
+    from hfl_components.models.fusable import build_fusable
+
+    def _acts(spec, sd, x):
+        if x is None:
+            raise ValueError("ground_metric='acts' needs a probe batch")
+        m = build_fusable(spec)
+        m.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in sd.items()})
+        return hidden_layer_stats(m, x, ["acts"])["acts"]
+
+    if acts_s is None:
+        acts_s = _acts(src_spec, src_sd, probe)
+    if acts_t is None:
+        acts_t = _acts(tgt_spec, tgt_sd, probe if probe_tgt is None else probe_tgt)
+    if len(acts_s) != n_hidden or len(acts_t) != n_hidden:
+        raise ValueError(f"'acts' needs the pre-activations of {n_hidden} hidden layers, got {len(acts_s)} "
+                         f"and {len(acts_t)}")
+    return acts_s, acts_t
+
+
+def _wts_plan(W_hat, b, Wt, bt, solver: str, reg: float):
+    """The ``wts`` ground metric's plan: OT between the rows (incoming weights + bias) of source and target."""
+    xs = torch.cat([W_hat.reshape(W_hat.shape[0], -1), b[:, None]], 1)
+    xt = torch.cat([Wt.to(torch.float64).reshape(Wt.shape[0], -1), bt.to(torch.float64)[:, None]], 1)
+    return solve_ot(torch.cdist(xs, xt).numpy(), solver=solver, reg=reg)
+
+
+def _transport(T, W_hat, b):
+    """Apply the plan ``T`` (n_src, n_tgt): ``(W_bar, b_bar, T / α carried to the next layer, T / β)``."""
+    Tt = torch.from_numpy(T)
+    Tb = Tt / Tt.sum(0, keepdim=True)  # column-normalised: T / β
+    return plan_t_matmul(Tb, W_hat), Tb.T @ b, Tt / Tt.sum(1, keepdim=True), Tb

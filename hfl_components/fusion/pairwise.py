@@ -3,11 +3,12 @@ OT neuron alignment -> weighted average. The result always has the target's arch
 from __future__ import annotations
 
 import copy
-import time
+from dataclasses import dataclass
 
 import torch
 
 from hfl_components.fusion._arch import check_compatible, hidden_rows, spec_signature
+from hfl_components.fusion._timing import timed
 from hfl_components.fusion.balancing import insert_identity_layers, merge_layers
 from hfl_components.fusion.cka import CKA_KINDS, cka_cost_from_grams
 from hfl_components.fusion.layer_alignment import align_layers, map_cost
@@ -95,111 +96,137 @@ def fuse_pair(src: tuple[dict, StateDict], tgt: tuple[dict, StateDict], probe: t
     spec_s, sd_s = src
     spec_t, sd_t = tgt
     repair = repair_mode(repair)
-    probe_t = probe if probe_tgt is None else probe_tgt
     check_compatible(spec_s, spec_t)
     if alignment not in ("cka", "random"):
         raise ValueError(f"alignment must be 'cka' or 'random', got {alignment!r}")
-    rows_s, rows_t = hidden_rows(spec_s), hidden_rows(spec_t)
     secs = dict.fromkeys(PHASES, 0.0)
-    cost = None
-    cache = StatsCache() if stats_cache is None else stats_cache
-    rep_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[repair]
-    acts = ["acts"] if ground_metric == "acts" else []
-    tgt_need = rep_need + acts  # everything the target gives on probe_t, requested together: one pass
-    keep = ((rep_need + acts + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
+    ctx = _Pair(spec_s, sd_s, spec_t, sd_t, probe, probe if probe_tgt is None else probe_tgt,
+                StatsCache() if stats_cache is None else stats_cache, device, cka, repair, ground_metric)
+    keep = ((ctx.rep_need + ctx.acts + ([f"gram_{cka}"] if alignment == "cka" and cka in CKA_KINDS else []))
             if reuse and stats_cache is not None and repair != "none" else [])
-    if spec_signature(spec_s) == spec_signature(spec_t):
-        pairs = [(i, i) for i in range(len(rows_s))]
-        bal_spec, bal_sd, balancing = spec_s, sd_s, "none"
-    else:
-        if alignment == "cka":
-            if probe is None:
-                raise ValueError("CKA alignment of models of different depth needs a probe batch")
-            t0 = time.perf_counter()
-            if probe_t.shape[0] != probe.shape[0]:
+    cost, pairs, bal_spec, bal_sd, balancing = _balance(ctx, alignment, seed, secs)
+    plans: list = []
+    sd, layer_recs = _ot_average(ctx, bal_spec, bal_sd, weight_src, weight_tgt, ot_solver, sinkhorn_reg, plans, secs)
+    w_sum = float(weight_src) + float(weight_tgt)
+    ws, wt = float(weight_src) / w_sum, float(weight_tgt) / w_sum
+    if repair != "none" and probe is None:
+        raise ValueError(f"repair={repair!r} needs a probe batch")
+    sd, scales = _repair(ctx, bal_spec, bal_sd, sd, plans, ws, wt, keep, secs)
+    record = {"src_layers": [r.name for r in hidden_rows(spec_s)], "tgt_layers": [r.name for r in hidden_rows(spec_t)],
+              "cost": None if cost is None else cost.tolist(), "layer_map": [[int(i), int(j)] for i, j in pairs],
+              "map_cost": None if cost is None else map_cost(cost, pairs), "balancing": balancing,
+              "balanced_src_spec": copy.deepcopy(bal_spec), "alignment": alignment, "ot_solver": ot_solver,
+              "ground_metric": ground_metric, "cka": cka, "repair": repair, "weights": {"src": ws, "tgt": wt},
+              "layers": layer_recs, "repair_scales": scales, "seconds": secs}
+    return copy.deepcopy(spec_t), sd, record
+
+
+@dataclass
+class _Pair:
+    """The two models of one pairwise fusion, their probes, the statistics cache and what each stage asks of it."""
+
+    spec_s: dict
+    sd_s: StateDict
+    spec_t: dict
+    sd_t: StateDict
+    probe: torch.Tensor | None
+    probe_t: torch.Tensor | None
+    cache: StatsCache
+    device: object
+    cka: str
+    repair: str
+    ground_metric: str
+
+    def __post_init__(self):
+        self.rep_need = {"none": [], "layer": ["stds"], "channel": ["channel"]}[self.repair]
+        self.acts = ["acts"] if self.ground_metric == "acts" else []
+        self.tgt_need = self.rep_need + self.acts  # everything the target gives on probe_t: one pass
+
+    def stats(self, spec: dict, sd: StateDict, probe, need: list) -> dict:
+        """The cached probe statistics ``need`` of the model ``(spec, sd)`` on ``probe``."""
+        return self.cache.get(sd, probe, lambda: _load(spec, sd, self.device), need)
+
+
+def _balance(ctx: _Pair, alignment: str, seed, secs: dict) -> tuple:
+    """Stages 1-3: the CKA cost (layouts differ, ``alignment="cka"``), the layer map and the balanced source.
+    Returns ``(cost or None, pairs, balanced spec, balanced state dict, balancing)``."""
+    rows_s, rows_t = hidden_rows(ctx.spec_s), hidden_rows(ctx.spec_t)
+    if spec_signature(ctx.spec_s) == spec_signature(ctx.spec_t):
+        return None, [(i, i) for i in range(len(rows_s))], ctx.spec_s, ctx.sd_s, "none"
+    cost = None
+    if alignment == "cka":
+        if ctx.probe is None:
+            raise ValueError("CKA alignment of models of different depth needs a probe batch")
+        with timed(secs, "cka"):
+            if ctx.probe_t.shape[0] != ctx.probe.shape[0]:
                 raise ValueError("the two probes must hold the same images, got "
-                                 f"{probe.shape[0]} and {probe_t.shape[0]}")
-            g = f"gram_{cka}"
-            if cka not in CKA_KINDS:
-                raise ValueError(f"cka must be one of {CKA_KINDS}, got {cka!r}")
-            g_s = cache.get(sd_s, probe, lambda: _load(spec_s, sd_s, device), [g])[g]
-            g_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), [g] + tgt_need)[g]
-            cost = cka_cost_from_grams(g_s, g_t, cka)
-            secs["cka"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+                                 f"{ctx.probe.shape[0]} and {ctx.probe_t.shape[0]}")
+            g = f"gram_{ctx.cka}"
+            if ctx.cka not in CKA_KINDS:
+                raise ValueError(f"cka must be one of {CKA_KINDS}, got {ctx.cka!r}")
+            g_s = ctx.stats(ctx.spec_s, ctx.sd_s, ctx.probe, [g])[g]
+            g_t = ctx.stats(ctx.spec_t, ctx.sd_t, ctx.probe_t, [g] + ctx.tgt_need)[g]
+            cost = cka_cost_from_grams(g_s, g_t, ctx.cka)
+    with timed(secs, "alignment"):
         pairs = align_layers(cost, [r.kind for r in rows_s], [r.stage for r in rows_s],
                              [r.kind for r in rows_t], [r.stage for r in rows_t], method=alignment, seed=seed)
         if len(rows_s) < len(rows_t):
-            bal_spec, bal_sd = insert_identity_layers(spec_s, sd_s, pairs, spec_t)
+            bal_spec, bal_sd = insert_identity_layers(ctx.spec_s, ctx.sd_s, pairs, ctx.spec_t)
             balancing = "insert_identity"
         else:
-            bal_spec, bal_sd = merge_layers(spec_s, sd_s, pairs, spec_t)
+            bal_spec, bal_sd = merge_layers(ctx.spec_s, ctx.sd_s, pairs, ctx.spec_t)
             balancing = "merge"
-        secs["alignment"] = time.perf_counter() - t0
-    plans: list = []
+    return cost, pairs, bal_spec, bal_sd, balancing
+
+
+def _ot_average(ctx: _Pair, bal_spec, bal_sd, weight_src, weight_tgt, ot_solver, reg, plans: list,
+                secs: dict) -> tuple[StateDict, list]:
+    """Stage 4: layer-wise OT alignment and the weighted average (:func:`.ot_fusion.ot_fuse_balanced`); the
+    ``acts`` metric's pre-activations first (with the repair statistics of the same model, in one pass)."""
     acts_s = acts_t = None
-    t0 = time.perf_counter()
-    if acts:  # the 'acts' metric's pre-activations, with the repair statistics of the same model in one pass
-        if probe is None:
-            raise ValueError("ground_metric='acts' needs a probe batch")
-        acts_s = cache.get(bal_sd, probe, lambda: _load(bal_spec, bal_sd, device),
-                           acts + (rep_need if probe_t is probe else []))["acts"]
-        acts_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), tgt_need)["acts"]
-    t_acts = time.perf_counter() - t0
-    sd, layer_recs, ot_secs = ot_fuse_balanced(bal_spec, bal_sd, spec_t, sd_t, weight_src, weight_tgt,
-                                               solver=ot_solver, ground_metric=ground_metric, probe=probe,
-                                               reg=sinkhorn_reg, probe_tgt=probe_t, plans=plans,
+    with timed(secs, "ot"):
+        if ctx.acts:
+            if ctx.probe is None:
+                raise ValueError("ground_metric='acts' needs a probe batch")
+            acts_s = ctx.stats(bal_spec, bal_sd, ctx.probe,
+                               ctx.acts + (ctx.rep_need if ctx.probe_t is ctx.probe else []))["acts"]
+            acts_t = ctx.stats(ctx.spec_t, ctx.sd_t, ctx.probe_t, ctx.tgt_need)["acts"]
+    sd, layer_recs, ot_secs = ot_fuse_balanced(bal_spec, bal_sd, ctx.spec_t, ctx.sd_t, weight_src, weight_tgt,
+                                               solver=ot_solver, ground_metric=ctx.ground_metric, probe=ctx.probe,
+                                               reg=reg, probe_tgt=ctx.probe_t, plans=plans,
                                                acts_src=acts_s, acts_tgt=acts_t)
     del acts_s, acts_t
-    if bal_sd is not sd_s:  # the balanced source exists for this pair only
-        cache.drop(bal_sd)
-    secs["ot"], secs["averaging"] = ot_secs["ot"] + t_acts, ot_secs["averaging"]
-    w_sum = float(weight_src) + float(weight_tgt)
-    ws, wt = float(weight_src) / w_sum, float(weight_tgt) / w_sum
-    scales = None
-    if repair != "none" and probe is None:
-        raise ValueError(f"repair={repair!r} needs a probe batch")
-    if repair == "layer":  # activation-scale repair (not in the paper; see .repair)
-        from hfl_components.fusion.repair import repair_scales
+    if bal_sd is not ctx.sd_s:  # the balanced source exists for this pair only
+        ctx.cache.drop(bal_sd)
+    secs["ot"] += ot_secs["ot"]
+    secs["averaging"] = ot_secs["averaging"]
+    return sd, layer_recs
 
-        t0 = time.perf_counter()
-        a = cache.get(bal_sd, probe_t, lambda: _load(bal_spec, bal_sd, device), ["stds"])["stds"]
-        b = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), ["stds"])["stds"]
-        goal = [ws * x + wt * y for x, y in zip(a, b)]
+
+def _repair(ctx: _Pair, bal_spec, bal_sd, sd: StateDict, plans: list, ws: float, wt: float, keep: list,
+            secs: dict) -> tuple[StateDict, list | None]:
+    """Stage 5 (not in the paper; :mod:`.repair`): match the fused model's activation statistics on the target's
+    probe to its parents' weighted mean, per layer (``layer``) or per neuron through the OT plans (``channel``).
+    Returns ``(state dict, scales or None)``."""
+    if ctx.repair == "none":
+        return sd, None
+    from hfl_components.fusion.repair import repair_channels, repair_scales
+
+    with timed(secs, "repair"):
         found: dict = {}
-        sd, scales = repair_scales(spec_t, sd, goal, probe_t, device=device, collect=keep, stats_out=found)
+        if ctx.repair == "layer":
+            a = ctx.stats(bal_spec, bal_sd, ctx.probe_t, ["stds"])["stds"]
+            b = ctx.stats(ctx.spec_t, ctx.sd_t, ctx.probe_t, ["stds"])["stds"]
+            goal = [ws * x + wt * y for x, y in zip(a, b)]
+            sd, scales = repair_scales(ctx.spec_t, sd, goal, ctx.probe_t, device=ctx.device, collect=keep,
+                                       stats_out=found)
+        else:
+            st_s = ctx.stats(bal_spec, bal_sd, ctx.probe_t, ["channel"])["channel"]
+            st_t = ctx.stats(ctx.spec_t, ctx.sd_t, ctx.probe_t, ["channel"])["channel"]
+            goals = [(ws * (Tb.T @ ms) + wt * mt, ws * (Tb.T @ ss) + wt * stt)
+                     for Tb, (ms, ss), (mt, stt) in zip(plans, st_s, st_t)]
+            sd, scales = repair_channels(ctx.spec_t, sd, goals, ctx.probe_t, device=ctx.device, collect=keep,
+                                         stats_out=found)
         if keep:
-            cache.put(sd, probe_t, found)
-        secs["repair"] += time.perf_counter() - t0
-    elif repair == "channel":  # REPAIR: per-neuron mean/std through the plan (see .repair)
-        from hfl_components.fusion.repair import repair_channels
-
-        t0 = time.perf_counter()
-        st_s = cache.get(bal_sd, probe_t, lambda: _load(bal_spec, bal_sd, device), ["channel"])["channel"]
-        st_t = cache.get(sd_t, probe_t, lambda: _load(spec_t, sd_t, device), ["channel"])["channel"]
-        goals = [(ws * (Tb.T @ ms) + wt * mt, ws * (Tb.T @ ss) + wt * stt)
-                 for Tb, (ms, ss), (mt, stt) in zip(plans, st_s, st_t)]
-        found = {}
-        sd, scales = repair_channels(spec_t, sd, goals, probe_t, device=device, collect=keep, stats_out=found)
-        if keep:
-            cache.put(sd, probe_t, found)
-        secs["repair"] += time.perf_counter() - t0
-    record = {
-        "src_layers": [r.name for r in rows_s],
-        "tgt_layers": [r.name for r in rows_t],
-        "cost": None if cost is None else cost.tolist(),
-        "layer_map": [[int(i), int(j)] for i, j in pairs],
-        "map_cost": None if cost is None else map_cost(cost, pairs),
-        "balancing": balancing,
-        "balanced_src_spec": copy.deepcopy(bal_spec),
-        "alignment": alignment,
-        "ot_solver": ot_solver,
-        "ground_metric": ground_metric,
-        "cka": cka,
-        "repair": repair,
-        "weights": {"src": float(weight_src) / w_sum, "tgt": float(weight_tgt) / w_sum},
-        "layers": layer_recs,
-        "repair_scales": scales,
-        "seconds": secs,
-    }
-    return copy.deepcopy(spec_t), sd, record
+            ctx.cache.put(sd, ctx.probe_t, found)
+    return sd, scales

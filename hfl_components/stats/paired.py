@@ -254,21 +254,26 @@ def paired_nested(pairs: Sequence[dict], metric: str = "balanced_accuracy", n_bo
 
     point = np.stack([pair_metric(i, None) for i in range(len(pairs))])
     ps = per_seed(point)
-    reps = None
-    if n_boot > 0:
-        rng = np.random.default_rng(seed)
-        m = draw_seed_counts(rng, n_boot, len(seeds))
-        draws = {key: draw_image_counts(rng, n_boot, lab) for key, lab in pools.items()}  # one draw per pool
-        d = np.empty((int(n_boot), len(seeds)))
-        for r in range(int(n_boot)):
-            mr = np.stack([pair_metric(i, draws[q["pool"]][r][prep[i][4]]) for i, q in enumerate(pairs)])
-            sr = per_seed(mr)
-            d[r] = sr[:, 0] - sr[:, 1]
-        reps = combine_seeds(d, m)
+    reps = _nested_replicates(pair_metric, per_seed, pairs, prep, pools, len(seeds), n_boot, seed) if n_boot > 0 \
+        else None
     n_ok = int((~np.isnan(point).any(axis=1)).sum())
     spans = any(len({q["seed"] for q in pairs if q["pool"] == key}) > 1 for key in pools)  # a pool across seeds
     return _result(metric, "nested", seeds, ps[:, 0], ps[:, 1], reps, n_boot, alpha, margin_for(metric, margin), spans,
                    n_pairs=n_ok, n_sites=len({q.get("site") for q in pairs}))
+
+
+def _nested_replicates(pair_metric, per_seed, pairs, prep, pools, n_seeds: int, n_boot: int, seed):
+    """:func:`paired_nested`'s bootstrap: per replicate, seeds drawn as clusters and one image draw per pool shared
+    by every pair in it; the per-seed differences combined over the drawn seeds."""
+    rng = np.random.default_rng(seed)
+    m = draw_seed_counts(rng, n_boot, n_seeds)
+    draws = {key: draw_image_counts(rng, n_boot, lab) for key, lab in pools.items()}  # one draw per pool
+    d = np.empty((int(n_boot), n_seeds))
+    for r in range(int(n_boot)):
+        mr = np.stack([pair_metric(i, draws[q["pool"]][r][prep[i][4]]) for i, q in enumerate(pairs)])
+        sr = per_seed(mr)
+        d[r] = sr[:, 0] - sr[:, 1]
+    return combine_seeds(d, m)
 
 
 def paired_summaries(a: Mapping[tuple, float | None], b: Mapping[tuple, float | None], metric: str,

@@ -24,7 +24,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 #: submodules reachable as attributes (``hfl_components.training.metrics``), as when this package imported them
-_SUBMODULES = ("device", "loop", "metrics", "paired", "site_paired")
+_SUBMODULES = ("device", "loop", "metrics")
 
 
 def __getattr__(name: str):

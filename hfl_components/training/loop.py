@@ -168,22 +168,9 @@ def train_local(
     """
     if int(epochs) < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if seed is not None:
-        seed_everything(int(seed))
-        transform = getattr(getattr(loader, "dataset", None), "transform", None)
-        if hasattr(transform, "set_random_state"):
-            transform.set_random_state(seed=int(seed) % (2**32))
-    if device is None:
-        p = next(model.parameters(), None)
-        device = p.device if p is not None else torch.device("cpu")
-    model.to(device)
-    dev_type = torch.device(device).type
-    amp = bool(amp)
-    amp_dtype = torch.float16 if dev_type == "cuda" else torch.bfloat16
-    scaler = torch.amp.GradScaler(dev_type, enabled=amp and dev_type == "cuda")
+    device = _prepare(model, loader, seed, device)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    weights = None
-    resolved = False
+    step_fn = _Step(model, opt, device, bool(amp), class_weights, class_counts, loader, aux_loss, grad_clip, on_step)
     history: list[dict] = []
     model.train()
     for epoch in range(1, int(epochs) + 1):
@@ -191,36 +178,11 @@ def train_local(
         tot = ce_tot = aux_tot = 0.0
         n = 0
         for step, batch in enumerate(loader):
-            x, y = unpack_batch(batch)
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device_type=dev_type, dtype=amp_dtype, enabled=amp):
-                z = model.features(x)
-                logits = model.head(z)
-            if amp:
-                z, logits = z.float(), logits.float()
-            if not resolved:
-                weights = _resolve_class_weights(class_weights, class_counts, loader, logits.shape[1])
-                weights = weights.to(device) if weights is not None else None
-                resolved = True
-            ce = nn.functional.cross_entropy(logits, y, weight=weights)
-            aux = aux_loss(z, logits, y) if aux_loss is not None else None
-            loss = ce + aux if aux is not None else ce
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} at epoch {epoch}, step {step}")
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if grad_clip is not None:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
-            scaler.step(opt)
-            scaler.update()
-            if on_step is not None:
-                on_step()
-            b = y.shape[0]
+            b, loss, ce, aux = step_fn(batch, epoch, step)
             n += b
-            tot += loss.item() * b
-            ce_tot += ce.item() * b
-            aux_tot += (aux.item() if aux is not None else 0.0) * b
+            tot += loss * b
+            ce_tot += ce * b
+            aux_tot += aux * b
         if n == 0:
             raise ValueError("loader yielded no batches")
         secs = time.perf_counter() - t0
@@ -230,3 +192,62 @@ def train_local(
         if on_epoch is not None:
             on_epoch(rec)
     return history
+
+
+def _prepare(model: nn.Module, loader, seed, device):
+    """Seed (``random``/NumPy/torch and the loader's MONAI transform), move the model; returns the device."""
+    if seed is not None:
+        seed_everything(int(seed))
+        transform = getattr(getattr(loader, "dataset", None), "transform", None)
+        if hasattr(transform, "set_random_state"):
+            transform.set_random_state(seed=int(seed) % (2**32))
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    model.to(device)
+    return device
+
+
+class _Step:
+    """One optimiser step of :func:`train_local` on a batch: forward (autocast when ``amp``), CE (class weights
+    resolved on the first batch) + aux loss, backward through the grad scaler, optional clip, step, ``on_step``.
+    Returns ``(batch size, loss, ce, aux)`` as floats."""
+
+    def __init__(self, model, opt, device, amp: bool, class_weights, class_counts, loader, aux_loss, grad_clip,
+                 on_step):
+        self.model, self.opt, self.device, self.amp = model, opt, device, amp
+        self.class_weights, self.class_counts, self.loader = class_weights, class_counts, loader
+        self.aux_loss, self.grad_clip, self.on_step = aux_loss, grad_clip, on_step
+        self.dev_type = torch.device(device).type
+        self.amp_dtype = torch.float16 if self.dev_type == "cuda" else torch.bfloat16
+        self.scaler = torch.amp.GradScaler(self.dev_type, enabled=amp and self.dev_type == "cuda")
+        self.weights = None
+        self.resolved = False
+
+    def __call__(self, batch, epoch: int, step: int) -> tuple[int, float, float, float]:
+        x, y = unpack_batch(batch)
+        x, y = x.to(self.device), y.to(self.device)
+        with torch.autocast(device_type=self.dev_type, dtype=self.amp_dtype, enabled=self.amp):
+            z = self.model.features(x)
+            logits = self.model.head(z)
+        if self.amp:
+            z, logits = z.float(), logits.float()
+        if not self.resolved:
+            w = _resolve_class_weights(self.class_weights, self.class_counts, self.loader, logits.shape[1])
+            self.weights = w.to(self.device) if w is not None else None
+            self.resolved = True
+        ce = nn.functional.cross_entropy(logits, y, weight=self.weights)
+        aux = self.aux_loss(z, logits, y) if self.aux_loss is not None else None
+        loss = ce + aux if aux is not None else ce
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} at epoch {epoch}, step {step}")
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if self.grad_clip is not None:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.grad_clip))
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if self.on_step is not None:
+            self.on_step()
+        return y.shape[0], loss.item(), ce.item(), (aux.item() if aux is not None else 0.0)

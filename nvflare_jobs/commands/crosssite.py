@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 def run_export_eval(args) -> int:
     from nvflare_jobs.crosssite import export_eval_job
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     profile = load_profile(args.profile, check_files=False, require_data=False)
     folder = export_eval_job(profile, args.model, Path(args.out).resolve(), args.min_sites)

@@ -76,7 +76,7 @@ def _poc(args):
 def _guard(fn):
     def wrapped(args):
         from nvflare_jobs.deploy import DeployError
-        from nvflare_jobs.site_config import SiteConfigError
+        from hfl_components.flare.site_config import SiteConfigError
 
         try:
             return fn(args)

@@ -39,9 +39,13 @@ PARTS = ("probe", "tuning", "evaluation")  # chest_xray.splits.PARTS (kept here 
 
 def register(sub) -> None:
     c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
+    from hfl_components.flare.catalogue import methods, with_role  # plain data: --help stays fast
+
+    control = with_role("control")
     c.add_argument("--methods", default="local,fedavg,ohfl",
-                   help="comma-separated: local, local+ft, fedavg, ohfl, fedsaf, fedproto, fedtopo "
-                        "(default local,fedavg,ohfl; under equal budgets local is the local+ft control)")
+                   help=f"comma-separated: {', '.join([control, 'local+ft', *(m for m in methods() if m != control)])}"
+                        f"; a variant adds options, e.g. ohfl:strategy=cdd (default local,fedavg,ohfl; under equal "
+                        f"budgets {control} is the local+ft control)")
     c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
     c.add_argument("--sites", type=int, default=6)
     c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")

@@ -8,7 +8,7 @@ subprocesses, with an environment that keeps NVFlare's state out of the user's h
 * ``PATH`` starts with this interpreter's ``bin`` folder (the POC start scripts run ``python3``, which must be the
   interpreter that has ``cxr-hfl`` and NVFlare installed),
 * ``CXR_HFL_SITE_CONFIG_DIR`` removed, so POC sites find their config the production way:
-  ``<site workspace>/local/cxr_hfl/<site>.yaml`` (see :mod:`nvflare_jobs.site_config`).
+  ``<site workspace>/local/cxr_hfl/<site>.yaml`` (see :mod:`hfl_components.flare.site_config`).
 
 The POC consortium is provisioned from the same ``site_configs/project.yml`` as production (its coordinator admin
 and role), with the hospitals renamed to the profile's site names, the server on localhost, and the one

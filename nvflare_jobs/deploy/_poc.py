@@ -70,7 +70,7 @@ class Poc:
                 with broken sites, e.g. to rehearse how a failing site is reported).
         """
         from nvflare_jobs.site_check import check_site
-        from nvflare_jobs.site_config import check_profile
+        from hfl_components.flare.site_config import check_profile
 
         profile_dir = Path(profile_dir).resolve()
         profile, problems = check_profile(profile_dir, check_files=False)
@@ -112,7 +112,7 @@ class Poc:
         configure_server_kit(prod / "server", self.dir / "store", heartbeat_timeout_s=POC_HEARTBEAT_TIMEOUT_S,
                              client_outcome_wait_s=POC_CLIENT_OUTCOME_WAIT_S)
         protect_keys(Path(self.env["NVFLARE_POC_WORKSPACE"]))
-        from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+        from hfl_components.flare.site_config import LOCAL_SUBDIR, write_sample_config
 
         for site, cfg in profile.items():
             dst = prod / site / LOCAL_SUBDIR

@@ -82,7 +82,7 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike,
                 log=out / "provision.log")
     prod = _latest_prod(out, proj["name"])
     kits = []
-    from nvflare_jobs.site_config import LOCAL_SUBDIR, write_sample_config
+    from hfl_components.flare.site_config import LOCAL_SUBDIR, write_sample_config
 
     for q in proj["participants"]:
         if q["type"] == "server":

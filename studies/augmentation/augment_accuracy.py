@@ -16,27 +16,32 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
 
+def _check(run) -> None:
+    if not run.ok:
+        raise RuntimeError(f"simulate {run.method} -> {run.out} failed (rc={run.rc}); see {run.log}")
+
+
 def run_arms(seed: int, out: Path, probe: str) -> None:
-    """Run the monai (default) arm, then the batch arm on the monai arm's site configs. Raises CalledProcessError."""
-    cli = [sys.executable, "-m", "nvflare_jobs.cli", "simulate", "--method", "ohfl"]
+    """Run the monai (default) arm, then the batch arm on the monai arm's site configs (each an isolated
+    :func:`nvflare_jobs.simulation.simulate`). Raises RuntimeError naming the failed run and its log."""
+    from nvflare_jobs.simulation import simulate
+
     mon, bat = out / f"monai_s{seed}", out / f"batch_s{seed}"
     if not (mon / "metrics.json").is_file():
-        subprocess.run(cli + ["--sites", "6", "--scheme", "width", "--seed", str(seed), "--out", str(mon),
-                              "--overwrite"], check=True)
+        _check(simulate("ohfl", None, {"sites": 6, "scheme": "width", "seed": seed}, mon, overwrite=True,
+                        isolate=True))
     if not (bat / "metrics.json").is_file():
         prof = out / f"prof_batch_s{seed}"
         prof.mkdir(parents=True, exist_ok=True)
         for f in sorted((mon / "site_configs").glob("*.yaml")):
             (prof / f.name).write_text(f.read_text().rstrip("\n") + "\naugment: batch\n")
-        subprocess.run(cli + ["--profile", str(prof), "--probe", probe, "--seed", str(seed), "--out", str(bat),
-                              "--overwrite"], check=True)
+        _check(simulate("ohfl", prof, {"probe": probe, "seed": seed}, bat, overwrite=True, isolate=True))
 
 
 def _preds(d: Path) -> dict:

@@ -367,10 +367,10 @@ CPU, 1 thread."""
 
 
 def write_md(rows: list[dict], seeds, path: Path = OUT) -> None:
-    lines = ["# Fusion ladder (issue 11): zero-shot fused model vs its parents", "",
+    lines = ["# Fusion ladder: zero-shot fused model vs its parents", "",
              BUDGET.format(epochs=EPOCHS, probe_n=PROBE_N, seeds=",".join(map(str, seeds)), n_boot=N_BOOT,
                            aspect=DEFAULT_ASPECT), "",
-             "Baseline = the defaults before issue 11: " + ", ".join(f"{k}={v}" for k, v in BASELINE.items())
+             "Baseline = the earlier fusion defaults: " + ", ".join(f"{k}={v}" for k, v in BASELINE.items())
              + ". Each other row changes one lever. Rung 0 (permuted copy through the whole server path) is exact: "
                "`tests/test_fusion_rung0.py`.", "",
              "| rung | seed | config | fused AUC [95% CI] | parents' mean AUC | gap [95% CI] | fused bal. acc | "

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="finished OHFL run folders (metrics.json, job_options.json, models/)")
     ap.add_argument("--configs", default="default",
                     help="comma-separated lever settings: " + ", ".join(CONFIGS) + ". 'default' is the server's "
-                    "defaults before issue 11's second pass (acts, emd, layer repair, largest-size probe); today's "
+                    "earlier defaults (acts, emd, layer repair, largest-size probe); today's "
                     "defaults are 'channel+own'")
     ap.add_argument("--pairs", action="store_true", help="also fuse every same-depth pair and every chain prefix")
     ap.add_argument("--json")

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                   f"{row['control']['bacc']:.3f}" if a.control else "") + "  (tuning AUC/bal.acc)", flush=True)
     if not sites:
         print("bench_gate: no site with a gate record and models/<site>_federated.pt in "
-              + ", ".join(a.runs) + " (OHFL runs with the gate on, issue 11 or later)", file=sys.stderr)
+              + ", ".join(a.runs) + " (OHFL runs with the gate on)", file=sys.stderr)
         return 2
     print(f"\n{len(sites)} sites; mean tuning AUC / balanced accuracy of the deployed models per criterion")
     out = {}

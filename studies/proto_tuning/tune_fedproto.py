@@ -31,9 +31,10 @@ class _Stop(BaseException):
 
 
 def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
-    from nvflare.app_common.abstract.fl_model import FLModel
-
-    from hfl_components.flare.site_methods import HANDLERS
+    """One federation in process (:class:`hfl_components.flare.inprocess.InProcessTransport`), stopped before its
+    final (test) evaluation task; returns ``(runtimes, trace of site-2's global prototypes per round)``. A site's
+    failure is raised, not answered."""
+    from hfl_components.flare.inprocess import InProcessTransport, runtime_answer
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
 
@@ -43,32 +44,23 @@ def run(method: str, profile: dict, opts: dict, workdir: Path, on_result=None):
     ctl = make_controller(method, profile, opts)
     runtimes = {s: SiteRuntime(cfg, workdir / s) for s, cfg in profile.items()}
     trace = []
+    handlers = runtime_answer(runtimes, raise_errors=True, on_result=on_result)
 
-    def send(task_name, data, timeout=0, **kw):
-        out = []
+    def answer(task_name, site, data):
         if task_name == "evaluate":  # never evaluate on test here: stop before the final evaluation task
             raise _Stop
-        for site, rt in runtimes.items():
-            meta = dict(data.meta or {})
-            meta.setdefault("round", data.current_round or 0)
-            params, metrics, meta_out = HANDLERS[task_name](rt, dict(data.params or {}), meta)
-            if on_result is not None:  # e.g. tune_deploy: score every round's model on validation
-                on_result(site, rt, int(meta["round"]), metrics)
-            gp = (data.params or {}).get("global_prototypes")
-            if gp is not None and np.asarray(gp).size and site == "site-2":
-                P = np.asarray(gp)
-                trace.append({"round": data.current_round, "gp_norms": np.linalg.norm(P, axis=1).round(2).tolist(),
-                              "gp_pair_dist": [round(float(np.linalg.norm(P[i] - P[j])), 2)
-                                               for i in range(len(P)) for j in range(i + 1, len(P))],
-                              "terms": metrics.get("alignment_terms_last_batch")})
-            out.append(FLModel(params={k: np.array(v, copy=True) for k, v in (params or {}).items()},
-                               metrics=metrics, meta={"client_name": site, **meta_out}))
-        return out
+        params, metrics, meta_out = handlers(task_name, site, data)
+        gp = (data.params or {}).get("global_prototypes")
+        if gp is not None and np.asarray(gp).size and site == "site-2":
+            P = np.asarray(gp)
+            trace.append({"round": data.current_round, "gp_norms": np.linalg.norm(P, axis=1).round(2).tolist(),
+                          "gp_pair_dist": [round(float(np.linalg.norm(P[i] - P[j])), 2)
+                                           for i in range(len(P)) for j in range(i + 1, len(P))],
+                          "terms": metrics.get("alignment_terms_last_batch")})
+        return params, metrics, meta_out
 
-    ctl.send_model_and_wait = send
-    ctl.get_run_dir = lambda: str(workdir / "server")
-    ctl.info = lambda m: None
-    ctl.warning = lambda m: None
+    InProcessTransport(runtimes, answer).attach(ctl, workdir / "server", info=lambda m: None,
+                                                warning=lambda m: None)
     try:
         ctl.run()
     except _Stop:

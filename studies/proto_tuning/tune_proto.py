@@ -48,7 +48,7 @@ def build_sites(seed: int, work: Path, alpha: float, scheme: str, input_size: in
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
     from chest_xray.splits import TRAINING_PARTS, write_pool_csv
     from nvflare_jobs.profiles import write_profile
-    from nvflare_jobs.site_config import load_profile
+    from hfl_components.flare.site_config import load_profile
 
     csv_ = write_pool_csv(TRAINING_PARTS, data, work / "pool.csv", extra_roots=extra_roots)
     records, _ = scan_dataset(csv_, labels="subtype", verify=False)

@@ -1,21 +1,18 @@
-"""Server-side workflows, one module per method; the classes keep their old paths
-``hfl_components.flare.controllers.<Class>`` (exported jobs and the method catalogue name them so).
+"""Each method's NVFlare adapter, one module per method: its server controller (an NVFlare ``ModelController``) and
+its site handlers (``handler(rt, params, meta)``, named by the method catalogue's ``site_handlers``).
 
 * :mod:`.base`: :class:`HFLController` (task broadcast, waits, option and upload checks, results on disk);
-* :mod:`.baselines`: :class:`LocalController`, :class:`FedAvgController`;
+* :mod:`.baselines`: :class:`LocalController`, :class:`FedAvgController` (``task_name`` and ``aggregator`` hooks);
 * :mod:`.ohfl`: :class:`OHFLController`; :mod:`.fedsaf`: :class:`FedSAFController`; :mod:`.fedtopo`:
   :class:`FedTopoController`.
+
+Exported jobs name the controller by its defining module (``hfl_components.flare.controllers.<module>.<Class>``).
 """
-from hfl_components.flare.controllers.base import (  # noqa: F401
-    POLL_S,
-    PROGRESS_EVENT,
-    PROGRESS_KEY,
-    RESULTS_DIR,
-    HFLController,
-    _jsonable,
-    _payload_round,
-)
-from hfl_components.flare.controllers.baselines import FedAvgController, LocalController  # noqa: F401
-from hfl_components.flare.controllers.fedsaf import FedSAFController  # noqa: F401
-from hfl_components.flare.controllers.fedtopo import FedTopoController  # noqa: F401
-from hfl_components.flare.controllers.ohfl import OHFLController  # noqa: F401
+from hfl_components.flare.controllers.base import HFLController
+from hfl_components.flare.controllers.baselines import FedAvgController, LocalController
+from hfl_components.flare.controllers.fedsaf import FedSAFController
+from hfl_components.flare.controllers.fedtopo import FedTopoController
+from hfl_components.flare.controllers.ohfl import OHFLController
+
+__all__ = ["HFLController", "LocalController", "FedAvgController", "OHFLController", "FedSAFController",
+           "FedTopoController"]

@@ -32,7 +32,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from chest_xray.labels import one_label_scheme
-from hfl_components.flare.messages import GLOBAL_PREFIX, payload_bytes  # noqa: F401 - GLOBAL_PREFIX kept
+from hfl_components.flare.messages import payload_bytes
 
 RESULTS_DIR = "cxr_hfl_results"
 PROGRESS_EVENT = "fed.analytix_log_stats"  # what ConvertToFedEvent makes of a site's flare.log(...)
@@ -302,11 +302,14 @@ class HFLController(ModelController):
         return validate_options(self.method, self.current_options())
 
     def use_checked_options(self, checked: dict) -> None:
-        """Put the typed values of ``check_options`` back into ``task_config``, which the sites read: an edited job's
-        ``"gate": "no"`` passes the check as False, and a site must not read the string (truthy) instead."""
+        """Put the typed values of ``check_options`` into ``task_config``, which the sites read: an edited job's
+        ``"gate": "no"`` passes the check as False, and a site must not read the string (truthy) instead. Every
+        option the controller does not hold as an attribute is sent, the catalogue default where the job lacks it
+        (a job exported before the option existed), so site handlers read complete, typed options and keep no
+        defaults of their own."""
         for key, val in checked.items():
             tck = self.TASK_CONFIG_KEYS.get(key, key)
-            if self.OPTION_ATTRS.get(key, key) not in vars(self) and tck in self.task_config:
+            if self.OPTION_ATTRS.get(key, key) not in vars(self):
                 self.task_config[tck] = val
 
     def start_controller(self, fl_ctx) -> None:

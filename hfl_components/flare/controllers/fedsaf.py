@@ -1,11 +1,19 @@
-"""FedSAF (FedSAF paper) and FedProto (the MSE + weighted-mean shorthand): prototype exchange."""
+"""FedSAF (FedSAF paper) and FedProto (the MSE + weighted-mean shorthand): prototype exchange; the methods' NVFlare
+adapter (server controller and site handler)."""
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
+import logging
+
+import torch
+
 from hfl_components.flare.controllers.base import HFLController, _payload_round
+from hfl_components.flare.site_methods import PROTOTYPE_FILES, features, ok_meta, option, site_evaluate, task_epochs
+
+log = logging.getLogger("cxr_hfl.site")
 
 # ============================================================================ FedSAF / FedProto
 class FedSAFController(HFLController):
@@ -51,7 +59,7 @@ class FedSAFController(HFLController):
             raise ValueError(f"FedSAF needs one common feature_dim in every site's model spec, got {dims}")
         num_classes = next(iter(profile.values()))["model"]["num_classes"]
         tc = {**task_config, "alignment": opts["alignment"], "lambda": float(opts["lam"]),
-              "gamma": float(opts["gamma"]), "eval": opts["eval"]}
+              "gamma": float(opts["gamma"]), "eval": opts["eval"], "grad_clip": opts["grad_clip"]}
         return cls(num_classes=num_classes, feature_dim=int(dims.pop()), prototypes=opts["prototypes"],
                    task_config=tc, method_name=method, **common)
 
@@ -106,3 +114,49 @@ class FedSAFController(HFLController):
             self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
         self.record["global_prototypes"] = None if gp is None else np.asarray(gp).tolist()
         self.final_evaluation(self.num_rounds)
+
+
+# ============================================================================ site handler
+def fedsaf_train(rt, params, meta):
+    """FedSAF round (FedSAF paper, Sec. III): train with the structural (or coordinate) alignment loss against the
+    global prototypes, then upload class-mean prototypes of the training features and class counts.
+
+    Round 0 receives no global prototypes (the server sends none), so it is supervised-only (CE); from round 1 the
+    loss is Eq. 19, CE + lambda L_proto + gamma L_inst, with the alignment function of option ``alignment``,
+    and the gradient norm clipped at option ``grad_clip``. Prototypes
+    are computed *after* local training (eval-mode features of the whole training split) and also kept in the
+    site's workspace for the optional nearest-local-prototype evaluation.
+    """
+    import warnings
+
+    from hfl_components.alignment import FedSAFAuxLoss, local_prototypes
+
+    tc = meta.get("task_config", {})
+    rnd = int(meta.get("round", 0))
+    rt.ensure_own_model()
+    gp = params.get("global_prototypes")
+    gmask = params.get("global_mask")
+    aux = None
+    if gp is not None and np.asarray(gp).size:
+        with warnings.catch_warnings(record=True) as caught:  # the C = 2 warning goes to the site log, once
+            warnings.simplefilter("always")
+            aux = FedSAFAuxLoss(torch.as_tensor(np.asarray(gp), dtype=torch.float32),
+                                kind=option(meta, "alignment"), lam=float(option(meta, "lambda")),
+                                gamma=float(option(meta, "gamma")),
+                                global_mask=None if gmask is None else torch.as_tensor(np.asarray(gmask)).bool())
+        for w in caught:
+            log.warning("site %s: %s", rt.site, w.message)
+    clip = option(meta, "grad_clip") or None if aux is not None else None  # round 0 (plain CE) is not clipped
+    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
+                    grad_clip=clip, tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
+    Z, y = features(rt)
+    P, counts = local_prototypes(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
+    np.save(rt.state_dir / "local_prototypes.npy", np.asarray(P))
+    np.save(rt.state_dir / "local_counts.npy", np.asarray(counts))
+    out = {"prototypes": np.asarray(P, dtype=np.float32), "counts": np.asarray(counts, dtype=np.float32)}
+    val = site_evaluate(rt, "val", tc)
+    rt.deploy_round(val, rnd, extra_files=PROTOTYPE_FILES)  # the site config's deploy rule: last | best_val
+    metrics = {"loss": [h["loss"] for h in hist], "val": val,
+               "alignment_active": aux is not None,
+               "alignment_terms_last_batch": dict(aux.last) if aux is not None else None}
+    return out, metrics, ok_meta(rt)

@@ -1,11 +1,15 @@
-"""FedTopo (FedTopo paper, Algorithm 1): class-relation topology exchange."""
+"""FedTopo (FedTopo paper, Algorithm 1): class-relation topology exchange; the method's NVFlare adapter (server controller
+and site handler)."""
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
+import torch
+
 from hfl_components.flare.controllers.base import HFLController, _payload_round
+from hfl_components.flare.site_methods import features, ok_meta, option, site_evaluate, task_epochs
 
 # ============================================================================ FedTopo
 class FedTopoController(HFLController):
@@ -45,7 +49,8 @@ class FedTopoController(HFLController):
         noisy = opts["noisy_counts"]
         tc = {**task_config, "lambda": float(opts["lam"]), "gamma": float(opts["gamma"]),
               "top_q": int(opts["top_q"]), "warmup": int(opts["warmup"]), "ablate": ablate,
-              "noisy_counts": None if noisy is None else float(noisy)}
+              "noisy_counts": None if noisy is None else float(noisy),
+              "eval": opts["eval"], "grad_clip": opts["grad_clip"]}
         num_classes = next(iter(profile.values()))["model"]["num_classes"]
         return cls(num_classes=num_classes, rho=float(opts["rho"]), ablate=ablate, task_config=tc, **common)
 
@@ -98,3 +103,58 @@ class FedTopoController(HFLController):
         self.record["R_global"] = np.asarray(R).tolist()
         self.record["S_global"] = np.asarray(S).tolist()
         self.final_evaluation(self.num_rounds)
+
+
+# ============================================================================ site handler
+def fedtopo_train(rt, params, meta):
+    """FedTopo round (FedTopo paper, Algorithm 1): train with the topology-guided loss from the broadcast (R^g, S^g),
+    then upload only the local relation matrix R_k and class counts (optionally noisy).
+
+    Warm-up: in rounds ``r <`` option ``warmup`` (0-based) the topology term is off (``TopologyLoss(warmup_active=True)``
+    returns 0, so the loss is plain CE). Site-side ablations (option ``ablate``): ``no_topq`` keeps every present
+    negative (q = C - 1), ``no_missing_mask`` drops the presence mask of Eq. 10, ``local_topology`` guides with the
+    site's own R_k of the previous round and S = 1 on its observed pairs (round 0 has no R_k yet: the broadcast
+    initial state, which gives B_y = 0). D^r / D^rs (Eq. 25-26) compare this round's R_k with the broadcast
+    (R^g, S^g); they are None when the site holds fewer than two classes.
+    """
+    import zlib
+
+    from hfl_components.topology import (TopologyLoss, is_warmup_round, local_guidance, local_relation_topology,
+                                         noisy_counts, topology_inconsistency)
+
+    tc = meta.get("task_config", {})
+    rnd = int(meta.get("round", 0))
+    rt.ensure_own_model()
+    counts_true = rt.class_counts()
+    present = torch.as_tensor(counts_true > 0)
+    ablate = set(option(meta, "ablate") or [])
+    Rg = torch.as_tensor(np.asarray(params["R_global"]), dtype=torch.float32)
+    Sg = torch.as_tensor(np.asarray(params["S_global"]), dtype=torch.float32)
+    R_guide, S_guide = Rg, Sg
+    if "local_topology" in ablate:
+        p = rt.state_dir / "local_topology.npy"
+        if p.is_file():
+            Rl, Sl = local_guidance(np.load(p), counts_true > 0)
+            R_guide, S_guide = torch.as_tensor(Rl, dtype=torch.float32), torch.as_tensor(Sl, dtype=torch.float32)
+    warm = is_warmup_round(rnd, int(option(meta, "warmup")))
+    q = None if "no_topq" in ablate else int(option(meta, "top_q"))
+    aux = TopologyLoss(R_guide, S_guide, present, lam=float(option(meta, "lambda")), gamma=float(option(meta, "gamma")),
+                       q=q, warmup_active=warm, use_mask="no_missing_mask" not in ablate)
+    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=aux,
+                    grad_clip=option(meta, "grad_clip") or None, tag=f"round {rnd}", rnd=rnd, total_rounds=meta.get("total_rounds"))
+    val = site_evaluate(rt, "val", tc)
+    rt.deploy_round(val, rnd)  # the site config's deploy rule: last | best_val
+    Z, y = features(rt)
+    R, mask, counts = local_relation_topology(torch.as_tensor(Z), torch.as_tensor(y), rt.num_classes)
+    R = np.asarray(R, dtype=np.float32)
+    np.save(rt.state_dir / "local_topology.npy", R)
+    counts = np.asarray(counts, dtype=np.float32)
+    if option(meta, "noisy_counts"):
+        seed = int(rt.cfg["seed"]) * 100003 + zlib.crc32(rt.site.encode()) % 100003 + 7919 * rnd
+        counts = np.asarray(noisy_counts(counts, np.asarray(mask), float(option(meta, "noisy_counts")), seed=seed),
+                            dtype=np.float32)
+    d_r, d_rs = topology_inconsistency(R, np.asarray(mask), Rg, Sg)
+    metrics = {"loss": [h["loss"] for h in hist], "val": val,
+               "D_r": d_r, "D_rs": d_rs, "warmup": bool(warm), "q_effective": int(aux.q_effective),
+               "topq_active": bool(aux.topq_active), "n_present": int(np.asarray(mask).sum())}
+    return {"R": R, "counts": counts}, metrics, ok_meta(rt)

@@ -1,0 +1,209 @@
+"""What ``cxr-hfl compare`` runs: methods and variants, equal epoch budgets, each run's simulate options."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hfl_components.flare import catalogue
+
+# the method catalogue's control (role "control": Local), the local+ft control (its budget plus the one-shot
+# method's fine-tuning) after it, then the other methods; what compare does with each comes from its entry
+CONTROL = catalogue.with_role("control")
+METHODS = (CONTROL, "local+ft", *(m for m in catalogue.methods() if m != CONTROL))
+PROTO = catalogue.prototype_methods()
+
+
+def _option_key(name: str) -> str:
+    """A variant's option name (``strategy``, ``probe-at``, ``lambda``) as the options key (``probe_at``, ``lam``)."""
+    flag = "--" + name.strip().replace("_", "-")
+    for key, users in catalogue.all_options().items():
+        if any(o.cli_flag == flag for _, o in users):
+            return key
+    return name.strip().replace("-", "_")
+
+
+def split_variant(method: str) -> tuple[str, dict]:
+    """``"ohfl:strategy=cdd:weighting=half"`` -> ``("ohfl", {"strategy": "cdd", "weighting": "half"})``: a method
+    variant adds ``simulate`` options (values as typed; a name without ``=`` is a switch set to True, e.g.
+    ``ohfl:paper``; a repeated list option such as ``ablate`` collects its values). The run folder and table rows
+    keep the full name."""
+    name, *opts = method.split(":")
+    lists = {k for k, users in catalogue.all_options().items() if users[0][1].type is list}
+    extra: dict = {}
+    for o in opts:
+        k, eq, v = o.partition("=")
+        key = _option_key(k)
+        if key in lists:
+            extra.setdefault(key, []).append(v.strip())
+        else:
+            extra[key] = v.strip() if eq else True
+    return name, extra
+
+
+def check_variant(method: str, args=None) -> str | None:
+    """Why the method variant ``method`` (e.g. ``ohfl:repair=foo``) would be refused by ``simulate``, as one line
+    naming the variant and the option, or None when its options pass :func:`nvflare_jobs.simulation.check` (the
+    checks ``simulate`` runs before anything starts), so a bad variant is refused before any run. With the compare
+    ``args``, the options compare would give ``simulate`` are checked (epochs included, e.g. ``ohfl:paper``
+    against the equal budget's fine-tuning epochs)."""
+    from nvflare_jobs.simulation import check
+
+    name, extra = split_variant(method)
+    if not extra and args is None:
+        return None
+    opts = extra
+    if args is not None:
+        try:
+            opts = simulate_options(method, Path("DATA"), 0, args)
+        except BudgetError:  # refused with its own message once the budgets are planned
+            pass
+    try:
+        check(_base(method), opts)
+    except ValueError as e:
+        return f"{'variant ' if extra else ''}{method}: {e}"
+    return None
+
+
+def _base(method: str) -> str:
+    name = split_variant(method)[0]
+    return CONTROL if name == "local+ft" else name
+
+
+def _entry(method: str) -> catalogue.MethodEntry:
+    """The catalogue entry of a compare method, variant or the local+ft control."""
+    return catalogue.entry(_base(method))
+
+
+def proto_protocol(methods: list[str]) -> bool:
+    """True when the methods are prototype methods, with or without Local (the prototype-method protocol): sites from
+    ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
+    training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
+    bases = {_base(m) for m in methods}
+    return bool(bases & set(PROTO)) and bases <= set(PROTO) | {CONTROL}
+
+
+class BudgetError(ValueError):
+    """The requested rounds cannot split the common epoch budget evenly."""
+
+
+def _divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
+
+
+def epoch_plan(method: str, args) -> dict[str, int]:
+    """Rounds, local epochs per round and fine-tuning epochs a method runs under.
+
+    Equal budgets (default, ``args.unequal_budgets`` false): E = L + F with L = ``args.local_epochs`` (default 20)
+    and F = ``args.finetune_epochs`` (default 10) -- OHFL: L local + F fine-tuning epochs; local and local+ft: one
+    round of E epochs; round-based methods: R rounds of E / R epochs (R = ``args.rounds``, which must divide E;
+    default 2 epochs per round for FedAvg, 3 for prototype methods, or the largest divisor of E below that).
+    Unequal budgets: each method's own defaults (simulate's), ``--rounds`` / ``--local-epochs`` passed through;
+    local+ft = Local's budget plus F extra epochs.
+
+    Returns:
+        ``{"rounds", "local_epochs", "finetune_epochs", "total_epochs_per_site"}``.
+
+    Prototype-method comparisons (``args.proto_protocol``, :func:`proto_protocol`): every method, Local included,
+    runs the prototype methods' default rounds x local epochs (``--rounds`` / ``--local-epochs`` override).
+
+    Raises:
+        BudgetError: ``args.rounds`` does not divide E (equal budgets).
+    """
+    base = _base(method)
+    schedule = _entry(method).schedule
+    method = split_variant(method)[0]
+    from hfl_components.flare.catalogue import method_defaults
+
+    if getattr(args, "proto_protocol", False):  # every method at the prototype methods' rounds x epochs
+        d = method_defaults(PROTO[0])
+        plan = {"rounds": args.rounds or d["rounds"],
+                "local_epochs": args.local_epochs if args.local_epochs is not None else d["local_epochs"],
+                "finetune_epochs": 0}
+        plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"]
+        return plan
+
+    anchor = method_defaults(catalogue.with_schedule("one_shot"))  # E = the one-shot method's L + F
+    ft_given = args.finetune_epochs if args.finetune_epochs is not None else anchor["finetune_epochs"]
+    if not getattr(args, "unequal_budgets", False):
+        L = args.local_epochs if args.local_epochs is not None else anchor["local_epochs"]
+        E = L + ft_given
+        if schedule == "one_shot":
+            rounds, local, ft = 1, L, ft_given
+        elif schedule == "single":
+            rounds, local, ft = 1, E, 0
+        else:
+            if args.rounds:
+                if E % args.rounds:
+                    raise BudgetError(f"--rounds {args.rounds} does not divide the common budget of {E} epochs per "
+                                      f"site (--local-epochs {L} + --finetune-epochs {ft_given}); choose rounds that "
+                                      "divide it, or pass --unequal-budgets")
+                rounds = args.rounds
+            else:
+                rounds = E // _divisor_at_most(E, _entry(method).epochs_per_round)
+            local, ft = E // rounds, 0
+    else:
+        d = method_defaults(base)
+        rounds = 1 if schedule == "one_shot" else (args.rounds or d["rounds"])
+        local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
+        if schedule == "single" and args.rounds is None and args.local_epochs is None:
+            # the control = each site's own model trained as in the one-shot method's local phase
+            rounds, local = 1, anchor["local_epochs"]
+        if method == "local+ft":  # the control's whole budget in one run plus the fine-tuning epochs (= OHFL's total)
+            rounds, local = 1, rounds * local + ft_given
+        ft = ft_given if schedule == "one_shot" else 0
+    plan = {"rounds": rounds, "local_epochs": local, "finetune_epochs": ft}
+    plan["total_epochs_per_site"] = plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"]
+    return plan
+
+
+def budget_lines(plans: dict[str, dict], unequal: bool) -> list[str]:
+    """Human-readable budget: one line per method, and whether the budgets are equal."""
+    totals = {p["total_epochs_per_site"] for p in plans.values()}
+    head = (f"equal budgets: every method trains {totals.pop()} epochs per site" if len(totals) == 1 else
+            "UNEQUAL budgets (--unequal-budgets): epochs per site differ between methods")
+    if not unequal and len({p["total_epochs_per_site"] for p in plans.values()}) > 1:
+        head = "budgets differ between methods"
+    lines = [head]
+    for m, p in plans.items():
+        lines.append(f"{m}: {p['rounds']} round(s) x {p['local_epochs']} local epochs"
+                     + (f" + {p['finetune_epochs']} fine-tuning epochs" if p.get("finetune_epochs") else "")
+                     + f" = {p['total_epochs_per_site']} epochs per site")
+    return lines
+
+
+def simulate_options(method: str, data: Path, seed: int, args) -> dict:
+    """The :func:`nvflare_jobs.simulation.simulate` options of one compare run: its epoch plan, the data, seed,
+    label scheme and pass-through settings, the probe for a method that has one, then the variant's options."""
+    plan = epoch_plan(method, args)
+    e = _entry(method)
+    opts = {"data": str(data), "labels": args.labels, "seed": seed, "local_epochs": plan["local_epochs"]}
+    if e.schedule != "one_shot":
+        opts["rounds"] = plan["rounds"]
+    else:
+        opts["finetune_epochs"] = plan["finetune_epochs"]
+    if args.max_train_images:
+        opts["max_train_images"] = args.max_train_images
+    if args.batch_size:
+        opts["batch_size"] = args.batch_size
+    if getattr(args, "late_wait", None) is not None:
+        opts["late_wait"] = args.late_wait
+    extra = split_variant(method)[1]
+    probe = getattr(args, "probe", None)
+    if e.option("probe") is not None and probe and "probe" not in extra:
+        opts["probe"] = str(probe)
+    return {**opts, **extra}
+
+
+def command_for(method: str, profile: Path, options: dict, out: Path) -> str:
+    """The ``cxr-hfl simulate`` command line equivalent to a :func:`simulate_options` run (printed and recorded)."""
+    import shlex
+
+    flags = {key: o.cli_flag for key, users in catalogue.all_options().items() for _, o in users}
+    argv = ["simulate", "--method", _base(method), "--profile", str(profile)]
+    for k, v in options.items():
+        flag = flags.get(k, "--" + k.replace("_", "-"))
+        for item in (v if isinstance(v, list) else [v]):
+            argv += [flag] if item is True else [flag, str(item)]
+    argv += ["--out", str(out), "--overwrite"]
+    return "cxr-hfl " + " ".join(shlex.quote(a) for a in argv)
+
+

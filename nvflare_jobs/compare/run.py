@@ -1,0 +1,297 @@
+"""Running a comparison: partitions per seed, each method's profile and simulation, external evaluation, the
+recorded command (``compare.json``)."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+
+from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, _base, _entry, budget_lines, check_variant,
+                                       command_for, epoch_plan, proto_protocol, simulate_options, split_variant)
+from nvflare_jobs.compare.tables import _order, collect_runs, write_tables
+
+def _subset(records: list[dict], n: int | None) -> list[dict]:
+    from nvflare_jobs.evaluation import _subset as sub
+
+    return sub(sorted(records, key=lambda r: r["path"]), n)
+
+
+def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
+    from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
+
+    part = seed_dir / "partition"
+    if (part / "partition.json").is_file():
+        return part
+    records, report = scan_dataset(data, labels=args.labels)
+    records = _subset(records, args.max_images)
+    seed = int(seed_dir.name.removeprefix("seed"))
+    from nvflare_jobs.profiles import PROTO_MIN_EVAL_PER_CLASS
+
+    res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=seed,
+                            class_names=CLASS_NAMES[args.labels],
+                            min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if getattr(args, "proto_protocol", False)
+                            else 0)
+    write_partition(res, part)
+    (part / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
+    return part
+
+
+def probe_part_csv(data: Path, out: Path) -> Path | None:
+    """When the sites come from ``chest_xray_original`` and its sibling ``chest_xray_224`` exists, write the
+    committed ``probe`` part of ``chest_xray_224`` as ``OUT/probe_part.csv`` (absolute paths) for every OHFL run, so
+    the server's probe never touches the tuning or evaluation parts. None otherwise."""
+    from chest_xray.splits import POOL, split_rows
+
+    pool = data.parent / POOL
+    if data.name != "chest_xray_original" or not pool.is_dir():
+        return None
+    dest = out / "probe_part.csv"
+    with dest.open("w", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["path", "label"])
+        w.writerows([str((pool / r["path"]).resolve()), r["label"]] for r in split_rows("probe"))
+    return dest
+
+
+def _input_sizes(args) -> list[int]:
+    if getattr(args, "input_sizes", None):
+        return [int(x) for x in args.input_sizes.split(",")]
+    if getattr(args, "proto_protocol", False):
+        from nvflare_jobs.profiles import PROTO_TRAINING
+
+        return [PROTO_TRAINING["input_size"]]
+    return [64, 96, 128]
+
+
+def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args) -> Path:
+    from nvflare_jobs.profiles import write_profile
+
+    base = _base(method)
+    plan = epoch_plan(method, args)
+    settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
+                "finetune_epochs": plan["finetune_epochs"] or 10, "seed": seed, "threads": 1,
+                "max_train_images": args.max_train_images, "feature_dim": 64}
+    proto = True if getattr(args, "proto_protocol", False) else None  # Local on the prototype methods' backbones
+    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto)
+
+
+def relative(path) -> str:
+    """``path`` relative to the working directory (``compare.json`` records no machine paths); a path on another
+    drive stays as given."""
+    import os
+
+    try:
+        return os.path.relpath(Path(path).resolve(), Path.cwd())
+    except ValueError:
+        return str(path)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed: ``cxr-hfl <args>`` (shell-quoted), absolute paths made relative to the working
+    directory."""
+    import shlex
+
+    argv = sys.argv[1:] if argv is None else argv
+    return "cxr-hfl " + " ".join(shlex.quote(relative(a) if a.startswith("/") else a) for a in argv)
+
+
+def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
+    """Write ``OUT/compare.json``: ``command`` is the first command that actually ran (a ``--dry-run`` is listed
+    under ``dry_runs`` and never becomes the command), later real runs under ``resumed_by``."""
+    f = out / "compare.json"
+    prev = json.loads(f.read_text()) if f.is_file() else {}
+    rec = {**prev, **info, "command": prev.get("command"), "dry_runs": prev.get("dry_runs", []),
+           "resumed_by": prev.get("resumed_by", [])}
+    if prev and "dry_runs" not in prev and "--dry-run" in (prev.get("command") or ""):
+        rec["command"] = None  # written by an older version that recorded a dry run as the command
+    if dry_run:
+        rec["dry_runs"] = rec["dry_runs"] + [cmd]
+        rec.update({k: prev[k] for k in info if k in prev})  # a dry run changes nothing the real run recorded
+    elif rec["command"] is None:
+        rec["command"] = cmd
+    else:
+        rec["resumed_by"] = rec["resumed_by"] + [cmd]
+    f.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def run_compare(args) -> int:
+    """``cxr-hfl compare``: check the methods and budgets, run every (seed, method) not finished yet, then the
+    external evaluation and the tables. Returns 0, 1 (some runs failed) or 2 (bad input, one line on stderr)."""
+    try:
+        methods, plans, data, ext, out = _checked(args)
+    except _Refused as e:
+        print(f"cxr-hfl compare: {e}", file=sys.stderr)
+        return 2
+    prev = json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
+    if prev:
+        done = len(list(out.glob("seed*/*/metrics.json")))
+        print(f"[compare] {out} holds an earlier comparison ({done} finished run(s)): resuming -- finished runs are "
+              f"kept, unfinished ones are run again. To replace it instead, delete {out} or choose another --out.",
+              flush=True)
+    for line in budget_lines(plans, bool(getattr(args, "unequal_budgets", False))):
+        print(f"[compare] budget: {line}")
+    if not getattr(args, "probe", None) and any(_entry(m).option("probe") is not None for m in methods):
+        args.probe = probe_part_csv(data, out)
+        if args.probe:
+            print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
+    _record(args, out, methods, plans, data, ext)
+    failed = [f for seed in args.seeds for f in _run_seed(args, out, seed, methods, plans, data)]
+    if args.dry_run:
+        if ext:
+            print(f"[compare] then: every saved model of every run evaluated on {ext}"
+                  + (f" (part {args.part})" if getattr(args, "part", None) else ""))
+        return 0
+    if ext:
+        failed += evaluate_external(out, ext, getattr(args, "part", None), getattr(args, "external_max_images", None),
+                                    args.labels)
+    rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
+    print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
+    if args.proto_protocol:
+        _proto_section(out, methods)
+    if failed:
+        print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _Refused(ValueError):
+    """A comparison refused before any run (the message is the one line ``cxr-hfl compare`` prints)."""
+
+
+def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
+    """``(methods, plans, data root, external set, out folder)`` of a comparison; raises :class:`_Refused`."""
+    from nvflare_jobs.profiles import DataNotFoundError, resolve_data
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if split_variant(m)[0] not in METHODS]
+    if bad or not methods:
+        raise _Refused(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    for m in methods:
+        why = check_variant(m, args)
+        if why:
+            raise _Refused(why)
+    args.proto_protocol = proto_protocol(methods)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not getattr(args, "unequal_budgets", False) and CONTROL in methods and "local+ft" in methods:
+        methods.remove("local+ft")
+        print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
+              "as the local+ft control")
+    try:
+        plans = {m: epoch_plan(m, args) for m in methods}
+    except BudgetError as e:
+        raise _Refused(str(e)) from None
+    try:
+        data = None
+        if args.proto_protocol and not args.data:  # chest_xray_224's tuning + probe parts
+            from nvflare_jobs.profiles import proto_training_data
+
+            data = proto_training_data(out / "data_pool.csv")
+        data = data or resolve_data(args.data)
+    except DataNotFoundError as e:
+        raise _Refused(str(e)) from None
+    ext = getattr(args, "external", None)
+    if ext and not Path(ext).exists():
+        raise _Refused(f"no external data at {ext}")
+    if getattr(args, "part", None) and not ext:
+        raise _Refused("--part needs --external (the chest_xray_224 root)")
+    return methods, plans, data, ext, out
+
+
+def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -> None:
+    """``compare.json``: the command and settings, every path relative to the working directory."""
+    from nvflare_jobs.evaluation import external_name
+
+    record_command(out, command_line(getattr(args, "_argv", None)), args.dry_run, {
+        "data": relative(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
+        "labels": args.labels, "epoch_plan": plans, "unequal_budgets": bool(getattr(args, "unequal_budgets", False)),
+        "external": relative(ext) if ext else None, "part": getattr(args, "part", None),
+        "external_name": external_name(ext, getattr(args, "part", None)) if ext else None,
+        "probe": relative(args.probe) if getattr(args, "probe", None) else None,
+        "paths": "relative to the working directory the command ran in"})
+
+
+def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data: Path) -> list[str]:
+    """Run (or, dry, print) every unfinished method of one seed on its partition; returns the failed runs."""
+    from nvflare_jobs.simulation import simulate
+
+    failed = []
+    seed_dir = out / f"seed{seed}"
+    part = prepare_partition(data, seed_dir, args)
+    for m in methods:
+        run_dir = seed_dir / m
+        if (run_dir / "metrics.json").is_file():
+            print(f"[compare] seed {seed} {m}: done already, skipped")
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        profile = write_method_profile(part, run_dir, m, seed, args)
+        opts = simulate_options(m, data, seed, args)
+        cmd = command_for(m, profile, opts, run_dir)
+        print(f"[compare] seed {seed} {m}: {cmd}", flush=True)
+        if args.dry_run:
+            continue
+        t0 = time.perf_counter()
+        rc = simulate(_base(m), profile, opts, run_dir, overwrite=True, isolate=True,
+                      log=run_dir / "simulate.log", command=cmd).rc
+        ok = (run_dir / "metrics.json").is_file()
+        if ok and m != _base(m):  # the run folder says which control / variant it is
+            met = json.loads((run_dir / "metrics.json").read_text())
+            met["method"] = m
+            met["compare_plan"] = plans[m]
+            (run_dir / "metrics.json").write_text(json.dumps(met, indent=1))
+        print(f"[compare] seed {seed} {m}: rc={rc} in {time.perf_counter() - t0:.0f} s"
+              + ("" if ok else f" FAILED, see {run_dir / 'simulate.log'}"), flush=True)
+        if not ok:
+            failed.append(f"{m}/seed{seed}")
+    return failed
+
+
+def _proto_section(out: Path, methods: list[str]) -> None:
+    """The prototype-method protocol's site models scored on the evaluation part (``proto_eval.write_section``)."""
+    from nvflare_jobs.proto_eval import write_section
+
+    try:
+        summary = write_section(out, _order(methods))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"[compare] site models not scored on the evaluation part: {e}", file=sys.stderr)
+    else:
+        for m, v in summary["methods"].items():
+            print(f"[compare] {m}: mean site balanced accuracy test {v['test_bal_acc']:.3f}, external "
+                  f"{v['external_bal_acc']:.3f}; single-class sites {v['single_class_test']} (test) / "
+                  f"{v['single_class_external']} (external); floor {'met' if v['floor_met'] else 'NOT met'}")
+
+
+def evaluate_external(out: Path, data: str | Path, part: str | None, max_images: int | None,
+                      labels: str) -> list[str]:
+    """``cxr-hfl evaluate`` of every run under ``out`` on ``data`` (skipping runs already evaluated on it with the
+    same image cap). Returns the runs that could not be evaluated."""
+    from nvflare_jobs.evaluation import LeakageError, evaluate_run, external_name
+
+    name = external_name(data, part)
+    failed = []
+    for method, seed, m in collect_runs(out):
+        run = Path(m["_run_dir"])
+        summ = run / "external" / name / "summary.json"
+        if summ.is_file() and json.loads(summ.read_text()).get("max_images") == max_images:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = evaluate_run(run, data, labels, max_images=max_images, part=part, n_boot=0, log=lambda *_: None)
+        except (LeakageError, FileNotFoundError, ValueError) as e:
+            print(f"[compare] seed {seed} {method}: external evaluation FAILED: {e}", file=sys.stderr)
+            failed.append(f"{method}/seed{seed} (external)")
+            continue
+        s = json.loads(res["summary"].read_text())
+        s["max_images"] = max_images
+        res["summary"].write_text(json.dumps(s, indent=1))
+        print(f"[compare] seed {seed} {method}: {len(res['models'])} models evaluated on {res['n_images']} external "
+              f"images ({res['probe_images_excluded']} probe images left out) in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    return failed
+
+
+# ------------------------------------------------------------------------------------------------ tables

@@ -1,0 +1,206 @@
+"""What :mod:`nvflare_jobs.evaluation` reads from a run folder: its site manifests and rows, saved models, input
+sizes, label scheme and aspect, and the leakage guards (file names / patient ids shared with an external set, the
+OHFL probe pool)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from chest_xray.io import SUPPORTED_SUFFIXES
+
+
+class LeakageError(RuntimeError):
+    """The external set shares file names or patient ids with the run's training data."""
+
+
+# ----------------------------------------------------------------------------------------------- run contents
+def run_manifests(run: Path) -> dict[str, Path]:
+    """Site -> manifest CSV the run trained on: ``resolved_configs/<site>.json`` (data.manifest), else
+    ``partition/sites/<site>.csv``."""
+    run = Path(run)
+    out: dict[str, Path] = {}
+    for f in sorted((run / "resolved_configs").glob("*.json")):
+        try:
+            man = json.loads(f.read_text())["data"]["manifest"]
+        except (KeyError, ValueError, TypeError):
+            continue
+        if Path(man).is_file():
+            out[f.stem] = Path(man)
+    if not out:
+        for f in sorted((run / "partition" / "sites").glob("*.csv")):
+            out[f.stem] = f
+    return out
+
+
+def site_rows(run: Path) -> dict[str, list[dict]]:
+    from chest_xray import read_site_manifest
+
+    return {s: read_site_manifest(p) for s, p in run_manifests(run).items()}
+
+
+def run_input_sizes(run: Path) -> list[int]:
+    sizes = set()
+    for f in (Path(run) / "resolved_configs").glob("*.json"):
+        try:
+            sizes.add(int(json.loads(f.read_text())["input_size"]))
+        except (KeyError, ValueError, TypeError):
+            pass
+    if not sizes and (Path(run) / "metrics.json").is_file():
+        m = json.loads((Path(run) / "metrics.json").read_text())
+        sizes = {int(b["input_size"]) for b in m.get("sites", {}).values() if b.get("input_size")}
+    return sorted(sizes)
+
+
+def run_labels(run: Path) -> str | None:
+    p = Path(run) / "metrics.json"
+    if p.is_file():
+        return json.loads(p.read_text()).get("labels")
+    return None
+
+
+def load_model_file(path: str | Path):
+    """``(model in eval mode, header)`` of a model file; see :func:`hfl_components.models.load_model_file`."""
+    from hfl_components.models import load_model_file as _load
+
+    return _load(path)
+
+
+def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:
+    """Every saved model of a run as ``{"name", "path", "kind", "site", "input_size"}``.
+
+    ``kind`` is ``deployed``, ``local`` or ``global``; the global model (no input size of its own) is listed once per
+    input size the run used (``global_sizes="all"``) or once at the largest (``"largest"``).
+    """
+    run = Path(run)
+    out = []
+    for f in sorted((run / "models").glob("*.pt")):
+        site, _, kind = f.stem.rpartition("_")
+        out.append({"name": f.stem, "path": f, "kind": kind, "site": site or None, "input_size": None})
+    g = run / "global_model.pt"
+    if g.is_file():
+        sizes = run_input_sizes(run) or [64]
+        if global_sizes == "largest":
+            sizes = sizes[-1:]
+        for s in sizes:
+            out.append({"name": f"global_{s}px", "path": g, "kind": "global", "site": None, "input_size": s})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- leakage
+def _stem_key(path: str) -> str:
+    return Path(path).name.lower()
+
+
+def training_overlap(run: Path, records: list[dict]) -> dict[str, Any]:
+    """File names and patient ids the external ``records`` share with the run's site manifests (all splits)."""
+    rows = [r for rs in site_rows(run).values() for r in rs]
+    names = {_stem_key(r["path"]) for r in rows}
+    pids = {str(r["patient_id"]) for r in rows if r.get("patient_id")}
+    shared_names = sorted({_stem_key(r["path"]) for r in records} & names)
+    shared_pids = sorted({str(r["patient_id"]) for r in records if r.get("patient_id")} & pids)
+    n_img = sum(1 for r in records if _stem_key(r["path"]) in names or str(r.get("patient_id")) in pids)
+    return {"n_run_rows": len(rows), "shared_file_names": len(shared_names), "shared_patient_ids": len(shared_pids),
+            "n_external_images_affected": n_img, "examples": (shared_names[:5] + shared_pids[:5])}
+
+
+def _probe_part(source: str) -> str | None:
+    """``"probe"`` when ``source`` names the committed probe part: ``probe``, ``part:probe``,
+    ``chest_xray_224:probe`` or the committed list ``chest_xray/splits/chest_xray_224_probe.csv`` itself."""
+    from chest_xray.splits import POOL
+
+    s = str(source)
+    if s in ("probe", "part:probe", f"{POOL}:probe") or Path(s).name == f"{POOL}_probe.csv":
+        return "probe"
+    return None
+
+
+def probe_pool(run: Path) -> tuple[set[str], str | None]:
+    """File names (lower case) of every image the run's OHFL server could draw its probe from, and the source.
+
+    The source is ``job_options.json``'s ``probe``: a folder (every image under it; the root of the shared
+    ``chest_xray_224`` pool stands for its committed ``probe`` part, as the server reads it), a CSV (its ``path``
+    column, e.g. a partition's probe.csv or the committed ``chest_xray_224_probe.csv``), or the committed ``probe``
+    part named as ``probe`` / ``part:probe``. File names the server recorded as used (``metrics.json`` ->
+    ``probe.files``) are added. A run without a probe (not OHFL, or ``generated`` inputs) gives an empty set. Whole
+    pools are left out, not only the images one draw took: the server may have drawn any of them.
+
+    Raises:
+        FileNotFoundError: the recorded probe folder / CSV no longer exists (the exclusion cannot be honoured).
+    """
+    from chest_xray.splits import POOL, split_rows
+
+    run = Path(run)
+    used: set[str] = set()
+    if (run / "metrics.json").is_file():
+        rec = json.loads((run / "metrics.json").read_text()).get("probe")
+        if isinstance(rec, dict):
+            used = {_stem_key(str(f)) for f in rec.get("files") or []}
+    opts = run / "job_options.json"
+    if not opts.is_file():
+        return used, None
+    probe = json.loads(opts.read_text()).get("probe")
+    if not probe or probe == "generated":
+        return used, probe
+    p = Path(probe)
+    part = {_stem_key(r["path"]) for r in split_rows("probe")}
+    if _probe_part(probe):
+        return part | used, str(probe)
+    if p.is_dir() and p.name == POOL and any((p / r["path"]).is_file() for r in split_rows("probe")[:20]):
+        return part | used, f"{p} (its committed probe part)"
+    if p.is_file():
+        with open(p, newline="", encoding="utf-8", errors="surrogateescape") as fh:  # as write_partition wrote it
+            return {_stem_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")} | used, str(p)
+    if p.is_dir():
+        return {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES} | used, str(p)
+    raise FileNotFoundError(f"{run}: the probe pool its server used ({probe}) no longer exists, so its images "
+                            "cannot be left out of the evaluation; restore it or evaluate on a set without them")
+
+
+def probe_overlap(run: Path, records: list[dict]) -> int:
+    """Number of external images whose file name is in the run's OHFL probe pool (:func:`probe_pool`)."""
+    names, _ = probe_pool(run)
+    return sum(1 for r in records if _stem_key(r["path"]) in names)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
+    """A class-stratified subset of at most ``max_images`` records: :func:`chest_xray.sampling.stratified_subset`."""
+    from chest_xray.sampling import stratified_subset
+
+    return stratified_subset(records, max_images, seed)
+
+
+def model_aspect(header: dict, run: Path | None = None) -> str:
+    """How to make images square for a model: its file's ``aspect`` (the site-config key it was trained with),
+    else -- a global model, which has none of its own -- the one aspect every site of ``run`` used
+    (``resolved_configs/<site>.json``), else ``chest_xray.DEFAULT_ASPECT`` (files written before it was recorded)."""
+    from chest_xray import DEFAULT_ASPECT
+
+    if header.get("aspect"):
+        return header["aspect"]
+    if run is not None:
+        seen = set()
+        for f in (Path(run) / "resolved_configs").glob("*.json"):
+            try:
+                seen.add(json.loads(f.read_text()).get("aspect") or DEFAULT_ASPECT)
+            except (OSError, ValueError):
+                continue
+        if len(seen) == 1:
+            return seen.pop()
+    return DEFAULT_ASPECT
+
+
+def run_site_sizes(run: Path) -> dict[str, int]:
+    """Site -> input size of a run (``resolved_configs/<site>.json``, else metrics.json)."""
+    out: dict[str, int] = {}
+    for f in sorted((Path(run) / "resolved_configs").glob("*.json")):
+        try:
+            out[f.stem] = int(json.loads(f.read_text())["input_size"])
+        except (KeyError, ValueError, TypeError):
+            pass
+    if not out and (Path(run) / "metrics.json").is_file():
+        m = json.loads((Path(run) / "metrics.json").read_text())
+        out = {s: int(b["input_size"]) for s, b in m.get("sites", {}).items() if b.get("input_size")}
+    return out

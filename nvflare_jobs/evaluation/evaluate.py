@@ -1,0 +1,277 @@
+"""External validation of a run's saved models (``cxr-hfl evaluate``): :func:`evaluate_run`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nvflare_jobs.evaluation._run import (LeakageError, _stem_key, _subset, list_run_models, load_model_file,
+                                          model_aspect, probe_pool, run_labels, run_site_sizes, site_rows,
+                                          training_overlap)
+
+class _ProbCache:
+    """Image tensors per (image set, input size), decoded once and reused by every model scored at that size (a run
+    has up to 15 models on the same external images; decoding dominates the cost)."""
+
+    def __init__(self, batch_size: int = 64):
+        self.batch_size = batch_size
+        self._ds: dict[tuple, Any] = {}
+
+    def loader(self, key: str, rows: list[dict], size: int, aspect: str | None = None):
+        import torch
+
+        from chest_xray import make_site_dataset
+        from hfl_components.training.loop import unpack_batch
+
+        from chest_xray import DEFAULT_ASPECT
+
+        aspect = aspect or DEFAULT_ASPECT
+        k = (key, size, aspect)
+        if k not in self._ds:
+            xs, ys = [], []
+            for batch in torch.utils.data.DataLoader(make_site_dataset(rows, size, "eval", aspect=aspect),
+                                                     batch_size=self.batch_size, shuffle=False, num_workers=0):
+                x, y = unpack_batch(batch)
+                xs.append(torch.as_tensor(x).float())
+                ys.append(torch.as_tensor(y))
+            self._ds[k] = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+        return torch.utils.data.DataLoader(self._ds[k], batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+
+def _collapse(probs: np.ndarray, model_classes: int, want_classes: int) -> np.ndarray:
+    """Subtype (NORMAL, BACTERIAL, VIRAL) probabilities -> binary (NORMAL, PNEUMONIA) when the data are binary."""
+    if model_classes == want_classes:
+        return probs
+    if model_classes == 3 and want_classes == 2:
+        return np.stack([probs[:, 0], probs[:, 1:].sum(axis=1)], axis=1)
+    raise ValueError(f"a {model_classes}-class model cannot be evaluated on {want_classes}-class labels")
+
+
+def external_name(data: str | Path, part: str | None = None) -> str:
+    """Folder name of an evaluated data set under ``RUN/external/``: the folder's name (a CSV: its stem), plus
+    ``-<part>`` for a committed part, e.g. ``chest_xray_224-evaluation``; characters other than letters, digits,
+    ``.``, ``_`` and ``-`` become ``_``."""
+    import re
+
+    p = Path(data).resolve()
+    base = p.stem if p.is_file() else p.name
+    return re.sub(r"[^A-Za-z0-9._-]", "_", base + (f"-{part}" if part else "")) or "external"
+
+
+def load_external(data: str | Path, labels: str, part: str | None = None) -> tuple[list[dict], dict]:
+    """Records of an external labelled set (``chest_xray.scan_dataset``), restricted to a committed part of
+    ``chest_xray_224`` (``probe`` / ``tuning`` / ``evaluation``, :mod:`chest_xray.splits`) when ``part`` is given,
+    in which case ``data`` must be the ``chest_xray_224`` root.
+
+    Raises:
+        ValueError: no usable images; ``part`` given but ``data`` holds none of the part's images.
+    """
+    from chest_xray import scan_dataset
+
+    # a committed part lists known images of the shared pool: headers only (a broken file still fails when loaded)
+    records, report = scan_dataset(data, labels=labels, verify=not part)
+    if part:
+        from chest_xray.splits import split_rows
+
+        # matched by class folder and file name (unique in the pool; robust to a root of symbolic links)
+        want = {Path(r["path"]).parts[-2:] for r in split_rows(part)}
+        kept = [r for r in records if Path(r["path"]).parts[-2:] in want]
+        if not kept:
+            raise ValueError(f"{data}: none of the {len(want)} images of the committed {part!r} part found; --part "
+                             "needs the chest_xray_224 root (e.g. ../shared/data/chest_xray_224)")
+        if len(kept) < len(want):
+            print(f"note: {len(want) - len(kept)} of the {len(want)} images of the {part!r} part are missing or "
+                  f"unreadable under {data}", file=sys.stderr)
+        records = kept
+        report = {**report, "part": part, "n_part": len(want)}
+    if not records:
+        raise ValueError(f"{data}: no usable labelled images ({len(report.get('skipped', []))} skipped)")
+    return records, report
+
+
+SUMMARY_METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
+
+
+def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int]) -> dict[str, Any] | None:
+    """The global model's headline entry: each metric at every site's own input size, averaged over sites (a size
+    used by two sites counts twice). None when the global model was not scored at every site's size."""
+    per_site = {s: results.get(f"global_{z}px") for s, z in site_sizes.items()}
+    if not per_site or any(v is None for v in per_site.values()):
+        return None
+    out: dict[str, Any] = {"input_size": "per site", "site_sizes": site_sizes, "val_threshold": None}
+    for k in SUMMARY_METRICS:
+        vals = [v["test"].get(k) for v in per_site.values()]
+        out[k] = None if any(x is None for x in vals) else float(np.mean(vals))
+    return out
+
+
+def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
+                 max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
+                 part: str | None = None, log=print) -> dict[str, Any]:
+    """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/<name>/``.
+
+    Args:
+        part: a committed part of ``chest_xray_224`` (``evaluation`` for headline numbers), ``data`` its root.
+        global_sizes: ``all`` scores the global model at every site's size (and the site mean ``global``),
+            ``largest`` only at the largest (no ``global`` mean).
+
+    Returns:
+        ``{"summary": path, "models": {name: result dict}, "overlap": {...}, "dir": folder, "n_images": int,
+        "probe_images_excluded": int}``.
+
+    Raises:
+        LeakageError: the external set shares file names / patient ids with the run's manifests (unless force).
+        FileNotFoundError / ValueError: no models, unreadable data root, every image in the probe pool.
+    """
+    import torch
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    run = Path(run).resolve()
+    labels = labels or run_labels(run) or "binary"
+    models = list_run_models(run, global_sizes)
+    if not models:
+        raise FileNotFoundError(f"{run}: no saved models (models/*.pt or global_model.pt)")
+    if max_images is not None and max_images < 1:
+        raise ValueError(f"max_images must be >= 1, got {max_images}")
+    records, report, overlap, n_probe, probe_source = _external_records(run, data, labels, part, force, log)
+    records = _subset(records, max_images)
+    name = external_name(data, part)
+    out_dir = run / "external" / name
+    if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
+        import shutil
+
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    scorer = _Scorer(run, records, data, part, labels, n_boot)
+    results: dict[str, dict] = {}
+    preds: dict[str, np.ndarray] = {}
+    for m in models:
+        res, preds[m["name"]] = scorer.score(m)
+        res["overlap"] = overlap
+        (out_dir / f"{m['name']}.json").write_text(json.dumps(res, indent=1))
+        results[m["name"]] = res
+        log(_line(m["name"], res["input_size"], res))
+    np.savez_compressed(out_dir / "predictions.npz", paths=np.asarray([r["path"] for r in records]),
+                        y=np.asarray(scorer.y, dtype=np.int64), **preds)
+    summ_models = _summary_models(results, run, global_sizes, len(records), log)
+    summary = {"run": str(run), "data": str(Path(data).resolve()), "part": part, "name": name, "labels": labels,
+               "n_images": len(records), "max_images": max_images, "probe_images_excluded": n_probe,
+               "probe_source": probe_source,
+               "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
+               "models": summ_models}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
+            "n_images": len(records), "probe_images_excluded": n_probe}
+
+
+def _external_records(run: Path, data, labels: str, part, force: bool, log) -> tuple:
+    """The external set's records without the probe pool's images, after the leakage check. Returns
+    ``(records, scan report, overlap, images left out as probe images, probe source)``. Raises LeakageError
+    (unless ``force``) or ValueError (every image in the probe pool)."""
+    records, report = load_external(data, labels, part)
+    overlap = training_overlap(run, records)
+    if overlap["shared_file_names"] or overlap["shared_patient_ids"]:
+        msg = (f"the external set {data} shares {overlap['shared_file_names']} file names and "
+               f"{overlap['shared_patient_ids']} patient ids ({overlap['n_external_images_affected']} images) with "
+               f"the run's site data (e.g. {', '.join(overlap['examples'][:4])}): these are not external images")
+        if not force:
+            raise LeakageError(msg + "; use a disjoint set, or --force to evaluate anyway")
+        log("WARNING " + "!" * 60)
+        log(f"WARNING: --force: {msg}. The metrics below are optimistic and NOT an external validation.")
+        log("WARNING " + "!" * 60)
+    probe_names, probe_source = probe_pool(run)
+    n_before = len(records)
+    records = [r for r in records if _stem_key(r["path"]) not in probe_names]
+    n_probe = n_before - len(records)
+    overlap["probe_file_names"] = n_probe
+    if n_probe:
+        log(f"note: left out {n_probe} of {n_before} images: they are in the probe pool the run's server used "
+            f"({probe_source})")
+    if not records:
+        raise ValueError(f"all {n_before} images of {data} are in the probe pool the run's server used "
+                         f"({probe_source}); evaluate on images outside it (e.g. --part evaluation of chest_xray_224)")
+    return records, report, overlap, n_probe, probe_source
+
+
+class _Scorer:
+    """Scores one run's saved models on the external records: argmax metrics, the binary decision threshold chosen
+    on the model's own site's validation split (the global model: every site's), pooled bootstrap CIs."""
+
+    def __init__(self, run: Path, records: list[dict], data, part, labels: str, n_boot: int):
+        from chest_xray import CLASS_NAMES
+
+        self.run, self.records, self.data, self.part, self.labels, self.n_boot = run, records, data, part, labels, n_boot
+        self.names = CLASS_NAMES[labels]
+        self.C = len(self.names)
+        self.val_rows = {s: [r for r in rs if r["split"] == "val"] for s, rs in site_rows(run).items()}
+        self.run_labels = run_labels(run) or labels
+        self.cache = _ProbCache()
+        self.y = None
+
+    def score(self, m: dict) -> tuple[dict, np.ndarray]:
+        """``(result dict, float32 probabilities (N, C))`` of one model of :func:`list_run_models`."""
+        from hfl_components.training import choose_threshold, compute_metrics, pooled_metrics_with_ci, predict_proba
+
+        C, run = self.C, self.run
+        model, blob = load_model_file(m["path"])
+        size = int(m["input_size"] or blob.get("input_size") or 64)
+        mc = int(blob["spec"].get("num_classes", C))
+        aspect = model_aspect(blob, run)
+        p, y = predict_proba(model, self.cache.loader("ext", self.records, size, aspect))
+        self.y = y
+        p = _collapse(p, mc, C)
+        res: dict[str, Any] = {"model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
+                               "spec": blob["spec"], "input_size": size, "aspect": aspect,
+                               "data": str(Path(self.data).resolve()), "part": self.part, "labels": self.labels,
+                               "class_names": list(self.names), "n": int(len(y)), "test": compute_metrics(y, p, C)}
+        # threshold from the validation split of the model's own site (global: every site's validation split)
+        vrows = (self.val_rows.get(m["site"], []) if m["site"] else [r for rs in self.val_rows.values() for r in rs])
+        thr = None
+        if C == 2 and vrows and self.run_labels in ("binary", "subtype"):
+            vlab = [{"path": r["path"], "label": r["label"] if self.run_labels == "binary" else int(r["label"] > 0)}
+                    for r in vrows]
+            vp, vy = predict_proba(model, self.cache.loader(f"val:{m['site']}", vlab, size, aspect))
+            vp = _collapse(vp, mc, C)
+            thr = choose_threshold(vy, vp[:, 1])
+            res["val_n"] = int(len(vy))
+            res["test_at_val_threshold"] = compute_metrics(y, p, C, threshold=thr)
+        res["val_threshold"] = thr
+        res["pooled_ci"] = pooled_metrics_with_ci(y, p, C, n_boot=self.n_boot, threshold=None)
+        return res, p.astype(np.float32)
+
+
+def _summary_models(results: dict, run: Path, global_sizes: str, n_images: int, log) -> dict:
+    """``summary.json``'s ``models``: each model's headline metrics, and the global model's site mean."""
+    summ_models = {k: {key: v["test"].get(key) for key in SUMMARY_METRICS}
+                   | {"kind": v["kind"], "site": v["site"], "input_size": v["input_size"],
+                      "val_threshold": v["val_threshold"],
+                      **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
+                          "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
+                         if "test_at_val_threshold" in v else {})}
+                   for k, v in results.items()}
+    g = global_site_mean(results, run_site_sizes(run)) if global_sizes == "all" else None
+    if g:
+        summ_models["global"] = {**g, "kind": "global", "site": None}
+        log(f"{'global':<18}{'site mean':>7}  n={n_images:<5} acc {_f3(g['accuracy'])}  bal_acc "
+            f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
+    return summ_models
+
+
+def _f3(v) -> str:
+    return "  -  " if v is None else f"{v:.3f}"
+
+
+def _line(name: str, size: int, res: dict) -> str:
+    t = res["test"]
+
+    def f(v):
+        return "  -  " if v is None else f"{v:.3f}"
+    s = (f"{name:<18}{size:>5}px  n={res['n']:<5} acc {f(t['accuracy'])}  bal_acc {f(t['balanced_accuracy'])}  "
+         f"auc {f(t['auc'])}")
+    if "test_at_val_threshold" in res:
+        tv = res["test_at_val_threshold"]
+        s += f"  | thr {res['val_threshold']:.3f}: sens {f(tv['sensitivity'])} spec {f(tv['specificity'])}"
+    return s

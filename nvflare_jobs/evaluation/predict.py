@@ -1,0 +1,174 @@
+"""Prediction on unlabelled images (``cxr-hfl predict``): :func:`predict_files`."""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+
+from chest_xray.io import SUPPORTED_SUFFIXES
+from chest_xray.screening import MIN_IMAGE_SIDE, screen_image
+from nvflare_jobs.evaluation._run import load_model_file, model_aspect
+
+def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[Path]:
+    """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder,
+    searched recursively, following symbolic links to folders (each real folder once, as ``partition`` does), for
+    .jpg/.jpeg/.png/.dcm/.dicom and for files with any other name that carry the DICOM ``DICM`` marker, as PACS
+    and CD exports name them (``IM000001``, ``1.2.840.10008....``). Broken symbolic links with an image suffix are
+    returned too, so that they are reported as skipped rather than silently left out.
+
+    Args:
+        skipped: when given, receives ``{"path", "reason", "kind"}`` for what the folder walk could not enter: a
+            symbolic-link cycle or second link to a folder already searched, a folder that cannot be listed, a
+            broken link without an image suffix (operating-system junk folders such as ``__MACOSX`` are left out
+            silently).
+    """
+    from chest_xray.dataset import _dir_key, _sniff_dicom, _walk_files
+
+    def wanted(f: Path) -> bool:
+        if f.suffix.lower() in SUPPORTED_SUFFIXES:
+            return True
+        return _sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
+
+    out: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    for s in inputs:
+        p = Path(s)
+        if p.is_dir():
+            walk_skips: list[dict] = []
+            real = Path(os.path.realpath(p))  # a link up to the folder or a parent would leave the input: not followed
+            blocked = {k for k in map(_dir_key, [real, *real.parents]) if k}
+            files = [f for f in _walk_files(p, walk_skips, seen, blocked) if wanted(f)]
+            for e in walk_skips:
+                if e["kind"] == "broken symbolic link" and Path(e["path"]).suffix.lower() in SUPPORTED_SUFFIXES:
+                    files.append(Path(e["path"]))
+                elif e["kind"] != "junk" and skipped is not None:
+                    skipped.append(e)
+            out.extend(sorted(files))
+        else:
+            out.append(p)  # missing files are reported as skipped, not raised
+    return out
+
+
+def check_predict_args(inputs: list[str], out_csv: str | Path) -> None:
+    """Up-front checks of ``predict``'s arguments, before any model is loaded.
+
+    Raises:
+        FileNotFoundError: none of the inputs exists.
+        ValueError: ``out_csv`` is a folder or lies under a file; the inputs hold no image files at all.
+    """
+    out = Path(out_csv)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a CSV file name, e.g. {out / 'predictions.csv'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+            break
+    missing = [s for s in inputs if not Path(s).exists() and not Path(s).is_symlink()]
+    if len(missing) == len(inputs):
+        raise FileNotFoundError(f"no such file or folder: {', '.join(missing)}")
+    if not collect_files(inputs):
+        exts = "/".join(x.lstrip(".") for x in SUPPORTED_SUFFIXES)
+        raise ValueError(f"no image files ({exts}) found in {', '.join(inputs)}")
+
+
+def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
+                  threshold: float | None = None, allow_any_modality: bool = False,
+                  allow_lateral: bool = False) -> dict[str, int]:
+    """Write per-image class probabilities and the predicted class to ``out_csv``.
+
+    Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
+    written with status ``skipped`` and the reason; it never stops the run. So is an image that is not a plausible
+    chest radiograph: shorter side under :data:`MIN_IMAGE_SIDE` px, or colourful (see :func:`screen_image`), and
+    a broken symbolic link.
+
+    Raises:
+        FileNotFoundError: no input exists. ValueError: ``out_csv`` is a folder, no image files in the inputs,
+            or ``model_path`` is not a cxr-hfl model file (all checked before inference). DICOM objects that are not CR/DX/DR
+    projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
+    only): predict PNEUMONIA when p >= threshold; default argmax.
+    """
+    import torch
+
+    from chest_xray import build_transforms, class_names, scheme_for_num_classes
+    from hfl_components.training import predict_labels
+
+    check_predict_args(inputs, out_csv)
+    model, blob = load_model_file(model_path)
+    size = int(blob.get("input_size") or 64)
+    labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
+    names = class_names(labels)
+    tf = build_transforms(size, "eval", aspect=model_aspect(blob))
+    folder_skips: list[dict] = []
+    files = collect_files(inputs, folder_skips)
+    rows: list[dict] = []
+    batch: list[tuple[int, torch.Tensor]] = []
+
+    def flush():
+        if not batch:
+            return
+        with torch.no_grad():
+            x = torch.stack([t for _, t in batch])
+            p = torch.softmax(model.head(model.features(x)), dim=1).numpy().astype(np.float64)
+        pred = predict_labels(p, threshold)
+        for (i, _), pi, ci in zip(batch, p, pred):
+            rows[i].update({f"p_{n}": round(float(v), 5) for n, v in zip(names, pi)})
+            rows[i]["predicted"] = names[int(ci)]
+        batch.clear()
+
+    for f in files:
+        row = {"path": str(f), "status": "ok", "reason": ""}
+        rows.append(row)
+        try:
+            _screen(f, allow_any_modality, allow_lateral)
+            x = tf({"image": str(f), "label": 0})["image"]
+        except Exception as e:  # noqa: BLE001 -- one bad file never stops the run
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            reason = getattr(cause, "reason", None) or f"{type(cause).__name__}: {cause}"
+            row.update({"status": "skipped", "reason": str(reason).replace("\n", " ")[:300]})
+            continue
+        batch.append((len(rows) - 1, x))
+        if len(batch) >= batch_size:
+            flush()
+    flush()
+    rows.extend({"path": e["path"], "status": "skipped", "reason": e["reason"]} for e in folder_skips)
+    _write_rows(Path(out_csv), rows, ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"])
+    n_ok = sum(r["status"] == "ok" for r in rows)
+    return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size}
+
+
+def _screen(f: Path, allow_any_modality: bool, allow_lateral: bool) -> None:
+    """Raise :class:`chest_xray.ImageReadError` for a file :func:`predict_files` skips: a broken link, a DICOM object
+    the training scan would skip (not a CR/DX/DR projection, a lateral view) or too small, a JPEG/PNG that is no
+    plausible chest radiograph (:func:`chest_xray.screening.screen_image`)."""
+    from chest_xray import ImageReadError
+    from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
+
+    if f.is_symlink() and not f.exists():
+        raise ImageReadError(f, f"broken symbolic link (its target {os.readlink(f)} does not exist)")
+    if _is_dicom(f) and f.is_file():  # same rule as the training scan: projection radiographs, no laterals
+        hdr = dicom_header(f)
+        why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
+        side = min(int(hdr.get("rows") or 0), int(hdr.get("columns") or 0))
+        if not why and 0 < side < MIN_IMAGE_SIDE:
+            why = (f"image too small to be a chest radiograph: {hdr.get('columns')}x{hdr.get('rows')} px "
+                   f"(shorter side under {MIN_IMAGE_SIDE} px)")
+        if why:
+            raise ImageReadError(f, why)
+    elif f.is_file():
+        why = screen_image(f)
+        if why:
+            raise ImageReadError(f, why)
+
+
+def _write_rows(out: Path, rows: list[dict], cols: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # surrogateescape: a file name that is not UTF-8 (e.g. cp1252 from a Windows zip) is written as its exact bytes
+    with out.open("w", newline="", encoding="utf-8", errors="surrogateescape") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)

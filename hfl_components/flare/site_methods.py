@@ -159,23 +159,18 @@ def _with_method(handler):
     return run
 
 
-def _with_method(handler):
-    """Wrap a handler so the site runtime knows the method of the task it runs (``meta["method"]``, sent by the
-    server; recorded in the provenance of the model files the site saves)."""
-    @functools.wraps(handler)
-    def run(rt, params, meta):
-        rt.method = meta.get("method") or rt.method
-        return handler(rt, params, meta)
-
-    return run
-
-
 def handler(task: str):
-    """The site handler of ``task`` (the catalogue's ``site_handler``), wrapped to record the task's method.
+    """The site handler of ``task`` (the catalogue's ``site_handler``; ``cross_eval``, the cross-site evaluation
+    of model files, belongs to no method: :func:`hfl_components.flare.site_crosseval.cross_eval`), wrapped to
+    record the task's method.
 
     Raises:
         ValueError: no method answers ``task`` (the message lists the known tasks).
     """
+    if task == "cross_eval":
+        from hfl_components.flare.site_crosseval import cross_eval
+
+        return _with_method(cross_eval)
     from hfl_components.flare.catalogue import site_handler
 
     return _with_method(site_handler(task))

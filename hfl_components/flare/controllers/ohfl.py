@@ -145,6 +145,14 @@ class OHFLController(HFLController):
                 self._probe_preloader = ProbePreloader(self._load_probe)
             return self._probe_preloader
 
+    def check_server_inputs(self) -> None:
+        """The probe set exists on the server and lists images (``generated`` needs none); checked at job start."""
+        if self.probe != "generated":
+            from hfl_components.flare.probe import list_probe_files
+
+            if not list_probe_files(self.probe):
+                raise FileNotFoundError(f"OHFL probe set {self.probe!r} on the server lists no images")
+
     def _load_probe(self, size: int):
         """The probe at one input size: (tensor, file names, warnings) (``hfl_components.flare.probe``)."""
         from hfl_components.flare.probe import load_probe

@@ -144,7 +144,8 @@ def pooled_note(m: dict) -> str:
 def model_card(m: dict, audit: str | None = None) -> str:
     """The model card of a run, describing the run itself: its sites (simulated partitions of the Kermany set, or
     a consortium's hospitals for a POC / provisioned job), the counts of sites, training and test images, the
-    sites left out, which sites the pooled metrics come from, and the shortcut audit's headline (``audit``) when given."""
+    sites left out, which sites the pooled metrics come from, and the shortcut audit's headline (``audit``) when
+    given."""
     sites = m.get("sites", {})
     rows = [[s, _model_name(b.get("model")), b.get("input_size"), b.get("n_train"), b.get("n_test"),
              _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc"))]

@@ -9,6 +9,7 @@ import unicodedata
 from pathlib import Path
 
 from ._walk import _skip
+from .io._salt import patient_id_key
 
 
 def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
@@ -53,12 +54,15 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
     an earlier row (same file, same label), and every row of a file listed with different labels are listed in
     ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
-    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``."""
+    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``. Patient ids that
+    differ only in case or whitespace (:func:`chest_xray.io._salt.patient_id_key`) are one patient, under the
+    spelling of its first row."""
     cols, rows = read_csv_rows(root)
     if not {"path", "label"} <= set(cols):
         raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
     first: dict[str, tuple[int, str]] = {}  # path -> (line, label) of its first row
     conflicting: dict[str, set[str]] = {}
+    spelling: dict[str, str] = {}  # patient_id_key -> the id as first written
     kept: list[tuple[int, Path, str, str | None]] = []
     later: list[tuple[int, Path]] = []  # rows after the first of a file listed with another label
     for line, row in enumerate(rows, start=2):
@@ -89,6 +93,8 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
             continue
         first[key] = (line, label)
         pid = (row.get("patient_id") or "").strip() or None
+        if pid is not None:  # one patient however its id is spelled (case, whitespace): its first spelling
+            pid = spelling.setdefault(patient_id_key(pid), " ".join(pid.split()))
         kept.append((line, p, label, pid))
     out: list[tuple[Path, str, str | None]] = []
     for line, p in [(line, p) for line, p, _, _ in kept] + later:
@@ -101,12 +107,25 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
 
 
 
+def _legacy_decoded(comp: str) -> str | None:
+    """A path component holding bytes that are not UTF-8 (kept as surrogate escapes by :func:`read_csv_rows`) read
+    as Windows-1252, the encoding spreadsheet software in Western Europe saves CSV files in; NFC. None otherwise."""
+    if not any("\udc80" <= c <= "\udcff" for c in comp):
+        return None
+    try:
+        return unicodedata.normalize("NFC", comp.encode("utf-8", "surrogateescape").decode("cp1252"))
+    except UnicodeError:
+        return None
+
+
 def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
     """The file ``path`` names, matched after Unicode normalisation where the exact name does not exist.
 
     macOS writes file names decomposed (NFD: "e" + combining accent); a manifest typed on another system holds
-    them composed (NFC), or the other way round, and the bytes differ. Each path component that does not exist as
-    written is compared, in NFC, with the entries of its folder; one unique match is taken.
+    them composed (NFC), or the other way round, and the bytes differ. A manifest saved in Windows-1252 holds
+    bytes that are not UTF-8 where the disk holds UTF-8 names. Each path component that does not exist as written
+    is compared, in NFC (and, when it holds non-UTF-8 bytes, read as Windows-1252), with the entries of its
+    folder; one unique match is taken.
 
     Returns:
         ``(path on disk, message)``: the message says which normalisation was applied (None when the path exists
@@ -121,14 +140,18 @@ def match_normalised(path: str | os.PathLike) -> tuple[Path, str | None] | None:
         if os.path.lexists(cand):
             cur = cand
             continue
-        want = unicodedata.normalize("NFC", comp)
+        want, legacy = unicodedata.normalize("NFC", comp), _legacy_decoded(comp)
         try:
-            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) == want]
+            hits = [e for e in os.listdir(cur) if unicodedata.normalize("NFC", e) in (want, legacy)]
         except OSError:
             return None
         if len(hits) != 1:
             return None
         on_disk = hits[0]
+        if legacy is not None and unicodedata.normalize("NFC", on_disk) == legacy:
+            forms.add("the manifest's bytes read as Windows-1252: the CSV is not UTF-8")
+            cur = cur / on_disk
+            continue
         forms.add(("NFD" if unicodedata.is_normalized("NFD", on_disk) else "NFC" if
                    unicodedata.is_normalized("NFC", on_disk) else "mixed") + " on disk, "
                   + ("NFC" if unicodedata.is_normalized("NFC", comp) else "NFD" if

@@ -102,15 +102,26 @@ def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _other_class(cls: str | None, name: str) -> str | None:
+    """The class a sub-folder of class folder ``cls`` is named after when that contradicts ``cls`` (``PNEUMONIA/``
+    inside ``NORMAL/``; ``BACTERIAL/`` inside ``PNEUMONIA/`` agrees with it), else None."""
+    other = name.upper()
+    if cls is None or other not in _CLASS_DIRS or other == cls:
+        return None
+    pneumonia = {"PNEUMONIA", "BACTERIAL", "VIRAL"}
+    return None if "PNEUMONIA" in (cls, other) and {cls, other} <= pneumonia else other
+
+
 def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
-                blocked: set[tuple[int, int]] = frozenset()) -> list[Path]:
+                blocked: set[tuple[int, int]] = frozenset(), cls: str | None = None) -> list[Path]:
     """Every file under ``top``, following symbolic links to folders, each real folder visited once.
 
     The paths returned are the paths *as found* (through the links, never resolved). A folder reached a second
     time (a symbolic-link cycle, or two links to one folder) is listed in ``skipped`` once per extra path and not
     scanned again, so no image is counted twice. A link to a folder in ``blocked`` (the data root, its parent
     folders, the other class folders) is listed and not followed: following it would loop or give another class's
-    images this folder's label. Junk folders and broken links are listed in ``skipped``.
+    images this folder's label. Junk folders and broken links are listed in ``skipped``, and so is a sub-folder
+    named after a class that contradicts ``cls`` (``NORMAL/PNEUMONIA/``): its images' label is ambiguous.
     """
     out: list[Path] = []
     stack = [top]
@@ -148,9 +159,13 @@ def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, i
                 skipped.append(_skip(p, f"cannot stat ({err.strerror or err})", "unreadable"))
                 continue
             if is_dir:
-                why = junk_reason(p, is_dir=True)
+                why, other = junk_reason(p, is_dir=True), _other_class(cls, e.name)
                 if why:
                     skipped.append(_skip(p, why, "junk"))
+                elif other:
+                    skipped.append(_skip(p, f"folder named {other} inside the {cls} class folder: its images' label "
+                                            "is ambiguous, not scanned (move them to the right class folder)",
+                                         "ambiguous class folder"))
                 else:
                     subdirs.append(p)
             elif is_file:
@@ -222,7 +237,7 @@ def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]],
     real = Path(os.path.realpath(root))
     blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
     for cd, c in class_dirs:
-        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked))
+        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked, c))
     return sorted(out, key=lambda t: str(t[0]))
 
 

@@ -327,6 +327,9 @@ def _scan_file(
         return None, _skip(path, why, "junk"), notes, None
     if path.is_dir():  # a manifest row naming a folder
         return None, _skip(path, "a folder, not an image file", "not a regular file"), notes, None
+    if path.exists() and not path.is_file():  # a pipe, socket or device (a manifest row): opening it could block
+        return None, _skip(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
+            None
     suffix = path.suffix.lower()
     # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
     # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
@@ -368,6 +371,8 @@ def _scan_file(
 def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
                 notes: list[dict[str, str]]):
     """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
+    if path.stat().st_size == 0:  # as for any other image, not "not a valid DICOM file"
+        raise ImageReadError(path, "empty file (0 bytes)", "empty file")
     hdr = dicom_header(path)
     why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
     if why:
@@ -407,6 +412,7 @@ def _pil_size(path: Path) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     from .io import EXIF_SWAPS_AXES, MAX_PIXELS, _warnings_scope, check_readable, exif_orientation
+    from .io._common import image_signature
 
     try:
         if path.stat().st_size == 0:
@@ -423,6 +429,9 @@ def _pil_size(path: Path) -> tuple[int, int]:
     except Image.DecompressionBombError as e:
         raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
+        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
+            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
+                                 "corrupt or truncated") from None
         raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
                              "not an image") from None
     except FileNotFoundError as e:

@@ -213,7 +213,7 @@ def group_records(records: list[dict[str, Any]], info: list[dict[str, Any]], *, 
     for r in recs:
         r["patient_id"] = u.find(r["patient_id"])
     across = [g for g in groups if len({info[k].get("split") for k in g} - {None}) > 1]
-    skipped = [{"path": recs[k]["path"], "reason": "the same bytes are under two classes ("
+    skipped = [{"path": recs[k]["path"], "reason": "the same bytes are under more than one class ("
                 + ", ".join(_name(recs[j]["path"]) + f" label {recs[j]['label']}" for j in g if j != k)[:200]
                 + "): contradictory labels, none is used", "kind": "contradictory labels"}
                for g in contra for k in g]

@@ -15,6 +15,8 @@ COMMAND_MODULES = [
     "nvflare_jobs.commands.partition",  # partition, inspect
     "nvflare_jobs.commands.simulate",  # simulate, export-job
     "nvflare_jobs.commands.deploy",  # provision, poc
+    "nvflare_jobs.commands.status",  # status, results, submit
+    "nvflare_jobs.commands.crosssite",  # export-eval
     "nvflare_jobs.commands.site",  # site check
     "nvflare_jobs.commands.evaluate",  # compare, evaluate, predict, report
 ]

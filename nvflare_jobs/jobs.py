@@ -51,16 +51,68 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
     return resolve(e.controller).from_options(method, profile, checked, common, tc)
 
 
-def build_job(method: str, profile: dict[str, dict], opts: dict):
+TRACKING = ("tensorboard", "mlflow", "none")
+TB_FOLDER = "tb_events"  # <server run dir>/tb_events/<site>/events.out.tfevents.* (NVFlare's TBAnalyticsReceiver)
+MLFLOW_EXTRA = "cxr-hfl[mlflow]"
+
+
+def add_tracking_args(p) -> None:
+    """``--tracking`` and ``--tracking-uri`` (simulate, export-job)."""
+    p.add_argument("--tracking", choices=TRACKING, default="tensorboard",
+                   help="experiment tracking on the server (NVFlare's receivers of the sites' "
+                        "nvflare.client.tracking scalars: per-epoch loss, per-round validation metrics): tensorboard "
+                        "(default; event files in the server's run folder, tb_events/<site>/), mlflow (also "
+                        f"TensorBoard; needs the {MLFLOW_EXTRA} extra), none")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: a local SQLite store mlflow.db in the "
+                                          "server's job results)")
+
+
+def tracking_receivers(tracking: str = "tensorboard", tracking_uri: str | None = None) -> list:
+    """The server components for ``tracking``: NVFlare's ``TBAnalyticsReceiver`` (unless ``none``), plus its
+    ``MLflowReceiver`` for ``mlflow`` (a local SQLite store unless ``tracking_uri``).
+
+    Raises:
+        ValueError: an unknown choice, ``tracking_uri`` without mlflow, or mlflow asked for without the
+            ``cxr-hfl[mlflow]`` extra installed (naming the extra).
+    """
+    if tracking not in TRACKING:
+        raise ValueError(f"--tracking {tracking!r}: choose one of {', '.join(TRACKING)}")
+    if tracking_uri and tracking != "mlflow":
+        raise ValueError("--tracking-uri is an MLflow setting: add --tracking mlflow")
+    if tracking == "none":
+        return []
+    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+
+    out = [TBAnalyticsReceiver(tb_folder=TB_FOLDER)]
+    if tracking == "mlflow":
+        import importlib.util
+
+        if any(importlib.util.find_spec(m) is None for m in ("mlflow", "alembic", "sqlalchemy")):
+            raise ValueError(f"--tracking mlflow needs MLflow on the server: pip install '{MLFLOW_EXTRA}' "
+                             "(the pinned mlflow-skinny and its SQLite store)")
+        from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver
+
+        out.append(MLflowReceiver(tracking_uri=tracking_uri,
+                                  kw_args={"experiment_name": "cxr-hfl", "run_name": "cxr-hfl"}))
+    return out
+
+
+def build_job(method: str, profile: dict[str, dict], opts: dict, tracking: str = "tensorboard",
+              tracking_uri: str | None = None):
     """A ``FedJob`` named ``cxr_hfl_<method>``: the method's controller on the server, the site script at every
-    site of the profile (one ``to(..., site)`` per site; sites are the profile's file names)."""
+    site of the profile (one ``to(..., site)`` per site; sites are the profile's file names), and the tracking
+    receivers of :func:`tracking_receivers` on the server. Raises ValueError as ``make_controller`` and
+    ``tracking_receivers`` do."""
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
     ctl = make_controller(method, profile, opts)
+    receivers = tracking_receivers(tracking, tracking_uri)
     job = FedJob(name=f"cxr_hfl_{method}", min_clients=ctl.min_sites)
     job.to_server(ctl)
     job.to_server(ServerParams({"server": {"task_request_interval": TASK_REQUEST_INTERVAL_S}}))
+    for i, r in enumerate(receivers):
+        job.to_server(r, id=("tb_receiver", "mlflow_receiver")[i])
     from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
     from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
 

@@ -127,28 +127,63 @@ def _model_name(spec: dict | None) -> str:
     return "/".join(str(spec[k]) for k in ("family", "depth", "width") if spec.get(k) is not None) or "?"
 
 
-def model_card(m: dict) -> str:
+def pooled_note(m: dict) -> str:
+    """Which sites the pooled metrics come from (``metrics.json`` ``pooled_sites``: the sites that shared per-image
+    predictions), e.g. ``from 1 of 3 sites with results (site-1; the others keep predictions at home)``."""
+    with_results = sites_with_results(m)
+    pooled = m.get("pooled_sites")
+    if pooled is None:  # a run assembled before pooled_sites was recorded
+        return "from the sites that shared per-image predictions (not recorded which)"
+    if not pooled:
+        return "none: no site shared per-image predictions (share_predictions: false keeps them at the site)"
+    rest = [s for s in with_results if s not in pooled]
+    return (f"from {len(pooled)} of {len(with_results)} sites with results ({', '.join(pooled)})"
+            + (f"; {', '.join(rest)} kept their predictions at home (share_predictions: false)" if rest else ""))
+
+
+def model_card(m: dict, audit: str | None = None) -> str:
+    """The model card of a run, describing the run itself: its sites (simulated partitions of the Kermany set, or
+    a consortium's hospitals for a POC / provisioned job), the counts of sites, training and test images, the
+    sites left out, which sites the pooled metrics come from, and the shortcut audit's headline (``audit``) when
+    given."""
     sites = m.get("sites", {})
     rows = [[s, _model_name(b.get("model")), b.get("input_size"), b.get("n_train"), b.get("n_test"),
              _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc"))]
             for s, b in sites.items()]
+    deployed = m.get("job_id") is not None or m.get("downloaded_from") is not None
+    excluded = sorted(set(m.get("excluded_sites") or {}) - set(sites_with_results(m)))
+    n_train = sum(int(b.get("n_train") or 0) for b in sites.values())
+    n_test = sum(int(b.get("n_test") or 0) for b in sites.values())
+    who = ("one per hospital of the consortium that finished the job "
+           f"(job {html.escape(str(m.get('job_id')))}, status {html.escape(str(m.get('job_status')))})"
+           if deployed else "one per simulated hospital site")
+    if deployed:
+        data = ("<p><b>Training data:</b> each hospital's own images, which never left the hospital; the coordinator "
+                "has not seen them. Population, scanners and label sources are as each hospital's data owner "
+                "documents them; this card cannot state them.</p>")
+    else:
+        data = (f"<p><b>Training data:</b> the Kermany chest X-ray set — paediatric patients (ages 1–5) from a single "
+                f"centre (Guangzhou Women and Children's Medical Center), anterior–posterior JPEGs. "
+                f"{html.escape(CITATION)}. The sites are simulated partitions of this one set, not different "
+                "hospitals.</p>")
     return ("<div class='card'><h2>Model card</h2>"
             f"<p><b>Models:</b> {len(sites)} site models trained with <code>{html.escape(str(m.get('method')))}</code> "
-            f"(label scheme <code>{html.escape(str(m.get('labels')))}</code>), one per simulated hospital site, each at "
-            "its own architecture and input resolution.</p>"
+            f"(label scheme <code>{html.escape(str(m.get('labels')))}</code>), {who}, each at its own architecture "
+            f"and input resolution; {n_train} training and {n_test} test images in all"
+            + (f"; left out: {html.escape(', '.join(excluded))} (see Excluded sites)" if excluded else "") + ".</p>"
             "<p><b>Intended use:</b> research on heterogeneous federated learning for chest X-ray classification "
             "(normal vs pneumonia, or pneumonia subtype). <b>Not a medical device; not for clinical decisions.</b></p>"
-            f"<p><b>Training data:</b> the Kermany chest X-ray set — paediatric patients (ages 1–5) from a single "
-            f"centre (Guangzhou Women and Children's Medical Center), anterior–posterior JPEGs. {html.escape(CITATION)}. "
-            "The sites are simulated partitions of this one set, not different hospitals.</p>"
+            + data +
             "<p><b>Not validated on:</b> adults; other centres, scanners or populations; DICOM from other vendors or "
             "acquisition protocols; lateral views; portable/ICU films; other findings (COVID-19, tuberculosis, "
             "effusion, ...); images with devices or annotations. Pneumonia labels come from the dataset's grading, "
             "not from a reference standard such as CT or culture.</p>"
             "<p><b>Per-site results</b> (each site's own held-out test split, argmax decision):</p>"
             + _table(["site", "model", "input px", "n train", "n test", "accuracy", "AUC"], rows)
+            + "<p><b>Pooled metrics:</b> " + html.escape(pooled_note(m)) + ".</p>"
             + "<p><b>Limitations:</b> small test splits give wide confidence intervals; the pooled 95% CIs below are "
-              "bootstrap intervals over images, not over sites or centres.</p></div>")
+              "bootstrap intervals over images, not over sites or centres.</p>"
+            + (f"<p><b>Shortcut audit</b> (section below): {html.escape(audit)}.</p>" if audit else "") + "</div>")
 
 
 def excluded_rows(m: dict) -> list[list]:
@@ -210,7 +245,9 @@ def render_run(run: Path) -> str:
                 ["manifests", "; ".join(mans)],
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
-    body.append(model_card(m))
+    from nvflare_jobs.audit_report import card_note
+
+    body.append(model_card(m, card_note(run)))
     body += _results_sections(m)
     body += _figure_sections(run, m, names, bool(empty))
     body += _external_sections(run)
@@ -234,7 +271,11 @@ def _results_sections(m: dict) -> list[str]:
     prow = [[k.replace("_", " "), _f((pooled.get(k) or {}).get("value")),
              f"{_f((pooled.get(k) or {}).get('ci_low'))}–{_f((pooled.get(k) or {}).get('ci_high'))}"]
             for k in ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")]
-    body += ["<h2>Pooled test metrics (95% bootstrap CI)</h2>", _table(["metric", "value", "95% CI"], prow)]
+    body += ["<h2>Pooled test metrics (95% bootstrap CI)</h2>", f"<p>{html.escape(pooled_note(m))}.</p>",
+             _table(["metric", "value", "95% CI"], prow)]
+    if m.get("tensorboard"):
+        body.append(f"<p>Training curves (per-site loss, validation metrics): <code>tensorboard --logdir "
+                    f"{html.escape(str(m['tensorboard']))}</code></p>")
     extra = []
     if m.get("bytes_uploaded") is not None:
         extra.append(["bytes uploaded / downloaded", f"{m.get('bytes_uploaded'):,} / {m.get('bytes_downloaded', 0):,}"])
@@ -284,6 +325,10 @@ def _external_sections(run: Path) -> list[str]:
                          "specificity @thr"], erows),
                  *(["<p>global: each metric at every site's input size, averaged over sites (no size chosen on "
                     "the test set).</p>"] if "global" in e.get("models", {}) else [])]
+        if (ext.parent / "audit.json").is_file():
+            from nvflare_jobs.audit_report import audit_html
+
+            body += audit_html(json.loads((ext.parent / "audit.json").read_text()), ext.parent)
     return body
 
 
@@ -328,6 +373,13 @@ def render_compare(cdir: Path) -> str:
         body.append(_figure(_png_b64(fig), "Per-site accuracy by method"))
     body.append("<h2>Tables</h2><pre>" + html.escape(md) + "</pre>")
     body.append("<h2>Runs</h2>")
+    from nvflare_jobs.audit_report import card_note
+
+    notes = [[method, seed, card_note(Path(m.get("_run_dir") or cdir / f"seed{seed}" / method))]
+             for method, seed, m in runs]
+    if any(n[2] for n in notes):
+        body += ["<h3>Shortcut audit per run (details in each run's report)</h3>",
+                 _table(["method", "seed", "audit"], [n for n in notes if n[2]])]
     for method, seed, m in runs:
         p = cdir / f"seed{seed}" / method / "site_accuracy.png"
         if p.is_file():

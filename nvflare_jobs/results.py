@@ -68,15 +68,16 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
             shutil.copy2(src.parent / name, out / name)
     if (src.parent / "global_models").is_dir():  # OHFL with several architecture groups
         shutil.copytree(src.parent / "global_models", out / "global_models", dirs_exist_ok=True)
-    sites, all_p, all_y = {}, [], []
+    sites, all_p, all_y, pooled_sites = {}, [], [], []
     for site, s in sorted(rec.get("sites", {}).items()):
         test = s.get("test") or {}
         if test.get("_probs"):
+            pooled_sites.append(site)
             all_p.extend(test["_probs"])
             all_y.extend(test["_labels"])
         block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
                  "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
-        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy"):
+        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point"):
             if k in s:
                 block[k] = _strip_predictions(s[k])
         sites[site] = block
@@ -91,12 +92,18 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
                "sites": sites, "pooled": pooled, "mean": mean, "std": std,
                "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
                "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
-               "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s)}
+               "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s),
+               # which sites' per-image predictions the pooled metrics come from (share_predictions: true)
+               "pooled_sites": pooled_sites}
+    tb = src.parent.parent / "tb_events"  # NVFlare's TBAnalyticsReceiver: <server run dir>/tb_events/<site>/
+    if tb.is_dir():
+        metrics["tensorboard"] = str(tb.resolve())
     if rec.get("method") == "ohfl":
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
         metrics["server_fusion_s"] = rec.get("server_fusion_s", {})
         metrics["global_model"] = rec.get("global_spec")
+        metrics["operating_point"] = rec.get("operating_point")
         if rec.get("gate"):
             metrics["gate"] = rec["gate"]
         if rec.get("probe"):
@@ -115,7 +122,43 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     from nvflare_jobs import plots
 
     plots.make_all(out, metrics, rec, class_names)
+    write_models_index(out, metrics)
     return metrics
+
+
+MODEL_KINDS = ("deployed", "local", "federated")
+
+
+def write_models_index(run_dir: str | Path, metrics: dict) -> Path:
+    """Write ``<run>/models.json``: one entry per model file of the run (``models/<site>_<kind>.pt``, and the
+    server's ``global_model.pt``) with its name, file, SHA-256, size in bytes, kind, site, method, seed, input size
+    (pixels), architecture spec, the site's test metrics (deployed models) and the site's gate decision (OHFL).
+    POC / provisioned runs hold only the server's models (site models stay at the sites). Returns the file."""
+    import hashlib
+
+    run = Path(run_dir)
+    gate = metrics.get("gate") or {}
+    adopted, kept = set(gate.get("adopted_sites") or []), set(gate.get("kept_local") or [])
+    files = sorted((run / "models").glob("*.pt")) if (run / "models").is_dir() else []
+    if (run / "global_model.pt").is_file():
+        files.append(run / "global_model.pt")
+    entries = []
+    for f in files:
+        site, _, kind = f.stem.rpartition("_")
+        if f.name == "global_model.pt":
+            site, kind = None, "global"
+        b = (metrics.get("sites") or {}).get(site) or {}
+        entries.append({
+            "name": f.stem, "file": str(f.relative_to(run)), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+            "bytes": f.stat().st_size, "kind": kind, "site": site, "method": metrics.get("method"),
+            "seed": metrics.get("seed"), "labels": metrics.get("labels"),
+            "input_size": b.get("input_size"), "model": b.get("model") if site else metrics.get("global_model"),
+            "test": b.get("test") if kind == "deployed" else None,
+            "gate": ("adopted the federated model" if site in adopted else "kept its local model" if site in kept
+                     else None) if site and gate else None})
+    path = run / "models.json"
+    path.write_text(json.dumps({"run": run.name, "job_id": metrics.get("job_id"), "models": entries}, indent=1))
+    return path
 
 
 def _timing(rec: dict, wall_time_s: float) -> dict:
@@ -217,3 +260,5 @@ def print_summary(m: dict, run_dir: Path) -> None:
             print(f"  {site}: {where}: " + " / ".join(str(r) for r in reasons))
     for note in m.get("notes") or []:  # FedSAF/FedTopo run reports (e.g. no_topq identical to the default)
         print(f"note: {note}")
+    if m.get("tensorboard"):
+        print(f"training curves (per-site loss, validation): tensorboard --logdir {m['tensorboard']}")

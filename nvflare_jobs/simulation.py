@@ -33,7 +33,7 @@ PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "lin
 DEFAULTS = {"data": None, "sites": 6, "scheme": "width", "alpha": 0.5, "labels": None, "rounds": None,
             "local_epochs": None, "finetune_epochs": None, "input_sizes": None, "batch_size": 16,
             "max_train_images": None, "seed": 0, "min_sites": None, "server_device": "auto", "late_wait": None,
-            "feature_dim": 64, "paper": False, "families": None}
+            "feature_dim": 64, "paper": False, "tracking": "tensorboard", "tracking_uri": None, "families": None}
 _TYPES = {"sites": int, "alpha": float, "rounds": int, "local_epochs": int, "finetune_epochs": int, "batch_size": int,
           "max_train_images": int, "seed": int, "min_sites": int, "late_wait": int, "feature_dim": int}
 
@@ -354,9 +354,9 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     return profile_dir, load_profile(profile_dir), data, part_dir
 
 
-RUN_OUTPUTS = ("metrics.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json", "global_model.pt",
-               "global_fused.pt", "global_models",
-                "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
+RUN_OUTPUTS = ("metrics.json", "models.json", "sites.csv", "rounds.csv", "test_predictions.csv", "job_options.json",
+               "global_model.pt", "global_fused.pt", "global_models",
+               "nvflare_log_config.json", "alignment_record.json", "report.html", "models", "workspace",
                "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 
 
@@ -379,7 +379,9 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _options(args, data_root, part_dir) -> dict:
+def _options(args, data_root, part_dir, on_server: bool = False) -> dict:
+    """The job options. ``on_server`` (export-job): the probe is a path on the server machine, checked there at
+    job start (before any site trains), so it must be absolute and is not looked up here."""
     from nvflare_jobs.profiles import default_probe
 
     probe = args.probe
@@ -389,7 +391,12 @@ def _options(args, data_root, part_dir) -> dict:
             raise SystemExit("cxr-hfl: OHFL needs a public probe set for CKA: pass --probe DIR (public images, no "
                              "site's patients), a probe.csv from `cxr-hfl partition --probe-fraction`, or "
                              "--probe generated")
-    if probe and probe not in ("generated", "none"):
+    if on_server and probe and probe not in ("generated", "none"):
+        if not os.path.isabs(probe):
+            raise SystemExit(f"cxr-hfl: --probe {probe}: give the probe's absolute path on the server machine "
+                             "(the server checks it when the job starts, before any site trains)")
+        probe = os.path.normpath(probe)
+    elif probe and probe not in ("generated", "none"):
         probe = str(Path(probe).resolve())
         if not Path(probe).exists():
             raise SystemExit(f"cxr-hfl: --probe {probe} does not exist")
@@ -435,7 +442,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     if sharing:
         print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
               "to the server for pooled metrics (share_predictions: true); a real site's default is false")
-    job = build_job(args.method, profile, opts)
+    job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)

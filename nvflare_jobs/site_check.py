@@ -16,6 +16,7 @@ import numpy as np
 
 SPLITS = ("train", "val", "test")
 MAX_LISTED = 10  # unreadable files listed on the screen (all are in the report dict)
+METADATA_MIN_PER_CLASS = 10  # training images per class below which the metadata check is not run
 
 
 def check_site(config: str | os.PathLike, site: str | None = None, read_images: bool = True,
@@ -63,7 +64,29 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     _count(rows, names, rep, cfg)
     if read_images:
         _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
+        _metadata_check(rows, rep)
     return rep
+
+
+def _metadata_check(rows: list[dict], rep: dict) -> None:
+    """Warn when file-level facts alone predict the training labels (cross-validated AUC >= WARN_AUC,
+    :mod:`hfl_components.audit.metadata`); ``rep["metadata"]`` keeps the AUC, its CI and the features (counts and
+    feature names only)."""
+    from chest_xray.file_facts import facts_for
+    from hfl_components.audit.metadata import WARN_AUC, metadata_baseline
+
+    train = [r for r in rows if r["split"] == "train"]
+    facts, _ = facts_for([r["path"] for r in train])
+    keep = [(f, int(r["label"] > 0)) for f, r in zip(facts, train) if f is not None]
+    if min(sum(y for _, y in keep), sum(1 - y for _, y in keep)) < METADATA_MIN_PER_CLASS:
+        return  # too few training images of a class for a cross-validated AUC worth a warning
+    mb = metadata_baseline([f for f, _ in keep], [y for _, y in keep], n_boot=200)
+    rep["metadata"] = {k: mb[k] for k in ("auc", "ci_low", "ci_high", "n", "features", "fact_aucs", "skipped")}
+    if mb["auc"] is not None and mb["auc"] >= WARN_AUC:
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(mb["fact_aucs"].items())[:3])
+        rep["warnings"].append(f"file facts alone predict the training labels: cross-validated AUC {mb['auc']:.2f} "
+                               f"[{mb['ci_low']:.2f}, {mb['ci_high']:.2f}] on {mb['n']} images (strongest: {top}); "
+                               "a model may learn the acquisition, not the lungs")
 
 
 def _check_model(cfg: dict, rep: dict) -> None:
@@ -110,12 +133,14 @@ def _read_manifest(cfg: dict, rep: dict):
 
 
 def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
+    from chest_xray.io._salt import patient_id_key  # ids differing only in case / whitespace: one patient
+
     man = cfg["data"]["manifest"]
     counts = {sp: {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k) for k, n in enumerate(names)}
               for sp in SPLITS}
     rep["counts"] = counts
     rep["n_images"] = len(rows)
-    rep["n_patients"] = len({r["patient_id"] for r in rows if r.get("patient_id")})
+    rep["n_patients"] = len({patient_id_key(r["patient_id"]) for r in rows if r.get("patient_id")})
     for sp in SPLITS:
         n = sum(counts[sp].values())
         if n == 0:
@@ -127,7 +152,7 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
     by_patient: dict[str, set] = {}
     for r in rows:
         if r.get("patient_id"):
-            by_patient.setdefault(r["patient_id"], set()).add(r["split"])
+            by_patient.setdefault(patient_id_key(r["patient_id"]), set()).add(r["split"])
     leak = sum(1 for s in by_patient.values() if len(s & set(SPLITS)) > 1)
     if leak:
         rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
@@ -201,7 +226,10 @@ def _findings(rows: list[dict], metas: list, cfg: dict) -> list[dict]:
 
 
 def format_report(rep: dict) -> str:
-    """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems)."""
+    """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems); every line that
+    may hold a file name is escaped to one line (:func:`chest_xray.io._common.printable`)."""
+    from chest_xray.io._common import printable
+
     out = [f"cxr-hfl site check: site {rep['site']} (config {rep['config']})"]
     if "counts" in rep or "model" in rep:
         if "manifest" in rep:
@@ -239,15 +267,15 @@ def format_report(rep: dict) -> str:
     if bad:
         out.append("  unreadable files (manifest line: file: reason):")
         for b in bad[:MAX_LISTED]:
-            out.append(f"    line {b['line']}: {b['path']}: {b['reason']}")
+            out.append(printable(f"    line {b['line']}: {b['path']}: {b['reason']}"))
         if len(bad) > MAX_LISTED:
             out.append(f"    ... and {len(bad) - MAX_LISTED} more (cxr-hfl site check --json FILE lists all)")
     for f in rep.get("findings") or ():  # one line per finding: counts, example file names, no patient field
-        out.append(f"  finding: {f['text']}")
+        out.append(printable(f"  finding: {f['text']}"))
     for w in rep["warnings"]:
-        out.append(f"  warning: {w}")
+        out.append(printable(f"  warning: {w}"))
     for e in rep["errors"]:
-        out.append(f"  ERROR: {e}")
+        out.append(printable(f"  ERROR: {e}"))
     out.append(f"  result: {'FAILED' if rep['errors'] else 'OK'} ({len(rep['errors'])} errors, "
                f"{len(rep['warnings'])} warnings)")
     return "\n".join(out)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import warnings
 from contextlib import contextmanager
@@ -44,6 +45,14 @@ def _one_line(text: str, limit: int = 300) -> str:
     return t if len(t) <= limit else t[: limit - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """``text`` on one screen line: control characters (a newline, a carriage return or a terminal escape in a
+    file name) and undecodable bytes (a cp1252 name, kept as surrogate escapes) written as Python escapes, e.g.
+    ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``. Everything a CLI prints that may hold a file name goes through it."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode()
+                   for c in str(text))
+
+
 class ImageReadError(Exception):
     """A file could not be read as a chest X-ray image.
 
@@ -77,13 +86,26 @@ def check_readable(path: str | os.PathLike) -> None:
 
 
 def sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
+    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128. Only a regular
+    file is opened: opening a named pipe (FIFO) would block until a writer came, and a device may never end."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as fh:
             head = fh.read(132)
     except OSError:
         return False
     return len(head) == 132 and head[128:132] == b"DICM"
+
+
+def image_signature(path: Path) -> str | None:
+    """"JPEG" or "PNG" when the file starts with that format's signature, else None."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return None
+    return "JPEG" if head.startswith(b"\xff\xd8") else "PNG" if head.startswith(b"\x89PNG\r\n\x1a\n") else None
 
 
 def _is_dicom(path: Path) -> bool:

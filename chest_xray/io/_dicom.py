@@ -11,7 +11,7 @@ import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
-from ._grayscale import apply_lut, padding_mask, polarity, voi_lut_bits
+from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
     _dcmread,
@@ -160,13 +160,15 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
                 warnings.simplefilter("ignore")
                 if voi == "lut":
                     bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
-                    windowed = apply_lut(arr, ds.VOILUTSequence[0]) if lut_note else apply_voi_lut(arr, ds)
+                    # by hand, always: pydicom read 8-bit LUTs 4x too dark, refused 8-bit entries packed one per byte
+                    # and took a negative first mapped value written as US for a large positive one
+                    windowed = apply_lut(arr, ds.VOILUTSequence[0])
                     lo, hi = 0.0, float(2**bits - 1)
                 else:
                     windowed = apply_voi_lut(arr, ds, prefer_lut=False)
                     lo, hi = _window_output_range(ds, bits_stored or raw.dtype.itemsize * 8)
             out = _scale(windowed, lo, hi)
-            notes += [lut_note] if voi == "lut" and lut_note else []
+            notes += [n for n in (lut_note, lut_length_note(ds.VOILUTSequence[0])) if n] if voi == "lut" else []
         except Exception as e:  # noqa: BLE001 -- documented fallback below
             fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
     if out is None:

@@ -6,6 +6,8 @@ libjpeg). :func:`gdcm_extended_12_bit` hands the frame to GDCM directly, as pydi
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ._common import _one_line
@@ -72,5 +74,8 @@ def decoder_failure(e: Exception, ts_name: str, hint: str) -> tuple[str, str]:
     if lines and all(any(w in ln.lower() for w in _UNSUPPORTED_WORDS) for ln in lines):
         return (f"no installed decoder handles this {ts_name} data ({_one_line(lines[0], 120)}; "
                 f"decoders this project pins: {hint})", "no decoder")
+    short = re.search(r"pixel data is less than expected \((\d+) vs (\d+) bytes\)", text)
+    if short:  # an uncompressed file cut short (pydicom's words are a paragraph)
+        return f"truncated DICOM file: the pixel data hold {short[1]} of {short[2]} bytes", "corrupt or truncated"
     first = lines[0] if lines else f"{type(e).__name__}: {text}"
     return f"cannot decode DICOM pixel data ({ts_name}): {_one_line(first, 120)}", "corrupt or truncated"

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 #: Kinds of the notes these rules write (``meta["grayscale_notes"][i]["kind"]``).
-NOTE_KINDS = ("VOI LUT rescaled", "polarity contradiction", "Presentation LUT Shape ignored", "pixel padding")
+NOTE_KINDS = ("VOI LUT rescaled", "VOI LUT length", "polarity contradiction", "Presentation LUT Shape ignored",
+              "pixel padding")
 
 
 def _note(kind: str, text: str) -> dict[str, str]:
@@ -59,14 +60,28 @@ def lut_values(item) -> np.ndarray:
     data = item.LUTData
     if isinstance(data, (bytes, bytearray)):
         raw = bytes(data)
-        return np.frombuffer(raw[: 2 * n], "<u2") if len(raw) >= 2 * n else np.frombuffer(raw[:n], "u1")
+        if len(raw) < 2 * n and int(item.LUTDescriptor[2]) <= 8:  # 8-bit entries, one per byte
+            return np.frombuffer(raw[:n], "u1")
+        return np.frombuffer(raw[: 2 * min(n, len(raw) // 2)], "<u2")  # words; a short LUT keeps what it holds
     return np.asarray(data if isinstance(data, (list, tuple)) or hasattr(data, "__len__") else [data], np.int64)
+
+
+def lut_length_note(item) -> dict[str, str] | None:
+    """A note when a LUT holds another number of entries than its descriptor says (its data are used as they are:
+    values past the last entry take the last, as for any LUT), else None."""
+    n, got = int(item.LUTDescriptor[0]) or 65536, len(lut_values(item))
+    if got == n:
+        return None
+    return _note("VOI LUT length", f"VOI LUT Descriptor says {n} entries but the LUT data hold {got}: "
+                                   "the data's entries used")
 
 
 def apply_lut(arr: np.ndarray, item) -> np.ndarray:
     """``arr`` (modality-LUT output) through a LUT item by hand (PS3.3 C.11.2.1.1): values below the first mapped
-    value take the first entry, above the last the last. Used where pydicom's LUT would read the descriptor's
-    bits literally (it refuses entries wider than the descriptor says)."""
+    value take the first entry, above the last the last. Every VOI LUT is applied this way: pydicom's LUT reads
+    the descriptor's bits literally (it refuses entries wider than the descriptor says), read 8-bit LUTs 4x too
+    dark, refused 8-bit entries packed one per byte, and took a negative first mapped value written as US for a
+    large positive one."""
     values = lut_values(item)
     first = int(item.LUTDescriptor[1])
     if first >= 2**15 and np.min(arr) < 0:  # a negative first value written as US

@@ -51,6 +51,8 @@ def _open_pil(p: Path):
     """``PIL.Image.open(p)`` with its errors as :class:`ImageReadError` (decompression bombs never a warning)."""
     from PIL import Image, UnidentifiedImageError
 
+    from ._common import image_signature
+
     try:
         with _warnings_scope():
             # never let Pillow's bomb check degrade to a warning; our own guard below gives the clear error
@@ -59,6 +61,9 @@ def _open_pil(p: Path):
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageReadError(p, f"image too large (decompression-bomb guard): {e}", "too large") from None
     except UnidentifiedImageError:
+        fmt = image_signature(p)  # a JPEG / PNG start marker, then too little to identify: cut short
+        if fmt:
+            raise ImageReadError(p, f"{fmt} file cut short in its header", "corrupt or truncated") from None
         raise ImageReadError(p, "not a recognised image format (JPEG, PNG or DICOM expected)", "not an image") from None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError) as e:
         raise ImageReadError(p, f"cannot open image: {e}", "corrupt or truncated") from None

@@ -1,6 +1,7 @@
 """The one entry point, :func:`read_image`: file checks, then the Pillow or the DICOM reader."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ def read_image(
             size = p.stat().st_size
         except OSError as e:
             if p.is_symlink():
-                raise ImageReadError(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
+                what = ("a symbolic-link loop" if e.errno == errno.ELOOP else "does not exist")
+                raise ImageReadError(p, f"broken symbolic link (its target {os.readlink(p)}: {what})",
                                      "missing file") from None
             raise ImageReadError(p, f"cannot open file ({e.strerror or e})", "missing file") from None
         if not p.is_file():

@@ -5,6 +5,7 @@ import hashlib
 import os
 import secrets
 import threading
+import unicodedata
 from pathlib import Path
 
 from ._dicom_header import _dcmread
@@ -72,6 +73,15 @@ def site_salt(salt: str | None = None) -> str:
         return value
 
 
+def patient_id_key(value) -> str:
+    """The form two patient ids are compared in: surrounding whitespace dropped, inner runs of whitespace made one
+    space, Unicode composed (NFC), letters upper-cased (``"PAT01"``, ``" pat01 "`` and ``"Pat01\\t"`` are one patient; an id already in
+    this form is unchanged, and so is its salted hash). Hospital systems and hand-typed manifests spell one id
+    several ways; splitting them would put one patient in two splits, while joining two real ids that differ only
+    in case merely groups them (never a leak)."""
+    return " ".join(unicodedata.normalize("NFC", str(value)).split()).upper()
+
+
 def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | None:
     """Salted hash of a DICOM file's PatientID, for grouping a patient's images inside one site.
 
@@ -80,14 +90,14 @@ def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | 
         salt: site-local secret; see :func:`site_salt` for the fallbacks.
 
     Returns:
-        ``"dcm-" + sha256(salt + PatientID)[:16]``, or None when the file has no PatientID. The raw PatientID is
-        never returned or logged.
+        ``"dcm-" + sha256(salt + PatientID)[:16]`` (the PatientID in the form of :func:`patient_id_key`), or
+        None when the file has no PatientID. The raw PatientID is never returned or logged.
 
     Raises:
         ImageReadError: not a parseable DICOM file.
     """
     ds = _dcmread(Path(path), stop_before_pixels=True)
-    pid = str(ds.get("PatientID", "") or "").strip()
+    pid = patient_id_key(ds.get("PatientID", "") or "")
     if not pid:
         return None
     digest = hashlib.sha256((site_salt(salt) + "\x00" + pid).encode("utf-8")).hexdigest()
@@ -132,6 +142,7 @@ def dicom_grouping_ids(path: str | os.PathLike, salt: str | None = None) -> dict
         if not value or (key == "accession" and is_placeholder_id(value)):
             out[key] = None
             continue
-        text = value if key == "patient" else f"{attr}\x00{value}"  # the patient hash stays dicom_patient_id's
+        # the patient hash stays dicom_patient_id's
+        text = patient_id_key(value) if key == "patient" else f"{attr}\x00{value}"
         out[key] = prefix + hashlib.sha256((site_salt(salt) + "\x00" + text).encode("utf-8")).hexdigest()[:16]
     return out

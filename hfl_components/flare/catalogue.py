@@ -163,6 +163,9 @@ _OHFL = (
     Option("gate", bool, True, None,
            "deployment gate: a site deploys the federated model only if it beats the site's own local model on its "
            "validation split, otherwise it keeps its local model and says so", cli_default=None),
+    Option("target_sensitivity", float, 0.95, None, "clinical operating point: the sensitivity the federated "
+           "threshold on calibrated p(PNEUMONIA) must reach on the sites' pooled validation histograms",
+           cli_default=None, check=lambda v: None if 0 < v <= 1 else f"target_sensitivity must be in (0, 1], got {v}"),
     Option("probe", str, None, None, "folder/CSV of public images for CKA and distillation, 'generated', or 'none' "
            "(no public images: needs --data-free) (default: "
            "../shared/data/chest_xray_224 beside chest_xray_original)",
@@ -274,7 +277,10 @@ _ENTRIES: list[MethodEntry] = [
                 local_epochs=20, options=_OHFL,
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
-                         "after fusion the global model's zero-shot test metrics and the fine-tuning losses"),
+                         "after fusion the global model's zero-shot test metrics and the fine-tuning losses; for the "
+                         "operating point the deployed model's temperature, its validation ECE before/after it and a "
+                         "coarse per-class histogram of calibrated validation scores (every non-empty bin >= 5 "
+                         "images), then its own validation sensitivity/specificity at the federated threshold"),
                 summary="one-shot heterogeneous fusion (OHFL paper)", schedule="one_shot"),
     MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
                 **_PROTO_DEFAULTS, options=_fedsaf_options(False),

@@ -19,9 +19,38 @@ from __future__ import annotations
 import hashlib
 import json
 
-import torch
+# torch and the model registry are imported where they are used: the OHFL controller imports this module's
+# constants, and its import stays free of torch (the server starts its workflow sooner)
 
-from hfl_components.models import build_model, is_fusable, validate_spec
+NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
+
+
+def _catalogue_default(key: str):
+    from hfl_components.flare.catalogue import entry
+
+    return entry("ohfl").option(key).default
+
+
+# Default distillation budget: steps of the server's ensemble distillation after fusion (the catalogue's option;
+# docs/decisions.md).
+DISTILL_STEPS = _catalogue_default("distill_steps")
+# Wall-clock caps of the server's distillation (each architecture group): the probe loop and the data-free loop.
+# Safety nets for an overloaded server, far above a quiet machine's time for the default budget (a run that hits one
+# says so in its record: distillation.<group>.stopped = "time").
+DISTILL_MAX_SECONDS = 300.0
+DATA_FREE_MAX_SECONDS = 300.0
+
+
+def check_probe_or_data_free(probe, data_free, distill_steps) -> None:
+    """Refuse a job with no probe pool (``probe == "none"``) whose distillation is not data-free.
+
+    Raises:
+        ValueError: one line naming the option (``--data-free``) and the alternative (``--probe``).
+    """
+    steps = DISTILL_STEPS if distill_steps is None else int(distill_steps)
+    if str(probe) == NO_PROBE and not data_free and steps > 0:
+        raise ValueError("OHFL: no probe pool (--probe none) and the data-free option is off: pass --data-free "
+                         "(distil on generator images) or --probe DIR (public images)")
 
 
 def check_buildable(site_specs: dict[str, dict]) -> None:
@@ -33,6 +62,8 @@ def check_buildable(site_specs: dict[str, dict]) -> None:
     Raises:
         ValueError: one line naming the site, its family and why (unknown family, bad keys or sizes).
     """
+    from hfl_components.models import validate_spec
+
     for site, spec in sorted(site_specs.items()):
         fam = spec.get("family") if isinstance(spec, dict) else None
         try:
@@ -49,6 +80,8 @@ def _spec_key(spec: dict) -> str:
 def architecture_groups(site_specs: dict[str, dict]) -> dict[str, str]:
     """{site: group key}: the family name for fusable families; for any other family the family name when all its
     sites share one spec, else ``<family>-<6 hex digits of the spec>`` per distinct spec."""
+    from hfl_components.models import is_fusable
+
     out: dict[str, str] = {}
     by_fam: dict[str, set] = {}
     for site, spec in site_specs.items():
@@ -62,6 +95,8 @@ def architecture_groups(site_specs: dict[str, dict]) -> dict[str, str]:
 
 def fusable_groups(groups: dict[str, str], uploads: dict[str, dict]) -> dict[str, list[str]]:
     """{group: [sites with an upload]} of the fusable groups with at least two uploads (the ones OT fusion joins)."""
+    from hfl_components.models import is_fusable
+
     out: dict[str, list[str]] = {}
     for site, g in groups.items():
         if site in uploads and is_fusable(uploads[site]["spec"]):
@@ -99,8 +134,12 @@ def initial_students(groups: dict[str, str], site_specs: dict[str, dict], upload
     return out
 
 
-def student_model(student: dict, seed: int = 0) -> torch.nn.Module:
+def student_model(student: dict, seed: int = 0):
     """The ``nn.Module`` of a student entry (fresh models drawn from ``seed``)."""
+    import torch
+
+    from hfl_components.models import build_model
+
     torch.manual_seed(int(seed))
     m = build_model(student["spec"])
     if student["state_dict"] is not None:
@@ -110,7 +149,10 @@ def student_model(student: dict, seed: int = 0) -> torch.nn.Module:
 
 def teachers_of(uploads: dict[str, dict]):
     """:class:`~hfl_components.fusion.distill.Teacher` of every upload (name order)."""
+    import torch
+
     from hfl_components.fusion.distill import Teacher
+    from hfl_components.models import build_model
 
     out = []
     for site in sorted(uploads):

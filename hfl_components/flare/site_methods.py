@@ -100,6 +100,30 @@ def site_evaluate(rt, split: str, tc: dict, with_predictions: bool = False) -> d
 
 
 # ---------------------------------------------------------------------------- final evaluation (all methods)
+OPERATING_POINT_FILE = "pending_operating_point.json"  # the deployed model's temperature until the threshold comes
+
+
+def _apply_operating_point(rt, meta: dict, tc: dict) -> dict | None:
+    """The server's federated threshold (``meta["operating_point"]``, OHFL): stored with the temperature the site
+    fitted (:data:`OPERATING_POINT_FILE`) in the deployed model's file header; returns the site's own validation
+    sensitivity/specificity at it (on calibrated scores), which the server reports beside the pooled one."""
+    import json
+
+    from hfl_components.operating_point import apply_temperature, site_sensitivity
+
+    fed, f = meta.get("operating_point"), rt.state_dir / OPERATING_POINT_FILE
+    if not fed or not f.is_file():
+        return None
+    T = float(json.loads(f.read_text())["temperature"])
+    rt.operating_point = {"temperature": T, "threshold": float(fed["threshold"]), "target": fed.get("target"),
+                          "rule": "federated: pooled coarse validation histograms"}
+    rt.save_model(rt.state_dir / "deployed_model.pt", kind="deployed")
+    val = site_evaluate(rt, "val", tc, with_predictions=True)
+    p = np.asarray(val["_probs"], np.float64)
+    cal = apply_temperature(np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1), T)
+    return {"temperature": T, **site_sensitivity(cal[:, 1], np.asarray(val["_labels"]) > 0, fed["threshold"])}
+
+
 def evaluate_deployed(rt, params, meta):
     """Evaluate the model this site deploys on its own test split (FedAvg: the final global model)."""
     if any(k.startswith(GLOBAL_PREFIX) for k in params):
@@ -114,6 +138,8 @@ def evaluate_deployed(rt, params, meta):
     # per-image test probabilities + labels go to the server for pooled metrics unless the site opts out
     test = site_evaluate(rt, "test", tc, with_predictions=bool(rt.cfg.get("share_predictions", True)))
     out = {"test": test, "val": site_evaluate(rt, "val", tc)}
+    if meta.get("operating_point"):  # OHFL: the federated threshold for the deployed, calibrated model
+        out["operating_point"] = _apply_operating_point(rt, meta, tc)
     sel = rt.state_dir / "deploy_selection.json"  # which round was deployed, by which rule (RoundRuntime.deploy_round)
     if rt.cfg.get("deploy", "last") == "best_val" and sel.is_file():
         import json
@@ -133,23 +159,18 @@ def _with_method(handler):
     return run
 
 
-def _with_method(handler):
-    """Wrap a handler so the site runtime knows the method of the task it runs (``meta["method"]``, sent by the
-    server; recorded in the provenance of the model files the site saves)."""
-    @functools.wraps(handler)
-    def run(rt, params, meta):
-        rt.method = meta.get("method") or rt.method
-        return handler(rt, params, meta)
-
-    return run
-
-
 def handler(task: str):
-    """The site handler of ``task`` (the catalogue's ``site_handler``), wrapped to record the task's method.
+    """The site handler of ``task`` (the catalogue's ``site_handler``; ``cross_eval``, the cross-site evaluation
+    of model files, belongs to no method: :func:`hfl_components.flare.site_crosseval.cross_eval`), wrapped to
+    record the task's method.
 
     Raises:
         ValueError: no method answers ``task`` (the message lists the known tasks).
     """
+    if task == "cross_eval":
+        from hfl_components.flare.site_crosseval import cross_eval
+
+        return _with_method(cross_eval)
     from hfl_components.flare.catalogue import site_handler
 
     return _with_method(site_handler(task))

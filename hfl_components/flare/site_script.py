@@ -76,6 +76,15 @@ class Heartbeat:
         self._stop.set()
 
 
+# NVFlare reads a job process's exit code from ``<workspace>/<job id>/_process_rc.txt`` (FLMetaKey.PROCESS_RC_FILE)
+# when the process has ended, and fails the whole job on a site's crash code. A site whose training process dies
+# (killed, out of memory) must only be left out of the round, as the server's wait policy does for a silent site:
+# while this script runs, the file holds JobReturnCode.UNKNOWN (127, not a reportable failure); the script removes
+# it when it ends, so a normal end (or a Python error) reports NVFlare's own code.
+CRASH_RC_FILE = "_process_rc.txt"
+CRASH_RC = 127
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stdout)
     flare.init()
@@ -86,8 +95,48 @@ def main() -> None:
         # a POC / provisioned site: cwd is the site's workspace, shared by every job; keep this job's state
         # (models, prototypes) in the job's own run folder so no job picks up another job's model
         workdir = os.path.join(workdir, job_id)
+        rc_file = os.path.join(workdir, CRASH_RC_FILE)
+        with open(rc_file, "w") as f:
+            f.write(str(CRASH_RC))
+    else:
+        rc_file = None
+    try:
+        _serve(site, workdir)
+    finally:
+        if rc_file is not None and os.path.isfile(rc_file):
+            os.remove(rc_file)
+
+
+def _tracking_writer():
+    """NVFlare's client-side TensorBoard-style writer (``nvflare.client.tracking.SummaryWriter``), or None."""
+    try:
+        from nvflare.client.tracking import SummaryWriter
+
+        return SummaryWriter()
+    except Exception as e:  # noqa: BLE001 - tracking is best effort; the task result is what counts
+        log.warning("experiment tracking off: %s", e)
+        return None
+
+
+def _track(writer, metrics: dict, rnd, epoch_step: int) -> int:
+    """Log a task's per-epoch losses and validation metrics (``hfl_components.flare.tracking``); returns the
+    site's epoch counter after the task."""
+    from hfl_components.flare.tracking import tracking_scalars
+
+    scalars, epoch_step = tracking_scalars(metrics, int(rnd or 0), epoch_step)
+    for tag, value, step in scalars if writer is not None else ():
+        try:
+            writer.add_scalar(tag, value, step)
+        except Exception as e:  # noqa: BLE001
+            log.debug("tracking scalar not sent: %s", e)
+    return epoch_step
+
+
+def _serve(site: str, workdir: str) -> None:
+    """Answer tasks until NVFlare ends the job."""
     runtime = None
     beat = Heartbeat()
+    writer, epoch_step = _tracking_writer(), 0
     while flare.is_running():
         msg = flare.receive()
         if msg is None:
@@ -104,6 +153,7 @@ def main() -> None:
             t0 = time.perf_counter()
             params, metrics, meta_out = handler(runtime, dict(msg.params or {}), meta)
             meta_out["compute_s"] = round(time.perf_counter() - t0, 3)  # the site's own work on this task
+            epoch_step = _track(writer, metrics or {}, meta["round"], epoch_step)
             flare.send(FLModel(params=params, metrics=metrics, meta=meta_out, current_round=msg.current_round))
         except Exception as e:  # noqa: BLE001 - reported to the server by name, never silently
             # an unreadable image is reported as the ImageReadError (file, reason, manifest line), not as the

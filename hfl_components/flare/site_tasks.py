@@ -244,6 +244,7 @@ class SiteRuntime:
         return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in model.state_dict().items()},
                                input_size=int(self.cfg["input_size"]), aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
+                               operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
                                            "manifest_sha256": self.manifest_sha256()})
 

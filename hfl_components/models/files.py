@@ -10,7 +10,8 @@ the safetensors metadata one JSON header under the key ``"cxr_hfl_model"``::
      "labels": "binary" | "subtype" | null, "class_names": [...] | null,   # owner: chest_xray.labels
      "site": "site-1" | null, "kind": "deployed" | "local" | "state" | "global" | null,
      "weights_sha256": "...",             # over (name, dtype, shape, bytes) of every tensor, names sorted
-     "provenance": {"method": ..., "seed": ..., "code_version": ..., "manifest_sha256": ...}}
+     "provenance": {"method": ..., "seed": ..., "code_version": ..., "manifest_sha256": ...},
+     "operating_point": {"temperature": ..., "threshold": ..., "target": ...}}  # only when set (deployed OHFL)
 
 Reading never unpickles anything (no ``torch.load``): a file written by ``torch.save`` (the format before this one)
 is refused with a message saying so. A file whose weights do not match its hash, its spec, or whose label scheme
@@ -86,7 +87,7 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str, Any], *,
                     input_size: int | None = None, labels: str | None = None, site: str | None = None,
                     kind: str | None = None, provenance: Mapping[str, Any] | None = None,
-                    aspect: str | None = None) -> Path:
+                    aspect: str | None = None, operating_point: Mapping[str, Any] | None = None) -> Path:
     """Write a model file (safetensors weights + JSON header, see the module docstring); atomic (temp + rename).
 
     Args:
@@ -99,6 +100,8 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
         aspect: how the site made non-square images square (``chest_xray.ASPECTS``; the site-config key
             ``aspect``), so that ``evaluate`` / ``predict`` feed it images the same way; None: not recorded
             (readers use ``chest_xray.DEFAULT_ASPECT``).
+        operating_point: a deployed model's ``{"temperature", "threshold", "target", ...}``
+            (:mod:`hfl_components.operating_point`); stored in the header only when given.
         provenance: any of ``method``, ``seed``, ``code_version`` (default :func:`code_version`),
             ``manifest_sha256`` (the site's manifest, :func:`file_sha256`).
 
@@ -134,6 +137,8 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
               "input_size": None if input_size is None else int(input_size), "aspect": aspect, "labels": labels,
               "class_names": class_names, "site": site, "kind": kind, "weights_sha256": weights_sha256(tensors),
               "provenance": {k: prov.get(k) for k in _PROVENANCE_KEYS}}
+    if operating_point is not None:
+        header["operating_point"] = dict(operating_point)
     from safetensors.torch import save_file
 
     p = Path(path)

@@ -4,7 +4,6 @@ See docs/DEPLOYMENT.md for the coordinator's and the hospital operator's walk-th
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -15,7 +14,11 @@ POC_ENV = "CXR_HFL_POC_DIR"
 def register(sub) -> None:
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
     p.add_argument("--project", help="NVFlare project.yml (default: site_configs/project.yml of this repository)")
-    p.add_argument("--out", required=True, help="folder for the startup kits")
+    p.add_argument("--out", required=True, help="folder for the startup kits (keep it outside any repository: "
+                                                "OUT/<project>/state/ holds the root CA's private key)")
+    p.add_argument("--job-store", metavar="DIR",
+                   help="absolute folder on the server machine for its job store and snapshots (default "
+                        "/var/lib/cxr-hfl/<project>; NVFlare's own default is the system temp folder)")
     p.set_defaults(func=run_provision)
 
     poc = sub.add_parser("poc", help="a local proof-of-concept consortium (nvflare poc) named after a profile")
@@ -41,8 +44,12 @@ def register(sub) -> None:
     q = add("submit", "submit an exported job folder as the coordinator", run_submit)
     q.add_argument("--job", "-j", required=True, help="job folder written by `cxr-hfl export-job` (OUT/<job name>)")
     q.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="wait up to SECONDS for the job to finish")
-    q = add("status", "POC processes and the jobs on the server", run_status)
-    q.add_argument("job_id", nargs="?", help="a job id (default: every job)")
+    q = add("status", "POC processes, the jobs on the server and the status view of a job (cxr-hfl status)",
+            run_status)
+    q.add_argument("job_id", nargs="?", help="a job id (default: the last job submitted from this POC folder)")
+    q.add_argument("--json", action="store_true", help="the job's status view as JSON")
+    q.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
+                   help="refresh the job's view every SECONDS (default 5) until it ends")
     q = add("download", "download a job's results and write metrics.json + plots (as `cxr-hfl simulate`)",
             run_download)
     q.add_argument("job_id", nargs="?", help="job id (default: the last job submitted from this POC folder)")
@@ -86,8 +93,12 @@ def run_provision(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"cxr-hfl provision: --out {args.out} is a file, not a folder", file=sys.stderr)
         return 2
-    res = provision(args.project, args.out)
+    res = provision(args.project, args.out, job_store=args.job_store)
     print(f"[cxr-hfl] provisioned {res['project']} -> {res['prod_dir']}")
+    print(f"CA state (root CA private key): {res['state_dir']} (mode 600): move it offline now; it is needed only "
+          "to add a participant or renew certificates (docs/DEPLOYMENT.md, Certificates)")
+    print(f"server job store: {res['job_store']} (on the server machine; --job-store DIR to change)")
+    print("hospital kits: log streaming to the server is off (local/resources.json)")
     print("Give each participant ONLY its own kit (it holds that participant's private key):")
     for k in res["kits"]:
         who = {"server": "server operator", "client": f"hospital {k['name']} ({k['org']})",
@@ -133,7 +144,13 @@ def run_prepare(args) -> int:
 @_guard
 def run_start(args) -> int:
     poc = _poc(args)
-    poc.start(timeout=args.timeout)
+    try:
+        poc.start(timeout=args.timeout)
+    except KeyboardInterrupt:
+        left = poc.own_pids()
+        print(f"cxr-hfl poc start: interrupted; the POC's server and sites were stopped"
+              + (f" except {left}" if left else ""), file=sys.stderr)
+        raise
     print(f"[cxr-hfl] POC running; sites {', '.join(poc.state()['sites'])}; logs under {poc.prod_dir}/<site>/")
     print(f"submit a job with: cxr-hfl poc submit --workspace {poc.dir} --job <job_folder> [--wait SECONDS]")
     print(f"  or with NVFlare: {poc.submit_hint()}")
@@ -150,24 +167,19 @@ def run_submit(args) -> int:
         status = str(data.get("status", ""))
         print(f"[cxr-hfl] job {job_id}: {status}")
         if status.startswith("FINISHED"):
-            _report_run(poc, job_id, None)
-        return 0 if status.endswith("COMPLETED") else 1
+            return max(_report_run(poc, job_id, None), 0 if status.endswith("COMPLETED") else 1)
+        return 1
     print(f"wait and fetch the results with: cxr-hfl poc download --workspace {poc.dir} {job_id} --wait 600")
     return 0
 
 
-def _report_run(poc, job_id: str, out) -> None:
-    """Download the job, write the run folder and print per-site metrics, the sites left out and warnings."""
-    from nvflare_jobs.deploy import run_findings
+def _report_run(poc, job_id: str, out) -> int:
+    """Download the job; print its status, the reason of a failed run, per-site metrics, the sites left out and
+    warnings; write the run folder (none for a job that failed before any site finished). Returns 0 / 1."""
+    from nvflare_jobs.commands.status import report_downloaded
 
-    run_dir, m = poc.download(job_id, out)
-    print(f"[cxr-hfl] job {job_id} ({m.get('job_status')}) -> {run_dir}/metrics.json")
-    for site, b in m["sites"].items():
-        t = b.get("test") or {}
-        acc = t.get("accuracy")
-        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
-    for line in run_findings(m):
-        print(line)
+    path, meta = poc.download_raw(job_id)
+    return report_downloaded(path, {**meta, "job_id": job_id}, lambda: poc.assemble(job_id, path, out, meta)[1])
 
 
 @_guard
@@ -183,11 +195,21 @@ def run_status(args) -> int:
     else:
         print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}")
         return 0
-    if args.job_id:
-        print(json.dumps(poc.meta(args.job_id), indent=1))
-    else:
+    if not args.job_id:
         for j in poc.list_jobs():
             print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}")
+    job_id = args.job_id or ((st.get("jobs") or [{}])[-1]).get("job_id")
+    if job_id:
+        from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+        from nvflare_jobs.commands.status import show
+        from nvflare_jobs.status import admin_view
+
+        sess = new_secure_session(st["coordinator"], st["admin_kit"], timeout=60)
+        try:
+            show(lambda: admin_view(sess, job_id), args.json, args.watch)
+        finally:
+            sess.close()
     return 0
 
 
@@ -197,8 +219,7 @@ def run_download(args) -> int:
     job_id = args.job_id or poc.last_job()
     if args.wait:
         poc.wait(job_id, timeout=args.wait)
-    _report_run(poc, job_id, args.out)
-    return 0
+    return _report_run(poc, job_id, args.out)
 
 
 @_guard

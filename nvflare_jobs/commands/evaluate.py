@@ -79,6 +79,7 @@ def register(sub) -> None:
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
     c.add_argument("--families", help="one model family per site for every method's profile, e.g. the OHFL "
                                       "mixed-family variant cnn,cnn,densenet,densenet,resnet,resnet")
+    c.add_argument("--no-audit", action="store_true", help="skip the shortcut audit of the external evaluation")
     c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
     c.set_defaults(func=run_compare)
 
@@ -97,7 +98,11 @@ def register(sub) -> None:
                    help="class-stratified subset of the external set (quick checks)")
     e.add_argument("--n-boot", type=int, default=500,
                    help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
+    e.add_argument("--no-audit", action="store_true",
+                   help="skip the shortcut audit (metadata baseline, perturbation probes, Grad-CAM; timing runs)")
     e.set_defaults(func=run_evaluate)
+
+    _register_audit(sub)
 
     p = sub.add_parser("predict", help="class probabilities for unlabelled JPEG/PNG/DICOM files")
     p.add_argument("--model", required=True, help="a model file, e.g. RUN/models/site-1_deployed.pt")
@@ -115,6 +120,20 @@ def register(sub) -> None:
     r.set_defaults(func=run_report)
 
 
+def _register_audit(sub) -> None:
+    a = sub.add_parser("audit", help="shortcut audit of a run's models on an evaluated external set (evaluate "
+                                     "runs it by default): metadata baseline, perturbation probes, Grad-CAM")
+    a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
+    a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
+    a.add_argument("--part", choices=PARTS, help="the committed part it was evaluated on")
+    a.add_argument("--probe-images", type=_positive_int, default=300,
+                   help="class-balanced, seeded subsample for the perturbation probes (default 300)")
+    a.add_argument("--saliency-images", type=_positive_int, default=8,
+                   help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
+    a.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
+    a.set_defaults(func=run_audit)
+
+
 def run_evaluate(args) -> int:
     from nvflare_jobs.evaluation import LeakageError, evaluate_run
 
@@ -128,7 +147,8 @@ def run_evaluate(args) -> int:
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
-                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot)
+                           global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot,
+                           audit=not args.no_audit)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3
@@ -141,6 +161,12 @@ def run_evaluate(args) -> int:
     print(f"[cxr-hfl] {res['n_images']} images ({res['probe_images_excluded']} probe images left out); wrote "
           f"{len(res['models'])} model results to {res['summary'].parent}")
     return 0
+
+
+def run_audit(args) -> int:
+    from nvflare_jobs.audit import run_audit_cli
+
+    return run_audit_cli(args)
 
 
 def run_predict(args) -> int:
@@ -162,7 +188,9 @@ def run_predict(args) -> int:
         print(f"cxr-hfl predict: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
-          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}")
+          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}"
+          + (f"; calibrated probabilities, federated threshold {s['threshold']:.3f}"
+             if s.get("calibrated") and args.threshold is None else ""))
     if not s["n_ok"]:
         print(f"cxr-hfl predict: no file could be predicted: all {s['n_files']} were skipped (reasons in "
               f"{args.out})", file=sys.stderr)
@@ -191,6 +219,11 @@ def run_report(args) -> int:
         print(f"cxr-hfl report: {e.filename or args.path}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"[cxr-hfl] report: {out}")
+    from nvflare_jobs.audit import find_audits, summary_lines
+
+    for f in find_audits(args.path):
+        for line in summary_lines(json.loads(f.read_text())):
+            print(f"audit ({f.parent.name}): {line}")
     mpath = Path(args.path) / "metrics.json"
     if mpath.is_file():
         m = json.loads(mpath.read_text())

@@ -79,9 +79,9 @@ def run_partition(args: argparse.Namespace) -> int:
               file=sys.stderr)
         shown = [s for s in report["skipped"] if s.get("kind") != "junk"][:10]
         for s in shown:
-            print(f"  {printable_path(s['path'])}: {s['reason']}", file=sys.stderr)
+            print(f"  {printable_path(s['path'])}: {printable_path(s['reason'])}", file=sys.stderr)
     for n in report.get("notes", [])[:10]:
-        print(f"note: {printable_path(n['path'])}: {n['note']}", file=sys.stderr)
+        print(f"note: {printable_path(n['path'])}: {printable_path(n['note'])}", file=sys.stderr)
     for f in report.get("findings", []):  # one line per finding (skips are listed above): counts, example names
         if not f["kind"].startswith("skipped: "):
             print(f"finding: {printable_path(f['text'])}", file=sys.stderr)
@@ -115,8 +115,9 @@ def run_partition(args: argparse.Namespace) -> int:
 def printable_path(path: str) -> str:
     """``path`` on one line: control characters (a newline in a file name) and undecodable bytes (a cp1252 name,
     kept as surrogate escapes) written as Python escapes, e.g. ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``."""
-    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode()
-                   for c in str(path))
+    from chest_xray.io._common import printable
+
+    return printable(path)
 
 
 def format_table(info: dict, sites: dict) -> str:

@@ -99,6 +99,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones "
                    f"({protos})")
     _add_catalogue_options(p)
+    from nvflare_jobs.jobs import add_tracking_args
+
+    add_tracking_args(p)
     g = p.add_argument_group("OHFL")
     g.add_argument("--paper", action="store_true",
                    help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
@@ -214,8 +217,9 @@ def run_export(args) -> int:
 
     _defaults(args)
     profile = load_profile(args.profile, check_files=False, require_data=False)
-    opts = _options(args, None, None)
-    job = build_job(args.method, profile, opts)
+    opts = _options(args, None, None, on_server=True)
+    job = build_job(args.method, profile, opts, tracking=getattr(args, "tracking", "tensorboard"),
+                    tracking_uri=getattr(args, "tracking_uri", None))
     out = Path(args.out).resolve()
     from nvflare_jobs.deploy import export_portable
 

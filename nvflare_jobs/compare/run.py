@@ -148,7 +148,7 @@ def run_compare(args) -> int:
         return 0
     if ext:
         failed += evaluate_external(out, ext, getattr(args, "part", None), getattr(args, "external_max_images", None),
-                                    args.labels)
+                                    args.labels, audit=not getattr(args, "no_audit", False))
     rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
     if args.proto_protocol:
@@ -267,9 +267,10 @@ def _proto_section(out: Path, methods: list[str]) -> None:
 
 
 def evaluate_external(out: Path, data: str | Path, part: str | None, max_images: int | None,
-                      labels: str) -> list[str]:
+                      labels: str, audit: bool = True) -> list[str]:
     """``cxr-hfl evaluate`` of every run under ``out`` on ``data`` (skipping runs already evaluated on it with the
-    same image cap). Returns the runs that could not be evaluated."""
+    same image cap; ``audit``: with the shortcut audit, added to an earlier evaluation that lacks it). Returns the
+    runs that could not be evaluated."""
     from nvflare_jobs.evaluation import LeakageError, evaluate_run, external_name
 
     name = external_name(data, part)
@@ -278,10 +279,15 @@ def evaluate_external(out: Path, data: str | Path, part: str | None, max_images:
         run = Path(m["_run_dir"])
         summ = run / "external" / name / "summary.json"
         if summ.is_file() and json.loads(summ.read_text()).get("max_images") == max_images:
+            if audit and not (summ.parent / "audit.json").is_file():
+                from nvflare_jobs.audit import audit_external
+
+                audit_external(run, summ.parent, log=lambda *_: None)
             continue
         t0 = time.perf_counter()
         try:
-            res = evaluate_run(run, data, labels, max_images=max_images, part=part, n_boot=0, log=lambda *_: None)
+            res = evaluate_run(run, data, labels, max_images=max_images, part=part, n_boot=0, log=lambda *_: None,
+                               audit=audit)
         except (LeakageError, FileNotFoundError, ValueError) as e:
             print(f"[compare] seed {seed} {method}: external evaluation FAILED: {e}", file=sys.stderr)
             failed.append(f"{method}/seed{seed} (external)")

@@ -115,10 +115,12 @@ def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int], kind:
 
 def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
                  max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
-                 part: str | None = None, log=print) -> dict[str, Any]:
+                 part: str | None = None, log=print, audit: bool = True) -> dict[str, Any]:
     """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/<name>/``.
 
     Args:
+        audit: then run the shortcut audit (:func:`nvflare_jobs.audit.audit_external`: ``audit.json`` and a
+            Grad-CAM montage in the same folder); an audit that fails is reported in one line, never fatal.
         part: a committed part of ``chest_xray_224`` (``evaluation`` for headline numbers), ``data`` its root.
         global_sizes: ``all`` scores the global model at every site's size (and the site mean ``global``),
             ``largest`` only at the largest (no ``global`` mean).
@@ -169,6 +171,13 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
                "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
                "models": summ_models}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if audit:
+        from nvflare_jobs.audit import audit_external
+
+        try:
+            audit_external(run, out_dir, log=log)
+        except (ValueError, OSError, RuntimeError) as e:
+            log(f"[audit] skipped: the audit failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
             "n_images": len(records), "probe_images_excluded": n_probe}
 
@@ -245,6 +254,10 @@ class _Scorer:
             res["val_n"] = int(len(vy))
             res["test_at_val_threshold"] = compute_metrics(y, p, C, threshold=thr)
         res["val_threshold"] = thr
+        if C == 2 and blob.get("operating_point"):  # the federated threshold on the temperature-scaled model
+            from hfl_components.operating_point import metrics_at_operating_point
+
+            res["operating_point"] = metrics_at_operating_point(p, y, blob["operating_point"], n_boot=self.n_boot)
         res["pooled_ci"] = pooled_metrics_with_ci(y, p, C, n_boot=self.n_boot, threshold=None)
         return res, p.astype(np.float32)
 
@@ -256,7 +269,8 @@ def _summary_models(results: dict, run: Path, global_sizes: str, n_images: int, 
                       "val_threshold": v["val_threshold"],
                       **({"sensitivity_at_val_threshold": v["test_at_val_threshold"]["sensitivity"],
                           "specificity_at_val_threshold": v["test_at_val_threshold"]["specificity"]}
-                         if "test_at_val_threshold" in v else {})}
+                         if "test_at_val_threshold" in v else {}),
+                      **({"operating_point": v["operating_point"]} if "operating_point" in v else {})}
                    for k, v in results.items()}
     site_groups = {s: g for g, ss in run_groups(run).items() for s in ss} or None
     for kind in ("global", "fused"):
@@ -310,4 +324,8 @@ def _line(name: str, size: int, res: dict) -> str:
     if "test_at_val_threshold" in res:
         tv = res["test_at_val_threshold"]
         s += f"  | thr {res['val_threshold']:.3f}: sens {f(tv['sensitivity'])} spec {f(tv['specificity'])}"
+    if "operating_point" in res:
+        op = res["operating_point"]
+        s += (f"  | federated thr {op['threshold']:.3f} (T {op['temperature']:.2f}): sens "
+              f"{f(op['sensitivity']['value'])} spec {f(op['specificity']['value'])}")
     return s

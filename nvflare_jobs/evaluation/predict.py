@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,10 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         FileNotFoundError: no input exists. ValueError: ``out_csv`` is a folder, no image files in the inputs,
             or ``model_path`` is not a cxr-hfl model file (all checked before inference). DICOM objects that are not CR/DX/DR
     projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
-    only): predict PNEUMONIA when p >= threshold; default argmax.
+    only): predict PNEUMONIA when p >= threshold; default argmax, or for a deployed model that carries a federated
+    operating point (:mod:`hfl_components.operating_point`) its threshold, with the probabilities written
+    calibrated by its temperature; a federated threshold of 0 would call every image positive and is not applied
+    (a warning on stderr, then argmax of the calibrated probabilities).
     """
     import torch
 
@@ -100,6 +104,14 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     size = int(blob.get("input_size") or 64)
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
+    op = blob.get("operating_point") if len(names) == 2 else None
+    if op and threshold is None:
+        threshold = float(op["threshold"])
+        if threshold <= 0.0:  # every image would be called PNEUMONIA: the histograms were too coarse for the target
+            print(f"WARNING: {model_path}: the federated threshold is 0 (the sites' validation histograms were too "
+                  "coarse to meet the target sensitivity), so it would call every image PNEUMONIA; predicting at "
+                  "argmax of the calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
+            threshold = None
     tf = build_transforms(size, "eval", aspect=model_aspect(blob))
     folder_skips: list[dict] = []
     files = collect_files(inputs, folder_skips)
@@ -112,6 +124,10 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
         with torch.no_grad():
             x = torch.stack([t for _, t in batch])
             p = torch.softmax(model.head(model.features(x)), dim=1).numpy().astype(np.float64)
+        if op:
+            from hfl_components.operating_point import apply_temperature
+
+            p = apply_temperature(p, float(op["temperature"]))
         pred = predict_labels(p, threshold)
         for (i, _), pi, ci in zip(batch, p, pred):
             rows[i].update({f"p_{n}": round(float(v), 5) for n, v in zip(names, pi)})
@@ -138,7 +154,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     rows.extend({"path": e["path"], "status": "skipped", "reason": e["reason"]} for e in folder_skips)
     _write_rows(Path(out_csv), rows, ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"])
     n_ok = sum(r["status"] == "ok" for r in rows)
-    return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size}
+    return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
+            "threshold": threshold, "calibrated": bool(op)}
 
 
 def _screen(f: Path, allow_any_modality: bool, allow_lateral: bool) -> None:

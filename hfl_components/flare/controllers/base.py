@@ -36,6 +36,9 @@ from hfl_components.flare.messages import payload_bytes
 
 RESULTS_DIR = "cxr_hfl_results"
 PROGRESS_EVENT = "fed.analytix_log_stats"  # what ConvertToFedEvent makes of a site's flare.log(...)
+STATS_EVENT = "info_collector.get_stats"  # nvflare.widgets.info_collector.InfoCollector.EVENT_TYPE_GET_STATS
+STATS_COLLECTOR = "info_collector.stats_collector"  # InfoCollector.CTX_KEY_STATS_COLLECTOR
+STATS_GROUP = "cxr_hfl"
 PROGRESS_KEY = "cxr_hfl_progress"
 POLL_S = 0.5
 
@@ -130,6 +133,11 @@ class HFLController(ModelController):
         """Progress heartbeats from the sites (``flare.log`` -> ``ConvertToFedEvent`` -> ``fed.analytix_log_stats``):
         remember when each site was last heard from and what it reported."""
         super().handle_event(event_type, fl_ctx)
+        if event_type == STATS_EVENT:  # NVFlare's admin `show_stats` (flare_api Session.show_stats): `cxr-hfl status`
+            collector = fl_ctx.get_prop(STATS_COLLECTOR, None)
+            if collector is not None:
+                collector.add_info(STATS_GROUP, _jsonable(self.status_snapshot()))
+            return
         if event_type != PROGRESS_EVENT:
             return
         try:
@@ -156,16 +164,29 @@ class HFLController(ModelController):
             self._status["waiting_for"] = []
         self._write_status()
 
+    def status_snapshot(self) -> dict:
+        """The server's live state (``status.json``, and NVFlare's ``show_stats`` under ``cxr_hfl``): phase, task,
+        round, the sites waited for / answered / excluded (with the reason), each site's last heartbeat (task,
+        round, epoch, loss, seconds since), each site's latest validation metrics and, once decided, the gate."""
+        now = time.monotonic()
+        latest_val: dict[str, dict] = {}
+        for r in self.record["rounds"]:
+            for s, m in (r.get("sites") or {}).items():
+                if isinstance((m or {}).get("val"), dict):
+                    latest_val[s] = {"round": r.get("round"), **{k: v for k, v in m["val"].items()
+                                                                  if isinstance(v, (int, float))}}
+        return dict(self._status, time=time.time(), method=self.method, num_rounds=self.num_rounds,
+                    sites={s: dict(p, heard_s_ago=round(now - self._heard[s], 1)) for s, p in self._progress.items()},
+                    excluded={s: ev[-1]["reason"] for s, ev in self.record["excluded"].items()},
+                    down=sorted(self._down), latest_val=latest_val, gate=self.record.get("gate"),
+                    failed=self.record.get("failed"))
+
     def _write_status(self) -> None:
         try:
             d = self.results_dir()
         except Exception:  # noqa: BLE001 - outside a running job (unit tests)
             return
-        now = time.monotonic()
-        st = dict(self._status, time=time.time(),
-                  sites={s: dict(p, heard_s_ago=round(now - self._heard[s], 1)) for s, p in self._progress.items()},
-                  excluded={s: ev[-1]["reason"] for s, ev in self.record["excluded"].items()},
-                  down=sorted(self._down))
+        st = self.status_snapshot()
         tmp = d / "status.json.tmp"
         tmp.write_text(json.dumps(_jsonable(st)))
         tmp.replace(d / "status.json")
@@ -296,12 +317,17 @@ class HFLController(ModelController):
         super().start_controller(fl_ctx)
         try:
             self.use_checked_options(self.check_options())
-        except ValueError as e:
+            self.check_server_inputs()
+        except (ValueError, FileNotFoundError) as e:
             self.record["failed"] = f"invalid job configuration: {e}"
             self.error(f"refusing to start: invalid job configuration: {e}")
             self.set_phase("failed", error=self.record["failed"])
             self.save_record()
             raise
+
+    def check_server_inputs(self) -> None:
+        """Check, on the server at job start (before any site is sent a task), the files the method reads on the
+        server (OHFL: its probe set). Raises ValueError / FileNotFoundError naming the file. Default: nothing."""
 
     @classmethod
     def from_options(cls, method: str, profile: dict[str, dict], opts: dict, common: dict, task_config: dict):
@@ -407,6 +433,8 @@ class HFLController(ModelController):
                 "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
             if m.get("deploy") is not None:  # deploy: best_val -> {rule, round, score} of the deployed round
                 self.record["sites"][site]["deploy"] = _jsonable(m["deploy"])
+            if m.get("operating_point") is not None:  # OHFL: the site's own sensitivity at the federated threshold
+                self.record["sites"][site]["operating_point"] = _jsonable(m["operating_point"])
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the

@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from hfl_components.flare.controllers._probe_preload import ProbePreloader
 from hfl_components.flare.controllers.base import HFLController, _jsonable
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
@@ -27,35 +29,8 @@ def _import_monai() -> None:
         import monai.transforms  # noqa: F401
 
 
-NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
-
-
-def _catalogue_default(key: str):
-    from hfl_components.flare.catalogue import entry
-
-    return entry("ohfl").option(key).default
-
-
-# Default distillation budget: steps of the server's ensemble distillation after fusion (the catalogue's option;
-# docs/decisions.md).
-DISTILL_STEPS = _catalogue_default("distill_steps")
-# Wall-clock caps of the server's distillation (each architecture group): the probe loop and the data-free loop.
-# Safety nets for an overloaded server, far above a quiet machine's time for the default budget (a run that hits one
-# says so in its record: distillation.<group>.stopped = "time").
-DISTILL_MAX_SECONDS = 300.0
-DATA_FREE_MAX_SECONDS = 300.0
-
-
-def check_probe_or_data_free(probe, data_free, distill_steps) -> None:
-    """Refuse a job with no probe pool (``probe == "none"``) whose distillation is not data-free.
-
-    Raises:
-        ValueError: one line naming the option (``--data-free``) and the alternative (``--probe``).
-    """
-    steps = DISTILL_STEPS if distill_steps is None else int(distill_steps)
-    if str(probe) == NO_PROBE and not data_free and steps > 0:
-        raise ValueError("OHFL: no probe pool (--probe none) and the data-free option is off: pass --data-free "
-                         "(distil on generator images) or --probe DIR (public images)")
+from hfl_components.flare.distill_stage import (  # noqa: E402,F401 - the server stage's options live beside it
+    DATA_FREE_MAX_SECONDS, DISTILL_MAX_SECONDS, DISTILL_STEPS, NO_PROBE, check_probe_or_data_free)
 
 
 # ============================================================================ OHFL
@@ -101,7 +76,9 @@ class OHFLController(HFLController):
     Site-side options travel in ``task_config``: ``init`` (``site`` | ``shared``: every site starts from the
     job seed's nested initialisation, ``hfl_components.models.fusable.shared_init_state``) and ``gate`` (a site
     deploys the fine-tuned global model only if it beats the site's own local model on its validation split). The
-    gate's outcome per site is recorded under ``record["gate"]``.
+    gate's outcome per site is recorded under ``record["gate"]``. ``target_sensitivity``: the clinical operating
+    point (:mod:`hfl_components.operating_point`): the sites' coarse validation histograms are pooled into one
+    threshold, sent with the final evaluation; ``record["operating_point"]``.
     """
 
     method = "ohfl"
@@ -153,6 +130,15 @@ class OHFLController(HFLController):
             if "_probe_preloader" not in vars(self):
                 self._probe_preloader = ProbePreloader(self._load_probe)
             return self._probe_preloader
+
+    def check_server_inputs(self) -> None:
+        """The probe set exists on the server and lists images (``generated`` / ``none`` need none); checked at job
+        start."""
+        if self.probe not in ("generated", NO_PROBE):
+            from hfl_components.flare.probe import list_probe_files
+
+            if not list_probe_files(self.probe):
+                raise FileNotFoundError(f"OHFL probe set {self.probe!r} on the server lists no images")
 
     def _load_probe(self, size: int):
         """The probe at one input size: (tensor, file names, warnings) (``hfl_components.flare.probe``)."""
@@ -219,7 +205,8 @@ class OHFLController(HFLController):
                    distill_probe_size=opts.get("distill_probe_size", 320), data_free=bool(opts.get("data_free")),
                    data_free_rounds=opts.get("data_free_rounds", 20), site_specs=site_specs,
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
-                                "gate": bool(opts["gate"])}, **common)
+                                "gate": bool(opts["gate"]),
+                                "target_sensitivity": float(opts.get("target_sensitivity") or 0.95)}, **common)
 
     def _probe_for(self, models: list) -> tuple[dict, list]:
         """The probe images at every input size of ``models`` (and of the sites that did not upload):
@@ -300,12 +287,16 @@ class OHFLController(HFLController):
 
         return references(uploads, fused, students, self.record["server_seconds"])
 
-    def _finetune(self, params: dict, meta: dict) -> None:
-        """Round 1: every site fine-tunes the global model of its architecture; the gate's outcomes are recorded."""
+    def _finetune(self, params: dict, meta: dict) -> dict | None:
+        """Round 1: every site fine-tunes the global model of its architecture; the gate's outcomes are recorded.
+        Returns the federated operating point (:func:`hfl_components.operating_point.federated_operating_point`)."""
+        from hfl_components.operating_point import federated_operating_point
+
         ft = self.broadcast("ohfl_finetune", 1, params, meta)
-        gate = {}
+        gate, op_reports = {}, {}
         for site, r in ft.items():
             m = r.metrics or {}
+            op_reports[site] = m.get("operating_point")
             self.record["sites"].setdefault(site, {}).update({
                 "global_zero_shot": _jsonable(m.get("global_zero_shot")),
                 "finetune_loss": _jsonable(m.get("finetune_loss")),
@@ -319,6 +310,10 @@ class OHFLController(HFLController):
             self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
+        op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
+        self.record["operating_point"] = _jsonable(op) if op else {
+            "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
+        return op
 
     def run_method(self):
         from hfl_components.flare import distill_stage as ds
@@ -386,8 +381,11 @@ class OHFLController(HFLController):
             meta = {"global_specs": self.record["global_specs"], "site_groups": groups}
             (self.results_dir() / "global_models" / "groups.json").write_text(json.dumps(
                 {g: {"sites": st["sites"], "spec": st["spec"]} for g, st in students.items()}, indent=1))
-        self._finetune(params, meta)
-        self.final_evaluation(2)
+        op = self._finetune(params, meta)
+        self.final_evaluation(2, meta={"operating_point": op} if op else None)
+        if op:
+            self.record["operating_point"]["site_sensitivity"] = {
+                s: b["operating_point"] for s, b in self.record["sites"].items() if b.get("operating_point")}
 
 
 # ============================================================================ site handlers
@@ -441,7 +439,8 @@ def ohfl_finetune(rt, params, meta):
     unless the deployment gate (option ``gate``, on by default) finds that it does not beat the site's own
     local model on the site's validation split, in which case the site keeps (deploys) its local model and says
     so in its log and in ``metrics["gate"]``. With the gate on, the fine-tuned federated candidate is also saved as
-    ``federated_model.pt`` (kind ``federated``) whatever the gate decides."""
+    ``federated_model.pt`` (kind ``federated``) whatever the gate decides. Then the site fits the deployed model's
+    temperature and sends the coarse histogram of its calibrated validation scores (:func:`_operating_point_report`)."""
     tc = meta.get("task_config", {})
     if meta.get("site_groups"):  # a job of several architecture groups: this site's group's global model
         group = meta["site_groups"].get(rt.site)
@@ -470,5 +469,27 @@ def ohfl_finetune(rt, params, meta):
             rt.set_model(fed_spec, fed_sd)
         log.warning("site %s: deployment gate: %s", rt.site, gate["reason"])
     rt.save_state(deployed=True)
-    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": rt.evaluate("val"),
-                "gate": gate}, ok_meta(rt)
+    val = rt.evaluate("val", with_predictions=True)
+    return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": val,
+                "gate": gate, "operating_point": _operating_point_report(rt, val)}, ok_meta(rt)
+
+
+def _operating_point_report(rt, val: dict) -> dict | None:
+    """Clinical operating point, site side (:mod:`hfl_components.operating_point`): fit the deployed model's
+    temperature on the validation split, keep it in the state folder
+    (:data:`hfl_components.flare.site_methods.OPERATING_POINT_FILE`, until the server's threshold arrives with the
+    final evaluation), and return what leaves the site (the temperature, ECE before/after, the coarse histogram of
+    calibrated validation scores with its minimum count per bin); the per-image scores (``val["_probs"]``) are
+    removed from ``val`` here and never sent. None for a validation split without both classes."""
+    import json
+
+    from hfl_components.flare.site_methods import OPERATING_POINT_FILE
+    from hfl_components.operating_point import site_report
+
+    probs, y = val.pop("_probs", None), val.pop("_labels", None)
+    (rt.state_dir / OPERATING_POINT_FILE).unlink(missing_ok=True)
+    if not probs or len({int(v > 0) for v in y}) < 2:
+        return None
+    rep = site_report(np.asarray(probs), np.asarray(y))
+    (rt.state_dir / OPERATING_POINT_FILE).write_text(json.dumps({"temperature": rep["temperature"]}))
+    return rep

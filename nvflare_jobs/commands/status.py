@@ -1,0 +1,189 @@
+"""``cxr-hfl status`` (one live view of a job) and ``cxr-hfl results`` (a production job's results).
+
+``status RUN_DIR`` reads a simulator run folder; ``status JOB_ID --startup-kit KIT`` asks a POC or provisioned
+server through NVFlare's admin API with the caller's own startup kit (the coordinator's, in this consortium:
+hospitals have no admin identity). ``results JOB_ID --startup-kit KIT`` downloads a finished job and writes the
+simulator's run layout (metrics.json, plots) with the job id and status. See docs/DEPLOYMENT.md.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("status", help="one view of a job: state, round/task, every site (simulator run folder, "
+                                      "or a POC/provisioned job through NVFlare's admin API)")
+    p.add_argument("target", help="a simulator run folder (cxr-hfl simulate --out), or a job id with --startup-kit")
+    _kit_args(p)
+    p.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 5) until the job ends (Ctrl-C to stop watching)")
+    p.add_argument("--json", action="store_true", help="print the view as JSON (one object per refresh)")
+    p.set_defaults(func=run_status)
+    r = sub.add_parser("results", help="download a finished POC/provisioned job and write metrics.json + plots "
+                                       "(as cxr-hfl simulate), with the job id and status")
+    r.add_argument("job_id")
+    _kit_args(r)
+    r.add_argument("--out", required=True, help="run folder to write (metrics.json, sites.csv, plots)")
+    r.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="first wait up to SECONDS for the job")
+    r.set_defaults(func=run_results)
+    q = sub.add_parser("submit", help="check an exported (or edited) job folder as the server will, then submit it "
+                                      "with your startup kit (production; POC: cxr-hfl poc submit)")
+    q.add_argument("--job", "-j", required=True, help="job folder written by cxr-hfl export-job")
+    _kit_args(q)
+    q.set_defaults(func=run_submit)
+
+
+def _kit_args(p) -> None:
+    p.add_argument("--startup-kit", metavar="KIT", help="your admin startup kit folder (the coordinator's kit of "
+                                                        "cxr-hfl provision; POC: see cxr-hfl poc status)")
+    p.add_argument("--user", help="the kit's admin name (default: the kit folder's name)")
+
+
+def _session(args):
+    kit = Path(args.startup_kit or "")
+    if not args.startup_kit or not (kit / "startup").is_dir():
+        print(f"cxr-hfl {args.command}: --startup-kit {args.startup_kit or '?'} is not an admin startup kit (a folder "
+              "with startup/fed_admin.json)", file=sys.stderr)
+        raise SystemExit(2)
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    try:
+        return new_secure_session(args.user or kit.resolve().name, str(kit.resolve()), timeout=30)
+    except Exception as e:  # noqa: BLE001 - NVFlare raises many kinds; one line for the user
+        print(f"cxr-hfl {args.command}: cannot reach the server with {kit}: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def show(view_fn, as_json: bool, watch: float | None, stream=None) -> dict:
+    """Print ``view_fn()`` once, or every ``watch`` seconds until the job is finished; returns the last view."""
+    stream = stream or sys.stdout
+    from nvflare_jobs.status import format_view
+
+    while True:
+        v = view_fn()
+        print(json.dumps(v, default=str) if as_json else format_view(v), file=stream, flush=True)
+        if not watch or str(v.get("job_state", "")).upper().startswith(("FINISHED", "STOPPED", "ABORTED")):
+            return v
+        time.sleep(watch)
+        if not as_json:
+            print("", file=stream)
+
+
+def run_status(args) -> int:
+    target = Path(args.target)
+    if target.is_dir():
+        from nvflare_jobs.status import run_folder_view
+
+        try:
+            v = show(lambda: run_folder_view(target), args.json, args.watch)
+        except FileNotFoundError as e:
+            print(f"cxr-hfl status: {e}", file=sys.stderr)
+            return 2
+        return 1 if "FAILED" in str(v.get("job_state")) else 0
+    if not args.startup_kit:
+        print(f"cxr-hfl status: {args.target} is not a run folder; for a POC/provisioned job give its id with "
+              "--startup-kit KIT (or use cxr-hfl poc status)", file=sys.stderr)
+        return 2
+    from nvflare_jobs.status import admin_view
+
+    sess = _session(args)
+    try:
+        v = show(lambda: admin_view(sess, args.target), args.json, args.watch)
+    finally:
+        sess.close()
+    return 0 if "FAILED" not in str(v.get("job_state")) and "ABNORMAL" not in str(v.get("job_state")) else 1
+
+
+def run_submit(args) -> int:
+    from nvflare_jobs.deploy import DeployError, check_job_folder
+
+    try:
+        check_job_folder(args.job)
+    except DeployError as e:
+        print(f"cxr-hfl submit: {e}; nothing was submitted", file=sys.stderr)
+        return 2
+    sess = _session(args)
+    try:
+        job_id = sess.submit_job(str(Path(args.job).resolve()))
+    finally:
+        sess.close()
+    kit = args.startup_kit
+    print(f"[cxr-hfl] submitted {Path(args.job).name}: job id {job_id}")
+    print(f"watch it:  cxr-hfl status {job_id} --startup-kit {kit} --watch")
+    print(f"results:   cxr-hfl results {job_id} --startup-kit {kit} --out runs/{job_id} --wait 3600")
+    return 0
+
+
+def run_results(args) -> int:
+    from nvflare_jobs.deploy import assemble_downloaded
+
+    sess = _session(args)
+    try:
+        if args.wait:
+            sess.monitor_job(args.job_id, timeout=args.wait)
+        meta = sess.get_job_meta(args.job_id) or {}
+        status = str(meta.get("status") or "")
+        if not status.startswith("FINISHED"):
+            print(f"cxr-hfl results: job {args.job_id} is {status or 'unknown'}; wait for it (--wait SECONDS or "
+                  "cxr-hfl status --watch)", file=sys.stderr)
+            return 1
+        dl = Path(args.out).resolve() / "download"
+        dl.mkdir(parents=True, exist_ok=True)
+        path = _download(sess, args.job_id, dl)
+    finally:
+        sess.close()
+    meta = {**meta, "job_id": args.job_id}
+    return report_downloaded(path, meta, lambda: assemble_downloaded(path, Path(args.out).resolve(), job_meta=meta))
+
+
+def _download(sess, job_id: str, dest: Path) -> Path:
+    """``Session.download_job_result`` writes into the kit's download folder; move the job there into ``dest``."""
+    import shutil
+
+    src = Path(sess.download_job_result(job_id))
+    target = dest / job_id
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.move(str(src), str(target))
+    return target
+
+
+def report_downloaded(download: Path, meta: dict, assemble) -> int:
+    """Print a downloaded job's status and, when the run failed, its reason; unless it failed before any site
+    finished (then nothing is written: no empty metrics.json or plots), ``assemble()`` writes the run folder
+    (returns its metrics) and the per-site metrics and findings (``run_findings``) are printed.
+    Returns 0 for a completed run, else 1."""
+    from nvflare_jobs.deploy import run_findings
+    from nvflare_jobs.results import find_server_results
+
+    status = str(meta.get("status") or "")
+    try:
+        rec = json.loads(find_server_results(download).read_text())
+    except FileNotFoundError:
+        rec = None
+    if rec is None or (rec.get("failed") and not rec.get("sites") and not rec.get("cross_site")):
+        reason = (rec or {}).get("failed") or "the server wrote no results (see its log in the download)"
+        print(f"[cxr-hfl] job {meta.get('job_id')}: {status}: {reason}", file=sys.stderr)
+        print(f"  downloaded to {download}; no metrics.json written (no site finished)", file=sys.stderr)
+        return 1
+    m = assemble()
+    print(f"[cxr-hfl] job {meta.get('job_id')} ({status}) -> {m.get('run_dir')}/metrics.json")
+    if rec.get("failed"):
+        print(f"  FAILED: {rec['failed']}")
+    for site, b in m["sites"].items():
+        t = b.get("test") or {}
+        acc = t.get("accuracy")
+        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    for site, row in sorted((m.get("cross_site") or {}).items()):  # a cross-site evaluation job
+        print(f"  {site:<12} " + "  ".join(
+            f"{name}: " + (f"refused ({v['refused']})" if "refused" in v else
+                           f"bal. acc. {v.get('balanced_accuracy') or 0:.3f}, AUC {v.get('auc') or 0:.3f}")
+            for name, v in row.items()))
+    for line in run_findings(m):
+        print(line)
+    if m.get("tensorboard"):
+        print(f"  TensorBoard: tensorboard --logdir {m['tensorboard']}")
+    return 0 if status.endswith("COMPLETED") and not rec.get("failed") else 1

@@ -1,0 +1,188 @@
+"""One status view of a job: a simulator run folder, a POC job or a provisioned deployment's job.
+
+Sources (no NVFlare import for a run folder):
+
+* a simulator run folder: the server's ``cxr_hfl_results/status.json`` under ``<run>/workspace`` (the controller
+  rewrites it on every change, ``HFLController.status_snapshot``) and, once the run ended, ``metrics.json``;
+* a POC or provisioned job: NVFlare's admin API (``nvflare.fuel.flare_api``) with the caller's startup kit: the
+  job's meta (status), the server's ``show_stats`` (the same snapshot, group ``cxr_hfl``) and the connected sites
+  (``check_status``).
+
+:func:`job_view` turns a snapshot into the view: the job state, the current round and task, per site its state
+(``connected``, ``training``, ``answered``, ``late``, ``excluded``, ``not connected``), seconds since its last
+heartbeat, task/epoch/loss, its latest validation metrics, and the gate's decisions when done.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "unknown")
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None = None,
+             connected: dict[str, float | None] | None = None, job_id: str | None = None) -> dict:
+    """The status view of one job.
+
+    Args:
+        snapshot: the controller's status snapshot (``status.json`` / ``show_stats``), or None before it runs.
+        job_state: NVFlare's job status (``RUNNING``, ``FINISHED:COMPLETED``, ...) or the simulator's equivalent.
+        sites: the job's sites (default: those the snapshot names).
+        connected: {site: seconds since its last heartbeat to the server (None: unknown)} of the sites connected
+            now, when known (POC / provisioned); None for a simulator run.
+    Returns:
+        ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "failed", "sites": {site: {"state",
+        "reason", "heard_s_ago", "task", "round", "epoch", "epochs", "loss", "val"}}, "gate"}``.
+    """
+    st = snapshot or {}
+    prog = st.get("sites") or {}
+    excluded = st.get("excluded") or {}
+    names = list(sites or []) or sorted(set(prog) | set(excluded) | set(st.get("waiting_for") or [])
+                                        | set(st.get("answered") or []) | set(connected or {}))
+    waiting = set(st.get("waiting_for") or [])
+    answered = set(st.get("answered") or [])
+    dropped_now = st.get("dropped_now") or {}
+    finished = str(job_state).upper().startswith("FINISHED") or st.get("phase") in ("done", "failed")
+    late = st.get("late_wait_ends_in_s") is not None
+    out = {}
+    for s in names:
+        p = prog.get(s) or {}
+        reason = dropped_now.get(s) or excluded.get(s)
+        if s in dropped_now or (s in excluded and s not in waiting and s not in answered):
+            state = "excluded"
+        elif connected is not None and s not in connected and not finished:
+            state = "not connected"
+        elif finished:
+            state = "done"
+        elif s in waiting:
+            state = "late" if late and answered else "training"
+        elif s in answered:
+            state = "answered"
+        elif connected is not None:
+            state = "connected"
+        else:
+            state = "unknown"
+        heard = p.get("heard_s_ago")
+        if connected is not None and connected.get(s) is not None and heard is None:
+            heard = connected[s]
+        out[s] = {"state": state, "reason": reason if state == "excluded" or s in excluded else None,
+                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"), "epoch": p.get("epoch"),
+                  "epochs": p.get("epochs"), "loss": p.get("loss"), "val": (st.get("latest_val") or {}).get(s)}
+    return {"job_id": job_id, "job_state": job_state, "phase": st.get("phase"), "round": st.get("round"),
+            "num_rounds": st.get("num_rounds"), "task": st.get("task"), "method": st.get("method"),
+            "failed": st.get("failed"), "sites": out, "gate": st.get("gate") if finished else None}
+
+
+def run_folder_view(run_dir: str | Path) -> dict:
+    """The view of a simulator run folder (``cxr-hfl simulate --out``), running or finished.
+
+    Raises:
+        FileNotFoundError: the folder holds no simulator run (no ``workspace`` and no ``metrics.json``).
+    """
+    run = Path(run_dir)
+    metrics = _read(run / "metrics.json")
+    found = sorted((run / "workspace").rglob("cxr_hfl_results/status.json")) if (run / "workspace").is_dir() else []
+    if metrics is None and not found:
+        raise FileNotFoundError(f"{run} holds no simulator run (no metrics.json, no workspace/**/status.json)")
+    snap = _read(found[0]) if found else None
+    if metrics is not None:
+        state = "FINISHED:FAILED" if metrics.get("failed") else "FINISHED:COMPLETED"
+        if snap is None:
+            snap = {"phase": "failed" if metrics.get("failed") else "done", "method": metrics.get("method"),
+                    "excluded": {s: ev[-1].get("reason") for s, ev in (metrics.get("excluded_sites") or {}).items()},
+                    "gate": metrics.get("gate"), "failed": metrics.get("failed")}
+        snap.setdefault("gate", metrics.get("gate"))
+        sites = sorted(set(metrics.get("sites") or {}) | set(metrics.get("excluded_sites") or {}))
+    else:
+        phase = (snap or {}).get("phase")
+        state = {"done": "FINISHED:COMPLETED", "failed": "FINISHED:FAILED"}.get(phase, "RUNNING")
+        if state == "RUNNING" and snap and time.time() - float(snap.get("time") or 0) > 120:
+            state = "STOPPED (no update for over 2 minutes: the run was interrupted or crashed)"
+        sites = None
+    view = job_view(snap, job_state=state, sites=sites, job_id=run.name)
+    view["source"] = str(found[0]) if found else str(run / "metrics.json")
+    tb = sorted({str(p.parent.parent) for p in (run / "workspace").rglob("events.out.tfevents.*")}) \
+        if (run / "workspace").is_dir() else []
+    view["tensorboard"] = tb[0] if tb else None
+    idx = _read(run / "models.json")
+    view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")}
+                      for e in (idx or {}).get("models", [])]
+    return view
+
+
+def admin_view(session, job_id: str) -> dict:
+    """The view of a POC / provisioned job through an open ``flare_api`` session (the caller's startup kit)."""
+    meta = session.get_job_meta(job_id) or {}
+    state = str(meta.get("status") or "UNKNOWN")
+    snap = None
+    if state.upper().startswith("RUNNING"):
+        try:
+            stats = session.show_stats(job_id, "server") or {}
+            snap = (stats.get("server") or {}).get("cxr_hfl")
+        except Exception:  # noqa: BLE001 - the job may be starting or ending
+            snap = None
+    connected = None
+    try:
+        from nvflare.fuel.flare_api.api_spec import TargetType
+
+        info = session.check_status(TargetType.SERVER) or {}
+        connected = {}
+        for c in info.get("clients") or []:  # [{"client_name", "client_last_conn_time", "fqcn"}]
+            last = c.get("client_last_conn_time")
+            if c.get("client_name"):
+                connected[c["client_name"]] = (None if not isinstance(last, (int, float))
+                                               else round(max(0.0, time.time() - last), 1))
+    except Exception:  # noqa: BLE001 - the view still shows the job
+        connected = None
+    dm = meta.get("deploy_map") or {}
+    sites = sorted({s for t in dm.values() for s in t if s != "server" and not str(s).startswith("@")}) or None
+    view = job_view(snap, job_state=state, sites=sites, connected=connected, job_id=job_id)
+    view["submitter"] = meta.get("submitter_name")
+    return view
+
+
+def format_view(v: dict) -> str:
+    """The view as console lines."""
+    head = f"job {v.get('job_id')}: {v.get('job_state')}"
+    if v.get("method"):
+        head += f" ({v['method']})"
+    if v.get("task"):
+        head += f"; round {v.get('round')} task {v['task']} ({v.get('phase')})"
+    lines = [head]
+    if v.get("failed"):
+        lines.append(f"  FAILED: {v['failed']}")
+    for s, d in v["sites"].items():
+        parts = [f"  {s:<14}{d['state']:<14}"]
+        if d.get("heard_s_ago") is not None and d["state"] != "done":
+            parts.append(f"heard {d['heard_s_ago']:.0f} s ago")
+        if d.get("task"):
+            t = f"{d['task']} r{d.get('round')}"
+            if d.get("epochs"):
+                t += f" epoch {d.get('epoch') or 0}/{d['epochs']}"
+            if isinstance(d.get("loss"), (int, float)):
+                t += f" loss {d['loss']:.3f}"
+            parts.append(t)
+        val = d.get("val") or {}
+        m = next((k for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(val.get(k), (int, float))), None)
+        if m:
+            parts.append(f"val {m} {val[m]:.3f} (round {val.get('round')})")
+        if d.get("reason"):
+            parts.append(f"excluded: {d['reason']}")
+        lines.append("  ".join(parts))
+    g = v.get("gate")
+    if g:
+        lines.append("  gate: " + json.dumps(g, default=str)[:400])
+    if v.get("models"):
+        lines.append(f"  models: {len(v['models'])} files (models.json): "
+                     + ", ".join(m["name"] for m in v["models"][:8]) + (" ..." if len(v["models"]) > 8 else ""))
+    if v.get("tensorboard"):
+        lines.append(f"  TensorBoard: tensorboard --logdir {v['tensorboard']}")
+    return "\n".join(lines)

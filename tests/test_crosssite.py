@@ -1,0 +1,89 @@
+"""Cross-site evaluation as a job: 2 model files x 3 sites in the NVFlare simulator give the 3 x 2 matrix, equal to
+each file scored locally on each site's test split; a model of another label scheme is refused naming the site;
+only metrics come back. The exported job carries the model files in its server app and passes the job check."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.deploy_helpers import run_cli, tiny_manifests, tiny_profile
+
+SITES = ["site-1", "site-2", "site-3"]
+
+
+def _model_files(tmp_path, labels=("binary", "binary")):
+    import torch
+
+    from hfl_components.models import build_model
+    from hfl_components.models.files import save_model_file
+
+    out = []
+    for i, lab in enumerate(labels):
+        spec = {"family": "cnn", "depth": ("shallow", "medium")[i % 2], "width": 0.5,
+                "num_classes": 3 if lab == "subtype" else 2}
+        torch.manual_seed(10 + i)
+        m = build_model(spec)
+        f = tmp_path / "models" / f"model_{chr(97 + i)}.pt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        save_model_file(f, spec, m.state_dict(), input_size=32, labels=lab, kind="deployed")
+        out.append(f)
+    return out
+
+
+def test_exported_eval_job_carries_its_models_and_passes_the_job_check(tmp_path):
+    from nvflare_jobs.deploy import check_job_folder
+
+    files = _model_files(tmp_path)
+    profile = tiny_profile({s: tmp_path / f"{s}.csv" for s in SITES}, tmp_path / "profile")
+    r = run_cli("export-eval", "--model", str(files[0]), "--model", str(files[1]), "--profile", str(profile),
+                "--out", str(tmp_path / "jobs"))
+    assert r.returncode == 0, r.stderr
+    job = tmp_path / "jobs" / "cxr_hfl_cross_site"
+    meta = check_job_folder(job)
+    assert sorted(meta["deploy_map"]) == ["app_server"] + [f"app_{s}" for s in SITES]
+    wf = json.loads((job / "app_server" / "config" / "config_fed_server.json").read_text())["workflows"][0]
+    assert wf["args"]["models"] == [{"name": "model_a", "file": "models/model_a.pt"},
+                                    {"name": "model_b", "file": "models/model_b.pt"}]
+    for f in files:
+        assert (job / "app_server" / "models" / f.name).read_bytes() == f.read_bytes()
+    assert str(tmp_path) not in (job / "app_server" / "config" / "config_fed_server.json").read_text()
+    r = run_cli("export-eval", "--model", str(tmp_path / "nope.pt"), "--profile", str(profile), "--out",
+                str(tmp_path / "j2"))
+    assert r.returncode == 2 and "nope.pt" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cross_site_job_matrix_equals_local_scoring_and_refuses_other_label_schemes(tmp_path, data_root, monkeypatch):
+    from nvflare_jobs.crosssite import build_eval_job, model_entries, score_locally
+    from hfl_components.flare.site_config import ENV_DIR, load_profile
+
+    man = tiny_manifests(data_root, tmp_path / "data", SITES)
+    profile_dir = tiny_profile(man, tmp_path / "profile")
+    files = _model_files(tmp_path) + _model_files(tmp_path / "sub", labels=("subtype",))
+    profile = load_profile(profile_dir)
+    job = build_eval_job(profile, model_entries(files))
+    monkeypatch.setenv(ENV_DIR, str(profile_dir))
+    ws = tmp_path / "ws"
+    job.simulator_run(str(ws), threads=len(SITES), log_config="concise")
+    res = json.loads(next(ws.rglob("cxr_hfl_results/cross_site.json")).read_text())
+    assert res["sites"] == SITES and res["models"] == ["model_a", "model_b", "model_a-2"]
+    assert next(ws.rglob("cxr_hfl_results/cross_site.png")).stat().st_size > 0
+    csv_rows = next(ws.rglob("cxr_hfl_results/cross_site.csv")).read_text().splitlines()
+    assert len(csv_rows) == 1 + 3 * 3
+    for site in SITES:
+        local = score_locally(profile_dir / f"{site}.yaml", site, files)
+        for name in ("model_a", "model_b"):
+            got, want = res["matrix"][site][name], local[name]
+            assert got["n"] == want["n"] == 6
+            for k in ("accuracy", "balanced_accuracy", "auc"):
+                assert got[k] == pytest.approx(want[k], abs=1e-6), (site, name, k)
+            assert got["confusion_matrix"] == want["confusion_matrix"]
+            assert "_probs" not in got
+        refused = res["matrix"][site]["model_a-2"]["refused"]
+        assert refused.startswith(f"site {site} uses labels 'binary'") and "'subtype'" in refused
+    blob = json.dumps(res)
+    assert str(data_root) not in blob and ".jpeg" not in blob
+    os.environ.pop(ENV_DIR, None)

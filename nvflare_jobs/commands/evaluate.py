@@ -77,8 +77,7 @@ def register(sub) -> None:
     c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
-    c.add_argument("--families", help="one model family per site for every method's profile, e.g. the OHFL "
-                                      "mixed-family variant cnn,cnn,densenet,densenet,resnet,resnet")
+    c.add_argument("--families", help="one model family per site in every method's profile (simulate --families)")
     c.add_argument("--no-audit", action="store_true", help="skip the shortcut audit of the external evaluation")
     c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
     c.set_defaults(func=run_compare)

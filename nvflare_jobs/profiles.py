@@ -110,14 +110,41 @@ def parse_families(text: str | list | None, n_sites: int) -> list[str] | None:
     """``--families`` (comma-separated, one per site in site-name order) as a list; None when not given.
 
     Raises:
-        ValueError: a count other than ``n_sites``, or an empty name.
+        ValueError: a count other than ``n_sites``, an empty name or a family the model registry does not know.
     """
     if text is None or text == "" or text == []:
         return None
     fams = [f.strip() for f in (text.split(",") if isinstance(text, str) else text)]
-    if any(not f for f in fams) or len(fams) != n_sites:
+    empty = [i + 1 for i, f in enumerate(fams) if not f]
+    if empty:
+        raise ValueError(f"--families {','.join(fams)}: empty family name at position {empty[0]}")
+    if len(fams) != n_sites:
         raise ValueError(f"--families needs one family per site ({n_sites} sites), got {len(fams)}: {','.join(fams)}")
+    from hfl_components.models.registry import FAMILY_TABLE
+
+    unknown = [f for f in fams if f not in FAMILY_TABLE]
+    if unknown:
+        raise ValueError(f"--families: unknown model family {unknown[0]!r}; known: {', '.join(sorted(FAMILY_TABLE))}")
     return fams
+
+
+def site_options_problem(args) -> str | None:
+    """What is wrong with the options that describe simulated sites (``sites``, ``scheme``, ``alpha``, ``families``,
+    ``profile`` of a ``cxr-hfl simulate`` / ``partition`` namespace), checked before anything is scanned or written:
+    one line naming the option (``--sites`` < 1, ``--alpha`` <= 0 for the dirichlet scheme, a bad ``--families``,
+    see :func:`parse_families`), or None. With a profile the sites come from its configs: only ``sites`` is checked.
+    """
+    if args.sites < 1:
+        return f"--sites must be at least 1, got {args.sites}"
+    if getattr(args, "profile", None):
+        return None
+    if args.scheme == "dirichlet" and not args.alpha > 0:
+        return f"--alpha must be > 0 for --scheme dirichlet, got {args.alpha}"
+    try:
+        parse_families(getattr(args, "families", None), args.sites)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def assign_models(sites: list[str], method: str, input_sizes: list[int], num_classes: int,

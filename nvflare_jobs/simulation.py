@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfl_components.flare import catalogue
+from nvflare_jobs.profiles import site_options_problem
 
 # OHFL fusion defaults, chosen on the fusion ladder (studies/fusion_defaults/RESULTS.md, tuning part only): the
 # catalogue's OHFL options that the command line leaves unset until --paper has been applied.
@@ -227,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_checked(args, **kw) -> int:
     _defaults(args)
-    if args.sites < 1:
-        raise ValueError(f"--sites must be at least 1, got {args.sites}")
+    if bad := site_options_problem(args):  # the simulated sites' options, before anything is scanned or written
+        sys.exit(f"cxr-hfl: {bad}")
     return _run(args, **kw)
 
 

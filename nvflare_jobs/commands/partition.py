@@ -65,7 +65,11 @@ def run_partition(args: argparse.Namespace) -> int:
 
     from chest_xray import CLASS_NAMES, partition_records, scan_dataset, write_partition
     from chest_xray.partition import partition_warnings
+    from nvflare_jobs.profiles import site_options_problem
 
+    if bad := site_options_problem(args):  # before the scan, which takes a while on a large archive
+        print(f"cxr-hfl partition: {bad}", file=sys.stderr)
+        return 2
     try:
         records, report = scan_dataset(args.data, labels=args.labels, verify=not args.no_verify,
                                        allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral,

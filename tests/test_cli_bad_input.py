@@ -50,3 +50,24 @@ def test_partition_names_the_bad_option_before_scanning(tmp_path, flags, says):
     # the data root does not exist: the option check comes first, so its message (not the data's) is shown
     r = run_cli("partition", "--data", str(tmp_path / "no_data"), *flags, "--out", str(out), timeout=120)
     _refused(r, out, *says)
+
+
+@pytest.mark.parametrize("cmd", [["status", "5"], ["results", "5", "--out", "OUT"], ["submit", "--job", "JOB"]])
+def test_startup_kit_missing_or_not_an_admin_kit_is_bad_input(tmp_path, cmd):
+    """No --startup-kit, or a server kit given as one: exit 2 naming --startup-kit, not a server error (exit 1)."""
+    out = tmp_path / "out"
+    args = [a.replace("OUT", str(out)) for a in cmd]
+    if "JOB" in args:  # a well-formed exported job, so that the kit is what is checked
+        job_root = tmp_path / "jobs"
+        r = run_cli("export-job", "--method", "fedavg", "--profile", "site_configs/consortium", "--out", str(job_root))
+        assert r.returncode == 0, r.stderr
+        args = [a.replace("JOB", str(job_root / "cxr_hfl_fedavg")) for a in args]
+    if cmd[0] != "status":  # status 5 without a kit is "not a run folder", tested elsewhere
+        r = run_cli(*args, timeout=120)
+        _refused(r, out, "--startup-kit", "required")
+    server_kit = tmp_path / "server.example.org"
+    (server_kit / "startup").mkdir(parents=True)
+    (server_kit / "startup" / "fed_server.json").write_text("{}")
+    (server_kit / "local").mkdir()
+    r = run_cli(*args, "--startup-kit", str(server_kit), timeout=120)
+    _refused(r, out, f"--startup-kit {server_kit}", "fed_admin.json")

@@ -44,9 +44,13 @@ def _kit_args(p) -> None:
 
 def _session(args):
     kit = Path(args.startup_kit or "")
-    if not args.startup_kit or not (kit / "startup").is_dir():
-        print(f"cxr-hfl {args.command}: --startup-kit {args.startup_kit or '?'} is not an admin startup kit (a folder "
-              "with startup/fed_admin.json)", file=sys.stderr)
+    if not args.startup_kit:
+        print(f"cxr-hfl {args.command}: --startup-kit KIT is required: your admin startup kit folder (the "
+              "coordinator's kit of cxr-hfl provision; POC: see cxr-hfl poc status)", file=sys.stderr)
+        raise SystemExit(2)
+    if not (kit / "startup" / "fed_admin.json").is_file():  # a server or site kit holds fed_server/fed_client.json
+        print(f"cxr-hfl {args.command}: --startup-kit {kit} is not an admin startup kit (no startup/fed_admin.json)",
+              file=sys.stderr)
         raise SystemExit(2)
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 

@@ -430,3 +430,22 @@ def test_predict_and_evaluate_feed_a_model_images_the_way_its_site_made_them_squ
     assert model_aspect({"aspect": "letterbox"}, tmp_path) == "letterbox"
     (tmp_path / "resolved_configs" / "site-2.json").write_text(json.dumps({"aspect": "stretch"}))
     assert model_aspect({"aspect": None}, tmp_path) == "stretch"
+
+
+def test_evaluate_refuses_a_label_scheme_the_models_cannot_give_and_keeps_the_earlier_results(tmp_path):
+    """A binary run evaluated with --labels subtype: one line naming the model file and --labels, exit 2, before
+    the data are read; the earlier evaluation of the same set (external/<name>/) is left as it was."""
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    _save(run / "models" / "site-1_deployed.pt", {**SPECS["site-1"][0], "in_channels": 1, "num_classes": 2}, 32,
+          "site-1", 0)
+    data = tmp_path / "ext"
+    data.mkdir()  # an empty folder: were it read, the message would be about the data
+    earlier = run / "external" / "ext" / "summary.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{"earlier": true}')
+    r = run_cli("evaluate", "--run", str(run), "--data", str(data), "--labels", "subtype", "--no-audit", timeout=120)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, r.stdout + err
+    assert "site-1_deployed.pt" in err and "--labels subtype" in err and "2-class" in err, err
+    assert earlier.read_text() == '{"earlier": true}'

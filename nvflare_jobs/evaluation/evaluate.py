@@ -50,6 +50,24 @@ def _collapse(probs: np.ndarray, model_classes: int, want_classes: int) -> np.nd
     raise ValueError(f"a {model_classes}-class model cannot be evaluated on {want_classes}-class labels")
 
 
+def _check_model_headers(models: list[dict], labels: str) -> None:
+    """Every model file of :func:`list_run_models` readable and able to give ``labels`` (a 3-class subtype model
+    also gives binary labels, :func:`_collapse`), from the files' headers without loading the weights.
+
+    Raises:
+        ValueError: one line naming the model file (not a model file, or too few classes for ``--labels``).
+    """
+    from chest_xray import CLASS_NAMES
+    from hfl_components.models.files import read_model_header
+
+    want = len(CLASS_NAMES[labels])
+    for m in models:
+        mc = int(read_model_header(m["path"])["spec"].get("num_classes", want))
+        if mc != want and not (mc == 3 and want == 2):
+            raise ValueError(f"{m['path']}: a {mc}-class model cannot be evaluated on {want}-class labels "
+                             f"(--labels {labels}); use the labels the run was trained on")
+
+
 def external_name(data: str | Path, part: str | None = None) -> str:
     """Folder name of an evaluated data set under ``RUN/external/``: the folder's name (a CSV: its stem), plus
     ``-<part>`` for a committed part, e.g. ``chest_xray_224-evaluation``; characters other than letters, digits,
@@ -143,6 +161,7 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         raise FileNotFoundError(f"{run}: no saved models (models/*.pt or global_model.pt)")
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1, got {max_images}")
+    _check_model_headers(models, labels)  # before the data are read and before an earlier result is replaced
     records, report, overlap, n_probe, probe_source = _external_records(run, data, labels, part, force, log)
     records = _subset(records, max_images)
     name = external_name(data, part)

@@ -172,3 +172,31 @@ def test_every_cxr_hfl_command_in_the_readme_parses_with_the_cli():
         except SystemExit:
             bad.append(c)
     assert not bad, f"README commands the CLI refuses: {bad}"
+
+
+MEASURED = re.compile(r"(?i)\bmeasured\b[^.;\n]*\d\.\d|\b(AUC|accuracy|loss)\s+(stuck at\s+|of\s+|reached\s+)?0\.\d{2,}|"
+                      r"\breached\s+0\.\d{2,}")
+
+
+def _product_docstrings():
+    import ast
+
+    for pkg in ("chest_xray", "hfl_components", "nvflare_jobs"):
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc:
+                        yield f"{f.relative_to(REPO)}:{getattr(node, 'name', '<module>')}", doc
+
+
+def test_docstrings_hold_no_measured_numbers_or_research_process_residue():
+    """Numbers live in results files and decisions in docs/decisions.md; a docstring says what code does."""
+    assert MEASURED.search("(measured on chest X-rays: loss stuck at 0.67 for 6 epochs)")
+    assert MEASURED.search("the deep cnn at 96 px reached 0.93 test accuracy")
+    assert not MEASURED.search("Adam lr 0.001, log-loss of the class layer, tolerance 0.05; measured after layer k")
+    found = [f"{where}: {r}" for where, doc in _product_docstrings()
+             for r in residue(doc) + [f"a measured number: {m.group(0)!r}"  # ``literal`` examples of output aside
+                                      for m in MEASURED.finditer(re.sub(r"``.*?``", "", doc, flags=re.S))]
+             if not r.startswith("a paper file number")]
+    assert not found, "\n".join(found)

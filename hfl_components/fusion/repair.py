@@ -7,10 +7,9 @@ pipeline exactly). Two modes:
   neurons through the OT plan (column-normalised, T / β).
 
 Averaging two networks whose neurons only partly correspond shrinks the spread of every hidden layer's
-pre-activations, and in a deep BatchNorm-free stack the shrinkage compounds: fusing two trained ``cnn/deep`` chest
-X-ray models gave per-layer pre-activation standard deviations falling from ~0.15-1.0 in both parents to ~0.02 in
-the fused model, whose output was then constant (zero-shot accuracy = the minority-class rate) and barely moved
-under fine-tuning at lr 0.001. This is the "variance collapse" that REPAIR (Jordan et al., 2023, "REPAIR:
+pre-activations, and in a deep BatchNorm-free stack the shrinkage compounds until the fused model's output can be
+constant and barely move under fine-tuning (the evidence behind the default: docs/decisions.md, "OHFL repair =
+channel"). This is the "variance collapse" that REPAIR (Jordan et al., 2023, "REPAIR:
 REnormalizing Permuted Activations for Interpolation Repair", ICLR) corrects with per-neuron statistics.
 
 Here, layer by layer in forward order on the server's probe batch, each hidden layer's weights and bias are

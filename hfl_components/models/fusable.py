@@ -148,11 +148,10 @@ class FusableNet(nn.Module):
     def reset_parameters(self) -> None:
         """He (Kaiming) normal initialisation for every hidden conv/linear weight, zero biases, zero class layer.
 
-        Without BatchNorm, PyTorch's default uniform init leaves these ReLU stacks near-constant for ~80 SGD steps
-        at lr 0.01 (measured on chest X-rays: loss stuck at 0.67 for 6 epochs); He init trains at once. A zero
-        class layer starts every model at loss log(C) instead of large random logits (the deep cnn at 96 px reached
-        0.93 test accuracy after 5 epochs with it and input centring, versus 0.75 without). Fusion does not depend
-        on the initialisation.
+        Without BatchNorm, PyTorch's default uniform init leaves these ReLU stacks near-constant for the first
+        SGD steps; He init (He et al. 2015, arXiv:1502.01852) keeps the activations' scale through the depth. A
+        zero class layer starts every model at loss log(C) instead of large random logits. Fusion does not depend
+        on the initialisation. The observations behind this default: docs/decisions.md ("Fusable models' init").
         """
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):

@@ -71,3 +71,13 @@ def test_startup_kit_missing_or_not_an_admin_kit_is_bad_input(tmp_path, cmd):
     (server_kit / "local").mkdir()
     r = run_cli(*args, "--startup-kit", str(server_kit), timeout=120)
     _refused(r, out, f"--startup-kit {server_kit}", "fed_admin.json")
+
+
+@pytest.mark.parametrize("flags, says", [(["--families", "cnn,foo,cnn,cnn,cnn,cnn"], ["--families", "'foo'"]),
+                                         (["--scheme", "dirichlet", "--alpha", "0"], ["--alpha", "got 0"]),
+                                         (["--methods", ""], ["--methods", "empty"])])
+def test_compare_refuses_bad_site_options_before_writing(tmp_path, flags, says):
+    out = tmp_path / "cmp"
+    args = ["compare", *(["--methods", "local,fedavg"] if "--methods" not in flags else []), *flags,
+            "--data", str(tmp_path / "no_data"), "--out", str(out), "--dry-run"]
+    _refused(run_cli(*args, timeout=120), out, *says)

@@ -167,14 +167,19 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     """``(methods, plans, data root, external set, out folder)`` of a comparison; raises :class:`_Refused`."""
     from nvflare_jobs.profiles import DataNotFoundError, resolve_data
 
+    from nvflare_jobs.profiles import site_options_problem
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if split_variant(m)[0] not in METHODS]
     if bad or not methods:
-        raise _Refused(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+        raise _Refused(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}" if bad else
+                       f"--methods is empty; choose from {', '.join(METHODS)}")
     for m in methods:
         why = check_variant(m, args)
         if why:
             raise _Refused(why)
+    if why := site_options_problem(args):  # before the output folder and the partitions are written
+        raise _Refused(why)
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,10 @@ def model_entries(files: list[str | Path]) -> list[dict]:
     out, seen = [], {}
     for f in files:
         p = Path(f).resolve()
-        if not p.is_file():
+        if not p.exists():
             raise FileNotFoundError(f"--model {f}: no such file")
+        if p.is_dir():
+            raise ValueError(f"--model {f}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
         read_model_header(p)
         name = p.stem
         seen[name] = seen.get(name, 0) + 1

@@ -87,3 +87,24 @@ def test_cross_site_job_matrix_equals_local_scoring_and_refuses_other_label_sche
     blob = json.dumps(res)
     assert str(data_root) not in blob and ".jpeg" not in blob
     os.environ.pop(ENV_DIR, None)
+
+
+@pytest.mark.parametrize("bad, says", [(["--min-sites", "0"], ["--min-sites", "got 0", "1 and 3"]),
+                                       (["--min-sites", "4"], ["--min-sites", "got 4", "1 and 3"]),
+                                       (["--model", "FOLDER"], ["models", "folder"]),
+                                       (["--out", "FILE"], ["--out", "not a folder"])])
+def test_export_eval_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, bad, says):
+    """--min-sites outside 1..N (0 was silently N-1; above N a job no server could finish), a folder as --model,
+    a file as --out: exit 2, one line naming the option or file, no job folder."""
+    files = _model_files(tmp_path)
+    profile = tiny_profile({s: tmp_path / f"{s}.csv" for s in SITES}, tmp_path / "profile")
+    out = tmp_path / "jobs"
+    (tmp_path / "a_file").write_text("x")
+    bad = [{"FOLDER": str(tmp_path / "models"), "FILE": str(tmp_path / "a_file")}.get(a, a) for a in bad]
+    args = {"--model": str(files[0]), "--out": str(out), **dict(zip(bad[::2], bad[1::2]))}
+    r = run_cli("export-eval", "--profile", str(profile), *[x for kv in args.items() for x in kv])
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    for s in says:
+        assert s in err[0], err[0]
+    assert not out.exists()

@@ -22,7 +22,19 @@ def run_export_eval(args) -> int:
     from hfl_components.flare.site_config import load_profile
 
     profile = load_profile(args.profile, check_files=False, require_data=False)
-    folder = export_eval_job(profile, args.model, Path(args.out).resolve(), args.min_sites)
+    out = Path(args.out).resolve()
+    bad = None
+    if out.exists() and not out.is_dir():
+        bad = f"--out {args.out} is not a folder (a job folder is written inside it)"
+    elif args.min_sites is not None and not 1 <= args.min_sites <= len(profile):
+        bad = (f"--min-sites must be between 1 and {len(profile)} (the profile's sites), got {args.min_sites}")
+    try:
+        folder = None if bad else export_eval_job(profile, args.model, out, args.min_sites)
+    except (ValueError, OSError) as e:  # a model file that is missing, a folder or not a model file, naming it
+        bad = str(e)
+    if bad:
+        print(f"cxr-hfl export-eval: {bad}", file=sys.stderr)
+        return 2
     print(f"[cxr-hfl] exported {folder.name} ({len(args.model)} models, sites {', '.join(profile)}) to {folder}")
     print("[cxr-hfl] each site sends: the test metrics of each model on its own test split (no predictions)")
     print(f"submit with: cxr-hfl submit --job {folder} --startup-kit <your coordinator kit folder>")

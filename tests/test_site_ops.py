@@ -354,3 +354,16 @@ def test_sample_site_config_shows_the_defaults_of_every_commented_key(tmp_path):
     (tmp_path / "m.csv").write_text("path,label,split\n")
     cfg["data"]["manifest"] = str(tmp_path / "m.csv")
     assert validate_site_config(cfg, "hospital-a", check_files=False)["augment"] == "monai"
+
+
+@pytest.mark.parametrize("where", ["folder", "missing_parent"])
+def test_site_check_refuses_an_unwritable_json_path_before_checking(tmp_path, where):
+    """--json naming a folder (or a file in a folder that does not exist): one line naming --json, exit 2, before
+    the (possibly long) image check -- not an errno message after it."""
+    cfg = tmp_path / "hospital-a.yaml"
+    cfg.write_text("data:\n  manifest: /nonexistent/site.csv\n")
+    target = tmp_path if where == "folder" else tmp_path / "no_such_dir" / "rep.json"
+    r = run_cli("site", "check", "--config", str(cfg), "--json", str(target), "--no-images")
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "--json" in err[0] and "Errno" not in err[0], r.stderr
+    assert r.stdout == "", r.stdout  # refused before the check ran

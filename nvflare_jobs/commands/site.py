@@ -26,6 +26,11 @@ def run_check(args) -> int:
         what = "a folder, not a <site>.yaml file" if Path(args.config).is_dir() else "no such file"
         print(f"cxr-hfl site check: --config {args.config}: {what}", file=sys.stderr)
         return 2
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        what = ("is a folder; give a file name, e.g. " + str(Path(args.json) / "site_check.json")
+                if Path(args.json).is_dir() else f"its folder {Path(args.json).resolve().parent} does not exist")
+        print(f"cxr-hfl site check: --json {args.json}: {what}", file=sys.stderr)
+        return 2
     rep = check_site(args.config, site=args.site, read_images=not args.no_images)
     print(format_report(rep))
     if args.json:

@@ -132,12 +132,16 @@ def site_options_problem(args) -> str | None:
     """What is wrong with the options that describe simulated sites (``sites``, ``scheme``, ``alpha``, ``families``,
     ``profile`` of a ``cxr-hfl simulate`` / ``partition`` namespace), checked before anything is scanned or written:
     one line naming the option (``--sites`` < 1, ``--alpha`` <= 0 for the dirichlet scheme, a bad ``--families``,
-    see :func:`parse_families`), or None. With a profile the sites come from its configs: only ``sites`` is checked.
+    see :func:`parse_families`, or one that would be ignored: with a profile or a prototype ``method``), or None.
     """
     if args.sites < 1:
         return f"--sites must be at least 1, got {args.sites}"
     if getattr(args, "profile", None):
-        return None
+        return ("--families: with --profile each site config's model: decides the family; set it there"
+                if getattr(args, "families", None) else None)
+    if getattr(args, "families", None) and is_prototype(getattr(args, "method", None) or ""):
+        return (f"--families: {args.method} is a prototype method; its sites train the heterogeneous backbone "
+                "pool (--families is for ohfl, local, fedavg)")
     if args.scheme == "dirichlet" and not args.alpha > 0:
         return f"--alpha must be > 0 for --scheme dirichlet, got {args.alpha}"
     try:

@@ -42,9 +42,11 @@ def test_simulate_sites_check_is_one_line(tmp_path):
     _refused(r, out, "--sites must be at least 1")
 
 
-@pytest.mark.parametrize("flags, says", [(["--sites", "0"], ["--sites", "got 0"]),
-                                         (["--sites", "2", "--scheme", "dirichlet", "--alpha", "-1"], ["--alpha", "-1"]),
-                                         (["--sites", "2", "--scheme", "dirichlet", "--alpha", "0"], ["--alpha", "got 0"])])
+@pytest.mark.parametrize("flags, says", [
+    (["--sites", "0"], ["--sites", "got 0"]),
+    (["--sites", "2", "--scheme", "dirichlet", "--alpha", "-1"], ["--alpha", "-1"]),
+    (["--sites", "2", "--scheme", "dirichlet", "--alpha", "0"], ["--alpha", "got 0"]),
+])
 def test_partition_names_the_bad_option_before_scanning(tmp_path, flags, says):
     out = tmp_path / "p"
     # the data root does not exist: the option check comes first, so its message (not the data's) is shown
@@ -81,3 +83,14 @@ def test_compare_refuses_bad_site_options_before_writing(tmp_path, flags, says):
     args = ["compare", *(["--methods", "local,fedavg"] if "--methods" not in flags else []), *flags,
             "--data", str(tmp_path / "no_data"), "--out", str(out), "--dry-run"]
     _refused(run_cli(*args, timeout=120), out, *says)
+
+
+@pytest.mark.parametrize("method, extra, says", [
+    ("fedsaf", [], ["--families", "fedsaf", "prototype"]),  # was silently ignored: the pool's backbones trained
+    ("ohfl", ["--profile", "site_configs/consortium"], ["--families", "--profile", "model"]),
+])
+def test_simulate_refuses_families_it_would_ignore(tmp_path, method, extra, says):
+    out = tmp_path / "run"
+    r = run_cli("simulate", "--method", method, "--families", "cnn,cnn,densenet,densenet,resnet,resnet", *extra,
+                "--data", str(tmp_path / "no_data"), "--out", str(out), timeout=120)
+    _refused(r, out, *says)

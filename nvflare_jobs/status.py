@@ -164,12 +164,9 @@ def format_view(v: dict) -> str:
         if d.get("heard_s_ago") is not None and d["state"] != "done":
             parts.append(f"heard {d['heard_s_ago']:.0f} s ago")
         if d.get("task"):
-            t = f"{d['task']} r{d.get('round')}"
-            if d.get("epochs"):
-                t += f" epoch {d.get('epoch') or 0}/{d['epochs']}"
-            if isinstance(d.get("loss"), (int, float)):
-                t += f" loss {d['loss']:.3f}"
-            parts.append(t)
+            from nvflare_jobs.progress import describe_site  # the live console's wording of a site's heartbeat
+
+            parts.append(describe_site(d))
         val = d.get("val") or {}
         m = next((k for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(val.get(k), (int, float))), None)
         if m:

@@ -34,7 +34,7 @@ PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "lin
 DEFAULTS = {"data": None, "sites": 6, "scheme": "width", "alpha": 0.5, "labels": None, "rounds": None,
             "local_epochs": None, "finetune_epochs": None, "input_sizes": None, "batch_size": 16,
             "max_train_images": None, "seed": 0, "min_sites": None, "server_device": "auto", "late_wait": None,
-            "feature_dim": 64, "paper": False, "tracking": "tensorboard", "tracking_uri": None, "families": None}
+            "feature_dim": 64, "aspect": None, "paper": False, "tracking": "tensorboard", "tracking_uri": None, "families": None}
 _TYPES = {"sites": int, "alpha": float, "rounds": int, "local_epochs": int, "finetune_epochs": int, "batch_size": int,
           "max_train_images": int, "seed": int, "min_sites": int, "late_wait": int, "feature_dim": int}
 
@@ -345,7 +345,7 @@ def prepare_profile(args, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
                             min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if catalogue.is_prototype(args.method) else 0)
     write_partition(res, part_dir, extra={"labels": args.labels, "data_root": str(data)})
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
-    settings = {"batch_size": args.batch_size,
+    settings = {"batch_size": args.batch_size, "aspect": getattr(args, "aspect", None),
                 "local_epochs": args.local_epochs if args.local_epochs is not None else args.default_local_epochs,
                 "finetune_epochs": (args.finetune_epochs if args.finetune_epochs is not None
                                     else args.default_finetune_epochs), "seed": args.seed, "threads": 1,

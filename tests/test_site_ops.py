@@ -162,15 +162,15 @@ def test_site_check_on_real_images_reports_counts_sizes_model_and_device(tmp_pat
     assert rep["resolution"]["width"] == {"min": 224, "median": 224.0, "max": 224}
     assert rep["device"].startswith("cuda:0 (") if CUDA else rep["device"] == "cpu"
     assert rep["model"]["family"] == "cnn" and rep["input_size"] == 32 and rep["n_params"] > 0
-    # balanced training split: "auto" (the classes smaller than the largest) augments nothing; "all" every class
-    assert rep["augment_classes"] == [] and rep["augment_config"] == "auto"
+    # the default "all" augments every class (with "auto", the classes smaller than the largest: none here)
+    assert rep["augment_classes"] == ["NORMAL", "PNEUMONIA"] and rep["augment_config"] == "all"
     screen = format_report(rep)
     assert len(screen.splitlines()) <= 25 and "result: OK" in screen
-    assert "augment     training images of none (augment_classes: auto)" in screen
+    assert "augment     training images of NORMAL, PNEUMONIA (augment_classes: all)" in screen
     cfg = yaml.safe_load((prof / "hospital-a.yaml").read_text())
-    (tmp_path / "hospital-a.yaml").write_text(yaml.safe_dump({**cfg, "augment_classes": "all"}))
-    rep_all = check_site(tmp_path / "hospital-a.yaml", read_images=False)
-    assert rep_all["augment_classes"] == ["NORMAL", "PNEUMONIA"] and rep_all["errors"] == []
+    (tmp_path / "hospital-a.yaml").write_text(yaml.safe_dump({**cfg, "augment_classes": "auto"}))
+    rep_auto = check_site(tmp_path / "hospital-a.yaml", read_images=False)  # balanced split: no minority class
+    assert rep_auto["augment_classes"] == [] and rep_auto["errors"] == []
     # no patient data on the screen: no image path, file name or patient id of the manifest
     with open(man["hospital-a"]) as fh:
         for row in csv.DictReader(fh):

@@ -67,7 +67,7 @@ DEFAULTS = {
     # training augmentation (flip p=0.5 + affine p=0.8, +-10 deg, +-6 % shift): batch = per collated batch on the
     # site's device (chest_xray.batch_augment) | monai = per image, MONAI RandFlipd + RandAffined
     "augment": "monai",  # the default the 3-seed comparisons measured; batch is opt-in (docs/decisions.md)
-    "augment_classes": "auto",
+    "augment_classes": "all",  # every class (docs/decisions.md: minority-only augmentation is a label cue)
     "threads": 1,
     "seed": 0,
     "cache_dir": None,
@@ -380,7 +380,7 @@ batch_size: 16
 # seed: 0
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
-# augment_classes: auto            # auto (minority classes) | all (prototype methods' profiles) | [] (none) | [0, 1]
+# augment_classes: all             # all (default) | auto (minority classes only: a label shortcut) | [] (none) | [0, 1]
 # augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split

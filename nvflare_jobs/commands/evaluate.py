@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from chest_xray import ASPECTS
+
 
 def _csv_ints(s: str) -> list[int]:
     try:
@@ -78,6 +80,7 @@ def register(sub) -> None:
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
     c.add_argument("--families", help="one model family per site in every method's profile (simulate --families)")
+    c.add_argument("--aspect", choices=ASPECTS, help="pass-through: how every site makes images square (simulate --aspect)")
     c.add_argument("--no-audit", action="store_true", help="skip the shortcut audit of the external evaluation")
     c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
     c.set_defaults(func=run_compare)

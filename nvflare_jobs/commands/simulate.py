@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from hfl_components.flare import catalogue
+from chest_xray import ASPECTS
 
 ABLATIONS = catalogue.TOPOLOGY_ABLATIONS
 
@@ -54,9 +55,11 @@ def _device(s: str) -> str:
 # decide them, so export-job refuses them instead of silently dropping them
 SITE_OPTIONS = {"data": "--data", "sites": "--sites", "scheme": "--scheme", "alpha": "--alpha",
                 "input_sizes": "--input-sizes", "batch_size": "--batch-size", "max_train_images": "--max-train-images",
-                "feature_dim": "--feature-dim", "labels": "--labels", "families": "--families"}
+                "feature_dim": "--feature-dim", "labels": "--labels", "families": "--families",
+                "aspect": "--aspect"}
 SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train_images": "max_train_images",
-             "feature_dim": "model.feature_dim", "labels": "data.labels", "families": "model.family"}
+             "feature_dim": "model.feature_dim", "labels": "data.labels", "families": "model.family",
+             "aspect": "aspect"}
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +91,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", help="OHFL/Local/FedAvg: one model family per site, comma-separated in site order "
                    "(cnn, vgg11, hetero_cnn, densenet, resnet, efficientnet), e.g. the mixed-family variant "
                    "cnn,cnn,densenet,densenet,resnet,resnet (default: cnn at every site)")
+    p.add_argument("--aspect", choices=ASPECTS, help="how every site makes non-square images square: stretch "
+                   "(default), letterbox (zero padding) or crop (centred square); written into each generated site "
+                   "config (docs/decisions.md)")
     p.add_argument("--min-sites", type=_at_least(1), help="fewest usable sites for a round to proceed (default N-1)")
     p.add_argument("--server-device", type=_device, default="auto",
                    help=catalogue.entry("ohfl").option("server_device").help)

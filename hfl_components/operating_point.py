@@ -42,10 +42,11 @@ GRID_LIMIT = 8.0  # grid edges at log-odds -8 ... 8, i.e. p = 3.4e-4 ... 0.99966
 
 
 def log_odds_grid(step: float = GRID_STEP, limit: float = GRID_LIMIT) -> tuple[float, ...]:
-    """The grid every site bins on (default: 69 edges): 0, sigmoid(-limit), sigmoid(-limit + step), ..., sigmoid(limit), 1 (edges
-    rounded to 6 significant digits, identical at every site). Equal steps in log-odds are equal steps in a
-    temperature-scaled logit, so the grid resolves calibrated p near 0 and 1, where a screening threshold and a
-    sharp model's scores lie, as finely as near 0.5.
+    """The grid every site bins on (default: 67 edges): 0, sigmoid(-limit), sigmoid(-limit + step), ...,
+    sigmoid(limit), 1 (edges rounded to 6 significant digits, identical at every site). Equal steps in log-odds are
+    equal steps in a temperature-scaled logit, so the grid resolves calibrated p near 0 and 1, where a screening
+    threshold and a sharp model's scores lie, as finely as near 0.5 (a step of 0.25 is about 0.06 in p at 0.5 and
+    0.007 at 0.03). The step bounds how precisely a cell edge places the one image next to it.
 
     Raises:
         ValueError: step <= 0 or limit < step.

@@ -150,7 +150,8 @@ def test_sites_with_too_few_positives_are_left_out_and_named():
     none = federated_operating_point({f"s{i}": {"histogram": coarse_histogram(_sig([1, 2, 3, 4, -2]),
                                                                               [1, 1, 1, 1, 0])} for i in range(3)})
     assert none["threshold"] is None and none["n_positive"] == 0
-    assert none["unresolved"].startswith("no site sent >= 5 validation positives") and "s0, s1, s2" in none["unresolved"]
+    assert none["unresolved"].startswith("no site sent >= 5 validation positives")
+    assert "s0, s1, s2" in none["unresolved"]
     assert federated_operating_point({"a": None}) is None
 
 
@@ -231,7 +232,8 @@ def test_site_rates_and_their_pooled_test_counts_by_hand():
                            "n_negative": 3, "n_sites": 2}
     assert set(rec["site_sensitivity"]) == {"s1", "s2"}
     line = site_rates_line(rec)
-    assert "pooled test sensitivity 0.75 of 4 positives" in line and "s1 0.50 / 0.67" in line and "s2 1.00 / 1.00" in line
+    assert "pooled test sensitivity 0.75 of 4 positives" in line
+    assert "s1 0.50 / 0.67" in line and "s2 1.00 / 1.00" in line
     assert site_rates_at({"threshold": None}, (np.array([0.5]), np.array([1])), None) == {"threshold": None}
 
 

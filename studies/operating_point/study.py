@@ -12,8 +12,9 @@ pooled validation scores (no histogram, no privacy: the reference), in two setti
    miscalibration (raw logit = a * true log-odds, a ~ U(0.5, 3)); the temperature is fitted on the site's validation
    split; the threshold's true sensitivity / specificity are computed on 20,000 new images per class and site.
 
-Usage: python studies/operating_point/study.py sim --reps 300 --seed 0
-       python studies/operating_point/study.py real RUN_SCORES.json [...]
+Usage: python -m studies.operating_point.study sim --reps 300 --seed 0 [--pos-range 4 8 ...]
+       python -m studies.operating_point.scores RUN RUN_SCORES.json; python -m studies.operating_point.study real
+       RUN_SCORES.json [...]
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def real(paths: list[str], tmin: float | None) -> None:
             held.append((cal(tp), ty))
         print(f"== {path} (T per site {Ts}; T floor {tmin})")
         for name, r in evaluate_rules(val, held).items():
-            t = "none" if r["t"] is None else f"{r['t']:.4g}"  # none: the held-out rates are at argmax
+            t = "none/argmax" if r["t"] is None else f"{r['t']:.4g}"  # none: the held-out rates are at argmax
             print(f"  {name:<24} t {t:>9}  test sens {r['sens']:.3f} spec {r['spec']:.3f}"
                   + (f"  [unresolved: {r['unresolved'][:90]}]" if r["unresolved"] else ""))
 
@@ -111,8 +112,8 @@ def sim(reps: int, seed: int, tmin: float | None, d_range, a_range, pos_range) -
     for _ in range(reps):
         val, held = [], []
         for _s in range(6):
-            vp, vy, hp, hy = simulate_site(rng, int(rng.integers(5, 7)), int(rng.integers(pos_range[0], pos_range[1] + 1)),
-                                           4000, d_range, a_range)
+            n0, n1 = int(rng.integers(5, 7)), int(rng.integers(pos_range[0], pos_range[1] + 1))
+            vp, vy, hp, hy = simulate_site(rng, n0, n1, 4000, d_range, a_range)
             T = calibrate(vp, vy, tmin)
             cal = lambda p: apply_temperature(np.stack([p[:, 0], 1 - p[:, 0]], 1), T)[:, 1]  # noqa: E731
             val.append((cal(vp), vy))

@@ -296,7 +296,7 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
                                                + rec["unresolved"])
                or "a run without the federated operating point (not OHFL, trained before it existed, or no "
                "validation split)")
-        skipped.append(f"operating point: {len(missing)} deployed models carry no temperature/threshold "
+        skipped.append(f"operating point: {len(missing)} deployed models carry no federated threshold "
                        f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): {why}")
     return res
 

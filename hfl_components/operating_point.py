@@ -356,22 +356,26 @@ def federated_operating_point(reports: dict[str, dict], target: float = DEFAULT_
 
 
 def describe(op: dict | None) -> str:
-    """One line on the federated operating point for the console, the log and the report."""
+    """One line on the federated operating point (``metrics.json``'s ``operating_point``, also a partial one from an
+    older run) for the console, the log and the report."""
     if not op:
         return "operating point: none (no site sent a validation histogram)"
     if op.get("skipped"):
         return f"operating point: none: {op['skipped']}"
     if op.get("threshold") is None:
-        return f"operating point: NO federated threshold: {op.get('unresolved')}"
+        return f"operating point: NO federated threshold: {op.get('unresolved') or 'not recorded why'}"
 
-    def rng(lo, hi):
-        return "n/a" if lo is None else f"{lo:.2f}" if hi is None or abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
+    def num(v, fmt=".2f"):
+        return "n/a" if v is None else format(v, fmt)
+    lo, hi = op.get("specificity"), op.get("specificity_upper")
+    spec = num(lo) if hi is None or lo is None or abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
+    left = op.get("left_out") or []
     return (f"operating point: threshold {op['threshold']:.3g} on calibrated p(PNEUMONIA) for target sensitivity "
-            f"{op['target']:g}: pooled validation sensitivity >= {op['sensitivity']:.2f} of {op['n_positive']} "
-            f"positives, specificity {rng(op.get('specificity'), op.get('specificity_upper'))} of "
-            f"{op['n_negative']} negatives ({op['n_sites']} sites"
-            + (f"; left out, fewer than {op['min_count']} positives: {', '.join(op['left_out'])}"
-               if op.get("left_out") else "") + ")")
+            f"{num(op.get('target'), 'g')}: pooled validation sensitivity >= {num(op.get('sensitivity'))} of "
+            f"{op.get('n_positive', '?')} positives, specificity {spec} of {op.get('n_negative', '?')} negatives "
+            f"({op.get('n_sites', '?')} sites"
+            + (f"; left out, fewer than {op.get('min_count')} positives: {', '.join(left)}" if left else "") + ")"
+            + ("; WARNING: threshold 0 calls every image positive" if op["threshold"] <= 0 else ""))
 
 
 def _rate_ci(hits: np.ndarray, n_boot: int, rng, alpha: float = 0.05) -> dict:

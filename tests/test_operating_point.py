@@ -353,3 +353,11 @@ def test_run_summary_and_report_give_the_operating_point_in_one_line(capsys, tmp
     assert "specificity 0.50-0.75 of 10 negatives" in out[0] and "s1 1.00 / 0.90" in out[1]
     html = "".join(operating_point_section(m))
     assert "class='warn'" not in html and "<td >s1</td>" in html and "0.500–0.750" in html
+
+
+def test_describe_reads_partial_records_of_older_runs():
+    from hfl_components.operating_point import describe
+
+    assert describe({"threshold": 0.4, "target": 0.95}).startswith("operating point: threshold 0.4 on calibrated")
+    assert "every image positive" in describe({"threshold": 0.0, "target": 0.95})
+    assert describe({"skipped": "no site"}) == "operating point: none: no site" and "none" in describe(None)

@@ -30,6 +30,7 @@ from hfl_components.models import build_model
 log = logging.getLogger("cxr_hfl.site")
 
 STATE_DIR = "cxr_hfl_state"
+HOLDOUT = "holdout"  # the split SiteRuntime.hold_out sets aside from the training split
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -118,6 +119,7 @@ class SiteRuntime:
         self.num_classes = int(cfg["model"]["num_classes"])
         self._loaders: dict = {}
         self._rows = None
+        self._holdout = 0.0  # fraction of the training split held back as the HOLDOUT split (hold_out)
         self.model = None
         self.spec = None
         self._ema = None  # torch.optim.swa_utils.AveragedModel of self._ema_src (site config weight_ema)
@@ -140,10 +142,27 @@ class SiteRuntime:
                 raise ValueError(f"site {self.site}: label {bad['label']} of {bad['path']} is out of range for the "
                                  f"{self.labels} scheme (0..{n_classes - 1}) in {self.cfg['data']['manifest']}")
             self._rows = rows
-        out = [r for r in self._rows if r["split"] == split]
-        if split == "train" and self.cfg.get("max_train_images"):
+        out = [r for r in self._rows if r["split"] == ("train" if split == HOLDOUT else split)]
+        if split in ("train", HOLDOUT) and self.cfg.get("max_train_images"):
             out = _stratified_cap(out, int(self.cfg["max_train_images"]), int(self.cfg["seed"]))
+        if split in ("train", HOLDOUT) and self._holdout > 0 and len(out) > 1:
+            n = min(len(out) - 1, max(1, round(self._holdout * len(out))))
+            held = {id(r) for r in _stratified_cap(out, n, int(self.cfg["seed"]) + 1)}
+            out = [r for r in out if (id(r) in held) == (split == HOLDOUT)]
+        elif split == HOLDOUT:
+            out = []
         return out
+
+    def hold_out(self, fraction: float) -> None:
+        """Set aside a class-stratified, seeded ``fraction`` of the training split (at least one image, never all)
+        as the split :data:`HOLDOUT` (FENS's aggregator-training images); ``rows("train")``, the training loader
+        and ``n_train`` then leave those images out. 0 holds none back. Call it before the first training task."""
+        f = float(fraction)
+        if not 0.0 <= f < 1.0:
+            raise ValueError(f"site {self.site}: the held-out fraction must be in [0, 1), got {fraction}")
+        if f != self._holdout:
+            self._holdout = f
+            self._loaders.clear()
 
     def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):
         """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""

@@ -234,6 +234,11 @@ def run_export(args) -> int:
 
     print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
     print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")
+    from hfl_components.flare.catalogue import entry, resolve
+
+    sends = getattr(resolve(entry(args.method).controller), "payload_summary", None)  # a method that says it (FENS)
+    if sends is not None:
+        print(f"[cxr-hfl] {sends(profile, opts)}")
     print(f"submit with: nvflare job submit -j {out / job.name} --startup-kit <your coordinator kit folder>")
     print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {out / job.name})")
     return 0

@@ -165,6 +165,28 @@ def test_holdout_split_is_stratified_disjoint_and_left_out_of_training(tmp_path)
         rt.hold_out(1.0)
 
 
+def test_bad_fens_options_are_refused_in_one_line_naming_the_option():
+    from nvflare_jobs.simulation import SimulateError, check
+
+    for opts, word in (({"fens_holdout": 1.5}, "fens_holdout"), ({"fens_aggregator": "tree"}, "fens_aggregator"),
+                       ({"fens_hidden": 0}, "fens_hidden"), ({"fens_lr": -1}, "fens_lr")):
+        with pytest.raises(SimulateError, match=word) as e:
+            check("fens", opts)
+        assert "\n" not in str(e.value)
+    assert check("fens", {})["fens_holdout"] == 0.1
+
+
+def test_a_site_that_missed_the_site_models_says_so_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from hfl_components.flare.controllers.fens import fens_aggregate
+
+    rt = SimpleNamespace(site="site-7", model=None, spec=None, state_dir=tmp_path, hold_out=lambda f: None)
+    meta = {"task_config": {"fens_holdout": 0.1}, "ensemble_spec": ensemble_spec([CNN], [64], 2)}
+    with pytest.raises(ValueError, match="site site-7: no FENS ensemble kept"):
+        fens_aggregate(rt, {"global.net.0.weight": np.zeros((32, 2), np.float32)}, meta)
+
+
 def _args(**kw):
     base = {"local_epochs": None, "finetune_epochs": None, "rounds": None, "unequal_budgets": False}
     return argparse.Namespace(**{**base, **kw})
@@ -225,7 +247,16 @@ def test_fens_simulation_end_to_end(data_root, tmp_path):
     assert all(h["spec"]["family"] == "fens" and len(h["spec"]["members"]) == 3 for _, h in outs)
     x = torch.rand(2, 1, 64, 64)
     assert all(torch.allclose(outs[0][0](x), mod(x), atol=1e-5) for mod, _ in outs)  # one shared ensemble
-    assert (run / "models" / "site-1_local.pt").is_file()
-    r = run_cli("evaluate", "--run", str(run), "--data", str(data_root / "chest_xray_224"), "--max-images", "24",
-                "--no-audit")
+    z = outs[0][0].features(x)  # its members are the sites' uploaded local models, in site order
+    for i, s in enumerate(sites):
+        local, _ = load_model_file(run / "models" / f"{s}_local.pt")
+        assert torch.allclose(z[:, i], torch.log_softmax(local(x), 1), atol=1e-5)
+    r = run_cli("evaluate", "--run", str(run), "--data", str(data_root / "chest_xray_224"), "--part", "tuning",
+                "--max-images", "24", "--n-boot", "0", "--no-audit")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    summ = json.loads(next((run / "external").glob("*/summary.json")).read_text())["models"]
+    assert summ["ensemble"]["members"] == [f"{s}_local" for s in sites]  # the uploads' averaged probabilities
+    assert summ["global"]["gap_to_ensemble_auc"] == pytest.approx(summ["ensemble"]["auc"] - summ["global"]["auc"])
+    assert all(summ[f"{s}_deployed"]["auc"] is not None for s in sites)

@@ -101,6 +101,8 @@ class SiteRuntime:
         ValueError: the config's ``device`` cannot be used here (the message names the config file).
     """
 
+    HOLDOUT = HOLDOUT  # the split hold_out sets aside (handlers read it here: adapters do not import this module)
+
     def __init__(self, cfg: dict, workdir: str | Path):
         from hfl_components.training.device import describe_device, resolve_device
 

@@ -171,14 +171,13 @@ def _install(rt, params: dict, meta: dict) -> None:
 def _member_outputs(rt) -> tuple[np.ndarray, np.ndarray]:
     """(Z (N, M, C) members' log-probabilities, y (N,)) on the held-out images, computed once and kept in the
     site's state folder."""
-    from hfl_components.flare.site_tasks import HOLDOUT
     from hfl_components.training import extract_features
 
     f = rt.state_dir / OUTPUTS_FILE
     if f.is_file():
         with np.load(f) as d:
             return d["z"], d["y"]
-    z, y = extract_features(rt.model, rt.loader(HOLDOUT, train_mode=False), device=rt.device)
+    z, y = extract_features(rt.model, rt.loader(rt.HOLDOUT, train_mode=False), device=rt.device)
     np.savez(f, z=z, y=y)
     return z, y
 

@@ -228,7 +228,7 @@ def test_fens_simulation_end_to_end(data_root, tmp_path):
     from tests.sim_helpers import assert_canonical, load_metrics, make_partition, make_profile, run_cli
 
     part = make_partition(data_root, tmp_path / "p", 3)
-    profile = make_profile(part, tmp_path / "profile", "fens")
+    profile = make_profile(part, tmp_path / "profile", "fens", sizes=(32, 48))
     run = tmp_path / "run"
     r = run_cli("simulate", "--method", "fens", "--profile", str(profile), "--rounds", "2", "--fens-epochs", "1",
                 "--local-epochs", "1", "--out", str(run))
@@ -243,14 +243,18 @@ def test_fens_simulation_end_to_end(data_root, tmp_path):
     up = m["payload"]["up_per_site"]
     assert m["bytes_uploaded"] == sum(up["own_model_once"].values()) + 3 * 2 * f["aggregator_bytes"]
     assert {"bundle", "aggregation"} <= set(m["server_seconds"]) and "fens" in m["references"]
+    sizes = [m["sites"][s]["input_size"] for s in sites]
+    assert f["member_sizes"] == sizes and len(set(sizes)) == 2
     outs = [load_model_file(run / "models" / f"{s}_deployed.pt") for s in sites]
-    assert all(h["spec"]["family"] == "fens" and len(h["spec"]["members"]) == 3 for _, h in outs)
-    x = torch.rand(2, 1, 64, 64)
+    # every site deploys the ensemble of the three uploads, fed at its largest member's size
+    assert all(h["spec"]["family"] == "fens" and h["input_size"] == max(sizes) for _, h in outs)
+    x = torch.rand(2, 1, max(sizes), max(sizes))
     assert all(torch.allclose(outs[0][0](x), mod(x), atol=1e-5) for mod, _ in outs)  # one shared ensemble
-    z = outs[0][0].features(x)  # its members are the sites' uploaded local models, in site order
-    for i, s in enumerate(sites):
+    z = outs[0][0].features(x)  # its members are the sites' uploaded local models, in site order, each at its size
+    for i, (s, size) in enumerate(zip(sites, sizes)):
         local, _ = load_model_file(run / "models" / f"{s}_local.pt")
-        assert torch.allclose(z[:, i], torch.log_softmax(local(x), 1), atol=1e-5)
+        xs = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
+        assert torch.allclose(z[:, i], torch.log_softmax(local(xs), 1), atol=1e-5)
     r = run_cli("evaluate", "--run", str(run), "--data", str(data_root / "chest_xray_224"), "--part", "tuning",
                 "--max-images", "24", "--n-boot", "0", "--no-audit")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -258,5 +262,6 @@ def test_fens_simulation_end_to_end(data_root, tmp_path):
 
     summ = json.loads(next((run / "external").glob("*/summary.json")).read_text())["models"]
     assert summ["ensemble"]["members"] == [f"{s}_local" for s in sites]  # the uploads' averaged probabilities
+    assert summ["global"]["input_size"] == max(sizes) and f"global_{max(sizes)}px" in summ  # scored once, at it
     assert summ["global"]["gap_to_ensemble_auc"] == pytest.approx(summ["ensemble"]["auc"] - summ["global"]["auc"])
     assert all(summ[f"{s}_deployed"]["auc"] is not None for s in sites)

@@ -170,7 +170,7 @@ class SiteRuntime:
         """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""
         from chest_xray import make_site_dataset, resolve_augment_classes
 
-        size = int(input_size or self.cfg["input_size"])
+        size = int(input_size or self.input_size)
         train_mode = (split == "train") if train_mode is None else train_mode
         key = (split, size, train_mode)
         if key not in self._loaders:
@@ -226,6 +226,14 @@ class SiteRuntime:
                 break
         return ImageReadError(err.path, f"{err.reason}{where}; `cxr-hfl site check` lists every unreadable file")
 
+    @property
+    def input_size(self) -> int:
+        """The side in pixels the site feeds its current model (loaders, saved model files): the model's own
+        ``input_size`` where it declares one (FENS's ensemble: its largest member's, so that no member sees an
+        upsampled image), else the site config's ``input_size``."""
+        own = getattr(self.model, "input_size", None) if self.model is not None else None
+        return int(own or self.cfg["input_size"])
+
     def n_train(self) -> int:
         return len(self.rows("train"))
 
@@ -263,7 +271,7 @@ class SiteRuntime:
 
         model = self.eval_model if kind == "deployed" else self.model
         return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                               input_size=int(self.cfg["input_size"]), aspect=self.cfg.get("aspect"),
+                               input_size=self.input_size, aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),

@@ -20,7 +20,8 @@ flattened to ``(B, M*C)`` (the concatenated outputs FENS feeds its aggregator). 
 ``log mean_m softmax(member_m(x))`` -- the site ensemble's averaged-probability prediction -- to the aggregator's
 output, whose last layer starts at zero, so an untrained aggregator *is* the averaged ensemble and training moves
 it from there. A member sees every image at its own ``member_sizes`` entry (bilinear resize with antialiasing of the
-site's input), as the site ensemble reference scores each upload at its own input size.
+input), as the site ensemble reference scores each upload at its own input size; the ensemble's ``input_size`` is
+its largest member's, the size a site feeds it (``SiteRuntime.input_size``) and its model file records.
 
 Members are frozen: their parameters do not require gradients and ``train()`` keeps them in eval mode.
 """
@@ -140,6 +141,12 @@ class EnsembleNet(nn.Module):
         for p in self.members.parameters():
             p.requires_grad_(False)
         self.members.eval()
+
+    @property
+    def input_size(self) -> int | None:
+        """The side to feed the ensemble: its largest member's size (smaller members get a downsampled image, with
+        antialiasing, none an upsampled one); None without ``member_sizes``."""
+        return max(self.member_sizes) if self.member_sizes else None
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -89,7 +89,12 @@ class FENSController(FedAvgController):
         state = {**{f"members.{i}.{k}": v for i, r in enumerate(uploads.values()) for k, v in r.params.items()},
                  **{f"aggregator.{k}": v for k, v in weights.items()}}
         self.record["global_spec"] = spec
-        self.save_global_model(spec, state)
+        from hfl_components.models import save_model_file
+
+        # the deployed ensemble, at its own input size (its largest member's), for `evaluate`
+        save_model_file(self.results_dir() / "global_model.pt", spec, state, input_size=max(spec["member_sizes"]),
+                        labels=self.record.get("labels"), kind="global",
+                        provenance={"method": self.method, "seed": self.seed})
 
     def _record_fens(self, spec: dict, uploads: dict, bundle: dict, weights: dict) -> None:
         """``record["fens"]``, ``record["payload"]`` and ``record["references"]["fens"]`` (bytes of float32 arrays

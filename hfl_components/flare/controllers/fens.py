@@ -109,8 +109,7 @@ class FENSController(FedAvgController):
         self.record["payload"] = {
             "down_per_site": {"site_models_once": members, "aggregator_per_round": agg,
                               "aggregator_rounds": rounds + 1, "total": members + agg * (rounds + 1)},
-            "up_per_site": {"own_model_once": up_model, "aggregator_per_round": agg, "aggregator_rounds": rounds},
-            "per_round": []}
+            "up_per_site": {"own_model_once": up_model, "aggregator_per_round": agg, "aggregator_rounds": rounds}}
         self.record.setdefault("references", {})["fens"] = {
             "server_seconds": secs.get("bundle", 0.0) + secs.get("aggregation", 0.0),
             "bytes_down_per_site": members + agg * (rounds + 1),

@@ -135,8 +135,9 @@ TOPOLOGY_ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", 
 
 # ---------------------------------------------------------------------------------------------------- options
 COMMON_OPTIONS: tuple[Option, ...] = (
-    Option("rounds", int, None, help="federated rounds (default: the method's; OHFL is one-shot)"),
-    Option("local_epochs", int, None, help="local epochs per round (OHFL: before upload)"),
+    Option("rounds", int, None, help="federated rounds (default: the method's; OHFL is one-shot; FENS: "
+           "aggregator rounds after its one upload)"),
+    Option("local_epochs", int, None, help="local epochs per round (OHFL, FENS: before the upload)"),
     Option("finetune_epochs", int, None, help="OHFL fine-tuning epochs at each site"),
     Option("finetune_lr", float, None),
     Option("seed", int, 0),

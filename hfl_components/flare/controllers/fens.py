@@ -104,8 +104,9 @@ class FENSController(FedAvgController):
         secs = self.record["server_seconds"]
         self.record["fens"] = {
             "members": list(uploads), "aggregator": {k: spec[k] for k in ("aggregator", "hidden", "residual")},
-            "member_sizes": spec["member_sizes"], "rounds": rounds, "aggregator_epochs": self.task_config["fens_epochs"],
-            "holdout": self.task_config["fens_holdout"], "aggregator_bytes": agg, "site_models_bytes": members}
+            "member_sizes": spec["member_sizes"], "rounds": rounds,
+            "aggregator_epochs": self.task_config["fens_epochs"], "holdout": self.task_config["fens_holdout"],
+            "aggregator_bytes": agg, "site_models_bytes": members}
         self.record["payload"] = {
             "down_per_site": {"site_models_once": members, "aggregator_per_round": agg,
                               "aggregator_rounds": rounds + 1, "total": members + agg * (rounds + 1)},
@@ -200,7 +201,8 @@ def fens_aggregate(rt, params, meta):
     z, y = _member_outputs(rt)
     rnd = int(meta.get("round", 0))
     cw = aggregator_class_weights(y, rt.num_classes, rt.cfg.get("class_weights"))
-    hist = train_aggregator(rt.model.aggregator, z, y, int(option(meta, "fens_epochs")), float(option(meta, "fens_lr")),
-                            int(rt.cfg["batch_size"]), seed=int(rt.cfg["seed"]) * 1000 + rnd, class_weights=cw)
+    hist = train_aggregator(rt.model.aggregator, z, y, int(option(meta, "fens_epochs")),
+                            float(option(meta, "fens_lr")), int(rt.cfg["batch_size"]),
+                            seed=int(rt.cfg["seed"]) * 1000 + rnd, class_weights=cw)
     return to_numpy_state(rt.model.aggregator.state_dict()), {"loss": [h["loss"] for h in hist]}, ok_meta(
         rt, spec=rt.spec, NUM_STEPS_CURRENT_ROUND=int(len(y)), n_holdout=int(len(y)))

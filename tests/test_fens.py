@@ -265,3 +265,54 @@ def test_fens_simulation_end_to_end(data_root, tmp_path):
     assert summ["global"]["input_size"] == max(sizes) and f"global_{max(sizes)}px" in summ  # scored once, at it
     assert summ["global"]["gap_to_ensemble_auc"] == pytest.approx(summ["ensemble"]["auc"] - summ["global"]["auc"])
     assert all(summ[f"{s}_deployed"]["auc"] is not None for s in sites)
+
+
+def test_fens_federation_in_process_sends_every_model_and_averages_the_aggregator(tmp_path):
+    """The real controller and site handlers on two SiteRuntimes at 16 and 24 px (tiny synthetic images): the task
+    sequence, the site models sent once (first aggregator round only), each round's global aggregator = the
+    held-out-count-weighted mean of the last round's uploads (computed here from what the sites sent), the final
+    one installed at every site, and the global model file = uploads + final aggregator at the largest size."""
+    from hfl_components.flare.inprocess import InProcessTransport, runtime_answer
+    from hfl_components.flare.messages import GLOBAL_PREFIX
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from nvflare_jobs.jobs import make_controller
+    from tests.test_inprocess import _site
+
+    profile = {"site-1": _site(tmp_path, "site-1", 24), "site-2": {**_site(tmp_path, "site-2", 20), "input_size": 24}}
+    runtimes = {s: SiteRuntime(cfg, tmp_path / "ws" / s) for s, cfg in profile.items()}
+    real, seen = runtime_answer(runtimes, raise_errors=True), []
+
+    def answer(task, site, data):
+        out = real(task, site, data)
+        seen.append((task, site, data.current_round, out))
+        return out
+
+    ctl = make_controller("fens", profile, {"rounds": 2, "local_epochs": 1, "seed": 0, "fens_holdout": 0.3,
+                                            "fens_epochs": 1})
+    t = InProcessTransport(runtimes, answer)
+    t.attach(ctl, tmp_path / "server", info=lambda m: None, warning=lambda m: None)
+    ctl.run()
+    assert [(c[0], c[1]) for c in t.sent] == [("fens_local", 0), ("fens_aggregate", 1), ("fens_aggregate", 2),
+                                              ("fens_aggregate", 3), ("evaluate", 3)]
+    ups = {site: o[0] for task, site, _, o in seen if task == "fens_local"}
+    members = {k for k in t.sent[1][2] if k.startswith("member.")}
+    assert members == {f"member.{i}.{k}" for i, s in enumerate(ups) for k in ups[s]}  # every model, to every site
+    assert all(np.array_equal(t.sent[1][2][f"member.{i}.{k}"], v) for i, s in enumerate(ups) for k, v in ups[s].items())
+    assert not any(k.startswith("member.") for k in t.sent[2][2]) and t.sent[3][3]["install_only"]
+    for rnd in (1, 2):  # the next message's global aggregator is the count-weighted mean of this round's answers
+        answers = [o for task, _, r, o in seen if task == "fens_aggregate" and r == rnd]
+        n = [o[2]["NUM_STEPS_CURRENT_ROUND"] for o in answers]
+        for k in answers[0][0]:
+            want = sum(c * o[0][k] for c, o in zip(n, answers)) / sum(n)
+            np.testing.assert_allclose(t.sent[rnd + 1][2][GLOBAL_PREFIX + k], want, rtol=1e-5, atol=1e-7)
+    assert n == [len(runtimes[s].rows(runtimes[s].HOLDOUT)) for s in profile] and min(n) >= 1
+    glob, header = load_model_file(tmp_path / "server" / "cxr_hfl_results" / "global_model.pt")
+    assert header["input_size"] == 24 and header["spec"]["member_sizes"] == [16, 24]
+    final = {k: torch.as_tensor(v) for k, v in t.sent[3][2].items()}
+    for k, v in glob.aggregator.state_dict().items():
+        assert torch.allclose(v, final[GLOBAL_PREFIX + k])
+    for s, rt in runtimes.items():  # every site deploys that model
+        dep, h = load_model_file(rt.state_dir / "deployed_model.pt")
+        assert h["input_size"] == 24 and all(torch.equal(v, glob.state_dict()[k]) for k, v in dep.state_dict().items())
+    pay = ctl.record["payload"]["down_per_site"]
+    assert ctl.record["bytes_downloaded"] == 2 * pay["total"] and set(ctl.record["sites"]) == set(profile)

@@ -67,14 +67,16 @@ class FENSController(FedAvgController):
     def run_method(self):
         import torch
 
-        from hfl_components.models import build_model
+        from hfl_components.models import save_model_file
+        from hfl_components.models.ensemble import Aggregator
 
         uploads = self.broadcast("fens_local", 0)
         t0 = time.perf_counter()
         spec = self.ensemble_spec(uploads)
         bundle = {f"{MEMBER_PREFIX}{i}.{k}": v for i, r in enumerate(uploads.values()) for k, v in r.params.items()}
         torch.manual_seed(self.seed)
-        weights = to_numpy_state(build_model(spec).aggregator.state_dict())
+        weights = to_numpy_state(Aggregator(len(uploads), spec["num_classes"], spec["aggregator"], spec["hidden"],
+                                            spec["residual"]).state_dict())
         self._expected = {k: v.shape for k, v in weights.items()}
         self.record["server_seconds"]["bundle"] = time.perf_counter() - t0
         self.info(f"fens: {len(uploads)} site models to every site, then {self.num_rounds} aggregator rounds")
@@ -89,8 +91,6 @@ class FENSController(FedAvgController):
         state = {**{f"members.{i}.{k}": v for i, r in enumerate(uploads.values()) for k, v in r.params.items()},
                  **{f"aggregator.{k}": v for k, v in weights.items()}}
         self.record["global_spec"] = spec
-        from hfl_components.models import save_model_file
-
         # the deployed ensemble, at its own input size (its largest member's), for `evaluate`
         save_model_file(self.results_dir() / "global_model.pt", spec, state, input_size=max(spec["member_sizes"]),
                         labels=self.record.get("labels"), kind="global",

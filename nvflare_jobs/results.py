@@ -109,7 +109,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
         if rec.get("probe"):
             metrics["probe"] = rec["probe"]
     for k in ("failed", "global_spec", "effective_rank", "R_global", "S_global", "task_config", "payload", "notes",
-              "topology_history", "distillation", "groups", "global_specs", "references"):
+              "topology_history", "distillation", "groups", "global_specs", "references", "fens"):
         if k in rec and k not in metrics:
             metrics[k] = rec[k]
     if extra:

@@ -26,9 +26,11 @@ ohfl     binary  3 (*)  20           10
 fedsaf   subtype 20     1            10 (unused)
 fedproto subtype 20     1            10 (unused)
 fedtopo  subtype 20     1            10 (unused)
+fens     binary  5 (**) 20           10 (unused)
 ======== ======= ====== ============ ===============
 
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
+(**) FENS: one upload after the local epochs, then ``rounds`` FedAvg rounds of ``fens_epochs`` aggregator epochs.
 
 Prototype methods: 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
 training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px;
@@ -78,7 +80,8 @@ class MethodEntry:
         schedule: how ``cxr-hfl compare`` spends an equal epoch budget E on it: ``rounds`` (R rounds of E / R local
             epochs), ``single`` (one run of E epochs: the control) or ``one_shot`` (L local epochs, one fusion, F
             fine-tuning epochs; the budget is defined by the one-shot method's L + F, and its sites keep their
-            pre-fusion local models).
+            pre-fusion local models) or ``ensemble`` (FENS: L local epochs, one upload, then R rounds x A
+            aggregator epochs with R x A = F; its sites keep their local models).
         epochs_per_round: under ``rounds``, compare's default local epochs per round (R = E / this, or the largest
             divisor of E below it).
         role: ``control`` (the comparison's local control: ``local+ft``), ``reference`` (the federated baseline
@@ -132,8 +135,9 @@ TOPOLOGY_ABLATIONS = ("no_reliability", "no_topq", "no_missing_mask", "no_ema", 
 
 # ---------------------------------------------------------------------------------------------------- options
 COMMON_OPTIONS: tuple[Option, ...] = (
-    Option("rounds", int, None, help="federated rounds (default: the method's; OHFL is one-shot)"),
-    Option("local_epochs", int, None, help="local epochs per round (OHFL: before upload)"),
+    Option("rounds", int, None, help="federated rounds (default: the method's; OHFL is one-shot; FENS: "
+           "aggregator rounds after its one upload)"),
+    Option("local_epochs", int, None, help="local epochs per round (OHFL, FENS: before the upload)"),
     Option("finetune_epochs", int, None, help="OHFL fine-tuning epochs at each site"),
     Option("finetune_lr", float, None),
     Option("seed", int, 0),
@@ -251,6 +255,18 @@ _FEDTOPO = (
            check=_non_negative("noisy-counts scale")),
 )
 
+_FENS = (
+    Option("fens_aggregator", str, "mlp", ("mlp", "linear"), "FENS aggregator over the site models' class "
+           "log-probabilities: mlp (FENS's shallow network, one hidden ReLU layer) or linear"),
+    Option("fens_hidden", int, 32, None, "hidden units of the mlp aggregator", check=lambda v: None if v >= 1 else f"needs at least 1, got {v}"),
+    Option("fens_residual", bool, True, None, "add the site models' averaged probabilities (log) to the aggregator's "
+           "output, last layer started at zero, so training starts from the site ensemble (not in FENS)"),
+    Option("fens_holdout", float, 0.1, None, "fraction of each site's training split held out of its local training "
+           "to train the aggregator on", check=lambda v: None if 0 < v < 1 else f"must be in (0, 1), got {v}"),
+    Option("fens_epochs", int, 2, None, "aggregator epochs per round at each site", check=_non_negative("epochs")),
+    Option("fens_lr", float, 0.01, None, "Adam learning rate of the aggregator",
+           check=lambda v: None if 0 < v < float("inf") else f"must be a finite number > 0, got {v}"),
+)
 _PROTO_UPLOAD = ("every round: C x d class prototypes (mean training feature per class) and the C training class "
                  "counts; the alignment loss terms of the last batch")
 _PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1, "epochs_per_round": 3}
@@ -297,6 +313,16 @@ _ENTRIES: list[MethodEntry] = [
                 uploads=("every round: a C x C class-relation matrix and the C training class counts "
                          "(Laplace-noised with --noisy-counts); the topology-inconsistency scores D_r/D_rs"),
                 summary="class-relation topology exchange (FedTopo paper)"),
+    MethodEntry("fens", _CTL + "fens.FENSController",
+                {"fens_local": _CTL + "fens:fens_local", "fens_aggregate": _CTL + "fens:fens_aggregate"},
+                rounds=5, local_epochs=20, options=_FENS, schedule="ensemble", epochs_per_round=2,
+                upload_checks={"fens_local": "hfl_components.upload_checks:check_model_upload",
+                               "fens_aggregate": "hfl_components.upload_checks:check_fedavg_upload"},
+                uploads=("one trained model (every weight), once; then every round the aggregator's weights and the "
+                         "count of held-out training images it trained on (the server sends every site's model to "
+                         "every site)"),
+                summary="FENS (Allouah et al., 2024): one-shot upload, then a FedAvg-trained aggregator over every "
+                        "site's frozen model"),
 ]
 CATALOGUE: dict[str, MethodEntry] = {e.name: e for e in _ENTRIES}
 

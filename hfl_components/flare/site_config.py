@@ -218,6 +218,11 @@ def _model_section(raw: dict, site: str, path, labels: str) -> dict:
         validate_spec(model)
     except (ValueError, TypeError) as e:
         raise _err(site, path, "model", str(e)) from None
+    from hfl_components.models.registry import FAMILY_TABLE
+
+    if model.get("family") not in FAMILY_TABLE:  # a composite model (fens) is deployed, never trained by a site
+        raise _err(site, path, "model", f"family {model.get('family')!r} is not a site model; choose one of "
+                   f"{', '.join(sorted(FAMILY_TABLE))}")
     return model
 
 

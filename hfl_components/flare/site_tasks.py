@@ -30,6 +30,7 @@ from hfl_components.models import build_model
 log = logging.getLogger("cxr_hfl.site")
 
 STATE_DIR = "cxr_hfl_state"
+HOLDOUT = "holdout"  # the split SiteRuntime.hold_out sets aside from the training split
 
 
 def _stratified_cap(rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -100,6 +101,8 @@ class SiteRuntime:
         ValueError: the config's ``device`` cannot be used here (the message names the config file).
     """
 
+    HOLDOUT = HOLDOUT  # the split hold_out sets aside (handlers read it here: adapters do not import this module)
+
     def __init__(self, cfg: dict, workdir: str | Path):
         from hfl_components.training.device import describe_device, resolve_device
 
@@ -118,6 +121,7 @@ class SiteRuntime:
         self.num_classes = int(cfg["model"]["num_classes"])
         self._loaders: dict = {}
         self._rows = None
+        self._holdout = 0.0  # fraction of the training split held back as the HOLDOUT split (hold_out)
         self.model = None
         self.spec = None
         self._ema = None  # torch.optim.swa_utils.AveragedModel of self._ema_src (site config weight_ema)
@@ -140,16 +144,33 @@ class SiteRuntime:
                 raise ValueError(f"site {self.site}: label {bad['label']} of {bad['path']} is out of range for the "
                                  f"{self.labels} scheme (0..{n_classes - 1}) in {self.cfg['data']['manifest']}")
             self._rows = rows
-        out = [r for r in self._rows if r["split"] == split]
-        if split == "train" and self.cfg.get("max_train_images"):
+        out = [r for r in self._rows if r["split"] == ("train" if split == HOLDOUT else split)]
+        if split in ("train", HOLDOUT) and self.cfg.get("max_train_images"):
             out = _stratified_cap(out, int(self.cfg["max_train_images"]), int(self.cfg["seed"]))
+        if split in ("train", HOLDOUT) and self._holdout > 0 and len(out) > 1:
+            n = min(len(out) - 1, max(1, round(self._holdout * len(out))))
+            held = {id(r) for r in _stratified_cap(out, n, int(self.cfg["seed"]) + 1)}
+            out = [r for r in out if (id(r) in held) == (split == HOLDOUT)]
+        elif split == HOLDOUT:
+            out = []
         return out
+
+    def hold_out(self, fraction: float) -> None:
+        """Set aside a class-stratified, seeded ``fraction`` of the training split (at least one image, never all)
+        as the split :data:`HOLDOUT` (FENS's aggregator-training images); ``rows("train")``, the training loader
+        and ``n_train`` then leave those images out. 0 holds none back. Call it before the first training task."""
+        f = float(fraction)
+        if not 0.0 <= f < 1.0:
+            raise ValueError(f"site {self.site}: the held-out fraction must be in [0, 1), got {fraction}")
+        if f != self._holdout:
+            self._holdout = f
+            self._loaders.clear()
 
     def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):
         """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""
         from chest_xray import make_site_dataset, resolve_augment_classes
 
-        size = int(input_size or self.cfg["input_size"])
+        size = int(input_size or self.input_size)
         train_mode = (split == "train") if train_mode is None else train_mode
         key = (split, size, train_mode)
         if key not in self._loaders:
@@ -205,6 +226,14 @@ class SiteRuntime:
                 break
         return ImageReadError(err.path, f"{err.reason}{where}; `cxr-hfl site check` lists every unreadable file")
 
+    @property
+    def input_size(self) -> int:
+        """The side in pixels the site feeds its current model (loaders, saved model files): the model's own
+        ``input_size`` where it declares one (FENS's ensemble: its largest member's, so that no member sees an
+        upsampled image), else the site config's ``input_size``."""
+        own = getattr(self.model, "input_size", None) if self.model is not None else None
+        return int(own or self.cfg["input_size"])
+
     def n_train(self) -> int:
         return len(self.rows("train"))
 
@@ -242,7 +271,7 @@ class SiteRuntime:
 
         model = self.eval_model if kind == "deployed" else self.model
         return save_model_file(path, self.spec, {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                               input_size=int(self.cfg["input_size"]), aspect=self.cfg.get("aspect"),
+                               input_size=self.input_size, aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),

@@ -2,8 +2,10 @@
 
 One table, :data:`FAMILY_TABLE`, maps every model family to its ``(build, resolve)`` pair: ``build(spec)`` returns
 the ``nn.Module``; ``resolve(spec)`` returns the spec with every default filled in and raises ``ValueError`` on bad
-keys or sizes without building the network. Family modules (:mod:`~hfl_components.models.fusable`,
-:mod:`~hfl_components.models.hetero`) import nothing from here, so imports only run downward.
+keys or sizes without building the network. :data:`COMPOSITE_TABLE` does the same for models made of site
+models (``fens``: FENS's frozen site models + aggregator), which a site never trains as its own. Family modules
+(:mod:`~hfl_components.models.fusable`, :mod:`~hfl_components.models.hetero`,
+:mod:`~hfl_components.models.ensemble`) import nothing from here, so imports only run downward.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Callable, NamedTuple
 
 from torch import nn
 
+from hfl_components.models.ensemble import build_ensemble, resolve_ensemble_spec
 from hfl_components.models.fusable import FAMILIES, build_fusable, resolve_fusable_spec
 from hfl_components.models.hetero import HETERO_DEFAULTS, build_hetero, resolve_hetero_spec
 
@@ -30,6 +33,13 @@ FAMILY_TABLE: dict[str, Family] = {
 }
 # Old name: family -> builder (read-only view kept for callers that only build).
 BUILDERS: dict[str, Callable[[dict], nn.Module]] = {name: fam.build for name, fam in FAMILY_TABLE.items()}
+# Models made of site models, which no site trains as its own (FENS's deployed ensemble,
+# :mod:`~hfl_components.models.ensemble`): built, saved and loaded like any spec, never a site config's model.
+COMPOSITE_TABLE: dict[str, Family] = {
+    "fens": Family(lambda s: build_ensemble(s, build_model, resolve_spec),
+                   lambda s: resolve_ensemble_spec(s, resolve_spec)),
+}
+_ALL = {**FAMILY_TABLE, **COMPOSITE_TABLE}
 
 
 def is_fusable(spec: dict) -> bool:
@@ -47,23 +57,23 @@ def validate_spec(spec: dict) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"model spec must be a dict, got {type(spec).__name__}")
     fam = spec.get("family")
-    if fam not in FAMILY_TABLE:
+    if fam not in _ALL:
         raise ValueError(f"unknown model family {fam!r}; known: {sorted(FAMILY_TABLE)}")
     json.dumps(spec)  # raises TypeError on non-JSON-able content
-    FAMILY_TABLE[fam].resolve(spec)  # full check of keys and sizes without building the network
+    _ALL[fam].resolve(spec)  # full check of keys and sizes without building the network
     return spec
 
 
 def resolve_spec(spec: dict) -> dict:
     """Return the spec with every family default filled in (what :func:`build_model` builds). Raises ValueError."""
     validate_spec(spec)
-    return FAMILY_TABLE[spec["family"]].resolve(spec)
+    return _ALL[spec["family"]].resolve(spec)
 
 
 def build_model(spec: dict) -> nn.Module:
     """Build an ``nn.Module`` from a spec dict. Raises ValueError on an unknown family or bad sizes."""
     validate_spec(spec)
-    return FAMILY_TABLE[spec["family"]].build(spec)
+    return _ALL[spec["family"]].build(spec)
 
 
 def count_parameters(model: nn.Module) -> int:

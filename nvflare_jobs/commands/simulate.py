@@ -77,9 +77,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="label scheme (default: the method's: " + ", ".join(
                        f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
     p.add_argument("--rounds", type=_at_least(1), help="federated rounds (default: the method's: " + ", ".join(
-        f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items()) + "; OHFL is one-shot)")
-    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round (OHFL: before upload; default: "
-                   "the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
+        f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
+        + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
+    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round (OHFL, FENS: before the upload; "
+                   "default: the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
     p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
                    f"{catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints,
@@ -234,6 +235,11 @@ def run_export(args) -> int:
 
     print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
     print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")
+    from hfl_components.flare.catalogue import entry, resolve
+
+    sends = getattr(resolve(entry(args.method).controller), "payload_summary", None)  # a method that says it (FENS)
+    if sends is not None:
+        print(f"[cxr-hfl] {sends(profile, opts)}")
     print(f"submit with: nvflare job submit -j {out / job.name} --startup-kit <your coordinator kit folder>")
     print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {out / job.name})")
     return 0

@@ -99,8 +99,13 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     Unequal budgets: each method's own defaults (simulate's), ``--rounds`` / ``--local-epochs`` passed through;
     local+ft = Local's budget plus F extra epochs.
 
+    FENS (schedule ``ensemble``): L local epochs, one upload, then R aggregator rounds of A aggregator epochs with
+    R x A = F (R = ``args.rounds``, which must divide F; default A = the entry's ``epochs_per_round``), so its
+    budget is L + R x A = E; unequal budgets: its own defaults.
+
     Returns:
-        ``{"rounds", "local_epochs", "finetune_epochs", "total_epochs_per_site"}``.
+        ``{"rounds", "local_epochs", "finetune_epochs", "total_epochs_per_site"}``, plus ``"aggregator_epochs"``
+        (per round) under the ``ensemble`` schedule.
 
     Prototype-method comparisons (``args.proto_protocol``, :func:`proto_protocol`): every method, Local included,
     runs the prototype methods' default rounds x local epochs (``--rounds`` / ``--local-epochs`` override).
@@ -128,6 +133,8 @@ def epoch_plan(method: str, args) -> dict[str, int]:
         E = L + ft_given
         if schedule == "one_shot":
             rounds, local, ft = 1, L, ft_given
+        elif schedule == "ensemble":
+            return _ensemble_plan(method, L, ft_given, args.rounds)
         elif schedule == "single":
             rounds, local, ft = 1, E, 0
         else:
@@ -142,6 +149,10 @@ def epoch_plan(method: str, args) -> dict[str, int]:
             local, ft = E // rounds, 0
     else:
         d = method_defaults(base)
+        if schedule == "ensemble":
+            agg = catalogue.option_defaults(base)[AGGREGATOR_EPOCHS]
+            local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
+            return _ensemble_plan(method, local, (args.rounds or d["rounds"]) * agg, args.rounds or d["rounds"])
         rounds = 1 if schedule == "one_shot" else (args.rounds or d["rounds"])
         local = args.local_epochs if args.local_epochs is not None else d["local_epochs"]
         if schedule == "single" and args.rounds is None and args.local_epochs is None:
@@ -155,6 +166,28 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     return plan
 
 
+AGGREGATOR_EPOCHS = "fens_epochs"  # the ensemble schedule's aggregator epochs per round (FENS's option)
+
+
+def _ensemble_plan(method: str, local: int, agg_total: int, rounds: int | None) -> dict[str, int]:
+    """FENS's plan: ``local`` epochs, then ``rounds`` rounds splitting ``agg_total`` aggregator epochs evenly (default
+    rounds: of the entry's ``epochs_per_round`` epochs, or the largest divisor of ``agg_total`` below it). Raises
+    BudgetError when ``rounds`` does not divide ``agg_total``."""
+    if agg_total <= 0:
+        rounds, agg = rounds or 1, 0
+    elif rounds:
+        if agg_total % rounds:
+            raise BudgetError(f"{method}: --rounds {rounds} does not divide the {agg_total} aggregator epochs of the "
+                              "common budget (--finetune-epochs); choose rounds that divide it, or pass "
+                              "--unequal-budgets")
+        agg = agg_total // rounds
+    else:
+        agg = _divisor_at_most(agg_total, _entry(method).epochs_per_round)
+        rounds = agg_total // agg
+    return {"rounds": rounds, "local_epochs": local, "finetune_epochs": 0, "aggregator_epochs": agg,
+            "total_epochs_per_site": local + rounds * agg}
+
+
 def budget_lines(plans: dict[str, dict], unequal: bool) -> list[str]:
     """Human-readable budget: one line per method, and whether the budgets are equal."""
     totals = {p["total_epochs_per_site"] for p in plans.values()}
@@ -164,6 +197,12 @@ def budget_lines(plans: dict[str, dict], unequal: bool) -> list[str]:
         head = "budgets differ between methods"
     lines = [head]
     for m, p in plans.items():
+        if "aggregator_epochs" in p:  # FENS: its budget is the local epochs plus the aggregator epochs
+            lines.append(f"{m}: {p['local_epochs']} local epochs, one upload, then {p['rounds']} aggregator round(s) x "
+                         f"{p['aggregator_epochs']} aggregator epochs = {p['total_epochs_per_site']} epochs per site "
+                         "(an aggregator epoch passes over the frozen site models' cached outputs on the held-out "
+                         "images, far cheaper than a model epoch)")
+            continue
         lines.append(f"{m}: {p['rounds']} round(s) x {p['local_epochs']} local epochs"
                      + (f" + {p['finetune_epochs']} fine-tuning epochs" if p.get("finetune_epochs") else "")
                      + f" = {p['total_epochs_per_site']} epochs per site")
@@ -180,6 +219,8 @@ def simulate_options(method: str, data: Path, seed: int, args) -> dict:
         opts["rounds"] = plan["rounds"]
     else:
         opts["finetune_epochs"] = plan["finetune_epochs"]
+    if "aggregator_epochs" in plan:
+        opts[AGGREGATOR_EPOCHS] = plan["aggregator_epochs"]
     if args.max_train_images:
         opts["max_train_images"] = args.max_train_images
     if args.batch_size:

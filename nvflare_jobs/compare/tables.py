@@ -256,7 +256,7 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
                 pairs.append((m, "deployed", ref, "deployed", f"{m} vs {label}" + (" (local, same E epochs)"
                                                                                   if ref == CONTROL else "")))
     for m in methods:
-        if _entry(m).schedule == "one_shot":  # its sites keep their pre-fusion local models
+        if _entry(m).schedule in ("one_shot", "ensemble"):  # its sites keep their pre-fusion local models
             pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
     # the primary endpoint: the main job's deployed models' AUC against local+ft (every other verdict exploratory)
     main = catalogue.with_schedule("one_shot")

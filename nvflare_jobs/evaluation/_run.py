@@ -71,8 +71,11 @@ def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]
     """Every saved model of a run as ``{"name", "path", "kind", "site", "input_size"}``.
 
     ``kind`` is ``deployed``, ``local`` or ``global``; the global model (no input size of its own) is listed once per
-    input size the run used (``global_sizes="all"``) or once at the largest (``"largest"``).
+    input size the run used (``global_sizes="all"``) or once at the largest (``"largest"``); a global model whose
+    file records an input size of its own (FENS's ensemble) is listed once, at that size.
     """
+    from hfl_components.models.files import read_model_header
+
     run = Path(run)
     out = []
     for f in sorted((run / "models").glob("*.pt")):
@@ -82,8 +85,13 @@ def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]
     for fname, kind in (("global_model.pt", "global"), ("global_fused.pt", "fused")):
         g = run / fname
         if g.is_file():
-            for s in (all_sizes[-1:] if global_sizes == "largest" else all_sizes):
-                out.append({"name": f"{kind}_{s}px", "path": g, "kind": kind, "site": None, "input_size": s})
+            try:
+                own = read_model_header(g).get("input_size")
+            except (ValueError, OSError):  # refused with its one line by the header check that follows
+                own = None
+            for s in ([own] if own else all_sizes[-1:] if global_sizes == "largest" else all_sizes):
+                out.append({"name": f"{kind}_{s}px", "path": g, "kind": kind, "site": None, "input_size": s,
+                            **({"own_size": True} if own else {})})
     site_sizes = run_site_sizes(run)
     for group, sites in run_groups(run).items():  # OHFL with several architecture groups: one model per group
         sizes = sorted({site_sizes[s] for s in sites if s in site_sizes}) or all_sizes

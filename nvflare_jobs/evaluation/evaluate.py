@@ -257,7 +257,8 @@ class _Scorer:
         p, y = predict_proba(model, self.cache.loader("ext", self.records, size, aspect))
         self.y = y
         p = _collapse(p, mc, C)
-        res: dict[str, Any] = {"model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
+        res: dict[str, Any] = {**({"own_size": True} if m.get("own_size") else {}),
+                               "model": str(m["path"].relative_to(run)), "kind": m["kind"], "site": m["site"],
                                "spec": blob["spec"], "input_size": size, "aspect": aspect,
                                "data": str(Path(self.data).resolve()), "part": self.part, "labels": self.labels,
                                "class_names": list(self.names), "n": int(len(y)), "test": compute_metrics(y, p, C)}
@@ -294,10 +295,16 @@ def _summary_models(results: dict, run: Path, global_sizes: str, n_images: int, 
     site_groups = {s: g for g, ss in run_groups(run).items() for s in ss} or None
     for kind in ("global", "fused"):
         g = global_site_mean(results, run_site_sizes(run), kind, site_groups) if global_sizes == "all" else None
+        how = "each site's size, averaged over sites"
+        own = [k for k, v in results.items() if v["kind"] == kind and v.get("own_size")]
+        if g is None and len(own) == 1:  # a global model with its own input size (FENS) is scored once, at it
+            g = {**{m: summ_models[own[0]][m] for m in SUMMARY_METRICS}, "input_size": results[own[0]]["input_size"],
+                 "val_threshold": summ_models[own[0]]["val_threshold"]}
+            how = f"at its own {g['input_size']} px"
         if g:
             summ_models[kind] = {**g, "kind": kind, "site": None}
-            log(f"{kind:<18}{'site mean':>7}  n={n_images:<5} acc {_f3(g['accuracy'])}  bal_acc "
-                f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  (each site's size, averaged over sites)")
+            log(f"{kind:<18}{'site mean' if own == [] else '':>7}  n={n_images:<5} acc {_f3(g['accuracy'])}  bal_acc "
+                f"{_f3(g['balanced_accuracy'])}  auc {_f3(g['auc'])}  ({how})")
     return summ_models
 
 

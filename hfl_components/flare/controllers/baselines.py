@@ -88,6 +88,23 @@ class FedAvgController(HFLController):
         return resolve(self.aggregator)([r.params for r in results.values()],
                                         [float(r.meta["NUM_STEPS_CURRENT_ROUND"]) for r in results.values()])
 
+    def run_rounds(self, weights: dict, meta: dict, first: int = 0, first_params: dict | None = None) -> dict:
+        """``num_rounds`` FedAvg rounds numbered from ``first``: send ``task_name`` with the global ``weights``
+        (``{name: ndarray}``, sent under ``GLOBAL_PREFIX``; in the first round also ``first_params``, e.g. FENS's
+        site models), average the answers (:meth:`aggregate`), add the averaging's seconds to
+        ``server_seconds["aggregation"]``. Returns the final global weights."""
+        for rnd in range(first, first + self.num_rounds):
+            params = {GLOBAL_PREFIX + k: v for k, v in weights.items()}
+            if rnd == first and first_params:
+                params.update(first_params)
+            res = self.broadcast(self.task_name, rnd, params, meta)
+            self.set_phase("averaging", round=rnd)
+            t0 = time.perf_counter()
+            weights = self.aggregate(res)
+            self.record["server_seconds"].setdefault("aggregation", 0.0)
+            self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
+        return weights
+
     def run_method(self):
         import torch
 
@@ -98,13 +115,7 @@ class FedAvgController(HFLController):
         weights = to_numpy_state(build_model(self.global_spec).state_dict())
         self._expected = {k: v.shape for k, v in weights.items()}
         meta = {"global_spec": self.global_spec}
-        for rnd in range(self.num_rounds):
-            res = self.broadcast(self.task_name, rnd, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
-            self.set_phase("averaging", round=rnd)
-            t0 = time.perf_counter()
-            weights = self.aggregate(res)
-            self.record["server_seconds"].setdefault("aggregation", 0.0)
-            self.record["server_seconds"]["aggregation"] += time.perf_counter() - t0
+        weights = self.run_rounds(weights, meta)
         self.record["global_spec"] = self.global_spec
         self.final_evaluation(self.num_rounds, {GLOBAL_PREFIX + k: v for k, v in weights.items()}, meta)
         self.save_global_model(self.global_spec, weights)

@@ -272,7 +272,7 @@ def test_adding_a_hospital_later_keeps_the_ca_and_existing_kits(kits, tmp_path):
 def test_models_index_lists_every_model_file_with_hash_metrics_and_gate(tmp_path):
     import hashlib
 
-    from nvflare_jobs.results import write_models_index
+    from nvflare_jobs.models_index import write_models_index
     from nvflare_jobs.status import run_folder_view
 
     (tmp_path / "models").mkdir()

@@ -187,17 +187,18 @@ def run_status(args) -> int:
     poc = _poc(args)
     st = poc.state()
     pids = poc.own_pids()
+    say = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the view's JSON, for scripts
     if poc.server_up():
-        print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}", file=say)
     elif pids:
-        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}", file=say)
         return 1
     else:
-        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}", file=say)
         return 0
     if not args.job_id:
         for j in poc.list_jobs():
-            print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}")
+            print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}", file=say)
     job_id = args.job_id or ((st.get("jobs") or [{}])[-1]).get("job_id")
     if job_id:
         from nvflare.fuel.flare_api.flare_api import new_secure_session

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nvflare_jobs.models_index import write_models_index
+
 SCALARS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
@@ -122,8 +124,6 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     from nvflare_jobs import plots
 
     plots.make_all(out, metrics, rec, class_names)
-    from nvflare_jobs.models_index import write_models_index
-
     write_models_index(out, metrics)
     return metrics
 

@@ -178,6 +178,8 @@ class LiveProgress:
         if self._last_lines.get("server") != key:
             self._last_lines["server"] = key
             self._write(f"[cxr-hfl] {server}")
+        if st.get("phase") in ("done", "failed"):
+            return  # the whole view follows when the run ends (stop)
         for site, d in self._site_views(st).items():
             if site not in (st.get("sites") or {}) or d["state"] == "excluded":
                 continue  # no heartbeat yet; an exclusion has its own line
@@ -189,14 +191,14 @@ class LiveProgress:
     def _update_bars(self, st: dict) -> None:
         from tqdm import tqdm
 
+        from nvflare_jobs.status import format_site
+
         if not self._tq:
             self._tq["server"] = tqdm(total=0, position=0, bar_format="{desc}", file=self.stream, leave=False)
             for i, s in enumerate(self.sites, start=1):
                 self._tq[s] = tqdm(total=1, position=i, desc=f"{s}: starting", file=self.stream, leave=False,
                                    bar_format="  {bar:20} {desc}")
         self._tq["server"].set_description_str(describe_server(st), refresh=True)
-        from nvflare_jobs.status import format_site
-
         views = self._site_views(st)
         for s in self.sites:
             p = (st.get("sites") or {}).get(s)

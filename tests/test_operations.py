@@ -83,6 +83,9 @@ def test_simulator_console_shows_the_status_view_of_cxr_hfl_status(tmp_path):
             sites={"site-1": beat, "site-2": dict(beat, epoch=1, loss=0.9)})
     live.poll()
     live.poll()
+    _status(ws, phase="waiting", task="fedavg_train", round=1, waiting_for=["site-2"], answered=["site-1"],
+            sites={"site-1": beat, "site-2": dict(beat, epoch=2, loss=0.7)})
+    live.poll()
     _status(ws, phase="done", method="fedavg", round=1, answered=["site-1", "site-2"], gate={"adopted": ["site-1"]},
             excluded={}, sites={"site-1": beat, "site-2": dict(beat, loss=0.5)},
             latest_val={"site-1": {"round": 1, "balanced_accuracy": 0.75}})
@@ -90,8 +93,9 @@ def test_simulator_console_shows_the_status_view_of_cxr_hfl_status(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines[1].split() == "[cxr-hfl] site-1 answered fedavg_train r1 epoch 3/3 loss 0.400".split()
     assert lines[2].split() == "[cxr-hfl] site-2 training fedavg_train r1 epoch 1/3 loss 0.900".split()
-    assert sum(x.startswith("[cxr-hfl] site-2") for x in lines) == 2  # training, then done: once per change
-    assert any(x.startswith("[cxr-hfl] site-1") and "val balanced_accuracy 0.750 (round 1)" in x for x in lines)
+    assert lines[3].split() == "[cxr-hfl] site-2 training fedavg_train r1 epoch 2/3 loss 0.700".split()
+    assert sum(x.startswith("[cxr-hfl] site-") for x in lines) == 3  # once per change; the end is the view's
+    assert any(x.startswith("  site-1") and "val balanced_accuracy 0.750 (round 1)" in x for x in lines)
     view = format_view(run_folder_view(run))
     assert view.startswith("job run-7: FINISHED:COMPLETED (fedavg)") and "gate:" in view
     assert "\n".join(lines[-len(view.splitlines()):]) == view

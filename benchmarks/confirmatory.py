@@ -1,0 +1,246 @@
+"""The main job's confirmatory run: run the pre-registered protocol seed by seed, then analyse it once.
+
+The protocol is ``benchmarks/results/confirmatory/PROTOCOL.md`` (committed before any run). This script does
+exactly what it says and nothing else:
+
+* ``run``: ``cxr-hfl compare`` of the protocol's methods at the protocol's seeds, one seed at a time into one
+  comparison folder (compare resumes: finished runs are kept, an interrupted seed is run again), with the external
+  evaluation on the protocol's part after each seed; after each seed the seed's result tables are copied into the
+  results folder (``seeds/seed<k>/``) so that they can be committed as they finish.
+* ``analyse``: the primary endpoint and the secondary endpoints from the comparison folder, written to
+  ``result.json`` and ``RESULT.md`` in the results folder. The inference is :mod:`hfl_components.stats`: the
+  crossed cluster bootstrap-t for paired differences on the shared external images (Owen 2007), the seed-level
+  t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds.
+
+``python -m benchmarks.confirmatory run --cmp runs/confirmatory`` then
+``python -m benchmarks.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR`` runs the
+same protocol on the tuning part (the timing seed, or a dry rehearsal of the analysis).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hfl_components.stats import MARGINS, MIN_SEEDS, paired_cell, seed_mean_interval, verdict_cell
+
+RESULTS = Path(__file__).resolve().parent / "results" / "confirmatory"
+#: the protocol (PROTOCOL.md states the same; a change here after the run starts is a deviation)
+SEEDS = (10, 11, 12, 13, 14)
+METHODS = "local,fedavg,ohfl"
+MAIN = "ohfl"
+SEED_FILES = ("comparison.csv", "comparison_external.csv", "paired_external.json", "compare.json")
+
+
+def compare_command(seeds: list[int], cmp: Path, data: str | None, external: str, part: str) -> list[str]:
+    """The ``cxr-hfl compare`` command of the protocol for ``seeds`` (default budgets: 30 epochs per site)."""
+    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "compare", "--methods", METHODS, "--seeds",
+           ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width", "--external", external, "--part", part,
+           "--out", str(cmp)]
+    return cmd + (["--data", data] if data else [])
+
+
+def run(args) -> int:
+    cmp, res = Path(args.cmp), Path(args.results)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
+    done: list[int] = []
+    for s in seeds:
+        done.append(s)
+        cmd = compare_command(done, cmp, args.data, args.external, args.part)
+        print(f"[confirmatory] seed {s}: {' '.join(cmd[2:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd)
+        wall = time.perf_counter() - t0
+        print(f"[confirmatory] seed {s}: rc={rc} in {wall:.0f} s", flush=True)
+        dest = res / "seeds" / f"seed{s}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in SEED_FILES:
+            if (cmp / f).is_file():
+                shutil.copy2(cmp / f, dest / f)
+        for m in METHODS.split(","):
+            run_dir = cmp / f"seed{s}" / m
+            for f in run_dir.glob("external/*/*.json"):
+                if f.name in ("summary.json", "audit.json"):
+                    (dest / m).mkdir(exist_ok=True)
+                    shutil.copy2(f, dest / m / f.name)
+            if (run_dir / "metrics.json").is_file():
+                met = json.loads((run_dir / "metrics.json").read_text())
+                keep = {k: met.get(k) for k in ("method", "seed", "wall_time_s", "server_seconds", "pooled", "mean",
+                                                 "operating_point", "gate", "distillation", "references")}
+                keep["sites"] = {k: {kk: v.get(kk) for kk in ("input_size", "n_train", "n_test", "test", "local",
+                                                               "global_zero_shot", "gate", "operating_point")}
+                                 for k, v in (met.get("sites") or {}).items()}
+                (dest / m).mkdir(exist_ok=True)
+                (dest / m / "metrics.json").write_text(json.dumps(keep, indent=1, default=str))
+        (dest / "wall_seconds.txt").write_text(f"{wall:.0f}\n")
+        if rc != 0:
+            print(f"[confirmatory] seed {s}: compare returned {rc}; rerun the same command to retry", file=sys.stderr)
+            return rc
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+def _runs(cmp: Path, method: str) -> dict[int, Path]:
+    return {int(p.parent.name.removeprefix("seed")): p for p in sorted(cmp.glob(f"seed*/{method}"))
+            if (p / "metrics.json").is_file()}
+
+
+def _ext(run: Path, name: str, f: str) -> dict | None:
+    p = run / "external" / name / f
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _deployed(models: dict) -> dict[str, dict]:
+    return {k: v for k, v in models.items() if isinstance(v, dict) and v.get("kind") == "deployed"}
+
+
+def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, dict]:
+    """``{endpoint: {(seed, site-or-'all'): value}}`` of the per-run secondary endpoints of ``method``'s runs:
+    the global and fused models' AUC gap to the site ensemble, the deployed models' shift (border) probe change of
+    p(NORMAL), their AUC margin over the metadata baseline, the pooled sensitivity / specificity at the federated
+    threshold and each site's own sensitivity, the gate's adoptions."""
+    out: dict[str, dict] = {k: {} for k in ("gap_global", "gap_fused", "border_dp_normal", "border_flagged",
+                                            "metadata_margin", "margin_covers_zero", "metadata_auc", "fed_sensitivity",
+                                            "fed_specificity", "fed_threshold", "site_sensitivity", "adopted")}
+    for seed, run in _runs(cmp, method).items():
+        summ, audit = _ext(run, name, "summary.json"), _ext(run, name, "audit.json")
+        met = json.loads((run / "metrics.json").read_text())
+        if summ:
+            for kind, key in (("global", "gap_global"), ("fused", "gap_fused")):
+                g = (summ["models"].get(kind) or {}).get("gap_to_ensemble_auc")
+                if g is not None:
+                    out[key][(seed, "all")] = g
+        for site, v in (met.get("sites") or {}).items():
+            if (v.get("gate") or {}).get("adopted") is not None:
+                out["adopted"][(seed, site)] = float(bool(v["gate"]["adopted"]))
+        if not audit:
+            continue
+        for mname, pr in _deployed((audit.get("probes") or {}).get("models") or {}).items():
+            sh = pr.get("shift") or {}
+            if sh.get("mean_change") is not None:  # probes report p(PNEUMONIA); binary: dp(NORMAL) = -dp(PNEUMONIA)
+                out["border_dp_normal"][(seed, mname)] = -float(sh["mean_change"])
+                out["border_flagged"][(seed, mname)] = float(bool(sh.get("flagged")))
+        md = audit.get("metadata") or {}
+        if md.get("auc") is not None:
+            out["metadata_auc"][(seed, "all")] = float(md["auc"])
+        for mname, mg in (md.get("margins") or {}).items():
+            if mname.endswith("_deployed") and mg.get("margin") is not None:
+                out["metadata_margin"][(seed, mname)] = float(mg["margin"])
+                out["margin_covers_zero"][(seed, mname)] = float(bool(mg.get("covers_zero")))
+        fed = (audit.get("operating_point") or {}).get("federated") or {}
+        for k, key in (("sensitivity", "fed_sensitivity"), ("specificity", "fed_specificity"),
+                       ("threshold", "fed_threshold")):
+            if fed.get(k) is not None:
+                out[key][(seed, "all")] = float(fed[k])
+        for site, sv in (fed.get("site_sensitivity") or {}).items():
+            if sv.get("sensitivity") is not None:
+                out["site_sensitivity"][(seed, site)] = float(sv["sensitivity"])
+    return out
+
+
+def analyse(args) -> int:
+    cmp, res = Path(args.cmp), Path(args.results)
+    pj = cmp / "paired_external.json"
+    if not pj.is_file():
+        print(f"confirmatory: no {pj}: run the protocol first", file=sys.stderr)
+        return 2
+    paired = json.loads(pj.read_text())
+    name = paired["name"]
+    prim = next((p for p in paired["paired"] if p.get("primary")), None)
+    summ = per_seed_summaries(cmp, name)
+    sec = {k: seed_mean_interval(v) for k, v in summ.items()}
+    sec_local = {k: seed_mean_interval(v) for k, v in per_seed_summaries(cmp, name, "local").items()
+                 if k in ("border_dp_normal", "metadata_margin")}
+    out = {"data": paired.get("data"), "part": paired.get("part"), "n_images": paired.get("n_images"),
+           "seeds": prim["seeds"] if prim else None, "min_seeds": MIN_SEEDS, "margins": MARGINS,
+           "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,
+           "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local}
+    res.mkdir(parents=True, exist_ok=True)
+    (res / "result.json").write_text(json.dumps(out, indent=1, default=str))
+    (res / "RESULT.md").write_text(markdown(out))
+    print((res / "RESULT.md").read_text())
+    return 0
+
+
+def _ci(d: dict, nd: int = 3) -> str:
+    if not d or d.get("mean") is None:
+        return "–"
+    per = " / ".join(f"{v:.{nd}f}" for v in d["per_seed"].values())
+    if d.get("reliable") and d.get("ci_low") is not None:
+        return f"{d['mean']:.{nd}f} (95% CI {d['ci_low']:.{nd}f} to {d['ci_high']:.{nd}f}); per seed {per}"
+    return f"{d['mean']:.{nd}f}; per seed {per} ({d['n_seeds']} seed(s): no reliable interval)"
+
+
+def markdown(r: dict) -> str:
+    """``RESULT.md`` from :func:`analyse`'s record."""
+    L = ["# Confirmatory run: result", "",
+         f"Data: `{r['data']}`, part `{r['part']}`, {'/'.join(map(str, r['n_images'] or []))} images; seeds "
+         f"{', '.join(map(str, r['seeds'] or []))}. Protocol: [PROTOCOL.md](PROTOCOL.md). Paired differences: "
+         "crossed cluster bootstrap-t (seeds resampled, one image draw per replicate shared by every seed and site); "
+         "per-seed summaries: seed-level t-interval (df = seeds - 1).", "", "## Primary endpoint", ""]
+    p = r["primary"]
+    if p:
+        L += ["| comparison | A | B | A - B | verdict |", "|---|---|---|---|---|",
+              f"| {p['comparison']}, AUC, deployed models | {p['a']:.3f} | {p['b']:.3f} | {paired_cell(p)} | "
+              f"{verdict_cell(p)} |", "",
+              f"Non-inferiority margin δ = {p.get('margin')} AUC: not worse when the interval's lower bound is above "
+              "-δ; better when it is above 0."]
+    else:
+        L.append("No primary comparison could be formed (a method's runs or evaluations are missing).")
+    L += ["", "## Secondary endpoints (exploratory: verdicts not corrected for multiplicity)", "",
+          "| comparison | metric | A | B | A - B | verdict |", "|---|---|---|---|---|---|"]
+    for q in r["paired"]:
+        for metric in ("auc", "balanced_accuracy"):
+            if q.get("primary") == metric:
+                continue
+            d = q[metric]
+            L.append(f"| {q['comparison']} | {metric} | {d['a']:.3f} | {d['b']:.3f} | {paired_cell(d)} | "
+                     f"{verdict_cell(d)} |")
+    s = r["secondary"]
+    L += ["", "OHFL runs, per-seed summaries:", "", "| endpoint | value |", "|---|---|",
+          f"| global model's AUC gap to the site ensemble (ensemble - global; target <= 0.02) | {_ci(s['gap_global'])} |",
+          f"| fused model (before distillation), AUC gap to the ensemble | {_ci(s['gap_fused'])} |",
+          f"| border (6 % shift) probe, deployed models, change of p(NORMAL) (tolerance ±0.05) | "
+          f"{_ci(s['border_dp_normal'])} |",
+          f"| share of deployed models flagged by the border probe | {_ci(s['border_flagged'], 2)} |",
+          f"| metadata baseline AUC (file facts only) | {_ci(s['metadata_auc'])} |",
+          f"| deployed models' AUC margin over the metadata baseline | {_ci(s['metadata_margin'])} |",
+          f"| share of deployed models whose margin CI covers 0 | {_ci(s['margin_covers_zero'], 2)} |",
+          f"| federated threshold (calibrated p(PNEUMONIA)) | {_ci(s['fed_threshold'])} |",
+          f"| pooled sensitivity at the federated threshold (target 0.95, floor 0.90) | {_ci(s['fed_sensitivity'])} |",
+          f"| pooled specificity at the federated threshold | {_ci(s['fed_specificity'])} |",
+          f"| each site's own sensitivity at it (mean over sites) | {_ci(s['site_sensitivity'])} |",
+          f"| share of sites whose gate adopted the federated model | {_ci(s['adopted'], 2)} |"]
+    sl = r.get("secondary_local") or {}
+    if sl:
+        L += ["", "Local+ft control, the same audit: border probe change of p(NORMAL) "
+              f"{_ci(sl.get('border_dp_normal'))}; AUC margin over the metadata baseline "
+              f"{_ci(sl.get('metadata_margin'))}."]
+    L += ["", "\"Deployed vs its own pre-fusion local models\" holds partly by construction: the gate keeps the local "
+          "model where the federated one is not better on the site's validation split, so at those sites the "
+          "difference is 0; it is reported as a secondary row only."]
+    return "\n".join(L) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.confirmatory", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for c in ("run", "analyse"):
+        p = sub.add_parser(c)
+        p.add_argument("--cmp", required=True, help="the comparison folder (run folders; not committed)")
+        p.add_argument("--results", default=str(RESULTS), help="where the committed result files go")
+        if c == "run":
+            p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
+            p.add_argument("--data", help="training data root (default: compare's: $CXR_DATA, ../shared/data)")
+            p.add_argument("--external", default="../shared/data/chest_xray_224")
+            p.add_argument("--part", default="evaluation", choices=("tuning", "evaluation"))
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else analyse(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

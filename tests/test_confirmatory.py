@@ -1,0 +1,82 @@
+"""The confirmatory run's analysis (benchmarks/confirmatory.py) on a comparison folder built by hand: the per-seed
+summaries, their seed-level t-intervals and the primary endpoint's row, checked against values computed here."""
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from benchmarks import confirmatory as C
+
+
+def _write(p, obj):
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj))
+
+
+def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
+    rng = np.random.default_rng(0)
+    truth = {"gap": {}, "border": {}, "sens": {}, "adopted": {}}
+    for s in seeds:
+        run = root / f"seed{s}" / "ohfl"
+        gap = float(rng.uniform(0, 0.05))
+        shifts = rng.uniform(-0.2, 0.1, size=3)
+        sens = float(rng.uniform(0.8, 1.0))
+        adopted = [bool(x) for x in rng.integers(0, 2, size=3)]
+        truth["gap"][s], truth["border"][s], truth["sens"][s] = gap, float(np.mean(-shifts)), sens
+        truth["adopted"][s] = float(np.mean(adopted))
+        _write(run / "metrics.json", {"sites": {f"site-{k + 1}": {"gate": {"adopted": a}}
+                                                for k, a in enumerate(adopted)}})
+        models = {f"site-{k + 1}_deployed": {"kind": "deployed", "auc": 0.9} for k in range(3)}
+        models["global"] = {"kind": "global", "auc": 0.9, "gap_to_ensemble_auc": gap}
+        _write(run / "external" / name / "summary.json", {"models": models})
+        _write(run / "external" / name / "audit.json", {
+            "probes": {"models": {f"site-{k + 1}_deployed": {"kind": "deployed", "shift": {
+                "mean_change": float(shifts[k]), "flagged": bool(abs(shifts[k]) > 0.05)}} for k in range(3)}},
+            "metadata": {"auc": 0.8, "margins": {f"site-{k + 1}_deployed": {"margin": 0.1, "covers_zero": False}
+                                                 for k in range(3)}},
+            "operating_point": {"federated": {"threshold": 0.3, "sensitivity": sens, "specificity": 0.5,
+                                              "site_sensitivity": {}}}})
+    prim = {"metric": "auc", "a": 0.93, "b": 0.92, "diff": 0.01, "per_seed": {str(s): 0.01 for s in seeds},
+            "ci_low": -0.005, "ci_high": 0.025, "interval": "cluster bootstrap-t", "t_low": -0.001, "t_high": 0.02,
+            "reliable": len(seeds) >= 5, "verdict": "not worse" if len(seeds) >= 5 else None, "margin": 0.02,
+            "n_seeds": len(seeds)}
+    bal = {**prim, "metric": "balanced_accuracy", "margin": 0.03}
+    _write(root / "paired_external.json", {"name": name, "data": "chest_xray_224", "part": "evaluation",
+                                          "n_images": [1715], "paired": [
+        {"comparison": "ohfl vs local+ft", "primary": "auc", "seeds": list(seeds), "auc": prim,
+         "balanced_accuracy": bal}]})
+    return truth
+
+
+def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
+    seeds = [10, 11, 12, 13, 14]
+    truth = _fake_cmp(tmp_path / "cmp", seeds)
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    for key, tk in (("gap_global", "gap"), ("border_dp_normal", "border"), ("fed_sensitivity", "sens"),
+                    ("adopted", "adopted")):
+        v = np.array([truth[tk][s] for s in seeds])
+        half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+        d = r["secondary"][key]
+        assert d["mean"] == pytest.approx(v.mean()) and d["reliable"]
+        assert d["ci_low"] == pytest.approx(v.mean() - half) and d["ci_high"] == pytest.approx(v.mean() + half)
+    assert r["primary"]["comparison"] == "ohfl vs local+ft" and r["primary"]["verdict"] == "not worse"
+    md = (tmp_path / "res" / "RESULT.md").read_text()
+    assert "not worse (δ 0.02)" in md and "exploratory" in md
+
+
+def test_analysis_with_fewer_than_five_seeds_gives_per_seed_values_and_no_interval(tmp_path):
+    truth = _fake_cmp(tmp_path / "cmp", [10, 11])
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    d = r["secondary"]["gap_global"]
+    assert d["ci_low"] is None and not d["reliable"]
+    assert d["per_seed"] == {str(s): pytest.approx(truth["gap"][s]) for s in (10, 11)}
+    md = (tmp_path / "res" / "RESULT.md").read_text()
+    assert "no reliable interval" in md and "no verdict" in md
+
+
+def test_analysis_without_a_comparison_says_so(tmp_path, capsys):
+    assert C.main(["analyse", "--cmp", str(tmp_path / "none"), "--results", str(tmp_path / "res")]) == 2
+    assert "run the protocol first" in capsys.readouterr().err

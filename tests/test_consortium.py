@@ -334,3 +334,30 @@ def test_a_dead_site_process_reads_to_nvflare_as_unknown_not_a_job_failure(tmp_p
     assert get_return_code(Killed(), "job-1", str(tmp_path), logging.getLogger("test")) == -9
     with crash_leaves_site_out(None) as none:  # the simulator: nothing written
         assert none is None
+
+
+def test_status_json_keeps_nvflare_messages_off_stdout(monkeypatch, capsys):
+    """NVFlare's admin session prints `Connecting to FLARE ...` on stdout (its print_human); `status --json` and
+    `poc status --json` must print only the view's JSON there (the POC module parses it)."""
+    from nvflare.fuel.flare_api import flare_api
+    from nvflare.tool.cli_output import print_human
+
+    from nvflare_jobs.commands.status import open_session, show
+
+    def fake_session(user, kit, timeout):
+        print_human("Connecting to FLARE ...")
+        return (user, kit)
+
+    monkeypatch.setattr(flare_api, "new_secure_session", fake_session)
+    assert open_session("coordinator", "/kits/c", 5, quiet=True) == ("coordinator", "/kits/c")
+
+    def view():
+        print_human("polling ...")
+        return {"job_id": "j1", "job_state": "FINISHED:COMPLETED", "sites": {}}
+
+    show(view, True, None)
+    out, err = capsys.readouterr()
+    assert json.loads(out) == view() and "Connecting to FLARE" in err and "polling" in err
+    capsys.readouterr()
+    open_session("coordinator", "/kits/c", 5)  # the console view keeps NVFlare's line where NVFlare puts it
+    assert "Connecting to FLARE" in capsys.readouterr().out

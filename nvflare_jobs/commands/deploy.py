@@ -201,12 +201,10 @@ def run_status(args) -> int:
             print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}", file=say)
     job_id = args.job_id or ((st.get("jobs") or [{}])[-1]).get("job_id")
     if job_id:
-        from nvflare.fuel.flare_api.flare_api import new_secure_session
-
-        from nvflare_jobs.commands.status import show
+        from nvflare_jobs.commands.status import open_session, show
         from nvflare_jobs.status import admin_view
 
-        sess = new_secure_session(st["coordinator"], st["admin_kit"], timeout=60)
+        sess = open_session(st["coordinator"], st["admin_kit"], 60, quiet=args.json)
         try:
             show(lambda: admin_view(sess, job_id), args.json, args.watch)
         finally:

@@ -6,18 +6,28 @@ The rule (each function below is one step):
 1. Each site fits the temperature T of its own deployed model on its own validation split
    (:func:`fit_temperature`; Guo et al. 2017, arXiv:1706.04599: one scalar dividing the logits, chosen to minimise
    the negative log-likelihood; it leaves the ranking, hence the AUC, unchanged).
-2. Each site sends :func:`coarse_histogram` of its *calibrated* validation p(positive), per class: counts on a fixed
-   grid of bin edges, adjacent bins merged until every non-empty bin holds at least ``min_count`` images of that
-   class. What leaves the site: the merged bin edges (points of the fixed grid) and the counts per class; no single
-   image's score can be read off more precisely than a bin shared with ``min_count - 1`` others.
+2. Each site sends :func:`coarse_histogram` of its *calibrated* validation p(positive), per class, on one grid that
+   every site shares (:func:`log_odds_grid`: equal steps in log-odds, so it resolves p near 0 and 1 as finely as
+   near 0.5): adjacent grid bins merged until every non-empty cell holds at least ``min_count`` (k) images of that
+   class. What leaves the site: the cell edges (points of the shared grid) and the counts per class and cell.
+   Privacy rule: no cell narrower than the whole grid holds 1..k-1 images, so no score can be tied to fewer than
+   k images of its class; a cell's edge says at most that one of its >= k images lies within one grid step of it
+   (e.g. the lowest-scoring positive lies in the grid step above the first positive edge), never which image.
+   A class of fewer than k images is sent as one cell over the whole grid: its count, nothing about any score.
 3. The server pools the histograms and picks the largest threshold t on calibrated probability whose pooled
-   sensitivity reaches the target (:func:`pooled_threshold`). A bin that straddles t is counted against t (its
-   positives as missed, its negatives as false positives), so the pooled sensitivity and specificity are lower
-   bounds. Each site applies t to its own calibrated model.
+   sensitivity reaches the target (:func:`pooled_threshold`): a cell that straddles t counts against t (its
+   positives as missed), so the pooled sensitivity is a lower bound. With k images per cell and P pooled positives
+   no cell can be missed while k / P > 1 - target; t is then the lowest positive cell edge of any site, i.e. every
+   pooled validation positive is kept above it. Sites whose positives could not be placed (fewer than k) are left
+   out of the pooled counts and named. When the pooled counts give no operating point (no placeable positive;
+   only t = 0 reaches the target; or the t found calls every validation negative positive) no threshold is set and
+   the reason says why (:func:`describe` words it in one line); the deployed models then carry their temperature
+   only and predict at argmax, saying so. Each site applies t to its own calibrated model.
 
 Assumption: calibrated probabilities of different sites' models are comparable, i.e. p = 0.7 means the same risk at
 every site. Where a site's case mix or model differ, its own sensitivity at t differs from the pooled one; each
-site's achieved value is therefore reported beside the pooled one (:func:`site_sensitivity`).
+site's achieved value on its validation and test splits is therefore reported beside the pooled one
+(:func:`site_sensitivity`).
 """
 from __future__ import annotations
 
@@ -27,7 +37,27 @@ import numpy as np
 
 DEFAULT_TARGET_SENSITIVITY = 0.95
 DEFAULT_MIN_COUNT = 5
-DEFAULT_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 4))  # 0.05 steps
+GRID_STEP = 0.25  # log-odds units between grid edges
+GRID_LIMIT = 8.0  # grid edges at log-odds -8 ... 8, i.e. p = 3.4e-4 ... 0.99966, plus 0 and 1
+
+
+def log_odds_grid(step: float = GRID_STEP, limit: float = GRID_LIMIT) -> tuple[float, ...]:
+    """The grid every site bins on (default: 67 edges): 0, sigmoid(-limit), sigmoid(-limit + step), ...,
+    sigmoid(limit), 1 (edges rounded to 6 significant digits, identical at every site). Equal steps in log-odds are
+    equal steps in a temperature-scaled logit, so the grid resolves calibrated p near 0 and 1, where a screening
+    threshold and a sharp model's scores lie, as finely as near 0.5 (a step of 0.25 is about 0.06 in p at 0.5 and
+    0.007 at 0.03). The step bounds how precisely a cell edge places the one image next to it.
+
+    Raises:
+        ValueError: step <= 0 or limit < step.
+    """
+    if step <= 0 or limit < step:
+        raise ValueError(f"log-odds grid needs step > 0 and limit >= step, got step {step}, limit {limit}")
+    z = np.arange(-limit, limit + step / 2, step)
+    return (0.0, *(float(f"{v:.6g}") for v in 1.0 / (1.0 + np.exp(-z))), 1.0)
+
+
+DEFAULT_GRID = log_odds_grid()
 
 
 def _log_probs(probs) -> np.ndarray:
@@ -93,9 +123,10 @@ def coarse_histogram(p_pos, y, grid: Sequence[float] = DEFAULT_GRID, min_count: 
     Counts on ``grid`` (bins [e_i, e_{i+1}), the last closed), then, per class, adjacent bins merged left to right
     until each holds >= ``min_count`` images; a remainder under ``min_count`` joins the last non-empty bin; an
     empty stretch outside a bin is a bin of count 0 (a class with fewer than ``min_count`` images in all: one bin
-    spanning the grid). What this reveals: per class, counts of >= ``min_count`` images per bin, and where the
-    non-empty bins start and end (to one grid step: e.g. that one of the >= ``min_count`` images of the lowest bin
-    lies in its first grid step), never which image or its score.
+    spanning the grid: its count only). What this reveals: per class, counts of >= ``min_count`` images per bin,
+    and where the non-empty bins start and end (to one grid step: e.g. that one of the >= ``min_count`` images of
+    the lowest bin lies in its first grid step), never which image or its score. ``grid``: the shared
+    :data:`DEFAULT_GRID` unless a test passes another (every site must use the same one).
 
     Returns:
         ``{"min_count": k, "classes": {"0": {"edges": [...], "counts": [...]}, "1": {...}}}`` (JSON-safe; edges are
@@ -142,46 +173,103 @@ def coarse_histogram(p_pos, y, grid: Sequence[float] = DEFAULT_GRID, min_count: 
     return out
 
 
-def _detected(hist: dict, t: float) -> tuple[int, int]:
-    """(count in bins entirely >= t, total) of one class's histogram."""
-    e, n = np.asarray(hist["edges"]), np.asarray(hist["counts"])
-    return int(n[e[:-1] >= t].sum()), int(n.sum())
+def _cells(hist: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lower edges, upper edges, counts) of one class's histogram."""
+    e = np.asarray(hist["edges"], np.float64)
+    return e[:-1], e[1:], np.asarray(hist["counts"], np.int64)
 
 
-def pooled_threshold(histograms: Sequence[dict], target: float = DEFAULT_TARGET_SENSITIVITY) -> dict:
-    """One threshold on calibrated p(positive) for the pooled histograms of several sites.
+def _placed(hist: dict, min_count: int) -> bool:
+    """False for a class sent as one whole-grid cell of fewer than ``min_count`` images: it says how many images
+    the class has, not where any of them scores, so no threshold can be checked against it."""
+    lo, hi, n = _cells(hist)
+    return not (n.size == 1 and 0 < n[0] < min_count)
 
-    Candidates are every bin edge of any site (and 0). For a candidate t an image counts as detected only when its
-    whole bin lies at or above t, so the pooled sensitivity is a lower bound; the largest t whose lower bound
-    reaches ``target`` is chosen (the largest threshold gives the best specificity the histograms allow).
 
+def _below_bounds(hists: Sequence[dict], t: float) -> tuple[int, int]:
+    """(at least, at most) how many images of these histograms score below ``t``: cells entirely below t
+    (upper edge <= t) count for both, cells straddling t only for the second."""
+    least = most = 0
+    for h in hists:
+        lo, hi, n = _cells(h)
+        least += int(n[hi <= t].sum())
+        most += int(n[lo < t].sum())
+    return least, most
+
+
+def pooled_threshold(histograms: Sequence[dict], target: float = DEFAULT_TARGET_SENSITIVITY,
+                     names: Sequence[str] | None = None) -> dict:
+    """One threshold on calibrated p(positive) for the pooled per-class histograms of several sites.
+
+    Candidates are 0 and every cell edge of any site. For a candidate t a positive counts as detected only when its
+    whole cell lies at or above t, so the pooled sensitivity S(t) = 1 - (positives in cells with lower edge < t) / P
+    is a lower bound on the pooled validation sensitivity; the largest t with S(t) >= ``target`` is chosen (the
+    largest threshold gives the best specificity the histograms allow). Specificity is bracketed the same way:
+    [negatives in cells entirely below t, negatives in cells starting below t] / N.
+
+    A consequence of the minimum count k: every non-empty cell holds >= k positives, so a cell can be missed only
+    when k / P <= 1 - target (P >= 100 positives for k = 5 and a target of 0.95). Below that the rule keeps every
+    validation positive above t, i.e. t is the lowest positive cell edge of any site (the lowest-scoring pooled
+    validation positive, floored to the grid): by the order-statistic argument of split-conformal prediction
+    (Vovk et al. 2005; Angelopoulos & Bates 2021, arXiv:2107.07511) a new exchangeable positive then scores >= t
+    with probability >= 1 - 1 / (P + 1).
+
+    Positives sent as one whole-grid cell of fewer than k images (a site with < k validation positives) cannot be
+    placed; they are left out of P and named in ``left_out``. No threshold is set (``threshold`` None, the reason
+    in ``unresolved``, the highest candidate in ``candidate``) when no positive can be placed, when only t = 0
+    meets the target (positives in the grid's lowest step), or when the chosen t calls every pooled validation
+    negative positive (specificity upper bound 0): none of these is an operating point.
+
+    Args:
+        histograms: :func:`coarse_histogram` answers; names: one per histogram (sites), for the messages.
     Returns:
-        ``{"threshold", "target", "sensitivity" (pooled lower bound), "specificity" (pooled lower bound: negatives
-        in bins entirely below t), "n_positive", "n_negative", "n_sites"}``.
+        ``{"threshold", "candidate", "unresolved", "target", "sensitivity" (lower bound S), "specificity" (lower
+        bound), "specificity_upper", "n_positive" (placed), "n_negative", "n_sites", "left_out"}``.
     Raises:
-        ValueError: no histograms, or no positive image in any of them.
+        ValueError: no histograms.
     """
     if not histograms:
         raise ValueError("no site histograms to pool")
-    pos = [h["classes"]["1"] for h in histograms]
-    neg = [h["classes"]["0"] for h in histograms]
+    names = list(names) if names is not None else [f"histogram {i + 1}" for i in range(len(histograms))]
+    k = max(int(h.get("min_count", 1)) for h in histograms)
+    pos_all = [h["classes"]["1"] for h in histograms]
+    keep = [i for i, h in enumerate(pos_all) if _placed(h, k)]
+    left_out = [names[i] for i, h in enumerate(pos_all) if i not in keep and int(np.sum(h["counts"]))]
+    pos, neg = [pos_all[i] for i in keep], [h["classes"]["0"] for h in histograms]
     n_pos = sum(int(np.sum(h["counts"])) for h in pos)
     n_neg = sum(int(np.sum(h["counts"])) for h in neg)
-    if n_pos == 0:
-        raise ValueError("no positive image in any site's validation histogram: no sensitivity to target")
     cands = sorted({0.0, *(float(e) for h in pos + neg for e in h["edges"])})
-    best = 0.0
-    for t in cands:
-        if sum(_detected(h, t)[0] for h in pos) / n_pos >= target:
-            best = max(best, t)
-    sens = sum(_detected(h, best)[0] for h in pos) / n_pos
-    fp = sum(_detected(h, best)[0] for h in neg) + sum(  # negatives in bins straddling t count as false positives
-        int(np.sum(np.asarray(h["counts"])[(np.asarray(h["edges"][:-1]) < best) & (np.asarray(h["edges"][1:]) > best)]))
-        for h in neg)
-    spec = (n_neg - fp) / n_neg if n_neg else None
-    return {"threshold": float(best), "target": float(target), "sensitivity": float(sens),
-            "specificity": None if spec is None else float(spec), "n_positive": n_pos, "n_negative": n_neg,
-            "n_sites": len(histograms)}
+    best = max((t for t in cands if n_pos and 1 - _below_bounds(pos, t)[1] / n_pos >= target), default=0.0)
+    sens = 1 - _below_bounds(pos, best)[1] / n_pos if n_pos else None
+    tn_lo, tn_hi = _below_bounds(neg, best)
+    out = {"threshold": float(best), "candidate": float(best), "unresolved": None, "target": float(target),
+           "sensitivity": sens, "specificity": tn_lo / n_neg if n_neg else None,
+           "specificity_upper": tn_hi / n_neg if n_neg else None, "n_positive": n_pos, "n_negative": n_neg,
+           "n_sites": len(histograms), "left_out": left_out, "min_count": k}
+    out["unresolved"] = _unresolved(out, pos, [names[i] for i in keep], cands)
+    if out["unresolved"]:
+        out["threshold"] = None
+    return out
+
+
+def _unresolved(res: dict, pos: list[dict], pos_names: list[str], cands: list[float]) -> str | None:
+    """Why the pooled counts give no operating point (see :func:`pooled_threshold`), or None."""
+    k, target, n_pos = res["min_count"], res["target"], res["n_positive"]
+    if not n_pos:
+        return (f"no site sent >= {k} validation positives (the minimum count per cell), so no positive can be "
+                "placed on the grid" + (f" ({', '.join(res['left_out'])} sent fewer)" if res["left_out"] else ""))
+    if res["candidate"] <= 0.0:
+        nxt = min((c for c in cands if c > 0), default=1.0)
+        low = [s for s, h in zip(pos_names, pos) if _below_bounds([h], nxt)[1]]
+        miss = _below_bounds(pos, nxt)[1]
+        return (f"only threshold 0 (every image positive) reaches sensitivity {target:g} on the pooled validation "
+                f"counts: {', '.join(low)} have validation positives in cells starting below p = {nxt:.3g}; "
+                f"missing them would cost {miss} of {n_pos} positives (cells hold >= {k})")
+    if res["specificity_upper"] == 0.0:
+        return (f"the highest threshold that reaches sensitivity {target:g} on the pooled validation counts "
+                f"(p = {res['candidate']:.3g}) lies below every validation negative of every site: it would call "
+                "every image positive")
+    return None
 
 
 def site_sensitivity(p_pos, y, threshold: float) -> dict:
@@ -193,6 +281,51 @@ def site_sensitivity(p_pos, y, threshold: float) -> dict:
     return {"sensitivity": float((p[pos] >= threshold).mean()) if pos.any() else None,
             "specificity": float((p[neg] < threshold).mean()) if neg.any() else None,
             "n_positive": int(pos.sum()), "n_negative": int(neg.sum())}
+
+
+def add_site_rates(op_record: dict, sites: dict[str, dict]) -> dict:
+    """The server's last step: put each site's own rates at the federated threshold (``sites[s]["operating_point"]``,
+    what :func:`site_rates_at` returned there) under ``op_record["site_sensitivity"]``, and pool the sites' test
+    counts into ``op_record["test"]`` (``{"sensitivity", "specificity", "n_positive", "n_negative", "n_sites"}``:
+    detected positives / positives and correctly negative negatives / negatives, summed over sites; None where no
+    site has the class). Returns ``op_record``."""
+    own = {s: b["operating_point"] for s, b in sites.items() if b.get("operating_point")}
+    op_record["site_sensitivity"] = own
+    tests = [o["test"] for o in own.values() if isinstance(o.get("test"), dict)]
+    npos = sum(int(t["n_positive"]) for t in tests)
+    nneg = sum(int(t["n_negative"]) for t in tests)
+    tp = sum(round(t["sensitivity"] * t["n_positive"]) for t in tests if t.get("sensitivity") is not None)
+    tn = sum(round(t["specificity"] * t["n_negative"]) for t in tests if t.get("specificity") is not None)
+    op_record["test"] = {"sensitivity": tp / npos if npos else None, "specificity": tn / nneg if nneg else None,
+                         "n_positive": npos, "n_negative": nneg, "n_sites": len(tests)}
+    return op_record
+
+
+def site_rates_at(op: dict, val: tuple, test: tuple | None) -> dict:
+    """A site's own answer once the federated threshold ``op`` (``{"threshold", ...}``, threshold None when unset)
+    arrives: its temperature-scaled validation (and, given, test) p(positive) and labels, ``(p (N,), y (N,))``
+    each, scored at the threshold with :func:`site_sensitivity`; aggregate rates and counts only, like the
+    confusion matrix a site already sends. ``{"threshold": None}`` plus nothing else when no threshold was set."""
+    t = op.get("threshold")
+    if t is None:
+        return {"threshold": None}
+    out = {"threshold": float(t), **site_sensitivity(val[0], val[1], float(t))}
+    if test is not None:
+        out["test"] = site_sensitivity(test[0], test[1], float(t))
+    return out
+
+
+def site_rates_line(op: dict) -> str:
+    """One line: the pooled test sensitivity at the federated threshold and each site's own validation / test
+    sensitivity beside it (from :func:`add_site_rates`)."""
+    def f(v):
+        return "–" if v is None else f"{v:.2f}"
+    own = op.get("site_sensitivity") or {}
+    test = op.get("test") or {}
+    return (f"  at the threshold: pooled test sensitivity {f(test.get('sensitivity'))} of {test.get('n_positive', 0)}"
+            f" positives, specificity {f(test.get('specificity'))}; each site's own validation / test sensitivity: "
+            + ", ".join(f"{s} {f(o.get('sensitivity'))} / {f((o.get('test') or {}).get('sensitivity'))}"
+                        for s, o in sorted(own.items())))
 
 
 def site_report(val_probs, val_y, grid: Sequence[float] = DEFAULT_GRID, min_count: int = DEFAULT_MIN_COUNT) -> dict:
@@ -211,18 +344,38 @@ def site_report(val_probs, val_y, grid: Sequence[float] = DEFAULT_GRID, min_coun
 
 def federated_operating_point(reports: dict[str, dict], target: float = DEFAULT_TARGET_SENSITIVITY) -> dict | None:
     """The server's step 3 on the sites' :func:`site_report` answers (``{site: report}``; sites without a histogram
-    are left out): :func:`pooled_threshold` plus the sites pooled and the rule's name. None when no site sent one
-    or no positive validation image exists."""
-    hs = {s: r["histogram"] for s, r in reports.items() if r and r.get("histogram")}
+    are left out): :func:`pooled_threshold` (``threshold`` None with the reason in ``unresolved`` when the pooled
+    counts give no operating point) plus the sites pooled and the rule's name. None when no site sent one."""
+    hs = {s: r["histogram"] for s, r in sorted(reports.items()) if r and r.get("histogram")}
     if not hs:
         return None
-    try:
-        res = pooled_threshold(list(hs.values()), target)
-    except ValueError:
-        return None
-    return {**res, "sites": sorted(hs), "min_count": max(int(h["min_count"]) for h in hs.values()),
+    res = pooled_threshold(list(hs.values()), target, names=list(hs))
+    return {**res, "sites": list(hs),
             "rule": "largest threshold on calibrated p(positive) whose pooled histogram sensitivity (lower bound) "
                     "reaches the target"}
+
+
+def describe(op: dict | None) -> str:
+    """One line on the federated operating point (``metrics.json``'s ``operating_point``, also a partial one from an
+    older run) for the console, the log and the report."""
+    if not op:
+        return "operating point: none (no site sent a validation histogram)"
+    if op.get("skipped"):
+        return f"operating point: none: {op['skipped']}"
+    if op.get("threshold") is None:
+        return f"operating point: NO federated threshold: {op.get('unresolved') or 'not recorded why'}"
+
+    def num(v, fmt=".2f"):
+        return "n/a" if v is None else format(v, fmt)
+    lo, hi = op.get("specificity"), op.get("specificity_upper")
+    spec = num(lo) if hi is None or lo is None or abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
+    left = op.get("left_out") or []
+    return (f"operating point: threshold {op['threshold']:.3g} on calibrated p(PNEUMONIA) for target sensitivity "
+            f"{num(op.get('target'), 'g')}: pooled validation sensitivity >= {num(op.get('sensitivity'))} of "
+            f"{op.get('n_positive', '?')} positives, specificity {spec} of {op.get('n_negative', '?')} negatives "
+            f"({op.get('n_sites', '?')} sites"
+            + (f"; left out, fewer than {op.get('min_count')} positives: {', '.join(left)}" if left else "") + ")"
+            + ("; WARNING: threshold 0 calls every image positive" if op["threshold"] <= 0 else ""))
 
 
 def _rate_ci(hits: np.ndarray, n_boot: int, rng, alpha: float = 0.05) -> dict:
@@ -241,12 +394,16 @@ def metrics_at_operating_point(probs, y, op: dict, n_boot: int = 500, seed: int 
     """A deployed model's external results at its operating point ``op`` (``{"temperature", "threshold", ...}``,
     from its file header): sensitivity and specificity of calibrated p(positive) >= threshold, each
     ``{"value", "ci_low", "ci_high"}`` (percentile bootstrap over the images of each class, i.e. class-stratified),
-    and the top-label ECE before and after the temperature. ``probs`` (N, C) (C > 2: class 0 negative, the rest
+    and the top-label ECE before and after the temperature (only these, with ``unresolved``, when ``op`` carries no
+    threshold). ``probs`` (N, C) (C > 2: class 0 negative, the rest
     positive), ``y`` (N,) labels (> 0 positive)."""
     p = np.asarray(probs, np.float64)
     yb = (np.asarray(y).astype(int) > 0).astype(int)
     pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)
     cal = apply_temperature(pb, float(op["temperature"]))
+    if op.get("threshold") is None:  # the federation set no threshold (``op["unresolved"]`` says why)
+        return {"temperature": float(op["temperature"]), "threshold": None, "unresolved": op.get("unresolved"),
+                "ece_before": expected_calibration_error(pb, yb), "ece_after": expected_calibration_error(cal, yb)}
     pred = cal[:, 1] >= float(op["threshold"])
     rng = np.random.default_rng(seed)
     return {"temperature": float(op["temperature"]), "threshold": float(op["threshold"]),

@@ -288,13 +288,15 @@ def operating_point_results(run: Path, preds: dict, y: np.ndarray, registry: dic
             missing.append(name)
             continue
         res["models"][name] = metrics_at_operating_point(p, y, op, n_boot=n_boot, seed=seed)
-    if rec and rec.get("threshold") == 0.0:
+    if rec and rec.get("threshold") == 0.0:  # a run from before thresholds of 0 were refused
         skipped.append("operating point: the pooled validation histograms reach the target sensitivity only at "
                        "threshold 0 (every image called PNEUMONIA): too few validation images per bin to do better")
     if missing:
-        why = ((rec or {}).get("skipped") or "a run without the federated operating point (not OHFL, trained before "
-               "it existed, or no validation split)")
-        skipped.append(f"operating point: {len(missing)} deployed models carry no temperature/threshold "
+        why = ((rec or {}).get("skipped") or ((rec or {}).get("unresolved") and "the federation set no threshold: "
+                                               + rec["unresolved"])
+               or "a run without the federated operating point (not OHFL, trained before it existed, or no "
+               "validation split)")
+        skipped.append(f"operating point: {len(missing)} deployed models carry no federated threshold "
                        f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): {why}")
     return res
 

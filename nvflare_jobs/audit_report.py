@@ -80,10 +80,38 @@ def _saliency_html(sa: dict, ext_dir: Path) -> list[str]:
     return body
 
 
-def _operating_point_html(op: dict) -> list[str]:
-    if not op.get("models"):
+def operating_point_section(m: dict) -> list[str]:
+    """The run report's operating-point section from ``metrics.json``: the one line of
+    :func:`hfl_components.operating_point.describe` (red when no threshold was set), then each site's temperature
+    and its own validation and test sensitivity / specificity at the threshold beside the pooled test values."""
+    from hfl_components.operating_point import describe
+
+    op = m.get("operating_point")
+    if not op:
         return []
+    unset = op.get("threshold") is None
+    line = esc(describe(op))
+    body = ["<h2>Clinical operating point</h2>", f"<p class='warn'><b>{line}</b></p>" if unset else f"<p>{line}</p>"]
+    own = op.get("site_sensitivity") or {}
+    if own and not unset:
+        def f(v):
+            return "–" if v is None else f"{v:.3f}"
+        rows = [[s, f(o.get("temperature")), f(o.get("sensitivity")), f(o.get("specificity")),
+                 f((o.get("test") or {}).get("sensitivity")), f((o.get("test") or {}).get("specificity"))]
+                for s, o in sorted(own.items())]
+        t = op.get("test") or {}
+        rows.append(["pooled", "", f(op.get("sensitivity")) + " (lower bound)", f(op.get("specificity")) + "–"
+                     + f(op.get("specificity_upper")), f(t.get("sensitivity")), f(t.get("specificity"))])
+        body.append(_table(["site", "T", "val. sensitivity", "val. specificity", "test sensitivity",
+                            "test specificity"], [[(str(c), False) for c in r] for r in rows]))
+    return body
+
+
+def _operating_point_html(op: dict) -> list[str]:
     fed = op.get("federated") or {}
+    if not op.get("models"):
+        return ([f"<p class='warn'><b>Clinical operating point: the federation set no threshold: "
+                 f"{esc(str(fed['unresolved']))}</b></p>"] if fed.get("unresolved") else [])
     own = fed.get("site_sensitivity") or {}
 
     def num(v):

@@ -249,6 +249,9 @@ def render_run(run: Path) -> str:
 
     body.append(model_card(m, card_note(run)))
     body += _results_sections(m)
+    from nvflare_jobs.audit_report import operating_point_section
+
+    body += operating_point_section(m)
     body += _figure_sections(run, m, names, bool(empty))
     body += _external_sections(run)
     return _page(f"cxr-hfl report {m.get('method')}", body)

@@ -204,6 +204,12 @@ def print_summary(m: dict, run_dir: Path) -> None:
     if gate:
         print(f"deployment gate: {gate['adopted']} of {gate['sites']} sites adopted the federated model"
               + (f"; kept their own local model: {', '.join(gate['kept_local'])}" if gate.get("kept_local") else ""))
+    if m.get("operating_point"):  # OHFL's clinical operating point: one line, then each site's own values
+        from hfl_components.operating_point import describe, site_rates_line
+
+        print(describe(m["operating_point"]))
+        if m["operating_point"].get("site_sensitivity") and m["operating_point"].get("threshold") is not None:
+            print(site_rates_line(m["operating_point"]))
     deploy = {s: b["deploy"] for s, b in m["sites"].items() if isinstance(b.get("deploy"), dict)}
     if deploy:  # deploy: best_val (metrics.json sites.<site>.deploy)
         print("deployed round (deploy: best_val): " + "; ".join(

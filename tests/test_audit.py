@@ -299,7 +299,7 @@ def test_evaluate_writes_audit_json_and_report_shows_it(data_root, tmp_path):
         assert set(r) >= {"flip", "shift", "contrast", "aspect"} and r["aspect"]["applicable"] is False
         assert r["flip"]["n"] == 24 and r["flip"]["ci_low"] <= r["flip"]["mean_change"] <= r["flip"]["ci_high"]
     assert any("aspect not applicable" in s for s in a["skipped"])
-    assert any("operating point: 1 deployed models carry no temperature" in s for s in a["skipped"])
+    assert any("operating point: 1 deployed models carry no federated threshold" in s for s in a["skipped"])
     op = a["operating_point"]["models"]["site-1_deployed"]
     assert op["threshold"] == 0.4 and op["temperature"] == 1.5 and op["sensitivity"]["value"] is not None
     assert (res["dir"] / a["saliency"]["montage"]).is_file() and a["saliency"]["crude"] is True
@@ -392,40 +392,54 @@ def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root,
 
 
 @pytest.mark.slow
-def test_ohfl_run_carries_the_federated_operating_point_and_evaluate_audits_it(data_root, tmp_path):
-    """A real OHFL simulator run: every deployed model file carries its temperature and the one federated
-    threshold; metrics.json has the pooled choice and each site's own validation sensitivity; evaluate (on images
-    of the tuning part) writes audit.json with sensitivity/specificity at that threshold."""
+def test_ohfl_run_without_a_placeable_positive_sets_no_threshold_and_says_why(data_root, tmp_path):
+    """A real OHFL simulator run whose three sites have 4 validation positives each (fewer than the 5 a histogram
+    cell needs): no threshold is set. The run's summary says why in one line; metrics.json keeps the reason and
+    each site's temperature; every deployed model file carries its temperature, no threshold and the reason (local
+    models carry nothing); evaluate (on images of the tuning part) and the report say so instead of scoring a
+    threshold."""
+    import csv as _csv_mod
+
     from chest_xray.splits import split_rows
     from hfl_components.models import read_model_header
     from nvflare_jobs.evaluation import evaluate_run
     from tests.sim_helpers import load_metrics, make_partition, make_profile, run_cli
 
     part = make_partition(data_root, tmp_path / "p", 3)
+    for s in ("site-1", "site-2", "site-3"):
+        with (part / "sites" / f"{s}.csv").open() as fh:
+            assert sum(r["split"] == "val" and r["label"] == "1" for r in _csv_mod.DictReader(fh)) == 4
     profile = make_profile(part, tmp_path / "profile", "ohfl")
     run = tmp_path / "run"
     r = run_cli("simulate", "--method", "ohfl", "--profile", str(profile), "--probe",
                 str(data_root / "chest_xray_224"), "--probe-size", "24", "--target-sensitivity", "0.9",
                 "--out", str(run))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("operating point:")]
+    assert lines == ["operating point: NO federated threshold: no site sent >= 5 validation positives (the minimum "
+                     "count per cell), so no positive can be placed on the grid (site-1, site-2, site-3 sent fewer)"]
     m = load_metrics(run)
     op = m["operating_point"]
-    assert op["target"] == 0.9 and op["n_sites"] == 3 and 0.0 <= op["threshold"] <= 1.0
-    assert op["sensitivity"] >= 0.9 and set(op["site_sensitivity"]) == {"site-1", "site-2", "site-3"}
+    assert op["target"] == 0.9 and op["n_sites"] == 3 and op["threshold"] is None and op["n_positive"] == 0
+    assert op["left_out"] == ["site-1", "site-2", "site-3"] and op["unresolved"] in lines[0]
     for s in ("site-1", "site-2", "site-3"):
         h = read_model_header(run / "models" / f"{s}_deployed.pt")["operating_point"]
-        assert h["threshold"] == op["threshold"] and h["temperature"] > 0
-        assert m["sites"][s]["operating_point"]["temperature"] == pytest.approx(h["temperature"])
+        assert h["threshold"] is None and h["temperature"] > 0 and h["unresolved"] == op["unresolved"]
+        assert m["sites"][s]["operating_point"] == {"temperature": pytest.approx(h["temperature"]), "threshold": None}
         assert "operating_point" not in read_model_header(run / "models" / f"{s}_local.pt")
     root = data_root / "chest_xray_224"
     rows = split_rows("tuning")
     ext = _csv(tmp_path / "tuning.csv", [(str(root / r["path"]), r["label"]) for r in rows[:12] + rows[-12:]])
     res = evaluate_run(run, ext, n_boot=20, log=lambda *_: None)
     a = json.loads((res["dir"] / "audit.json").read_text())
-    assert set(a["operating_point"]["models"]) == {"site-1_deployed", "site-2_deployed", "site-3_deployed"}
-    for v in a["operating_point"]["models"].values():
-        assert v["threshold"] == op["threshold"] and v["sensitivity"]["value"] is not None
-    assert res["models"]["site-1_deployed"]["operating_point"]["threshold"] == op["threshold"]
+    assert a["operating_point"]["models"] == {} and "operating_point" not in res["models"]["site-1_deployed"]
+    assert any(s.startswith("operating point: 3 deployed models carry no federated threshold")
+               and "the federation set no threshold: no site sent >= 5" in s for s in a["skipped"])
+    r = run_cli("report", str(run))
+    assert r.returncode == 0, r.stderr
+    html = (run / "report.html").read_text()
+    sec = html.split("<h2>Clinical operating point</h2>", 1)[1]
+    assert sec.lstrip().startswith("<p class='warn'><b>operating point: NO federated threshold: no site sent &gt;= 5")
 
 
 def test_bootstrap_aucs_are_the_weighted_aucs_of_each_draw():

@@ -279,8 +279,9 @@ _ENTRIES: list[MethodEntry] = [
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses; for the "
                          "operating point the deployed model's temperature, its validation ECE before/after it and a "
-                         "coarse per-class histogram of calibrated validation scores (every non-empty bin >= 5 "
-                         "images), then its own validation sensitivity/specificity at the federated threshold"),
+                         "coarse per-class histogram of calibrated validation scores on a shared grid (every non-empty "
+                         "cell >= 5 images of its class; a smaller class as its count only), then its own validation "
+                         "and test sensitivity/specificity at the federated threshold"),
                 summary="one-shot heterogeneous fusion (OHFL paper)", schedule="one_shot"),
     MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
                 **_PROTO_DEFAULTS, options=_fedsaf_options(False),

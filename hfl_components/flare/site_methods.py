@@ -105,23 +105,33 @@ OPERATING_POINT_FILE = "pending_operating_point.json"  # the deployed model's te
 
 def _apply_operating_point(rt, meta: dict, tc: dict) -> dict | None:
     """The server's federated threshold (``meta["operating_point"]``, OHFL): stored with the temperature the site
-    fitted (:data:`OPERATING_POINT_FILE`) in the deployed model's file header; returns the site's own validation
-    sensitivity/specificity at it (on calibrated scores), which the server reports beside the pooled one."""
+    fitted (:data:`OPERATING_POINT_FILE`) in the deployed model's file header -- or, when the federation could set
+    none, the temperature with ``threshold`` None and the server's reason (``unresolved``); returns the site's own
+    validation and test sensitivity/specificity at it (on calibrated scores), which the server reports beside the
+    pooled one (:func:`hfl_components.operating_point.site_rates_at`)."""
     import json
 
-    from hfl_components.operating_point import apply_temperature, site_sensitivity
+    from hfl_components.operating_point import apply_temperature, site_rates_at
 
     fed, f = meta.get("operating_point"), rt.state_dir / OPERATING_POINT_FILE
     if not fed or not f.is_file():
         return None
     T = float(json.loads(f.read_text())["temperature"])
-    rt.operating_point = {"temperature": T, "threshold": float(fed["threshold"]), "target": fed.get("target"),
-                          "rule": "federated: pooled coarse validation histograms"}
+    thr = None if fed.get("threshold") is None else float(fed["threshold"])
+    rt.operating_point = {"temperature": T, "threshold": thr, "target": fed.get("target"),
+                          "rule": "federated: pooled coarse validation histograms",
+                          **({"unresolved": fed.get("unresolved")} if thr is None else {})}
     rt.save_model(rt.state_dir / "deployed_model.pt", kind="deployed")
-    val = site_evaluate(rt, "val", tc, with_predictions=True)
-    p = np.asarray(val["_probs"], np.float64)
-    cal = apply_temperature(np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1), T)
-    return {"temperature": T, **site_sensitivity(cal[:, 1], np.asarray(val["_labels"]) > 0, fed["threshold"])}
+    if thr is None:
+        return {"temperature": T, "threshold": None}
+
+    def calibrated(split):
+        ev = site_evaluate(rt, split, tc, with_predictions=True)
+        p = np.asarray(ev.get("_probs") or np.zeros((0, 2)), np.float64).reshape(-1, 2)
+        return apply_temperature(np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1), T)[:, 1], \
+            np.asarray(ev.get("_labels") or [], int) > 0
+
+    return {"temperature": T, **site_rates_at(rt.operating_point, calibrated("val"), calibrated("test"))}
 
 
 def evaluate_deployed(rt, params, meta):

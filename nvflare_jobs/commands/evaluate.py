@@ -40,7 +40,12 @@ PARTS = ("probe", "tuning", "evaluation")  # chest_xray.splits.PARTS (kept here 
 
 
 def register(sub) -> None:
-    c = sub.add_parser("compare", help="run several methods on the identical partition and seeds; comparison tables")
+    _add_compare(sub.add_parser("compare", help="run several methods on the identical partition and seeds; "
+                                                "comparison tables"))
+    _add_evaluate(sub)
+
+
+def _add_compare(c) -> None:
     from hfl_components.flare.catalogue import methods, with_role  # plain data: --help stays fast
 
     control = with_role("control")
@@ -80,11 +85,14 @@ def register(sub) -> None:
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
     c.add_argument("--families", help="one model family per site in every method's profile (simulate --families)")
-    c.add_argument("--aspect", choices=ASPECTS, help="pass-through: how every site makes images square (simulate --aspect)")
-    c.add_argument("--no-audit", action="store_true", help="skip the shortcut audit of the external evaluation")
-    c.add_argument("--dry-run", action="store_true", help="print the simulate commands only")
+    for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square"}),
+                     ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
+                     ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):
+        c.add_argument(flag, **kw)
     c.set_defaults(func=run_compare)
 
+
+def _add_evaluate(sub) -> None:
     e = sub.add_parser("evaluate", help="evaluate every saved model of a run on an external labelled image set")
     e.add_argument("--run", required=True, help="run folder written by `cxr-hfl simulate`")
     e.add_argument("--data", required=True, help="external labelled set (Kaggle layout, class folders or CSV)")

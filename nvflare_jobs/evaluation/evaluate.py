@@ -273,7 +273,7 @@ class _Scorer:
             res["val_n"] = int(len(vy))
             res["test_at_val_threshold"] = compute_metrics(y, p, C, threshold=thr)
         res["val_threshold"] = thr
-        if C == 2 and blob.get("operating_point"):  # the federated threshold on the temperature-scaled model
+        if C == 2 and (blob.get("operating_point") or {}).get("threshold") is not None:  # the federated threshold
             from hfl_components.operating_point import metrics_at_operating_point
 
             res["operating_point"] = metrics_at_operating_point(p, y, blob["operating_point"], n_boot=self.n_boot)

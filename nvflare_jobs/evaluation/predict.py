@@ -91,8 +91,9 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
     only): predict PNEUMONIA when p >= threshold; default argmax, or for a deployed model that carries a federated
     operating point (:mod:`hfl_components.operating_point`) its threshold, with the probabilities written
-    calibrated by its temperature; a federated threshold of 0 would call every image positive and is not applied
-    (a warning on stderr, then argmax of the calibrated probabilities).
+    calibrated by its temperature; a model whose federation set no threshold (or a legacy threshold of 0, which
+    would call every image positive) gets one warning line on stderr with the reason, then argmax of the
+    calibrated probabilities.
     """
     import torch
 
@@ -106,11 +107,11 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     names = class_names(labels)
     op = blob.get("operating_point") if len(names) == 2 else None
     if op and threshold is None:
-        threshold = float(op["threshold"])
-        if threshold <= 0.0:  # every image would be called PNEUMONIA: the histograms were too coarse for the target
-            print(f"WARNING: {model_path}: the federated threshold is 0 (the sites' validation histograms were too "
-                  "coarse to meet the target sensitivity), so it would call every image PNEUMONIA; predicting at "
-                  "argmax of the calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
+        threshold = None if op.get("threshold") is None else float(op["threshold"])
+        if threshold is None or threshold <= 0.0:  # the federation set no operating point (the reason is stored)
+            why = op.get("unresolved") or "the federated threshold is 0, which would call every image PNEUMONIA"
+            print(f"WARNING: {model_path}: no federated operating point ({why}); predicting at argmax of the "
+                  "calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
             threshold = None
     tf = build_transforms(size, "eval", aspect=model_aspect(blob))
     folder_skips: list[dict] = []

@@ -290,7 +290,7 @@ class OHFLController(HFLController):
     def _finetune(self, params: dict, meta: dict) -> dict | None:
         """Round 1: every site fine-tunes the global model of its architecture; the gate's outcomes are recorded.
         Returns the federated operating point (:func:`hfl_components.operating_point.federated_operating_point`)."""
-        from hfl_components.operating_point import federated_operating_point
+        from hfl_components.operating_point import describe, federated_operating_point
 
         ft = self.broadcast("ohfl_finetune", 1, params, meta)
         gate, op_reports = {}, {}
@@ -313,6 +313,7 @@ class OHFLController(HFLController):
         op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
         self.record["operating_point"] = _jsonable(op) if op else {
             "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
+        (self.warning if not op or op["threshold"] is None else self.info)(describe(self.record["operating_point"]))
         return op
 
     def run_method(self):
@@ -383,9 +384,10 @@ class OHFLController(HFLController):
                 {g: {"sites": st["sites"], "spec": st["spec"]} for g, st in students.items()}, indent=1))
         op = self._finetune(params, meta)
         self.final_evaluation(2, meta={"operating_point": op} if op else None)
-        if op:
-            self.record["operating_point"]["site_sensitivity"] = {
-                s: b["operating_point"] for s, b in self.record["sites"].items() if b.get("operating_point")}
+        if op:  # each site's own sensitivity at the threshold beside the pooled one
+            from hfl_components.operating_point import add_site_rates
+
+            add_site_rates(self.record["operating_point"], self.record["sites"])
 
 
 # ============================================================================ site handlers

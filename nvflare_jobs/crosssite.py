@@ -17,12 +17,18 @@ JOB_NAME = "cxr_hfl_cross_site"
 
 
 def model_entries(files: list[str | Path]) -> list[dict]:
-    """``[{"name", "file"}]`` for model files (name: the file's stem, made unique with -2, -3...).
+    """``[{"name", "file", "sha256", ...}]`` for model files (name: the file's stem, made unique with -2, -3...).
+
+    A file that a run's ``models.json`` lists (``RUN/models/<x>.pt``, ``RUN/global_model.pt``) is checked against
+    its entry's SHA-256 and carries the entry's ``run``, ``kind``, ``site``, ``method`` and ``seed``
+    (:func:`nvflare_jobs.models_index.find_entry`); any other model file is taken as it is, with its SHA-256.
 
     Raises:
-        FileNotFoundError / ValueError: a file is missing or not a model file (``load_model_file``), naming it.
+        FileNotFoundError / ValueError: a file is missing, not a model file (``read_model_header``), or differs
+            from its index entry (``ModelIndexError``), naming it.
     """
-    from hfl_components.models.files import read_model_header
+    from hfl_components.models.files import file_sha256, read_model_header
+    from nvflare_jobs.models_index import find_entry
 
     out, seen = [], {}
     for f in files:
@@ -32,9 +38,14 @@ def model_entries(files: list[str | Path]) -> list[dict]:
         if p.is_dir():
             raise ValueError(f"--model {f}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
         read_model_header(p)
+        hit = find_entry(p)
         name = p.stem
         seen[name] = seen.get(name, 0) + 1
-        out.append({"name": name if seen[name] == 1 else f"{name}-{seen[name]}", "file": str(p)})
+        entry = {"name": name if seen[name] == 1 else f"{name}-{seen[name]}", "file": str(p),
+                 "sha256": hit[1]["sha256"] if hit else file_sha256(p)}
+        if hit:
+            entry.update({"run": hit[0].name, **{k: hit[1].get(k) for k in ("kind", "site", "method", "seed")}})
+        out.append(entry)
     return out
 
 

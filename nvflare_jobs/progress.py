@@ -6,9 +6,11 @@ it is waiting for, which sites it has excluded and why, and each site's last hea
 :class:`LiveProgress` polls that file from a thread of the ``cxr-hfl simulate`` process and shows
 
 * on a terminal: one tqdm bar for the server and one per site (epochs of the current task, with the loss);
-* otherwise (logs, CI, ``cxr-hfl compare``'s per-run log): one line per change of server phase or site task;
+* otherwise (logs, CI, ``cxr-hfl compare``'s per-run log): one line per change of server phase, and one line per
+  change of a site's state, task or epoch, worded as ``cxr-hfl status`` words a site (``status.format_site``);
 
-and, in both modes, one line at once for every site the server excludes, with the reason.
+in both modes, one line at once for every site the server excludes, with the reason, and at the end the run's
+status view as ``cxr-hfl status RUN`` prints it (``status.format_view``).
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ class LiveProgress:
         self.last_status: dict | None = None
 
     def __enter__(self):
+        self._write(f"[cxr-hfl] the status view from another terminal: cxr-hfl status {self.workspace.parent} "
+                    "--watch")
         self._thread.start()
         return self
 
@@ -105,6 +109,17 @@ class LiveProgress:
         for b in self._tq.values():
             b.close()
         self._tq = {}
+        if self.last_status is not None:
+            self._write(self.final_view())
+
+    def final_view(self) -> str:
+        """The run's last status as ``cxr-hfl status RUN`` words it (every site's state, last task, epoch and loss,
+        latest validation metric, exclusions, the gate's decisions)."""
+        from nvflare_jobs.status import format_view, job_view
+
+        st = self.last_status or {}
+        state = {"done": "FINISHED:COMPLETED", "failed": "FINISHED:FAILED"}.get(st.get("phase"), "STOPPED")
+        return format_view(job_view(st, job_state=state, sites=self.sites, job_id=self.workspace.parent.name))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -148,20 +163,35 @@ class LiveProgress:
             self._update_lines(st)
         return st
 
+    def _site_views(self, st: dict) -> dict:
+        """Each site's entry of the status view (``nvflare_jobs.status.job_view``: state, task, epoch, loss,
+        latest validation metric), as ``cxr-hfl status`` shows it."""
+        from nvflare_jobs.status import job_view
+
+        return job_view(st, job_state="RUNNING", sites=self.sites)["sites"]
+
     def _update_lines(self, st: dict) -> None:
+        from nvflare_jobs.status import format_site
+
         server = describe_server(st)
         key = server.split(" (late wait")[0]
         if self._last_lines.get("server") != key:
             self._last_lines["server"] = key
             self._write(f"[cxr-hfl] {server}")
-        for site, p in sorted((st.get("sites") or {}).items()):
-            line = f"{p.get('task')} r{p.get('round')} {p.get('stage') or ''} {p.get('epoch')}"
+        if st.get("phase") in ("done", "failed"):
+            return  # the whole view follows when the run ends (stop)
+        for site, d in self._site_views(st).items():
+            if site not in (st.get("sites") or {}) or d["state"] == "excluded":
+                continue  # no heartbeat yet; an exclusion has its own line
+            line = (d["state"], d.get("task"), d.get("round"), d.get("stage"), d.get("epoch"))
             if self._last_lines.get(site) != line:
                 self._last_lines[site] = line
-                self._write(f"[cxr-hfl] {site}: {describe_site(p)}")
+                self._write(f"[cxr-hfl] {format_site(site, d, heard=False)}")
 
     def _update_bars(self, st: dict) -> None:
         from tqdm import tqdm
+
+        from nvflare_jobs.status import format_site
 
         if not self._tq:
             self._tq["server"] = tqdm(total=0, position=0, bar_format="{desc}", file=self.stream, leave=False)
@@ -169,6 +199,7 @@ class LiveProgress:
                 self._tq[s] = tqdm(total=1, position=i, desc=f"{s}: starting", file=self.stream, leave=False,
                                    bar_format="  {bar:20} {desc}")
         self._tq["server"].set_description_str(describe_server(st), refresh=True)
+        views = self._site_views(st)
         for s in self.sites:
             p = (st.get("sites") or {}).get(s)
             b = self._tq[s]
@@ -177,7 +208,7 @@ class LiveProgress:
             elif p:
                 b.total = max(1, int(p.get("epochs") or 1))
                 b.n = int(p.get("epoch") or 0)
-                b.set_description_str(f"{s}: {describe_site(p)}", refresh=False)
+                b.set_description_str(format_site(s, views[s], heard=False), refresh=False)
             else:
                 b.set_description_str(f"{s}: starting", refresh=False)
             b.refresh()

@@ -40,7 +40,7 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
             now, when known (POC / provisioned); None for a simulator run.
     Returns:
         ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "failed", "sites": {site: {"state",
-        "reason", "heard_s_ago", "task", "round", "epoch", "epochs", "loss", "val"}}, "gate"}``.
+        "reason", "heard_s_ago", "task", "round", "stage", "epoch", "epochs", "loss", "val"}}, "gate"}``.
     """
     st = snapshot or {}
     prog = st.get("sites") or {}
@@ -74,7 +74,8 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
         if connected is not None and connected.get(s) is not None and heard is None:
             heard = connected[s]
         out[s] = {"state": state, "reason": reason if state == "excluded" or s in excluded else None,
-                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"), "epoch": p.get("epoch"),
+                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"), "stage": p.get("stage"),
+                  "epoch": p.get("epoch"),
                   "epochs": p.get("epochs"), "loss": p.get("loss"), "val": (st.get("latest_val") or {}).get(s)}
     return {"job_id": job_id, "job_state": job_state, "phase": st.get("phase"), "round": st.get("round"),
             "num_rounds": st.get("num_rounds"), "task": st.get("task"), "method": st.get("method"),
@@ -149,8 +150,28 @@ def admin_view(session, job_id: str) -> dict:
     return view
 
 
+def format_site(site: str, d: dict, heard: bool = True) -> str:
+    """One site's line of the view: name, state, seconds since its last heartbeat (``heard``), task, round, stage,
+    epoch and loss, its latest validation metric and, when excluded, the reason. The simulator's live console
+    (:class:`nvflare_jobs.progress.LiveProgress`) prints the same line without the heartbeat age."""
+    from nvflare_jobs.progress import describe_site  # the live console's wording of a site's heartbeat
+
+    parts = [f"{site:<14}{d['state']:<14}"]
+    if heard and d.get("heard_s_ago") is not None and d["state"] != "done":
+        parts.append(f"heard {d['heard_s_ago']:.0f} s ago")
+    if d.get("task"):
+        parts.append(describe_site(d))
+    val = d.get("val") or {}
+    m = next((k for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(val.get(k), (int, float))), None)
+    if m:
+        parts.append(f"val {m} {val[m]:.3f} (round {val.get('round')})")
+    if d.get("reason"):
+        parts.append(f"excluded: {d['reason']}")
+    return "  ".join(parts).rstrip()
+
+
 def format_view(v: dict) -> str:
-    """The view as console lines."""
+    """The view as console lines (``cxr-hfl status``, ``poc status``, and the simulator's console at the end)."""
     head = f"job {v.get('job_id')}: {v.get('job_state')}"
     if v.get("method"):
         head += f" ({v['method']})"
@@ -159,21 +180,7 @@ def format_view(v: dict) -> str:
     lines = [head]
     if v.get("failed"):
         lines.append(f"  FAILED: {v['failed']}")
-    for s, d in v["sites"].items():
-        parts = [f"  {s:<14}{d['state']:<14}"]
-        if d.get("heard_s_ago") is not None and d["state"] != "done":
-            parts.append(f"heard {d['heard_s_ago']:.0f} s ago")
-        if d.get("task"):
-            from nvflare_jobs.progress import describe_site  # the live console's wording of a site's heartbeat
-
-            parts.append(describe_site(d))
-        val = d.get("val") or {}
-        m = next((k for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(val.get(k), (int, float))), None)
-        if m:
-            parts.append(f"val {m} {val[m]:.3f} (round {val.get('round')})")
-        if d.get("reason"):
-            parts.append(f"excluded: {d['reason']}")
-        lines.append("  ".join(parts))
+    lines += ["  " + format_site(s, d) for s, d in v["sites"].items()]
     g = v.get("gate")
     if g:
         lines.append("  gate: " + json.dumps(g, default=str)[:400])

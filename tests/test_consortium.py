@@ -272,7 +272,7 @@ def test_adding_a_hospital_later_keeps_the_ca_and_existing_kits(kits, tmp_path):
 def test_models_index_lists_every_model_file_with_hash_metrics_and_gate(tmp_path):
     import hashlib
 
-    from nvflare_jobs.results import write_models_index
+    from nvflare_jobs.models_index import write_models_index
     from nvflare_jobs.status import run_folder_view
 
     (tmp_path / "models").mkdir()
@@ -295,3 +295,69 @@ def test_models_index_lists_every_model_file_with_hash_metrics_and_gate(tmp_path
     v = run_folder_view(tmp_path)
     assert [e["name"] for e in v["models"]] == ["site-1_deployed", "site-1_local", "global_model"]
     assert v["job_state"] == "FINISHED:COMPLETED" and "hospital-a" in v["sites"]
+
+
+def test_a_dead_site_process_reads_to_nvflare_as_unknown_not_a_job_failure(tmp_path):
+    """The contract of ``site_script.crash_leaves_site_out`` with the installed NVFlare (its private parts: this
+    test fails loudly if a new NVFlare reads the return-code file another way or fails jobs on the code): while a
+    site's job process runs, a kill -9 reads as JobReturnCode.UNKNOWN through NVFlare's own reader, the client does
+    not report it, and the server's job-failure handler does not fail a job on it; after a normal end the file is
+    gone, so NVFlare's own exit code counts."""
+    import inspect
+    import logging
+
+    from nvflare.apis.job_launcher_spec import JobReturnCode
+    from nvflare.private.fed.client.client_executor import REPORTABLE_JOB_FAILURES
+    from nvflare.private.fed.server.fed_server import FederatedServer
+    from nvflare.private.fed.utils.fed_utils import get_return_code
+
+    from hfl_components.flare.site_script import crash_leaves_site_out
+
+    class Killed:  # a job handle whose process died of SIGKILL
+        @staticmethod
+        def poll():
+            return -9
+
+    run_dir = tmp_path / "job-1"
+    run_dir.mkdir()
+    with crash_leaves_site_out(str(run_dir)) as rc_file:
+        assert Path(rc_file).parent == run_dir and Path(rc_file).is_file()
+        rc = get_return_code(Killed(), "job-1", str(tmp_path), logging.getLogger("test"))  # NVFlare's client reads
+    assert rc == JobReturnCode.UNKNOWN == 127, f"NVFlare read {rc} from the return-code file"
+    assert rc not in REPORTABLE_JOB_FAILURES, "NVFlare's client now reports an unknown exit as a job failure"
+    src = inspect.getsource(FederatedServer.process_job_failure)
+    assert "fail_run" in src and "UNKNOWN" not in src, "NVFlare's server now fails a job on another exit code"
+    assert not list(run_dir.iterdir()), "the return-code file outlived the block"
+    with crash_leaves_site_out(str(run_dir)):
+        pass
+    assert not list(run_dir.iterdir())
+    assert get_return_code(Killed(), "job-1", str(tmp_path), logging.getLogger("test")) == -9
+    with crash_leaves_site_out(None) as none:  # the simulator: nothing written
+        assert none is None
+
+
+def test_status_json_keeps_nvflare_messages_off_stdout(monkeypatch, capsys):
+    """NVFlare's admin session prints `Connecting to FLARE ...` on stdout (its print_human); `status --json` and
+    `poc status --json` must print only the view's JSON there (the POC module parses it)."""
+    from nvflare.fuel.flare_api import flare_api
+    from nvflare.tool.cli_output import print_human
+
+    from nvflare_jobs.commands.status import open_session, show
+
+    def fake_session(user, kit, timeout):
+        print_human("Connecting to FLARE ...")
+        return (user, kit)
+
+    monkeypatch.setattr(flare_api, "new_secure_session", fake_session)
+    assert open_session("coordinator", "/kits/c", 5, quiet=True) == ("coordinator", "/kits/c")
+
+    def view():
+        print_human("polling ...")
+        return {"job_id": "j1", "job_state": "FINISHED:COMPLETED", "sites": {}}
+
+    show(view, True, None)
+    out, err = capsys.readouterr()
+    assert json.loads(out) == view() and "Connecting to FLARE" in err and "polling" in err
+    capsys.readouterr()
+    open_session("coordinator", "/kits/c", 5)  # the console view keeps NVFlare's line where NVFlare puts it
+    assert "Connecting to FLARE" in capsys.readouterr().out

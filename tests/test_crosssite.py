@@ -33,6 +33,7 @@ def _model_files(tmp_path, labels=("binary", "binary")):
 
 
 def test_exported_eval_job_carries_its_models_and_passes_the_job_check(tmp_path):
+    from hfl_components.models.files import file_sha256
     from nvflare_jobs.deploy import check_job_folder
 
     files = _model_files(tmp_path)
@@ -44,8 +45,8 @@ def test_exported_eval_job_carries_its_models_and_passes_the_job_check(tmp_path)
     meta = check_job_folder(job)
     assert sorted(meta["deploy_map"]) == ["app_server"] + [f"app_{s}" for s in SITES]
     wf = json.loads((job / "app_server" / "config" / "config_fed_server.json").read_text())["workflows"][0]
-    assert wf["args"]["models"] == [{"name": "model_a", "file": "models/model_a.pt"},
-                                    {"name": "model_b", "file": "models/model_b.pt"}]
+    assert wf["args"]["models"] == [{"name": "model_a", "file": "models/model_a.pt", "sha256": file_sha256(files[0])},
+                                    {"name": "model_b", "file": "models/model_b.pt", "sha256": file_sha256(files[1])}]
     for f in files:
         assert (job / "app_server" / "models" / f.name).read_bytes() == f.read_bytes()
     assert str(tmp_path) not in (job / "app_server" / "config" / "config_fed_server.json").read_text()
@@ -108,3 +109,30 @@ def test_export_eval_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, 
     for s in says:
         assert s in err[0], err[0]
     assert not out.exists()
+
+
+def test_site_score_gives_a_hospital_its_row_of_the_matrix_here(tmp_path, data_root):
+    """`cxr-hfl site score` (the hospital operator's seat): each model file scored on the site's own test split
+    (6 images), metrics consistent with their confusion matrix, a model of another label scheme refused naming the
+    site, a missing model file one line and exit 2."""
+    man = tiny_manifests(data_root, tmp_path / "data", ["hospital-a"])
+    profile = tiny_profile(man, tmp_path / "profile")
+    files = _model_files(tmp_path) + _model_files(tmp_path / "sub", labels=("subtype",))
+    cfg = profile / "hospital-a.yaml"
+    r = run_cli("site", "score", "--config", str(cfg), *[a for f in files for a in ("--model", str(f))], "--json",
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert list(res) == ["model_a", "model_b", "model_a-2"]
+    for name in ("model_a", "model_b"):
+        cm = res[name]["confusion_matrix"]  # rows: true class, columns: predicted
+        assert res[name]["n"] == 6 and sum(map(sum, cm)) == 6
+        recalls = [cm[i][i] / sum(cm[i]) for i in range(2)]
+        assert res[name]["balanced_accuracy"] == pytest.approx(sum(recalls) / 2)
+        assert res[name]["accuracy"] == pytest.approx((cm[0][0] + cm[1][1]) / 6)
+    assert res["model_a-2"]["refused"].startswith("site hospital-a uses labels 'binary'")
+    r = run_cli("site", "score", "--config", str(cfg), "--model", str(files[0]), timeout=300)
+    assert r.returncode == 0 and "model_a" in r.stdout and "balanced_accuracy" in r.stdout, r.stderr
+    r = run_cli("site", "score", "--config", str(cfg), "--model", str(tmp_path / "nope.pt"), timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "nope.pt" in err[0], r.stderr

@@ -1,9 +1,11 @@
-"""A consortium can rely on it (POC mode, one POC for the module, 2 sites, tiny real data):
+"""A consortium can rely on it (POC mode, one POC for the module, 3 sites, tiny real data):
 
 * Ctrl-C of ``cxr-hfl poc start`` stops every process it started;
 * a site whose training process is killed (kill -9) is left out, the job still ends ``FINISHED:COMPLETED``, and
   ``cxr-hfl poc status --json`` names the site as excluded (with the reason) while the job runs;
 * nothing from a site's log reaches the server (NVFlare streams a site's job error log by default);
+* a cross-site evaluation job of 2 indexed model files over the 3 sites gives the 3 x 2 matrix, equal to local
+  scoring;
 * a site that goes away entirely does not hold the job's end for NVFlare's 600 s heartbeat timeout.
 
 The POC uses its own short client heartbeat and client-outcome timeouts (``nvflare_jobs.deploy._poc``). Skipped
@@ -23,7 +25,7 @@ import pytest
 from tests.deploy_helpers import REPO_ROOT, run_cli, tiny_manifests, tiny_profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-SITES = ["site-1", "site-2"]
+SITES = ["site-1", "site-2", "site-3"]
 LONG_EPOCHS = 5000  # site-2 trains long enough to be killed mid-task
 
 
@@ -63,7 +65,7 @@ def _export(c, name: str, profile: Path, *extra: str) -> Path:
 def _status(c, job_id: str) -> dict:
     r = run_cli("poc", "status", "--workspace", str(c["ws"]), job_id, "--json", timeout=120)
     assert r.returncode == 0, r.stderr + r.stdout
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout)  # --json: stdout is the view's JSON alone
 
 
 def _api_status(c, job_id: str) -> dict:
@@ -152,7 +154,7 @@ def test_a_killed_site_process_is_left_out_and_the_job_completes(consortium):
     r = run_cli("poc", "download", "--workspace", str(c["ws"]), job_id, "--out", str(run), timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
     m = json.loads((run / "metrics.json").read_text())
-    assert m["job_status"] == "FINISHED:COMPLETED" and sorted(m["sites"]) == ["site-1"]
+    assert m["job_status"] == "FINISHED:COMPLETED" and sorted(m["sites"]) == ["site-1", "site-3"]
     ev = m["excluded_sites"]["site-2"]
     assert ev and ev[0]["reason"] and ev[0]["task"] == "local_train", ev
     assert "site site-2 left out of round 0 (local_train)" in r.stdout
@@ -191,14 +193,17 @@ def test_nothing_from_a_site_log_reaches_the_server(consortium):
 
 
 def test_cross_site_evaluation_job_gives_the_sites_x_models_matrix(consortium):
-    """2 model files x the POC's 2 sites: the model files travel in the job's server app (read there by a path
-    relative to the app), and the matrix equals each file scored locally on each site's test split."""
+    """2 model files of a run's models.json x the POC's 3 sites: the model files travel in the job's server app
+    (read there by a path relative to the app, checked against the hash the index gave), and the 3 x 2 matrix
+    equals each file scored locally on each site's test split."""
     from tests.test_crosssite import _model_files
 
     from nvflare_jobs.crosssite import score_locally
+    from nvflare_jobs.models_index import write_models_index
 
     c, poc = consortium, consortium["poc"]
-    files = _model_files(c["tmp"])
+    files = _model_files(c["tmp"] / "run_models")
+    write_models_index(c["tmp"] / "run_models", {"method": "local", "seed": 0})
     r = run_cli("export-eval", "--profile", str(c["profile"]), "--model", str(files[0]), "--model", str(files[1]),
                 "--out", str(c["tmp"] / "jobs_eval"))
     assert r.returncode == 0, r.stderr

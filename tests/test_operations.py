@@ -61,10 +61,44 @@ def test_live_progress_lines_report_waiting_sites_epochs_and_exclusions_once(tmp
     live.poll()
     lines = out.getvalue().splitlines()
     assert lines[0] == "[cxr-hfl] round 1 fedavg_train: waiting for site-1, site-2"
-    assert lines[1] == "[cxr-hfl] site-1: fedavg_train r1 round 1 epoch 2/3 loss 0.512"
+    assert lines[1].split() == "[cxr-hfl] site-1 training fedavg_train r1 round 1 epoch 2/3 loss 0.512".split()
     assert sum("site site-2 excluded" in x and "did not fetch" in x for x in lines) == 1  # once, at once
     assert lines[-1] == "[cxr-hfl] server: averaging"
     assert lines.count("[cxr-hfl] round 1 fedavg_train: waiting for site-1") == 1
+
+
+def test_simulator_console_shows_the_status_view_of_cxr_hfl_status(tmp_path):
+    """Line mode words each site as `cxr-hfl status` does (state, task, epoch, loss, validation metric), once per
+    change; at the end the console prints the run's whole status view, equal to `cxr-hfl status RUN` on the same
+    run folder."""
+    from nvflare_jobs.progress import LiveProgress
+    from nvflare_jobs.status import format_view, run_folder_view
+
+    run = tmp_path / "run-7"
+    ws = run / "workspace"
+    out = io.StringIO()
+    live = LiveProgress(ws, ["site-1", "site-2"], stream=out, bars=False)
+    beat = {"task": "fedavg_train", "round": 1, "epoch": 3, "epochs": 3, "loss": 0.4}
+    _status(ws, phase="waiting", task="fedavg_train", round=1, waiting_for=["site-2"], answered=["site-1"],
+            sites={"site-1": beat, "site-2": dict(beat, epoch=1, loss=0.9)})
+    live.poll()
+    live.poll()
+    _status(ws, phase="waiting", task="fedavg_train", round=1, waiting_for=["site-2"], answered=["site-1"],
+            sites={"site-1": beat, "site-2": dict(beat, epoch=2, loss=0.7)})
+    live.poll()
+    _status(ws, phase="done", method="fedavg", round=1, answered=["site-1", "site-2"], gate={"adopted": ["site-1"]},
+            excluded={}, sites={"site-1": beat, "site-2": dict(beat, loss=0.5)},
+            latest_val={"site-1": {"round": 1, "balanced_accuracy": 0.75}})
+    live.stop()
+    lines = out.getvalue().splitlines()
+    assert lines[1].split() == "[cxr-hfl] site-1 answered fedavg_train r1 epoch 3/3 loss 0.400".split()
+    assert lines[2].split() == "[cxr-hfl] site-2 training fedavg_train r1 epoch 1/3 loss 0.900".split()
+    assert lines[3].split() == "[cxr-hfl] site-2 training fedavg_train r1 epoch 2/3 loss 0.700".split()
+    assert sum(x.startswith("[cxr-hfl] site-") for x in lines) == 3  # once per change; the end is the view's
+    assert any(x.startswith("  site-1") and "val balanced_accuracy 0.750 (round 1)" in x for x in lines)
+    view = format_view(run_folder_view(run))
+    assert view.startswith("job run-7: FINISHED:COMPLETED (fedavg)") and "gate:" in view
+    assert "\n".join(lines[-len(view.splitlines()):]) == view
 
 
 def test_quiet_log_config_keeps_info_off_the_console(tmp_path):

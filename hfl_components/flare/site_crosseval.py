@@ -8,6 +8,10 @@ Task ``cross_eval``; its payload is the server's ``{"<i>/<param>": array}`` and 
 """
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("cxr_hfl.site")
+
 
 def model_states(params: dict, n_models: int) -> list[dict]:
     """Split ``{"<i>/<param>": array}`` into one ``{param: tensor}`` per model, in order."""
@@ -29,10 +33,17 @@ def score_models(rt, models: list[dict], states: list[dict]) -> dict:
         if m.get("labels") and m["labels"] != rt.labels:
             out[m["name"]] = {"refused": f"site {rt.site} uses labels {rt.labels!r}; model {m['name']} was trained "
                                          f"for {m['labels']!r}"}
+            log.info("site %s: model %s refused: %s", rt.site, m["name"], out[m["name"]]["refused"])
             continue
         rt.set_model(m["spec"], state)
-        out[m["name"]] = rt.evaluate("test")
+        out[m["name"]] = res = rt.evaluate("test")
+        log.info("site %s: model %s on the test split (n=%s): balanced accuracy %s, AUC %s", rt.site, m["name"],
+                 res.get("n"), _f(res.get("balanced_accuracy")), _f(res.get("auc")))
     return out
+
+
+def _f(v) -> str:
+    return f"{v:.4f}" if isinstance(v, (int, float)) else "-"
 
 
 def cross_eval(rt, params, meta):

@@ -7,6 +7,7 @@ server can log it and carry on with the other sites instead of the whole federat
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import json
 import os
@@ -76,13 +77,37 @@ class Heartbeat:
         self._stop.set()
 
 
-# NVFlare reads a job process's exit code from ``<workspace>/<job id>/_process_rc.txt`` (FLMetaKey.PROCESS_RC_FILE)
-# when the process has ended, and fails the whole job on a site's crash code. A site whose training process dies
-# (killed, out of memory) must only be left out of the round, as the server's wait policy does for a silent site:
-# while this script runs, the file holds JobReturnCode.UNKNOWN (127, not a reportable failure); the script removes
-# it when it ends, so a normal end (or a Python error) reports NVFlare's own code.
-CRASH_RC_FILE = "_process_rc.txt"
-CRASH_RC = 127
+@contextlib.contextmanager
+def crash_leaves_site_out(run_dir: str | None):
+    """While the block runs, a death of this job process (kill -9, out of memory) reads to NVFlare as an unknown
+    exit, not as a job failure; the one place that relies on NVFlare's process return-code file.
+
+    NVFlare 2.9 offers no setting for this: when a site's job process ends, the site's client parent reads its
+    exit code from ``<run_dir>/<FLMetaKey.PROCESS_RC_FILE>`` (``_process_rc.txt``; else the process's own code)
+    and reports the codes in ``client_executor.REPORTABLE_JOB_FAILURES`` to the server, which fails the whole job
+    ("Failing job ... due to reported failure from <site>"). A dead site must only be left out of the round, as the
+    server's wait policy does for a silent site; so while the block runs the file holds ``JobReturnCode.UNKNOWN``
+    (127, not reportable), and it is removed when the block ends, so a normal end (or a Python error) reports
+    NVFlare's own code. ``tests/test_consortium.py`` checks this contract against the installed NVFlare
+    (docs/decisions.md). ``run_dir`` None (the simulator): nothing is written.
+
+    Yields:
+        the file written, or None.
+    """
+    if run_dir is None:
+        yield None
+        return
+    from nvflare.apis.fl_constant import FLMetaKey
+    from nvflare.apis.job_launcher_spec import JobReturnCode
+
+    rc_file = os.path.join(run_dir, FLMetaKey.PROCESS_RC_FILE)
+    with open(rc_file, "w") as f:
+        f.write(str(int(JobReturnCode.UNKNOWN)))
+    try:
+        yield rc_file
+    finally:
+        if os.path.isfile(rc_file):
+            os.remove(rc_file)
 
 
 def main() -> None:
@@ -91,20 +116,13 @@ def main() -> None:
     site = flare.get_site_name()
     workdir = os.getcwd()
     job_id = flare.get_job_id()
+    run_dir = None
     if job_id and job_id != "simulate_job" and os.path.isdir(os.path.join(workdir, job_id)):
         # a POC / provisioned site: cwd is the site's workspace, shared by every job; keep this job's state
         # (models, prototypes) in the job's own run folder so no job picks up another job's model
-        workdir = os.path.join(workdir, job_id)
-        rc_file = os.path.join(workdir, CRASH_RC_FILE)
-        with open(rc_file, "w") as f:
-            f.write(str(CRASH_RC))
-    else:
-        rc_file = None
-    try:
+        workdir = run_dir = os.path.join(workdir, job_id)
+    with crash_leaves_site_out(run_dir):
         _serve(site, workdir)
-    finally:
-        if rc_file is not None and os.path.isfile(rc_file):
-            os.remove(rc_file)
 
 
 def _tracking_writer():

@@ -187,25 +187,24 @@ def run_status(args) -> int:
     poc = _poc(args)
     st = poc.state()
     pids = poc.own_pids()
+    say = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the view's JSON, for scripts
     if poc.server_up():
-        print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}", file=say)
     elif pids:
-        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}", file=say)
         return 1
     else:
-        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}")
+        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}", file=say)
         return 0
     if not args.job_id:
         for j in poc.list_jobs():
-            print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}")
+            print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}", file=say)
     job_id = args.job_id or ((st.get("jobs") or [{}])[-1]).get("job_id")
     if job_id:
-        from nvflare.fuel.flare_api.flare_api import new_secure_session
-
-        from nvflare_jobs.commands.status import show
+        from nvflare_jobs.commands.status import open_session, show
         from nvflare_jobs.status import admin_view
 
-        sess = new_secure_session(st["coordinator"], st["admin_kit"], timeout=60)
+        sess = open_session(st["coordinator"], st["admin_kit"], 60, quiet=args.json)
         try:
             show(lambda: admin_view(sess, job_id), args.json, args.watch)
         finally:

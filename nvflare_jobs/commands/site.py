@@ -1,4 +1,6 @@
-"""``cxr-hfl site check``: a hospital checks its config, manifest, images, model and device before a job."""
+"""``cxr-hfl site check``: a hospital checks its config, manifest, images, model and device before a job.
+``cxr-hfl site score``: a hospital scores model files on its own test split, as its site does in a cross-site
+evaluation job (its row of the sites x models matrix), here and sending nothing."""
 from __future__ import annotations
 
 import json
@@ -7,7 +9,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("site", help="tools for a hospital site operator (site check)")
+    p = sub.add_parser("site", help="tools for a hospital site operator (site check, site score)")
     ssub = p.add_subparsers(dest="site_command", metavar="ACTION")
     q = ssub.add_parser("check", help="validate the site config and read every image of its manifest (one screen; "
                                       "exit 1 on errors)")
@@ -16,6 +18,14 @@ def register(sub) -> None:
     q.add_argument("--no-images", action="store_true", help="skip decoding the images (config, manifest, model only)")
     q.add_argument("--json", metavar="FILE", help="also write the full report (every unreadable file) as JSON")
     q.set_defaults(func=run_check)
+    q = ssub.add_parser("score", help="score model files on this site's own test split, as the site does in a "
+                                      "cross-site evaluation job (its row of the matrix; nothing is sent)")
+    q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml (e.g. <kit>/local/cxr_hfl/hospital-a.yaml)")
+    q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
+    q.add_argument("--model", action="append", required=True, metavar="FILE",
+                   help="a model file (RUN/models/<site>_deployed.pt, global_model.pt, ...); repeat for more")
+    q.add_argument("--json", action="store_true", help="print {model: metrics | {refused: reason}} as JSON")
+    q.set_defaults(func=run_score)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
@@ -36,3 +46,31 @@ def run_check(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1, default=str))
     return 1 if rep["errors"] else 0
+
+
+def run_score(args) -> int:
+    from chest_xray.io import ImageReadError
+    from nvflare_jobs.crosssite import score_locally
+
+    cfg = Path(args.config)
+    if not cfg.is_file():
+        what = "a folder, not a <site>.yaml file" if cfg.is_dir() else "no such file"
+        print(f"cxr-hfl site score: --config {args.config}: {what}", file=sys.stderr)
+        return 2
+    site = args.site or cfg.stem
+    try:
+        res = score_locally(cfg, site, args.model)
+    except (FileNotFoundError, ValueError, ImageReadError) as e:  # a model file or the site's data, named
+        print(f"cxr-hfl site score: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res, default=float))
+        return 0
+    print(f"cxr-hfl site score: site {site}, test split of {cfg}")
+    for name, m in res.items():
+        if "refused" in m:
+            print(f"  {name:<24} refused: {m['refused']}")
+            continue
+        print(f"  {name:<24} n={m.get('n')}  " + "  ".join(
+            f"{k} {m[k]:.3f}" for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(m.get(k), float)))
+    return 0

@@ -52,22 +52,34 @@ def _session(args):
         print(f"cxr-hfl {args.command}: --startup-kit {kit} is not an admin startup kit (no startup/fed_admin.json)",
               file=sys.stderr)
         raise SystemExit(2)
-    from nvflare.fuel.flare_api.flare_api import new_secure_session
-
     try:
-        return new_secure_session(args.user or kit.resolve().name, str(kit.resolve()), timeout=30)
+        return open_session(args.user or kit.resolve().name, kit.resolve(), 30, quiet=getattr(args, "json", False))
     except Exception as e:  # noqa: BLE001 - NVFlare raises many kinds; one line for the user
         print(f"cxr-hfl {args.command}: cannot reach the server with {kit}: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
+def open_session(user: str, kit: str | Path, timeout: float, quiet: bool = False):
+    """NVFlare's admin session (``flare_api.new_secure_session``) with the startup kit ``kit``. NVFlare prints
+    ``Connecting to FLARE ...`` on stdout; ``quiet`` (``--json``) sends it to stderr, so stdout holds only JSON."""
+    import contextlib
+
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+        return new_secure_session(user, str(kit), timeout=timeout)
+
+
 def show(view_fn, as_json: bool, watch: float | None, stream=None) -> dict:
     """Print ``view_fn()`` once, or every ``watch`` seconds until the job is finished; returns the last view."""
-    stream = stream or sys.stdout
+    import contextlib
+
     from nvflare_jobs.status import format_view
 
+    stream = stream or sys.stdout
     while True:
-        v = view_fn()
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            v = view_fn()  # NVFlare's admin calls may print; with --json stdout holds only the view
         print(json.dumps(v, default=str) if as_json else format_view(v), file=stream, flush=True)
         if not watch or str(v.get("job_state", "")).upper().startswith(("FINISHED", "STOPPED", "ABORTED")):
             return v

@@ -1,8 +1,9 @@
 """External validation of a run's saved models (``cxr-hfl evaluate``) and prediction on unlabelled images
 (``cxr-hfl predict``).
 
-``evaluate_run`` loads every model a run saved (``models/<site>_deployed.pt``, ``models/<site>_local.pt``,
-``global_model.pt`` at each input size the run's sites used), evaluates it on an external labelled set at the
+``evaluate_run`` loads every model the run's index ``models.json`` lists (``models/<site>_deployed.pt``,
+``models/<site>_local.pt``, ``global_model.pt`` at each input size the run's sites used; each file checked against
+its SHA-256, :mod:`nvflare_jobs.models_index`), evaluates it on an external labelled set at the
 model's own input size with :func:`hfl_components.training.compute_metrics` (the same metrics as the sites' test
 splits, argmax decision) and, for binary labels, again at the decision threshold chosen (Youden's J) on the
 validation split of the model's own site (the global model: all sites' validation splits pooled).

@@ -67,39 +67,40 @@ def load_model_file(path: str | Path):
     return _load(path)
 
 
-def list_run_models(run: Path, global_sizes: str = "all") -> list[dict[str, Any]]:
-    """Every saved model of a run as ``{"name", "path", "kind", "site", "input_size"}``.
+def list_run_models(run: Path, global_sizes: str = "all", log=None) -> list[dict[str, Any]]:
+    """Every model of a run's ``models.json`` (:func:`nvflare_jobs.models_index.read_models_index`: each file
+    checked against its SHA-256) as ``{"name", "path", "kind", "site", "input_size"}``.
 
-    ``kind`` is ``deployed``, ``local`` or ``global``; the global model (no input size of its own) is listed once per
-    input size the run used (``global_sizes="all"``) or once at the largest (``"largest"``); a global model whose
-    file records an input size of its own (FENS's ensemble) is listed once, at that size.
+    ``kind`` is ``deployed``, ``local``, ``federated``, ``global`` or ``fused``; a global model (no input size of its
+    own) is listed once per input size its sites used (``global_sizes="all"``) or once at the largest
+    (``"largest"``); a global model whose file records an input size of its own (FENS's ensemble) is listed once, at
+    that size. A run without ``models.json`` is indexed first (``log`` says so).
+
+    Raises:
+        ModelIndexError (a ValueError): a model file missing or differing from its index entry, naming it.
     """
     from hfl_components.models.files import read_model_header
+    from nvflare_jobs.models_index import read_models_index
 
     run = Path(run)
-    out = []
-    for f in sorted((run / "models").glob("*.pt")):
-        site, _, kind = f.stem.rpartition("_")
-        out.append({"name": f.stem, "path": f, "kind": kind, "site": site or None, "input_size": None})
     all_sizes = run_input_sizes(run) or [64]
-    for fname, kind in (("global_model.pt", "global"), ("global_fused.pt", "fused")):
-        g = run / fname
-        if g.is_file():
-            try:
-                own = read_model_header(g).get("input_size")
-            except (ValueError, OSError):  # refused with its one line by the header check that follows
-                own = None
-            for s in ([own] if own else all_sizes[-1:] if global_sizes == "largest" else all_sizes):
-                out.append({"name": f"{kind}_{s}px", "path": g, "kind": kind, "site": None, "input_size": s,
-                            **({"own_size": True} if own else {})})
-    site_sizes = run_site_sizes(run)
-    for group, sites in run_groups(run).items():  # OHFL with several architecture groups: one model per group
-        sizes = sorted({site_sizes[s] for s in sites if s in site_sizes}) or all_sizes
-        for fname, kind in ((f"{group}.pt", "global"), (f"{group}_fused.pt", "fused")):
-            g = run / "global_models" / fname
-            for s in (sizes[-1:] if global_sizes == "largest" else sizes) if g.is_file() else ():
-                out.append({"name": f"{kind}-{group}_{s}px", "path": g, "kind": kind, "site": None,
-                            "input_size": s, "group": group})
+    site_sizes, groups = run_site_sizes(run), run_groups(run)
+    out = []
+    for e in read_models_index(run, log):
+        kind, group = e.get("kind"), e.get("group")
+        if kind not in ("global", "fused"):
+            out.append({"name": e["name"], "path": e["path"], "kind": kind, "site": e.get("site"),
+                        "input_size": None})
+            continue
+        try:
+            own = read_model_header(e["path"]).get("input_size") if group is None else None
+        except (ValueError, OSError):  # refused with its one line by the header check that follows
+            own = None
+        sizes = sorted({site_sizes[s] for s in groups.get(group, []) if s in site_sizes}) or all_sizes
+        for s in ([own] if own else sizes[-1:] if global_sizes == "largest" else sizes):
+            out.append({"name": f"{kind}_{s}px" if group is None else f"{kind}-{group}_{s}px", "path": e["path"],
+                        "kind": kind, "site": None, "input_size": s, **({"group": group} if group else {}),
+                        **({"own_size": True} if own else {})})
     return out
 
 

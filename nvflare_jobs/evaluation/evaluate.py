@@ -156,9 +156,9 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     torch.set_num_threads(min(2, torch.get_num_threads()))
     run = Path(run).resolve()
     labels = labels or run_labels(run) or "binary"
-    models = list_run_models(run, global_sizes)
+    models = list_run_models(run, global_sizes, log)
     if not models:
-        raise FileNotFoundError(f"{run}: no saved models (models/*.pt or global_model.pt)")
+        raise FileNotFoundError(f"{run}: no saved models (models.json lists none; models/*.pt, global_model.pt)")
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be >= 1, got {max_images}")
     _check_model_headers(models, labels)  # before the data are read and before an earlier result is replaced

@@ -21,8 +21,10 @@ class CrossSiteEvalController(HFLController):
     """Score model files at every site.
 
     Args:
-        models (list): ``[{"name": str, "file": path}, ...]``; names unique; a relative file is looked up in the
-            server app folder (``<app>/models/...``).
+        models (list): ``[{"name": str, "file": path, "sha256": hex (optional)}, ...]``; names unique; a relative
+            file is looked up in the server app folder (``<app>/models/...``); a file whose SHA-256 differs from
+            its entry's is refused at job start. Other keys (``run``, ``kind``, ``site``, ``method``, ``seed``: the
+            file's ``models.json`` entry) are recorded with the results.
         min_sites, task_timeout, seed, late_wait_s: as :class:`HFLController` (one round).
     """
 
@@ -62,13 +64,17 @@ class CrossSiteEvalController(HFLController):
         return p
 
     def check_server_inputs(self) -> None:
-        """Every model file exists on the server and is a readable model file (header and weights)."""
-        from hfl_components.models.files import load_model_file
+        """Every model file exists on the server, has its entry's SHA-256 (when the entry gives one) and is a
+        readable model file (header and weights). Raises FileNotFoundError / ValueError naming the model."""
+        from hfl_components.models.files import file_sha256, load_model_file
 
         for m in self.models:
             p = self._file(m)
             if not p.is_file():
                 raise FileNotFoundError(f"cross_site: model {m['name']}: {p} does not exist on the server")
+            if m.get("sha256") and file_sha256(p) != m["sha256"]:
+                raise ValueError(f"cross_site: model {m['name']}: {p} refused: its SHA-256 differs from the one "
+                                 "recorded when the job was exported")
             load_model_file(p)
 
     def run_method(self):
@@ -83,7 +89,8 @@ class CrossSiteEvalController(HFLController):
                 params[f"{i}/{k}"] = v
             sent.append({"name": m["name"], "spec": header["spec"], "labels": header.get("labels"),
                          "sha256": file_sha256(p), "input_size": header.get("input_size"),
-                         "site": header.get("site"), "kind": header.get("kind")})
+                         "site": header.get("site"), "kind": header.get("kind"),
+                         **{k: m[k] for k in ("run", "method", "seed") if m.get(k) is not None}})
         self.record["models"] = sent
         res = self.broadcast("cross_eval", 0, params, {"models": [{k: s[k] for k in ("name", "spec", "labels",
                                                                                       "sha256")} for s in sent]})

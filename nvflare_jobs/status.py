@@ -22,10 +22,12 @@ SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not con
 
 
 def _read(path: Path) -> dict | None:
+    """``path``'s JSON object, or None when it is absent, unreadable or not a JSON object."""
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return obj if isinstance(obj, dict) else None
 
 
 def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None = None,
@@ -86,12 +88,15 @@ def run_folder_view(run_dir: str | Path) -> dict:
     """The view of a simulator run folder (``cxr-hfl simulate --out``), running or finished.
 
     Raises:
-        FileNotFoundError: the folder holds no simulator run (no ``workspace`` and no ``metrics.json``).
+        FileNotFoundError: the folder holds no simulator run (no ``workspace`` and no ``metrics.json``), or its
+            only source, ``metrics.json``, is not a JSON object (truncated or edited); the message names the file.
     """
     run = Path(run_dir)
     metrics = _read(run / "metrics.json")
     found = sorted((run / "workspace").rglob("cxr_hfl_results/status.json")) if (run / "workspace").is_dir() else []
     if metrics is None and not found:
+        if (run / "metrics.json").exists():
+            raise FileNotFoundError(f"{run / 'metrics.json'}: not a readable JSON object (truncated or edited?)")
         raise FileNotFoundError(f"{run} holds no simulator run (no metrics.json, no workspace/**/status.json)")
     snap = _read(found[0]) if found else None
     if metrics is not None:
@@ -115,7 +120,7 @@ def run_folder_view(run_dir: str | Path) -> dict:
     view["tensorboard"] = tb[0] if tb else None
     idx = _read(run / "models.json")
     view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")}
-                      for e in (idx or {}).get("models", [])]
+                      for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
     return view
 
 

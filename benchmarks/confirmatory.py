@@ -84,14 +84,47 @@ def run(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ analysis
+class BadInput(ValueError):
+    """A file of the comparison folder that the analysis cannot read; the message names it."""
+
+
+def _json(path: Path) -> dict:
+    """``path``'s JSON object. Raises :class:`BadInput` naming the file when it is unreadable or not an object."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: not readable as JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(obj, dict):
+        raise BadInput(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def _check_paired(paired: dict, path: Path) -> None:
+    """Raise :class:`BadInput` naming ``path`` and the first key that the analysis needs and does not find."""
+    if not isinstance(paired.get("name"), str) or not isinstance(paired.get("paired"), list):
+        raise BadInput(f"{path}: no 'name' (text) and 'paired' (list): not a compare --external paired file")
+    for i, q in enumerate(paired["paired"]):
+        need = ("comparison", "auc", "balanced_accuracy") + (("seeds",) if isinstance(q, dict)
+                                                              and q.get("primary") else ())
+        miss = [k for k in need if not isinstance(q, dict) or k not in q]
+        bad = [m for m in ("auc", "balanced_accuracy") if m not in miss
+               and not (isinstance(q[m], dict) and {"a", "b"} <= set(q[m]))]
+        if miss or bad:
+            raise BadInput(f"{path}: paired[{i}] lacks {', '.join(miss + [m + '.a/b' for m in bad])}")
+
+
 def _runs(cmp: Path, method: str) -> dict[int, Path]:
-    return {int(p.parent.name.removeprefix("seed")): p for p in sorted(cmp.glob(f"seed*/{method}"))
-            if (p / "metrics.json").is_file()}
+    out = {}
+    for p in sorted(cmp.glob(f"seed*/{method}")):
+        seed = p.parent.name.removeprefix("seed")
+        if seed.isdigit() and (p / "metrics.json").is_file():
+            out[int(seed)] = p
+    return out
 
 
 def _ext(run: Path, name: str, f: str) -> dict | None:
     p = run / "external" / name / f
-    return json.loads(p.read_text()) if p.is_file() else None
+    return _json(p) if p.is_file() else None
 
 
 def _deployed(models: dict) -> dict[str, dict]:
@@ -102,16 +135,20 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
     """``{endpoint: {(seed, site-or-'all'): value}}`` of the per-run secondary endpoints of ``method``'s runs:
     the global and fused models' AUC gap to the site ensemble, the deployed models' shift (border) probe change of
     p(NORMAL), their AUC margin over the metadata baseline, the pooled sensitivity / specificity at the federated
-    threshold and each site's own sensitivity, the gate's adoptions."""
+    threshold and each site's own sensitivity, the gate's adoptions.
+
+    Raises:
+        BadInput: a run's ``metrics.json``, ``summary.json`` or ``audit.json`` is not a readable JSON object (named).
+    """
     out: dict[str, dict] = {k: {} for k in ("gap_global", "gap_fused", "border_dp_normal", "border_flagged",
                                             "metadata_margin", "margin_covers_zero", "metadata_auc", "fed_sensitivity",
                                             "fed_specificity", "fed_threshold", "site_sensitivity", "adopted")}
     for seed, run in _runs(cmp, method).items():
         summ, audit = _ext(run, name, "summary.json"), _ext(run, name, "audit.json")
-        met = json.loads((run / "metrics.json").read_text())
+        met = _json(run / "metrics.json")
         if summ:
             for kind, key in (("global", "gap_global"), ("fused", "gap_fused")):
-                g = (summ["models"].get(kind) or {}).get("gap_to_ensemble_auc")
+                g = ((summ.get("models") or {}).get(kind) or {}).get("gap_to_ensemble_auc")
                 if g is not None:
                     out[key][(seed, "all")] = g
         for site, v in (met.get("sites") or {}).items():
@@ -148,13 +185,18 @@ def analyse(args) -> int:
     if not pj.is_file():
         print(f"confirmatory: no {pj}: run the protocol first", file=sys.stderr)
         return 2
-    paired = json.loads(pj.read_text())
-    name = paired["name"]
+    try:
+        paired = _json(pj)
+        _check_paired(paired, pj)
+        name = paired["name"]
+        summ = per_seed_summaries(cmp, name)
+        local = per_seed_summaries(cmp, name, "local")
+    except BadInput as e:
+        print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
+        return 2
     prim = next((p for p in paired["paired"] if p.get("primary")), None)
-    summ = per_seed_summaries(cmp, name)
     sec = {k: seed_mean_interval(v) for k, v in summ.items()}
-    sec_local = {k: seed_mean_interval(v) for k, v in per_seed_summaries(cmp, name, "local").items()
-                 if k in ("border_dp_normal", "metadata_margin")}
+    sec_local = {k: seed_mean_interval(v) for k, v in local.items() if k in ("border_dp_normal", "metadata_margin")}
     out = {"data": paired.get("data"), "part": paired.get("part"), "n_images": paired.get("n_images"),
            "seeds": prim["seeds"] if prim else None, "min_seeds": MIN_SEEDS, "margins": MARGINS,
            "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,

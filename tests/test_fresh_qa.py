@@ -39,3 +39,45 @@ def test_status_skips_model_index_entries_that_are_not_objects(tmp_path):
     assert [m["name"] for m in v["models"]] == ["site-1_local.pt"]
     (run / "models.json").write_text("[1, 2]")
     assert run_folder_view(run)["models"] == []
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", "not readable as JSON"), ("{", "not readable as JSON"), ("[]", "expected a JSON object, found list"),
+    ("{}", "no 'name'"), ('{"name": "x"}', "no 'name'"),
+    ('{"name": "x", "paired": [{"primary": "auc"}]}', "paired[0] lacks comparison, auc, balanced_accuracy, seeds"),
+    ('{"name": "x", "paired": [{"comparison": "c", "auc": 1, "balanced_accuracy": {"a": 1, "b": 2}}]}',
+     "paired[0] lacks auc.a/b"),
+])
+def test_confirmatory_analyse_names_a_bad_paired_file_and_writes_nothing(tmp_path, capsys, content, says):
+    from benchmarks import confirmatory as C
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    cmp.mkdir()
+    (cmp / "paired_external.json").write_text(content)
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 2
+    _one_line(capsys.readouterr().err, str(cmp / "paired_external.json"), says)
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("rel", ["seed10/ohfl/metrics.json", "seed10/ohfl/external/x/summary.json",
+                                 "seed10/local/external/x/audit.json"])
+def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
+    from benchmarks import confirmatory as C
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    q = {"metric": "auc", "a": 0.9, "b": 0.8}
+    (cmp).mkdir()
+    (cmp / "paired_external.json").write_text(json.dumps({"name": "x", "paired": [
+        {"comparison": "ohfl vs local+ft", "primary": "auc", "seeds": [10], "auc": q, "balanced_accuracy": q}]}))
+    for m in ("ohfl", "local"):
+        (cmp / "seed10" / m).mkdir(parents=True)
+        (cmp / "seed10" / m / "metrics.json").write_text("{}")
+    (cmp / "seedX" / "ohfl").mkdir(parents=True)  # not a seed folder: ignored
+    (cmp / "seedX" / "ohfl" / "metrics.json").write_text("{}")
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 0  # the well-formed folder analyses
+    bad = cmp / rel
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_text('{"models": ')
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(tmp_path / "res2")]) == 2
+    _one_line(capsys.readouterr().err, str(bad), "not readable as JSON")
+    assert not (tmp_path / "res2").exists()

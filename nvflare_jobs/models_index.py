@@ -101,16 +101,22 @@ def read_models_index(run_dir: str | Path, log=None) -> list[dict]:
             metrics = json.loads((run / "metrics.json").read_text())
         except (OSError, ValueError):
             metrics = {}
-        write_models_index(run, metrics)
+        write_models_index(run, metrics if isinstance(metrics, dict) else {})
         if log:
             log(f"[cxr-hfl] {run} had no {INDEX}: indexed its {len(_model_files(run))} model files now")
     if not index.is_file():
         return []
     try:
         doc = json.loads(index.read_text())
-        entries = list(doc["models"])
+        entries = doc["models"]
+        if not isinstance(entries, list):
+            raise TypeError(f"'models' is a {type(entries).__name__}, not a list")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelIndexError(f"{index}: not a model index ({type(e).__name__}: {e})") from None
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e.get("file"):
+            raise ModelIndexError(f"{index}: models[{i}] is not a model entry (an object with 'name' and 'file'): "
+                                  f"{json.dumps(e)[:80]}")
     return [{**e, "path": verified_file(run, e)} for e in entries]
 
 

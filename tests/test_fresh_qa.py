@@ -81,3 +81,37 @@ def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
     assert C.main(["analyse", "--cmp", str(cmp), "--results", str(tmp_path / "res2")]) == 2
     _one_line(capsys.readouterr().err, str(bad), "not readable as JSON")
     assert not (tmp_path / "res2").exists()
+
+
+def _fake_run(tmp_path, index: str, metrics: str = '{"labels": "binary"}'):
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    (run / "models" / "site-1_local.pt").write_bytes(b"not read: the index is refused first")
+    (run / "metrics.json").write_text(metrics)
+    if index is not None:
+        (run / "models.json").write_text(index)
+    return run
+
+
+@pytest.mark.parametrize("index, says", [
+    ('{"models": ["x"]}', "models[0] is not a model entry"),
+    ('{"models": [{"file": "models/site-1_local.pt", "sha256": "0"}]}', "models[0] is not a model entry"),
+    ('{"models": {"site-1_local": {}}}', "'models' is a dict, not a list"),
+])
+def test_evaluate_names_a_hand_edited_model_index(tmp_path, capsys, index, says):
+    from nvflare_jobs.cli import main
+
+    run = _fake_run(tmp_path, index)
+    assert main(["evaluate", "--run", str(run), "--data", str(tmp_path), "--no-audit"]) == 2
+    _one_line(capsys.readouterr().err, str(run / "models.json"), says)
+    assert (run / "models.json").read_text() == index and not (run / "external").exists()
+
+
+@pytest.mark.parametrize("metrics, says", [("", "not readable as JSON"), ("[1]", "expected a JSON object, found list")])
+def test_evaluate_names_a_truncated_or_edited_metrics_file(tmp_path, capsys, metrics, says):
+    from nvflare_jobs.cli import main
+
+    run = _fake_run(tmp_path, None, metrics)
+    assert main(["evaluate", "--run", str(run), "--data", str(tmp_path), "--no-audit"]) == 2
+    _one_line(capsys.readouterr().err, str(run / "metrics.json"), says)
+    assert (run / "metrics.json").read_text() == metrics and not (run / "models.json").exists()

@@ -40,6 +40,24 @@ def site_rows(run: Path) -> dict[str, list[dict]]:
     return {s: read_site_manifest(p) for s, p in run_manifests(run).items()}
 
 
+def run_metrics(run: Path, name: str = "metrics.json") -> dict:
+    """The run's ``metrics.json`` (or another JSON file ``name`` of the run folder); {} when it has none.
+
+    Raises:
+        ValueError: one line naming the file when it is unreadable or not a JSON object (truncated, edited).
+    """
+    p = Path(run) / name
+    if not p.is_file():
+        return {}
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{p}: not readable as JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(m, dict):
+        raise ValueError(f"{p}: expected a JSON object, found {type(m).__name__}")
+    return m
+
+
 def run_input_sizes(run: Path) -> list[int]:
     sizes = set()
     for f in (Path(run) / "resolved_configs").glob("*.json"):
@@ -47,17 +65,13 @@ def run_input_sizes(run: Path) -> list[int]:
             sizes.add(int(json.loads(f.read_text())["input_size"]))
         except (KeyError, ValueError, TypeError):
             pass
-    if not sizes and (Path(run) / "metrics.json").is_file():
-        m = json.loads((Path(run) / "metrics.json").read_text())
-        sizes = {int(b["input_size"]) for b in m.get("sites", {}).values() if b.get("input_size")}
+    if not sizes:
+        sizes = set(run_site_sizes(run).values())
     return sorted(sizes)
 
 
 def run_labels(run: Path) -> str | None:
-    p = Path(run) / "metrics.json"
-    if p.is_file():
-        return json.loads(p.read_text()).get("labels")
-    return None
+    return run_metrics(run).get("labels")
 
 
 def load_model_file(path: str | Path):
@@ -159,13 +173,13 @@ def probe_pool(run: Path) -> tuple[set[str], str | None]:
     run = Path(run)
     used: set[str] = set()
     if (run / "metrics.json").is_file():
-        rec = json.loads((run / "metrics.json").read_text()).get("probe")
+        rec = run_metrics(run).get("probe")
         if isinstance(rec, dict):
             used = {_stem_key(str(f)) for f in rec.get("files") or []}
     opts = run / "job_options.json"
     if not opts.is_file():
         return used, None
-    probe = json.loads(opts.read_text()).get("probe")
+    probe = run_metrics(run, "job_options.json").get("probe")
     if not probe or probe in ("generated", "none"):  # generated inputs, or no probe pool (data-free)
         return used, probe
     p = Path(probe)
@@ -225,7 +239,8 @@ def run_site_sizes(run: Path) -> dict[str, int]:
             out[f.stem] = int(json.loads(f.read_text())["input_size"])
         except (KeyError, ValueError, TypeError):
             pass
-    if not out and (Path(run) / "metrics.json").is_file():
-        m = json.loads((Path(run) / "metrics.json").read_text())
-        out = {s: int(b["input_size"]) for s, b in m.get("sites", {}).items() if b.get("input_size")}
+    if not out:
+        sites = run_metrics(run).get("sites")
+        out = {s: int(b["input_size"]) for s, b in (sites if isinstance(sites, dict) else {}).items()
+               if isinstance(b, dict) and b.get("input_size")}
     return out

@@ -115,3 +115,14 @@ def test_evaluate_names_a_truncated_or_edited_metrics_file(tmp_path, capsys, met
     assert main(["evaluate", "--run", str(run), "--data", str(tmp_path), "--no-audit"]) == 2
     _one_line(capsys.readouterr().err, str(run / "metrics.json"), says)
     assert (run / "metrics.json").read_text() == metrics and not (run / "models.json").exists()
+
+
+def test_simulate_refuses_aspect_with_a_profile_instead_of_dropping_it(tmp_path, capsys):
+    """--aspect is written into generated site configs; with --profile the configs decide, so it would be ignored."""
+    from nvflare_jobs.cli import main
+
+    prof, out = tmp_path / "profile", tmp_path / "run"
+    prof.mkdir()
+    assert main(["simulate", "--method", "fens", "--profile", str(prof), "--aspect", "crop", "--out", str(out)]) == 2
+    _one_line(capsys.readouterr().err, "--aspect crop", "--profile", str(prof))
+    assert not out.exists()

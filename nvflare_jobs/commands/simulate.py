@@ -194,6 +194,10 @@ def run_simulate(args) -> int:
     """``cxr-hfl simulate``: :func:`nvflare_jobs.simulation.simulate` with the command line's options."""
     from nvflare_jobs.simulation import DEFAULTS, SimulateError, method_option_defaults, simulate
 
+    if args.profile and getattr(args, "aspect", None):  # the profile's site configs decide it; never drop it silently
+        print(f"cxr-hfl simulate: --aspect {args.aspect}: with --profile each site config's aspect: key decides how "
+              f"its images are squared; set it in {args.profile}/<site>.yaml, or drop the option", file=sys.stderr)
+        return 2
     keys = {*DEFAULTS, *method_option_defaults(), "probe"}
     options = {k: v for k, v in vars(args).items() if k in keys}
     try:

@@ -126,3 +126,40 @@ def test_simulate_refuses_aspect_with_a_profile_instead_of_dropping_it(tmp_path,
     assert main(["simulate", "--method", "fens", "--profile", str(prof), "--aspect", "crop", "--out", str(out)]) == 2
     _one_line(capsys.readouterr().err, "--aspect crop", "--profile", str(prof))
     assert not out.exists()
+
+
+def test_predict_squares_a_global_model_as_its_run_did_like_evaluate(tmp_path):
+    """A global model file records no aspect: predict takes it from the run's sites (as evaluate does), so a
+    letterbox run's global model predicts exactly as the same weights with aspect letterbox in their header."""
+    import csv
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from hfl_components.models import build_model, save_model_file
+    from nvflare_jobs.evaluation import predict_files
+
+    torch.manual_seed(0)
+    spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
+    state = {k: (v + 0.05 * torch.randn_like(v) if v.is_floating_point() and "running" not in k else v)
+             for k, v in build_model(spec).state_dict().items()}  # an untrained head answers 0.5 to every image
+    rng = np.random.default_rng(0)
+    img = tmp_path / "scans" / "wide.png"
+    img.parent.mkdir()
+    a = rng.integers(0, 255, size=(80, 200), dtype=np.uint8)
+    a[:, 150:] = 255  # a bright right edge: a centred letterbox and a stretch see different pixels
+    Image.fromarray(a, mode="L").save(img)
+    run = tmp_path / "run"
+    (run / "resolved_configs").mkdir(parents=True)
+    for s in ("site-1", "site-2"):
+        (run / "resolved_configs" / f"{s}.json").write_text(json.dumps({"input_size": 32, "aspect": "letterbox"}))
+    files = {"run": save_model_file(run / "global_model.pt", spec, state, input_size=32, kind="global"),
+             "letterbox": save_model_file(tmp_path / "lb.pt", spec, state, input_size=32, aspect="letterbox"),
+             "stretch": save_model_file(tmp_path / "st.pt", spec, state, input_size=32, aspect="stretch")}
+    p = {}
+    for k, f in files.items():
+        predict_files(f, [str(img.parent)], tmp_path / f"{k}.csv")
+        with open(tmp_path / f"{k}.csv") as fh:
+            p[k] = float(next(csv.DictReader(fh))["p_PNEUMONIA"])
+    assert p["run"] == p["letterbox"] and p["letterbox"] != p["stretch"]

@@ -113,7 +113,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
             print(f"WARNING: {model_path}: no federated operating point ({why}); predicting at argmax of the "
                   "calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
             threshold = None
-    tf = build_transforms(size, "eval", aspect=model_aspect(blob))
+    tf = build_transforms(size, "eval", aspect=model_aspect(blob, _run_of(Path(model_path))))
     folder_skips: list[dict] = []
     files = collect_files(inputs, folder_skips)
     rows: list[dict] = []
@@ -157,6 +157,16 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     n_ok = sum(r["status"] == "ok" for r in rows)
     return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
             "threshold": threshold, "calibrated": bool(op)}
+
+
+def _run_of(model_path: Path) -> Path | None:
+    """The run folder of a model file (``RUN/global_model.pt``, ``RUN/global_models/<g>.pt``, ``RUN/models/x.pt``):
+    the nearer of its folder and that folder's parent that holds ``resolved_configs/``; None elsewhere. A global
+    model records no aspect of its own; as in ``evaluate``, it is squared as every site of its run was."""
+    for run in (model_path.parent, model_path.parent.parent):
+        if (run / "resolved_configs").is_dir():
+            return run
+    return None
 
 
 def _screen(f: Path, allow_any_modality: bool, allow_lateral: bool) -> None:

@@ -163,3 +163,48 @@ def test_predict_squares_a_global_model_as_its_run_did_like_evaluate(tmp_path):
         with open(tmp_path / f"{k}.csv") as fh:
             p[k] = float(next(csv.DictReader(fh))["p_PNEUMONIA"])
     assert p["run"] == p["letterbox"] and p["letterbox"] != p["stretch"]
+
+
+def _op_model(tmp_path, op):
+    import numpy as np
+    from PIL import Image
+
+    from hfl_components.models import build_model, save_model_file
+
+    spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
+    (tmp_path / "scans").mkdir(exist_ok=True)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (96, 96), dtype=np.uint8), mode="L").save(
+        tmp_path / "scans" / "a.png")
+    return save_model_file(tmp_path / "m.pt", spec, build_model(spec).state_dict(), input_size=32, labels="binary",
+                           kind="deployed", operating_point=op)
+
+
+@pytest.mark.parametrize("op, said", [
+    ({"temperature": 1.5, "threshold": None, "unresolved": "no site sent 5 positives"}, "argmax (no federated threshold)"),
+    ({"temperature": 1.5, "threshold": 0.25}, "federated threshold 0.250"),
+    (None, "predicted at 32 px ("),
+])
+def test_predict_cli_with_and_without_a_federated_threshold(tmp_path, capsys, op, said):
+    """A deployed model whose federation set no threshold predicts at argmax and says so (the summary line raised a
+    TypeError on the missing threshold)."""
+    from nvflare_jobs.cli import main
+
+    f = _op_model(tmp_path, op)
+    out = tmp_path / "p.csv"
+    assert main(["predict", "--model", str(f), "--data", str(tmp_path / "scans"), "--out", str(out)]) == 0
+    assert said in capsys.readouterr().out and out.is_file()
+
+
+@pytest.mark.parametrize("op, says", [
+    ({"threshold": 0.5}, "temperature None"), ({"temperature": "abc", "threshold": 0.5}, "temperature 'abc'"),
+    ({"temperature": 0, "threshold": 0.5}, "temperature 0,"), ({"temperature": 1.0, "threshold": 1.5}, "threshold 1.5"),
+    ({"temperature": 1.0, "threshold": "0.3"}, "threshold '0.3'"),
+])
+def test_predict_names_a_hand_edited_operating_point(tmp_path, capsys, op, says):
+    from nvflare_jobs.cli import main
+
+    f = _op_model(tmp_path, op)
+    out = tmp_path / "p.csv"
+    assert main(["predict", "--model", str(f), "--data", str(tmp_path / "scans"), "--out", str(out)]) == 2
+    _one_line(capsys.readouterr().err, str(f), "corrupt model file header: its operating_point", says)
+    assert not out.exists()

@@ -166,7 +166,8 @@ def read_model_header(path: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no such file. ValueError (naming the file): a folder, an old ``torch.save`` file, not a
-            safetensors file, no cxr-hfl header, or a format version this code does not read.
+            safetensors file, no cxr-hfl header, a format version this code does not read, or an
+            ``operating_point`` without a temperature > 0 or with a threshold outside [0, 1] (an edited header).
     """
     p = Path(path)
     if p.is_dir():
@@ -192,7 +193,28 @@ def read_model_header(path: str | os.PathLike) -> dict:
     if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
         got = header.get("format_version") if isinstance(header, dict) else None
         raise ValueError(f"{p}: model file format version {got!r}, this code reads version {FORMAT_VERSION}")
+    if (why := _operating_point_problem(header.get("operating_point"))) is not None:
+        raise ValueError(f"{p}: corrupt model file header: its operating_point {why}")
     return header
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def _operating_point_problem(op) -> str | None:
+    """What is wrong with a header's ``operating_point`` (None: absent or well formed): an object whose
+    ``temperature`` is a finite number > 0 and whose ``threshold`` is null or a number in [0, 1]."""
+    if op is None:
+        return None
+    if not isinstance(op, dict):
+        return f"is a {type(op).__name__}, not an object"
+    t, thr = op.get("temperature"), op.get("threshold")
+    if not _number(t) or not t > 0:
+        return f"has temperature {t!r}, not a number > 0"
+    if thr is not None and not (_number(thr) and 0 <= thr <= 1):
+        return f"has threshold {thr!r}, not null or a number in [0, 1]"
+    return None
 
 
 def load_model_file(path: str | os.PathLike) -> tuple[nn.Module, dict]:

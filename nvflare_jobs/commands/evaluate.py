@@ -199,8 +199,9 @@ def run_predict(args) -> int:
         return 2
     print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
           f"({s['n_skipped']} skipped, see the reason column) -> {args.out}"
-          + (f"; calibrated probabilities, federated threshold {s['threshold']:.3f}"
-             if s.get("calibrated") and args.threshold is None else ""))
+          + ("" if not s.get("calibrated") or args.threshold is not None
+             else f"; calibrated probabilities, federated threshold {s['threshold']:.3f}" if s["threshold"] is not None
+             else "; calibrated probabilities, argmax (no federated threshold)"))
     if not s["n_ok"]:
         print(f"cxr-hfl predict: no file could be predicted: all {s['n_files']} were skipped (reasons in "
               f"{args.out})", file=sys.stderr)

@@ -208,3 +208,17 @@ def test_predict_names_a_hand_edited_operating_point(tmp_path, capsys, op, says)
     assert main(["predict", "--model", str(f), "--data", str(tmp_path / "scans"), "--out", str(out)]) == 2
     _one_line(capsys.readouterr().err, str(f), "corrupt model file header: its operating_point", says)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\x00\xba\xff binary, e.g. a model file given as --config", "is not a text (UTF-8) YAML file"),
+    (b"a: [\nb: 1\n", "is not valid YAML (line 3, column 1: expected ',' or ']'"),
+])
+def test_site_score_names_a_config_that_is_not_yaml_text(tmp_path, capsys, content, says):
+    from nvflare_jobs.cli import main
+
+    cfg = tmp_path / "hospital-a.yaml"
+    cfg.write_bytes(content)
+    assert main(["site", "score", "--config", str(cfg), "--model", str(_op_model(tmp_path, None))]) == 2
+    _one_line(capsys.readouterr().err, str(cfg), says)
+    assert cfg.read_bytes() == content

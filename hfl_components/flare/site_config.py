@@ -311,8 +311,13 @@ def load_site_config(site: str, path: str | os.PathLike | None = None, check_fil
         raw = yaml.load(p.read_text(), Loader=_SiteYamlLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise SiteConfigError(f"site {site!r}: config {p} does not exist") from None
+    except UnicodeDecodeError:
+        raise SiteConfigError(f"site {site!r}: config {p} is not a text (UTF-8) YAML file") from None
     except yaml.YAMLError as e:
-        raise SiteConfigError(f"site {site!r}: config {p} is not valid YAML: {e}") from None
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = " ".join(str(problem or e).split())
+        raise SiteConfigError(f"site {site!r}: config {p} is not valid YAML ({where}{what})") from None
     cfg = validate_site_config(raw, site, p, check_files=check_files, require_data=require_data)
     cfg["config_path"] = str(p)
     return cfg

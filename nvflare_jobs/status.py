@@ -97,6 +97,10 @@ def run_folder_view(run_dir: str | Path) -> dict:
     if metrics is None and not found:
         if (run / "metrics.json").exists():
             raise FileNotFoundError(f"{run / 'metrics.json'}: not a readable JSON object (truncated or edited?)")
+        runs = sorted(p.parent for p in run.glob("seed*/*/metrics.json"))
+        if (run / "compare.json").is_file():
+            raise FileNotFoundError(f"{run} is a cxr-hfl compare folder, not one run; give one of its runs, e.g. "
+                                    f"{runs[0] if runs else run / 'seed0' / '<method>'}")
         raise FileNotFoundError(f"{run} holds no simulator run (no metrics.json, no workspace/**/status.json)")
     snap = _read(found[0]) if found else None
     if metrics is not None:

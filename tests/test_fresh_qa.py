@@ -222,3 +222,17 @@ def test_site_score_names_a_config_that_is_not_yaml_text(tmp_path, capsys, conte
     assert main(["site", "score", "--config", str(cfg), "--model", str(_op_model(tmp_path, None))]) == 2
     _one_line(capsys.readouterr().err, str(cfg), says)
     assert cfg.read_bytes() == content
+
+
+def test_status_of_a_compare_folder_points_at_one_of_its_runs(tmp_path, capsys):
+    from nvflare_jobs.commands.status import run_status
+
+    cmp = tmp_path / "cmp"
+    (cmp / "seed0" / "fens").mkdir(parents=True)
+    (cmp / "compare.json").write_text("{}")
+    (cmp / "seed0" / "fens" / "metrics.json").write_text("{}")
+    rc = run_status(argparse.Namespace(target=str(cmp), json=False, watch=None, startup_kit=None))
+    assert rc == 2
+    _one_line(capsys.readouterr().err, "compare folder", str(cmp / "seed0" / "fens"))
+    assert run_status(argparse.Namespace(target=str(cmp / "seed0" / "fens"), json=True, watch=None,
+                                         startup_kit=None)) == 0

@@ -236,3 +236,16 @@ def test_status_of_a_compare_folder_points_at_one_of_its_runs(tmp_path, capsys):
     _one_line(capsys.readouterr().err, "compare folder", str(cmp / "seed0" / "fens"))
     assert run_status(argparse.Namespace(target=str(cmp / "seed0" / "fens"), json=True, watch=None,
                                          startup_kit=None)) == 0
+
+
+def test_compare_external_section_says_how_fens_global_model_was_scored():
+    from nvflare_jobs.compare.tables import external_markdown
+
+    def rows(method):
+        return [{"method": method, "seed": 0, "model": "global_48px", "kind": "global", "site": None,
+                 "input_size": 48, "n": 24, "auc": 0.5, "balanced_accuracy": 0.5, "accuracy": 0.5}]
+    ext = {"data": "x", "part": "tuning", "n_images": [24], "probe_images_excluded": [0], "paired": [], "n_boot": 0}
+    with_fens = "\n".join(external_markdown({**ext, "rows": rows("fens")}, {}))
+    without = "\n".join(external_markdown({**ext, "rows": rows("ohfl")}, {}))
+    assert "FENS's (the site models + the aggregator) once, at its own input size" in with_fens
+    assert "FENS" not in without and "averaged over sites." in without

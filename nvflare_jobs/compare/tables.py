@@ -295,11 +295,12 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
     rows = ext["rows"]
     methods = _order({r["method"] for r in rows})
     seeds = sorted({r["seed"] for r in rows})
+    fens = "; FENS's (the site models + the aggregator) once, at its own input size" if "fens" in methods else ""
     L = ["", f"## External evaluation: `{ext['data']}`" + (f", part `{ext['part']}`" if ext.get("part") else ""), "",
          f"{'/'.join(map(str, ext['n_images']))} images per run after leaving out "
          f"{'/'.join(map(str, ext['probe_images_excluded']))} probe images; seeds {', '.join(map(str, seeds))}. "
          "Every saved model of every run was evaluated (`cxr-hfl evaluate`, argmax decision); the global model is "
-         "scored at each site's input size and averaged over sites.", "",
+         f"scored at each site's input size and averaged over sites{fens}.", "",
          "### Endpoints: each site's deployed model", "",
          "Mean ± std over (seed, site) pairs.", "",
          "| method | epochs/site | model | n models | AUC | balanced accuracy | accuracy |", "|---|---|---|---|---|---|---|"]

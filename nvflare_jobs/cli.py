@@ -51,6 +51,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         kill_tree()  # anything started after the signal handler's sweep
         out = getattr(args, "out", None)
+        if args.command in ("simulate", "compare") and out:
+            from nvflare_jobs.status import mark_interrupted
+
+            mark_interrupted(out)  # `cxr-hfl status` says "interrupted" at once
         hint = ""
         if args.command == "simulate" and out:
             hint = f"; rerun with --overwrite to replace the unfinished run in {out}"

@@ -18,7 +18,8 @@ import json
 import time
 from pathlib import Path
 
-SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "unknown")
+INTERRUPTED = "interrupted"  # the phase the CLI writes into status.json when Ctrl-C / SIGTERM stopped a run
+SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "stopped", "unknown")
 
 
 def _read(path: Path) -> dict | None:
@@ -62,6 +63,8 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
             state = "excluded"
         elif connected is not None and s not in connected and not finished:
             state = "not connected"
+        elif st.get("phase") == INTERRUPTED:
+            state = "stopped"
         elif finished:
             state = "done"
         elif s in waiting:
@@ -113,9 +116,15 @@ def run_folder_view(run_dir: str | Path) -> dict:
         sites = sorted(set(metrics.get("sites") or {}) | set(metrics.get("excluded_sites") or {}))
     else:
         phase = (snap or {}).get("phase")
-        state = {"done": "FINISHED:COMPLETED", "failed": "FINISHED:FAILED"}.get(phase, "RUNNING")
+        state = {"done": "FINISHED:COMPLETED", "failed": "FINISHED:FAILED",
+                 INTERRUPTED: "STOPPED (interrupted: Ctrl-C or SIGTERM stopped the run)"}.get(phase, "RUNNING")
         if state == "RUNNING" and snap and time.time() - float(snap.get("time") or 0) > 120:
             state = "STOPPED (no update for over 2 minutes: the run was interrupted or crashed)"
+        if snap and snap.get("time"):  # heartbeats as old as they are now, not when the snapshot was written
+            age = max(0.0, time.time() - float(snap["time"]))
+            for p in (snap.get("sites") or {}).values():
+                if isinstance(p, dict) and isinstance(p.get("heard_s_ago"), (int, float)):
+                    p["heard_s_ago"] = round(p["heard_s_ago"] + age, 1)
         sites = None
     view = job_view(snap, job_state=state, sites=sites, job_id=run.name)
     view["source"] = str(found[0]) if found else str(run / "metrics.json")
@@ -126,6 +135,23 @@ def run_folder_view(run_dir: str | Path) -> dict:
     view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")}
                       for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
     return view
+
+
+def mark_interrupted(out_dir: str | Path) -> int:
+    """After Ctrl-C / SIGTERM stopped a simulator run (or a comparison's current run): set ``phase`` to
+    :data:`INTERRUPTED` in every unfinished ``workspace/**/cxr_hfl_results/status.json`` under ``out_dir``, so
+    that ``cxr-hfl status`` says so at once instead of showing the last live state. Returns how many it marked."""
+    n = 0
+    for f in Path(out_dir).glob("**/workspace/**/cxr_hfl_results/status.json") if Path(out_dir).is_dir() else []:
+        snap = _read(f)
+        if snap is None or snap.get("phase") in ("done", "failed", INTERRUPTED):
+            continue
+        snap["phase"] = INTERRUPTED
+        tmp = f.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(snap))
+        tmp.replace(f)
+        n += 1
+    return n
 
 
 def admin_view(session, job_id: str) -> dict:

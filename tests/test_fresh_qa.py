@@ -249,3 +249,37 @@ def test_compare_external_section_says_how_fens_global_model_was_scored():
     without = "\n".join(external_markdown({**ext, "rows": rows("ohfl")}, {}))
     assert "FENS's (the site models + the aggregator) once, at its own input size" in with_fens
     assert "FENS" not in without and "averaged over sites." in without
+
+
+def _live_run(tmp_path, age_s: float):
+    import time
+
+    run = tmp_path / "run"
+    st = run / "workspace" / "server" / "simulate_job" / "cxr_hfl_results" / "status.json"
+    st.parent.mkdir(parents=True)
+    st.write_text(json.dumps({"phase": "waiting", "time": time.time() - age_s, "task": "fens_local", "round": 0,
+                              "waiting_for": ["site-1"], "sites": {"site-1": {"task": "fens_local", "heard_s_ago": 1.0}}}))
+    return run, st
+
+
+def test_status_ages_heartbeats_and_says_interrupted_after_ctrl_c(tmp_path, monkeypatch, capsys):
+    """A snapshot written 30 s ago: the site was heard 31 s ago, not 1 s. After Ctrl-C the CLI marks the run
+    interrupted, so status says STOPPED at once (it said RUNNING, site training, heard 0 s ago, for 2 minutes)."""
+    from nvflare_jobs import cli
+    from nvflare_jobs.commands import simulate as sim_cmd
+    from nvflare_jobs.status import run_folder_view
+
+    run, st = _live_run(tmp_path, 30.0)
+    v = run_folder_view(run)
+    assert v["job_state"] == "RUNNING" and v["sites"]["site-1"]["state"] == "training"
+    assert 30.5 <= v["sites"]["site-1"]["heard_s_ago"] <= 40
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim_cmd, "run_simulate", interrupted)
+    assert cli.main(["simulate", "--method", "fens", "--out", str(run)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    v = run_folder_view(run)
+    assert v["job_state"].startswith("STOPPED (interrupted") and v["sites"]["site-1"]["state"] == "stopped"
+    assert json.loads(st.read_text())["task"] == "fens_local"  # the rest of the snapshot kept

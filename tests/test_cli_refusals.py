@@ -1,0 +1,76 @@
+"""Command lines that used to run on silently (or print more than one line): each is refused with one line on
+stderr naming what is wrong, exit 2, before anything is scanned or written. In-process through the CLI's
+``main`` (the same parser and handlers as ``cxr-hfl``) so the tests stay fast."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nvflare_jobs.cli import main
+
+
+def _one_line(capsys, *says) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for s in says:
+        assert s in err, err
+    return err
+
+
+def _pool_root(tmp_path: Path, parts=("tuning", "evaluation")) -> Path:
+    """A folder laid out like the chest_xray_224 root holding the first two images (empty files) of each of
+    ``parts``; the part check looks only at file names, never at pixels."""
+    from chest_xray.splits import split_rows
+
+    root = tmp_path / "chest_xray_224"
+    for part in parts:
+        for r in split_rows(part)[:2]:
+            (root / r["path"]).parent.mkdir(parents=True, exist_ok=True)
+            (root / r["path"]).write_bytes(b"")
+    return root
+
+
+def test_pool_root_needs_a_part_other_sets_do_not(tmp_path):
+    """Two or more committed parts under a folder: it is the pool root and a part must be chosen; one part only,
+    a CSV file, a missing path or a part given: no objection."""
+    from nvflare_jobs.evaluation import part_required
+
+    both = _pool_root(tmp_path / "a")
+    why = part_required(both, None)
+    assert why and "--part" in why and "tuning" in why and "evaluation" in why and "headline" in why
+    assert "probe" not in why.split("(")[1].split(")")[0]  # only the parts that are there are listed
+    assert part_required(both, "evaluation") is None
+    assert part_required(_pool_root(tmp_path / "b", ("evaluation",)), None) is None
+    csv_file = tmp_path / "ext.csv"
+    csv_file.write_text("path,label\n")
+    assert part_required(csv_file, None) is None
+    assert part_required(tmp_path / "missing", None) is None
+    assert "--external" in part_required(both, None, "--external")
+
+
+def test_real_pool_root_needs_a_part(data_root):
+    from nvflare_jobs.evaluation import part_required
+
+    why = part_required(data_root / "chest_xray_224", None)
+    assert why and all(p in why for p in ("probe", "tuning", "evaluation"))
+    assert part_required(data_root / "chest_xray_original", None) is None
+
+
+def test_evaluate_on_the_pool_root_without_part_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    root = _pool_root(tmp_path)
+    assert main(["evaluate", "--run", str(run), "--data", str(root)]) == 2
+    _one_line(capsys, "cxr-hfl evaluate:", str(root), "--part", "'evaluation' is for headline numbers")
+    assert sorted(p.name for p in run.iterdir()) == []  # nothing written into the run
+
+
+def test_compare_external_pool_root_without_part_is_refused_before_writing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    root = _pool_root(tmp_path)
+    rc = main(["compare", "--methods", "local,fedavg", "--data", str(tmp_path / "no_data"), "--external", str(root),
+               "--out", str(out), "--dry-run"])
+    assert rc == 2
+    _one_line(capsys, "--external", str(root), "--part")
+    assert not out.exists()

@@ -74,3 +74,24 @@ def test_compare_external_pool_root_without_part_is_refused_before_writing(tmp_p
     assert rc == 2
     _one_line(capsys, "--external", str(root), "--part")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("exc, hint", [(ValueError("bad value in x.csv"), False),
+                                       (FileNotFoundError(2, "No such file or directory", "x.csv"), False),
+                                       (OSError(5, "Input/output error", "x.csv"), True)])
+def test_generic_error_handler_prints_one_line(monkeypatch, capsys, tmp_path, exc, hint):
+    """A ValueError / OSError a command lets through: exactly one line on stderr, exit 2; the traceback hint is in
+    that line only for errors other than plain bad input; CXR_HFL_DEBUG=1 lets the exception through."""
+    import nvflare_jobs.commands.evaluate as cmd
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(cmd, "run_report", boom)
+    monkeypatch.delenv("CXR_HFL_DEBUG", raising=False)
+    assert main(["report", str(tmp_path)]) == 2
+    err = _one_line(capsys, "cxr-hfl report: error:", str(exc))
+    assert ("CXR_HFL_DEBUG=1" in err) == hint, err
+    monkeypatch.setenv("CXR_HFL_DEBUG", "1")
+    with pytest.raises(type(exc)):
+        main(["report", str(tmp_path)])

@@ -95,3 +95,23 @@ def test_generic_error_handler_prints_one_line(monkeypatch, capsys, tmp_path, ex
     monkeypatch.setenv("CXR_HFL_DEBUG", "1")
     with pytest.raises(type(exc)):
         main(["report", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("comparison.csv", "this is not,a table\nat all\n", "no column(s) method, seed, site"),
+    ("comparison.csv", "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\n"
+                       "local,zero,site-1,0.5,0.5,0.5,0.5,0.5\n", "line 2: seed 'zero'"),
+    ("comparison.csv", "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\n"
+                       "local,0,site-1,0.5,,high,0.5,0.5\n", "line 2: auc 'high'"),
+    ("comparison_external.csv", "method,seed,model\nlocal,0,site-1_deployed\n", "no column(s) auc"),
+])
+def test_report_names_a_malformed_comparison_table(tmp_path, capsys, name, text, says):
+    """A comparison folder whose table is not one compare wrote: one line naming the file, exit 2, no report."""
+    cdir = tmp_path / "cmp"
+    cdir.mkdir()
+    good = "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\nlocal,0,site-1,1,1,,1,1\n"
+    (cdir / "comparison.csv").write_text(good)
+    (cdir / name).write_text(text)
+    assert main(["report", str(cdir)]) == 2
+    _one_line(capsys, str(cdir / name), says)
+    assert not (cdir / "report.html").exists()

@@ -115,3 +115,33 @@ def test_report_names_a_malformed_comparison_table(tmp_path, capsys, name, text,
     assert main(["report", str(cdir)]) == 2
     _one_line(capsys, str(cdir / name), says)
     assert not (cdir / "report.html").exists()
+
+
+@pytest.mark.parametrize("families", ["", " ", ",,"])
+@pytest.mark.parametrize("cmd", ["simulate", "compare"])
+def test_empty_families_is_refused_not_read_as_the_default(tmp_path, capsys, families, cmd):
+    """``--families ""`` used to mean cnn at every site without a word; now one line, nothing written."""
+    out = tmp_path / "out"
+    base = (["simulate", "--method", "ohfl"] if cmd == "simulate" else ["compare", "--methods", "local,fedavg",
+                                                                         "--dry-run"])
+    assert main([*base, "--families", families, "--data", str(tmp_path / "no_data"), "--out", str(out)]) == 2
+    _one_line(capsys, "--families is empty", "6 sites")
+    assert not out.exists()
+
+
+def test_families_text_names_the_catalogue_methods(tmp_path, capsys):
+    """The methods --families is for come from the catalogue (every method that is not a prototype method), in
+    the simulate help and in the refusal for a prototype method."""
+    from hfl_components.flare import catalogue
+
+    takes = [m for m in catalogue.methods() if not catalogue.is_prototype(m)]
+    assert "fens" in takes and "fedsaf" not in takes  # FENS's sites train any family
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"{', '.join(takes)}: one model family per site" in help_text
+    proto = catalogue.prototype_methods()[0]
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", proto, "--families", "cnn,cnn", "--sites", "2", "--out", str(out)]) == 2
+    _one_line(capsys, f"--families is for {', '.join(takes)})")
+    assert not out.exists()

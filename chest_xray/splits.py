@@ -120,6 +120,16 @@ def part_of(path: str | Path, pool: str = POOL) -> str | None:
     return None
 
 
+def parts_under(root: str | Path, pool: str = POOL, sample: int = 20) -> list[str]:
+    """The committed parts (in ``PARTS`` order) of which the folder ``root`` holds images, looked up by each part's
+    first ``sample`` paths relative to the pool root. Two or more: ``root`` is the pool root (or a copy of it), whose
+    parts must be chosen one at a time. A missing folder or a file gives ``[]``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [p for p in PARTS if any((root / r["path"]).is_file() for r in split_rows(p, pool)[:sample])]
+
+
 def make_splits(manifest_csv: str | Path, seed: int = 0) -> dict[str, list[dict[str, str]]]:
     """Draw the three parts from the pool's provenance MANIFEST.csv (patient-grouped, stratified by subtype)."""
     with open(manifest_csv, newline="") as f:

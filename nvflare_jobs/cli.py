@@ -36,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# errors that say all a user needs (bad input, a missing or unwritable path): no traceback hint
+_PLAIN_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                 PermissionError)
+
+
+def _debug_hint(e: BaseException) -> str:
+    """The tail of the one error line: a pointer to the traceback only for errors other than plain bad input
+    (e.g. an I/O error of the disk), where the traceback may be needed to find the cause."""
+    return "" if isinstance(e, _PLAIN_ERRORS) else " (CXR_HFL_DEBUG=1 shows the traceback)"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,8 +81,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # user-facing problems (bad input, missing files): one clear line
         if os.environ.get("CXR_HFL_DEBUG"):
             raise
-        print(f"cxr-hfl {args.command}: error: {e}", file=sys.stderr)
-        print("(set CXR_HFL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        print(f"cxr-hfl {args.command}: error: {e}{_debug_hint(e)}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -110,11 +110,15 @@ def parse_families(text: str | list | None, n_sites: int) -> list[str] | None:
     """``--families`` (comma-separated, one per site in site-name order) as a list; None when not given.
 
     Raises:
-        ValueError: a count other than ``n_sites``, an empty name or a family the model registry does not know.
+        ValueError: an empty list, a count other than ``n_sites``, an empty name or a family the model registry
+        does not know.
     """
-    if text is None or text == "" or text == []:
+    if text is None:
         return None
     fams = [f.strip() for f in (text.split(",") if isinstance(text, str) else text)]
+    if not any(fams):  # "" would otherwise mean the default (cnn everywhere) without a word
+        raise ValueError(f"--families is empty; give one model family per site ({n_sites} sites), comma-separated, "
+                         "or leave the option out for cnn at every site")
     empty = [i + 1 for i, f in enumerate(fams) if not f]
     if empty:
         raise ValueError(f"--families {','.join(fams)}: empty family name at position {empty[0]}")
@@ -136,19 +140,35 @@ def site_options_problem(args) -> str | None:
     """
     if args.sites < 1:
         return f"--sites must be at least 1, got {args.sites}"
+    fams = getattr(args, "families", None)
+    if fams is not None and not fams.strip(", "):
+        return _families_problem(fams, args.sites)
     if getattr(args, "profile", None):
         return ("--families: with --profile each site config's model: decides the family; set it there"
-                if getattr(args, "families", None) else None)
-    if getattr(args, "families", None) and is_prototype(getattr(args, "method", None) or ""):
+                if fams is not None else None)
+    if fams is not None and is_prototype(getattr(args, "method", None) or ""):
         return (f"--families: {args.method} is a prototype method; its sites train the heterogeneous backbone "
-                "pool (--families is for ohfl, local, fedavg)")
+                f"pool (--families is for {', '.join(family_methods())})")
     if args.scheme == "dirichlet" and not args.alpha > 0:
         return f"--alpha must be > 0 for --scheme dirichlet, got {args.alpha}"
+    return _families_problem(fams, args.sites)
+
+
+def _families_problem(text, n_sites: int) -> str | None:
+    """:func:`parse_families`' error as one line, or None when ``text`` is fine."""
     try:
-        parse_families(getattr(args, "families", None), args.sites)
+        parse_families(text, n_sites)
     except ValueError as e:
         return str(e)
     return None
+
+
+def family_methods() -> tuple[str, ...]:
+    """The methods whose sites take ``--families`` (every catalogue method that is not a prototype method; those
+    train the heterogeneous backbone pool)."""
+    from hfl_components.flare.catalogue import methods
+
+    return tuple(m for m in methods() if not is_prototype(m))
 
 
 def assign_models(sites: list[str], method: str, input_sizes: list[int], num_classes: int,

@@ -411,11 +411,56 @@ def targets_html(cdir: Path) -> list[str]:
             _table(["target", "value", "status"], [[t["target"], t["value"], status[t["met"]]] for t in targets])]
 
 
+def check_compare_tables(cdir: Path) -> None:
+    """Check the tables ``cxr-hfl compare`` wrote into ``cdir`` (``comparison.csv``, and
+    ``comparison_external.csv`` when present) before a report is made from the folder.
+
+    Raises:
+        ValueError: naming the file, when it is not a comparison table: unreadable as UTF-8 CSV, a header without
+        compare's key columns, a seed that is not an integer or a metric that is not a number.
+    """
+    import csv
+
+    from nvflare_jobs.compare.tables import EXT_COLUMNS, METRICS
+
+    tables = (("comparison.csv", ("method", "seed", "site", *METRICS), METRICS),
+              ("comparison_external.csv", (*EXT_COLUMNS[:3], *EXT_COLUMNS[7:]), EXT_COLUMNS[7:]))
+    for name, keys, numbers in tables:
+        f = cdir / name
+        if not f.is_file():
+            continue
+        try:
+            with f.open(newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                missing = [k for k in keys if k not in (reader.fieldnames or [])]
+                if missing:
+                    raise ValueError(f"no column(s) {', '.join(missing)}")
+                for i, r in enumerate(reader, start=2):
+                    bad = [k for k in ("seed", *numbers) if not _cell_ok(r.get(k), k == "seed")]
+                    if bad:
+                        raise ValueError(f"line {i}: {bad[0]} {r.get(bad[0])!r} is not a number")
+        except (ValueError, csv.Error) as e:
+            raise ValueError(f"{f}: not a table written by `cxr-hfl compare` ({e}); rerun compare on the "
+                             f"folder to rewrite it") from None
+
+
+def _cell_ok(v: str | None, integer: bool) -> bool:
+    """A CSV cell as compare writes it: an integer seed; a metric a number or empty (not measured)."""
+    if v is None:
+        return False
+    try:
+        int(v) if integer else float(v or 0)
+    except ValueError:
+        return False
+    return True
+
+
 def render_report(path: str | Path, out: str | Path | None = None) -> Path:
     p = Path(path).resolve()
     if (p / "metrics.json").is_file():
         text = render_run(p)
     elif (p / "comparison.csv").is_file() or list(p.glob("seed*/*/metrics.json")):
+        check_compare_tables(p)
         text = render_compare(p)
     else:
         raise FileNotFoundError(f"{p}: neither a run folder (metrics.json) nor a compare folder (comparison.csv)")

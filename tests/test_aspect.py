@@ -1,4 +1,4 @@
-"""Issue 11 data-layer fix: the square-resize choice (``aspect``: stretch by default, letterbox, crop) is one
+"""The square-resize choice (``aspect``: stretch by default, letterbox, crop) is one
 site-config key, and the site's loaders, the server's probe and ``evaluate``'s image cache all use the same default.
 
 Letterboxing ``chest_xray_original`` (longer side -> S, zero padding) gives pneumonia images more padding than normal

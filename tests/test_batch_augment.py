@@ -1,4 +1,4 @@
-"""Batch-level augmentation (chest_xray.batch_augment, issue 15): exact geometry on small tensors, parameter ranges
+"""Batch-level augmentation (chest_xray.batch_augment): exact geometry on small tensors, parameter ranges
 as the per-image MONAI transforms', determinism, class selection, channel counts and float16."""
 import math
 

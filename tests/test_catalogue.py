@@ -1,4 +1,4 @@
-"""The method catalogue (issue 14): one declarative entry per method that the CLI, job building, compare, the
+"""The method catalogue: one declarative entry per method that the CLI, job building, compare, the
 profile writer, the privacy summary and the benchmarks read; options checked in one function."""
 from __future__ import annotations
 

@@ -310,3 +310,28 @@ def test_comparison_rows_name_the_deployed_round():
     assert (rows["site-1"]["deploy_rule"], rows["site-1"]["deployed_round"]) == ("best_val", 7)
     assert (rows["site-2"]["deploy_rule"], rows["site-2"]["deployed_round"]) == (None, None)
     assert rows["site-1"]["balanced_accuracy"] == 0.4 and set(rows["site-1"]) == set(COLUMNS)
+
+
+def test_aspect_option_is_written_into_every_generated_site_config(data_root, tmp_path, capsys):
+    """`compare --aspect crop` (dry run: partitions and site configs only) gives every method's every site
+    `aspect: crop`; without it the configs carry no aspect key, so the site default (stretch) applies; and
+    `simulate --aspect` is a site option, refused with --profile like the other site options."""
+    import yaml
+
+    from nvflare_jobs.cli import main
+    from nvflare_jobs.commands.simulate import SITE_KEYS, SITE_OPTIONS
+
+    base = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
+            "--seeds", "0", "--max-images", "40", "--dry-run"]
+    assert main([*base, "--aspect", "crop", "--out", str(tmp_path / "crop")]) == 0
+    assert main([*base, "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    crop = sorted((tmp_path / "crop").glob("seed0/*/site_configs/*.yaml"))
+    plain = sorted((tmp_path / "plain").glob("seed0/*/site_configs/*.yaml"))
+    assert len(crop) == 4 and len(plain) == 4
+    assert {yaml.safe_load(f.read_text()).get("aspect") for f in crop} == {"crop"}
+    assert {yaml.safe_load(f.read_text()).get("aspect") for f in plain} == {None}
+    assert SITE_OPTIONS["aspect"] == "--aspect" and SITE_KEYS["aspect"] == "aspect"
+    with pytest.raises(SystemExit) as e:  # argparse refuses an unknown squaring, naming the choices
+        main(["compare", "--methods", "local", "--aspect", "square", "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "stretch" in capsys.readouterr().err

@@ -198,7 +198,7 @@ def test_unreadable_file_raises_named_error(tmp_path):
 
 def test_augmentation_without_metadata_tracking_is_bitwise_the_same():
     """ApplyToClassesd runs RandFlipd + RandAffined with MONAI's metadata tracking off and a cached sampling grid
-    (issue 15): the pixels must be exactly those of the plain transforms with tracking on, for the same seed, and the
+    (the fast path): the pixels must be exactly those of the plain transforms with tracking on, for the same seed, and the
     global setting is restored."""
     import monai
     from monai.transforms import Compose

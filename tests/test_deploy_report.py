@@ -1,4 +1,4 @@
-"""The deployed round of a ``deploy: best_val`` site reaches metrics.json and the console summary (issue 16 QA)."""
+"""The deployed round of a ``deploy: best_val`` site reaches metrics.json and the console summary."""
 import json
 
 

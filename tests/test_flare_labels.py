@@ -1,4 +1,4 @@
-"""The server refuses a federation whose sites declare different label schemes, naming the sites (issue 14)."""
+"""The server refuses a federation whose sites declare different label schemes, naming the sites."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The fast server fusion path (issue 15) against independent slow computations.
+"""The fast server fusion path against independent slow computations.
 
 Each fast piece is compared with a computation that does not share its code: per-layer statistics from a
 hand-written layer-by-layer forward pass (instead of hooks), layer-by-layer repair with one truncated forward pass
@@ -310,7 +310,7 @@ def test_acts_metric_probes_each_model_once_and_keeps_no_activations():
     assert not any("acts" in e[2] for e in seen[0]._entries.values())
 
 
-# ------------------------------------------------------------------ issue 15, second pass (channel repair defaults)
+# ------------------------------- blocked statistics, threaded OT, aggregation against the previous implementation
 
 def _old_channel_stats(y):
     """The previous implementation: a float64 copy, transposed and flattened, then mean / std."""

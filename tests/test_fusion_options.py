@@ -1,4 +1,4 @@
-"""Issue 11 fusion options: debiased / pooled CKA, per-neuron (REPAIR) repair, per-size probes, shared (nested)
+"""Fusion options: debiased / pooled CKA, per-neuron (REPAIR) repair, per-size probes, shared (nested)
 initialisation really shared, the deployment gate, and ``simulate --paper``."""
 from __future__ import annotations
 

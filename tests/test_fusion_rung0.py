@@ -1,4 +1,4 @@
-"""Fusion ladder rung 0 (issue 11): a model fused with a permuted copy of itself, through the *whole* server path
+"""Fusion ladder rung 0: a model fused with a permuted copy of itself, through the *whole* server path
 (OHFL controller, probe, CID aggregation, balancing, OT, repair, ``global_model.pt`` save, the site's reload of the
 broadcast weights at its own input size) gives back the parent's predictions on real chest X-rays."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Field-hardened ingestion (issue 12): every kind of hospital-export input that the reader got wrong, built from
+"""Field-hardened ingestion: every kind of hospital-export input that the reader got wrong, built from
 the shared real images (``../shared/cases/ingestion`` and ``../shared/data``). Files of other kinds are made in
 ``tmp_path`` by editing those real images (pydicom / Pillow); nothing is written into the repository.
 

@@ -1,4 +1,4 @@
-"""Ingestion QA (after issue 12): hospital-export inputs a first-time user tried that were lost, mislabelled or
+"""Ingestion QA beyond the field cases: hospital-export inputs a first-time user tried that were lost, mislabelled or
 mis-explained. Every file is built in ``tmp_path`` from the shared real images; nothing enters the repository.
 
 Each test checks a value derived independently of the scanner: the known class counts of the files copied, the

@@ -1,5 +1,5 @@
 """Options are validated once (``catalogue.validate_options``) when the controller is built, and the same check runs
-when an exported job starts on the server, before any site trains (issue 14)."""
+when an exported job starts on the server, before any site trains."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""Imports run downward (issue 14): nothing under hfl_components imports nvflare_jobs, NVFlare is imported only under
+"""Imports run downward: nothing under hfl_components imports nvflare_jobs, NVFlare is imported only under
 hfl_components/flare/, the method adapters do not import the site runtime, chest_xray imports no model/FL code, and the
 hfl_components modules import each other without a cycle (lazy imports inside functions included)."""
 from __future__ import annotations

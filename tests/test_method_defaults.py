@@ -1,5 +1,5 @@
 """One source of per-method defaults (hfl_components.flare.catalogue): the simulator, compare's epoch budgets and a
-site config that leaves the epochs out all train the same number of epochs (issue 14)."""
+site config that leaves the epochs out all train the same number of epochs."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +80,7 @@ def test_compare_epoch_plan_reads_the_same_defaults():
     for m in ("fedavg", "fedsaf", "fedtopo"):
         plan = epoch_plan(m, args)
         assert (plan["rounds"], plan["local_epochs"]) == (method_defaults(m)["rounds"], method_defaults(m)["local_epochs"])
-    # equal budgets (compare's default, issue 11): every method trains OHFL's local + fine-tuning epochs per site
+    # equal budgets (compare's default): every method trains OHFL's local + fine-tuning epochs per site
     args = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, unequal_budgets=False)
     for m in ("local", "fedavg", "fedsaf", "fedtopo"):
         assert epoch_plan(m, args)["total_epochs_per_site"] == ohfl["local_epochs"] + ohfl["finetune_epochs"]

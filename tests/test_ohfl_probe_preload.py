@@ -1,4 +1,4 @@
-"""OHFL's probe prepared in the background as the sites' uploads arrive (issue 15): the server fuses with the same
+"""OHFL's probe prepared in the background as the sites' uploads arrive: the server fuses with the same
 probe tensors a synchronous load gives, each size is loaded once, a loader error surfaces, and answers of other
 tasks or failed sites start nothing."""
 from __future__ import annotations

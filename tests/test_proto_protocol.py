@@ -1,4 +1,4 @@
-"""Issue 16: the prototype methods' data, training and comparison protocol: training pool without the evaluation
+"""The prototype methods' data, training and comparison protocol: training pool without the evaluation
 part, class-balanced sampling, tensor augmentation, Local on the same backbones at equal epochs, and the paired
 site-model statistics (weighted AUC / balanced accuracy against scikit-learn, verdict wording, bootstrap)."""
 from __future__ import annotations
@@ -350,7 +350,7 @@ def test_efficientnet_bn_momentum_key_and_the_prototype_default():
 
 
 def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scale():
-    """FedProto's defaults (issue 16): prototype level off, instance level 1/64, i.e. FedProto's reference loss
+    """FedProto's defaults: prototype level off, instance level 1/64, i.e. FedProto's reference loss
     lambda_FP * nn.MSELoss(z, P_g[y]) with lambda_FP = 1 at feature_dim 64; FedSAF and FedTopo keep 1 / 1, and the
     command line leaves each method its own default unless --lambda / --gamma is given."""
     from hfl_components.alignment import FedSAFAuxLoss
@@ -391,7 +391,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
 
 
 def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_the_later(tmp_path, monkeypatch):
-    """deploy: best_val (issue 16): scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
+    """deploy: best_val: scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
     five rounds of the real Local handler -> the deployed model file and the model the final evaluation task scores
     are round 3's weights (the later of the two 0.60 rounds), not round 4's; deploy: last deploys round 4's."""
     from hfl_components.flare.site_methods import handler

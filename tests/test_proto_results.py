@@ -1,4 +1,4 @@
-"""The 1-seed ablation tables of ``benchmarks/proto_results.py`` (FedSAF Table VIII, FedTopo Table II; issue 16):
+"""The 1-seed ablation tables of ``benchmarks/proto_results.py`` (FedSAF Table VIII, FedTopo Table II):
 the variant specs they are run with parse to the intended ``simulate`` options, and the table writer turns a tiny
 hand-made compare summary into the rows, paired Δ, verdicts and flags computed here by hand. No simulator."""
 from __future__ import annotations

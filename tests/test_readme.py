@@ -200,3 +200,22 @@ def test_docstrings_hold_no_measured_numbers_or_research_process_residue():
                                       for m in MEASURED.finditer(re.sub(r"``.*?``", "", doc, flags=re.S))]
              if not r.startswith("a paper file number")]
     assert not found, "\n".join(found)
+
+
+def test_test_docstrings_and_comments_say_what_is_tested_not_which_issue():
+    """A test's docstring or comment names what it checks; "issue N" means nothing to a reader of the repository.
+    String literals (like the residue examples above) are data and not looked at."""
+    import ast
+    import io
+    import tokenize
+
+    issue = RESIDUE['"issue N"']
+    found = []
+    for f in sorted((REPO / "tests").glob("*.py")):
+        text = f.read_text(encoding="utf-8")
+        docs = [ast.get_docstring(n) or "" for n in ast.walk(ast.parse(text))
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+        comments = [t.string for t in tokens if t.type == tokenize.COMMENT]
+        found += [f"{f.name}: {m.group(0)!r}" for s in docs + comments for m in issue.finditer(s)]
+    assert not found, "\n".join(found)

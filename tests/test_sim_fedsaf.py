@@ -1,4 +1,4 @@
-"""FedSAF / FedProto as an NVFlare job (issue 5, section 2).
+"""FedSAF / FedProto as an NVFlare job.
 
 * Unit tests of the server workflow with the transport replaced by a fake ``send_model_and_wait``: a corrupted
   prototype upload is dropped for the round with a logged reason while the round completes on the other sites;

@@ -1,4 +1,4 @@
-"""FedTopo as an NVFlare job (issue 6, section 2).
+"""FedTopo as an NVFlare job.
 
 * Unit tests of the server workflow with the transport replaced by a fake ``send_model_and_wait``: a bad topology
   upload is dropped for the round with a logged reason while the round completes; the aggregation of the remaining

@@ -1,4 +1,4 @@
-"""Issue 13 parts 4-6 (fast): the site keys device/amp, mixed precision, the server's fusion device, `cxr-hfl site
+"""Site operations (fast): the site keys device/amp, mixed precision, the server's fusion device, `cxr-hfl site
 check`, an unreadable image reported as the file and reason (not MONAI's wrapper), the example consortium profile,
 export-job refusing site options, `poc prepare` reporting every problem at once, and the POC CLI's one-line answers
 when the POC is down. CUDA behaviour is checked by test_cuda_site_training_and_fusion_match_cpu (skipped without a

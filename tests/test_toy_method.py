@@ -1,4 +1,4 @@
-"""A new federated method touches three places (issue 14): its pure module, its catalogue entry with its controller,
+"""A new federated method touches three places: its pure module, its catalogue entry with its controller,
 and its tests. Here all three live in this one file: "FedAvg with server momentum" (FedAvgM, Hsu et al. 2019,
 "Measuring the effects of non-identical data distribution", Sec. 3) is defined, registered and run -- in process and
 in the NVFlare simulator -- without editing any other file of the platform.
@@ -156,7 +156,7 @@ def test_toy_method_runs_in_the_simulator(tmp_path, data_root):
 
 def test_exported_job_asks_sites_for_their_next_task_every_half_second(tmp_path):
     """The server's task_request_interval (NVFlare default 2 s, the wait before a site's next task request) is
-    written into the exported server config, where NVFlare's server reads it (issue 15: round-start latency)."""
+    written into the exported server config, where NVFlare's server reads it (it bounds the latency of a round's start)."""
     import json
 
     from nvflare_jobs.jobs import TASK_REQUEST_INTERVAL_S, build_job

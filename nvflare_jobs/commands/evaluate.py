@@ -145,7 +145,7 @@ def _register_audit(sub) -> None:
 
 
 def run_evaluate(args) -> int:
-    from nvflare_jobs.evaluation import LeakageError, evaluate_run
+    from nvflare_jobs.evaluation import LeakageError, evaluate_run, part_required
 
     run = Path(args.run)
     if not run.is_dir():
@@ -154,6 +154,9 @@ def run_evaluate(args) -> int:
         return 2
     if not Path(args.data).exists():
         print(f"cxr-hfl evaluate: no data at {args.data}", file=sys.stderr)
+        return 2
+    if why := part_required(args.data, args.part):
+        print(f"cxr-hfl evaluate: {why}", file=sys.stderr)
         return 2
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,

@@ -89,7 +89,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_at_least(1), default=16)
     p.add_argument("--max-train-images", type=_at_least(1), help="cap each site's training images (quick tests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--families", help="OHFL/Local/FedAvg: one model family per site, comma-separated in site order "
+    fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
+    p.add_argument("--families", help=f"{fam_methods}: one model family per site, comma-separated in site order "
                    "(cnn, vgg11, hetero_cnn, densenet, resnet, efficientnet), e.g. the mixed-family variant "
                    "cnn,cnn,densenet,densenet,resnet,resnet (default: cnn at every site)")
     p.add_argument("--aspect", choices=ASPECTS, help="how every site makes non-square images square: stretch "

@@ -166,9 +166,8 @@ class _Refused(ValueError):
 
 def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     """``(methods, plans, data root, external set, out folder)`` of a comparison; raises :class:`_Refused`."""
-    from nvflare_jobs.profiles import DataNotFoundError, resolve_data
-
-    from nvflare_jobs.profiles import site_options_problem
+    from nvflare_jobs.evaluation import part_required
+    from nvflare_jobs.profiles import DataNotFoundError, resolve_data, site_options_problem
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if split_variant(m)[0] not in METHODS]
@@ -179,8 +178,9 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         why = check_variant(m, args)
         if why:
             raise _Refused(why)
-    if why := site_options_problem(args):  # before the output folder and the partitions are written
-        raise _Refused(why)
+    ext, part = getattr(args, "external", None), getattr(args, "part", None)
+    if why := site_options_problem(args) or (ext and part_required(ext, part, "--external")):
+        raise _Refused(why)  # before the output folder and the partitions are written
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -201,10 +201,9 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         data = data or resolve_data(args.data)
     except DataNotFoundError as e:
         raise _Refused(str(e)) from None
-    ext = getattr(args, "external", None)
     if ext and not Path(ext).exists():
         raise _Refused(f"no external data at {ext}")
-    if getattr(args, "part", None) and not ext:
+    if part and not ext:
         raise _Refused("--part needs --external (the chest_xray_224 root)")
     return methods, plans, data, ext, out
 

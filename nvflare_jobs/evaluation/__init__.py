@@ -41,5 +41,6 @@ from nvflare_jobs.evaluation.evaluate import (
     external_name,
     global_site_mean,
     load_external,
+    part_required,
 )
 from nvflare_jobs.evaluation.predict import check_predict_args, collect_files, predict_files

@@ -79,6 +79,19 @@ def external_name(data: str | Path, part: str | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", base + (f"-{part}" if part else "")) or "external"
 
 
+def part_required(data: str | Path, part: str | None, option: str = "--data") -> str | None:
+    """One line refusing ``data`` without ``part`` when ``data`` is the ``chest_xray_224`` root (it holds images of
+    several committed parts, :func:`chest_xray.splits.parts_under`): scored whole it would mix the tuning and
+    evaluation parts. None when a part is given or ``data`` is any other set."""
+    from chest_xray.splits import POOL, parts_under
+
+    found = parts_under(data) if not part else []
+    if len(found) < 2:
+        return None
+    return (f"{option} {data} is the {POOL} root (it holds the committed parts {', '.join(found)}): choose one with "
+            f"--part ({'|'.join(found)}); 'evaluation' is for headline numbers, 'tuning' for choosing defaults")
+
+
 def load_external(data: str | Path, labels: str, part: str | None = None) -> tuple[list[dict], dict]:
     """Records of an external labelled set (``chest_xray.scan_dataset``), restricted to a committed part of
     ``chest_xray_224`` (``probe`` / ``tuning`` / ``evaluation``, :mod:`chest_xray.splits`) when ``part`` is given,

@@ -3,8 +3,9 @@ its site handlers (``handler(rt, params, meta)``, named by the method catalogue'
 
 * :mod:`.base`: :class:`HFLController` (task broadcast, waits, option and upload checks, results on disk);
 * :mod:`.baselines`: :class:`LocalController`, :class:`FedAvgController` (``task_name`` and ``aggregator`` hooks);
-* :mod:`.ohfl`: :class:`OHFLController`; :mod:`.fedsaf`: :class:`FedSAFController`; :mod:`.fedtopo`:
-  :class:`FedTopoController`; :mod:`.fens`: :class:`FENSController` (FedAvg's round loop over an aggregator).
+* :mod:`.ohfl`: :class:`OHFLController` (its site handlers in :mod:`.ohfl_site`); :mod:`.fedsaf`:
+  :class:`FedSAFController`; :mod:`.fedtopo`: :class:`FedTopoController`; :mod:`.fens`: :class:`FENSController`
+  (FedAvg's round loop over an aggregator).
 
 Exported jobs name the controller by its defining module (``hfl_components.flare.controllers.<module>.<Class>``).
 """

@@ -1,0 +1,147 @@
+"""Command lines that used to run on silently (or print more than one line): each is refused with one line on
+stderr naming what is wrong, exit 2, before anything is scanned or written. In-process through the CLI's
+``main`` (the same parser and handlers as ``cxr-hfl``) so the tests stay fast."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nvflare_jobs.cli import main
+
+
+def _one_line(capsys, *says) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for s in says:
+        assert s in err, err
+    return err
+
+
+def _pool_root(tmp_path: Path, parts=("tuning", "evaluation")) -> Path:
+    """A folder laid out like the chest_xray_224 root holding the first two images (empty files) of each of
+    ``parts``; the part check looks only at file names, never at pixels."""
+    from chest_xray.splits import split_rows
+
+    root = tmp_path / "chest_xray_224"
+    for part in parts:
+        for r in split_rows(part)[:2]:
+            (root / r["path"]).parent.mkdir(parents=True, exist_ok=True)
+            (root / r["path"]).write_bytes(b"")
+    return root
+
+
+def test_pool_root_needs_a_part_other_sets_do_not(tmp_path):
+    """Two or more committed parts under a folder: it is the pool root and a part must be chosen; one part only,
+    a CSV file, a missing path or a part given: no objection."""
+    from nvflare_jobs.evaluation import part_required
+
+    both = _pool_root(tmp_path / "a")
+    why = part_required(both, None)
+    assert why and "--part" in why and "tuning" in why and "evaluation" in why and "headline" in why
+    assert "probe" not in why.split("(")[1].split(")")[0]  # only the parts that are there are listed
+    assert part_required(both, "evaluation") is None
+    assert part_required(_pool_root(tmp_path / "b", ("evaluation",)), None) is None
+    csv_file = tmp_path / "ext.csv"
+    csv_file.write_text("path,label\n")
+    assert part_required(csv_file, None) is None
+    assert part_required(tmp_path / "missing", None) is None
+    assert "--external" in part_required(both, None, "--external")
+
+
+def test_real_pool_root_needs_a_part(data_root):
+    from nvflare_jobs.evaluation import part_required
+
+    why = part_required(data_root / "chest_xray_224", None)
+    assert why and all(p in why for p in ("probe", "tuning", "evaluation"))
+    assert part_required(data_root / "chest_xray_original", None) is None
+
+
+def test_evaluate_on_the_pool_root_without_part_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    root = _pool_root(tmp_path)
+    assert main(["evaluate", "--run", str(run), "--data", str(root)]) == 2
+    _one_line(capsys, "cxr-hfl evaluate:", str(root), "--part", "'evaluation' is for headline numbers")
+    assert sorted(p.name for p in run.iterdir()) == []  # nothing written into the run
+
+
+def test_compare_external_pool_root_without_part_is_refused_before_writing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    root = _pool_root(tmp_path)
+    rc = main(["compare", "--methods", "local,fedavg", "--data", str(tmp_path / "no_data"), "--external", str(root),
+               "--out", str(out), "--dry-run"])
+    assert rc == 2
+    _one_line(capsys, "--external", str(root), "--part")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("exc, hint", [(ValueError("bad value in x.csv"), False),
+                                       (FileNotFoundError(2, "No such file or directory", "x.csv"), False),
+                                       (OSError(5, "Input/output error", "x.csv"), True)])
+def test_generic_error_handler_prints_one_line(monkeypatch, capsys, tmp_path, exc, hint):
+    """A ValueError / OSError a command lets through: exactly one line on stderr, exit 2; the traceback hint is in
+    that line only for errors other than plain bad input; CXR_HFL_DEBUG=1 lets the exception through."""
+    import nvflare_jobs.commands.evaluate as cmd
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(cmd, "run_report", boom)
+    monkeypatch.delenv("CXR_HFL_DEBUG", raising=False)
+    assert main(["report", str(tmp_path)]) == 2
+    err = _one_line(capsys, "cxr-hfl report: error:", str(exc))
+    assert ("CXR_HFL_DEBUG=1" in err) == hint, err
+    monkeypatch.setenv("CXR_HFL_DEBUG", "1")
+    with pytest.raises(type(exc)):
+        main(["report", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("comparison.csv", "this is not,a table\nat all\n", "no column(s) method, seed, site"),
+    ("comparison.csv", "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\n"
+                       "local,zero,site-1,0.5,0.5,0.5,0.5,0.5\n", "line 2: seed 'zero'"),
+    ("comparison.csv", "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\n"
+                       "local,0,site-1,0.5,,high,0.5,0.5\n", "line 2: auc 'high'"),
+    ("comparison_external.csv", "method,seed,model\nlocal,0,site-1_deployed\n", "no column(s) auc"),
+])
+def test_report_names_a_malformed_comparison_table(tmp_path, capsys, name, text, says):
+    """A comparison folder whose table is not one compare wrote: one line naming the file, exit 2, no report."""
+    cdir = tmp_path / "cmp"
+    cdir.mkdir()
+    good = "method,seed,site,accuracy,balanced_accuracy,auc,sensitivity,specificity\nlocal,0,site-1,1,1,,1,1\n"
+    (cdir / "comparison.csv").write_text(good)
+    (cdir / name).write_text(text)
+    assert main(["report", str(cdir)]) == 2
+    _one_line(capsys, str(cdir / name), says)
+    assert not (cdir / "report.html").exists()
+
+
+@pytest.mark.parametrize("families", ["", " ", ",,"])
+@pytest.mark.parametrize("cmd", ["simulate", "compare"])
+def test_empty_families_is_refused_not_read_as_the_default(tmp_path, capsys, families, cmd):
+    """``--families ""`` used to mean cnn at every site without a word; now one line, nothing written."""
+    out = tmp_path / "out"
+    base = (["simulate", "--method", "ohfl"] if cmd == "simulate" else ["compare", "--methods", "local,fedavg",
+                                                                         "--dry-run"])
+    assert main([*base, "--families", families, "--data", str(tmp_path / "no_data"), "--out", str(out)]) == 2
+    _one_line(capsys, "--families is empty", "6 sites")
+    assert not out.exists()
+
+
+def test_families_text_names_the_catalogue_methods(tmp_path, capsys):
+    """The methods --families is for come from the catalogue (every method that is not a prototype method), in
+    the simulate help and in the refusal for a prototype method."""
+    from hfl_components.flare import catalogue
+
+    takes = [m for m in catalogue.methods() if not catalogue.is_prototype(m)]
+    assert "fens" in takes and "fedsaf" not in takes  # FENS's sites train any family
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"{', '.join(takes)}: one model family per site" in help_text
+    proto = catalogue.prototype_methods()[0]
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", proto, "--families", "cnn,cnn", "--sites", "2", "--out", str(out)]) == 2
+    _one_line(capsys, f"--families is for {', '.join(takes)})")
+    assert not out.exists()

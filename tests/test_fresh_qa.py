@@ -283,3 +283,18 @@ def test_status_ages_heartbeats_and_says_interrupted_after_ctrl_c(tmp_path, monk
     v = run_folder_view(run)
     assert v["job_state"].startswith("STOPPED (interrupted") and v["sites"]["site-1"]["state"] == "stopped"
     assert json.loads(st.read_text())["task"] == "fens_local"  # the rest of the snapshot kept
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--methods", "fens,local,fens"], "--methods names fens more than once"),
+    (["--methods", "fens", "--external", "NOPE"], "no external data at"),
+    (["--methods", "fens", "--part", "tuning"], "--part needs --external"),
+])
+def test_compare_refusals_name_the_option_and_write_no_folder(tmp_path, capsys, flags, says):
+    from nvflare_jobs.cli import main
+
+    out = tmp_path / "cmp"
+    flags = [str(tmp_path / f) if f == "NOPE" else f for f in flags]
+    assert main(["compare", *flags, "--sites", "3", "--dry-run", "--out", str(out)]) == 2
+    _one_line(capsys.readouterr().err, says)
+    assert not out.exists()

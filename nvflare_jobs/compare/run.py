@@ -174,6 +174,8 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     if bad or not methods:
         raise _Refused(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}" if bad else
                        f"--methods is empty; choose from {', '.join(METHODS)}")
+    if twice := sorted({m for m in methods if methods.count(m) > 1}):
+        raise _Refused(f"--methods names {', '.join(twice)} more than once (one run folder per seed and method)")
     for m in methods:
         why = check_variant(m, args)
         if why:
@@ -181,9 +183,12 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     ext, part = getattr(args, "external", None), getattr(args, "part", None)
     if why := site_options_problem(args) or (ext and part_required(ext, part, "--external")):
         raise _Refused(why)  # before the output folder and the partitions are written
+    if ext and not Path(ext).exists():
+        raise _Refused(f"no external data at {ext}")
+    if part and not ext:
+        raise _Refused("--part needs --external (the chest_xray_224 root)")
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     if not getattr(args, "unequal_budgets", False) and CONTROL in methods and "local+ft" in methods:
         methods.remove("local+ft")
         print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
@@ -197,14 +202,12 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         if args.proto_protocol and not args.data:  # chest_xray_224's tuning + probe parts
             from nvflare_jobs.profiles import proto_training_data
 
+            out.mkdir(parents=True, exist_ok=True)
             data = proto_training_data(out / "data_pool.csv")
         data = data or resolve_data(args.data)
     except DataNotFoundError as e:
         raise _Refused(str(e)) from None
-    if ext and not Path(ext).exists():
-        raise _Refused(f"no external data at {ext}")
-    if part and not ext:
-        raise _Refused("--part needs --external (the chest_xray_224 root)")
+    out.mkdir(parents=True, exist_ok=True)  # every check passed
     return methods, plans, data, ext, out
 
 

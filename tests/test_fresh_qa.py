@@ -298,3 +298,16 @@ def test_compare_refusals_name_the_option_and_write_no_folder(tmp_path, capsys, 
     assert main(["compare", *flags, "--sites", "3", "--dry-run", "--out", str(out)]) == 2
     _one_line(capsys.readouterr().err, says)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", [["status", "RUN"], ["poc", "status"]])
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_watch_needs_seconds_above_zero(tmp_path, capsys, cmd, value):
+    """--watch -1 printed the view, then 'sleep length must be non-negative' without naming the option."""
+    from nvflare_jobs.cli import main
+
+    cmd = [str(tmp_path) if c == "RUN" else c for c in cmd]
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--watch", value])
+    assert e.value.code == 2
+    _one_line(capsys.readouterr().err.splitlines()[-1], "--watch", "expected seconds > 0")

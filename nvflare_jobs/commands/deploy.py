@@ -12,6 +12,8 @@ POC_ENV = "CXR_HFL_POC_DIR"
 
 
 def register(sub) -> None:
+    from nvflare_jobs.commands.status import watch_seconds
+
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
     p.add_argument("--project", help="NVFlare project.yml (default: site_configs/project.yml of this repository)")
     p.add_argument("--out", required=True, help="folder for the startup kits (keep it outside any repository: "
@@ -48,7 +50,7 @@ def register(sub) -> None:
             run_status)
     q.add_argument("job_id", nargs="?", help="a job id (default: the last job submitted from this POC folder)")
     q.add_argument("--json", action="store_true", help="the job's status view as JSON")
-    q.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
+    q.add_argument("--watch", type=watch_seconds, nargs="?", const=5.0, metavar="SECONDS",
                    help="refresh the job's view every SECONDS (default 5) until it ends")
     q = add("download", "download a job's results and write metrics.json + plots (as `cxr-hfl simulate`)",
             run_download)

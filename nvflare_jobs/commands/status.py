@@ -13,12 +13,26 @@ import time
 from pathlib import Path
 
 
+def watch_seconds(text: str) -> float:
+    """argparse type of ``--watch``: a finite number of seconds > 0."""
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return v
+
+
 def register(sub) -> None:
     p = sub.add_parser("status", help="one view of a job: state, round/task, every site (simulator run folder, "
                                       "or a POC/provisioned job through NVFlare's admin API)")
     p.add_argument("target", help="a simulator run folder (cxr-hfl simulate --out), or a job id with --startup-kit")
     _kit_args(p)
-    p.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
+    p.add_argument("--watch", type=watch_seconds, nargs="?", const=5.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 5) until the job ends (Ctrl-C to stop watching)")
     p.add_argument("--json", action="store_true", help="print the view as JSON (one object per refresh)")
     p.set_defaults(func=run_status)

@@ -113,6 +113,19 @@ def _check_paired(paired: dict, path: Path) -> None:
             raise BadInput(f"{path}: paired[{i}] lacks {', '.join(miss + [m + '.a/b' for m in bad])}")
 
 
+def _check_protocol(cmp: Path, paired: dict, path: Path) -> None:
+    """Raise :class:`BadInput` when ``cmp`` is not a comparison of the protocol's methods (its ``compare.json``) or
+    ``paired_external.json`` holds no primary comparison of :data:`MAIN`: a result of another comparison must never
+    be written as the confirmatory one."""
+    rec = _json(cmp / "compare.json") if (cmp / "compare.json").is_file() else {}
+    got = rec.get("methods")
+    if isinstance(got, list) and set(got) != set(METHODS.split(",")):
+        raise BadInput(f"{cmp / 'compare.json'}: methods {','.join(map(str, got))}, not the protocol's {METHODS}")
+    if not any(isinstance(q, dict) and q.get("primary") and str(q.get("comparison", "")).startswith(MAIN + " ")
+               for q in paired["paired"]):
+        raise BadInput(f"{path}: no primary comparison of {MAIN} (its runs or evaluations are missing)")
+
+
 def _runs(cmp: Path, method: str) -> dict[int, Path]:
     out = {}
     for p in sorted(cmp.glob(f"seed*/{method}")):
@@ -188,6 +201,7 @@ def analyse(args) -> int:
     try:
         paired = _json(pj)
         _check_paired(paired, pj)
+        _check_protocol(cmp, paired, pj)
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")

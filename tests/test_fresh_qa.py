@@ -311,3 +311,23 @@ def test_watch_needs_seconds_above_zero(tmp_path, capsys, cmd, value):
         main([*cmd, "--watch", value])
     assert e.value.code == 2
     _one_line(capsys.readouterr().err.splitlines()[-1], "--watch", "expected seconds > 0")
+
+
+@pytest.mark.parametrize("methods, primary, says", [
+    (["fens", "local"], "fens vs local+ft", "compare.json: methods fens,local, not the protocol's"),
+    (["local", "fedavg", "ohfl"], "fedavg vs local+ft", "no primary comparison of ohfl"),
+])
+def test_confirmatory_analyse_refuses_another_comparison(tmp_path, capsys, methods, primary, says):
+    """A comparison folder of other methods gave a RESULT.md without a primary endpoint, exit 0 -- by default into
+    the committed results folder."""
+    from benchmarks import confirmatory as C
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    cmp.mkdir()
+    q = {"metric": "auc", "a": 0.9, "b": 0.8}
+    (cmp / "compare.json").write_text(json.dumps({"methods": methods}))
+    (cmp / "paired_external.json").write_text(json.dumps({"name": "x", "paired": [
+        {"comparison": primary, "primary": "auc", "seeds": [0], "auc": q, "balanced_accuracy": q}]}))
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 2
+    _one_line(capsys.readouterr().err, says, "nothing was written")
+    assert not res.exists()

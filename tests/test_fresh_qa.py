@@ -331,3 +331,23 @@ def test_confirmatory_analyse_refuses_another_comparison(tmp_path, capsys, metho
     assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 2
     _one_line(capsys.readouterr().err, says, "nothing was written")
     assert not res.exists()
+
+
+def test_predict_refuses_a_threshold_for_a_subtype_model(tmp_path, capsys):
+    """--threshold was silently ignored for a 3-class model (argmax instead)."""
+    import numpy as np
+    from PIL import Image
+
+    from hfl_components.models import build_model, save_model_file
+    from nvflare_jobs.cli import main
+
+    spec = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 3}
+    f = save_model_file(tmp_path / "m.pt", spec, build_model(spec).state_dict(), input_size=32, labels="subtype")
+    (tmp_path / "scans").mkdir()
+    Image.fromarray(np.zeros((96, 96), np.uint8), mode="L").save(tmp_path / "scans" / "a.png")
+    out = tmp_path / "p.csv"
+    assert main(["predict", "--model", str(f), "--data", str(tmp_path / "scans"), "--out", str(out),
+                 "--threshold", "0.3"]) == 2
+    _one_line(capsys.readouterr().err, "--threshold 0.3", str(f), "3-class (subtype)", "binary")
+    assert not out.exists()
+    assert main(["predict", "--model", str(f), "--data", str(tmp_path / "scans"), "--out", str(out)]) == 0

@@ -87,7 +87,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
 
     Raises:
         FileNotFoundError: no input exists. ValueError: ``out_csv`` is a folder, no image files in the inputs,
-            or ``model_path`` is not a cxr-hfl model file (all checked before inference). DICOM objects that are not CR/DX/DR
+            or ``model_path`` is not a cxr-hfl model file, or a ``threshold`` for a model that is not binary (all
+            checked before inference). DICOM objects that are not CR/DX/DR
     projections or are lateral views are skipped as in training (``allow_*`` to keep them). ``threshold`` (binary
     only): predict PNEUMONIA when p >= threshold; default argmax, or for a deployed model that carries a federated
     operating point (:mod:`hfl_components.operating_point`) its threshold, with the probabilities written
@@ -105,6 +106,9 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     size = int(blob.get("input_size") or 64)
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
+    if threshold is not None and len(names) != 2:
+        raise ValueError(f"--threshold {threshold}: {model_path} is a {len(names)}-class ({labels}) model; a threshold "
+                         "applies to binary (NORMAL / PNEUMONIA) models only")
     op = blob.get("operating_point") if len(names) == 2 else None
     if op and threshold is None:
         threshold = None if op.get("threshold") is None else float(op["threshold"])

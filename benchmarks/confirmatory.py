@@ -33,7 +33,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "confirmatory"
 SEEDS = (10, 11, 12, 13, 14)
 METHODS = "local,fedavg,ohfl"
 MAIN = "ohfl"
-SEED_FILES = ("comparison.csv", "comparison_external.csv", "paired_external.json", "compare.json")
+#: what is copied of each run: enough to redo the analysis without the run folders (no model file, no image)
+RUN_FILES = ("metrics.json", "models.json")
+EXT_FILES = ("summary.json", "audit.json", "predictions.npz")
 
 
 def compare_command(seeds: list[int], cmp: Path, data: str | None, external: str, part: str) -> list[str]:
@@ -56,31 +58,43 @@ def run(args) -> int:
         rc = subprocess.call(cmd)
         wall = time.perf_counter() - t0
         print(f"[confirmatory] seed {s}: rc={rc} in {wall:.0f} s", flush=True)
-        dest = res / "seeds" / f"seed{s}"
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in SEED_FILES:
-            if (cmp / f).is_file():
-                shutil.copy2(cmp / f, dest / f)
-        for m in METHODS.split(","):
-            run_dir = cmp / f"seed{s}" / m
-            for f in run_dir.glob("external/*/*.json"):
-                if f.name in ("summary.json", "audit.json"):
-                    (dest / m).mkdir(exist_ok=True)
-                    shutil.copy2(f, dest / m / f.name)
-            if (run_dir / "metrics.json").is_file():
-                met = json.loads((run_dir / "metrics.json").read_text())
-                keep = {k: met.get(k) for k in ("method", "seed", "wall_time_s", "server_seconds", "pooled", "mean",
-                                                 "operating_point", "gate", "distillation", "references")}
-                keep["sites"] = {k: {kk: v.get(kk) for kk in ("input_size", "n_train", "n_test", "test", "local",
-                                                               "global_zero_shot", "gate", "operating_point")}
-                                 for k, v in (met.get("sites") or {}).items()}
-                (dest / m).mkdir(exist_ok=True)
-                (dest / m / "metrics.json").write_text(json.dumps(keep, indent=1, default=str))
+        dest = copy_seed(cmp, res, s)
         (dest / "wall_seconds.txt").write_text(f"{wall:.0f}\n")
         if rc != 0:
             print(f"[confirmatory] seed {s}: compare returned {rc}; rerun the same command to retry", file=sys.stderr)
             return rc
     return 0
+
+
+def _sanitise(text: str, cmp: Path) -> str:
+    """Machine paths out of a copied text file: the comparison folder becomes ``runs/confirmatory``, the checkout
+    ``.`` and the folder beside it ``..`` (so ``../shared/data`` reads as in the README)."""
+    repo = Path(__file__).resolve().parent.parent
+    for a, b in ((str(Path(cmp).resolve()), "runs/confirmatory"), (str(repo), "."), (str(repo.parent), "..")):
+        text = text.replace(a, b)
+    return text
+
+
+def copy_seed(cmp: Path, res: Path, seed: int) -> Path:
+    """Copy one finished seed's records into ``res/seeds/seed<k>/<method>/`` in the comparison folder's own layout
+    (``metrics.json``, ``models.json``, ``external/<set>/summary.json``, ``audit.json``, ``predictions.npz``), machine
+    paths replaced (:func:`_sanitise`), and ``compare.json`` into ``res/seeds/``; :func:`analyse` can then be run on
+    ``res/seeds`` if the run folders are gone. Returns the seed's folder."""
+    cmp, root = Path(cmp), Path(res) / "seeds"
+    dest = root / f"seed{seed}"
+    files = [cmp / "compare.json"] + [f for m in METHODS.split(",") for f in
+                                      [*(cmp / f"seed{seed}" / m / n for n in RUN_FILES),
+                                       *(g for n in EXT_FILES for g in (cmp / f"seed{seed}" / m).glob(f"external/*/{n}"))]]
+    for f in files:
+        if not f.is_file():
+            continue
+        to = root / f.relative_to(cmp)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        if f.suffix == ".npz":
+            shutil.copy2(f, to)
+        else:
+            to.write_text(_sanitise(f.read_text(encoding="utf-8"), cmp), encoding="utf-8")
+    return dest
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -195,6 +209,10 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
 def analyse(args) -> int:
     cmp, res = Path(args.cmp), Path(args.results)
     pj = cmp / "paired_external.json"
+    if not pj.is_file() and list(cmp.glob("seed*/*/external/*/predictions.npz")):  # a copy made by copy_seed
+        from nvflare_jobs.compare.tables import collect_runs, external_tables
+
+        external_tables(cmp, collect_runs(cmp))
     if not pj.is_file():
         print(f"confirmatory: no {pj}: run the protocol first", file=sys.stderr)
         return 2
@@ -285,16 +303,22 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.confirmatory", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for c in ("run", "analyse"):
+    for c in ("run", "analyse", "copy"):
         p = sub.add_parser(c)
         p.add_argument("--cmp", required=True, help="the comparison folder (run folders; not committed)")
         p.add_argument("--results", default=str(RESULTS), help="where the committed result files go")
-        if c == "run":
+        if c in ("run", "copy"):
             p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
+        if c == "run":
             p.add_argument("--data", help="training data root (default: compare's: $CXR_DATA, ../shared/data)")
             p.add_argument("--external", default="../shared/data/chest_xray_224")
             p.add_argument("--part", default="evaluation", choices=("tuning", "evaluation"))
     args = ap.parse_args(argv)
+    if args.cmd == "copy":  # re-copy finished seeds (e.g. after a change of what is copied)
+        for s in ([int(x) for x in args.seeds.split(",")] if args.seeds else SEEDS):
+            if (Path(args.cmp) / f"seed{s}").is_dir():
+                print(f"[confirmatory] seed {s} -> {copy_seed(Path(args.cmp), Path(args.results), s)}")
+        return 0
     return run(args) if args.cmd == "run" else analyse(args)
 
 

@@ -1,6 +1,7 @@
 """The confirmatory run's analysis (benchmarks/confirmatory.py) on a comparison folder built by hand: the per-seed
 summaries, their seed-level t-intervals and the primary endpoint's row, checked against values computed here."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,3 +81,24 @@ def test_analysis_with_fewer_than_five_seeds_gives_per_seed_values_and_no_interv
 def test_analysis_without_a_comparison_says_so(tmp_path, capsys):
     assert C.main(["analyse", "--cmp", str(tmp_path / "none"), "--results", str(tmp_path / "res")]) == 2
     assert "run the protocol first" in capsys.readouterr().err
+
+
+def test_copy_of_a_seed_keeps_the_layout_and_no_machine_path(tmp_path):
+    """copy_seed: a run's records land in the comparison folder's own layout, the predictions byte for byte, and the
+    comparison folder's absolute path and the checkout's are replaced in every text file."""
+    import re
+
+    cmp = tmp_path / "cmp"
+    run = cmp / "seed10" / "ohfl"
+    repo_parent = Path(C.__file__).resolve().parent.parent.parent
+    _write(run / "metrics.json", {"run": str(run), "data": str(repo_parent / "shared" / "data" / "x")})
+    _write(run / "external" / "set" / "summary.json", {"run": str(run)})
+    np.savez(run / "external" / "set" / "predictions.npz", y=np.arange(5))
+    _write(cmp / "compare.json", {"out": str(cmp)})
+    dest = C.copy_seed(cmp, tmp_path / "res", 10)
+    assert dest == tmp_path / "res" / "seeds" / "seed10"
+    met = json.loads((dest / "ohfl" / "metrics.json").read_text())
+    assert met == {"run": "runs/confirmatory/seed10/ohfl", "data": "../shared/data/x"}
+    assert (np.load(dest / "ohfl" / "external" / "set" / "predictions.npz")["y"] == np.arange(5)).all()
+    machine = re.compile(str(tmp_path))
+    assert not any(machine.search(f.read_text()) for f in (tmp_path / "res").rglob("*.json"))

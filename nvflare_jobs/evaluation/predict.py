@@ -106,17 +106,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     size = int(blob.get("input_size") or 64)
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
-    if threshold is not None and len(names) != 2:
-        raise ValueError(f"--threshold {threshold}: {model_path} is a {len(names)}-class ({labels}) model; a threshold "
-                         "applies to binary (NORMAL / PNEUMONIA) models only")
-    op = blob.get("operating_point") if len(names) == 2 else None
-    if op and threshold is None:
-        threshold = None if op.get("threshold") is None else float(op["threshold"])
-        if threshold is None or threshold <= 0.0:  # the federation set no operating point (the reason is stored)
-            why = op.get("unresolved") or "the federated threshold is 0, which would call every image PNEUMONIA"
-            print(f"WARNING: {model_path}: no federated operating point ({why}); predicting at argmax of the "
-                  "calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
-            threshold = None
+    op, threshold = _decision(model_path, blob, names, labels, threshold)
     tf = build_transforms(size, "eval", aspect=model_aspect(blob, _run_of(Path(model_path))))
     folder_skips: list[dict] = []
     files = collect_files(inputs, folder_skips)
@@ -161,6 +151,24 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     n_ok = sum(r["status"] == "ok" for r in rows)
     return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
             "threshold": threshold, "calibrated": bool(op)}
+
+
+def _decision(model_path, blob: dict, names: list[str], labels: str, threshold: float | None):
+    """``(operating point or None, threshold or None)`` of :func:`predict_files`: the given ``threshold`` (binary
+    models only, else ValueError naming the file), or a deployed model's federated one (a warning line and argmax of
+    the calibrated probabilities when the federation set none)."""
+    if threshold is not None and len(names) != 2:
+        raise ValueError(f"--threshold {threshold}: {model_path} is a {len(names)}-class ({labels}) model; a threshold "
+                         "applies to binary (NORMAL / PNEUMONIA) models only")
+    op = blob.get("operating_point") if len(names) == 2 else None
+    if op and threshold is None:
+        threshold = None if op.get("threshold") is None else float(op["threshold"])
+        if threshold is None or threshold <= 0.0:  # the federation set no operating point (the reason is stored)
+            why = op.get("unresolved") or "the federated threshold is 0, which would call every image PNEUMONIA"
+            print(f"WARNING: {model_path}: no federated operating point ({why}); predicting at argmax of the "
+                  "calibrated probabilities instead (pass --threshold to choose one)", file=sys.stderr)
+            threshold = None
+    return op, threshold
 
 
 def _run_of(model_path: Path) -> Path | None:

@@ -86,8 +86,10 @@ def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
 def test_compare_report_html_states_the_targets_not_met(tmp_path):
     from nvflare_jobs.report import render_report
 
+    from nvflare_jobs.compare.tables import COLUMNS
+
     _write_tables(tmp_path)
-    (tmp_path / "comparison.csv").write_text("method,seed\n")
+    (tmp_path / "comparison.csv").write_text(",".join(COLUMNS) + "\n")  # compare's header, no site rows
     html = render_report(tmp_path).read_text()
     assert "Main-job targets (OHFL, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
     head = html.split("<b>Targets not met: ", 1)[1].split("</b>", 1)[0]

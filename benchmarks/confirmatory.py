@@ -103,14 +103,16 @@ class BadInput(ValueError):
 
 
 def _json(path: Path) -> dict:
-    """``path``'s JSON object. Raises :class:`BadInput` naming the file when it is unreadable or not an object."""
+    """``path``'s JSON object. Raises :class:`BadInput` naming the file when it is missing, unreadable or not an
+    object (the reading rule of :func:`nvflare_jobs.evaluation.run_metrics`)."""
+    from nvflare_jobs.evaluation import run_metrics
+
+    if not path.is_file():
+        raise BadInput(f"{path}: no such file")
     try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise BadInput(f"{path}: not readable as JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    if not isinstance(obj, dict):
-        raise BadInput(f"{path}: expected a JSON object, found {type(obj).__name__}")
-    return obj
+        return run_metrics(path.parent, path.name)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def _check_paired(paired: dict, path: Path) -> None:

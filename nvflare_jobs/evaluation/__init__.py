@@ -30,6 +30,7 @@ from nvflare_jobs.evaluation._run import (  # the public face; the parts: _run (
     run_input_sizes,
     run_labels,
     run_manifests,
+    run_metrics,
     run_site_sizes,
     site_rows,
     training_overlap,

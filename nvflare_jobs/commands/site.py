@@ -29,12 +29,19 @@ def register(sub) -> None:
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
+def _no_config(command: str, config: str) -> bool:
+    """True (after one line on stderr naming ``--config``) when ``config`` is not a file."""
+    if Path(config).is_file():
+        return False
+    what = "a folder, not a <site>.yaml file" if Path(config).is_dir() else "no such file"
+    print(f"cxr-hfl site {command}: --config {config}: {what}", file=sys.stderr)
+    return True
+
+
 def run_check(args) -> int:
     from nvflare_jobs.site_check import check_site, format_report
 
-    if not Path(args.config).is_file():
-        what = "a folder, not a <site>.yaml file" if Path(args.config).is_dir() else "no such file"
-        print(f"cxr-hfl site check: --config {args.config}: {what}", file=sys.stderr)
+    if _no_config("check", args.config):
         return 2
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         what = ("is a folder; give a file name, e.g. " + str(Path(args.json) / "site_check.json")
@@ -53,9 +60,7 @@ def run_score(args) -> int:
     from nvflare_jobs.crosssite import score_locally
 
     cfg = Path(args.config)
-    if not cfg.is_file():
-        what = "a folder, not a <site>.yaml file" if cfg.is_dir() else "no such file"
-        print(f"cxr-hfl site score: --config {args.config}: {what}", file=sys.stderr)
+    if _no_config("score", args.config):
         return 2
     site = args.site or cfg.stem
     try:

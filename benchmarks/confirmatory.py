@@ -163,15 +163,20 @@ def _deployed(models: dict) -> dict[str, dict]:
 def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, dict]:
     """``{endpoint: {(seed, site-or-'all'): value}}`` of the per-run secondary endpoints of ``method``'s runs:
     the global and fused models' AUC gap to the site ensemble, the deployed models' shift (border) probe change of
-    p(NORMAL), their AUC margin over the metadata baseline, the pooled sensitivity / specificity at the federated
-    threshold and each site's own sensitivity, the gate's adoptions.
+    p(NORMAL), their AUC margin over the metadata baseline, the gate's adoptions, and at the federated threshold: each
+    deployed model's sensitivity / specificity on the evaluation images (``eval_*``; every model scores the same
+    images, so the per-seed mean is the value pooled over the evaluation images) with the lowest site's sensitivity,
+    and, for reference, the server's pooled validation-histogram values (``fed_*``, where the threshold is chosen)
+    and the pooled sensitivity on the sites' own test splits (``test_sensitivity``).
 
     Raises:
         BadInput: a run's ``metrics.json``, ``summary.json`` or ``audit.json`` is not a readable JSON object (named).
     """
     out: dict[str, dict] = {k: {} for k in ("gap_global", "gap_fused", "border_dp_normal", "border_flagged",
                                             "metadata_margin", "margin_covers_zero", "metadata_auc", "fed_sensitivity",
-                                            "fed_specificity", "fed_threshold", "site_sensitivity", "adopted")}
+                                            "fed_specificity", "fed_threshold", "site_sensitivity", "adopted",
+                                            "eval_sensitivity", "eval_specificity", "eval_min_sensitivity",
+                                            "test_sensitivity")}
     for seed, run in _runs(cmp, method).items():
         summ, audit = _ext(run, name, "summary.json"), _ext(run, name, "audit.json")
         met = _json(run / "metrics.json")
@@ -205,6 +210,17 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
         for site, sv in (fed.get("site_sensitivity") or {}).items():
             if sv.get("sensitivity") is not None:
                 out["site_sensitivity"][(seed, site)] = float(sv["sensitivity"])
+        if (fed.get("test") or {}).get("sensitivity") is not None:
+            out["test_sensitivity"][(seed, "all")] = float(fed["test"]["sensitivity"])
+        ops = {k: v for k, v in ((audit.get("operating_point") or {}).get("models") or {}).items()
+               if k.endswith("_deployed") and isinstance(v, dict)}
+        for k, key in (("sensitivity", "eval_sensitivity"), ("specificity", "eval_specificity")):
+            for mname, v in ops.items():
+                if (v.get(k) or {}).get("value") is not None:
+                    out[key][(seed, mname)] = float(v[k]["value"])
+        sens = [v for (s_, _), v in out["eval_sensitivity"].items() if s_ == seed]
+        if sens:
+            out["eval_min_sensitivity"][(seed, "all")] = min(sens)
     return out
 
 
@@ -287,9 +303,16 @@ def markdown(r: dict) -> str:
           f"| deployed models' AUC margin over the metadata baseline | {_ci(s['metadata_margin'])} |",
           f"| share of deployed models whose margin CI covers 0 | {_ci(s['margin_covers_zero'], 2)} |",
           f"| federated threshold (calibrated p(PNEUMONIA)) | {_ci(s['fed_threshold'])} |",
-          f"| pooled sensitivity at the federated threshold (target 0.95, floor 0.90) | {_ci(s['fed_sensitivity'])} |",
-          f"| pooled specificity at the federated threshold | {_ci(s['fed_specificity'])} |",
-          f"| each site's own sensitivity at it (mean over sites) | {_ci(s['site_sensitivity'])} |",
+          "| sensitivity at the federated threshold, pooled over the evaluation images and the deployed models "
+          f"(target 0.95, floor 0.90) | {_ci(s.get('eval_sensitivity'))} |",
+          f"| specificity at it, pooled the same way | {_ci(s.get('eval_specificity'))} |",
+          f"| the lowest site's sensitivity on the evaluation images | {_ci(s.get('eval_min_sensitivity'))} |",
+          "| for reference: sensitivity on the sites' pooled validation histograms, where the threshold is chosen | "
+          f"{_ci(s['fed_sensitivity'])} |",
+          f"| for reference: specificity on the pooled validation histograms | {_ci(s['fed_specificity'])} |",
+          f"| for reference: each site's own validation sensitivity (mean over sites) | {_ci(s['site_sensitivity'])} |",
+          "| for reference: sensitivity pooled over the sites' own test splits | "
+          f"{_ci(s.get('test_sensitivity'))} |",
           f"| share of sites whose gate adopted the federated model | {_ci(s['adopted'], 2)} |"]
     sl = r.get("secondary_local") or {}
     if sl:

@@ -17,7 +17,7 @@ def _write(p, obj):
 
 def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
     rng = np.random.default_rng(0)
-    truth = {"gap": {}, "border": {}, "sens": {}, "adopted": {}}
+    truth = {"gap": {}, "border": {}, "sens": {}, "adopted": {}, "eval_sens": {}, "eval_min": {}}
     for s in seeds:
         run = root / f"seed{s}" / "ohfl"
         gap = float(rng.uniform(0, 0.05))
@@ -26,6 +26,8 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
         adopted = [bool(x) for x in rng.integers(0, 2, size=3)]
         truth["gap"][s], truth["border"][s], truth["sens"][s] = gap, float(np.mean(-shifts)), sens
         truth["adopted"][s] = float(np.mean(adopted))
+        ev = rng.uniform(0.7, 1.0, size=3)  # each deployed model's sensitivity on the evaluation images
+        truth["eval_sens"][s], truth["eval_min"][s] = float(ev.mean()), float(ev.min())
         _write(run / "metrics.json", {"sites": {f"site-{k + 1}": {"gate": {"adopted": a}}
                                                 for k, a in enumerate(adopted)}})
         models = {f"site-{k + 1}_deployed": {"kind": "deployed", "auc": 0.9} for k in range(3)}
@@ -37,7 +39,10 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
             "metadata": {"auc": 0.8, "margins": {f"site-{k + 1}_deployed": {"margin": 0.1, "covers_zero": False}
                                                  for k in range(3)}},
             "operating_point": {"federated": {"threshold": 0.3, "sensitivity": sens, "specificity": 0.5,
-                                              "site_sensitivity": {}}}})
+                                              "site_sensitivity": {}},
+                                "models": {f"site-{k + 1}_{kind}": {"sensitivity": {"value": float(ev[k]) - off},
+                                                                    "specificity": {"value": 0.5}}
+                                           for k in range(3) for kind, off in (("deployed", 0.0), ("local", 0.3))}}})
     prim = {"metric": "auc", "a": 0.93, "b": 0.92, "diff": 0.01, "per_seed": {str(s): 0.01 for s in seeds},
             "ci_low": -0.005, "ci_high": 0.025, "interval": "cluster bootstrap-t", "t_low": -0.001, "t_high": 0.02,
             "reliable": len(seeds) >= 5, "verdict": "not worse" if len(seeds) >= 5 else None, "margin": 0.02,
@@ -56,7 +61,7 @@ def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     for key, tk in (("gap_global", "gap"), ("border_dp_normal", "border"), ("fed_sensitivity", "sens"),
-                    ("adopted", "adopted")):
+                    ("adopted", "adopted"), ("eval_sensitivity", "eval_sens"), ("eval_min_sensitivity", "eval_min")):
         v = np.array([truth[tk][s] for s in seeds])
         half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
         d = r["secondary"][key]

@@ -136,3 +136,29 @@ def test_site_score_gives_a_hospital_its_row_of_the_matrix_here(tmp_path, data_r
     r = run_cli("site", "score", "--config", str(cfg), "--model", str(tmp_path / "nope.pt"), timeout=300)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "nope.pt" in err[0], r.stderr
+
+
+def test_site_score_exits_2_when_every_model_was_refused_and_names_the_refused_ones(tmp_path, data_root, capsys):
+    """Only models of another label scheme: nothing could be scored, so exit 2 with one line saying so and naming
+    them (with --json too, the JSON still on stdout); one of them beside a scorable model: exit 0, and one stderr
+    line names just the refused one."""
+    from nvflare_jobs.cli import main
+
+    man = tiny_manifests(data_root, tmp_path / "data", ["hospital-a"], n_train=2, n_val=2, n_test=4)
+    cfg = tiny_profile(man, tmp_path / "profile") / "hospital-a.yaml"
+    binary = _model_files(tmp_path, labels=("binary",))
+    subtype = _model_files(tmp_path / "sub", labels=("subtype", "subtype"))
+    only_refused = [a for f in subtype for a in ("--model", str(f))]
+    assert main(["site", "score", "--config", str(cfg), *only_refused]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("refused: site hospital-a uses labels 'binary'") == 2
+    assert err.strip() == ("cxr-hfl site score: no model could be scored on site hospital-a: all 2 were refused "
+                           "(model_a, model_b; reasons above)")
+    assert main(["site", "score", "--config", str(cfg), *only_refused, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) == {"model_a", "model_b"} and len(err.strip().splitlines()) == 1
+    assert "no model could be scored" in err and "reasons in the JSON" in err
+    assert main(["site", "score", "--config", str(cfg), "--model", str(binary[0]), "--model", str(subtype[0])]) == 0
+    out, err = capsys.readouterr()
+    assert "model_a " in out and "n=4" in out
+    assert err.strip() == "cxr-hfl site score: 1 of 2 models refused: model_a-2 (reasons above)"

@@ -19,7 +19,9 @@ def register(sub) -> None:
     q.add_argument("--json", metavar="FILE", help="also write the full report (every unreadable file) as JSON")
     q.set_defaults(func=run_check)
     q = ssub.add_parser("score", help="score model files on this site's own test split, as the site does in a "
-                                      "cross-site evaluation job (its row of the matrix; nothing is sent)")
+                                      "cross-site evaluation job (its row of the matrix; nothing is sent)",
+                        epilog="Refused models (another label scheme) are named on stderr; exit 2 when every "
+                               "model was refused, so none could be scored.")
     q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml (e.g. <kit>/local/cxr_hfl/hospital-a.yaml)")
     q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
     q.add_argument("--model", action="append", required=True, metavar="FILE",
@@ -70,12 +72,26 @@ def run_score(args) -> int:
         return 2
     if args.json:
         print(json.dumps(res, default=float))
-        return 0
-    print(f"cxr-hfl site score: site {site}, test split of {cfg}")
-    for name, m in res.items():
-        if "refused" in m:
-            print(f"  {name:<24} refused: {m['refused']}")
-            continue
-        print(f"  {name:<24} n={m.get('n')}  " + "  ".join(
-            f"{k} {m[k]:.3f}" for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(m.get(k), float)))
+    else:
+        print(f"cxr-hfl site score: site {site}, test split of {cfg}")
+        for name, m in res.items():
+            if "refused" in m:
+                print(f"  {name:<24} refused: {m['refused']}")
+                continue
+            print(f"  {name:<24} n={m.get('n')}  " + "  ".join(
+                f"{k} {m[k]:.3f}" for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(m.get(k), float)))
+    return _refusals(res, site, "in the JSON" if args.json else "above")
+
+
+def _refusals(res: dict, site: str, where: str) -> int:
+    """``site score``'s exit status: 2 with one line on stderr when every model was refused (nothing scored), else
+    0, with one stderr line naming the refused models when some were."""
+    refused = [name for name, m in res.items() if "refused" in m]
+    if refused and len(refused) == len(res):
+        print(f"cxr-hfl site score: no model could be scored on site {site}: all {len(res)} were refused "
+              f"({', '.join(refused)}; reasons {where})", file=sys.stderr)
+        return 2
+    if refused:
+        print(f"cxr-hfl site score: {len(refused)} of {len(res)} models refused: {', '.join(refused)} (reasons "
+              f"{where})", file=sys.stderr)
     return 0

@@ -347,12 +347,21 @@ def find_audits(run: str | Path) -> list[Path]:
 
 
 def run_audit_cli(args) -> int:
-    """``cxr-hfl audit --run RUN [--data DATA --part P | --name NAME]``."""
-    from nvflare_jobs.evaluation import external_name
+    """``cxr-hfl audit --run RUN [--data DATA [--part P]]``; a bad ``--data`` / ``--part`` combination is refused
+    as ``evaluate`` refuses it (:func:`nvflare_jobs.evaluation.part_required`)."""
+    from chest_xray.splits import POOL
+    from nvflare_jobs.evaluation import external_name, part_required
 
     run = Path(args.run)
     if not run.is_dir():
         print(f"cxr-hfl audit: no run folder {run}", file=sys.stderr)
+        return 2
+    if args.part and not args.data:
+        print(f"cxr-hfl audit: --part {args.part} needs --data (the {POOL} root it was evaluated on)",
+              file=sys.stderr)
+        return 2
+    if args.data and (why := part_required(args.data, args.part)):  # the check evaluate and compare make
+        print(f"cxr-hfl audit: {why}", file=sys.stderr)
         return 2
     if args.data:
         ext = run / "external" / external_name(args.data, args.part)

@@ -76,6 +76,45 @@ def test_compare_external_pool_root_without_part_is_refused_before_writing(tmp_p
     assert not out.exists()
 
 
+def test_a_part_needs_a_data_folder_that_holds_it(tmp_path):
+    """--part given: refused when the folder (or a CSV) holds none of that part's images, naming the option, the
+    folder, the part and the pool root; fine when the pool root holds it, and left to the caller's own message when
+    the path does not exist."""
+    from nvflare_jobs.evaluation import part_required
+
+    only_eval = _pool_root(tmp_path / "a", ("evaluation",))
+    why = part_required(only_eval, "tuning", "--external")
+    assert why == (f"--external {only_eval} holds none of the images of the committed 'tuning' part: --part needs "
+                   "the chest_xray_224 root (e.g. ../shared/data/chest_xray_224)")
+    assert part_required(only_eval, "evaluation") is None
+    assert part_required(_pool_root(tmp_path / "b"), "tuning") is None
+    csv_file = tmp_path / "ext.csv"
+    csv_file.write_text("path,label\n")
+    assert part_required(csv_file, "evaluation").startswith(f"--data {csv_file} holds none")
+    assert part_required(tmp_path / "missing", "evaluation") is None
+
+
+def test_audit_refuses_the_data_part_combinations_evaluate_refuses_with_the_same_line(tmp_path, capsys):
+    """audit --data: the pool root without --part, a --part the folder does not hold, --part without --data: one
+    line, exit 2, the same words as evaluate's refusal; nothing written into the run. A good combination gets as
+    far as looking for the evaluated set's predictions."""
+    run = tmp_path / "run"
+    run.mkdir()
+    root = _pool_root(tmp_path)
+    only_eval = _pool_root(tmp_path / "e", ("evaluation",))
+    for data, part in ((root, None), (only_eval, "tuning")):
+        extra = ["--part", part] if part else []
+        assert main(["evaluate", "--run", str(run), "--data", str(data), *extra]) == 2
+        said = _one_line(capsys, "cxr-hfl evaluate: ", str(data), "--part").removeprefix("cxr-hfl evaluate: ")
+        assert main(["audit", "--run", str(run), "--data", str(data), *extra]) == 2
+        assert _one_line(capsys) == f"cxr-hfl audit: {said}"
+    assert main(["audit", "--run", str(run), "--part", "evaluation"]) == 2
+    _one_line(capsys, "cxr-hfl audit: --part evaluation needs --data", "chest_xray_224 root")
+    assert sorted(p.name for p in run.iterdir()) == []
+    assert main(["audit", "--run", str(run), "--data", str(root), "--part", "evaluation"]) == 2
+    _one_line(capsys, str(run / "external" / "chest_xray_224-evaluation"), "no predictions.npz")
+
+
 @pytest.mark.parametrize("exc, hint", [(ValueError("bad value in x.csv"), False),
                                        (FileNotFoundError(2, "No such file or directory", "x.csv"), False),
                                        (OSError(5, "Input/output error", "x.csv"), True)])

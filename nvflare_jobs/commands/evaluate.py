@@ -135,7 +135,8 @@ def _register_audit(sub) -> None:
                                      "runs it by default): metadata baseline, perturbation probes, Grad-CAM")
     a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
     a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
-    a.add_argument("--part", choices=PARTS, help="the committed part it was evaluated on")
+    a.add_argument("--part", choices=PARTS, help="the committed part of chest_xray_224 it was evaluated on (--data "
+                                                 "must be its root, as for evaluate)")
     a.add_argument("--probe-images", type=_positive_int, default=300,
                    help="class-balanced, seeded subsample for the perturbation probes (default 300)")
     a.add_argument("--saliency-images", type=_positive_int, default=8,

@@ -80,12 +80,19 @@ def external_name(data: str | Path, part: str | None = None) -> str:
 
 
 def part_required(data: str | Path, part: str | None, option: str = "--data") -> str | None:
-    """One line refusing ``data`` without ``part`` when ``data`` is the ``chest_xray_224`` root (it holds images of
-    several committed parts, :func:`chest_xray.splits.parts_under`): scored whole it would mix the tuning and
-    evaluation parts. None when a part is given or ``data`` is any other set."""
+    """One line refusing a bad combination of ``data`` (the value of ``option``) and ``part``, checked by file name
+    before anything is scanned: ``data`` without ``part`` when ``data`` is the ``chest_xray_224`` root (it holds
+    images of several committed parts, :func:`chest_xray.splits.parts_under`): scored whole it would mix the tuning
+    and evaluation parts; ``part`` given but ``data`` holds none of that part's images (it is not the pool root).
+    None otherwise, also for a ``data`` path that does not exist (the caller names it)."""
     from chest_xray.splits import POOL, parts_under
 
-    found = parts_under(data) if not part else []
+    found = parts_under(data)
+    if part:
+        if part in found or not Path(data).exists():
+            return None
+        return (f"{option} {data} holds none of the images of the committed {part!r} part: --part needs the {POOL} "
+                f"root (e.g. ../shared/data/{POOL})")
     if len(found) < 2:
         return None
     return (f"{option} {data} is the {POOL} root (it holds the committed parts {', '.join(found)}): choose one with "

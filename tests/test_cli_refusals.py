@@ -184,3 +184,51 @@ def test_families_text_names_the_catalogue_methods(tmp_path, capsys):
     assert main(["simulate", "--method", proto, "--families", "cnn,cnn", "--sites", "2", "--out", str(out)]) == 2
     _one_line(capsys, f"--families is for {', '.join(takes)})")
     assert not out.exists()
+
+
+FAMS = "cnn,cnn,densenet,densenet,resnet,resnet"
+
+
+@pytest.mark.parametrize("methods, says", [("local,fedsaf", "(local, fedsaf: prototype methods (and local beside "
+                                                             "them) train the heterogeneous backbone pool)"),
+                                           ("fedsaf,fedtopo", "(fedsaf, fedtopo: prototype methods train")])
+def test_compare_refuses_families_when_no_method_takes_it(tmp_path, capsys, methods, says):
+    """Every method of the comparison trains the prototype backbone pool (Local beside prototype methods does too):
+    --families would be dropped without a word; one line naming the methods and the option, nothing written."""
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--methods", methods, "--families", FAMS, "--data", str(tmp_path), "--out", str(out),
+               "--dry-run"])
+    assert rc == 2
+    _one_line(capsys, "cxr-hfl compare: --families: no method in --methods takes it", says, "drop --families")
+    assert not out.exists()
+
+
+def test_compare_names_the_methods_that_ignore_families_and_their_profiles_agree(tmp_path, capsys):
+    """local,fedavg,fedsaf: one line at the start says local and fedavg take --families and fedsaf ignores it; the
+    site configs compare writes agree (local's and fedavg's sites get the families in site order, fedsaf's the
+    prototype pool). local,fedavg: no such line."""
+    import yaml
+
+    from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.compare.run import _checked, write_method_profile
+
+    def checked(methods):
+        args = build_parser().parse_args(["compare", "--methods", methods, "--families", FAMS, "--data",
+                                          str(tmp_path / "data"), "--out", str(tmp_path / "cmp")])
+        return args, _checked(args)[0]
+
+    (tmp_path / "data").mkdir()
+    args, methods = checked("local,fedavg,fedsaf")
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "--families" in ln]
+    assert said == ["[compare] --families: used by local, fedavg; ignored by fedsaf (prototype methods train the "
+                    "heterogeneous backbone pool)"]
+    part = tmp_path / "part"
+    (part / "sites").mkdir(parents=True)
+    for i in range(1, 7):
+        (part / "sites" / f"site-{i}.csv").write_text("path,label,split\n")
+    for m in methods:
+        prof = write_method_profile(part, tmp_path / m, m, 0, args)
+        fams = [yaml.safe_load((prof / f"site-{i}.yaml").read_text())["model"]["family"] for i in range(1, 7)]
+        assert (fams == FAMS.split(",")) == (m != "fedsaf"), (m, fams)
+    checked("local,fedavg")
+    assert "--families" not in capsys.readouterr().out

@@ -84,7 +84,10 @@ def _add_compare(c) -> None:
     c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
-    c.add_argument("--families", help="one model family per site in every method's profile (simulate --families)")
+    c.add_argument("--families", help="one model family per site, comma-separated in site order, for every method "
+                                      "that takes it (simulate --families); prototype methods, and local compared "
+                                      "with them, train the heterogeneous backbone pool and ignore it: compare names "
+                                      "them in one line at the start, and refuses --families when no method takes it")
     for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):

@@ -81,6 +81,14 @@ def proto_protocol(methods: list[str]) -> bool:
     return bool(bases & set(PROTO)) and bases <= set(PROTO) | {CONTROL}
 
 
+def families_ignored(methods: list[str]) -> list[str]:
+    """The methods of a comparison that ignore ``--families``: every prototype method and, in a prototype-method
+    comparison (:func:`proto_protocol`), Local beside them; their sites train the heterogeneous backbone pool. The
+    other methods take one model family per site from it (``write_method_profile``)."""
+    proto = proto_protocol(methods)
+    return [m for m in methods if proto or _base(m) in PROTO]
+
+
 class BudgetError(ValueError):
     """The requested rounds cannot split the common epoch budget evenly."""
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, _base, _entry, budget_lines, check_variant,
-                                       command_for, epoch_plan, proto_protocol, simulate_options, split_variant)
+                                       command_for, epoch_plan, families_ignored, proto_protocol, simulate_options,
+                                       split_variant)
 from nvflare_jobs.compare.tables import _order, collect_runs, write_tables
 
 def _subset(records: list[dict], n: int | None) -> list[dict]:
@@ -193,6 +194,8 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         methods.remove("local+ft")
         print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
               "as the local+ft control")
+    if getattr(args, "families", None) is not None:
+        _families_notice(methods)
     try:
         plans = {m: epoch_plan(m, args) for m in methods}
     except BudgetError as e:
@@ -209,6 +212,22 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         raise _Refused(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)  # every check passed
     return methods, plans, data, ext, out
+
+
+def _families_notice(methods: list[str]) -> None:
+    """With ``--families``: refuse (:class:`_Refused`) when no method of the comparison takes it; when only some
+    do, one line saying which methods ignore it (:func:`~nvflare_jobs.compare.plan.families_ignored`)."""
+    from nvflare_jobs.profiles import family_methods
+
+    ignored = families_ignored(methods)
+    why = ("prototype methods" + (f" (and {CONTROL} beside them)" if any(_base(m) == CONTROL for m in ignored) else "")
+           + " train the heterogeneous backbone pool")
+    if len(ignored) == len(methods):
+        raise _Refused(f"--families: no method in --methods takes it ({', '.join(ignored)}: {why}); it is for "
+                       f"{', '.join(family_methods())} compared without prototype methods; drop --families")
+    if ignored:
+        print(f"[compare] --families: used by {', '.join(m for m in methods if m not in ignored)}; ignored by "
+              f"{', '.join(ignored)} ({why})")
 
 
 def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -> None:

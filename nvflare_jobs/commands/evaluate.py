@@ -26,6 +26,13 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _input_size(s: str) -> int:
+    v = _positive_int(s)
+    if v < 16:
+        raise argparse.ArgumentTypeError(f"expected an input size of at least 16 px, got {v}")
+    return v
+
+
 def _probability(s: str) -> float:
     try:
         v = float(s)
@@ -123,6 +130,10 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--out", required=True, help="CSV to write")
     p.add_argument("--threshold", type=_probability,
                    help="binary: predict PNEUMONIA when p >= threshold, a number in [0, 1] (default argmax)")
+    p.add_argument("--size", type=_input_size, metavar="PX",
+                   help="input size (px) for a global model, which has none of its own (default: the largest "
+                        "input size of its run's sites); a site's model is always scored at the size its file "
+                        "records")
     p.add_argument("--allow-any-modality", action="store_true", help="predict on DICOM objects other than CR/DX/DR")
     p.add_argument("--allow-lateral", action="store_true", help="predict on lateral DICOM views")
     p.set_defaults(func=run_predict)
@@ -197,15 +208,16 @@ def run_predict(args) -> int:
     try:
         check_predict_args(args.data, args.out)
         s = predict_files(args.model, args.data, args.out, threshold=args.threshold,
-                          allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral)
+                          allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral,
+                          size=args.size)
     except (FileNotFoundError, ValueError) as e:
         print(f"cxr-hfl predict: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"cxr-hfl predict: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px "
-          f"({s['n_skipped']} skipped, see the reason column) -> {args.out}"
+    print(f"[cxr-hfl] {s['n_ok']} of {s['n_files']} files predicted at {s['input_size']} px ({s['size_from']}; "
+          f"{s['n_skipped']} skipped, see the reason column) -> {args.out}"
           + ("" if not s.get("calibrated") or args.threshold is not None
              else f"; calibrated probabilities, federated threshold {s['threshold']:.3f}" if s["threshold"] is not None
              else "; calibrated probabilities, argmax (no federated threshold)"))

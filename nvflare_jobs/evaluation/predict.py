@@ -77,7 +77,7 @@ def check_predict_args(inputs: list[str], out_csv: str | Path) -> None:
 
 def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
                   threshold: float | None = None, allow_any_modality: bool = False,
-                  allow_lateral: bool = False) -> dict[str, int]:
+                  allow_lateral: bool = False, size: int | None = None) -> dict[str, int]:
     """Write per-image class probabilities and the predicted class to ``out_csv``.
 
     Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
@@ -94,7 +94,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     operating point (:mod:`hfl_components.operating_point`) its threshold, with the probabilities written
     calibrated by its temperature; a model whose federation set no threshold (or a legacy threshold of 0, which
     would call every image positive) gets one warning line on stderr with the reason, then argmax of the
-    calibrated probabilities.
+    calibrated probabilities. Images are scored at the input size :func:`input_size_for` chooses (``size``: for a
+    global model only); the result's ``input_size`` and ``size_from`` say which and why.
     """
     import torch
 
@@ -103,7 +104,7 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
 
     check_predict_args(inputs, out_csv)
     model, blob = load_model_file(model_path)
-    size = int(blob.get("input_size") or 64)
+    size, size_from = input_size_for(Path(model_path), blob, size)
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
     op, threshold = _decision(model_path, blob, names, labels, threshold)
@@ -150,7 +151,35 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     _write_rows(Path(out_csv), rows, ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"])
     n_ok = sum(r["status"] == "ok" for r in rows)
     return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
-            "threshold": threshold, "calibrated": bool(op)}
+            "size_from": size_from, "threshold": threshold, "calibrated": bool(op)}
+
+
+def input_size_for(model_path: Path, header: dict, size: int | None = None) -> tuple[int, str]:
+    """``(side in px, where it comes from)`` at which ``predict`` scores a model: the input size its file records
+    (a site's local or deployed model, FENS's ensemble); a global model records none (it serves sites of several
+    sizes), so ``size`` when given, else the largest input size of its run's sites (``RUN/resolved_configs``), as
+    ``evaluate --global-sizes largest`` scores it.
+
+    Raises:
+        ValueError: ``size`` differs from the size the model file records, or a global model without ``size``
+            has no run folder beside it that records its sites' sizes (one line naming the file and ``--size``).
+    """
+    from nvflare_jobs.evaluation._run import run_input_sizes
+
+    own = header.get("input_size")
+    if own:
+        if size is not None and int(size) != int(own):
+            raise ValueError(f"--size {size}: {model_path} was trained at {own} px (its file records it); --size "
+                             "is for a global model, which has no input size of its own")
+        return int(own), "the size the model file records"
+    if size is not None:
+        return int(size), "--size"
+    run = _run_of(model_path)
+    sizes = run_input_sizes(run) if run is not None else []
+    if not sizes:
+        raise ValueError(f"{model_path}: a global model has no input size of its own and no run folder beside it "
+                         "records its sites' sizes; give --size (one of the input sizes its sites trained at)")
+    return sizes[-1], f"global model: the largest input size of its run's sites ({', '.join(map(str, sizes))} px)"
 
 
 def _decision(model_path, blob: dict, names: list[str], labels: str, threshold: float | None):

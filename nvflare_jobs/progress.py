@@ -33,7 +33,11 @@ def _read(path: Path | None) -> dict | None:
 def describe_server(st: dict) -> str:
     """One line for the server's state, e.g. ``round 1 fedavg_train: waiting for site-2, site-3``."""
     phase = st.get("phase") or "?"
-    head = f"round {st.get('round')} {st.get('task')}" if st.get("task") else "server"
+    from nvflare_jobs.status import step
+
+    where = step(st.get("method"), st.get("task"), st.get("round"), st.get("num_rounds"))
+    head = (f"{where} ({st['task']})" if where else f"round {st.get('round')} {st.get('task')}") if st.get("task") \
+        else "server"
     if phase == "waiting":
         w = st.get("waiting_for") or []
         tail = f"waiting for {', '.join(w)}" if w else "all answers in"
@@ -46,8 +50,10 @@ def describe_server(st: dict) -> str:
 
 
 def describe_site(p: dict) -> str:
-    """One line for a site's last heartbeat, e.g. ``fedavg_train r1 round 1 epoch 2/3 loss 0.512``."""
-    s = f"{p.get('task')} r{p.get('round')}"
+    """One line for a site's last heartbeat, e.g. ``fedavg_train r1 round 1 epoch 2/3 loss 0.512``; a task whose
+    round number would mislead is worded by its ``step`` (:func:`nvflare_jobs.status.step`), e.g. ``evaluate (final
+    evaluation)``."""
+    s = f"{p.get('task')} ({p['step']})" if p.get("step") else f"{p.get('task')} r{p.get('round')}"
     if p.get("stage"):
         s += f" {p['stage']}"
     if p.get("epochs"):

@@ -31,6 +31,32 @@ def _read(path: Path) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+FINAL_TASK = "evaluate"  # every method's last task (catalogue.COMMON_SITE_HANDLERS): the final evaluation
+
+
+def step(method: str | None, task: str | None, rnd, num_rounds) -> str | None:
+    """Where a job is, in its own terms, when the controller's round number would mislead, else None (the round
+    number says it). The last task, ``evaluate``, is the ``final evaluation``, not a round (its round number is one
+    past the last training round). A method on the ``ensemble`` schedule (FENS: one upload in its ``local phase``,
+    round 0, then ``num_rounds`` aggregator rounds numbered from 1, and one last call that only installs the final
+    aggregator, round ``num_rounds`` + 1) is worded ``local phase``, ``aggregator round r of R`` and ``installing
+    the final aggregator``."""
+    from hfl_components.flare.catalogue import CATALOGUE
+
+    if not task:
+        return None
+    if task == FINAL_TASK:
+        return "final evaluation"
+    entry = CATALOGUE.get(method or "")
+    if entry is None or entry.schedule != "ensemble" or not isinstance(rnd, int):
+        return None
+    if task == entry.training_task:
+        return "local phase"
+    if isinstance(num_rounds, int) and rnd > num_rounds:
+        return "installing the final aggregator"
+    return f"aggregator round {rnd} of {num_rounds}"
+
+
 def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None = None,
              connected: dict[str, float | None] | None = None, job_id: str | None = None) -> dict:
     """The status view of one job.
@@ -42,8 +68,9 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
         connected: {site: seconds since its last heartbeat to the server (None: unknown)} of the sites connected
             now, when known (POC / provisioned); None for a simulator run.
     Returns:
-        ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "failed", "sites": {site: {"state",
-        "reason", "heard_s_ago", "task", "round", "stage", "epoch", "epochs", "loss", "val"}}, "gate"}``.
+        ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "step", "failed", "sites": {site:
+        {"state", "reason", "heard_s_ago", "task", "round", "step", "stage", "epoch", "epochs", "loss", "val"}},
+        "gate"}`` (``step``: :func:`step`; a site's ``val`` from the final evaluation carries ``step`` too).
     """
     st = snapshot or {}
     prog = st.get("sites") or {}
@@ -79,12 +106,24 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
         if connected is not None and connected.get(s) is not None and heard is None:
             heard = connected[s]
         out[s] = {"state": state, "reason": reason if state == "excluded" or s in excluded else None,
-                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"), "stage": p.get("stage"),
-                  "epoch": p.get("epoch"),
-                  "epochs": p.get("epochs"), "loss": p.get("loss"), "val": (st.get("latest_val") or {}).get(s)}
+                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"),
+                  "step": step(st.get("method"), p.get("task"), p.get("round"), st.get("num_rounds")),
+                  "stage": p.get("stage"), "epoch": p.get("epoch"), "epochs": p.get("epochs"), "loss": p.get("loss"),
+                  "val": _val(st, s)}
     return {"job_id": job_id, "job_state": job_state, "phase": st.get("phase"), "round": st.get("round"),
-            "num_rounds": st.get("num_rounds"), "task": st.get("task"), "method": st.get("method"),
+            "num_rounds": st.get("num_rounds"), "task": st.get("task"),
+            "step": step(st.get("method"), st.get("task"), st.get("round"), st.get("num_rounds")),
+            "method": st.get("method"),
             "failed": st.get("failed"), "sites": out, "gate": st.get("gate") if finished else None}
+
+
+def _val(st: dict, site: str) -> dict | None:
+    """A site's latest validation metrics of the snapshot; from the final evaluation (the server's current task is
+    it, in the same round) with ``step``: ``final evaluation``."""
+    val = (st.get("latest_val") or {}).get(site)
+    if isinstance(val, dict) and st.get("task") == FINAL_TASK and val.get("round") == st.get("round"):
+        return {**val, "step": "final evaluation"}
+    return val
 
 
 def run_folder_view(run_dir: str | Path) -> dict:
@@ -199,7 +238,7 @@ def format_site(site: str, d: dict, heard: bool = True) -> str:
     val = d.get("val") or {}
     m = next((k for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(val.get(k), (int, float))), None)
     if m:
-        parts.append(f"val {m} {val[m]:.3f} (round {val.get('round')})")
+        parts.append(f"val {m} {val[m]:.3f} ({val.get('step') or 'round ' + str(val.get('round'))})")
     if d.get("reason"):
         parts.append(f"excluded: {d['reason']}")
     return "  ".join(parts).rstrip()
@@ -211,7 +250,8 @@ def format_view(v: dict) -> str:
     if v.get("method"):
         head += f" ({v['method']})"
     if v.get("task"):
-        head += f"; round {v.get('round')} task {v['task']} ({v.get('phase')})"
+        where = v.get("step") or f"round {v.get('round')}"
+        head += f"; {where} task {v['task']} ({v.get('phase')})"
     lines = [head]
     if v.get("failed"):
         lines.append(f"  FAILED: {v['failed']}")

@@ -95,3 +95,31 @@ def test_site_model_keeps_its_own_size_and_a_lone_global_model_needs_size(case, 
     with pytest.raises(SystemExit) as e:
         main(["predict", "--model", str(lone), "--data", str(imgs), "--out", str(tmp / "d.csv"), "--size", "8"])
     assert e.value.code == 2 and "at least 16 px" in capsys.readouterr().err
+
+
+@pytest.fixture()
+def mixed(tmp_path, case):
+    """A mixed-family OHFL run folder: cnn sites at 32 px, densenet at 48, resnet at 64; one global model per group
+    (``global_models/<group>.pt`` + ``groups.json``), as the OHFL controller writes them."""
+    run = tmp_path / "mixed"
+    (run / "resolved_configs").mkdir(parents=True)
+    groups = {"cnn": ["site-1", "site-2"], "densenet": ["site-3", "site-4"], "resnet": ["site-5", "site-6"]}
+    for g, size in (("cnn", 32), ("densenet", 48), ("resnet", 64)):
+        for s in groups[g]:
+            (run / "resolved_configs" / f"{s}.json").write_text(json.dumps({"input_size": size}))
+    (run / "global_models").mkdir()
+    (run / "global_models" / "groups.json").write_text(json.dumps({g: {"sites": v} for g, v in groups.items()}))
+    for name in ("cnn", "cnn_fused"):
+        shutil.copy(case["global"], run / "global_models" / f"{name}.pt")
+    return run
+
+
+def test_a_groups_global_model_is_scored_at_its_own_groups_largest_size(mixed, case, capsys):
+    imgs, tmp = case["imgs"], case["tmp"]
+    at32 = _probs_at(mixed / "global_models" / "cnn.pt", imgs, 32)
+    assert not np.allclose(list(at32.values()), list(_probs_at(case["global"], imgs, 64).values()))
+    for name in ("cnn", "cnn_fused"):
+        rc, out, _, rows = _predict(capsys, mixed / "global_models" / f"{name}.pt", imgs, tmp / f"{name}.csv")
+        assert rc == 0 and "predicted at 32 px (global model: the largest input size of the cnn group's sites " \
+                          "site-1, site-2 (32 px);" in out, out
+        assert rows == pytest.approx(at32, abs=1e-4)

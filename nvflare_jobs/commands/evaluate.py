@@ -131,8 +131,9 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--threshold", type=_probability,
                    help="binary: predict PNEUMONIA when p >= threshold, a number in [0, 1] (default argmax)")
     p.add_argument("--size", type=_input_size, metavar="PX",
-                   help="input size (px) for a global model, which has none of its own (default: the largest "
-                        "input size of its run's sites); a site's model is always scored at the size its file "
+                   help="input size (px) for a global model, which has none of its own: one its sites trained at "
+                        "(default: the largest input size of its run's sites, or of its architecture group's sites "
+                        "for RUN/global_models/<group>.pt); a site's model is always scored at the size its file "
                         "records")
     p.add_argument("--allow-any-modality", action="store_true", help="predict on DICOM objects other than CR/DX/DR")
     p.add_argument("--allow-lateral", action="store_true", help="predict on lateral DICOM views")

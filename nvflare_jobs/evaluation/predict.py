@@ -158,28 +158,48 @@ def input_size_for(model_path: Path, header: dict, size: int | None = None) -> t
     """``(side in px, where it comes from)`` at which ``predict`` scores a model: the input size its file records
     (a site's local or deployed model, FENS's ensemble); a global model records none (it serves sites of several
     sizes), so ``size`` when given, else the largest input size of its run's sites (``RUN/resolved_configs``), as
-    ``evaluate --global-sizes largest`` scores it.
+    ``evaluate --global-sizes largest`` scores it. The global model of one architecture group of a mixed-family
+    OHFL run (``RUN/global_models/<group>.pt``, listed in ``groups.json``) serves only that group's sites, so only
+    their sizes count.
 
     Raises:
-        ValueError: ``size`` differs from the size the model file records, or a global model without ``size``
-            has no run folder beside it that records its sites' sizes (one line naming the file and ``--size``).
+        ValueError: ``size`` differs from the size the model file records, or is not one of the input sizes the
+            global model's sites trained at, or a global model without ``size`` has no run folder beside it that
+            records its sites' sizes (one line naming the file and ``--size``).
     """
-    from nvflare_jobs.evaluation._run import run_input_sizes
-
     own = header.get("input_size")
     if own:
         if size is not None and int(size) != int(own):
             raise ValueError(f"--size {size}: {model_path} was trained at {own} px (its file records it); --size "
                              "is for a global model, which has no input size of its own")
         return int(own), "the size the model file records"
+    sizes, whose = _global_sizes(model_path)
     if size is not None:
         return int(size), "--size"
-    run = _run_of(model_path)
-    sizes = run_input_sizes(run) if run is not None else []
     if not sizes:
         raise ValueError(f"{model_path}: a global model has no input size of its own and no run folder beside it "
                          "records its sites' sizes; give --size (one of the input sizes its sites trained at)")
-    return sizes[-1], f"global model: the largest input size of its run's sites ({', '.join(map(str, sizes))} px)"
+    return sizes[-1], f"global model: the largest input size of {whose} ({', '.join(map(str, sizes))} px)"
+
+
+def _global_sizes(model_path: Path) -> tuple[list[int], str]:
+    """``(sorted input sizes, whose)`` of the sites a global model serves: every site of its run, or for
+    ``RUN/global_models/<group>[_fused].pt`` of a run with ``groups.json`` that group's sites only; ``([], "")``
+    when no run folder beside the file records them."""
+    from nvflare_jobs.evaluation._run import run_groups, run_input_sizes, run_site_sizes
+
+    run = _run_of(model_path)
+    if run is None:
+        return [], ""
+    if model_path.parent.name == "global_models" and model_path.parent.parent == run:
+        groups = run_groups(run)
+        group = model_path.stem[:-len("_fused")] if model_path.stem.endswith("_fused") else model_path.stem
+        if group in groups:
+            site_sizes = run_site_sizes(run)
+            sizes = sorted({site_sizes[s] for s in groups[group] if s in site_sizes})
+            if sizes:
+                return sizes, f"the {group} group's sites {', '.join(groups[group])}"
+    return run_input_sizes(run), "its run's sites"
 
 
 def _decision(model_path, blob: dict, names: list[str], labels: str, threshold: float | None):

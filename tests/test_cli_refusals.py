@@ -232,3 +232,11 @@ def test_compare_names_the_methods_that_ignore_families_and_their_profiles_agree
         assert (fams == FAMS.split(",")) == (m != "fedsaf"), (m, fams)
     checked("local,fedavg")
     assert "--families" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", (["evaluate", "--run", "R", "--data", "D"], ["compare", "--out", "C"]))
+def test_negative_n_boot_is_refused_naming_the_option(capsys, cmd):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--n-boot", "-5"])
+    assert e.value.code == 2
+    assert "argument --n-boot: expected a whole number >= 0, got -5" in capsys.readouterr().err.splitlines()[-1]

@@ -123,3 +123,15 @@ def test_a_groups_global_model_is_scored_at_its_own_groups_largest_size(mixed, c
         assert rc == 0 and "predicted at 32 px (global model: the largest input size of the cnn group's sites " \
                           "site-1, site-2 (32 px);" in out, out
         assert rows == pytest.approx(at32, abs=1e-4)
+
+
+def test_size_a_global_models_sites_never_trained_at_is_refused(mixed, case, capsys):
+    imgs, tmp = case["imgs"], case["tmp"]
+    rc, _, err, _ = _predict(capsys, case["global"], imgs, tmp / "a.csv", "--size", "5000")
+    assert rc == 2 and err.strip() == (f"cxr-hfl predict: --size 5000: {case['global']} serves sites that trained at "
+                                       "32, 48 px (its run's sites); give one of these")
+    g = mixed / "global_models" / "cnn.pt"
+    rc, _, err, _ = _predict(capsys, g, imgs, tmp / "b.csv", "--size", "48")  # densenet's size, not cnn's
+    assert rc == 2 and err.strip() == (f"cxr-hfl predict: --size 48: {g} serves sites that trained at 32 px (the cnn "
+                                       "group's sites site-1, site-2); give one of these")
+    assert not (tmp / "a.csv").exists() and not (tmp / "b.csv").exists()

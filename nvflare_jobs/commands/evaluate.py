@@ -26,6 +26,16 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
+    return v
+
+
 def _input_size(s: str) -> int:
     v = _positive_int(s)
     if v < 16:
@@ -83,7 +93,7 @@ def _add_compare(c) -> None:
     c.add_argument("--part", choices=PARTS, help="a committed part of chest_xray_224 (--external must be its root)")
     c.add_argument("--external-max-images", type=_positive_int,
                    help="class-stratified subset of the external set (quick checks only)")
-    c.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
+    c.add_argument("--n-boot", type=_non_negative_int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
     c.add_argument("--late-wait", type=int, help="pass-through: seconds to wait for late sites")
     c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
                                    "when the data are chest_xray_original)")
@@ -116,7 +126,7 @@ def _add_evaluate(sub) -> None:
                    help="evaluate the global model at every input size of the run (default) or the largest only")
     e.add_argument("--max-images", type=_positive_int,
                    help="class-stratified subset of the external set (quick checks)")
-    e.add_argument("--n-boot", type=int, default=500,
+    e.add_argument("--n-boot", type=_non_negative_int, default=500,
                    help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
     e.add_argument("--no-audit", action="store_true",
                    help="skip the shortcut audit (metadata baseline, perturbation probes, Grad-CAM; timing runs)")

@@ -175,6 +175,9 @@ def input_size_for(model_path: Path, header: dict, size: int | None = None) -> t
         return int(own), "the size the model file records"
     sizes, whose = _global_sizes(model_path)
     if size is not None:
+        if sizes and int(size) not in sizes:
+            raise ValueError(f"--size {size}: {model_path} serves sites that trained at {', '.join(map(str, sizes))} "
+                             f"px ({whose}); give one of these")
         return int(size), "--size"
     if not sizes:
         raise ValueError(f"{model_path}: a global model has no input size of its own and no run folder beside it "

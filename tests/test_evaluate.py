@@ -449,3 +449,32 @@ def test_evaluate_refuses_a_label_scheme_the_models_cannot_give_and_keeps_the_ea
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, r.stdout + err
     assert "site-1_deployed.pt" in err and "--labels subtype" in err and "2-class" in err, err
     assert earlier.read_text() == '{"earlier": true}'
+
+
+def test_evaluate_never_replaces_an_evaluation_made_with_other_options_without_overwrite(fake_run, data_root,
+                                                                                            tmp_path, capsys):
+    """An evaluation of the same set with fewer images, or without the audit an earlier one has, is refused in one
+    line naming the folder and what differs, and the earlier folder is left byte for byte; a rerun with the same
+    options replaces it; --overwrite replaces it whatever the options."""
+    from nvflare_jobs.cli import main
+
+    ext = _external_csv(data_root, tmp_path / "ext_overwrite.csv")
+    cmd = ["evaluate", "--run", str(fake_run), "--data", str(ext), "--n-boot", "0", "--no-audit"]
+    assert main(cmd) == 0
+    out = fake_run / "external" / "ext_overwrite"
+    assert json.loads((out / "summary.json").read_text())["n_images"] == 16
+    assert main(cmd) == 0  # the same options: a rerun replaces it
+    capsys.readouterr()
+    (out / "audit.json").write_text("{}")  # stands for the audit an earlier evaluation without --no-audit wrote
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    for extra, says in ((["--max-images", "4"], "4 images (was 16); max-images 4 (was none); no audit (it has "
+                                                "audit.json)"),
+                        ([], "no audit (it has audit.json)")):
+        assert main(cmd + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"cxr-hfl evaluate: {out} already holds an evaluation of this set made with other options "
+                       f"({says}); give --overwrite to replace it (its results and audit are deleted), or keep it")
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert main(cmd + ["--max-images", "4", "--overwrite"]) == 0
+    assert json.loads((out / "summary.json").read_text())["n_images"] == 4 and not (out / "audit.json").exists()
+    assert "--overwrite" in run_cli("evaluate", "--help").stdout

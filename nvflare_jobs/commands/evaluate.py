@@ -130,6 +130,10 @@ def _add_evaluate(sub) -> None:
                    help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
     e.add_argument("--no-audit", action="store_true",
                    help="skip the shortcut audit (metadata baseline, perturbation probes, Grad-CAM; timing runs)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier evaluation of the same set (RUN/external/<set>/, with its audit) that was "
+                        "made with other options (image count, --max-images, --n-boot, --no-audit, ...); without it "
+                        "evaluate refuses, and reruns with the same options only")
     e.set_defaults(func=run_evaluate)
 
     _register_audit(sub)
@@ -187,7 +191,7 @@ def run_evaluate(args) -> int:
     try:
         res = evaluate_run(run, args.data, args.labels, force=args.force, max_images=args.max_images,
                            global_sizes=args.global_sizes, part=args.part, n_boot=args.n_boot,
-                           audit=not args.no_audit)
+                           audit=not args.no_audit, overwrite=args.overwrite)
     except LeakageError as e:
         print(f"cxr-hfl evaluate: REFUSED: {e}", file=sys.stderr)
         return 3

@@ -314,7 +314,7 @@ def evaluate_external(out: Path, data: str | Path, part: str | None, max_images:
         t0 = time.perf_counter()
         try:
             res = evaluate_run(run, data, labels, max_images=max_images, part=part, n_boot=0, log=lambda *_: None,
-                               audit=audit)
+                               audit=audit, overwrite=True)  # an earlier one with another image cap is replaced
         except (LeakageError, FileNotFoundError, ValueError) as e:
             print(f"[compare] seed {seed} {method}: external evaluation FAILED: {e}", file=sys.stderr)
             failed.append(f"{method}/seed{seed} (external)")

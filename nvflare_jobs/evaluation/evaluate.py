@@ -153,7 +153,7 @@ def global_site_mean(results: dict[str, dict], site_sizes: dict[str, int], kind:
 
 def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *, force: bool = False,
                  max_images: int | None = None, global_sizes: str = "all", n_boot: int = 500,
-                 part: str | None = None, log=print, audit: bool = True) -> dict[str, Any]:
+                 part: str | None = None, log=print, audit: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Evaluate every saved model of ``run`` on the external labelled set ``data``; write ``RUN/external/<name>/``.
 
     Args:
@@ -162,6 +162,9 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         part: a committed part of ``chest_xray_224`` (``evaluation`` for headline numbers), ``data`` its root.
         global_sizes: ``all`` scores the global model at every site's size (and the site mean ``global``),
             ``largest`` only at the largest (no ``global`` mean).
+        overwrite: replace an earlier evaluation of the same set (``RUN/external/<name>/``) that was made with other
+            options (:func:`replace_problem`); without it such a folder is never touched. One made with the same
+            options is always replaced (a rerun).
 
     Returns:
         ``{"summary": path, "models": {name: result dict}, "overlap": {...}, "dir": folder, "n_images": int,
@@ -169,7 +172,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
 
     Raises:
         LeakageError: the external set shares file names / patient ids with the run's manifests (unless force).
-        FileNotFoundError / ValueError: no models, unreadable data root, every image in the probe pool.
+        FileNotFoundError / ValueError: no models, unreadable data root, every image in the probe pool, an earlier
+            evaluation of the set made with other options and no ``overwrite`` (one line naming its folder).
     """
     import torch
 
@@ -186,6 +190,10 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     records = _subset(records, max_images)
     name = external_name(data, part)
     out_dir = run / "external" / name
+    opts = {"n_images": len(records), "max_images": max_images, "labels": labels, "forced": bool(force),
+            "n_boot": n_boot, "global_sizes": global_sizes}
+    if not overwrite and (why := replace_problem(out_dir, opts, audit)):
+        raise ValueError(why)
     if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
         import shutil
 
@@ -205,7 +213,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     summ_models = _summary_models(results, run, global_sizes, len(records), log)
     _references(summ_models, preds, results, scorer.y, scorer.C, len(records), log)
     summary = {"run": str(run), "data": str(Path(data).resolve()), "part": part, "name": name, "labels": labels,
-               "n_images": len(records), "max_images": max_images, "probe_images_excluded": n_probe,
+               "n_images": len(records), "max_images": max_images, "n_boot": n_boot, "global_sizes": global_sizes,
+               "probe_images_excluded": n_probe,
                "probe_source": probe_source,
                "scan_skipped": len(report.get("skipped", [])), "overlap": overlap, "forced": bool(force),
                "models": summ_models}
@@ -219,6 +228,38 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
             log(f"[audit] skipped: the audit failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
             "n_images": len(records), "probe_images_excluded": n_probe}
+
+
+def replace_problem(out_dir: Path, opts: dict, audit: bool) -> str | None:
+    """One line refusing to replace the earlier evaluation in ``out_dir`` (``RUN/external/<name>/``) by one made with
+    other options, or None (no earlier evaluation, or the same options: a rerun). ``opts`` holds the new
+    evaluation's ``n_images``, ``max_images``, ``labels``, ``forced``, ``n_boot`` and ``global_sizes``; an option the
+    earlier ``summary.json`` does not record (written before it was) is not compared. Without ``audit``, an earlier
+    audit (``audit.json``) would be deleted: refused too. A folder without ``summary.json`` (an evaluation that
+    stopped) is no objection; an unreadable one is."""
+    summ = Path(out_dir) / "summary.json"
+    if not summ.is_file():
+        return None
+    try:
+        old = json.loads(summ.read_text())
+        if not isinstance(old, dict):
+            raise ValueError(f"expected a JSON object, found {type(old).__name__}")
+    except (OSError, ValueError) as e:
+        return (f"{summ} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}), so it cannot be "
+                "told with which options that evaluation was made: give --overwrite to replace it")
+    show = {"max_images": "max-images", "n_boot": "n-boot", "global_sizes": "global-sizes", "labels": "labels",
+            "forced": "force"}
+    def fmt(v):
+        return "none" if v is None else str(v).lower() if isinstance(v, bool) else v
+
+    diffs = [f"{v} images (was {old['n_images']})" if k == "n_images" else f"{show[k]} {fmt(v)} (was {fmt(old[k])})"
+             for k, v in opts.items() if k in old and old[k] != v]
+    if not audit and (Path(out_dir) / "audit.json").is_file():
+        diffs.append("no audit (it has audit.json)")
+    if not diffs:
+        return None
+    return (f"{out_dir} already holds an evaluation of this set made with other options ({'; '.join(diffs)}); "
+            "give --overwrite to replace it (its results and audit are deleted), or keep it")
 
 
 def _external_records(run: Path, data, labels: str, part, force: bool, log) -> tuple:

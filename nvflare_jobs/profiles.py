@@ -140,6 +140,8 @@ def site_options_problem(args) -> str | None:
     """
     if args.sites < 1:
         return f"--sites must be at least 1, got {args.sites}"
+    if why := _input_sizes_problem(getattr(args, "input_sizes", None)):
+        return why
     fams = getattr(args, "families", None)
     if fams is not None and not fams.strip(", "):
         return _families_problem(fams, args.sites)
@@ -152,6 +154,22 @@ def site_options_problem(args) -> str | None:
     if args.scheme == "dirichlet" and not args.alpha > 0:
         return f"--alpha must be > 0 for --scheme dirichlet, got {args.alpha}"
     return _families_problem(fams, args.sites)
+
+
+def _input_sizes_problem(sizes) -> str | None:
+    """One line when ``--input-sizes`` (a list, or comma-separated text as `cxr-hfl compare` passes it on) is not
+    in increasing order (sites are assigned sizes smallest to largest by image width), else None."""
+    if sizes is None:
+        return None
+    text = sizes if isinstance(sizes, str) else ",".join(map(str, sizes))
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return f"--input-sizes {text}: expected comma-separated integers"
+    if any(b <= a for a, b in zip(values, values[1:])):
+        return (f"--input-sizes {text}: give them smallest to largest, each once (e.g. "
+                f"{','.join(map(str, sorted(set(values))))}); sites are assigned sizes in that order by image width")
+    return None
 
 
 def _families_problem(text, n_sites: int) -> str | None:

@@ -240,3 +240,14 @@ def test_negative_n_boot_is_refused_naming_the_option(capsys, cmd):
         main([*cmd, "--n-boot", "-5"])
     assert e.value.code == 2
     assert "argument --n-boot: expected a whole number >= 0, got -5" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("sizes", ("128,64,96", "64,64,128"))
+@pytest.mark.parametrize("cmd", ("simulate", "compare"))
+def test_input_sizes_out_of_order_are_refused_before_writing(tmp_path, capsys, sizes, cmd):
+    out = tmp_path / "out"
+    assert main([cmd, "--method" if cmd == "simulate" else "--methods", "ohfl", "--input-sizes", sizes,
+                 "--out", str(out)]) == 2
+    _one_line(capsys, f"--input-sizes {sizes}: give them smallest to largest, each once (e.g. "
+                      f"{','.join(map(str, sorted({int(x) for x in sizes.split(',')})))})")
+    assert not out.exists()

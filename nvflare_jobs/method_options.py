@@ -87,6 +87,13 @@ def _defaults(args) -> None:
 
         args.input_sizes = [PROTO_TRAINING["input_size"]] if proto else [64, 96, 128]
     _check_method_options(args)
+    if catalogue.entry(args.method).option("data_free") is not None:  # before anything is scanned or written
+        from hfl_components.flare.distill_stage import check_probe_or_data_free
+
+        try:
+            check_probe_or_data_free(getattr(args, "probe", None), args.data_free, args.distill_steps)
+        except ValueError as err:
+            sys.exit(f"cxr-hfl: {err}")
     if catalogue.entry(args.method).option("prototypes") is not None and args.labels == "binary":
         print("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a single "
               "RDM entry); only the instance-level term acts. Use --labels subtype for 3 classes.", file=sys.stderr)

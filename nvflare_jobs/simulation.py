@@ -229,6 +229,9 @@ def _run_checked(args, **kw) -> int:
     _defaults(args)
     if bad := site_options_problem(args):  # the simulated sites' options, before anything is scanned or written
         sys.exit(f"cxr-hfl: {bad}")
+    if not args.profile and args.data and not Path(args.data).expanduser().exists():
+        sys.exit(f"cxr-hfl: --data {args.data}: no such file or folder (give a folder in the Kaggle layout, class "
+                 "folders, or a CSV with path,label columns)")
     return _run(args, **kw)
 
 

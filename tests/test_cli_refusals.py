@@ -251,3 +251,20 @@ def test_input_sizes_out_of_order_are_refused_before_writing(tmp_path, capsys, s
     _one_line(capsys, f"--input-sizes {sizes}: give them smallest to largest, each once (e.g. "
                       f"{','.join(map(str, sorted({int(x) for x in sizes.split(',')})))})")
     assert not out.exists()
+
+
+def test_ohfl_without_probe_pool_or_data_free_is_refused_before_writing(tmp_path, capsys):
+    """--probe none needs --data-free: refused before the run folder is made, so the corrected command needs no
+    --overwrite."""
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", "ohfl", "--probe", "none", "--out", str(out)]) == 2
+    _one_line(capsys, "--probe none", "--data-free")
+    assert not out.exists()
+
+
+def test_simulate_missing_data_is_one_line_and_makes_no_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    missing = tmp_path / "nonexist"
+    assert main(["simulate", "--method", "fedavg", "--data", str(missing), "--out", str(out)]) == 2
+    assert _one_line(capsys, f"--data {missing}: no such file or folder")
+    assert not out.exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 
 from nvflare_jobs.audit import _cell, find_audits
@@ -146,9 +145,11 @@ def audit_html(a: dict, ext_dir: Path) -> list[str]:
 
 def card_note(run: Path) -> str | None:
     """One sentence for the model card: the audit's headline per evaluated set, or None without an audit."""
+    from nvflare_jobs.report import read_json
+
     notes = []
     for f in find_audits(run):
-        a = json.loads(f.read_text())
+        a = read_json(f)
         md = a.get("metadata") or {}
         flags = [p for r in ((a.get("probes") or {}).get("models") or {}).values() for p, v in r.items()
                  if isinstance(v, dict) and v.get("flagged")]

@@ -214,16 +214,33 @@ def no_results_message(m: dict) -> str | None:
     return f"the run has NO site results -- no model was trained and evaluated; {why}"
 
 
+class UnreadableFile(ValueError):
+    """A run or compare file that is not readable as JSON (one line naming it)."""
+
+
+def read_json(path: str | Path):
+    """The JSON document in ``path``.
+
+    Raises:
+        UnreadableFile (a ValueError): empty, truncated or not JSON; the line names the file.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UnreadableFile(f"{path}: not readable as JSON ({why})") from None
+
+
 def render_run(run: Path) -> str:
     from chest_xray import CLASS_NAMES
 
-    m = json.loads((run / "metrics.json").read_text())
+    m = read_json(run / "metrics.json")
     if not isinstance(m, dict):
         raise ValueError(f"{run / 'metrics.json'}: not a metrics document (expected a JSON object)")
     labels = m.get("labels") or "binary"
     names = CLASS_NAMES.get(labels, [])
     digest, mans = manifest_hash(run)
-    opts = json.loads((run / "job_options.json").read_text()) if (run / "job_options.json").is_file() else {}
+    opts = read_json(run / "job_options.json") if (run / "job_options.json").is_file() else {}
     body = [f"<h1>cxr-hfl run report: {html.escape(str(m.get('method')))}</h1>"]
     empty = no_results_message(m)
     if empty:
@@ -315,7 +332,7 @@ def _external_sections(run: Path) -> list[str]:
     """One table per external validation folder of the run."""
     body: list[str] = []
     for ext in sorted(run.glob("external/*/summary.json")) + sorted(run.glob("external/summary.json")):
-        e = json.loads(ext.read_text())
+        e = read_json(ext)
         erows = [[k, v.get("input_size"), *[_f(v.get(x)) for x in ("accuracy", "balanced_accuracy", "auc")],
                   _f(v.get("val_threshold")), _f(v.get("sensitivity_at_val_threshold")),
                   _f(v.get("specificity_at_val_threshold"))] for k, v in e.get("models", {}).items()]
@@ -331,7 +348,7 @@ def _external_sections(run: Path) -> list[str]:
         if (ext.parent / "audit.json").is_file():
             from nvflare_jobs.audit_report import audit_html
 
-            body += audit_html(json.loads((ext.parent / "audit.json").read_text()), ext.parent)
+            body += audit_html(read_json(ext.parent / "audit.json"), ext.parent)
     return body
 
 
@@ -347,7 +364,7 @@ def render_compare(cdir: Path) -> str:
     runs = collect_runs(cdir)
     rows = comparison_rows(runs, thresholds=False)
     md = (cdir / "comparison.md").read_text() if (cdir / "comparison.md").is_file() else ""
-    cj = json.loads((cdir / "compare.json").read_text()) if (cdir / "compare.json").is_file() else {}
+    cj = read_json(cdir / "compare.json") if (cdir / "compare.json").is_file() else {}
     digests = []
     for sd in sorted(cdir.glob("seed*")):
         if (sd / "partition" / "sites").is_dir():

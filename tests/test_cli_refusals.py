@@ -268,3 +268,20 @@ def test_simulate_missing_data_is_one_line_and_makes_no_folder(tmp_path, capsys)
     assert main(["simulate", "--method", "fedavg", "--data", str(missing), "--out", str(out)]) == 2
     assert _one_line(capsys, f"--data {missing}: no such file or folder")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "external/x/audit.json", "external/x/summary.json",
+                                  "job_options.json"])
+@pytest.mark.parametrize("text", ["", "{\"method\": "])
+def test_report_names_an_empty_or_truncated_json_file(tmp_path, capsys, name, text):
+    """An empty or truncated JSON file of a run: one line naming that file, exit 2, no report."""
+    run = tmp_path / "run"
+    (run / "external" / "x").mkdir(parents=True)
+    (run / "metrics.json").write_text('{"method": "fedavg", "labels": "binary", "sites": {}}')
+    (run / "external" / "x" / "summary.json").write_text('{"models": {}, "n_images": 0}')
+    (run / "external" / "x" / "audit.json").write_text("{}")
+    (run / "job_options.json").write_text("{}")
+    (run / name).write_text(text)
+    assert main(["report", str(run)]) == 2
+    assert _one_line(capsys, "cxr-hfl report: ").startswith(f"cxr-hfl report: {run / name}: not readable as JSON (")
+    assert not (run / "report.html").exists()

@@ -244,9 +244,7 @@ def run_predict(args) -> int:
 
 
 def run_report(args) -> int:
-    import json
-
-    from nvflare_jobs.report import excluded_rows, no_results_message, render_report
+    from nvflare_jobs.report import UnreadableFile, excluded_rows, no_results_message, read_json, render_report
 
     if args.out and Path(args.out).is_dir():
         print(f"cxr-hfl report: --out {args.out} is a folder; give an HTML file name, e.g. "
@@ -254,7 +252,7 @@ def run_report(args) -> int:
         return 2
     try:
         out = render_report(args.path, args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, UnreadableFile) as e:  # each names its file
         print(f"cxr-hfl report: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # including json.JSONDecodeError of a damaged metrics.json
@@ -267,11 +265,11 @@ def run_report(args) -> int:
     from nvflare_jobs.audit import find_audits, summary_lines
 
     for f in find_audits(args.path):
-        for line in summary_lines(json.loads(f.read_text())):
+        for line in summary_lines(read_json(f)):
             print(f"audit ({f.parent.name}): {line}")
     mpath = Path(args.path) / "metrics.json"
     if mpath.is_file():
-        m = json.loads(mpath.read_text())
+        m = read_json(mpath)
         for site, rnd, task, reason in excluded_rows(m):
             print(f"WARNING: {site} excluded (round {rnd}, {task}): {reason}", file=sys.stderr)
         msg = no_results_message(m)

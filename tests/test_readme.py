@@ -219,3 +219,13 @@ def test_test_docstrings_and_comments_say_what_is_tested_not_which_issue():
         comments = [t.string for t in tokens if t.type == tokenize.COMMENT]
         found += [f"{f.name}: {m.group(0)!r}" for s in docs + comments for m in issue.finditer(s)]
     assert not found, "\n".join(found)
+
+
+def test_no_doc_repeats_a_paragraph():
+    """No paragraph of README.md or docs/*.md opens with the same sentence as another paragraph of the same file
+    (a paragraph pasted twice, perhaps reworded later); tables, code, headings and list items are left out."""
+    for f in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        paras = [re.sub(r"\s+", " ", p).strip() for p in re.split(r"\n\s*\n", f.read_text(encoding="utf-8"))]
+        firsts = [re.split(r"(?<=[.;:])\s", p)[0] for p in paras if p and not p.startswith(("|", "```", "#", "-", "*"))]
+        twice = sorted({s for s in firsts if len(s) > 40 and firsts.count(s) > 1})
+        assert not twice, f"{f.relative_to(REPO)} repeats the paragraph opening {twice[0]!r}"

@@ -31,7 +31,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
 
     Returns:
         dict with ``site``, ``config`` (path), ``errors`` and ``warnings`` (lists of one-line messages; any error
-        means the site would fail a job), and when the config could be read: ``labels``, ``class_names``,
+        means the site would fail a job), ``bad_config`` (True when the config itself, or the manifest its
+        ``data.manifest`` names, cannot be read: the check stopped there), and when the config could be read: ``labels``, ``class_names``,
         ``manifest``, ``counts`` ({split: {class: n}}), ``n_images``, ``n_patients``, ``unreadable`` ([{"line",
         "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
@@ -50,6 +51,7 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         cfg = load_site_config(site, p)
     except SiteConfigError as e:
         rep["errors"].append(str(e))
+        rep["bad_config"] = True
         return rep
     labels = cfg["data"]["labels"]
     names = CLASS_NAMES[labels]
@@ -118,6 +120,7 @@ def _read_manifest(cfg: dict, rep: dict):
         rows = read_site_manifest(man)
     except (OSError, ValueError) as e:
         rep["errors"].append(f"config {cfg['config_path']} key 'data.manifest': {e}")
+        rep["bad_config"] = True
         return None
     for i, r in enumerate(rows):
         r["line"] = i + 2  # 1-based CSV line, the header is line 1

@@ -367,3 +367,26 @@ def test_site_check_refuses_an_unwritable_json_path_before_checking(tmp_path, wh
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "--json" in err[0] and "Errno" not in err[0], r.stderr
     assert r.stdout == "", r.stdout  # refused before the check ran
+
+
+@pytest.mark.parametrize("text, says", [
+    ("data:\n  manifest: /nonexistent/site.csv\n", "key 'data.manifest'"),
+    ("data:\n  manifest: /nonexistent/site.csv\nbatchsize: 8\n", "'batchsize'"),
+])
+def test_site_check_and_site_score_both_refuse_a_bad_config_as_bad_input(tmp_path, capsys, text, says):
+    """The same unreadable config: `site check` and `site score` both exit 2 with one line naming the config
+    file and the key (check writes its --json report all the same)."""
+    from hfl_components.models import build_model, save_model_file
+    from nvflare_jobs.cli import main
+
+    cfg = tmp_path / "hospital-a.yaml"
+    cfg.write_text(text)
+    spec = {"family": "cnn", "depth": "shallow", "width": 0.5, "in_channels": 1, "num_classes": 2}
+    model = tmp_path / "m.pt"
+    save_model_file(model, spec, build_model(spec).state_dict(), input_size=32, labels="binary", site="x")
+    for cmd in (["check", "--no-images", "--json", str(tmp_path / "rep.json")], ["score", "--model", str(model)]):
+        rc = main(["site", cmd[0], "--config", str(cfg), *cmd[1:]])
+        out, err = capsys.readouterr()
+        assert rc == 2 and len(err.strip().splitlines()) == 1, (cmd, rc, err)
+        assert err.startswith(f"cxr-hfl site {cmd[0]}: ") and str(cfg) in err and says in err, err
+    assert json.loads((tmp_path / "rep.json").read_text())["bad_config"] is True

@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser("site", help="tools for a hospital site operator (site check, site score)")
     ssub = p.add_subparsers(dest="site_command", metavar="ACTION")
     q = ssub.add_parser("check", help="validate the site config and read every image of its manifest (one screen; "
-                                      "exit 1 on errors)")
+                                      "exit 1 when it finds errors, 2 on a config it cannot read)")
     q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml (e.g. <kit>/local/cxr_hfl/hospital-a.yaml)")
     q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
     q.add_argument("--no-images", action="store_true", help="skip decoding the images (config, manifest, model only)")
@@ -51,9 +51,12 @@ def run_check(args) -> int:
         print(f"cxr-hfl site check: --json {args.json}: {what}", file=sys.stderr)
         return 2
     rep = check_site(args.config, site=args.site, read_images=not args.no_images)
-    print(format_report(rep))
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1, default=str))
+    if rep.get("bad_config"):  # bad input, as `site score` reports the same config: one line, exit 2
+        print(f"cxr-hfl site check: {rep['errors'][0].splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(format_report(rep))
     return 1 if rep["errors"] else 0
 
 

@@ -129,6 +129,23 @@ def _check_paired(paired: dict, path: Path) -> None:
             raise BadInput(f"{path}: paired[{i}] lacks {', '.join(miss + [m + '.a/b' for m in bad])}")
 
 
+def check_runs(cmp: Path, seeds=SEEDS) -> None:
+    """Raise :class:`BadInput` unless every method of the protocol (:data:`METHODS`) has its finished run
+    (``seed<k>/<method>/metrics.json``) at every seed of ``seeds`` and no protocol method has a run at another seed:
+    the paired rows and the per-seed summaries must come from the same runs. The message names every missing
+    ``seed<k>/<method>`` (or the seeds outside ``seeds``)."""
+    methods = METHODS.split(",")
+    miss = [f"seed{s}/{m}" for s in seeds for m in methods if not (cmp / f"seed{s}" / m / "metrics.json").is_file()]
+    if miss:
+        raise BadInput(f"{cmp}: no finished run (metrics.json) in {', '.join(miss)}: every method of the protocol "
+                       f"must have its run at every seed ({','.join(map(str, seeds))})")
+    extra = sorted({int(p.parent.parent.name[4:]) for m in methods for p in cmp.glob(f"seed*/{m}/metrics.json")
+                    if p.parent.parent.name[4:].isdigit()} - set(seeds))
+    if extra:
+        raise BadInput(f"{cmp}: runs at seed(s) {','.join(map(str, extra))}, outside the analysed seeds "
+                       f"{','.join(map(str, seeds))}")
+
+
 def _check_protocol(cmp: Path, paired: dict, path: Path) -> None:
     """Raise :class:`BadInput` when ``cmp`` is not a comparison of the protocol's methods (its ``compare.json``) or
     ``paired_external.json`` holds no primary comparison of :data:`MAIN`: a result of another comparison must never
@@ -224,12 +241,26 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
     return out
 
 
+def _check_seeds(paired: dict, path: Path, seeds) -> None:
+    """Raise :class:`BadInput` when the primary comparison of ``paired_external.json`` is not over ``seeds``."""
+    prim = next(q for q in paired["paired"] if isinstance(q, dict) and q.get("primary"))
+    if sorted(map(str, prim["seeds"])) != sorted(map(str, seeds)):
+        raise BadInput(f"{path}: the primary comparison is over seeds {','.join(map(str, prim['seeds']))}, not the "
+                       f"analysed seeds {','.join(map(str, seeds))} (rebuild it from the runs)")
+
+
 def analyse(args) -> int:
     cmp, res = Path(args.cmp), Path(args.results)
+    seeds = tuple(args.seeds)
     pj = cmp / "paired_external.json"
     if not pj.is_file() and list(cmp.glob("seed*/*/external/*/predictions.npz")):  # a copy made by copy_seed
         from nvflare_jobs.compare.tables import collect_runs, external_tables
 
+        try:
+            check_runs(cmp, seeds)
+        except BadInput as e:
+            print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
+            return 2
         external_tables(cmp, collect_runs(cmp))
     if not pj.is_file():
         print(f"confirmatory: no {pj}: run the protocol first", file=sys.stderr)
@@ -238,6 +269,8 @@ def analyse(args) -> int:
         paired = _json(pj)
         _check_paired(paired, pj)
         _check_protocol(cmp, paired, pj)
+        check_runs(cmp, seeds)
+        _check_seeds(paired, pj, seeds)
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
@@ -325,6 +358,13 @@ def markdown(r: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.confirmatory", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -334,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--results", default=str(RESULTS), help="where the committed result files go")
         if c in ("run", "copy"):
             p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
+        else:
+            p.add_argument("--seeds", type=_seed_list, default=SEEDS,
+                           help=f"the seeds every method must have its run at (default: the protocol's "
+                                f"{','.join(map(str, SEEDS))}; others only for a rehearsal on the tuning part)")
         if c == "run":
             p.add_argument("--data", help="training data root (default: compare's: $CXR_DATA, ../shared/data)")
             p.add_argument("--external", default="../shared/data/chest_xray_224")

@@ -30,6 +30,8 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
         truth["eval_sens"][s], truth["eval_min"][s] = float(ev.mean()), float(ev.min())
         _write(run / "metrics.json", {"sites": {f"site-{k + 1}": {"gate": {"adopted": a}}
                                                 for k, a in enumerate(adopted)}})
+        for m in ("local", "fedavg"):  # every method of the protocol has its run at every seed
+            _write(root / f"seed{s}" / m / "metrics.json", {"sites": {}})
         models = {f"site-{k + 1}_deployed": {"kind": "deployed", "auc": 0.9} for k in range(3)}
         models["global"] = {"kind": "global", "auc": 0.9, "gap_to_ensemble_auc": gap}
         _write(run / "external" / name / "summary.json", {"models": models})
@@ -74,13 +76,52 @@ def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
 
 def test_analysis_with_fewer_than_five_seeds_gives_per_seed_values_and_no_interval(tmp_path):
     truth = _fake_cmp(tmp_path / "cmp", [10, 11])
-    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"),
+                   "--seeds", "10,11"]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     d = r["secondary"]["gap_global"]
     assert d["ci_low"] is None and not d["reliable"]
     assert d["per_seed"] == {str(s): pytest.approx(truth["gap"][s]) for s in (10, 11)}
     md = (tmp_path / "res" / "RESULT.md").read_text()
     assert "no reliable interval" in md and "no verdict" in md
+
+
+def _refused(args, capsys, *says):
+    assert C.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for x in says:
+        assert x in err, err
+    return err
+
+
+def test_analysis_refuses_a_missing_seed_and_writes_nothing(tmp_path, capsys):
+    """A folder without seed 12's runs was analysed with the paired rows over 5 seeds and the summaries over 4."""
+    import shutil
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    shutil.rmtree(cmp / "seed12")
+    err = _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys,
+                   "seed12/local", "seed12/fedavg", "seed12/ohfl", "nothing was written")
+    assert "seed11" not in err and not res.exists()
+    (cmp / "seed12" / "ohfl").mkdir(parents=True)  # one method's run missing is refused too
+    _write(cmp / "seed12" / "ohfl" / "metrics.json", {"sites": {}})
+    err = _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, "seed12/local, seed12/fedavg")
+    assert "seed12/ohfl" not in err and not res.exists()
+
+
+def test_analysis_refuses_runs_or_paired_rows_at_other_seeds(tmp_path, capsys):
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res), "--seeds", "10,11,12,13"], capsys,
+             "seed(s) 14, outside the analysed seeds 10,11,12,13")
+    pj = cmp / "paired_external.json"
+    paired = json.loads(pj.read_text())
+    paired["paired"][0]["seeds"] = [10, 11, 13, 14]
+    _write(pj, paired)
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(pj), "seeds 10,11,13,14")
+    assert not res.exists()
 
 
 def test_analysis_without_a_comparison_says_so(tmp_path, capsys):

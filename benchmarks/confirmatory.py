@@ -133,12 +133,20 @@ def check_runs(cmp: Path, seeds=SEEDS) -> None:
     """Raise :class:`BadInput` unless every method of the protocol (:data:`METHODS`) has its finished run
     (``seed<k>/<method>/metrics.json``) at every seed of ``seeds`` and no protocol method has a run at another seed:
     the paired rows and the per-seed summaries must come from the same runs. The message names every missing
-    ``seed<k>/<method>`` (or the seeds outside ``seeds``)."""
+    ``seed<k>/<method>`` (or the seeds outside ``seeds``); a run's ``metrics.json`` must be a readable JSON object
+    whose ``method`` and ``seed`` are its folder's (a file copied from another run is named)."""
     methods = METHODS.split(",")
     miss = [f"seed{s}/{m}" for s in seeds for m in methods if not (cmp / f"seed{s}" / m / "metrics.json").is_file()]
     if miss:
         raise BadInput(f"{cmp}: no finished run (metrics.json) in {', '.join(miss)}: every method of the protocol "
                        f"must have its run at every seed ({','.join(map(str, seeds))})")
+    for s in seeds:
+        for m in methods:
+            f = cmp / f"seed{s}" / m / "metrics.json"
+            met = _json(f)
+            if met.get("method") != m or met.get("seed") != s:
+                raise BadInput(f"{f}: records method {met.get('method')!r}, seed {met.get('seed')!r}, not its "
+                               f"folder's {m!r}, seed {s} (a run copied from another method or seed?)")
     extra = sorted({int(p.parent.parent.name[4:]) for m in methods for p in cmp.glob(f"seed*/{m}/metrics.json")
                     if p.parent.parent.name[4:].isdigit()} - set(seeds))
     if extra:

@@ -28,10 +28,10 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
         truth["adopted"][s] = float(np.mean(adopted))
         ev = rng.uniform(0.7, 1.0, size=3)  # each deployed model's sensitivity on the evaluation images
         truth["eval_sens"][s], truth["eval_min"][s] = float(ev.mean()), float(ev.min())
-        _write(run / "metrics.json", {"sites": {f"site-{k + 1}": {"gate": {"adopted": a}}
-                                                for k, a in enumerate(adopted)}})
+        _write(run / "metrics.json", {"method": "ohfl", "seed": s, "sites": {
+            f"site-{k + 1}": {"gate": {"adopted": a}} for k, a in enumerate(adopted)}})
         for m in ("local", "fedavg"):  # every method of the protocol has its run at every seed
-            _write(root / f"seed{s}" / m / "metrics.json", {"sites": {}})
+            _write(root / f"seed{s}" / m / "metrics.json", {"method": m, "seed": s, "sites": {}})
         models = {f"site-{k + 1}_deployed": {"kind": "deployed", "auc": 0.9} for k in range(3)}
         models["global"] = {"kind": "global", "auc": 0.9, "gap_to_ensemble_auc": gap}
         _write(run / "external" / name / "summary.json", {"models": models})
@@ -106,7 +106,7 @@ def test_analysis_refuses_a_missing_seed_and_writes_nothing(tmp_path, capsys):
                    "seed12/local", "seed12/fedavg", "seed12/ohfl", "nothing was written")
     assert "seed11" not in err and not res.exists()
     (cmp / "seed12" / "ohfl").mkdir(parents=True)  # one method's run missing is refused too
-    _write(cmp / "seed12" / "ohfl" / "metrics.json", {"sites": {}})
+    _write(cmp / "seed12" / "ohfl" / "metrics.json", {"method": "ohfl", "seed": 12, "sites": {}})
     err = _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, "seed12/local, seed12/fedavg")
     assert "seed12/ohfl" not in err and not res.exists()
 
@@ -121,6 +121,20 @@ def test_analysis_refuses_runs_or_paired_rows_at_other_seeds(tmp_path, capsys):
     paired["paired"][0]["seeds"] = [10, 11, 13, 14]
     _write(pj, paired)
     _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(pj), "seeds 10,11,13,14")
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("src", ["seed11/fedavg", "seed12/ohfl"])
+def test_analysis_refuses_a_run_file_of_another_method_or_seed(tmp_path, capsys, src):
+    """fedavg's (or another seed's OHFL) metrics.json copied over seed11/ohfl's was analysed as OHFL seed 11."""
+    import shutil
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    dst = cmp / "seed11" / "ohfl" / "metrics.json"
+    shutil.copy(cmp / src / "metrics.json", dst)
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(dst), "not its folder's 'ohfl', seed 11",
+             "nothing was written")
     assert not res.exists()
 
 

@@ -71,7 +71,7 @@ def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
         {"comparison": "ohfl vs local+ft", "primary": "auc", "seeds": [10], "auc": q, "balanced_accuracy": q}]}))
     for m in ("ohfl", "local", "fedavg"):
         (cmp / "seed10" / m).mkdir(parents=True)
-        (cmp / "seed10" / m / "metrics.json").write_text("{}")
+        (cmp / "seed10" / m / "metrics.json").write_text(json.dumps({"method": m, "seed": 10}))
     (cmp / "seedX" / "ohfl").mkdir(parents=True)  # not a seed folder: ignored
     (cmp / "seedX" / "ohfl" / "metrics.json").write_text("{}")
     args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--results"]

@@ -249,6 +249,35 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
     return out
 
 
+def _npz_error(path: Path) -> str | None:
+    """Why ``path`` is not a readable predictions file (every array loaded, ``paths`` and ``y`` present), or None."""
+    import zipfile
+
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for k in z.files:
+                z[k]
+            miss = [k for k in ("paths", "y") if k not in z.files]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        return f"not a readable .npz ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    return f"lacks {', '.join(miss)}: not an external evaluation's predictions" if miss else None
+
+
+def check_rebuild_inputs(cmp: Path) -> None:
+    """Raise :class:`BadInput` naming the first file that the rebuild of the paired tables from a copy
+    (:func:`nvflare_jobs.compare.tables.external_tables`) would fail on: any run's ``metrics.json`` and external
+    ``summary.json`` must be a readable JSON object and every ``predictions.npz`` must load, so that a bad file is
+    refused before anything is written into ``cmp``."""
+    for f in sorted(cmp.glob("seed*/*/metrics.json")) + sorted(cmp.glob("seed*/*/external/*/summary.json")):
+        _json(f)
+    for f in sorted(cmp.glob("seed*/*/external/*/predictions.npz")):
+        why = _npz_error(f)
+        if why:
+            raise BadInput(f"{f}: {why}")
+
+
 def _check_seeds(paired: dict, path: Path, seeds) -> None:
     """Raise :class:`BadInput` when the primary comparison of ``paired_external.json`` is not over ``seeds``."""
     prim = next(q for q in paired["paired"] if isinstance(q, dict) and q.get("primary"))
@@ -266,6 +295,7 @@ def analyse(args) -> int:
 
         try:
             check_runs(cmp, seeds)
+            check_rebuild_inputs(cmp)
         except BadInput as e:
             print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
             return 2

@@ -138,6 +138,31 @@ def test_analysis_refuses_a_run_file_of_another_method_or_seed(tmp_path, capsys,
     assert not res.exists()
 
 
+@pytest.mark.parametrize("damage", ["truncate", "empty", "no_paths"])
+def test_rebuild_refuses_an_unreadable_predictions_file_before_writing(tmp_path, capsys, damage):
+    """A copy without the paired tables is rebuilt from its predictions; a truncated predictions.npz gave a
+    traceback after comparison_external.csv was already written into --cmp."""
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    (cmp / "paired_external.json").unlink()
+    _write(cmp / "compare.json", {"methods": ["local", "fedavg", "ohfl"], "external": "x", "part": "evaluation",
+                                  "external_name": "chest_xray_224-evaluation"})
+    for s in (10, 11, 12, 13, 14):  # the fake's OHFL runs have an external evaluation
+        np.savez(cmp / f"seed{s}" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz",
+                 paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]), **{"site-1_deployed": np.eye(2)})
+    bad = cmp / "seed12" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz"
+    raw = bad.read_bytes()
+    if damage == "truncate":
+        bad.write_bytes(raw[: len(raw) // 2])
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        np.savez(bad, y=np.array([0, 1]))
+    before = sorted(p.relative_to(cmp) for p in cmp.rglob("*"))
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(bad), "nothing was written")
+    assert sorted(p.relative_to(cmp) for p in cmp.rglob("*")) == before and not res.exists()
+
+
 def test_analysis_without_a_comparison_says_so(tmp_path, capsys):
     assert C.main(["analyse", "--cmp", str(tmp_path / "none"), "--results", str(tmp_path / "res")]) == 2
     assert "run the protocol first" in capsys.readouterr().err

@@ -329,13 +329,20 @@ def analyse(args) -> int:
     return 0
 
 
-def _ci(d: dict, nd: int = 3) -> str:
+def _ci(d: dict, nd: int = 3, share: bool = False) -> str:
+    """A per-seed summary's cell: mean, seed-level 95% t-interval (``share``: clipped to [0, 1], the range of a
+    share; the record keeps the unclipped interval) and the per-seed values."""
     if not d or d.get("mean") is None:
         return "–"
     per = " / ".join(f"{v:.{nd}f}" for v in d["per_seed"].values())
     if d.get("reliable") and d.get("ci_low") is not None:
-        return f"{d['mean']:.{nd}f} (95% CI {d['ci_low']:.{nd}f} to {d['ci_high']:.{nd}f}); per seed {per}"
+        lo, hi = (max(0.0, d["ci_low"]), min(1.0, d["ci_high"])) if share else (d["ci_low"], d["ci_high"])
+        return f"{d['mean']:.{nd}f} (95% CI {lo:.{nd}f} to {hi:.{nd}f}); per seed {per}"
     return f"{d['mean']:.{nd}f}; per seed {per} ({d['n_seeds']} seed(s): no reliable interval)"
+
+
+#: the row label's note on a share's interval (:func:`_ci` with ``share``)
+CLIPPED = " (95% CI clipped to [0, 1])"
 
 
 def markdown(r: dict) -> str:
@@ -369,10 +376,10 @@ def markdown(r: dict) -> str:
           f"| fused model (before distillation), AUC gap to the ensemble | {_ci(s['gap_fused'])} |",
           f"| border (6 % shift) probe, deployed models, change of p(NORMAL) (tolerance ±0.05) | "
           f"{_ci(s['border_dp_normal'])} |",
-          f"| share of deployed models flagged by the border probe | {_ci(s['border_flagged'], 2)} |",
+          f"| share of deployed models flagged by the border probe{CLIPPED} | {_ci(s['border_flagged'], 2, True)} |",
           f"| metadata baseline AUC (file facts only) | {_ci(s['metadata_auc'])} |",
           f"| deployed models' AUC margin over the metadata baseline | {_ci(s['metadata_margin'])} |",
-          f"| share of deployed models whose margin CI covers 0 | {_ci(s['margin_covers_zero'], 2)} |",
+          f"| share of deployed models whose margin CI covers 0{CLIPPED} | {_ci(s['margin_covers_zero'], 2, True)} |",
           f"| federated threshold (calibrated p(PNEUMONIA)) | {_ci(s['fed_threshold'])} |",
           "| sensitivity at the federated threshold, pooled over the evaluation images and the deployed models "
           f"(target 0.95, floor 0.90) | {_ci(s.get('eval_sensitivity'))} |",
@@ -384,7 +391,7 @@ def markdown(r: dict) -> str:
           f"| for reference: each site's own validation sensitivity (mean over sites) | {_ci(s['site_sensitivity'])} |",
           "| for reference: sensitivity pooled over the sites' own test splits | "
           f"{_ci(s.get('test_sensitivity'))} |",
-          f"| share of sites whose gate adopted the federated model | {_ci(s['adopted'], 2)} |"]
+          f"| share of sites whose gate adopted the federated model{CLIPPED} | {_ci(s['adopted'], 2, True)} |"]
     sl = r.get("secondary_local") or {}
     if sl:
         L += ["", "Local+ft control, the same audit: border probe change of p(NORMAL) "

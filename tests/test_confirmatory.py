@@ -163,6 +163,29 @@ def test_rebuild_refuses_an_unreadable_predictions_file_before_writing(tmp_path,
     assert sorted(p.relative_to(cmp) for p in cmp.rglob("*")) == before and not res.exists()
 
 
+def test_a_share_interval_is_printed_clipped_to_0_1_and_says_so(tmp_path):
+    """Gate adoption shares 1, 1, 1, 1, 0.5 over 5 seeds: mean 0.90, the seed t-interval 0.62 to 1.18 (computed here);
+    a share's printed interval stops at 1 and its row says it is clipped; result.json keeps the t-interval."""
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    seeds = [10, 11, 12, 13, 14]
+    _fake_cmp(cmp, seeds)
+    shares = [1.0, 1.0, 1.0, 1.0, 0.5]
+    for s, v in zip(seeds, shares):
+        f = cmp / f"seed{s}" / "ohfl" / "metrics.json"
+        met = json.loads(f.read_text())
+        met["sites"] = {"site-1": {"gate": {"adopted": True}}, "site-2": {"gate": {"adopted": v == 1.0}}}
+        _write(f, met)
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 0
+    half = stats.t.ppf(0.975, 4) * np.std(shares, ddof=1) / np.sqrt(5)
+    assert 0.9 + half > 1.0
+    r = json.loads((res / "result.json").read_text())["secondary"]["adopted"]
+    assert r["ci_high"] == pytest.approx(0.9 + half)
+    row = next(ln for ln in (res / "RESULT.md").read_text().splitlines() if "gate adopted" in ln)
+    assert "clipped to [0, 1]" in row and f"95% CI {0.9 - half:.2f} to 1.00)" in row and "1.18" not in row
+    gap = next(ln for ln in (res / "RESULT.md").read_text().splitlines() if "AUC gap to the site ensemble" in ln)
+    assert "clipped" not in gap
+
+
 def test_analysis_without_a_comparison_says_so(tmp_path, capsys):
     assert C.main(["analyse", "--cmp", str(tmp_path / "none"), "--results", str(tmp_path / "res")]) == 2
     assert "run the protocol first" in capsys.readouterr().err

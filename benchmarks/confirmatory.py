@@ -10,7 +10,9 @@ exactly what it says and nothing else:
 * ``analyse``: the primary endpoint and the secondary endpoints from the comparison folder, written to
   ``result.json`` and ``RESULT.md`` in the results folder. The inference is :mod:`hfl_components.stats`: the
   crossed cluster bootstrap-t for paired differences on the shared external images (Owen 2007), the seed-level
-  t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds.
+  t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds. A folder where a method of
+  the protocol lacks its run at a seed, a run file that is not its folder's method and seed, or an unreadable file
+  is refused in one line naming it (exit 2) before anything is written.
 
 ``python -m benchmarks.confirmatory run --cmp runs/confirmatory`` then
 ``python -m benchmarks.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR`` runs the

@@ -10,7 +10,9 @@ exactly what it says and nothing else:
 * ``analyse``: the primary endpoint and the secondary endpoints from the comparison folder, written to
   ``result.json`` and ``RESULT.md`` in the results folder. The inference is :mod:`hfl_components.stats`: the
   crossed cluster bootstrap-t for paired differences on the shared external images (Owen 2007), the seed-level
-  t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds.
+  t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds. A folder where a method of
+  the protocol lacks its run at a seed, a run file that is not its folder's method and seed, or an unreadable file
+  is refused in one line naming it (exit 2) before anything is written.
 
 ``python -m benchmarks.confirmatory run --cmp runs/confirmatory`` then
 ``python -m benchmarks.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR`` runs the
@@ -129,6 +131,31 @@ def _check_paired(paired: dict, path: Path) -> None:
             raise BadInput(f"{path}: paired[{i}] lacks {', '.join(miss + [m + '.a/b' for m in bad])}")
 
 
+def check_runs(cmp: Path, seeds=SEEDS) -> None:
+    """Raise :class:`BadInput` unless every method of the protocol (:data:`METHODS`) has its finished run
+    (``seed<k>/<method>/metrics.json``) at every seed of ``seeds`` and no protocol method has a run at another seed:
+    the paired rows and the per-seed summaries must come from the same runs. The message names every missing
+    ``seed<k>/<method>`` (or the seeds outside ``seeds``); a run's ``metrics.json`` must be a readable JSON object
+    whose ``method`` and ``seed`` are its folder's (a file copied from another run is named)."""
+    methods = METHODS.split(",")
+    miss = [f"seed{s}/{m}" for s in seeds for m in methods if not (cmp / f"seed{s}" / m / "metrics.json").is_file()]
+    if miss:
+        raise BadInput(f"{cmp}: no finished run (metrics.json) in {', '.join(miss)}: every method of the protocol "
+                       f"must have its run at every seed ({','.join(map(str, seeds))})")
+    for s in seeds:
+        for m in methods:
+            f = cmp / f"seed{s}" / m / "metrics.json"
+            met = _json(f)
+            if met.get("method") != m or met.get("seed") != s:
+                raise BadInput(f"{f}: records method {met.get('method')!r}, seed {met.get('seed')!r}, not its "
+                               f"folder's {m!r}, seed {s} (a run copied from another method or seed?)")
+    extra = sorted({int(p.parent.parent.name[4:]) for m in methods for p in cmp.glob(f"seed*/{m}/metrics.json")
+                    if p.parent.parent.name[4:].isdigit()} - set(seeds))
+    if extra:
+        raise BadInput(f"{cmp}: runs at seed(s) {','.join(map(str, extra))}, outside the analysed seeds "
+                       f"{','.join(map(str, seeds))}")
+
+
 def _check_protocol(cmp: Path, paired: dict, path: Path) -> None:
     """Raise :class:`BadInput` when ``cmp`` is not a comparison of the protocol's methods (its ``compare.json``) or
     ``paired_external.json`` holds no primary comparison of :data:`MAIN`: a result of another comparison must never
@@ -224,12 +251,56 @@ def per_seed_summaries(cmp: Path, name: str, method: str = MAIN) -> dict[str, di
     return out
 
 
+def _npz_error(path: Path) -> str | None:
+    """Why ``path`` is not a readable predictions file (every array loaded, ``paths`` and ``y`` present), or None."""
+    import zipfile
+
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for k in z.files:
+                z[k]
+            miss = [k for k in ("paths", "y") if k not in z.files]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        return f"not a readable .npz ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    return f"lacks {', '.join(miss)}: not an external evaluation's predictions" if miss else None
+
+
+def check_rebuild_inputs(cmp: Path) -> None:
+    """Raise :class:`BadInput` naming the first file that the rebuild of the paired tables from a copy
+    (:func:`nvflare_jobs.compare.tables.external_tables`) would fail on: any run's ``metrics.json`` and external
+    ``summary.json`` must be a readable JSON object and every ``predictions.npz`` must load, so that a bad file is
+    refused before anything is written into ``cmp``."""
+    for f in sorted(cmp.glob("seed*/*/metrics.json")) + sorted(cmp.glob("seed*/*/external/*/summary.json")):
+        _json(f)
+    for f in sorted(cmp.glob("seed*/*/external/*/predictions.npz")):
+        why = _npz_error(f)
+        if why:
+            raise BadInput(f"{f}: {why}")
+
+
+def _check_seeds(paired: dict, path: Path, seeds) -> None:
+    """Raise :class:`BadInput` when the primary comparison of ``paired_external.json`` is not over ``seeds``."""
+    prim = next(q for q in paired["paired"] if isinstance(q, dict) and q.get("primary"))
+    if sorted(map(str, prim["seeds"])) != sorted(map(str, seeds)):
+        raise BadInput(f"{path}: the primary comparison is over seeds {','.join(map(str, prim['seeds']))}, not the "
+                       f"analysed seeds {','.join(map(str, seeds))} (rebuild it from the runs)")
+
+
 def analyse(args) -> int:
     cmp, res = Path(args.cmp), Path(args.results)
+    seeds = tuple(args.seeds)
     pj = cmp / "paired_external.json"
     if not pj.is_file() and list(cmp.glob("seed*/*/external/*/predictions.npz")):  # a copy made by copy_seed
         from nvflare_jobs.compare.tables import collect_runs, external_tables
 
+        try:
+            check_runs(cmp, seeds)
+            check_rebuild_inputs(cmp)
+        except BadInput as e:
+            print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
+            return 2
         external_tables(cmp, collect_runs(cmp))
     if not pj.is_file():
         print(f"confirmatory: no {pj}: run the protocol first", file=sys.stderr)
@@ -238,6 +309,8 @@ def analyse(args) -> int:
         paired = _json(pj)
         _check_paired(paired, pj)
         _check_protocol(cmp, paired, pj)
+        check_runs(cmp, seeds)
+        _check_seeds(paired, pj, seeds)
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
@@ -258,13 +331,20 @@ def analyse(args) -> int:
     return 0
 
 
-def _ci(d: dict, nd: int = 3) -> str:
+def _ci(d: dict, nd: int = 3, share: bool = False) -> str:
+    """A per-seed summary's cell: mean, seed-level 95% t-interval (``share``: clipped to [0, 1], the range of a
+    share; the record keeps the unclipped interval) and the per-seed values."""
     if not d or d.get("mean") is None:
         return "–"
     per = " / ".join(f"{v:.{nd}f}" for v in d["per_seed"].values())
     if d.get("reliable") and d.get("ci_low") is not None:
-        return f"{d['mean']:.{nd}f} (95% CI {d['ci_low']:.{nd}f} to {d['ci_high']:.{nd}f}); per seed {per}"
+        lo, hi = (max(0.0, d["ci_low"]), min(1.0, d["ci_high"])) if share else (d["ci_low"], d["ci_high"])
+        return f"{d['mean']:.{nd}f} (95% CI {lo:.{nd}f} to {hi:.{nd}f}); per seed {per}"
     return f"{d['mean']:.{nd}f}; per seed {per} ({d['n_seeds']} seed(s): no reliable interval)"
+
+
+#: the row label's note on a share's interval (:func:`_ci` with ``share``)
+CLIPPED = " (95% CI clipped to [0, 1])"
 
 
 def markdown(r: dict) -> str:
@@ -298,10 +378,10 @@ def markdown(r: dict) -> str:
           f"| fused model (before distillation), AUC gap to the ensemble | {_ci(s['gap_fused'])} |",
           f"| border (6 % shift) probe, deployed models, change of p(NORMAL) (tolerance ±0.05) | "
           f"{_ci(s['border_dp_normal'])} |",
-          f"| share of deployed models flagged by the border probe | {_ci(s['border_flagged'], 2)} |",
+          f"| share of deployed models flagged by the border probe{CLIPPED} | {_ci(s['border_flagged'], 2, True)} |",
           f"| metadata baseline AUC (file facts only) | {_ci(s['metadata_auc'])} |",
           f"| deployed models' AUC margin over the metadata baseline | {_ci(s['metadata_margin'])} |",
-          f"| share of deployed models whose margin CI covers 0 | {_ci(s['margin_covers_zero'], 2)} |",
+          f"| share of deployed models whose margin CI covers 0{CLIPPED} | {_ci(s['margin_covers_zero'], 2, True)} |",
           f"| federated threshold (calibrated p(PNEUMONIA)) | {_ci(s['fed_threshold'])} |",
           "| sensitivity at the federated threshold, pooled over the evaluation images and the deployed models "
           f"(target 0.95, floor 0.90) | {_ci(s.get('eval_sensitivity'))} |",
@@ -313,7 +393,7 @@ def markdown(r: dict) -> str:
           f"| for reference: each site's own validation sensitivity (mean over sites) | {_ci(s['site_sensitivity'])} |",
           "| for reference: sensitivity pooled over the sites' own test splits | "
           f"{_ci(s.get('test_sensitivity'))} |",
-          f"| share of sites whose gate adopted the federated model | {_ci(s['adopted'], 2)} |"]
+          f"| share of sites whose gate adopted the federated model{CLIPPED} | {_ci(s['adopted'], 2, True)} |"]
     sl = r.get("secondary_local") or {}
     if sl:
         L += ["", "Local+ft control, the same audit: border probe change of p(NORMAL) "
@@ -325,6 +405,13 @@ def markdown(r: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.confirmatory", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -334,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--results", default=str(RESULTS), help="where the committed result files go")
         if c in ("run", "copy"):
             p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
+        else:
+            p.add_argument("--seeds", type=_seed_list, default=SEEDS,
+                           help=f"the seeds every method must have its run at (default: the protocol's "
+                                f"{','.join(map(str, SEEDS))}; others only for a rehearsal on the tuning part)")
         if c == "run":
             p.add_argument("--data", help="training data root (default: compare's: $CXR_DATA, ../shared/data)")
             p.add_argument("--external", default="../shared/data/chest_xray_224")

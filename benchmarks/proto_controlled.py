@@ -10,7 +10,9 @@ paper's Table I question), at 5 seeds, with seeds as clusters (``hfl_components.
 Writes ``RESULT.md`` and ``result.json`` into ``--out``. Each question has one primary endpoint (Δ site balanced
 accuracy on the external ``evaluation`` part, restricted to each site's classes; cluster bootstrap-t, one shared
 image draw per replicate); AUC and the sites' own test splits are secondary (exploratory). A folder missing a method
-at a protocol seed is refused (exit 2) before anything is written: the protocol's seeds are run in full or re-run.
+at a protocol seed, a run whose ``metrics.json`` is unreadable or records another method or seed than its folder, and
+a question without a (seed, site) pair at every seed on the external part are refused (exit 2, one line) before
+anything is written: the protocol's seeds are run in full or re-run.
 """
 from __future__ import annotations
 
@@ -37,6 +39,42 @@ def missing_runs(d: Path, seeds=SEEDS) -> list[str]:
     """``seed<k>/<method>`` folders of the protocol that hold no finished run (``metrics.json``) under ``d``."""
     methods = dict.fromkeys(m for q in QUESTIONS for m in q[:2])
     return [f"seed{s}/{m}" for s in seeds for m in methods if not (d / f"seed{s}" / m / "metrics.json").is_file()]
+
+
+def bad_run(d: Path, seeds=SEEDS) -> str | None:
+    """One line naming the first protocol run under ``d`` whose ``seed<k>/<method>/metrics.json`` is unreadable or
+    not a JSON object, or records another ``method`` or ``seed`` than its folder (compare records a variant's full
+    name, ``fedsaf:alignment=mse``, as the run's ``method``); None when every run is its folder's."""
+    from nvflare_jobs.evaluation import run_metrics
+
+    methods = dict.fromkeys(m for q in QUESTIONS for m in q[:2])
+    for s in seeds:
+        for m in methods:
+            f = d / f"seed{s}" / m / "metrics.json"
+            try:
+                met = run_metrics(f.parent)
+            except ValueError as e:
+                return str(e)
+            if met.get("method") != m or met.get("seed") != s:
+                return (f"{f}: records method {met.get('method')!r}, seed {met.get('seed')!r}, not its folder's "
+                        f"{m!r}, seed {s} (a run copied from another method or seed?)")
+    return None
+
+
+def unanswered(entries: list[dict], seeds=SEEDS) -> str | None:
+    """Why :func:`analyse`'s ``entries`` cannot be written as the protocol's result, naming the question: a question
+    without its primary entry (no (seed, site) pair with both methods' predictions on the external part) or whose
+    primary entry lacks a protocol seed; None when every question has its primary entry at every seed."""
+    for a, b, q in QUESTIONS:
+        prim = next((e for e in entries if (e["method_a"], e["method_b"], e["endpoint"]) == (a, b, "primary")), None)
+        if prim is None:
+            return (f"{q.split(':')[0]} ({a} vs {b}): no (seed, site) pair with both methods' predictions on the "
+                    f"{PRIMARY[0]} set (are their evaluations missing?)")
+        miss = [s for s in seeds if str(s) not in {str(k) for k in prim.get("per_seed") or {}}]
+        if miss:
+            return (f"{q.split(':')[0]} ({a} vs {b}): no (seed, site) pair at seed(s) {','.join(map(str, miss))} on "
+                    f"the {PRIMARY[0]} set")
+    return None
 
 
 def analyse(res: dict, n_boot: int = N_BOOT) -> list[dict]:
@@ -93,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from nvflare_jobs.proto_eval import collect
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compare", required=True, help="the compare folder the protocol's command wrote")
-    ap.add_argument("--out", default="benchmarks/results/proto_controlled")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.proto_controlled", description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", required=True, metavar="DIR",
+                    help="the compare folder the protocol's compare command wrote (seed<k>/<method>/ run folders; "
+                         "required, no default)")
+    ap.add_argument("--out", default="benchmarks/results/proto_controlled", metavar="DIR",
+                    help="where RESULT.md and result.json are written (default: %(default)s, the committed results "
+                         "folder beside PROTOCOL.md; give a scratch folder for a trial)")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                     help="comma-separated seeds (default: the protocol's; other seeds are for testing the script)")
     a = ap.parse_args(argv)
@@ -113,12 +155,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proto_controlled.py: --compare {d}: no finished run in {', '.join(miss)} (the protocol's seeds are "
               "run in full; rerun the same compare command to finish them)", file=sys.stderr)
         return 2
+    why = bad_run(d, seeds)
+    if why:
+        print(f"proto_controlled.py: {why}; nothing was written", file=sys.stderr)
+        return 2
     if out.exists() and not out.is_dir():
         print(f"proto_controlled.py: --out {out} is a file, not a folder", file=sys.stderr)
         return 2
     res = collect(d)
     res = {m: {s: {k: v for k, v in per.items() if k[0] in seeds} for s, per in r.items()} for m, r in res.items()}
-    entries = analyse(res)
+    entries = analyse(res, N_BOOT)
+    why = unanswered(entries, seeds)
+    if why:
+        print(f"proto_controlled.py: --compare {d}: {why}; nothing was written", file=sys.stderr)
+        return 2
     cj = json.loads((d / "compare.json").read_text()) if (d / "compare.json").is_file() else {}
     command = "python -m benchmarks.proto_controlled " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))

@@ -28,8 +28,10 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
         truth["adopted"][s] = float(np.mean(adopted))
         ev = rng.uniform(0.7, 1.0, size=3)  # each deployed model's sensitivity on the evaluation images
         truth["eval_sens"][s], truth["eval_min"][s] = float(ev.mean()), float(ev.min())
-        _write(run / "metrics.json", {"sites": {f"site-{k + 1}": {"gate": {"adopted": a}}
-                                                for k, a in enumerate(adopted)}})
+        _write(run / "metrics.json", {"method": "ohfl", "seed": s, "sites": {
+            f"site-{k + 1}": {"gate": {"adopted": a}} for k, a in enumerate(adopted)}})
+        for m in ("local", "fedavg"):  # every method of the protocol has its run at every seed
+            _write(root / f"seed{s}" / m / "metrics.json", {"method": m, "seed": s, "sites": {}})
         models = {f"site-{k + 1}_deployed": {"kind": "deployed", "auc": 0.9} for k in range(3)}
         models["global"] = {"kind": "global", "auc": 0.9, "gap_to_ensemble_auc": gap}
         _write(run / "external" / name / "summary.json", {"models": models})
@@ -74,13 +76,114 @@ def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
 
 def test_analysis_with_fewer_than_five_seeds_gives_per_seed_values_and_no_interval(tmp_path):
     truth = _fake_cmp(tmp_path / "cmp", [10, 11])
-    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"),
+                   "--seeds", "10,11"]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     d = r["secondary"]["gap_global"]
     assert d["ci_low"] is None and not d["reliable"]
     assert d["per_seed"] == {str(s): pytest.approx(truth["gap"][s]) for s in (10, 11)}
     md = (tmp_path / "res" / "RESULT.md").read_text()
     assert "no reliable interval" in md and "no verdict" in md
+
+
+def _refused(args, capsys, *says):
+    assert C.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for x in says:
+        assert x in err, err
+    return err
+
+
+def test_analysis_refuses_a_missing_seed_and_writes_nothing(tmp_path, capsys):
+    """A folder without seed 12's runs was analysed with the paired rows over 5 seeds and the summaries over 4."""
+    import shutil
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    shutil.rmtree(cmp / "seed12")
+    err = _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys,
+                   "seed12/local", "seed12/fedavg", "seed12/ohfl", "nothing was written")
+    assert "seed11" not in err and not res.exists()
+    (cmp / "seed12" / "ohfl").mkdir(parents=True)  # one method's run missing is refused too
+    _write(cmp / "seed12" / "ohfl" / "metrics.json", {"method": "ohfl", "seed": 12, "sites": {}})
+    err = _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, "seed12/local, seed12/fedavg")
+    assert "seed12/ohfl" not in err and not res.exists()
+
+
+def test_analysis_refuses_runs_or_paired_rows_at_other_seeds(tmp_path, capsys):
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res), "--seeds", "10,11,12,13"], capsys,
+             "seed(s) 14, outside the analysed seeds 10,11,12,13")
+    pj = cmp / "paired_external.json"
+    paired = json.loads(pj.read_text())
+    paired["paired"][0]["seeds"] = [10, 11, 13, 14]
+    _write(pj, paired)
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(pj), "seeds 10,11,13,14")
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("src", ["seed11/fedavg", "seed12/ohfl"])
+def test_analysis_refuses_a_run_file_of_another_method_or_seed(tmp_path, capsys, src):
+    """fedavg's (or another seed's OHFL) metrics.json copied over seed11/ohfl's was analysed as OHFL seed 11."""
+    import shutil
+
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    dst = cmp / "seed11" / "ohfl" / "metrics.json"
+    shutil.copy(cmp / src / "metrics.json", dst)
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(dst), "not its folder's 'ohfl', seed 11",
+             "nothing was written")
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "no_paths"])
+def test_rebuild_refuses_an_unreadable_predictions_file_before_writing(tmp_path, capsys, damage):
+    """A copy without the paired tables is rebuilt from its predictions; a truncated predictions.npz gave a
+    traceback after comparison_external.csv was already written into --cmp."""
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    _fake_cmp(cmp, [10, 11, 12, 13, 14])
+    (cmp / "paired_external.json").unlink()
+    _write(cmp / "compare.json", {"methods": ["local", "fedavg", "ohfl"], "external": "x", "part": "evaluation",
+                                  "external_name": "chest_xray_224-evaluation"})
+    for s in (10, 11, 12, 13, 14):  # the fake's OHFL runs have an external evaluation
+        np.savez(cmp / f"seed{s}" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz",
+                 paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]), **{"site-1_deployed": np.eye(2)})
+    bad = cmp / "seed12" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz"
+    raw = bad.read_bytes()
+    if damage == "truncate":
+        bad.write_bytes(raw[: len(raw) // 2])
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        np.savez(bad, y=np.array([0, 1]))
+    before = sorted(p.relative_to(cmp) for p in cmp.rglob("*"))
+    _refused(["analyse", "--cmp", str(cmp), "--results", str(res)], capsys, str(bad), "nothing was written")
+    assert sorted(p.relative_to(cmp) for p in cmp.rglob("*")) == before and not res.exists()
+
+
+def test_a_share_interval_is_printed_clipped_to_0_1_and_says_so(tmp_path):
+    """Gate adoption shares 1, 1, 1, 1, 0.5 over 5 seeds: mean 0.90, the seed t-interval 0.62 to 1.18 (computed here);
+    a share's printed interval stops at 1 and its row says it is clipped; result.json keeps the t-interval."""
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    seeds = [10, 11, 12, 13, 14]
+    _fake_cmp(cmp, seeds)
+    shares = [1.0, 1.0, 1.0, 1.0, 0.5]
+    for s, v in zip(seeds, shares):
+        f = cmp / f"seed{s}" / "ohfl" / "metrics.json"
+        met = json.loads(f.read_text())
+        met["sites"] = {"site-1": {"gate": {"adopted": True}}, "site-2": {"gate": {"adopted": v == 1.0}}}
+        _write(f, met)
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 0
+    half = stats.t.ppf(0.975, 4) * np.std(shares, ddof=1) / np.sqrt(5)
+    assert 0.9 + half > 1.0
+    r = json.loads((res / "result.json").read_text())["secondary"]["adopted"]
+    assert r["ci_high"] == pytest.approx(0.9 + half)
+    row = next(ln for ln in (res / "RESULT.md").read_text().splitlines() if "gate adopted" in ln)
+    assert "clipped to [0, 1]" in row and f"95% CI {0.9 - half:.2f} to 1.00)" in row and "1.18" not in row
+    gap = next(ln for ln in (res / "RESULT.md").read_text().splitlines() if "AUC gap to the site ensemble" in ln)
+    assert "clipped" not in gap
 
 
 def test_analysis_without_a_comparison_says_so(tmp_path, capsys):

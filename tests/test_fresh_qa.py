@@ -69,16 +69,17 @@ def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
     (cmp).mkdir()
     (cmp / "paired_external.json").write_text(json.dumps({"name": "x", "paired": [
         {"comparison": "ohfl vs local+ft", "primary": "auc", "seeds": [10], "auc": q, "balanced_accuracy": q}]}))
-    for m in ("ohfl", "local"):
+    for m in ("ohfl", "local", "fedavg"):
         (cmp / "seed10" / m).mkdir(parents=True)
-        (cmp / "seed10" / m / "metrics.json").write_text("{}")
+        (cmp / "seed10" / m / "metrics.json").write_text(json.dumps({"method": m, "seed": 10}))
     (cmp / "seedX" / "ohfl").mkdir(parents=True)  # not a seed folder: ignored
     (cmp / "seedX" / "ohfl" / "metrics.json").write_text("{}")
-    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 0  # the well-formed folder analyses
+    args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--results"]
+    assert C.main([*args, str(res)]) == 0  # the well-formed folder analyses
     bad = cmp / rel
     bad.parent.mkdir(parents=True, exist_ok=True)
     bad.write_text('{"models": ')
-    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(tmp_path / "res2")]) == 2
+    assert C.main([*args, str(tmp_path / "res2")]) == 2
     _one_line(capsys.readouterr().err, str(bad), "not readable as JSON")
     assert not (tmp_path / "res2").exists()
 

@@ -82,3 +82,68 @@ def test_a_folder_missing_a_protocol_run_is_refused_before_writing(tmp_path, cap
     assert "no such folder" in capsys.readouterr().err
     assert pc.main(["--compare", str(cmp), "--seeds", "2x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+METHODS = ("local", "fedsaf", "fedsaf:alignment=mse", "fedtopo")
+
+
+def _runs(root, seeds, method_of=lambda m: m):
+    """A compare folder with each protocol run's metrics.json (as compare records it: a variant's full name)."""
+    for s in seeds:
+        for m in METHODS:
+            (root / f"seed{s}" / m).mkdir(parents=True, exist_ok=True)
+            (root / f"seed{s}" / m / "metrics.json").write_text(json.dumps({"method": method_of(m), "seed": s}))
+    return root
+
+
+def _refused(argv, capsys, *says):
+    assert pc.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for x in says:
+        assert x in err, err
+
+
+@pytest.mark.parametrize("rel, content, says", [
+    ("seed20/fedsaf", "", "not readable as JSON"),
+    ("seed20/fedtopo", json.dumps({"method": "ohfl", "seed": 20}), "records method 'ohfl', seed 20"),
+    ("seed20/local", json.dumps({"method": "local", "seed": 21}), "records method 'local', seed 21"),
+    ("seed20/fedsaf:alignment=mse", json.dumps({"method": "fedsaf", "seed": 20}),
+     "not its folder's 'fedsaf:alignment=mse'"),
+])
+def test_a_run_file_that_is_not_its_folders_is_refused_before_writing(tmp_path, capsys, rel, content, says):
+    """0-byte metrics.json files or another method's (OHFL) gave rc 0 and an empty RESULT.md."""
+    cmp, out = _runs(tmp_path / "cmp", [20]), tmp_path / "out"
+    f = cmp / rel / "metrics.json"
+    f.write_text(content)
+    _refused(["--compare", str(cmp), "--out", str(out), "--seeds", "20"], capsys, str(f), says, "nothing was written")
+    assert not out.exists()
+
+
+def test_no_pair_for_a_question_is_refused_rather_than_an_empty_table(tmp_path, capsys, monkeypatch):
+    """Well-formed runs without predictions gave `entries: []`; a question missing a seed is refused too, and
+    complete predictions are written."""
+    import nvflare_jobs.proto_eval as pe
+
+    cmp, out = _runs(tmp_path / "cmp", [20, 21]), tmp_path / "out"
+    argv = ["--compare", str(cmp), "--out", str(out), "--seeds", "20,21"]
+    _refused(argv, capsys, "Q1 (fedsaf vs fedsaf:alignment=mse): no (seed, site) pair", "nothing was written")
+    assert not out.exists()
+    res = _res((20, 21), {m: 0.7 for m in METHODS}, np.random.default_rng(2))
+    monkeypatch.setattr(pe, "collect", lambda d, *a: res)
+    monkeypatch.setattr(pc, "N_BOOT", 50)  # the refusal does not depend on the replicates; keep the test fast
+    full = res["fedtopo"]["external"]
+    res["fedtopo"]["external"] = {k: v for k, v in full.items() if k[0] != 21}
+    _refused(argv, capsys, "Q2 (fedtopo vs local): no (seed, site) pair at seed(s) 21")
+    assert not out.exists()
+    res["fedtopo"]["external"] = full
+    assert pc.main(argv) == 0
+    r = json.loads((out / "result.json").read_text())
+    assert sum(e["endpoint"] == "primary" for e in r["entries"]) == 2
+
+
+def test_help_names_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        pc.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--compare DIR" in text and "default: benchmarks/results/proto_controlled" in text

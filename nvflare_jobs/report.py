@@ -228,7 +228,7 @@ def read_json(path: str | Path):
         return json.loads(Path(path).read_text())
     except ValueError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UnreadableFile(f"{path}: not readable as JSON ({why})") from None
+        raise UnreadableFile(f"{path}: unreadable as JSON ({why})") from None
 
 
 def render_run(run: Path) -> str:

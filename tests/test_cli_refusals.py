@@ -283,5 +283,5 @@ def test_report_names_an_empty_or_truncated_json_file(tmp_path, capsys, name, te
     (run / "job_options.json").write_text("{}")
     (run / name).write_text(text)
     assert main(["report", str(run)]) == 2
-    assert _one_line(capsys, "cxr-hfl report: ").startswith(f"cxr-hfl report: {run / name}: not readable as JSON (")
+    assert _one_line(capsys, "cxr-hfl report: ").startswith(f"cxr-hfl report: {run / name}: unreadable as JSON (")
     assert not (run / "report.html").exists()

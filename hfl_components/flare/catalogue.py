@@ -259,8 +259,9 @@ _FENS = (
     Option("fens_aggregator", str, "mlp", ("mlp", "linear"), "FENS aggregator over the site models' class "
            "log-probabilities: mlp (FENS's shallow network, one hidden ReLU layer) or linear"),
     Option("fens_hidden", int, 32, None, "hidden units of the mlp aggregator", check=lambda v: None if v >= 1 else f"needs at least 1, got {v}"),
-    Option("fens_residual", bool, True, None, "add the site models' averaged probabilities (log) to the aggregator's "
-           "output, last layer started at zero, so training starts from the site ensemble (not in FENS)"),
+    Option("fens_residual", bool, False, None, "add the site models' averaged probabilities (log) to the aggregator's "
+           "output, last layer started at zero, so training starts from the site ensemble (not in FENS; off: "
+           "FENS's plain aggregator)"),
     Option("fens_holdout", float, 0.1, None, "fraction of each site's training split held out of its local training "
            "to train the aggregator on", check=lambda v: None if 0 < v < 1 else f"must be in (0, 1), got {v}"),
     Option("fens_epochs", int, 2, None, "aggregator epochs per round at each site", check=_non_negative("epochs")),

@@ -123,12 +123,14 @@ class FENSController(FedAvgController):
         options)."""
         import torch
 
+        from hfl_components.flare.catalogue import option_defaults
         from hfl_components.models import build_model
         from hfl_components.models.ensemble import ensemble_spec
 
         specs = [dict(c["model"]) for c in profile.values()]
         spec = ensemble_spec(specs, None, int(specs[0].get("num_classes", 2)), opts.get("fens_aggregator") or "mlp",
-                             int(opts.get("fens_hidden") or 32), bool(opts.get("fens_residual", True)))
+                             int(opts.get("fens_hidden") or 32),
+                             bool(opts.get("fens_residual", option_defaults("fens")["fens_residual"])))
         with torch.device("meta"):
             model = build_model(spec)
         member = sum(4 * p.numel() for p in model.members.state_dict().values())

@@ -312,7 +312,7 @@ def test_evaluate_writes_audit_json_and_report_shows_it(data_root, tmp_path):
     assert "This number is crude" in html and "<b>Shortcut audit</b> (section below)" in html
     # --no-audit: evaluate alone
     (res["dir"] / "audit.json").unlink()
-    evaluate_run(run, ext, n_boot=0, log=lambda *_: None, audit=False)
+    evaluate_run(run, ext, n_boot=0, log=lambda *_: None, audit=False, overwrite=True)  # other options: overwrite
     assert not (res["dir"] / "audit.json").exists()
 
 

@@ -267,11 +267,21 @@ def _npz_error(path: Path) -> str | None:
     return f"lacks {', '.join(miss)}: not an external evaluation's predictions" if miss else None
 
 
-def check_rebuild_inputs(cmp: Path) -> None:
+def check_rebuild_inputs(cmp: Path, seeds=SEEDS) -> None:
     """Raise :class:`BadInput` naming the first file that the rebuild of the paired tables from a copy
-    (:func:`nvflare_jobs.compare.tables.external_tables`) would fail on: any run's ``metrics.json`` and external
-    ``summary.json`` must be a readable JSON object and every ``predictions.npz`` must load, so that a bad file is
-    refused before anything is written into ``cmp``."""
+    (:func:`nvflare_jobs.compare.tables.external_tables`) would fail on or silently leave out: every protocol
+    method's run at every seed in ``seeds`` must hold the external evaluation's ``predictions.npz`` (one external
+    set for all), any run's ``metrics.json`` and external ``summary.json`` must be a readable JSON object and every
+    ``predictions.npz`` must load, so that a bad or missing file is refused before anything is written into
+    ``cmp``."""
+    names = sorted({p.parent.name for p in cmp.glob("seed*/*/external/*/predictions.npz")})
+    if len(names) != 1:
+        raise BadInput(f"{cmp}: expected one external evaluation set, found {', '.join(names) or 'none'}")
+    missing = [f"seed{s}/{m}/external/{names[0]}/predictions.npz" for s in seeds for m in METHODS.split(",")
+               if not (cmp / f"seed{s}" / m / "external" / names[0] / "predictions.npz").is_file()]
+    if missing:
+        raise BadInput(f"{cmp}: no {', '.join(missing)} (every protocol run's predictions are needed to rebuild the "
+                       "paired tables)")
     for f in sorted(cmp.glob("seed*/*/metrics.json")) + sorted(cmp.glob("seed*/*/external/*/summary.json")):
         _json(f)
     for f in sorted(cmp.glob("seed*/*/external/*/predictions.npz")):
@@ -297,7 +307,7 @@ def analyse(args) -> int:
 
         try:
             check_runs(cmp, seeds)
-            check_rebuild_inputs(cmp)
+            check_rebuild_inputs(cmp, seeds)
         except BadInput as e:
             print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
             return 2

@@ -138,7 +138,7 @@ def test_analysis_refuses_a_run_file_of_another_method_or_seed(tmp_path, capsys,
     assert not res.exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "empty", "no_paths"])
+@pytest.mark.parametrize("damage", ["truncate", "empty", "no_paths", "missing"])
 def test_rebuild_refuses_an_unreadable_predictions_file_before_writing(tmp_path, capsys, damage):
     """A copy without the paired tables is rebuilt from its predictions; a truncated predictions.npz gave a
     traceback after comparison_external.csv was already written into --cmp."""
@@ -147,12 +147,19 @@ def test_rebuild_refuses_an_unreadable_predictions_file_before_writing(tmp_path,
     (cmp / "paired_external.json").unlink()
     _write(cmp / "compare.json", {"methods": ["local", "fedavg", "ohfl"], "external": "x", "part": "evaluation",
                                   "external_name": "chest_xray_224-evaluation"})
-    for s in (10, 11, 12, 13, 14):  # the fake's OHFL runs have an external evaluation
-        np.savez(cmp / f"seed{s}" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz",
-                 paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]), **{"site-1_deployed": np.eye(2)})
+    for s in (10, 11, 12, 13, 14):  # every protocol run has an external evaluation
+        for m in ("local", "fedavg", "ohfl"):
+            d = cmp / f"seed{s}" / m / "external" / "chest_xray_224-evaluation"
+            d.mkdir(parents=True, exist_ok=True)
+            np.savez(d / "predictions.npz", paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]),
+                     **{"site-1_deployed": np.eye(2)})
     bad = cmp / "seed12" / "ohfl" / "external" / "chest_xray_224-evaluation" / "predictions.npz"
     raw = bad.read_bytes()
-    if damage == "truncate":
+    if damage == "missing":  # a non-primary method's predictions: its rows would silently vanish
+        bad = cmp / "seed13" / "fedavg" / "external" / "chest_xray_224-evaluation" / "predictions.npz"
+        bad.unlink()
+        bad = bad.relative_to(cmp)
+    elif damage == "truncate":
         bad.write_bytes(raw[: len(raw) // 2])
     elif damage == "empty":
         bad.write_bytes(b"")

@@ -1,5 +1,6 @@
-"""Per-seed summary of the mixed-family main job (OHFL with several architecture families, FENS and local+ft at
-equal budgets) from one ``cxr-hfl compare`` folder scored with ``--external``:
+"""Per-seed summary of the mixed-family main job from one compare folder scored with --external.
+
+OHFL with several architecture families, FENS and local+ft at equal budgets:
 
     python -m studies.mixed_family.summarise --cmp runs/mixed3 --name chest_xray_224-tuning \\
         --out studies/mixed_family/results.json
@@ -27,18 +28,31 @@ class Missing(Exception):
     pass
 
 
+def _read(p: Path) -> dict:
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise Missing(f"{p}: unreadable as JSON ({(str(e).splitlines() or [''])[0]})") from None
+    if not isinstance(d, dict):
+        raise Missing(f"{p}: expected a JSON object")
+    return d
+
+
 def _summary(cmp: Path, seed: int, method: str, name: str) -> dict:
     p = cmp / f"seed{seed}" / method / "external" / name / "summary.json"
     if not p.is_file():
         raise Missing(f"no evaluation {p} (run compare with --external to the end)")
-    return json.loads(p.read_text())["models"]
+    models = _read(p).get("models")
+    if not isinstance(models, dict):
+        raise Missing(f"{p}: no 'models' (not an evaluation summary)")
+    return models
 
 
 def _groups(cmp: Path, seed: int) -> dict[str, list[str]]:
     p = cmp / f"seed{seed}" / "ohfl" / "global_models" / "groups.json"
     if not p.is_file():
         raise Missing(f"no {p}: not a mixed-family OHFL run")
-    return {g: list(v.get("sites", [])) for g, v in json.loads(p.read_text()).items()}
+    return {g: list(v.get("sites", [])) for g, v in _read(p).items()}
 
 
 def _mean(vals) -> float | None:
@@ -51,14 +65,19 @@ def seed_summary(cmp: Path, seed: int, name: str) -> dict:
     oh, lo, fe = (_summary(cmp, seed, m, name) for m in METHODS)
     groups = _groups(cmp, seed)
     ens = oh["ensemble"]["auc"]
-    met = json.loads((cmp / f"seed{seed}" / "ohfl" / "metrics.json").read_text())
+    met = _read(cmp / f"seed{seed}" / "ohfl" / "metrics.json")
     out = {"seed": seed, "ensemble_auc": ens, "global_auc": oh["global"]["auc"],
            "global_gap": oh["global"].get("gap_to_ensemble_auc"), "fused_gap": (oh.get("fused") or {}).get(
                "gap_to_ensemble_auc"), "fens_auc": fe["global"]["auc"],
            "fens_ensemble_auc": (fe.get("ensemble") or {}).get("auc"),
            "ohfl_deployed_auc": _mean(v["auc"] for v in oh.values() if v["kind"] == "deployed"),
            "local_ft_auc": _mean(v["auc"] for v in lo.values() if v["kind"] == "deployed"),
-           "server_seconds": met.get("server_seconds"), "references": met.get("references"), "families": {}}
+           "server_seconds": met.get("server_seconds"), "references": met.get("references"),
+           "bytes_downloaded_per_site": (met["bytes_downloaded"] / len(met.get("sites") or [1])
+                                         if met.get("bytes_downloaded") else None),
+           "distillation": {g: {k: v.get(k) for k in ("best_step", "steps_run", "stopped", "seconds")}
+                            for g, v in (met.get("distillation") or {}).items() if isinstance(v, dict)},
+           "families": {}}
     for g, sites in sorted(groups.items()):
         gl = [v["auc"] for k, v in oh.items() if v["kind"] == "global" and k.startswith(f"global-{g}_")]
         fu = [v["auc"] for k, v in oh.items() if v["kind"] == "fused" and k.startswith(f"fused-{g}_")]
@@ -115,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="studies/mixed_family/results.json")
     a = ap.parse_args(argv)
     try:
-        rows = [seed_summary(Path(a.cmp), int(s), a.name) for s in a.seeds.split(",")]
-    except (Missing, KeyError, ValueError) as e:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        print(f"summarise: --seeds {a.seeds!r}: expected comma-separated integers", file=sys.stderr)
+        return 2
+    try:
+        rows = [seed_summary(Path(a.cmp), s, a.name) for s in seeds]
+    except (Missing, KeyError) as e:
         print(f"summarise: {e}", file=sys.stderr)
         return 2
     Path(a.out).write_text(json.dumps({"cmp": Path(a.cmp).name, "name": a.name, "seeds": rows}, indent=1))

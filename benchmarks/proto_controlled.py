@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULT.md").write_text("\n".join(result_lines(entries, command, cj.get("command", "?"))))
-    (out / "result.json").write_text(json.dumps({"seeds": list(seeds), "n_boot": N_BOOT, "entries": [
-        {k: v for k, v in e.items()} for e in entries]}, indent=1, default=str))
+    (out / "result.json").write_text(json.dumps({"seeds": list(seeds), "n_boot": N_BOOT, "entries": entries},
+                                                  indent=1, default=str))
     for e in entries:
         if e["endpoint"] == "primary":
             print(f"{e['method_a']} vs {e['method_b']}: {100 * e['diff']:+.1f} pp, {e['verdict']}")

@@ -16,24 +16,23 @@ def _csv_ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
-def _positive_int(s: str) -> int:
+def _int_at_least(s: str, lo: int, words: str) -> int:
+    """``int(s)`` when it is >= ``lo``; else argparse's one-line error saying ``expected <words>``."""
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {words}, got {s!r}") from None
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"expected {words}, got {v}")
     return v
+
+
+def _positive_int(s: str) -> int:
+    return _int_at_least(s, 1, "a positive integer")
 
 
 def _non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
-    return v
+    return _int_at_least(s, 0, "a whole number >= 0")
 
 
 def _input_size(s: str) -> int:

@@ -29,13 +29,15 @@ class Missing(Exception):
 
 
 def _read(p: Path) -> dict:
+    """The JSON object in ``p`` (the runs' own reader); :class:`Missing` naming ``p`` when absent or unreadable."""
+    from nvflare_jobs.evaluation._run import run_metrics
+
+    if not p.is_file():
+        raise Missing(f"no {p}")
     try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise Missing(f"{p}: unreadable as JSON ({(str(e).splitlines() or [''])[0]})") from None
-    if not isinstance(d, dict):
-        raise Missing(f"{p}: expected a JSON object")
-    return d
+        return run_metrics(p.parent, p.name)
+    except ValueError as e:
+        raise Missing(str(e)) from None
 
 
 def _summary(cmp: Path, seed: int, method: str, name: str) -> dict:

@@ -50,8 +50,8 @@ def _summary(cmp: Path, seed: int, method: str, name: str) -> dict:
     return models
 
 
-def _groups(cmp: Path, seed: int) -> dict[str, list[str]]:
-    p = cmp / f"seed{seed}" / "ohfl" / "global_models" / "groups.json"
+def _groups(cmp: Path, seed: int, ohfl: str = "ohfl") -> dict[str, list[str]]:
+    p = cmp / f"seed{seed}" / ohfl / "global_models" / "groups.json"
     if not p.is_file():
         raise Missing(f"no {p}: not a mixed-family OHFL run")
     return {g: list(v.get("sites", [])) for g, v in _read(p).items()}
@@ -62,13 +62,14 @@ def _mean(vals) -> float | None:
     return float(np.mean(v)) if v else None
 
 
-def seed_summary(cmp: Path, seed: int, name: str) -> dict:
-    """One seed's numbers (see the module docstring); raises :class:`Missing` naming what is absent."""
-    oh, lo, fe = (_summary(cmp, seed, m, name) for m in METHODS)
-    groups = _groups(cmp, seed)
+def seed_summary(cmp: Path, seed: int, name: str, ohfl: str = "ohfl") -> dict:
+    """One seed's numbers (see the module docstring); ``ohfl``: the OHFL run folder of each seed (a compare variant
+    such as ``ohfl:distill_steps=300``). Raises :class:`Missing` naming what is absent."""
+    oh, lo, fe = (_summary(cmp, seed, ohfl if m == "ohfl" else m, name) for m in METHODS)
+    groups = _groups(cmp, seed, ohfl)
     ens = oh["ensemble"]["auc"]
-    met = _read(cmp / f"seed{seed}" / "ohfl" / "metrics.json")
-    out = {"seed": seed, "ensemble_auc": ens, "global_auc": oh["global"]["auc"],
+    met = _read(cmp / f"seed{seed}" / ohfl / "metrics.json")
+    out = {"seed": seed, "ohfl_run": ohfl, "ensemble_auc": ens, "global_auc": oh["global"]["auc"],
            "global_gap": oh["global"].get("gap_to_ensemble_auc"), "fused_gap": (oh.get("fused") or {}).get(
                "gap_to_ensemble_auc"), "fens_auc": fe["global"]["auc"],
            "fens_ensemble_auc": (fe.get("ensemble") or {}).get("auc"),
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="chest_xray_224-tuning", help="the external evaluation's folder name")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default="studies/mixed_family/results.json")
+    ap.add_argument("--ohfl", default="ohfl", help="the OHFL run folder in each seed (a compare variant such as "
+                    "'ohfl:distill_steps=300'; default: ohfl)")
     a = ap.parse_args(argv)
     try:
         seeds = [int(s) for s in a.seeds.split(",")]
@@ -141,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summarise: --seeds {a.seeds!r}: expected comma-separated integers", file=sys.stderr)
         return 2
     try:
-        rows = [seed_summary(Path(a.cmp), s, a.name) for s in seeds]
+        rows = [seed_summary(Path(a.cmp), s, a.name, a.ohfl) for s in seeds]
     except (Missing, KeyError) as e:
         print(f"summarise: {e}", file=sys.stderr)
         return 2
-    Path(a.out).write_text(json.dumps({"cmp": Path(a.cmp).name, "name": a.name, "seeds": rows}, indent=1))
+    Path(a.out).write_text(json.dumps({"cmp": Path(a.cmp).name, "name": a.name, "ohfl_run": a.ohfl, "seeds": rows},
+                                      indent=1))
     print(markdown(rows))
     return 0
 

@@ -40,12 +40,14 @@ RUN_FILES = ("metrics.json", "models.json")
 EXT_FILES = ("summary.json", "audit.json", "predictions.npz")
 
 
-def compare_command(seeds: list[int], cmp: Path, data: str | None, external: str, part: str) -> list[str]:
-    """The ``cxr-hfl compare`` command of the protocol for ``seeds`` (default budgets: 30 epochs per site)."""
+def compare_command(seeds: list[int], cmp: Path, data: str | None, external: str, part: str,
+                    audit: bool = True) -> list[str]:
+    """The ``cxr-hfl compare`` command of the protocol for ``seeds`` (default budgets: 30 epochs per site);
+    ``audit=False`` adds ``--no-audit`` (a protocol without the shortcut-audit endpoints)."""
     cmd = [sys.executable, "-m", "nvflare_jobs.cli", "compare", "--methods", METHODS, "--seeds",
            ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width", "--external", external, "--part", part,
            "--out", str(cmp)]
-    return cmd + (["--data", data] if data else [])
+    return cmd + (["--data", data] if data else []) + ([] if audit else ["--no-audit"])
 
 
 def run(args) -> int:
@@ -54,7 +56,7 @@ def run(args) -> int:
     done: list[int] = []
     for s in seeds:
         done.append(s)
-        cmd = compare_command(done, cmp, args.data, args.external, args.part)
+        cmd = compare_command(done, cmp, args.data, args.external, args.part, audit=not args.no_audit)
         print(f"[confirmatory] seed {s}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)
@@ -72,7 +74,7 @@ def _sanitise(text: str, cmp: Path) -> str:
     """Machine paths out of a copied text file: the comparison folder becomes ``runs/confirmatory``, the checkout
     ``.`` and the folder beside it ``..`` (so ``../shared/data`` reads as in the README)."""
     repo = Path(__file__).resolve().parent.parent
-    for a, b in ((str(Path(cmp).resolve()), "runs/confirmatory"), (str(repo), "."), (str(repo.parent), "..")):
+    for a, b in ((str(Path(cmp).resolve()), f"runs/{Path(cmp).resolve().name}"), (str(repo), "."), (str(repo.parent), "..")):
         text = text.replace(a, b)
     return text
 
@@ -327,7 +329,7 @@ def analyse(args) -> int:
     except BadInput as e:
         print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
         return 2
-    prim = next((p for p in paired["paired"] if p.get("primary")), None)
+    prim = _set_primary(paired["paired"], getattr(args, "primary", "local"))
     sec = {k: seed_mean_interval(v) for k, v in summ.items()}
     sec_local = {k: seed_mean_interval(v) for k, v in local.items() if k in ("border_dp_normal", "metadata_margin")}
     out = {"data": paired.get("data"), "part": paired.get("part"), "n_images": paired.get("n_images"),
@@ -339,6 +341,23 @@ def analyse(args) -> int:
     (res / "RESULT.md").write_text(markdown(out))
     print((res / "RESULT.md").read_text())
     return 0
+
+
+#: ``analyse --primary``: the control of the primary comparison -> the start of its paired row's label
+PRIMARY_ROWS = {"local": f"{MAIN} vs local+ft", "fedavg": f"{MAIN} vs FedAvg"}
+
+
+def _set_primary(rows: list[dict], control: str) -> dict | None:
+    """Mark the paired row of :data:`MAIN`'s deployed models against ``control`` (``local`` or ``fedavg``) as the
+    primary endpoint (AUC) and clear the flag of every other row, in place; returns that row, or None when it is
+    absent. A protocol names its primary comparison; compare's own flag is the local+ft one."""
+    want = PRIMARY_ROWS[control]
+    found = None
+    for q in rows:
+        hit = found is None and str(q.get("comparison", "")).startswith(want)
+        q["primary"] = "auc" if hit else None
+        found = q if hit else found
+    return found
 
 
 def _ci(d: dict, nd: int = 3, share: bool = False) -> str:
@@ -433,9 +452,15 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
         else:
             p.add_argument("--seeds", type=_seed_list, default=SEEDS,
-                           help=f"the seeds every method must have its run at (default: the protocol's "
-                                f"{','.join(map(str, SEEDS))}; others only for a rehearsal on the tuning part)")
+                           help=f"the seeds every method must have its run at (default: the first protocol's "
+                                f"{','.join(map(str, SEEDS))}; a later protocol names its own)")
+        if c == "analyse":
+            p.add_argument("--primary", choices=sorted(PRIMARY_ROWS), default="local",
+                           help="the control of the primary comparison, as the protocol names it (default: local, "
+                                "the local+ft control)")
         if c == "run":
+            p.add_argument("--no-audit", action="store_true",
+                           help="evaluate without the shortcut audit (a protocol without the audit endpoints)")
             p.add_argument("--data", help="training data root (default: compare's: $CXR_DATA, ../shared/data)")
             p.add_argument("--external", default="../shared/data/chest_xray_224")
             p.add_argument("--part", default="evaluation", choices=("tuning", "evaluation"))

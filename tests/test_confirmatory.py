@@ -213,7 +213,38 @@ def test_copy_of_a_seed_keeps_the_layout_and_no_machine_path(tmp_path):
     dest = C.copy_seed(cmp, tmp_path / "res", 10)
     assert dest == tmp_path / "res" / "seeds" / "seed10"
     met = json.loads((dest / "ohfl" / "metrics.json").read_text())
-    assert met == {"run": "runs/confirmatory/seed10/ohfl", "data": "../shared/data/x"}
+    assert met == {"run": "runs/cmp/seed10/ohfl", "data": "../shared/data/x"}
     assert (np.load(dest / "ohfl" / "external" / "set" / "predictions.npz")["y"] == np.arange(5)).all()
     machine = re.compile(str(tmp_path))
     assert not any(machine.search(f.read_text()) for f in (tmp_path / "res").rglob("*.json"))
+
+
+def test_a_protocol_with_fedavg_as_its_primary_control_reports_that_row(tmp_path):
+    """``analyse --primary fedavg``: the primary endpoint is the OHFL vs FedAvg row (its own numbers), the local+ft
+    row moves to the secondary table, and exactly one row is flagged primary."""
+    seeds = [30, 31, 32, 33, 34]
+    _fake_cmp(tmp_path / "cmp", seeds)
+    pj = tmp_path / "cmp" / "paired_external.json"
+    paired = json.loads(pj.read_text())
+    fed = {"metric": "auc", "a": 0.95, "b": 0.96, "diff": -0.01, "per_seed": {str(s): -0.01 for s in seeds},
+           "ci_low": -0.031, "ci_high": 0.011, "interval": "cluster bootstrap-t", "reliable": True,
+           "verdict": "inconclusive", "margin": 0.02, "n_seeds": 5}
+    paired["paired"].append({"comparison": "ohfl vs FedAvg", "primary": None, "seeds": seeds, "auc": fed,
+                             "balanced_accuracy": {**fed, "metric": "balanced_accuracy", "margin": 0.03}})
+    pj.write_text(json.dumps(paired))
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
+                   ",".join(map(str, seeds)), "--primary", "fedavg"]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    assert r["primary"]["comparison"] == "ohfl vs FedAvg" and r["primary"]["diff"] == -0.01
+    assert r["primary"]["verdict"] == "inconclusive"
+    assert [q["comparison"] for q in r["paired"] if q.get("primary")] == ["ohfl vs FedAvg"]
+    md = (tmp_path / "res" / "RESULT.md").read_text()
+    primary_section = md.split("## Secondary")[0]
+    assert "ohfl vs FedAvg, AUC" in primary_section and "ohfl vs local+ft" not in primary_section
+    assert "| ohfl vs local+ft | auc |" in md
+
+
+def test_the_run_command_without_the_audit_passes_no_audit_to_compare():
+    cmd = C.compare_command([30], Path("runs/x"), None, "ext", "evaluation", audit=False)
+    assert cmd[-1] == "--no-audit" and "--no-audit" not in C.compare_command([30], Path("runs/x"), None, "ext",
+                                                                             "evaluation")

@@ -26,7 +26,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     Args:
         config: the site's ``<site>.yaml``.
         site: the site name (default: the file's stem, the convention every site follows).
-        read_images: decode every image of the manifest (False: only the config, manifest and model).
+        read_images: decode every image of the manifest (False: only check that each file exists, plus the config,
+            manifest and model).
         workers: reader threads (default: the config's ``threads``).
 
     Returns:
@@ -34,7 +35,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         means the site would fail a job), ``bad_config`` (True when the config itself, or the manifest its
         ``data.manifest`` names, cannot be read: the check stopped there), and when the config could be read: ``labels``, ``class_names``,
         ``manifest``, ``counts`` ({split: {class: n}}), ``n_images``, ``n_patients``, ``unreadable`` ([{"line",
-        "path", "reason"}] in manifest order), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
+        "path", "split", "reason"}] in manifest order; with ``read_images=False``: ``missing`` instead, the rows
+        whose file does not exist, same fields), ``formats`` ({format: n}), ``resolution`` ({"width"/"height":
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
         below ``input_size``), ``findings`` (one ``{"kind", "count", "examples", "text"}`` per data finding, see
         :func:`chest_xray.grouping.site_findings`), ``augment_classes`` (names of the classes augmented in training, resolved as the
@@ -67,7 +69,22 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     if read_images:
         _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
         _metadata_check(rows, rep)
+    else:
+        _check_exist(rows, rep, workers or int(cfg["threads"]))
     return rep
+
+
+def _check_exist(rows: list[dict], rep: dict, workers: int) -> None:
+    """Without decoding: the rows whose file does not exist (one stat each), in ``rep["missing"]`` and as one
+    error, as a job would fail at this site on them."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+        exists = list(ex.map(lambda r: os.path.isfile(r["path"]), rows))
+    bad = [{"line": r["line"], "path": r["path"], "split": r["split"],
+            "reason": "a folder, not a file" if os.path.isdir(r["path"]) else "no such file"}
+           for r, ok in zip(rows, exists) if not ok]
+    rep["missing"] = bad
+    if bad:
+        rep["errors"].append(f"{len(bad)} of {len(rows)} image files do not exist (a job would fail at this site)")
 
 
 def _metadata_check(rows: list[dict], rep: dict) -> None:
@@ -256,6 +273,9 @@ def format_report(rep: dict) -> str:
                 out.append(f"  resolution  width {r['width']['min']}-{r['width']['max']} px (median "
                            f"{r['width']['median']:.0f}), height {r['height']['min']}-{r['height']['max']} px "
                            f"(median {r['height']['median']:.0f})")
+        if "missing" in rep:
+            out.append(f"  images      {rep['n_images'] - len(rep['missing'])} found, {len(rep['missing'])} missing "
+                       "(not decoded: --no-images)")
         if "model" in rep:
             spec = rep["model"]
             desc = "/".join(str(spec[k]) for k in ("family", "depth") if k in spec)
@@ -266,9 +286,9 @@ def format_report(rep: dict) -> str:
         if "device" in rep:
             out.append(f"  device      {rep['device']}; mixed precision {'on' if rep.get('amp') else 'off'}; "
                        f"{rep.get('threads', 1)} CPU threads")
-    bad = rep.get("unreadable") or []
+    bad = rep.get("unreadable") or rep.get("missing") or []
     if bad:
-        out.append("  unreadable files (manifest line: file: reason):")
+        out.append(f"  {'unreadable' if rep.get('unreadable') else 'missing'} files (manifest line: file: reason):")
         for b in bad[:MAX_LISTED]:
             out.append(printable(f"    line {b['line']}: {b['path']}: {b['reason']}"))
         if len(bad) > MAX_LISTED:

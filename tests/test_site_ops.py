@@ -390,3 +390,28 @@ def test_site_check_and_site_score_both_refuse_a_bad_config_as_bad_input(tmp_pat
         assert rc == 2 and len(err.strip().splitlines()) == 1, (cmd, rc, err)
         assert err.startswith(f"cxr-hfl site {cmd[0]}: ") and str(cfg) in err and says in err, err
     assert json.loads((tmp_path / "rep.json").read_text())["bad_config"] is True
+
+
+def test_site_check_no_images_names_a_manifest_row_whose_file_does_not_exist(tmp_path, capsys):
+    """--no-images decodes nothing but still stats every file: a missing one is named with its manifest line and
+    fails the check (exit 1), as an unreadable image does without --no-images; present files pass."""
+    from nvflare_jobs.cli import main
+
+    rows = ["path,label,split"]
+    for split in ("train", "val", "test"):
+        for label in (0, 1):
+            (tmp_path / f"{split}_{label}.jpeg").write_bytes(b"")  # exists; --no-images never decodes it
+            rows.append(f"{split}_{label}.jpeg,{label},{split}")
+    (tmp_path / "site.csv").write_text("\n".join(rows) + "\n")
+    cfg = tmp_path / "hospital-a.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"manifest": str(tmp_path / "site.csv")}, "input_size": 32, "threads": 1,
+                                   "model": {"family": "cnn", "depth": "shallow", "width": 0.5}}))
+    assert main(["site", "check", "--config", str(cfg), "--no-images"]) == 0
+    assert "result: OK" in capsys.readouterr().out
+    (tmp_path / "site.csv").write_text("\n".join(rows[:3] + ["gone/missing.jpeg,1,train"] + rows[3:]) + "\n")
+    rep_file = tmp_path / "rep.json"
+    assert main(["site", "check", "--config", str(cfg), "--no-images", "--json", str(rep_file)]) == 1
+    out = capsys.readouterr().out
+    gone = tmp_path / "gone" / "missing.jpeg"
+    assert f"line 4: {gone}: no such file" in out and "result: FAILED (1 errors" in out, out
+    assert [(m["line"], m["path"]) for m in json.loads(rep_file.read_text())["missing"]] == [(4, str(gone))]

@@ -15,8 +15,11 @@ def register(sub) -> None:
                                       "exit 1 when it finds errors, 2 on a config it cannot read)")
     q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml (e.g. <kit>/local/cxr_hfl/hospital-a.yaml)")
     q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
-    q.add_argument("--no-images", action="store_true", help="skip decoding the images (config, manifest, model only)")
-    q.add_argument("--json", metavar="FILE", help="also write the full report (every unreadable file) as JSON")
+    q.add_argument("--no-images", action="store_true",
+                   help="skip decoding the images: only check that each file of the manifest exists (and the config, "
+                        "manifest, model)")
+    q.add_argument("--json", metavar="FILE", help="also write the full report (every unreadable or missing file) "
+                                                  "as JSON")
     q.set_defaults(func=run_check)
     q = ssub.add_parser("score", help="score model files on this site's own test split, as the site does in a "
                                       "cross-site evaluation job (its row of the matrix; nothing is sent)",

@@ -478,3 +478,43 @@ def test_evaluate_never_replaces_an_evaluation_made_with_other_options_without_o
     assert main(cmd + ["--max-images", "4", "--overwrite"]) == 0
     assert json.loads((out / "summary.json").read_text())["n_images"] == 4 and not (out / "audit.json").exists()
     assert "--overwrite" in run_cli("evaluate", "--help").stdout
+
+
+def test_evaluate_says_in_one_line_when_it_adds_the_audit_to_an_earlier_no_audit_evaluation(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """Evaluating again with the audit a set evaluated earlier with --no-audit (same options otherwise) is allowed
+    (nothing is lost) but said in one stdout line naming the folder; a plain rerun with the same options says
+    nothing of it. Hand-made images and an untrained model; the audit itself is stubbed (it is tested in
+    test_audit.py), only whether evaluate runs it matters here."""
+    from PIL import Image
+
+    import nvflare_jobs.audit as audit_mod
+    from nvflare_jobs.cli import main
+
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    _save(run / "models" / "site-1_deployed.pt", {**SPECS["site-1"][0], "in_channels": 1, "num_classes": 2}, 32,
+          "site-1", 0)
+    data = tmp_path / "ext"
+    rng = np.random.default_rng(0)
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (data / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 256, (40, 40), dtype=np.uint8)).save(data / cls / f"{cls}_{i}.png")
+    audits = []
+
+    def fake_audit(run, ext_dir, log=print):
+        audits.append(ext_dir)
+        (ext_dir / "audit.json").write_text("{}")
+
+    monkeypatch.setattr(audit_mod, "audit_external", fake_audit)
+    cmd = ["evaluate", "--run", str(run), "--data", str(data), "--n-boot", "0"]
+    folder = run.resolve() / "external" / "ext"
+    says = f"adding the shortcut audit to the earlier evaluation in {folder}"
+    assert main(cmd + ["--no-audit"]) == 0 and audits == []
+    assert main(cmd + ["--no-audit"]) == 0 and says not in capsys.readouterr().out  # a rerun: nothing added
+    assert main(cmd) == 0 and audits == [folder]
+    out = capsys.readouterr().out
+    assert sum(says in line for line in out.splitlines()) == 1, out
+    assert (folder / "audit.json").is_file() and (folder / "summary.json").is_file()
+    assert main(cmd) == 0 and says not in capsys.readouterr().out  # it has its audit now: a plain rerun

@@ -164,7 +164,8 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
             ``largest`` only at the largest (no ``global`` mean).
         overwrite: replace an earlier evaluation of the same set (``RUN/external/<name>/``) that was made with other
             options (:func:`replace_problem`); without it such a folder is never touched. One made with the same
-            options is always replaced (a rerun).
+            options is always replaced (a rerun); when it has no audit and ``audit`` is set, one ``log`` line says
+            that the audit is added to it.
 
     Returns:
         ``{"summary": path, "models": {name: result dict}, "overlap": {...}, "dir": folder, "n_images": int,
@@ -192,8 +193,13 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     out_dir = run / "external" / name
     opts = {"n_images": len(records), "max_images": max_images, "labels": labels, "forced": bool(force),
             "n_boot": n_boot, "global_sizes": global_sizes}
-    if not overwrite and (why := replace_problem(out_dir, opts, audit)):
+    why = replace_problem(out_dir, opts, audit)
+    if why and not overwrite:
         raise ValueError(why)
+    if not why and audit and (out_dir / "summary.json").is_file() and not (out_dir / "audit.json").is_file():
+        # allowed (the same options: nothing is lost), but never silently
+        log(f"adding the shortcut audit to the earlier evaluation in {out_dir} (it has none; its results are "
+            "recomputed with the same options)")
     if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
         import shutil
 

@@ -32,6 +32,8 @@ PRIMARY = ("external", "balanced_accuracy")
 N_BOOT = 1000
 LABELS = {"local": "Local", "fedsaf": "FedSAF (GCSA)", "fedsaf:alignment=mse": "FedSAF (MSE alignment)",
           "fedtopo": "FedTopo"}
+#: the committed results folder beside PROTOCOL.md, resolved from this file (the same from any working folder)
+RESULTS = Path(__file__).resolve().parent / "results" / "proto_controlled"
 SET_TEXT = {"external": "evaluation part (restricted to the site's classes)", "test": "the sites' own test splits"}
 
 
@@ -135,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", required=True, metavar="DIR",
                     help="the compare folder the protocol's compare command wrote (seed<k>/<method>/ run folders; "
                          "required, no default)")
-    ap.add_argument("--out", default="benchmarks/results/proto_controlled", metavar="DIR",
-                    help="where RESULT.md and result.json are written (default: %(default)s, the committed results "
-                         "folder beside PROTOCOL.md; give a scratch folder for a trial)")
+    ap.add_argument("--out", default=str(RESULTS), metavar="DIR",
+                    help="where RESULT.md and result.json are written (default: benchmarks/results/proto_controlled "
+                         "of this repository, the committed results folder beside PROTOCOL.md, whatever the working "
+                         "folder; give a scratch folder for a trial)")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                     help="comma-separated seeds (default: the protocol's; other seeds are for testing the script)")
     a = ap.parse_args(argv)

@@ -147,3 +147,24 @@ def test_help_names_the_defaults(capsys):
         pc.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--compare DIR" in text and "default: benchmarks/results/proto_controlled" in text
+
+
+def test_default_out_is_the_repositorys_results_folder_from_any_working_folder(tmp_path, capsys, monkeypatch):
+    """Without --out the result goes to benchmarks/results/proto_controlled of the repository (beside PROTOCOL.md),
+    resolved from the script, not from the working folder: run from another folder, nothing is written there."""
+    from pathlib import Path
+
+    import nvflare_jobs.proto_eval as pe
+
+    assert pc.RESULTS == Path(pc.__file__).resolve().parent / "results" / "proto_controlled"
+    assert (pc.RESULTS / "PROTOCOL.md").is_file()
+    cmp = _runs(tmp_path / "cmp", [20, 21])
+    monkeypatch.setattr(pe, "collect", lambda d, *a: _res((20, 21), {m: 0.7 for m in METHODS},
+                                                          np.random.default_rng(3)))
+    monkeypatch.setattr(pc, "N_BOOT", 50)
+    monkeypatch.setattr(pc, "RESULTS", tmp_path / "repo_results")  # stands for the committed folder: kept intact
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert pc.main(["--compare", str(cmp), "--seeds", "20,21"]) == 0
+    assert (tmp_path / "repo_results" / "result.json").is_file() and list(elsewhere.iterdir()) == []

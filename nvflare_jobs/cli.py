@@ -22,8 +22,17 @@ COMMAND_MODULES = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that refuses abbreviated long options (``--local-epoch`` is not ``--local-epochs``) with
+    argparse's usage error. Every subparser inherits it: ``add_subparsers`` makes its parsers of the parent's class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cxr-hfl", description="Heterogeneous federated learning for chest X-rays")
+    p = Parser(prog="cxr-hfl", description="Heterogeneous federated learning for chest X-rays")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -285,3 +285,41 @@ def test_report_names_an_empty_or_truncated_json_file(tmp_path, capsys, name, te
     assert main(["report", str(run)]) == 2
     assert _one_line(capsys, "cxr-hfl report: ").startswith(f"cxr-hfl report: {run / name}: unreadable as JSON (")
     assert not (run / "report.html").exists()
+
+
+def _all_parsers(parser, path=()):
+    """(command path, parser) for the parser and every subparser under it, depth first."""
+    import argparse
+
+    yield path, parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _all_parsers(sub, (*path, name))
+
+
+def test_no_parser_of_the_cli_accepts_an_abbreviated_option(tmp_path, capsys):
+    """argparse's prefix matching took `simulate --local-epoch 5` as --local-epochs: every parser (top level and
+    each subcommand, nested ones too, and simulate's own options parser) refuses abbreviations with argparse's
+    usage error, before anything is written; the full option still parses."""
+    from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.commands.simulate import options_from_argv
+
+    parsers = list(_all_parsers(build_parser()))
+    assert {("simulate",), ("site", "check"), ("poc",)} <= {p for p, _ in parsers}
+    assert [p for p, parser in parsers if parser.allow_abbrev] == []
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--method", "ohfl", "--local-epoch", "5", "--out", str(out)])
+    assert e.value.code == 2 and "unrecognized arguments: --local-epoch 5" in capsys.readouterr().err
+    assert not out.exists()
+    args = build_parser().parse_args(["simulate", "--method", "ohfl", "--local-epochs", "5", "--out", str(out)])
+    assert args.local_epochs == 5
+    for cmd in (["site", "check", "--config", "x.yaml", "--no-image"], ["evaluate", "--run", "r", "--data", "d",
+                                                                        "--no-aud"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(cmd)
+        assert e.value.code == 2 and f"unrecognized arguments: {cmd[-1]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        options_from_argv(["--method", "ohfl", "--local-epoch", "5"])
+    assert e.value.code == 2 and "unrecognized arguments: --local-epoch 5" in capsys.readouterr().err

@@ -181,7 +181,7 @@ def options_from_argv(argv: list[str]) -> tuple[str, dict]:
     (argparse's usage error, exit 2) for a bad flag."""
     from nvflare_jobs.simulation import DEFAULTS, method_option_defaults
 
-    p = argparse.ArgumentParser(prog="cxr-hfl simulate")
+    p = argparse.ArgumentParser(prog="cxr-hfl simulate", allow_abbrev=False)  # as the CLI's parsers
     _add_method_args(p)
     args = p.parse_args(argv)
     keys = {*DEFAULTS, *method_option_defaults(), "probe"}

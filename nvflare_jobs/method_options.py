@@ -72,7 +72,20 @@ def _check_method_options(args) -> None:
             setattr(args, o.key, checked[o.key])
 
 
+def _check_local_epochs(args) -> None:
+    """Exit with one line naming ``--local-epochs`` when it is below 1: every catalogue method trains its sites only
+    in their local epochs (per round; OHFL and FENS: before their one upload), so 0 would fuse, average or upload
+    untrained models."""
+    v = getattr(args, "local_epochs", None)
+    if v is not None and v < 1:
+        when = ("before their one upload" if catalogue.entry(args.method).schedule in ("one_shot", "ensemble")
+                else "per round")
+        sys.exit(f"cxr-hfl: --local-epochs {v}: {args.method}'s sites must train at least 1 local epoch {when}; "
+                 "give 1 or more")
+
+
 def _defaults(args) -> None:
+    _check_local_epochs(args)  # before anything is scanned or written
     _ohfl_defaults(args)
     from hfl_components.flare.catalogue import method_defaults
 

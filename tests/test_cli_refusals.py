@@ -323,3 +323,39 @@ def test_no_parser_of_the_cli_accepts_an_abbreviated_option(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         options_from_argv(["--method", "ohfl", "--local-epoch", "5"])
     assert e.value.code == 2 and "unrecognized arguments: --local-epoch 5" in capsys.readouterr().err
+
+
+def _methods():
+    from hfl_components.flare import catalogue
+
+    return catalogue.methods()
+
+
+@pytest.mark.parametrize("method", _methods())
+def test_zero_local_epochs_is_refused_naming_the_option_before_writing(tmp_path, capsys, method):
+    """Every method trains its sites only in their local epochs (OHFL and FENS: before their one upload), so
+    --local-epochs 0 is refused in one line naming it, before the run folder is made (a missing --data would be
+    the next refusal, so nothing could start here either way); 1 passes the same check."""
+    from nvflare_jobs.simulation import check
+
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", method, "--local-epochs", "0", "--data", str(tmp_path / "none"),
+                 "--out", str(out)]) == 2
+    _one_line(capsys, "--local-epochs 0", f"{method}'s sites must train at least 1 local epoch")
+    assert not out.exists()
+    assert check(method, {"local_epochs": 1})["local_epochs"] == 1
+
+
+def test_zero_local_epochs_is_refused_by_export_job_and_compare_too(tmp_path, capsys):
+    from tests.deploy_helpers import REPO_ROOT
+
+    job = tmp_path / "job"
+    assert main(["export-job", "--method", "fens", "--profile", str(REPO_ROOT / "site_configs" / "consortium"),
+                 "--local-epochs", "0", "--out", str(job)]) == 2
+    _one_line(capsys, "--local-epochs 0", "before their one upload")
+    assert not job.exists()
+    cmp = tmp_path / "cmp"
+    assert main(["compare", "--methods", "local,fedavg,ohfl", "--local-epochs", "0", "--dry-run", "--out",
+                 str(cmp)]) == 2
+    _one_line(capsys, "--local-epochs 0")
+    assert not cmp.exists()

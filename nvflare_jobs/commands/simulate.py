@@ -79,7 +79,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_at_least(1), help="federated rounds (default: the method's: " + ", ".join(
         f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
         + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
-    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round (OHFL, FENS: before the upload; "
+    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round, at least 1 (OHFL, FENS: before the "
+                   "upload; "
                    "default: the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
     p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
                    f"{catalogue.entry('ohfl').finetune_epochs})")

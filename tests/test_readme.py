@@ -229,3 +229,27 @@ def test_no_doc_repeats_a_paragraph():
         firsts = [re.split(r"(?<=[.;:])\s", p)[0] for p in paras if p and not p.startswith(("|", "```", "#", "-", "*"))]
         twice = sorted({s for s in firsts if len(s) > 40 and firsts.count(s) > 1})
         assert not twice, f"{f.relative_to(REPO)} repeats the paragraph opening {twice[0]!r}"
+
+
+def test_simulate_help_shows_the_default_of_every_option():
+    """Every option of `cxr-hfl simulate --help` (but the required ones and plain on/off flags) says its default,
+    and an option with a fixed parser default shows that value (it had none for --scheme, --alpha, --batch-size,
+    --seed, --feature-dim)."""
+    from nvflare_jobs.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices["simulate"]
+    lacking, wrong = [], []
+    for a in p._actions:
+        if a.required or a.default == argparse.SUPPRESS or (a.nargs == 0 and not isinstance(
+                a, argparse.BooleanOptionalAction)):
+            continue
+        text = " ".join((a.help or "").split())
+        if not re.search(r"(?i)\bdefault\b", text):
+            lacking.append(a.option_strings[0])
+        elif a.default not in (None, []):  # "(default 16)", "(default fedsaf fedproto, ...)", "tensorboard (default;"
+            v = re.escape(str(a.default))
+            if not re.search(rf"(?i)\bdefault\b[^()]{{0,40}}?\b{v}\b|\b{v} \(default\b", text):
+                wrong.append((a.option_strings[0], a.default))
+    assert not lacking, f"simulate --help: options without their default: {lacking}"
+    assert not wrong, f"simulate --help: options whose help does not show the parser default: {wrong}"

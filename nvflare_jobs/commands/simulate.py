@@ -69,27 +69,34 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
                                   f"(chest_xray_original; {protos}: the tuning + probe parts of "
                                   "chest_xray_224, see chest_xray/splits.py)")
-    p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning)")
+    p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning; default: none, --data "
+                                     "is partitioned into --sites simulated sites)")
     p.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
-    p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme)")
+    p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width",
+                   help="how the simulated sites are partitioned: width (OHFL resolution split, site-1 narrowest), "
+                        "dirichlet (label skew, --alpha) or pathological (a fixed number of classes per site) "
+                        "(default width)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme; default 0.5)")
     p.add_argument("--labels", choices=("binary", "subtype"),
                    help="label scheme (default: the method's: " + ", ".join(
                        f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
     p.add_argument("--rounds", type=_at_least(1), help="federated rounds (default: the method's: " + ", ".join(
         f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
         + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
-    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round, at least 1 (OHFL, FENS: before the "
-                   "upload; "
+    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round, at least 1 (OHFL, FENS: before "
+                   "the upload; "
                    "default: the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
     p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
                    f"{catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints,
                    help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128; "
                         f"{protos}: 64)")
-    p.add_argument("--batch-size", type=_at_least(1), default=16)
-    p.add_argument("--max-train-images", type=_at_least(1), help="cap each site's training images (quick tests)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=_at_least(1), default=16,
+                   help="training batch size of every simulated site (default 16)")
+    p.add_argument("--max-train-images", type=_at_least(1),
+                   help="cap each site's training images (quick tests; default: no cap)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the run: partition, model initialisation and training (default 0)")
     fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
     p.add_argument("--families", help=f"{fam_methods}: one model family per site, comma-separated in site order "
                    "(cnn, vgg11, hetero_cnn, densenet, resnet, efficientnet), e.g. the mixed-family variant "
@@ -106,7 +113,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                         "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
                         "silent are dropped at once either way.")
     p.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones "
-                   f"({protos})")
+                   f"({protos}; default 64)")
     _add_catalogue_options(p)
     from nvflare_jobs.jobs import add_tracking_args
 
@@ -138,7 +145,7 @@ def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
         elif defaults:
             dflt = " (default " + ", ".join(f"{m} {v}" for m, v in defaults.items()) + ")"
         else:
-            dflt = ""
+            dflt = " (default: none)"
         kw = {"dest": key, "default": first.argparse_default,
               "help": f"[{', '.join(m for m, _ in users)}] " + "; ".join(helps) + dflt}
         choices = [c for _, o in users for c in (o.choices or ())]
@@ -166,7 +173,8 @@ def register(sub) -> None:
                                         "overrides the quiet default and --verbose")
     p.add_argument("--gpu", type=_gpu_ids,
                    help="NVFlare simulator GPU option: GPU ids for the site processes, e.g. 0 or 0,1 (sites are "
-                        "spread over them); a site uses its GPU when its config says device: auto or cuda")
+                        "spread over them); a site uses its GPU when its config says device: auto or cuda (default: "
+                        "none, no GPU ids are given to the simulator)")
     p.set_defaults(func=run_simulate)
     e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
     _add_method_args(e)

@@ -72,7 +72,7 @@ def test_consumers_read_the_catalogue():
                 assert set(o.choices) <= set(flags[key].choices)
     assert simulation.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
                                         "probe_at": "own", "init": "site", "gate": True, "target_sensitivity": 0.95,
-                                        "distill_steps": 100, "data_free": False}
+                                        "distill_steps": 300, "data_free": False}
 
 
 def test_validate_options_types_choices_defaults_and_fixed_values():

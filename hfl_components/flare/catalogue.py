@@ -184,7 +184,7 @@ _OHFL = (
     Option("server_device", str, "auto", None, "where the server runs OHFL's fusion probe passes (CKA, repair): "
            "auto|cpu|cuda|cuda:N (default auto = CUDA when present); sites choose theirs with the site-config key "
            "device"),
-    Option("distill_steps", int, 100, None, "after fusion, at most this many steps of ensemble distillation of every "
+    Option("distill_steps", int, 300, None, "after fusion, at most this many steps of ensemble distillation of every "
            "upload into each architecture's global model on the probe pool (FedDF); 0 = fusion alone "
            "(docs/decisions.md)", cli_default=None, check=_non_negative("distill steps")),
     Option("distill_temperature", float, 2.0, None, "temperature of the distillation's soft targets (Hinton et al.)",

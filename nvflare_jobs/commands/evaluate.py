@@ -10,10 +10,14 @@ from chest_xray import ASPECTS
 
 
 def _csv_ints(s: str) -> list[int]:
+    """Comma-separated seeds: integers >= 0 (numpy's generators take no negative seed), at least one."""
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        v = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not v or min(v) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {s!r}")
+    return v
 
 
 def _int_at_least(s: str, lo: int, words: str) -> int:

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default: %(default)s)")
     p.add_argument("--labels", choices=["binary", "subtype"], default="binary",
                    help="binary NORMAL/PNEUMONIA or subtype NORMAL/BACTERIAL/VIRAL (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=_at_least(0), default=0, help="random seed, >= 0 (default: %(default)s)")
     p.add_argument("--probe-fraction", type=float, default=0.0,
                    help="fraction reserved as a patient-disjoint probe pool in no site (default: %(default)s)")
     p.add_argument("--classes-per-site", type=int, default=None,

@@ -95,7 +95,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="training batch size of every simulated site (default 16)")
     p.add_argument("--max-train-images", type=_at_least(1),
                    help="cap each site's training images (quick tests; default: no cap)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_at_least(0), default=0,
                    help="seed of the run: partition, model initialisation and training (default 0)")
     fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
     p.add_argument("--families", help=f"{fam_methods}: one model family per site, comma-separated in site order "

@@ -38,3 +38,15 @@ def test_a_negative_seed_is_refused_naming_the_option(tmp_path, capsys, argv):
     out = tmp_path / "out"
     _usage_error(capsys, [*argv, "--out", str(out)], "--seed")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", (
+    ["simulate", "--method", "ohfl", "--input-sizes", "64,100000"],
+    ["compare", "--input-sizes", "32,2048"],
+))
+def test_an_input_size_above_what_a_site_accepts_is_refused_at_the_command_line(tmp_path, capsys, argv):
+    """A site config takes input_size 16..1024 px: 100000 used to pass the command line, partition the data and
+    write site configs, then fail in three lines naming generated files, leaving a folder the rerun refused."""
+    out = tmp_path / "out"
+    _usage_error(capsys, [*argv, "--out", str(out)], "--input-sizes", "16 to 1024")
+    assert not out.exists()

@@ -101,7 +101,9 @@ def _add_compare(c) -> None:
     c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
                                    "when the data are chest_xray_original)")
     c.add_argument("--max-train-images", type=int, help="pass-through: cap each site's training images")
-    c.add_argument("--input-sizes", help="pass-through: e.g. 64,96,128")
+    from nvflare_jobs.commands.simulate import _sizes_text
+
+    c.add_argument("--input-sizes", type=_sizes_text, help="pass-through: e.g. 64,96,128 (16 to 1024 px)")
     c.add_argument("--batch-size", type=int, help="pass-through")
     c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
     c.add_argument("--families", help="one model family per site, comma-separated in site order, for every method "

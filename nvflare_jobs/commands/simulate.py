@@ -16,9 +16,16 @@ def _ints(s: str) -> list[int]:
         v = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not v or any(x < 16 for x in v):
-        raise argparse.ArgumentTypeError(f"input sizes must be integers >= 16, got {s!r}")
+    if not v or any(not 16 <= x <= 1024 for x in v):  # a site config's input_size range (site_config.py)
+        raise argparse.ArgumentTypeError(f"input sizes must be integers from 16 to 1024 px, got {s!r}")
     return v
+
+
+def _sizes_text(s: str) -> str:
+    """argparse type of a pass-through ``--input-sizes`` (``cxr-hfl compare``): checked as :func:`_ints` checks
+    it, kept as the text given."""
+    _ints(s)
+    return s
 
 
 def _at_least(minimum: int):
@@ -89,7 +96,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
                    f"{catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints,
-                   help="input sizes, smallest to largest, assigned to sites by image width (default 64,96,128; "
+                   help="input sizes (16 to 1024 px), smallest to largest, assigned to sites by image width (default 64,96,128; "
                         f"{protos}: 64)")
     p.add_argument("--batch-size", type=_at_least(1), default=16,
                    help="training batch size of every simulated site (default 16)")

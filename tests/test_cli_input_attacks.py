@@ -50,3 +50,12 @@ def test_an_input_size_above_what_a_site_accepts_is_refused_at_the_command_line(
     out = tmp_path / "out"
     _usage_error(capsys, [*argv, "--out", str(out)], "--input-sizes", "16 to 1024")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("dim", ("0", "-3"))
+def test_a_feature_dimension_below_one_is_refused(tmp_path, capsys, dim):
+    """--feature-dim 0 used to pass; the sites' backbones would only fail inside the simulator."""
+    out = tmp_path / "out"
+    _usage_error(capsys, ["simulate", "--method", "fedsaf", "--feature-dim", dim, "--out", str(out)],
+                 "--feature-dim", ">= 1")
+    assert not out.exists()

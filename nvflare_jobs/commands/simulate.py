@@ -119,7 +119,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                         "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
                         "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
                         "silent are dropped at once either way.")
-    p.add_argument("--feature-dim", type=int, default=64, help="common feature dimension d of the site backbones "
+    p.add_argument("--feature-dim", type=_at_least(1), default=64, help="common feature dimension d of the site backbones "
                    f"({protos}; default 64)")
     _add_catalogue_options(p)
     from nvflare_jobs.jobs import add_tracking_args

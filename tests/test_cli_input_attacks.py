@@ -59,3 +59,30 @@ def test_a_feature_dimension_below_one_is_refused(tmp_path, capsys, dim):
     _usage_error(capsys, ["simulate", "--method", "fedsaf", "--feature-dim", dim, "--out", str(out)],
                  "--feature-dim", ">= 1")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option, value", (
+    ("--rounds", "0"), ("--rounds", "-2"), ("--late-wait", "-1"), ("--max-train-images", "-1"),
+    ("--batch-size", "0"), ("--max-images", "0"), ("--max-images", "-5"),
+))
+def test_compare_refuses_out_of_range_pass_through_numbers(tmp_path, capsys, option, value):
+    """These used to be dropped silently (0 is false: --batch-size 0, --max-images 0, --rounds 0) or passed on to
+    every run (--late-wait -1); compare --dry-run even wrote its folder first."""
+    out = tmp_path / "cmp"
+    _usage_error(capsys, ["compare", "--dry-run", option, value, "--out", str(out)], f"argument {option}", value)
+    assert not out.exists()
+
+
+def test_compare_help_shows_the_default_of_every_option(capsys):
+    """README: `cxr-hfl <command> --help` lists every option with its default; compare's --sites, --scheme,
+    --alpha, --rounds, --late-wait, --batch-size, ... said none."""
+    import argparse
+    import re
+
+    from nvflare_jobs.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    lacking = [a.option_strings[0] for a in sub.choices["compare"]._actions
+               if not (a.required or a.nargs == 0 or a.default == argparse.SUPPRESS)
+               and not re.search(r"(?i)\bdefault\b", a.help or "")]
+    assert not lacking, f"compare --help: options without their default: {lacking}"

@@ -74,16 +74,17 @@ def _add_compare(c) -> None:
                         f"; a variant adds options, e.g. ohfl:strategy=cdd (default local,fedavg,ohfl; under equal "
                         f"budgets {control} is the local+ft control)")
     c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
-    c.add_argument("--sites", type=int, default=6)
-    c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width")
-    c.add_argument("--alpha", type=float, default=0.5)
+    c.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
+    c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width",
+                   help="how the sites are partitioned, as simulate --scheme (default width)")
+    c.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme; default 0.5)")
     c.add_argument("--labels", choices=("binary", "subtype"), default="binary",
                    help="one label scheme for every method (default binary)")
     c.add_argument("--seeds", type=_csv_ints, default=[0], help="comma-separated seeds (default 0)")
     c.add_argument("--out", required=True, help="comparison folder (one run folder per seed and method)")
-    c.add_argument("--rounds", type=int,
+    c.add_argument("--rounds", type=_positive_int,
                    help="rounds of FedAvg / prototype methods; under equal budgets they must divide the budget E "
-                        "(each round then trains E / rounds epochs)")
+                        "(each round then trains E / rounds epochs; default: rounds of 2 epochs, 15 for E = 30)")
     c.add_argument("--local-epochs", type=int,
                    help="OHFL's local epochs L (default 20); the common budget is E = L + fine-tuning epochs. With "
                         "--unequal-budgets: every method's local epochs per round, passed through")
@@ -92,25 +93,30 @@ def _add_compare(c) -> None:
                    help="let every method keep its own default epochs (not compute-matched; the tables say so)")
     c.add_argument("--external", metavar="DIR",
                    help="after the runs, evaluate every saved model of every run on this labelled set (e.g. "
-                        "../shared/data/chest_xray_224 with --part evaluation); paired CIs against local+ft and FedAvg")
-    c.add_argument("--part", choices=PARTS, help="a committed part of chest_xray_224 (--external must be its root)")
+                        "../shared/data/chest_xray_224 with --part evaluation); paired CIs against local+ft and FedAvg (default: none)")
+    c.add_argument("--part", choices=PARTS, help="a committed part of chest_xray_224 (--external must be its root; "
+                                                 "default: none, the whole --external set)")
     c.add_argument("--external-max-images", type=_positive_int,
-                   help="class-stratified subset of the external set (quick checks only)")
+                   help="class-stratified subset of the external set (quick checks only; default: every image)")
     c.add_argument("--n-boot", type=_non_negative_int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
-    c.add_argument("--late-wait", type=int, help="pass-through: seconds to wait for late sites")
+    c.add_argument("--late-wait", type=_non_negative_int,
+                   help="pass-through: seconds to wait for late sites (default: simulate's adaptive wait)")
     c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
                                    "when the data are chest_xray_original)")
-    c.add_argument("--max-train-images", type=int, help="pass-through: cap each site's training images")
+    c.add_argument("--max-train-images", type=_positive_int,
+                   help="pass-through: cap each site's training images (default: no cap)")
     from nvflare_jobs.commands.simulate import _sizes_text
 
-    c.add_argument("--input-sizes", type=_sizes_text, help="pass-through: e.g. 64,96,128 (16 to 1024 px)")
-    c.add_argument("--batch-size", type=int, help="pass-through")
-    c.add_argument("--max-images", type=int, help="partition a class-stratified subset of this many images (quick)")
+    c.add_argument("--input-sizes", type=_sizes_text, help="pass-through: e.g. 64,96,128 (16 to 1024 px; default: simulate's)")
+    c.add_argument("--batch-size", type=_positive_int, help="pass-through (default 16)")
+    c.add_argument("--max-images", type=_positive_int,
+                   help="partition a class-stratified subset of this many images (quick; default: every image)")
     c.add_argument("--families", help="one model family per site, comma-separated in site order, for every method "
                                       "that takes it (simulate --families); prototype methods, and local compared "
                                       "with them, train the heterogeneous backbone pool and ignore it: compare names "
-                                      "them in one line at the start, and refuses --families when no method takes it")
-    for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square"}),
+                                      "them in one line at the start, and refuses --families when no method takes it (default: cnn at every "
+                                      "site)")
+    for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square (default stretch)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):
         c.add_argument(flag, **kw)

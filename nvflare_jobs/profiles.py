@@ -135,13 +135,17 @@ def parse_families(text: str | list | None, n_sites: int) -> list[str] | None:
 def site_options_problem(args) -> str | None:
     """What is wrong with the options that describe simulated sites (``sites``, ``scheme``, ``alpha``, ``families``,
     ``profile`` of a ``cxr-hfl simulate`` / ``partition`` namespace), checked before anything is scanned or written:
-    one line naming the option (``--sites`` < 1, ``--alpha`` <= 0 for the dirichlet scheme, a bad ``--families``,
-    see :func:`parse_families`, or one that would be ignored: with a profile or a prototype ``method``), or None.
+    one line naming the option (``--sites`` < 1, ``--min-sites`` > ``--sites``, ``--alpha`` <= 0 for the dirichlet
+    scheme, a bad ``--families``, see :func:`parse_families`, or one that would be ignored: with a profile or a
+    prototype ``method``), or None.
     """
     if args.sites < 1:
         return f"--sites must be at least 1, got {args.sites}"
     if why := _input_sizes_problem(getattr(args, "input_sizes", None)):
         return why
+    ms = getattr(args, "min_sites", None)
+    if ms is not None and not getattr(args, "profile", None) and ms > args.sites:
+        return f"--min-sites {ms}: more than the {args.sites} sites (--sites); no round could proceed"
     fams = getattr(args, "families", None)
     if fams is not None and not fams.strip(", "):
         return _families_problem(fams, args.sites)

@@ -305,6 +305,19 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+def _discard_unstarted(run_dir: Path, made: bool, keep: Path | None = None) -> None:
+    """Remove what a run refused before its simulator started wrote into ``run_dir`` (partition, site configs,
+    resolved configs, job options: :data:`RUN_OUTPUTS`; :func:`_prepare_run_dir` has already cleared or refused
+    an earlier run's), and ``run_dir`` itself when this run ``made`` it and it is left empty. ``keep``: a profile
+    inside the folder that the run reads (kept)."""
+    for n in RUN_OUTPUTS:
+        p = run_dir / n
+        if p.exists() and p.resolve() != keep:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if made and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
 def _options(args, data_root, part_dir, on_server: bool = False) -> dict:
     """The job options. ``on_server`` (export-job): the probe is a path on the server machine, checked there at
     job start (before any site trains), so it must be absolute and is not looked up here."""
@@ -348,27 +361,38 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
                                 "or 'generated')")
     run_dir = Path(args.out).resolve()
-    _prepare_run_dir(run_dir, args.overwrite, Path(args.profile).resolve() if args.profile else None)
-    try:
-        profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
-    except (DataNotFoundError, SiteConfigError) as e:
-        print(f"cxr-hfl: {e}", file=sys.stderr)
-        return 2
-    labels = next(iter(profile.values()))["data"]["labels"]
-    if args.profile and labels != args.labels:
-        print(f"[cxr-hfl] labels {labels} taken from the profile")
-    opts = _options(args, data_root, part_dir)
-    (run_dir / "resolved_configs").mkdir(exist_ok=True)
-    for site, cfg in profile.items():
-        (run_dir / "resolved_configs" / f"{site}.json").write_text(json.dumps(cfg, indent=1))
-    (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
-    print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
-        f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px" for s, c in profile.items()))
-    sharing = [s for s, c in profile.items() if c.get("share_predictions")]
-    if sharing:
-        print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
-              "to the server for pooled metrics (share_predictions: true); a real site's default is false")
-    job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
+    keep = Path(args.profile).resolve() if args.profile else None
+    made = not run_dir.exists()
+    _prepare_run_dir(run_dir, args.overwrite, keep)
+    try:  # until the simulator starts, a refusal leaves nothing behind that a corrected rerun would trip over
+        try:
+            profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
+        except (DataNotFoundError, SiteConfigError) as e:
+            _discard_unstarted(run_dir, made, keep)
+            print(f"cxr-hfl: {e}", file=sys.stderr)
+            return 2
+        if args.min_sites is not None and args.min_sites > len(profile):
+            raise SystemExit(f"cxr-hfl: --min-sites {args.min_sites}: more than the profile's {len(profile)} "
+                             "sites; no round could proceed")
+        labels = next(iter(profile.values()))["data"]["labels"]
+        if args.profile and labels != args.labels:
+            print(f"[cxr-hfl] labels {labels} taken from the profile")
+        opts = _options(args, data_root, part_dir)
+        (run_dir / "resolved_configs").mkdir(exist_ok=True)
+        for site, cfg in profile.items():
+            (run_dir / "resolved_configs" / f"{site}.json").write_text(json.dumps(cfg, indent=1))
+        (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
+        print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
+            f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px"
+            for s, c in profile.items()))
+        sharing = [s for s, c in profile.items() if c.get("share_predictions")]
+        if sharing:
+            print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
+                  "to the server for pooled metrics (share_predictions: true); a real site's default is false")
+        job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
+    except BaseException:
+        _discard_unstarted(run_dir, made, keep)
+        raise
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)

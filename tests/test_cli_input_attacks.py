@@ -86,3 +86,55 @@ def test_compare_help_shows_the_default_of_every_option(capsys):
                if not (a.required or a.nargs == 0 or a.default == argparse.SUPPRESS)
                and not re.search(r"(?i)\bdefault\b", a.help or "")]
     assert not lacking, f"compare --help: options without their default: {lacking}"
+
+
+def _tiny_data(root):
+    """24 small grey PNGs of different widths in NORMAL/ and PNEUMONIA/ (a data root of the class-folder layout;
+    the refusals tested here come before any image is trained on)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        cls = ("NORMAL", "PNEUMONIA")[i % 2]
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (40, 40 + i), dtype=np.uint8)).save(root / cls / f"IM-{i:04d}-0001.png")
+    return root
+
+
+def test_a_simulate_refused_after_partitioning_leaves_no_folder_and_the_rerun_says_the_same(tmp_path, capsys):
+    """OHFL without a probe on data that has none beside it is refused only after the data are partitioned; the
+    partition and site configs it had written made the corrected rerun fail with "already holds a run
+    (unfinished ...)": now the refusal removes them, and the same command is refused the same way again."""
+    data, out = _tiny_data(tmp_path / "data"), tmp_path / "run"
+    argv = ["simulate", "--method", "ohfl", "--data", str(data), "--sites", "2", "--out", str(out)]
+    for _ in range(2):
+        assert main(argv) == 2
+        _one_line(capsys, "OHFL needs a public probe set", "--probe")
+        assert not out.exists()
+    out.mkdir()  # a folder the user made: kept, emptied of what the run wrote
+    (out / "notes.txt").write_text("mine")
+    assert main(argv) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_more_min_sites_than_sites_is_refused_before_anything_runs(tmp_path, capsys):
+    """--min-sites 10 with 3 sites used to partition, start NVFlare and fail as a whole run (exit 1)."""
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", "ohfl", "--data", str(_tiny_data(tmp_path / "data")), "--sites", "3",
+                 "--min-sites", "10", "--out", str(out)]) == 2
+    _one_line(capsys, "--min-sites 10", "3 sites")
+    assert not out.exists()
+
+
+def test_more_min_sites_than_a_profiles_sites_is_refused_before_the_simulator_starts(tmp_path, capsys):
+    prof, out = tmp_path / "profile", tmp_path / "run"
+    prof.mkdir()
+    for s in ("hosp-a", "hosp-b"):
+        (prof / f"{s}.yaml").write_text("data:\n  manifest: site.csv\nmodel: {family: cnn, depth: shallow}\n"
+                                        "input_size: 32\n")
+    assert main(["simulate", "--method", "ohfl", "--profile", str(prof), "--probe", "generated", "--min-sites", "3",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--min-sites 3: more than the profile's 2 sites" in err[-1] and "Traceback" not in "".join(err)
+    assert not out.exists()

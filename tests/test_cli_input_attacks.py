@@ -138,3 +138,15 @@ def test_more_min_sites_than_a_profiles_sites_is_refused_before_the_simulator_st
     err = capsys.readouterr().err.strip().splitlines()
     assert "--min-sites 3: more than the profile's 2 sites" in err[-1] and "Traceback" not in "".join(err)
     assert not out.exists()
+
+
+def test_a_log_config_that_is_neither_a_mode_nor_a_file_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    _usage_error(capsys, ["simulate", "--method", "ohfl", "--log-config", str(tmp_path / "nope.json"),
+                          "--out", str(out)], "--log-config", "nope.json", "no such file")
+    assert not out.exists()
+    from nvflare_jobs.commands.simulate import _log_config
+
+    cfg = tmp_path / "log.json"
+    cfg.write_text("{}")
+    assert _log_config("concise") == "concise" and _log_config(str(cfg)) == str(cfg.resolve())

@@ -49,6 +49,21 @@ def _gpu_ids(s: str) -> str:
     return ",".join(ids)
 
 
+LOG_MODES = ("concise", "msg_only", "full", "verbose", "reload")  # nvflare.fuel.utils.log_utils.LogMode
+
+
+def _log_config(s: str) -> str:
+    """argparse type of ``--log-config``: an NVFlare log mode, or an existing log config file (as an absolute
+    path); anything else is refused in one line before the run folder is made (NVFlare failed on it only after
+    the data were partitioned and its simulator had started)."""
+    if s in LOG_MODES:
+        return s
+    if not Path(s).is_file():
+        raise argparse.ArgumentTypeError(f"expected a log mode ({'|'.join(LOG_MODES[:4])}) or an existing log "
+                                         f"config file, got {s!r} (no such file)")
+    return str(Path(s).resolve())
+
+
 def _device(s: str) -> str:
     from hfl_components.training.device import check_device_name
 
@@ -176,7 +191,7 @@ def register(sub) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="show NVFlare's INFO logs on the console (by default they go only to the workspace's "
                         "log files and the console shows live progress)")
-    p.add_argument("--log-config", help="NVFlare log mode or config file (concise|msg_only|full|verbose|FILE); "
+    p.add_argument("--log-config", type=_log_config, help="NVFlare log mode or config file (concise|msg_only|full|verbose|FILE); "
                                         "overrides the quiet default and --verbose")
     p.add_argument("--gpu", type=_gpu_ids,
                    help="NVFlare simulator GPU option: GPU ids for the site processes, e.g. 0 or 0,1 (sites are "

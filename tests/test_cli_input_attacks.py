@@ -150,3 +150,13 @@ def test_a_log_config_that_is_neither_a_mode_nor_a_file_is_refused(tmp_path, cap
     cfg = tmp_path / "log.json"
     cfg.write_text("{}")
     assert _log_config("concise") == "concise" and _log_config(str(cfg)) == str(cfg.resolve())
+
+
+def test_simulate_help_gives_one_default_for_the_probe(capsys):
+    """--help said "(default: ../shared/data/chest_xray_224 beside chest_xray_original) (default: none)"."""
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    probe = text.split("--probe PROBE [ohfl]", 1)[1].split("--probe-size")[0]
+    assert probe.count("default") == 1 and "(default: none)" not in probe, probe
+    assert "probe part" in probe

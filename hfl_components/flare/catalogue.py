@@ -171,8 +171,8 @@ _OHFL = (
            "threshold on calibrated p(PNEUMONIA) must reach on the sites' pooled validation histograms",
            cli_default=None, check=lambda v: None if 0 < v <= 1 else f"target_sensitivity must be in (0, 1], got {v}"),
     Option("probe", str, None, None, "folder/CSV of public images for CKA and distillation, 'generated', or 'none' "
-           "(no public images: needs --data-free) (default: "
-           "../shared/data/chest_xray_224 beside chest_xray_original)",
+           "(no public images: needs --data-free) (default: the partition's probe.csv when it has one, else the "
+           "committed probe part of the chest_xray_224 folder beside a chest_xray_original --data)",
            required="OHFL needs a probe set of public images for CKA (--probe DIR or --probe generated)"),
     Option("probe_size", int, 64, None, "probe images for CKA and repair",
            check=lambda v: None if v >= 4 else f"needs at least 4 probe images (debiased CKA needs n > 3), got {v}"),

@@ -166,6 +166,8 @@ def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
             dflt = f" (default {next(iter(defaults.values()))})"
         elif defaults:
             dflt = " (default " + ", ".join(f"{m} {v}" for m, v in defaults.items()) + ")"
+        elif any("(default" in h for h in helps):  # the help says it in its own words (--probe)
+            dflt = ""
         else:
             dflt = " (default: none)"
         kw = {"dest": key, "default": first.argparse_default,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,8 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
     """Audit every model scored in ``ext_dir`` (``RUN/external/<name>/``); write ``audit.json`` and the montage.
 
     Returns the audit dict (as written). Raises FileNotFoundError: no ``predictions.npz`` in ``ext_dir`` (run
-    ``cxr-hfl evaluate`` first).
+    ``cxr-hfl evaluate`` first); ValueError (one line naming the file): an unreadable ``predictions.npz`` or
+    ``summary.json``.
     """
     from chest_xray.file_facts import facts_for
     from hfl_components.training.device import describe_device, resolve_device
@@ -85,11 +87,23 @@ def audit_external(run: str | Path, ext_dir: str | Path, *, probe_images: int = 
     npz = ext_dir / "predictions.npz"
     if not npz.is_file():
         raise FileNotFoundError(f"{ext_dir}: no predictions.npz (run `cxr-hfl evaluate` on this data first)")
-    with np.load(npz, allow_pickle=False) as z:
-        paths = [str(p) for p in z["paths"]]
-        y = _binary(z["y"])
-        preds = {k: z[k] for k in z.files if k not in ("paths", "y")}
-    summ = json.loads((ext_dir / "summary.json").read_text()) if (ext_dir / "summary.json").is_file() else {}
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            paths = [str(p) for p in z["paths"]]
+            y = _binary(z["y"])
+            preds = {k: z[k] for k in z.files if k not in ("paths", "y")}
+    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError) as e:
+        raise ValueError(f"{npz}: unreadable ({type(e).__name__}: {e}; truncated, or not written by evaluate); "
+                         "rerun `cxr-hfl evaluate` on this set with --overwrite") from None
+    summ_path = ext_dir / "summary.json"
+    try:
+        summ = json.loads(summ_path.read_text()) if summ_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{summ_path}: not readable as JSON ({e}; truncated or edited?); rerun `cxr-hfl evaluate` "
+                         "on this set with --overwrite") from None
+    if not isinstance(summ, dict):
+        raise ValueError(f"{summ_path}: not a JSON object (truncated or edited?); rerun `cxr-hfl evaluate` on this "
+                         "set with --overwrite")
     dev = resolve_device(device)
     skipped: list[str] = []
     out: dict[str, Any] = {"data": summ.get("data"), "part": summ.get("part"), "n_images": len(paths),

@@ -160,3 +160,35 @@ def test_simulate_help_gives_one_default_for_the_probe(capsys):
     probe = text.split("--probe PROBE [ohfl]", 1)[1].split("--probe-size")[0]
     assert probe.count("default") == 1 and "(default: none)" not in probe, probe
     assert "probe part" in probe
+
+
+def _evaluated_run(tmp_path):
+    ext = tmp_path / "run" / "external" / "set"
+    ext.mkdir(parents=True)
+    return tmp_path / "run", ext
+
+
+def test_audit_of_a_truncated_predictions_file_is_one_line_naming_it(tmp_path, capsys):
+    """A predictions.npz cut short (disk full, an interrupted copy) gave a zipfile traceback and exit 1."""
+    import numpy as np
+
+    run, ext = _evaluated_run(tmp_path)
+    np.savez(ext / "predictions.npz", paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]),
+             m=np.array([[0.9, 0.1], [0.2, 0.8]]))
+    whole = (ext / "predictions.npz").read_bytes()
+    (ext / "predictions.npz").write_bytes(whole[: len(whole) // 2])
+    assert main(["audit", "--run", str(run)]) == 2
+    _one_line(capsys, "predictions.npz", "unreadable", "--overwrite")
+
+
+def test_audit_with_a_truncated_summary_names_the_file(tmp_path, capsys):
+    """It said only "error: Expecting value: line 2 column 1 (char 6)"."""
+    import numpy as np
+
+    run, ext = _evaluated_run(tmp_path)
+    np.savez(ext / "predictions.npz", paths=np.array(["a.png", "b.png"]), y=np.array([0, 1]),
+             m=np.array([[0.9, 0.1], [0.2, 0.8]]))
+    (ext / "summary.json").write_text('{"x":\n')
+    assert main(["audit", "--run", str(run)]) == 2
+    _one_line(capsys, str(ext / "summary.json"), "not readable as JSON")
+    assert not (ext / "audit.json").exists()

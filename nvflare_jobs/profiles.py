@@ -157,6 +157,8 @@ def site_options_problem(args) -> str | None:
                 f"pool (--families is for {', '.join(family_methods())})")
     if args.scheme == "dirichlet" and not args.alpha > 0:
         return f"--alpha must be > 0 for --scheme dirichlet, got {args.alpha}"
+    if args.scheme == "dirichlet" and args.alpha == float("inf"):
+        return "--alpha must be a finite number for --scheme dirichlet, got inf"
     return _families_problem(fams, args.sites)
 
 

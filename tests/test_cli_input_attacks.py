@@ -192,3 +192,29 @@ def test_audit_with_a_truncated_summary_names_the_file(tmp_path, capsys):
     assert main(["audit", "--run", str(run)]) == 2
     _one_line(capsys, str(ext / "summary.json"), "not readable as JSON")
     assert not (ext / "audit.json").exists()
+
+
+def test_partition_of_a_manifest_with_a_header_and_no_rows_names_it(tmp_path, capsys):
+    """It said only "no records to partition"."""
+    csv_file, out = tmp_path / "manifest.csv", tmp_path / "part"
+    csv_file.write_text("path,label\n\n")
+    assert main(["partition", "--data", str(csv_file), "--sites", "2", "--out", str(out)]) == 2
+    _one_line(capsys, str(csv_file), "no usable images")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, says", (
+    (["--scheme", "dirichlet", "--min-per-site", "-3"], ["argument --min-per-site", "-3"]),
+))
+def test_partition_refuses_a_negative_minimum_per_site(tmp_path, capsys, argv, says):
+    """--min-per-site -3 was taken silently."""
+    _usage_error(capsys, ["partition", "--data", "D", "--sites", "2", *argv, "--out", str(tmp_path / "p")], *says)
+
+
+def test_an_infinite_dirichlet_alpha_is_refused_naming_it(tmp_path, capsys):
+    """--alpha inf passed the > 0 check and failed after the scan with "raise alpha"."""
+    out = tmp_path / "p"
+    assert main(["partition", "--data", str(tmp_path / "D"), "--sites", "2", "--scheme", "dirichlet",
+                 "--alpha", "inf", "--out", str(out)]) == 2
+    _one_line(capsys, "--alpha", "finite", "inf")
+    assert not out.exists()

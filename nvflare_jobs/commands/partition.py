@@ -32,7 +32,7 @@ def register(subparsers) -> None:
                    help="fraction reserved as a patient-disjoint probe pool in no site (default: %(default)s)")
     p.add_argument("--classes-per-site", type=int, default=None,
                    help="pathological scheme: classes per site (default: number of classes - 1, at least 1)")
-    p.add_argument("--min-per-site", type=int, default=10,
+    p.add_argument("--min-per-site", type=_at_least(0), default=10,
                    help="dirichlet scheme: minimum images per site (default: %(default)s)")
     p.add_argument("--min-eval-per-class", type=_at_least(0), default=0, metavar="M",
                    help="every class a site holds >= 4 M images of gets >= M images in val and in test, whole train "
@@ -89,6 +89,10 @@ def run_partition(args: argparse.Namespace) -> int:
     for f in report.get("findings", []):  # one line per finding (skips are listed above): counts, example names
         if not f["kind"].startswith("skipped: "):
             print(f"finding: {printable_path(f['text'])}", file=sys.stderr)
+    if not records:  # every file skipped (reasons above), or a manifest with a header and no rows
+        print(f"cxr-hfl partition: {args.data}: no usable images to partition"
+              + (f" ({len(report['skipped'])} skipped, see above)" if report["skipped"] else ""), file=sys.stderr)
+        return 2
     try:
         result = partition_records(
             records, args.sites, args.scheme, alpha=args.alpha, seed=args.seed,

@@ -171,8 +171,12 @@ def run_folder_view(run_dir: str | Path) -> dict:
         if (run / "workspace").is_dir() else []
     view["tensorboard"] = tb[0] if tb else None
     idx = _read(run / "models.json")
-    view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")}
-                      for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
+    entries = [e for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
+    view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")} for e in entries]
+    # a half-copied or damaged run folder: what evaluate / predict will refuse, said here first
+    view["models_missing"] = [str(e["file"]) for e in entries
+                              if isinstance(e.get("file"), str) and not (run / e["file"]).is_file()]
+    view["models_index_unreadable"] = (run / "models.json").is_file() and idx is None
     return view
 
 
@@ -262,6 +266,13 @@ def format_view(v: dict) -> str:
     if v.get("models"):
         lines.append(f"  models: {len(v['models'])} files (models.json): "
                      + ", ".join(m["name"] for m in v["models"][:8]) + (" ..." if len(v["models"]) > 8 else ""))
+    if v.get("models_missing"):
+        lines.append(f"  MISSING: {len(v['models_missing'])} model file(s) listed in models.json: "
+                     + ", ".join(v["models_missing"][:4]) + (" ..." if len(v["models_missing"]) > 4 else "")
+                     + " (evaluate refuses the run until they are restored)")
+    if v.get("models_index_unreadable"):
+        lines.append("  models.json: unreadable (truncated or edited?); evaluate refuses the run until it is "
+                     "restored or removed (then it is rebuilt from the model files)")
     if v.get("tensorboard"):
         lines.append(f"  TensorBoard: tensorboard --logdir {v['tensorboard']}")
     return "\n".join(lines)

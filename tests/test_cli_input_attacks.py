@@ -218,3 +218,23 @@ def test_an_infinite_dirichlet_alpha_is_refused_naming_it(tmp_path, capsys):
                  "--alpha", "inf", "--out", str(out)]) == 2
     _one_line(capsys, "--alpha", "finite", "inf")
     assert not out.exists()
+
+
+def test_status_says_when_a_model_file_listed_in_models_json_is_missing(tmp_path, capsys):
+    """A run folder copied in part (or a model deleted): status said "models: 2 files" and all was well, while
+    evaluate then refused the run."""
+    import json
+
+    run = tmp_path / "run"
+    (run / "models").mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"method": "ohfl", "sites": {"site-1": {}}}))
+    (run / "models" / "site-1_deployed.pt").write_bytes(b"x")
+    (run / "models.json").write_text(json.dumps({"models": [
+        {"name": "site-1_deployed", "file": "models/site-1_deployed.pt"},
+        {"name": "global", "file": "global_model.pt"}]}))
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "MISSING: 1 model file(s) listed in models.json: global_model.pt" in out, out
+    (run / "models.json").write_text('{"models": [')
+    assert main(["status", str(run)]) == 0
+    assert "models.json: unreadable" in capsys.readouterr().out

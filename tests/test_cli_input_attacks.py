@@ -238,3 +238,9 @@ def test_status_says_when_a_model_file_listed_in_models_json_is_missing(tmp_path
     (run / "models.json").write_text('{"models": [')
     assert main(["status", str(run)]) == 0
     assert "models.json: unreadable" in capsys.readouterr().out
+
+
+def test_audit_refuses_an_unknown_device_naming_the_option(tmp_path, capsys):
+    """It said "error: must be one of auto | cpu | cuda | cuda:N, got 'foo'", naming no option, after the run
+    folder and its evaluated set were looked up."""
+    _usage_error(capsys, ["audit", "--run", str(tmp_path), "--device", "foo"], "argument --device", "'foo'")

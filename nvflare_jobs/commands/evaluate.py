@@ -181,7 +181,10 @@ def _register_audit(sub) -> None:
                    help="class-balanced, seeded subsample for the perturbation probes (default 300)")
     a.add_argument("--saliency-images", type=_positive_int, default=8,
                    help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
-    a.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
+    from nvflare_jobs.commands.simulate import _device
+
+    a.add_argument("--device", type=_device, default="auto",
+                   help="auto (a GPU when present), cpu, cuda or cuda:N (default auto)")
     a.set_defaults(func=run_audit)
 
 

@@ -244,3 +244,19 @@ def test_audit_refuses_an_unknown_device_naming_the_option(tmp_path, capsys):
     """It said "error: must be one of auto | cpu | cuda | cuda:N, got 'foo'", naming no option, after the run
     folder and its evaluated set were looked up."""
     _usage_error(capsys, ["audit", "--run", str(tmp_path), "--device", "foo"], "argument --device", "'foo'")
+
+
+@pytest.mark.parametrize("text, says", (
+    (None, "does not exist"),
+    ("participants: [\n", "not valid YAML (line 2"),
+    ("api_version: 2\n", "needs api_version: 3"),
+))
+def test_provision_refuses_a_bad_project_file_in_one_line_exit_2(tmp_path, capsys, text, says):
+    """A malformed project.yml gave a yaml traceback (exit 1); a missing one exited 1, which the README keeps for
+    a command that ran but failed its purpose."""
+    proj, out = tmp_path / "project.yml", tmp_path / "kits"
+    if text is not None:
+        proj.write_text(text)
+    assert main(["provision", "--project", str(proj), "--out", str(out)]) == 2
+    _one_line(capsys, str(proj), says)
+    assert not out.exists()

@@ -95,6 +95,13 @@ def run_provision(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"cxr-hfl provision: --out {args.out} is a file, not a folder", file=sys.stderr)
         return 2
+    from nvflare_jobs.deploy import DeployError, load_project
+
+    try:  # a missing or malformed project file is bad input (exit 2), refused before anything is written
+        load_project(args.project)
+    except DeployError as e:
+        print(f"cxr-hfl provision: {e}", file=sys.stderr)
+        return 2
     res = provision(args.project, args.out, job_store=args.job_store)
     print(f"[cxr-hfl] provisioned {res['project']} -> {res['prod_dir']}")
     print(f"CA state (root CA private key): {res['state_dir']} (mode 600): move it offline now; it is needed only "

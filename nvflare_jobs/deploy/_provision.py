@@ -12,12 +12,25 @@ from nvflare_jobs.deploy._kits import configure_server_kit, no_log_streaming, pr
 
 # ------------------------------------------------------------------------------------------------ provisioning
 def load_project(path: str | os.PathLike | None = None) -> dict:
-    """Parse and check a project.yml: api_version 3, one server, >= 1 client, >= 1 admin allowed to submit jobs."""
+    """Parse and check a project.yml: api_version 3, one server, >= 1 client, >= 1 admin allowed to submit jobs.
+
+    Raises:
+        DeployError: one line naming the file: missing, not YAML, or not such a project.
+    """
     p = Path(path or DEFAULT_PROJECT)
     try:
         proj = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise DeployError(f"project file {p} does not exist") from None
+    except IsADirectoryError:
+        raise DeployError(f"project file {p} is a folder; give its project.yml") from None
+    except UnicodeDecodeError:
+        raise DeployError(f"project file {p} is not a text (UTF-8) YAML file") from None
+    except yaml.YAMLError as e:  # one line, as a site config's (hfl_components.flare.site_config)
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise DeployError(f"project file {p} is not valid YAML ({where}{' '.join(str(problem or e).split())})") \
+            from None
     if not isinstance(proj, dict) or proj.get("api_version") != 3:
         raise DeployError(f"project file {p}: needs api_version: 3")
     parts = proj.get("participants") or []

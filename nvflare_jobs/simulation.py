@@ -286,9 +286,11 @@ RUN_OUTPUTS = ("metrics.json", "models.json", "sites.csv", "rounds.csv", "test_p
                "resolved_configs", "site_configs", "partition", "external", "data_pool.csv")
 
 
-def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -> None:
+def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None, aside: Path | None = None) -> None:
     """Refuse to mix a new run with an earlier one in the same folder, unless --overwrite clears the old one.
-    ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does)."""
+    ``keep``: a path inside the folder that this run reads (a --profile kept there, as `cxr-hfl compare` does).
+    ``aside``: a folder the old run's files are moved into instead of deleted (:func:`_restore_aside` puts them
+    back when the new run is refused before it starts)."""
     old = [n for n in RUN_OUTPUTS if (run_dir / n).exists() and (run_dir / n).resolve() != keep]
     if old and not overwrite:
         what = "finished" if (run_dir / "metrics.json").exists() else "unfinished: interrupted or failed"
@@ -296,13 +298,25 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool, keep: Path | None = None) -
                               "A simulate run cannot be resumed: rerun with --overwrite to replace it, or choose "
                               "another --out "
                               "(`cxr-hfl compare` resumes its unfinished runs when rerun with the same --out)")
-    for n in old:
-        p = run_dir / n
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if old:
-        for png in run_dir.glob("*.png"):
-            png.unlink()
+    if aside is not None and old:
+        if aside.exists():  # left by a process killed before it could restore or drop it
+            shutil.rmtree(aside)
+        aside.mkdir(parents=True)
+    for p in [run_dir / n for n in old] + (sorted(run_dir.glob("*.png")) if old else []):
+        if aside is not None:
+            p.rename(aside / p.name)
+        else:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _restore_aside(run_dir: Path, aside: Path) -> None:
+    """Move the earlier run's files that :func:`_prepare_run_dir` set ``aside`` back into ``run_dir``."""
+    if aside.is_dir():
+        for p in aside.iterdir():
+            if not (run_dir / p.name).exists():
+                p.rename(run_dir / p.name)
+        shutil.rmtree(aside)
 
 
 def _discard_unstarted(run_dir: Path, made: bool, keep: Path | None = None) -> None:
@@ -363,12 +377,15 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     run_dir = Path(args.out).resolve()
     keep = Path(args.profile).resolve() if args.profile else None
     made = not run_dir.exists()
-    _prepare_run_dir(run_dir, args.overwrite, keep)
-    try:  # until the simulator starts, a refusal leaves nothing behind that a corrected rerun would trip over
+    aside = run_dir / ".replaced_run"  # --overwrite: the earlier run waits here until this one starts
+    _prepare_run_dir(run_dir, args.overwrite, keep, aside)
+    try:  # until the simulator starts, a refusal leaves nothing behind that a corrected rerun would trip over,
+        # and an earlier run that --overwrite was to replace is put back
         try:
             profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
         except (DataNotFoundError, SiteConfigError) as e:
             _discard_unstarted(run_dir, made, keep)
+            _restore_aside(run_dir, aside)
             print(f"cxr-hfl: {e}", file=sys.stderr)
             return 2
         if args.min_sites is not None and args.min_sites > len(profile):
@@ -392,7 +409,10 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
     except BaseException:
         _discard_unstarted(run_dir, made, keep)
+        _restore_aside(run_dir, aside)
         raise
+    if aside.exists():
+        shutil.rmtree(aside)
     ws = run_dir / "workspace"
     if ws.exists():
         shutil.rmtree(ws)

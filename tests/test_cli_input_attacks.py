@@ -260,3 +260,26 @@ def test_provision_refuses_a_bad_project_file_in_one_line_exit_2(tmp_path, capsy
     assert main(["provision", "--project", str(proj), "--out", str(out)]) == 2
     _one_line(capsys, str(proj), says)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", ("probe", "root"))
+def test_overwrite_with_a_refused_command_keeps_the_earlier_run(tmp_path, capsys, bad):
+    """`simulate --overwrite` deleted the finished run first and was then refused (a data folder of no known
+    layout; OHFL without a probe): the run was lost to a typo. It is now put back as it was."""
+    import json
+
+    out = tmp_path / "run"
+    (out / "models").mkdir(parents=True)
+    (out / "metrics.json").write_text(json.dumps({"method": "ohfl"}))
+    (out / "models" / "site-1_deployed.pt").write_bytes(b"weights")
+    (out / "site_accuracy.png").write_bytes(b"png")
+    (out / "my_notes.txt").write_text("mine")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    data = _tiny_data(tmp_path / "data") if bad == "probe" else tmp_path / "no_layout"
+    (tmp_path / "no_layout").mkdir()
+    assert main(["simulate", "--method", "ohfl", "--data", str(data), "--sites", "2", "--overwrite",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("OHFL needs a public probe set" if bad == "probe" else "unrecognised data root") in err, err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "models", "my_notes.txt", "site_accuracy.png"]

@@ -417,14 +417,18 @@ def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         ``(info, sites)``: the JSON document and site name -> rows (sites in natural order site-1, site-2, ...).
 
     Raises:
-        FileNotFoundError: ``out_dir`` is not a folder, or ``partition.json`` or the ``sites`` folder is missing.
+        FileNotFoundError: ``out_dir`` is not a folder, or ``partition.json``, the ``sites`` folder or the manifest
+            of a site that ``partition.json`` lists is missing.
         ValueError: ``partition.json`` is not JSON or not a partition document (a scheme and a list of class
             names); a manifest is malformed or holds a label outside the class names (file and line named).
     """
     out = Path(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: not a folder" if out.exists() else f"{out}: no such folder")
-    info = json.loads((out / "partition.json").read_text())
+    try:
+        info = json.loads((out / "partition.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # truncated or edited
+        raise ValueError(f"{out / 'partition.json'}: not readable as JSON ({e})") from None
     names = info.get("class_names") if isinstance(info, dict) else None
     if (not isinstance(info, dict) or not isinstance(info.get("scheme"), str) or not isinstance(names, list)
             or not names or not all(isinstance(n, str) for n in names)):
@@ -433,6 +437,10 @@ def load_partition(out_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     files = sorted((out / "sites").glob("*.csv"), key=lambda f: (len(f.stem), f.stem))
     if not files:
         raise FileNotFoundError(f"{out / 'sites'}: no site manifests")
+    listed = info.get("sites") if isinstance(info.get("sites"), dict) else {}
+    if missing := [s for s in listed if not (out / "sites" / f"{s}.csv").is_file()]:
+        raise FileNotFoundError(f"{out / 'sites' / (missing[0] + '.csv')}: missing (partition.json lists "
+                                f"{len(missing)} site(s) without a manifest: {', '.join(missing)})")
     sites = {f.stem: read_site_manifest(f) for f in files}
     for f in files:
         for i, r in enumerate(sites[f.stem], start=2):

@@ -283,3 +283,20 @@ def test_overwrite_with_a_refused_command_keeps_the_earlier_run(tmp_path, capsys
     assert ("OHFL needs a public probe set" if bad == "probe" else "unrecognised data root") in err, err
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "models", "my_notes.txt", "site_accuracy.png"]
+
+
+def test_inspect_names_a_site_manifest_missing_from_a_partition_folder(tmp_path, capsys):
+    """A partition folder copied in part: inspect showed the sites that were left, as if the partition had them
+    all (exit 0); a truncated partition.json was reported without naming it."""
+    import json
+
+    out = tmp_path / "part"
+    (out / "sites").mkdir(parents=True)
+    (out / "partition.json").write_text(json.dumps({"scheme": "dirichlet", "class_names": ["NORMAL", "PNEUMONIA"],
+                                                    "sites": {"site-1": {}, "site-2": {}}}))
+    (out / "sites" / "site-1.csv").write_text("path,label,split\na.png,0,train\n")
+    assert main(["inspect", str(out)]) == 2
+    _one_line(capsys, str(out / "sites" / "site-2.csv"), "missing", "site-2")
+    (out / "partition.json").write_text('{"scheme": ')
+    assert main(["inspect", str(out)]) == 2
+    _one_line(capsys, str(out / "partition.json"), "not readable as JSON")

@@ -76,16 +76,35 @@ def test_compare_refuses_out_of_range_pass_through_numbers(tmp_path, capsys, opt
 def test_compare_help_shows_the_default_of_every_option(capsys):
     """README: `cxr-hfl <command> --help` lists every option with its default; compare's --sites, --scheme,
     --alpha, --rounds, --late-wait, --batch-size, ... said none."""
+    assert not _options_without_default("compare")
+
+
+def _options_without_default(only: str | None = None) -> list[str]:
+    """``"<command> <option>"`` for every option of every (nested) subcommand whose help names no default (but
+    required options and on/off flags)."""
     import argparse
     import re
 
     from nvflare_jobs.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    lacking = [a.option_strings[0] for a in sub.choices["compare"]._actions
-               if not (a.required or a.nargs == 0 or a.default == argparse.SUPPRESS)
-               and not re.search(r"(?i)\bdefault\b", a.help or "")]
-    assert not lacking, f"compare --help: options without their default: {lacking}"
+    lacking = []
+
+    def walk(p, name):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for n, sp in a.choices.items():
+                    walk(sp, f"{name} {n}".strip())
+            elif (a.option_strings and not (a.required or a.nargs == 0 or a.default == argparse.SUPPRESS)
+                  and not re.search(r"(?i)\bdefault\b", a.help or "")):
+                lacking.append(f"{name} {a.option_strings[0]}")
+    walk(build_parser(), "")
+    return [x for x in lacking if only is None or x.split()[0] == only]
+
+
+def test_every_commands_help_shows_the_default_of_every_option():
+    """The README's promise, for every command: poc start --timeout, poc submit / results --wait, evaluate --part
+    and --max-images, audit --part, site check --json and --startup-kit said none."""
+    assert not _options_without_default(), _options_without_default()
 
 
 def _tiny_data(root):
@@ -300,3 +319,11 @@ def test_inspect_names_a_site_manifest_missing_from_a_partition_folder(tmp_path,
     (out / "partition.json").write_text('{"scheme": ')
     assert main(["inspect", str(out)]) == 2
     _one_line(capsys, str(out / "partition.json"), "not readable as JSON")
+
+
+@pytest.mark.parametrize("argv", (
+    ["poc", "start", "--timeout", "0"], ["poc", "submit", "--job", "J", "--wait", "-5"],
+    ["poc", "download", "--wait", "-1"], ["results", "7", "--out", "R", "--wait", "-1"],
+))
+def test_negative_waits_and_timeouts_are_refused_naming_the_option(capsys, argv):
+    _usage_error(capsys, argv, "argument --" + argv[-2].lstrip("-"))

@@ -12,6 +12,7 @@ POC_ENV = "CXR_HFL_POC_DIR"
 
 
 def register(sub) -> None:
+    from nvflare_jobs.commands.simulate import _at_least
     from nvflare_jobs.commands.status import watch_seconds
 
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
@@ -29,7 +30,7 @@ def register(sub) -> None:
     def add(name, help_, func):
         q = psub.add_parser(name, help=help_)
         q.add_argument("--workspace", "-w", default=os.environ.get(POC_ENV),
-                       help=f"the POC folder (required; or ${POC_ENV}); NVFlare's state and a private HOME live "
+                       help=f"the POC folder (required; default ${POC_ENV}); NVFlare's state and a private HOME live "
                             "inside it, never in your home folder")
         q.set_defaults(func=func)
         return q
@@ -42,10 +43,12 @@ def register(sub) -> None:
     q.add_argument("--allow-site-errors", action="store_true",
                    help="prepare even when sites have problems (to rehearse how a failing site is reported)")
     q = add("start", "start the POC server and sites (returns when the sites are connected)", run_start)
-    q.add_argument("--timeout", type=int, default=120)
+    q.add_argument("--timeout", type=_at_least(1), default=120, metavar="SECONDS",
+                   help="wait up to SECONDS for the server and sites to start (default 120)")
     q = add("submit", "submit an exported job folder as the coordinator", run_submit)
     q.add_argument("--job", "-j", required=True, help="job folder written by `cxr-hfl export-job` (OUT/<job name>)")
-    q.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="wait up to SECONDS for the job to finish")
+    q.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+                   help="wait up to SECONDS for the job to finish (default 0: return once submitted)")
     q = add("status", "POC processes, the jobs on the server and the status view of a job (cxr-hfl status)",
             run_status)
     q.add_argument("job_id", nargs="?", help="a job id (default: the last job submitted from this POC folder)")
@@ -56,7 +59,8 @@ def register(sub) -> None:
             run_download)
     q.add_argument("job_id", nargs="?", help="job id (default: the last job submitted from this POC folder)")
     q.add_argument("--out", help="run folder (default WORKSPACE/runs/<job id>)")
-    q.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="first wait up to SECONDS for the job")
+    q.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+                   help="first wait up to SECONDS for the job (default 0: do not wait)")
     add("stop", "stop the POC and end any of its processes still running", run_stop)
     poc.set_defaults(func=lambda a: (poc.print_help(), 2)[1])
 

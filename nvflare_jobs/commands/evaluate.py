@@ -129,14 +129,15 @@ def _add_evaluate(sub) -> None:
     e.add_argument("--data", required=True, help="external labelled set (Kaggle layout, class folders or CSV)")
     e.add_argument("--part", choices=PARTS,
                    help="only this committed part of chest_xray_224 (--data must be its root): 'evaluation' for "
-                        "headline numbers (nothing is tuned on it), 'tuning' for choosing defaults")
+                        "headline numbers (nothing is tuned on it), 'tuning' for choosing defaults (default: none, the whole "
+                        "--data set; the chest_xray_224 root itself is refused without it)")
     e.add_argument("--labels", choices=("binary", "subtype"), help="label scheme (default: the run's)")
     e.add_argument("--force", action="store_true",
                    help="evaluate even when the set shares file names / patient ids with the run's data (NOT external)")
     e.add_argument("--global-sizes", choices=("all", "largest"), default="all",
                    help="evaluate the global model at every input size of the run (default) or the largest only")
     e.add_argument("--max-images", type=_positive_int,
-                   help="class-stratified subset of the external set (quick checks)")
+                   help="class-stratified subset of the external set (quick checks; default: every image)")
     e.add_argument("--n-boot", type=_non_negative_int, default=500,
                    help="bootstrap replicates of each model's pooled 95%% CIs (default 500; 0: none)")
     e.add_argument("--no-audit", action="store_true",
@@ -176,7 +177,7 @@ def _register_audit(sub) -> None:
     a.add_argument("--run", required=True, help="run folder with RUN/external/<set>/predictions.npz")
     a.add_argument("--data", help="the evaluated set, as given to evaluate (default: the only one evaluated)")
     a.add_argument("--part", choices=PARTS, help="the committed part of chest_xray_224 it was evaluated on (--data "
-                                                 "must be its root, as for evaluate)")
+                                                 "must be its root, as for evaluate; default: none)")
     a.add_argument("--probe-images", type=_positive_int, default=300,
                    help="class-balanced, seeded subsample for the perturbation probes (default 300)")
     a.add_argument("--saliency-images", type=_positive_int, default=8,

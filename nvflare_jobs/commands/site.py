@@ -19,7 +19,7 @@ def register(sub) -> None:
                    help="skip decoding the images: only check that each file of the manifest exists (and the config, "
                         "manifest, model)")
     q.add_argument("--json", metavar="FILE", help="also write the full report (every unreadable or missing file) "
-                                                  "as JSON")
+                                                  "as JSON (default: none, the screen only)")
     q.set_defaults(func=run_check)
     q = ssub.add_parser("score", help="score model files on this site's own test split, as the site does in a "
                                       "cross-site evaluation job (its row of the matrix; nothing is sent)",

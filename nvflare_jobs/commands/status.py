@@ -41,7 +41,10 @@ def register(sub) -> None:
     r.add_argument("job_id")
     _kit_args(r)
     r.add_argument("--out", required=True, help="run folder to write (metrics.json, sites.csv, plots)")
-    r.add_argument("--wait", type=int, default=0, metavar="SECONDS", help="first wait up to SECONDS for the job")
+    from nvflare_jobs.commands.simulate import _at_least
+
+    r.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+                   help="first wait up to SECONDS for the job (default 0: do not wait)")
     r.set_defaults(func=run_results)
     q = sub.add_parser("submit", help="check an exported (or edited) job folder as the server will, then submit it "
                                       "with your startup kit (production; POC: cxr-hfl poc submit)")
@@ -52,7 +55,7 @@ def register(sub) -> None:
 
 def _kit_args(p) -> None:
     p.add_argument("--startup-kit", metavar="KIT", help="your admin startup kit folder (the coordinator's kit of "
-                                                        "cxr-hfl provision; POC: see cxr-hfl poc status)")
+                                                        "cxr-hfl provision; POC: see cxr-hfl poc status; default: none)")
     p.add_argument("--user", help="the kit's admin name (default: the kit folder's name)")
 
 

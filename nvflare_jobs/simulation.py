@@ -229,6 +229,8 @@ def _run_checked(args, **kw) -> int:
     _defaults(args)
     if bad := site_options_problem(args):  # the simulated sites' options, before anything is scanned or written
         sys.exit(f"cxr-hfl: {bad}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        sys.exit(f"cxr-hfl: --out {args.out} is a file, not a folder (the run folder)")
     if not args.profile and args.data and not Path(args.data).expanduser().exists():
         sys.exit(f"cxr-hfl: --data {args.data}: no such file or folder (give a folder in the Kaggle layout, class "
                  "folders, or a CSV with path,label columns)")

@@ -327,3 +327,17 @@ def test_inspect_names_a_site_manifest_missing_from_a_partition_folder(tmp_path,
 ))
 def test_negative_waits_and_timeouts_are_refused_naming_the_option(capsys, argv):
     _usage_error(capsys, argv, "argument --" + argv[-2].lstrip("-"))
+
+
+def test_an_out_path_through_a_file_is_named_in_plain_words(tmp_path, capsys):
+    """simulate said "[Errno 17] File exists: ..." and report "afile: File exists" (after rendering the report)."""
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    assert main(["simulate", "--method", "ohfl", "--data", str(tmp_path), "--out", str(f)]) == 2
+    _one_line(capsys, f"--out {f} is a file, not a folder")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text("{}")
+    assert main(["report", str(run), "--out", str(f / "r.html")]) == 2
+    _one_line(capsys, f"--out {f / 'r.html'}: {f} is a file, not a folder")
+    assert f.read_text() == "mine"

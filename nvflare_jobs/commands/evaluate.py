@@ -265,6 +265,10 @@ def run_report(args) -> int:
         print(f"cxr-hfl report: --out {args.out} is a folder; give an HTML file name, e.g. "
               f"{Path(args.out) / 'report.html'}", file=sys.stderr)
         return 2
+    if args.out and (above := next((d for d in Path(args.out).parents if d.exists()), None)) is not None \
+            and not above.is_dir():  # before the report is rendered
+        print(f"cxr-hfl report: --out {args.out}: {above} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         out = render_report(args.path, args.out)
     except (FileNotFoundError, UnreadableFile) as e:  # each names its file

@@ -25,7 +25,7 @@ def _ohfl_defaults(args) -> None:
     error), else from OHFL_DEFAULTS."""
     names = {"ot": "--ot", "ground_metric": "--ground-metric", "cka": "--cka", "probe_at": "--probe-at",
              "init": "--init", "gate": "--gate", "repair": "--repair", "strategy": "--strategy",
-             "alignment": "--alignment"}
+             "alignment": "--alignment", "distill_steps": "--distill-steps"}
     if getattr(args, "paper", False):
         if args.method != "ohfl":
             sys.exit("cxr-hfl: --paper is an OHFL option (the OHFL paper's pipeline)")

@@ -341,3 +341,16 @@ def test_an_out_path_through_a_file_is_named_in_plain_words(tmp_path, capsys):
     assert main(["report", str(run), "--out", str(f / "r.html")]) == 2
     _one_line(capsys, f"--out {f / 'r.html'}: {f} is a file, not a folder")
     assert f.read_text() == "mine"
+
+
+@pytest.mark.parametrize("steps, refused", (("300", True), ("0", False)))
+def test_paper_with_distillation_steps_is_refused_not_silently_zeroed(tmp_path, capsys, steps, refused):
+    """--paper --distill-steps 300 ran without distillation and said nothing: the paper's pipeline sets 0 steps,
+    as it sets --ot sinkhorn, and a conflicting explicit value is refused as theirs are."""
+    from nvflare_jobs.simulation import SimulateError, check
+
+    if refused:
+        with pytest.raises(SimulateError, match=r"--distill-steps 0\); drop --distill-steps 300"):
+            check("ohfl", {"paper": True, "distill_steps": int(steps)})
+    else:
+        assert check("ohfl", {"paper": True, "distill_steps": 0})["distill_steps"] == 0

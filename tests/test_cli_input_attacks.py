@@ -354,3 +354,26 @@ def test_paper_with_distillation_steps_is_refused_not_silently_zeroed(tmp_path, 
             check("ohfl", {"paper": True, "distill_steps": int(steps)})
     else:
         assert check("ohfl", {"paper": True, "distill_steps": 0})["distill_steps"] == 0
+
+
+@pytest.mark.parametrize("damage", ('{"input_size": ', '{"input_size": "big"}', "[1, 2]"))
+def test_a_damaged_resolved_site_config_is_named_not_skipped(tmp_path, damage):
+    """A truncated resolved_configs/site-3.json was skipped: predict scored the run's global model at the other
+    sites' largest size (48 px, not 64) and said that was the run's largest; evaluate's leakage check left out
+    site-3's training manifest."""
+    import json
+
+    from nvflare_jobs.evaluation import run_input_sizes, run_manifests, run_site_sizes
+
+    run = tmp_path / "run"
+    (run / "resolved_configs").mkdir(parents=True)
+    for site, size in (("site-1", 32), ("site-2", 48), ("site-3", 64)):
+        man = tmp_path / f"{site}.csv"
+        man.write_text("path,label,split\n")
+        (run / "resolved_configs" / f"{site}.json").write_text(
+            json.dumps({"input_size": size, "data": {"manifest": str(man)}}))
+    assert run_input_sizes(run) == [32, 48, 64] and set(run_manifests(run)) == {"site-1", "site-2", "site-3"}
+    (run / "resolved_configs" / "site-3.json").write_text(damage)
+    for f in (run_input_sizes, run_site_sizes) + ((run_manifests,) if "big" not in damage else ()):
+        with pytest.raises(ValueError, match="site-3.json"):
+            f(run)

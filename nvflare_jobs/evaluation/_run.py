@@ -16,18 +16,49 @@ class LeakageError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------- run contents
+def site_configs(run: Path) -> dict[str, dict]:
+    """Site -> the config it ran with (``RUN/resolved_configs/<site>.json``); {} for a run folder without them.
+
+    Raises:
+        ValueError: one line naming a file that is unreadable or not a JSON object (truncated or edited): the
+            sizes, aspect and training manifests of the run would otherwise be taken from the other sites alone.
+    """
+    out: dict[str, dict] = {}
+    for f in sorted((Path(run) / "resolved_configs").glob("*.json")):
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{f}: not readable as JSON ({type(e).__name__}: {str(e).splitlines()[0]}); the "
+                             "run's resolved site config was truncated or edited") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{f}: expected a JSON object (a resolved site config), found {type(cfg).__name__}")
+        out[f.stem] = cfg
+    return out
+
+
+def _config_size(f: str, cfg: dict) -> int | None:
+    """A resolved config's ``input_size``; None when it has none. Raises ValueError naming ``f`` for a value
+    that is not a whole number."""
+    v = cfg.get("input_size")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{f}: input_size {v!r} is not a whole number of pixels (edited?)")
+    return v
+
+
 def run_manifests(run: Path) -> dict[str, Path]:
     """Site -> manifest CSV the run trained on: ``resolved_configs/<site>.json`` (data.manifest), else
-    ``partition/sites/<site>.csv``."""
+    ``partition/sites/<site>.csv``. Raises ValueError: see :func:`site_configs`."""
     run = Path(run)
     out: dict[str, Path] = {}
-    for f in sorted((run / "resolved_configs").glob("*.json")):
+    for site, cfg in site_configs(run).items():
         try:
-            man = json.loads(f.read_text())["data"]["manifest"]
-        except (KeyError, ValueError, TypeError):
+            man = cfg["data"]["manifest"]
+        except (KeyError, TypeError):
             continue
-        if Path(man).is_file():
-            out[f.stem] = Path(man)
+        if isinstance(man, str) and Path(man).is_file():
+            out[site] = Path(man)
     if not out:
         for f in sorted((run / "partition" / "sites").glob("*.csv")):
             out[f.stem] = f
@@ -59,12 +90,8 @@ def run_metrics(run: Path, name: str = "metrics.json") -> dict:
 
 
 def run_input_sizes(run: Path) -> list[int]:
-    sizes = set()
-    for f in (Path(run) / "resolved_configs").glob("*.json"):
-        try:
-            sizes.add(int(json.loads(f.read_text())["input_size"]))
-        except (KeyError, ValueError, TypeError):
-            pass
+    """The input sizes of a run's sites, smallest first. Raises ValueError: see :func:`site_configs`."""
+    sizes = set(run_site_sizes(run).values())
     if not sizes:
         sizes = set(run_site_sizes(run).values())
     return sorted(sizes)
@@ -220,25 +247,19 @@ def model_aspect(header: dict, run: Path | None = None) -> str:
     if header.get("aspect"):
         return header["aspect"]
     if run is not None:
-        seen = set()
-        for f in (Path(run) / "resolved_configs").glob("*.json"):
-            try:
-                seen.add(json.loads(f.read_text()).get("aspect") or DEFAULT_ASPECT)
-            except (OSError, ValueError):
-                continue
+        seen = {cfg.get("aspect") or DEFAULT_ASPECT for cfg in site_configs(run).values()}
         if len(seen) == 1:
             return seen.pop()
     return DEFAULT_ASPECT
 
 
 def run_site_sizes(run: Path) -> dict[str, int]:
-    """Site -> input size of a run (``resolved_configs/<site>.json``, else metrics.json)."""
+    """Site -> input size of a run (``resolved_configs/<site>.json``, else metrics.json). Raises ValueError: see
+    :func:`site_configs`."""
     out: dict[str, int] = {}
-    for f in sorted((Path(run) / "resolved_configs").glob("*.json")):
-        try:
-            out[f.stem] = int(json.loads(f.read_text())["input_size"])
-        except (KeyError, ValueError, TypeError):
-            pass
+    for site, cfg in site_configs(run).items():
+        if (v := _config_size(str(Path(run) / "resolved_configs" / f"{site}.json"), cfg)) is not None:
+            out[site] = v
     if not out:
         sites = run_metrics(run).get("sites")
         out = {s: int(b["input_size"]) for s, b in (sites if isinstance(sites, dict) else {}).items()

@@ -159,6 +159,8 @@ def run_folder_view(run_dir: str | Path) -> dict:
                  INTERRUPTED: "STOPPED (interrupted: Ctrl-C or SIGTERM stopped the run)"}.get(phase, "RUNNING")
         if state == "RUNNING" and snap and time.time() - float(snap.get("time") or 0) > 120:
             state = "STOPPED (no update for over 2 minutes: the run was interrupted or crashed)"
+        if snap is None:  # the server writes it atomically: unreadable means damaged, not mid-write
+            state = f"UNKNOWN ({found[0]}: not a readable JSON object; truncated or edited?)"
         if snap and snap.get("time"):  # heartbeats as old as they are now, not when the snapshot was written
             age = max(0.0, time.time() - float(snap["time"]))
             for p in (snap.get("sites") or {}).values():

@@ -377,3 +377,13 @@ def test_a_damaged_resolved_site_config_is_named_not_skipped(tmp_path, damage):
     for f in (run_input_sizes, run_site_sizes) + ((run_manifests,) if "big" not in damage else ()):
         with pytest.raises(ValueError, match="site-3.json"):
             f(run)
+
+
+def test_status_of_a_run_whose_only_status_file_is_truncated_is_not_running(tmp_path, capsys):
+    """It said "RUNNING" for a folder whose server status.json was cut short (the server writes it atomically)."""
+    st = tmp_path / "run" / "workspace" / "server" / "simulate_job" / "cxr_hfl_results" / "status.json"
+    st.parent.mkdir(parents=True)
+    st.write_text('{"phase": "training", "task"')
+    assert main(["status", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "RUNNING" not in out and "UNKNOWN" in out and str(st) in out, out

@@ -376,6 +376,12 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     if args.probe and args.probe not in ("generated", "none") and not Path(args.probe).exists():
         raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
                                 "or 'generated')")
+    if args.probe and args.probe not in ("generated", "none") and catalogue.entry(args.method).option("probe"):
+        from hfl_components.flare.probe import list_probe_files  # the server's own check, before anything runs
+
+        if not list_probe_files(args.probe):
+            raise ValueError(f"--probe {args.probe}: lists no images (a folder of public JPEG/PNG/DICOM images, "
+                             "a probe.csv with a path column, or 'generated')")
     run_dir = Path(args.out).resolve()
     keep = Path(args.profile).resolve() if args.profile else None
     made = not run_dir.exists()

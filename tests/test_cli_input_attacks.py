@@ -387,3 +387,27 @@ def test_status_of_a_run_whose_only_status_file_is_truncated_is_not_running(tmp_
     assert main(["status", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "RUNNING" not in out and "UNKNOWN" in out and str(st) in out, out
+
+
+@pytest.mark.parametrize("probe", ("empty_folder", "csv_without_path"))
+def test_a_probe_that_lists_no_images_is_refused_before_the_simulator_starts(tmp_path, capsys, probe):
+    """An empty --probe folder partitioned the data, started NVFlare, trained every site and failed at the server
+    (exit 3, 80 s on a laptop); a probe CSV without a path column was a KeyError at the server."""
+    p = tmp_path / probe
+    if probe == "empty_folder":
+        p.mkdir()
+    else:
+        p = p.with_suffix(".csv")
+        p.write_text("file,label\na.png,0\n")
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", "ohfl", "--data", str(tmp_path), "--probe", str(p), "--out", str(out)]) == 2
+    _one_line(capsys, str(p), "path column" if probe != "empty_folder" else "lists no images")
+    assert not out.exists()
+
+
+def test_a_probe_csv_with_a_bom_and_blank_lines_lists_its_images(tmp_path):
+    from hfl_components.flare.probe import list_probe_files
+
+    f = tmp_path / "probe.csv"
+    f.write_text("path\n\na.png\n\nsub/b.png\n\n", encoding="utf-8-sig")
+    assert list_probe_files(f) == [(tmp_path / "a.png").resolve(), (tmp_path / "sub" / "b.png").resolve()]

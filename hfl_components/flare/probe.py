@@ -22,6 +22,9 @@ def list_probe_files(source: str | Path) -> list[Path]:
 
     The shared ``chest_xray_224`` pool is special: given its root folder, only its committed ``probe`` part
     (``chest_xray/splits.py``, 320 images) is used, so the server never sees the tuning or evaluation images.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist. ValueError: a CSV without a ``path`` column.
     """
     p = Path(source)
     if p.is_dir() and p.name == "chest_xray_224":
@@ -31,9 +34,12 @@ def list_probe_files(source: str | Path) -> list[Path]:
         if files:
             return files
     if p.is_file() and p.suffix.lower() == ".csv":
-        with p.open(newline="", encoding="utf-8", errors="surrogateescape") as f:  # non-UTF-8 names kept as bytes
-            return [(p.parent / r["path"]).resolve() if not Path(r["path"]).is_absolute() else Path(r["path"])
-                    for r in csv.DictReader(f)]
+        with p.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:  # non-UTF-8 names kept
+            rows = [r for r in csv.DictReader(f) if any(str(v or "").strip() for v in r.values())]  # no blanks
+        if rows and "path" not in rows[0]:
+            raise ValueError(f"OHFL probe set {str(p)!r}: a probe CSV needs a path column (has {sorted(rows[0])})")
+        return [(p.parent / r["path"]).resolve() if not Path(r["path"]).is_absolute() else Path(r["path"])
+                for r in rows]
     if p.is_dir():
         return sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file())
     raise FileNotFoundError(f"OHFL probe set {source!r} does not exist: give a folder of public images, a probe.csv, "

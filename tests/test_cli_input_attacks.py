@@ -411,3 +411,29 @@ def test_a_probe_csv_with_a_bom_and_blank_lines_lists_its_images(tmp_path):
     f = tmp_path / "probe.csv"
     f.write_text("path\n\na.png\n\nsub/b.png\n\n", encoding="utf-8-sig")
     assert list_probe_files(f) == [(tmp_path / "a.png").resolve(), (tmp_path / "sub" / "b.png").resolve()]
+
+
+def test_evaluate_refuses_when_it_cannot_see_a_sites_training_manifest(tmp_path):
+    """A run folder moved away from where it ran, its partition/ left behind: the leakage check found no training
+    rows and scored the run's own training images as an external set (exit 0)."""
+    import json
+
+    from nvflare_jobs.evaluation._run import LeakageError, missing_run_manifests
+    from nvflare_jobs.evaluation.evaluate import _external_records
+
+    data = _tiny_data(tmp_path / "data")
+    train = sorted(data.rglob("*.png"))
+    run = tmp_path / "run"
+    (run / "resolved_configs").mkdir(parents=True)
+    man = tmp_path / "elsewhere" / "site-1.csv"
+    (run / "resolved_configs" / "site-1.json").write_text(json.dumps({"input_size": 32,
+                                                                       "data": {"manifest": str(man)}}))
+    with pytest.raises(FileNotFoundError, match=r"training manifest of site-1 .*--force"):
+        _external_records(run, data, "binary", None, False, print)
+    assert len(_external_records(run, data, "binary", None, True, lambda *_: None)[0]) == len(train)  # --force
+    (run / "partition" / "sites").mkdir(parents=True)  # the copy beside the moved run folder is found
+    (run / "partition" / "sites" / "site-1.csv").write_text(
+        "path,label,split,patient_id\n" + "".join(f"{p},{int('PNEU' in str(p))},train,{p.stem}\n" for p in train))
+    assert missing_run_manifests(run) == []
+    with pytest.raises(LeakageError):
+        _external_records(run, data, "binary", None, False, print)

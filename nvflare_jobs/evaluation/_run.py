@@ -48,21 +48,32 @@ def _config_size(f: str, cfg: dict) -> int | None:
 
 
 def run_manifests(run: Path) -> dict[str, Path]:
-    """Site -> manifest CSV the run trained on: ``resolved_configs/<site>.json`` (data.manifest), else
-    ``partition/sites/<site>.csv``. Raises ValueError: see :func:`site_configs`."""
+    """Site -> manifest CSV the run trained on: ``resolved_configs/<site>.json`` (data.manifest), else (a run
+    folder moved from where it ran) ``partition/sites/<site>.csv``; a run without resolved configs: every
+    ``partition/sites/*.csv``. A site whose manifest is in neither place is left out (see
+    :func:`missing_run_manifests`). Raises ValueError: see :func:`site_configs`."""
     run = Path(run)
     out: dict[str, Path] = {}
-    for site, cfg in site_configs(run).items():
-        try:
-            man = cfg["data"]["manifest"]
-        except (KeyError, TypeError):
-            continue
+    configs = site_configs(run)
+    for site, cfg in configs.items():
+        man = cfg.get("data", {}).get("manifest") if isinstance(cfg.get("data"), dict) else None
+        local = run / "partition" / "sites" / f"{site}.csv"
         if isinstance(man, str) and Path(man).is_file():
             out[site] = Path(man)
-    if not out:
+        elif local.is_file():
+            out[site] = local
+    if not configs:
         for f in sorted((run / "partition" / "sites").glob("*.csv")):
             out[f.stem] = f
     return out
+
+
+def missing_run_manifests(run: Path) -> list[str]:
+    """The run's sites (``resolved_configs/``, else ``metrics.json``) whose training manifest
+    :func:`run_manifests` cannot find: the leakage check cannot see their images."""
+    sites = list(site_configs(run)) or list((run_metrics(run).get("sites") or {}))
+    found = run_manifests(run)
+    return [s for s in sites if s not in found]
 
 
 def site_rows(run: Path) -> dict[str, list[dict]]:

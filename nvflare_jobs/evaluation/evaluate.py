@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from nvflare_jobs.evaluation._run import (LeakageError, _stem_key, _subset, list_run_models, load_model_file,
-                                          model_aspect, probe_pool, run_groups, run_labels, run_site_sizes,
-                                          site_rows, training_overlap)
+                                          missing_run_manifests, model_aspect, probe_pool, run_groups, run_labels,
+                                          run_site_sizes, site_rows, training_overlap)
 
 class _ProbCache:
     """Image tensors per (image set, input size), decoded once and reused by every model scored at that size (a run
@@ -273,6 +273,10 @@ def _external_records(run: Path, data, labels: str, part, force: bool, log) -> t
     ``(records, scan report, overlap, images left out as probe images, probe source)``. Raises LeakageError
     (unless ``force``) or ValueError (every image in the probe pool)."""
     records, report = load_external(data, labels, part)
+    if (missing := missing_run_manifests(run)) and not force:  # else the check below would pass unseen sites
+        raise FileNotFoundError(f"{run}: cannot check {data} for shared images: the training manifest of "
+                                f"{', '.join(missing)} is neither where its resolved config says nor in "
+                                f"{run / 'partition' / 'sites'}; restore it, or --force to evaluate unchecked")
     overlap = training_overlap(run, records)
     if overlap["shared_file_names"] or overlap["shared_patient_ids"]:
         msg = (f"the external set {data} shares {overlap['shared_file_names']} file names and "

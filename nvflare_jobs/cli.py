@@ -76,7 +76,8 @@ def main(argv=None) -> int:
 
             mark_interrupted(out)  # `cxr-hfl status` says "interrupted" at once
         hint = ""
-        if args.command == "simulate" and out:
+        started = os.path.isdir(os.path.join(out or "", "workspace"))  # a run refused before it started left none
+        if args.command == "simulate" and out and started and not os.path.exists(os.path.join(out, "metrics.json")):
             hint = f"; rerun with --overwrite to replace the unfinished run in {out}"
         elif args.command == "compare" and out:
             hint = f"; rerun the same command to resume (finished runs in {out} are kept)"

@@ -437,3 +437,26 @@ def test_evaluate_refuses_when_it_cannot_see_a_sites_training_manifest(tmp_path)
     assert missing_run_manifests(run) == []
     with pytest.raises(LeakageError):
         _external_records(run, data, "binary", None, False, print)
+
+
+def test_ctrl_c_before_the_simulator_starts_keeps_the_earlier_run_and_gives_no_overwrite_hint(
+        tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the data were being scanned: the run that --overwrite was to replace is put back, and the
+    message no longer says "rerun with --overwrite to replace the unfinished run" of a folder that holds none."""
+    import json
+
+    import nvflare_jobs.simulation as simulation
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "prepare_profile", interrupted)
+    out = tmp_path / "run"
+    (out / "workspace").mkdir(parents=True)
+    (out / "metrics.json").write_text(json.dumps({"method": "ohfl"}))
+    rc = main(["simulate", "--method", "ohfl", "--data", str(tmp_path), "--probe", "generated", "--overwrite",
+               "--out", str(out)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "--overwrite" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "workspace"]

@@ -460,3 +460,15 @@ def test_ctrl_c_before_the_simulator_starts_keeps_the_earlier_run_and_gives_no_o
     err = capsys.readouterr().err
     assert "interrupted" in err and "--overwrite" not in err, err
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "workspace"]
+
+
+@pytest.mark.parametrize("probe", ("empty_folder", "missing"))
+def test_compare_refuses_a_probe_that_lists_no_images_before_its_folder_is_made(tmp_path, capsys, probe):
+    """Each OHFL run of the comparison failed on it in turn (compare then exited 1, 'rerun to retry')."""
+    p = tmp_path / probe
+    if probe == "empty_folder":
+        p.mkdir()
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "local,ohfl", "--probe", str(p), "--dry-run", "--out", str(out)]) == 2
+    _one_line(capsys, f"--probe {p}", "no images" if probe == "empty_folder" else "does not exist")
+    assert not out.exists()

@@ -188,6 +188,16 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         raise _Refused(f"no external data at {ext}")
     if part and not ext:
         raise _Refused("--part needs --external (the chest_xray_224 root)")
+    probe = getattr(args, "probe", None)
+    if probe and probe not in ("generated", "none"):  # every OHFL run would fail on it, one after the other
+        from hfl_components.flare.probe import list_probe_files
+
+        try:
+            if not list_probe_files(probe):
+                raise _Refused(f"--probe {probe}: lists no images (a folder of public JPEG/PNG/DICOM images, a "
+                               "probe.csv with a path column, or 'generated')")
+        except (FileNotFoundError, ValueError) as e:
+            raise _Refused(f"--probe {probe}: {e}") from None
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
     if not getattr(args, "unequal_budgets", False) and CONTROL in methods and "local+ft" in methods:

@@ -472,3 +472,17 @@ def test_compare_refuses_a_probe_that_lists_no_images_before_its_folder_is_made(
     assert main(["compare", "--methods", "local,ohfl", "--probe", str(p), "--dry-run", "--out", str(out)]) == 2
     _one_line(capsys, f"--probe {p}", "no images" if probe == "empty_folder" else "does not exist")
     assert not out.exists()
+
+
+def test_a_site_config_with_zero_local_epochs_is_refused_naming_site_and_key():
+    """``local_epochs: 0`` in a hospital's config would upload an untrained model (OHFL, FENS) or train nothing
+    (every other method); 0 fine-tuning epochs stays allowed (deploy the global model as received)."""
+    from hfl_components.flare.site_config import SiteConfigError, validate_site_config
+
+    base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
+    with pytest.raises(SiteConfigError, match=r"site 'hosp-a'.*'local_epochs'.*>= 1, got 0"):
+        validate_site_config({**base, "local_epochs": 0}, "hosp-a", check_files=False)
+    assert validate_site_config({**base, "local_epochs": 1, "finetune_epochs": 0}, "hosp-a",
+                                check_files=False)["finetune_epochs"] == 0
+    with pytest.raises(SiteConfigError, match="'finetune_epochs'.*>= 0, got -1"):
+        validate_site_config({**base, "finetune_epochs": -1}, "hosp-a", check_files=False)

@@ -237,12 +237,13 @@ def _check_training(cfg: dict, site: str, path) -> None:
             raise _err(site, path, key, f"must be a positive integer, got {v!r}")
     if not 16 <= cfg["input_size"] <= 1024:
         raise _err(site, path, "input_size", f"must be between 16 and 1024 px, got {cfg['input_size']}")
-    for key in ("local_epochs", "finetune_epochs"):
+    for key, lo in (("local_epochs", 1), ("finetune_epochs", 0)):  # every method trains a site in local epochs
         v = cfg[key]
         if v is None:
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise _err(site, path, key, f"must be a non-negative integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise _err(site, path, key, f"must be an integer >= {lo}, got {v!r}"
+                       + (" (a site must train at least one local epoch)" if key == "local_epochs" else ""))
     for key, hi in (("lr", 10), ("finetune_lr", 10), ("momentum", 1)):  # SGD momentum >= 1 never forgets: diverges
         v = cfg[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < hi):

@@ -373,15 +373,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     from hfl_components.flare.site_config import ENV_DIR, SiteConfigError
 
     t0 = time.perf_counter()
-    if args.probe and args.probe not in ("generated", "none") and not Path(args.probe).exists():
-        raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
-                                "or 'generated')")
-    if args.probe and args.probe not in ("generated", "none") and catalogue.entry(args.method).option("probe"):
-        from hfl_components.flare.probe import list_probe_files  # the server's own check, before anything runs
-
-        if not list_probe_files(args.probe):
-            raise ValueError(f"--probe {args.probe}: lists no images (a folder of public JPEG/PNG/DICOM images, "
-                             "a probe.csv with a path column, or 'generated')")
+    _check_probe(args)
     run_dir = Path(args.out).resolve()
     keep = Path(args.profile).resolve() if args.profile else None
     made = not run_dir.exists()
@@ -407,13 +399,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         for site, cfg in profile.items():
             (run_dir / "resolved_configs" / f"{site}.json").write_text(json.dumps(cfg, indent=1))
         (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
-        print(f"[cxr-hfl] {args.method}: {len(profile)} sites: " + ", ".join(
-            f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px"
-            for s, c in profile.items()))
-        sharing = [s for s, c in profile.items() if c.get("share_predictions")]
-        if sharing:
-            print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
-                  "to the server for pooled metrics (share_predictions: true); a real site's default is false")
+        _announce(args.method, profile)
         job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
     except BaseException:
         _discard_unstarted(run_dir, made, keep)
@@ -443,15 +429,7 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         print(f"cxr-hfl: the simulation failed (rc={rc}): {e}; see {ws}/*/log.txt", file=sys.stderr)
         return 1
     record = json.loads(Path(server_results).read_text())
-    models_dir = run_dir / "models"
-    models_dir.mkdir(exist_ok=True)
-    for site in profile:
-        for name in ("deployed_model.pt", "local_model.pt", "federated_model.pt"):
-            src = ws / site / "cxr_hfl_state" / name
-            if src.is_file():
-                shutil.copy2(src, models_dir / f"{site}_{name.replace('_model.pt', '')}.pt")
-    for stale in [p for p in models_dir.glob("*.pt") if p.name.split("_")[0] not in _final_sites(server_results)]:
-        stale.unlink()  # a site that failed the final evaluation deploys nothing from this run
+    _copy_models(ws, run_dir / "models", profile, server_results)
     metrics = assemble_run(server_results, run_dir, labels=labels, seed=args.seed,
                            wall_time_s=time.perf_counter() - t0, class_names=CLASS_NAMES[labels],
                            extra={"command": command or " ".join(sys.argv), "profile": str(profile_dir)})
@@ -464,6 +442,43 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         print(f"cxr-hfl: the server stopped in phase {live.last_status.get('phase')!r}; see {ws}/server/log.txt",
               file=sys.stderr)
     return 0 if rc in (0, None) else int(rc)
+
+
+def _announce(method: str, profile: dict) -> None:
+    """Print the run's sites (family, depth, input size) and, when any shares per-image test probabilities, a note."""
+    print(f"[cxr-hfl] {method}: {len(profile)} sites: " + ", ".join(
+        f"{s}={c['model']['family']}/{c['model'].get('depth', '')}@{c['input_size']}px" for s, c in profile.items()))
+    sharing = [s for s, c in profile.items() if c.get("share_predictions")]
+    if sharing:
+        print(f"[cxr-hfl] note: {len(sharing)} of {len(profile)} simulated sites send per-image test probabilities "
+              "to the server for pooled metrics (share_predictions: true); a real site's default is false")
+
+
+def _check_probe(args) -> None:
+    """Refuse a ``--probe`` that does not exist, or (for a method that uses one) lists no images, before anything
+    is written. Raises FileNotFoundError / ValueError naming the option."""
+    if args.probe and args.probe not in ("generated", "none") and not Path(args.probe).exists():
+        raise FileNotFoundError(f"--probe {args.probe} does not exist (a folder or probe.csv of public images, "
+                                "or 'generated')")
+    if args.probe and args.probe not in ("generated", "none") and catalogue.entry(args.method).option("probe"):
+        from hfl_components.flare.probe import list_probe_files  # the server's own check, before anything runs
+
+        if not list_probe_files(args.probe):
+            raise ValueError(f"--probe {args.probe}: lists no images (a folder of public JPEG/PNG/DICOM images, "
+                             "a probe.csv with a path column, or 'generated')")
+
+
+def _copy_models(ws: Path, models_dir: Path, profile: dict, server_results: Path) -> None:
+    """Copy each site's deployed / local / federated model from the simulator workspace into ``models_dir`` as
+    ``<site>_<kind>.pt``; a site that failed the final evaluation keeps no model file of this run."""
+    models_dir.mkdir(exist_ok=True)
+    for site in profile:
+        for name in ("deployed_model.pt", "local_model.pt", "federated_model.pt"):
+            src = ws / site / "cxr_hfl_state" / name
+            if src.is_file():
+                shutil.copy2(src, models_dir / f"{site}_{name.replace('_model.pt', '')}.pt")
+    for stale in [p for p in models_dir.glob("*.pt") if p.name.split("_")[0] not in _final_sites(server_results)]:
+        stale.unlink()
 
 
 def _final_sites(server_results: Path) -> set[str]:

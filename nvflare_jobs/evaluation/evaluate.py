@@ -193,18 +193,7 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
     out_dir = run / "external" / name
     opts = {"n_images": len(records), "max_images": max_images, "labels": labels, "forced": bool(force),
             "n_boot": n_boot, "global_sizes": global_sizes}
-    why = replace_problem(out_dir, opts, audit)
-    if why and not overwrite:
-        raise ValueError(why)
-    if not why and audit and (out_dir / "summary.json").is_file() and not (out_dir / "audit.json").is_file():
-        # allowed (the same options: nothing is lost), but never silently
-        log(f"adding the shortcut audit to the earlier evaluation in {out_dir} (it has none; its results are "
-            "recomputed with the same options)")
-    if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
-        import shutil
-
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    _clear_earlier(out_dir, opts, audit, overwrite, log)
     scorer = _Scorer(run, records, data, part, labels, n_boot)
     results: dict[str, dict] = {}
     preds: dict[str, np.ndarray] = {}
@@ -234,6 +223,23 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
             log(f"[audit] skipped: the audit failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     return {"summary": out_dir / "summary.json", "models": results, "overlap": overlap, "dir": out_dir,
             "n_images": len(records), "probe_images_excluded": n_probe}
+
+
+def _clear_earlier(out_dir: Path, opts: dict, audit: bool, overwrite: bool, log) -> None:
+    """Make ``out_dir`` empty for a new evaluation: an earlier one made with other options is refused unless
+    ``overwrite`` (ValueError, :func:`replace_problem`'s line); adding the audit to an earlier one without it is
+    allowed (the same options: nothing is lost) and said in one ``log`` line."""
+    why = replace_problem(out_dir, opts, audit)
+    if why and not overwrite:
+        raise ValueError(why)
+    if not why and audit and (out_dir / "summary.json").is_file() and not (out_dir / "audit.json").is_file():
+        log(f"adding the shortcut audit to the earlier evaluation in {out_dir} (it has none; its results are "
+            "recomputed with the same options)")
+    if out_dir.is_dir():  # a rerun on the same data set replaces its own folder, never another data set's
+        import shutil
+
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
 
 
 def replace_problem(out_dir: Path, opts: dict, audit: bool) -> str | None:

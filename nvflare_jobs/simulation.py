@@ -379,13 +379,12 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
     made = not run_dir.exists()
     aside = run_dir / ".replaced_run"  # --overwrite: the earlier run waits here until this one starts
     _prepare_run_dir(run_dir, args.overwrite, keep, aside)
+    built = False
     try:  # until the simulator starts, a refusal leaves nothing behind that a corrected rerun would trip over,
         # and an earlier run that --overwrite was to replace is put back
         try:
             profile_dir, profile, data_root, part_dir = prepare_profile(args, run_dir)
         except (DataNotFoundError, SiteConfigError) as e:
-            _discard_unstarted(run_dir, made, keep)
-            _restore_aside(run_dir, aside)
             print(f"cxr-hfl: {e}", file=sys.stderr)
             return 2
         if args.min_sites is not None and args.min_sites > len(profile):
@@ -401,10 +400,11 @@ def _run(args, verbose: bool = False, log_config: str | None = None, gpu: str | 
         (run_dir / "job_options.json").write_text(json.dumps(opts, indent=1))
         _announce(args.method, profile)
         job = build_job(args.method, profile, opts, tracking=args.tracking, tracking_uri=args.tracking_uri)
-    except BaseException:
-        _discard_unstarted(run_dir, made, keep)
-        _restore_aside(run_dir, aside)
-        raise
+        built = True
+    finally:
+        if not built:
+            _discard_unstarted(run_dir, made, keep)
+            _restore_aside(run_dir, aside)
     if aside.exists():
         shutil.rmtree(aside)
     ws = run_dir / "workspace"

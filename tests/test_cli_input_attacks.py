@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nvflare_jobs.cli import main
+from tests.cli_helpers import one_line
 
 
 def _usage_error(capsys, argv, *says) -> str:
@@ -19,12 +20,7 @@ def _usage_error(capsys, argv, *says) -> str:
     return last
 
 
-def _one_line(capsys, *says) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for s in says:
-        assert s in err, err
-    return err
+_one_line = one_line
 
 
 @pytest.mark.parametrize("argv", (

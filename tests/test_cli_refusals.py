@@ -8,14 +8,10 @@ from pathlib import Path
 import pytest
 
 from nvflare_jobs.cli import main
+from tests.cli_helpers import one_line
 
 
-def _one_line(capsys, *says) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for s in says:
-        assert s in err, err
-    return err
+_one_line = one_line
 
 
 def _pool_root(tmp_path: Path, parts=("tuning", "evaluation")) -> Path:

@@ -45,6 +45,25 @@ def test_equal_epoch_budgets_by_default(tmp_path):
     assert r.returncode == 2 and "does not divide" in r.stderr
 
 
+def test_a_variants_own_epochs_are_its_budget(tmp_path):
+    """A variant that sets its own epochs is planned, listed and run with them (the budget line used to show the
+    method's planned 20 + 10 while simulate ran the variant's 25 + 5)."""
+    from nvflare_jobs.compare import budget_lines, epoch_plan, simulate_options
+
+    a = _args()
+    split = epoch_plan("ohfl:local_epochs=25:finetune_epochs=5", a)
+    assert split == {"rounds": 1, "local_epochs": 25, "finetune_epochs": 5, "total_epochs_per_site": 30}
+    opts = simulate_options("ohfl:local_epochs=25:finetune_epochs=5", tmp_path / "d", 0, a)
+    assert (int(opts["local_epochs"]), int(opts["finetune_epochs"])) == (25, 5)
+    assert epoch_plan("ohfl:rounds=4", a)["total_epochs_per_site"] == 30  # one-shot: rounds are not epochs
+    short = epoch_plan("fedavg:rounds=10", a)  # 10 rounds x the planned 2 epochs
+    assert (short["rounds"], short["local_epochs"], short["total_epochs_per_site"]) == (10, 2, 20)
+    lines = budget_lines({"ohfl": epoch_plan("ohfl", a), "fedavg:rounds=10": short}, False)
+    assert lines[0] == "budgets differ between methods"
+    assert "fedavg:rounds=10: 10 round(s) x 2 local epochs = 20 epochs per site" in lines
+    assert epoch_plan("ohfl:local_epochs=x", a) == epoch_plan("ohfl", a)  # left to check_variant, which refuses it
+
+
 def test_unequal_budgets_need_the_flag(tmp_path):
     from nvflare_jobs.compare import budget_lines, command_for, epoch_plan, simulate_options
 

@@ -118,9 +118,34 @@ def epoch_plan(method: str, args) -> dict[str, int]:
     Prototype-method comparisons (``args.proto_protocol``, :func:`proto_protocol`): every method, Local included,
     runs the prototype methods' default rounds x local epochs (``--rounds`` / ``--local-epochs`` override).
 
+    A variant's own epochs (``ohfl:local_epochs=25:finetune_epochs=5``, ``fedavg:rounds=10``) replace the planned
+    ones, so the budget lines and ``compare.json`` state what the run trains; a value that is not an integer is left
+    to :func:`check_variant`, which refuses it.
+
     Raises:
         BudgetError: ``args.rounds`` does not divide E (equal budgets).
     """
+    plan = _planned(method, args)
+    extra = split_variant(method)[1]
+    fields = {"rounds": "rounds", "local_epochs": "local_epochs", "finetune_epochs": "finetune_epochs",
+              AGGREGATOR_EPOCHS: "aggregator_epochs"}
+    changed = False
+    for key, field in fields.items():
+        if key in extra and field in plan and not (key == "rounds" and _entry(method).schedule == "one_shot"):
+            try:
+                plan[field] = int(extra[key])
+            except (TypeError, ValueError):
+                continue
+            changed = True
+    if changed:
+        plan["total_epochs_per_site"] = (plan["local_epochs"] + plan["rounds"] * plan["aggregator_epochs"]
+                                         if "aggregator_epochs" in plan else
+                                         plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"])
+    return plan
+
+
+def _planned(method: str, args) -> dict[str, int]:
+    """The budget :func:`epoch_plan` describes, before a variant's own epochs."""
     base = _base(method)
     schedule = _entry(method).schedule
     method = split_variant(method)[0]

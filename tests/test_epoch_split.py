@@ -1,0 +1,84 @@
+"""The epoch-split study's summary and its committed rule, on fake compare folders with hand-set AUCs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from studies.epoch_split import summarise as es
+
+NAME = "chest_xray_224-tuning"
+
+
+def _write(cmp, seed, arm, site_aucs, ensemble=None, glob=None, uploads=None, adopted=None):
+    d = cmp / f"seed{seed}" / arm
+    (d / "external" / NAME).mkdir(parents=True)
+    models = {f"site-{i}_deployed": {"kind": "deployed", "auc": a} for i, a in enumerate(site_aucs, 1)}
+    for i, a in enumerate(uploads or [], 1):
+        models[f"site-{i}_local"] = {"kind": "local", "auc": a}
+    if ensemble is not None:
+        models["ensemble"] = {"kind": "ensemble", "auc": ensemble}
+        models["global"] = {"kind": "global", "auc": glob}
+    (d / "external" / NAME / "summary.json").write_text(json.dumps({"models": models}))
+    (d / "metrics.json").write_text(json.dumps({"gate": {"adopted": adopted}, "task_config": {}}))
+
+
+def _arm(cmp, arm, deployed, gaps):
+    for seed, (dep, gap) in enumerate(zip(deployed, gaps)):
+        _write(cmp, seed, arm, [dep - 0.01, dep + 0.01], ensemble=0.95, glob=0.95 - gap, uploads=[0.8, 0.9],
+               adopted=1)
+
+
+def _fixture(cmp, a_dep, a_gap, b_dep, b_gap):
+    for seed in range(3):
+        _write(cmp, seed, "fedavg", [0.93, 0.93])
+        _write(cmp, seed, "local", [0.85, 0.87])
+    _arm(cmp, es.DEFAULT, [0.90, 0.90, 0.90], [0.01] * 3)
+    _arm(cmp, es.CANDIDATES[0], a_dep, a_gap)
+    _arm(cmp, es.CANDIDATES[1], b_dep, b_gap)
+    return {arm: [es.seed_summary(cmp, s, arm, NAME) for s in range(3)] for arm in (es.DEFAULT, *es.CANDIDATES)}
+
+
+def test_seed_values_by_hand(tmp_path):
+    rows = _fixture(tmp_path, [0.91, 0.89, 0.92], [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    r = rows[es.CANDIDATES[0]][0]
+    assert r["deployed_auc"] == pytest.approx(0.91)  # mean of 0.90 and 0.92
+    assert r["deployed_minus_fedavg"] == pytest.approx(0.91 - 0.93)
+    assert r["deployed_minus_local_ft"] == pytest.approx(0.91 - 0.86)
+    assert r["global_gap"] == pytest.approx(0.01) and r["uploads_auc"] == pytest.approx(0.85)
+    assert r["ensemble_minus_fedavg"] == pytest.approx(0.02)
+
+
+def test_rule_needs_two_seeds_a_higher_mean_and_the_gap(tmp_path):
+    # A: higher at seeds 0 and 2, mean +0.0067, gaps fine -> qualifies. B: higher everywhere, but a gap of 0.03.
+    rows = _fixture(tmp_path, [0.91, 0.89, 0.92], [0.01] * 3, [0.95] * 3, [0.01, 0.03, 0.01])
+    rule = es.apply_rule(rows)
+    a, b = (rule["candidates"][c] for c in es.CANDIDATES)
+    assert (a["higher_at"], a["gap_ok"], a["qualifies"]) == (2, True, True)
+    assert a["mean_diff"] == pytest.approx((0.01 - 0.01 + 0.02) / 3)
+    assert (b["higher_at"], b["gap_ok"], b["qualifies"]) == (3, False, False)
+    assert rule["chosen"] == es.CANDIDATES[0]
+
+
+def test_rule_keeps_the_default_when_higher_at_two_seeds_but_lower_in_the_mean(tmp_path):
+    rows = _fixture(tmp_path, [0.905, 0.905, 0.85], [0.01] * 3, [0.90, 0.90, 0.90], [0.0] * 3)
+    rule = es.apply_rule(rows)
+    assert rule["candidates"][es.CANDIDATES[0]]["higher_at"] == 2 and not rule["candidates"][es.CANDIDATES[0]][
+        "qualifies"]
+    assert rule["candidates"][es.CANDIDATES[1]]["higher_at"] == 0  # ties are not higher
+    assert rule["chosen"] == es.DEFAULT
+
+
+def test_of_two_that_qualify_the_higher_mean_wins(tmp_path):
+    rows = _fixture(tmp_path, [0.91, 0.91, 0.91], [0.01] * 3, [0.92, 0.92, 0.92], [0.02] * 3)
+    assert es.apply_rule(rows)["chosen"] == es.CANDIDATES[1]  # a gap of exactly 0.02 meets the target
+
+
+def test_missing_evaluation_is_named(tmp_path, capsys):
+    _fixture(tmp_path, [0.9] * 3, [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    gone = tmp_path / "seed1" / es.CANDIDATES[1] / "external" / NAME / "summary.json"
+    gone.unlink()
+    with pytest.raises(SystemExit) as e:
+        es.main(["--cmp", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and str(gone) in err

@@ -198,7 +198,8 @@ class DistillConfig:
     """Options of :func:`distill` (recorded with every run).
 
     Attributes:
-        steps: maximum optimiser steps (the budget; early stopping may end sooner). 0 = no distillation. Each step
+        steps: maximum optimiser steps (the budget; early stopping may end sooner); the default is the main job's
+            (the catalogue option ``distill_steps``). 0 = no distillation. Each step
             is one batch at one of the student's input sizes, the sizes taking turns.
         temperature: T of the soft targets and the loss (Hinton et al. 2015).
         lr: SGD learning rate (momentum ``momentum``; the sites' fine-tuning optimiser).
@@ -217,7 +218,7 @@ class DistillConfig:
         seed: batch order, held-aside slice and augmentation.
     """
 
-    steps: int = 200
+    steps: int = 300
     temperature: float = 2.0
     lr: float = 0.01
     momentum: float = 0.9

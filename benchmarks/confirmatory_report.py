@@ -22,6 +22,14 @@ def _ci(d: dict, nd: int = 3, share: bool = False) -> str:
 CLIPPED = " (95% CI clipped to [0, 1])"
 
 
+def _corrected_row(c: dict | None) -> list[str]:
+    """The primary endpoint's Bonferroni-corrected row (``analyse --looks``), or nothing."""
+    if not c:
+        return []
+    return [f"| the same, corrected for {c['looks']} tests of this hypothesis (Bonferroni, alpha {c['alpha']:g}) | "
+            f"{c['a']:.3f} | {c['b']:.3f} | {paired_cell(c)} | {verdict_cell(c)} |"]
+
+
 def markdown(r: dict) -> str:
     """``RESULT.md`` from :func:`analyse`'s record."""
     L = ["# Confirmatory run: result", "",
@@ -33,7 +41,8 @@ def markdown(r: dict) -> str:
     if p:
         L += ["| comparison | A | B | A - B | verdict |", "|---|---|---|---|---|",
               f"| {p['comparison']}, AUC, deployed models | {p['a']:.3f} | {p['b']:.3f} | {paired_cell(p)} | "
-              f"{verdict_cell(p)} |", "",
+              f"{verdict_cell(p) if not r.get('primary_corrected') else 'none: the corrected row decides'} |",
+              *_corrected_row(r.get("primary_corrected")), "",
               f"Non-inferiority margin δ = {p.get('margin')} AUC: not worse when the interval's lower bound is above "
               "-δ; better when it is above 0."]
     else:

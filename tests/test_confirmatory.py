@@ -248,3 +248,63 @@ def test_the_run_command_without_the_audit_passes_no_audit_to_compare():
     cmd = C.compare_command([30], Path("runs/x"), None, "ext", "evaluation", audit=False)
     assert cmd[-1] == "--no-audit" and "--no-audit" not in C.compare_command([30], Path("runs/x"), None, "ext",
                                                                              "evaluation")
+
+
+def _npz_cmp(root, seeds, name, n=60, sites=3):
+    """OHFL and FedAvg runs whose deployed models' probabilities are drawn here; returns (y, A, B) as
+    ``paired_crossed`` takes them, built directly from the drawn arrays."""
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, size=n)
+    y[:2] = [0, 1]
+    paths = np.array([f"img{i}.png" for i in range(n)])
+    arrays = {}
+    for m, shift in (("ohfl", 0.0), ("fedavg", 0.3)):
+        A = np.empty((len(seeds), sites, n))
+        for i, s in enumerate(seeds):
+            d = root / f"seed{s}" / m
+            _write(d / "metrics.json", {"method": m, "seed": s})
+            probs = {}
+            for k in range(sites):
+                p = 1 / (1 + np.exp(-(y * 2.0 - 1.0 + shift + rng.normal(0, 1.5, size=n))))
+                A[i, k] = p
+                probs[f"site-{k + 1}_deployed"] = np.stack([1 - p, p], axis=1)
+            (d / "external" / name).mkdir(parents=True)
+            np.savez(d / "external" / name / "predictions.npz", paths=paths, y=y, **probs)
+        arrays[m] = A
+    order = np.argsort(paths)  # the analysis pairs the images by path, in sorted order (the bootstrap draws by index)
+    return y[order], arrays["ohfl"][..., order], arrays["fedavg"][..., order]
+
+
+def test_the_corrected_primary_is_the_same_bootstrap_at_alpha_over_looks(tmp_path):
+    """``analyse --looks 2``: the primary row recomputed from the predictions at alpha 0.025 equals ``paired_crossed``
+    on arrays assembled here, and its interval contains the 95 % one (same replicates, a wider quantile)."""
+    from hfl_components.stats import paired_crossed
+
+    seeds, name = [30, 31, 32, 33, 34], "chest_xray_224-evaluation"
+    y, A, B = _npz_cmp(tmp_path, seeds, name)
+    prim = {"comparison": "ohfl vs FedAvg", "a": "ohfl", "b": "fedavg", "kind_a": "deployed", "kind_b": "deployed"}
+    got = C.corrected_primary(tmp_path, name, prim, looks=2, n_boot=200)
+    want = paired_crossed(y, A, B, "auc", n_boot=200, seed=0, seeds=seeds, alpha=0.025)
+    at95 = paired_crossed(y, A, B, "auc", n_boot=200, seed=0, seeds=seeds, alpha=0.05)
+    assert got["looks"] == 2 and got["alpha"] == pytest.approx(0.025)
+    assert (got["diff"], got["ci_low"], got["ci_high"]) == pytest.approx((want["diff"], want["ci_low"], want["ci_high"]))
+    assert got["ci_low"] <= at95["ci_low"] and got["ci_high"] >= at95["ci_high"] and got["diff"] == at95["diff"]
+    assert C.corrected_primary(tmp_path, name, {**prim, "b": "local"}, looks=2) is None  # nothing pairs
+
+
+def test_the_corrected_row_decides_in_result_md(tmp_path):
+    seeds = [30, 31, 32, 33, 34]
+    _fake_cmp(tmp_path / "cmp", seeds)
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
+                   ",".join(map(str, seeds))]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    assert r["primary_corrected"] is None  # one look: no corrected row
+    corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
+    md = C.markdown({**r, "primary_corrected": corr})
+    first, second = [ln for ln in md.splitlines() if ln.startswith("| ohfl vs local+ft, AUC") or
+                     ln.startswith("| the same, corrected")]
+    assert "95% CI" in first and first.endswith("| none: the corrected row decides |")
+    assert "97.5% CI -0.030 to +0.040" in second and "corrected for 2 tests" in second
+    assert second.endswith("| inconclusive (δ 0.02) |")
+    with pytest.raises(SystemExit):
+        C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--looks", "0"])

@@ -324,7 +324,7 @@ def per_seed_text(d: Mapping, scale: float = 1.0, nd: int = 3) -> str:
 
 
 def paired_cell(d: Mapping | None, scale: float = 1.0, nd: int = 3, unit: str = "") -> str:
-    """A table cell for a paired result: ``Δ (95% CI lo to hi)`` when the rule allows an interval (for a cluster
+    """A table cell for a paired result: ``Δ (95% CI lo to hi)`` (the result's own level, ``1 - alpha``) when the rule allows an interval (for a cluster
     bootstrap-t interval followed by the seed-level t-interval, ``; these images: seed t lo to hi``), else ``Δ; per
     seed a / b / c (n seeds: no reliable interval)``. ``scale``/``unit``: e.g. 100 and `` pp``."""
     if not d or d.get("diff") is None:
@@ -333,7 +333,8 @@ def paired_cell(d: Mapping | None, scale: float = 1.0, nd: int = 3, unit: str = 
     if d.get("reliable") and d.get("ci_low") is not None:
         t = (f"; these images: seed t {scale * d['t_low']:+.{nd}f} to {scale * d['t_high']:+.{nd}f}"
              if d.get("interval") == "cluster bootstrap-t" and d.get("t_low") is not None else "")
-        return f"{head} (95% CI {scale * d['ci_low']:+.{nd}f} to {scale * d['ci_high']:+.{nd}f}{t})"
+        level = f"{100 * (1 - float(d.get('alpha') or 0.05)):g}%"
+        return f"{head} ({level} CI {scale * d['ci_low']:+.{nd}f} to {scale * d['ci_high']:+.{nd}f}{t})"
     return f"{head}; per seed {per_seed_text(d, scale, nd)} ({d.get('n_seeds', 0)} seed(s): no reliable interval)"
 
 

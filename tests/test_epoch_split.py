@@ -82,3 +82,42 @@ def test_missing_evaluation_is_named(tmp_path, capsys):
         es.main(["--cmp", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and str(gone) in err
+
+
+def _damage(path, change):
+    d = json.loads(path.read_text())
+    change(d["models"])
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("arm, change", [
+    (es.CANDIDATES[0], lambda m: m.pop("ensemble")),
+    (es.CANDIDATES[0], lambda m: m.pop("global")),
+    (es.DEFAULT, lambda m: m["ensemble"].update(auc=None)),
+    (es.CANDIDATES[1], lambda m: m["site-2_deployed"].pop("auc")),
+    ("fedavg", lambda m: m.clear()),
+    ("local", lambda m: m["site-1_deployed"].update(auc="0.9")),
+])
+def test_an_evaluation_without_a_needed_model_is_named(tmp_path, capsys, arm, change):
+    """A summary.json without the ensemble / global model, or a deployed model without an AUC, gave a KeyError or
+    TypeError traceback (or a mean over the other sites); now one line naming the file, exit 2, nothing written."""
+    _fixture(tmp_path, [0.9] * 3, [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    bad = tmp_path / "seed1" / arm / "external" / NAME / "summary.json"
+    _damage(bad, change)
+    out = tmp_path / "res.json"
+    with pytest.raises(SystemExit) as e:
+        es.main(["--cmp", str(tmp_path), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and str(bad) in err, err
+    assert not out.exists()
+
+
+def test_an_arm_without_upload_scores_prints_a_dash(tmp_path, capsys):
+    """The uploads' AUC is reported only (not in the rule): an evaluation without them prints '–' (was a TypeError
+    after the rule had been computed)."""
+    _fixture(tmp_path, [0.9] * 3, [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    _damage(tmp_path / "seed2" / es.DEFAULT / "external" / NAME / "summary.json",
+            lambda m: [m.pop(k) for k in [k for k, v in m.items() if v["kind"] == "local"]])
+    assert es.main(["--cmp", str(tmp_path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  seed 2") and "uploads –" in ln)
+    assert "deployed 0.9000" in line

@@ -28,22 +28,48 @@ CANDIDATES = ("ohfl:local_epochs=25:finetune_epochs=5", "ohfl:local_epochs=30:fi
 GAP_TARGET = 0.02
 
 
-def _deployed(models: dict, kind: str = "deployed") -> float | None:
-    return _mean(v["auc"] for v in models.values() if isinstance(v, dict) and v.get("kind") == kind)
+def _is_auc(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def _deployed(models: dict, kind: str = "deployed", where: Path | None = None) -> float | None:
+    """Mean AUC of the ``kind`` models; with ``where`` (the summary file), :class:`Missing` naming it when there is
+    no such model or one has no finite AUC (a mean over the other sites would hide it)."""
+    ms = {k: v for k, v in models.items() if isinstance(v, dict) and v.get("kind") == kind}
+    if where is not None:
+        if not ms:
+            raise Missing(f"{where}: no {kind} model (not an evaluation of this run's deployed models)")
+        bad = sorted(k for k, v in ms.items() if not _is_auc(v.get("auc")))
+        if bad:
+            raise Missing(f"{where}: {', '.join(bad)} without an AUC")
+    return _mean(v.get("auc") for v in ms.values())
+
+
+def _auc(models: dict, key: str, where: Path) -> float:
+    """The AUC of the ``key`` model (``ensemble``, ``global``); :class:`Missing` naming ``where`` when absent."""
+    v = models.get(key)
+    if not isinstance(v, dict) or not _is_auc(v.get("auc")):
+        raise Missing(f"{where}: no '{key}' model with an AUC (not an OHFL run's evaluation?)")
+    return float(v["auc"])
 
 
 def seed_summary(cmp: Path, seed: int, arm: str, name: str) -> dict:
-    """One arm's numbers at one seed (module docstring); raises :class:`Missing` naming what is absent."""
+    """One arm's numbers at one seed (module docstring); raises :class:`Missing` naming what is absent (a run's
+    evaluation, its deployed models, or the arm's ``ensemble`` / ``global`` model)."""
+    def where(m: str) -> Path:
+        return cmp / f"seed{seed}" / m / "external" / name / "summary.json"
+
     oh = _summary(cmp, seed, arm, name)
-    fedavg = _deployed(_summary(cmp, seed, "fedavg", name))
-    local = _deployed(_summary(cmp, seed, "local", name))
-    dep = _deployed(oh)
+    fedavg = _deployed(_summary(cmp, seed, "fedavg", name), where=where("fedavg"))
+    local = _deployed(_summary(cmp, seed, "local", name), where=where("local"))
+    dep = _deployed(oh, where=where(arm))
+    ens, glob = _auc(oh, "ensemble", where(arm)), _auc(oh, "global", where(arm))
     met = _read(cmp / f"seed{seed}" / arm / "metrics.json")
-    return {"seed": seed, "arm": arm, "deployed_auc": dep, "ensemble_auc": oh["ensemble"]["auc"],
-            "global_auc": oh["global"]["auc"], "global_gap": oh["ensemble"]["auc"] - oh["global"]["auc"],
+    return {"seed": seed, "arm": arm, "deployed_auc": dep, "ensemble_auc": ens,
+            "global_auc": glob, "global_gap": ens - glob,
             "uploads_auc": _deployed(oh, "local"), "fedavg_auc": fedavg, "local_ft_auc": local,
             "deployed_minus_fedavg": dep - fedavg, "deployed_minus_local_ft": dep - local,
-            "ensemble_minus_fedavg": oh["ensemble"]["auc"] - fedavg,
+            "ensemble_minus_fedavg": ens - fedavg,
             "gate_adopted": (met.get("gate") or {}).get("adopted"),
             "task_config": met.get("task_config")}
 
@@ -73,6 +99,10 @@ def apply_rule(rows: dict[str, list[dict]], default: str = DEFAULT, candidates=C
     return {"chosen": chosen, "default": default, "candidates": out}
 
 
+def _num(v) -> str:
+    return "–" if v is None else f"{v:.4f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -94,7 +124,7 @@ def main(argv=None) -> int:
         print(arm)
         for r in rs:
             print(f"  seed {r['seed']}: deployed {r['deployed_auc']:.4f}  ensemble {r['ensemble_auc']:.4f}  "
-                  f"global {r['global_auc']:.4f} (gap {r['global_gap']:.4f})  uploads {r['uploads_auc']:.4f}  "
+                  f"global {r['global_auc']:.4f} (gap {r['global_gap']:.4f})  uploads {_num(r['uploads_auc'])}  "
                   f"-FedAvg {r['deployed_minus_fedavg']:+.4f}  -local+ft {r['deployed_minus_local_ft']:+.4f}  "
                   f"ensemble-FedAvg {r['ensemble_minus_fedavg']:+.4f}  adopted {r['gate_adopted']}")
     print(json.dumps(rule, indent=1))

@@ -121,3 +121,20 @@ def test_an_arm_without_upload_scores_prints_a_dash(tmp_path, capsys):
     assert es.main(["--cmp", str(tmp_path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  seed 2") and "uploads –" in ln)
     assert "deployed 0.9000" in line
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
+def test_a_bad_out_is_refused_before_anything_is_read(tmp_path, capsys, where):
+    """--out into a missing folder or onto a folder gave a FileNotFoundError / IsADirectoryError traceback after the
+    whole summary had been printed; now one line naming --out, exit 2, before any file is read."""
+    _fixture(tmp_path / "cmp", [0.9] * 3, [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    out = tmp_path / "no" / "r.json" if where == "missing_folder" else tmp_path / "cmp"
+    with pytest.raises(SystemExit) as e:
+        es.main(["--cmp", str(tmp_path / "cmp"), "--out", str(out)])
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and len(cap.err.strip().splitlines()) == 1 and f"--out {out}" in cap.err, cap.err
+    assert cap.out == "" and not (tmp_path / "no").exists()
+    good = tmp_path / "r.json"
+    assert es.main(["--cmp", str(tmp_path / "cmp"), "--out", str(good)]) == 0
+    assert json.loads(good.read_text())["seeds"] == [0, 1, 2] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "cmp", "r.json"]  # no temporary file left beside it

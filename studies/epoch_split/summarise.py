@@ -115,6 +115,9 @@ def main(argv=None) -> int:
         seeds = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         ap.exit(2, f"summarise: --seeds {a.seeds!r}: give integers separated by commas\n")
+    if a.out and (a.out.is_dir() or not a.out.parent.is_dir()):
+        ap.exit(2, f"summarise: --out {a.out}: " + ("is a folder; give a file name\n" if a.out.is_dir() else
+                                                     f"no folder {a.out.parent}\n"))
     try:
         rows = {arm: [seed_summary(a.cmp, s, arm, a.name) for s in seeds] for arm in (DEFAULT, *CANDIDATES)}
     except Missing as e:
@@ -129,7 +132,9 @@ def main(argv=None) -> int:
                   f"ensemble-FedAvg {r['ensemble_minus_fedavg']:+.4f}  adopted {r['gate_adopted']}")
     print(json.dumps(rule, indent=1))
     if a.out:
-        a.out.write_text(json.dumps({"data": a.name, "seeds": seeds, "rows": rows, "rule": rule}, indent=1) + "\n")
+        tmp = a.out.with_name(a.out.name + ".tmp")  # never a half-written results file
+        tmp.write_text(json.dumps({"data": a.name, "seeds": seeds, "rows": rows, "rule": rule}, indent=1) + "\n")
+        tmp.replace(a.out)
     return 0
 
 

@@ -138,3 +138,15 @@ def test_a_bad_out_is_refused_before_anything_is_read(tmp_path, capsys, where):
     assert es.main(["--cmp", str(tmp_path / "cmp"), "--out", str(good)]) == 0
     assert json.loads(good.read_text())["seeds"] == [0, 1, 2] and sorted(p.name for p in tmp_path.iterdir()) == [
         "cmp", "r.json"]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("seeds", ["0,0,1", "0,1,0", "-1,0", "", "0;1"])
+def test_seeds_named_twice_or_negative_are_refused(tmp_path, capsys, seeds):
+    """--seeds 0,0,1 was accepted and seed 0 counted twice in the rule ("higher at 2 or more seeds" met by one
+    seed); now refused with one line naming --seeds."""
+    _fixture(tmp_path, [0.9] * 3, [0.01] * 3, [0.9] * 3, [0.01] * 3)
+    with pytest.raises(SystemExit) as e:
+        es.main(["--cmp", str(tmp_path), f"--seeds={seeds}"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == f"summarise: --seeds {seeds!r}: give distinct non-negative integers " \
+                                       "separated by commas"

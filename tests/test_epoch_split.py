@@ -150,3 +150,17 @@ def test_seeds_named_twice_or_negative_are_refused(tmp_path, capsys, seeds):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == f"summarise: --seeds {seeds!r}: give distinct non-negative integers " \
                                        "separated by commas"
+
+
+@pytest.mark.parametrize("kind", ["missing", "a_file"])
+def test_a_cmp_that_is_not_a_folder_is_named_as_such(tmp_path, capsys, kind):
+    """--cmp naming no folder (or a file) was reported as a missing evaluation deep below it ("run compare with
+    --external to the end"), which sends the user to rerun a comparison; now the option is named."""
+    cmp = tmp_path / "nope"
+    if kind == "a_file":
+        cmp.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        es.main(["--cmp", str(cmp)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"summarise: --cmp {cmp}: " + ("not a folder" if kind == "a_file" else "no such folder"))

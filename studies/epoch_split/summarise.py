@@ -117,6 +117,9 @@ def main(argv=None) -> int:
         seeds = []
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:  # a seed twice would count twice in the rule
         ap.exit(2, f"summarise: --seeds {a.seeds!r}: give distinct non-negative integers separated by commas\n")
+    if not a.cmp.is_dir():
+        ap.exit(2, f"summarise: --cmp {a.cmp}: {'not a folder' if a.cmp.exists() else 'no such folder'} (give the "
+                   "compare folder, with seed<k>/<arm>/external/<name>)\n")
     if a.out and (a.out.is_dir() or not a.out.parent.is_dir()):
         ap.exit(2, f"summarise: --out {a.out}: " + ("is a folder; give a file name\n" if a.out.is_dir() else
                                                      f"no folder {a.out.parent}\n"))

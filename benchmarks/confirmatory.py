@@ -327,12 +327,18 @@ def analyse(args) -> int:
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
+        prim = _set_primary(paired["paired"], getattr(args, "primary", "local"))
+        looks = getattr(args, "looks", 1)
+        corrected = None
+        if prim and looks > 1:  # the corrected row decides: without it no verdict may be written
+            check_corrected_inputs(cmp, name, prim, pj)
+            corrected = corrected_primary(cmp, name, prim, looks, paired.get("n_boot") or 1000)
+            if corrected is None:
+                raise BadInput(f"{cmp}: the predictions of {prim['a']} and {prim['b']} share no images or sites: no "
+                               f"corrected interval for --looks {looks}")
     except BadInput as e:
         print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
         return 2
-    prim = _set_primary(paired["paired"], getattr(args, "primary", "local"))
-    looks = getattr(args, "looks", 1)
-    corrected = corrected_primary(cmp, name, prim, looks, paired.get("n_boot") or 1000) if prim and looks > 1 else None
     sec = {k: seed_mean_interval(v) for k, v in summ.items()}
     sec_local = {k: seed_mean_interval(v) for k, v in local.items() if k in ("border_dp_normal", "metadata_margin")}
     out = {"data": paired.get("data"), "part": paired.get("part"), "n_images": paired.get("n_images"),
@@ -345,6 +351,24 @@ def analyse(args) -> int:
     (res / "RESULT.md").write_text(markdown(out))
     print((res / "RESULT.md").read_text())
     return 0
+
+
+def check_corrected_inputs(cmp: Path, name: str, prim: dict, path: Path) -> None:
+    """Raise :class:`BadInput` naming the first thing that the Bonferroni-corrected primary row (``analyse --looks
+    K``, K > 1) needs and lacks: the compared methods in the primary row of ``path`` (``a``, ``b``, ``kind_a``,
+    ``kind_b``, as compare writes them) and a readable ``predictions.npz`` of both methods at every seed of the row
+    (``seed<k>/<method>/external/<name>/``). Without them the verdict would silently come from the 95 % row."""
+    miss = [k for k in ("a", "b", "kind_a", "kind_b") if not isinstance(prim.get(k), str)]
+    if miss:
+        raise BadInput(f"{path}: the primary row lacks {', '.join(miss)}, which --looks needs to recompute it from "
+                       "the predictions (rebuild the paired file with compare)")
+    for s in prim["seeds"]:
+        for m in (prim["a"], prim["b"]):
+            f = cmp / f"seed{s}" / m / "external" / name / "predictions.npz"
+            why = "no such file" if not f.is_file() else _npz_error(f)
+            if why:
+                raise BadInput(f"{f}: {why} (--looks recomputes the primary row from every seed's predictions of "
+                               "both methods)")
 
 
 def corrected_primary(cmp: Path, name: str, prim: dict, looks: int, n_boot: int = 1000) -> dict | None:

@@ -308,3 +308,47 @@ def test_the_corrected_row_decides_in_result_md(tmp_path):
     assert second.endswith("| inconclusive (δ 0.02) |")
     with pytest.raises(SystemExit):
         C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--looks", "0"])
+
+
+def _looks_cmp(root, seeds, name="chest_xray_224-evaluation"):
+    """A folder of the protocol (local, fedavg, ohfl at ``seeds``) whose OHFL and FedAvg runs hold predictions and
+    whose paired file has the OHFL vs FedAvg row as compare writes it (the compared methods named)."""
+    _npz_cmp(root, seeds, name)
+    _fake_cmp(root, seeds, name)
+    pj = root / "paired_external.json"
+    paired = json.loads(pj.read_text())
+    row = {**paired["paired"][0], "comparison": "ohfl vs FedAvg", "primary": None, "a": "ohfl", "b": "fedavg",
+           "kind_a": "deployed", "kind_b": "deployed"}
+    paired["paired"].append(row)
+    pj.write_text(json.dumps(paired))
+    return ["analyse", "--cmp", str(root), "--results", str(root.parent / "res"), "--seeds", ",".join(map(str, seeds)),
+            "--primary", "fedavg", "--looks", "2"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "no_names"])
+def test_looks_without_the_primary_pairs_predictions_is_refused(tmp_path, capsys, damage):
+    """``--looks 2`` when the corrected row cannot be recomputed: a seed's predictions of a compared method missing
+    or unreadable wrote RESULT.md with the uncorrected 95 % verdict as the decision (exit 0), a primary row without
+    the compared methods gave a KeyError traceback; now one line naming the file, exit 2, nothing written."""
+    seeds = [30, 31, 32, 33, 34]
+    cmp, res = tmp_path / "cmp", tmp_path / "res"
+    args = _looks_cmp(cmp, seeds)
+    assert C.main(args) == 0  # the intact folder: the corrected row is there and decides
+    r = json.loads((res / "result.json").read_text())
+    assert r["primary_corrected"]["looks"] == 2 and r["primary_corrected"]["comparison"] == "ohfl vs FedAvg"
+    import shutil
+    shutil.rmtree(res)
+    capsys.readouterr()
+    bad = cmp / "seed32" / "fedavg" / "external" / "chest_xray_224-evaluation" / "predictions.npz"
+    if damage == "missing":
+        bad.unlink()
+    elif damage == "truncated":
+        bad.write_bytes(bad.read_bytes()[:100])
+    else:
+        pj = bad = cmp / "paired_external.json"
+        paired = json.loads(pj.read_text())
+        for k in ("a", "b"):
+            del paired["paired"][1][k]
+        pj.write_text(json.dumps(paired))
+    _refused(args, capsys, str(bad), "nothing was written")
+    assert not res.exists()

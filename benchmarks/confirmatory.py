@@ -327,7 +327,11 @@ def analyse(args) -> int:
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
-        prim = _set_primary(paired["paired"], getattr(args, "primary", "local"))
+        control = getattr(args, "primary", "local")
+        prim = _set_primary(paired["paired"], control)
+        if prim is None:  # the protocol's primary endpoint: a result without it is not the confirmatory one
+            raise BadInput(f"{pj}: no '{PRIMARY_ROWS[control]}' row (--primary {control}): its runs' evaluations or "
+                           "predictions are missing")
         looks = getattr(args, "looks", 1)
         corrected = None
         if prim and looks > 1:  # the corrected row decides: without it no verdict may be written

@@ -352,3 +352,16 @@ def test_looks_without_the_primary_pairs_predictions_is_refused(tmp_path, capsys
         pj.write_text(json.dumps(paired))
     _refused(args, capsys, str(bad), "nothing was written")
     assert not res.exists()
+
+
+def test_a_primary_control_without_its_row_is_refused(tmp_path, capsys):
+    """``--primary fedavg`` on a folder whose paired file has no OHFL vs FedAvg row (compare leaves a row out when
+    a method's predictions are missing) wrote a RESULT.md without a primary endpoint, exit 0; now refused like a
+    folder without the local+ft primary row."""
+    seeds = [30, 31, 32, 33, 34]
+    _fake_cmp(tmp_path / "cmp", seeds)
+    for looks in ("1", "2"):
+        _refused(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
+                  ",".join(map(str, seeds)), "--primary", "fedavg", "--looks", looks], capsys,
+                 str(tmp_path / "cmp" / "paired_external.json"), "'ohfl vs FedAvg'", "nothing was written")
+        assert not (tmp_path / "res").exists()

@@ -365,3 +365,18 @@ def test_a_primary_control_without_its_row_is_refused(tmp_path, capsys):
                   ",".join(map(str, seeds)), "--primary", "fedavg", "--looks", looks], capsys,
                  str(tmp_path / "cmp" / "paired_external.json"), "'ohfl vs FedAvg'", "nothing was written")
         assert not (tmp_path / "res").exists()
+
+
+def test_the_margin_sentence_names_the_interval_that_decides(tmp_path):
+    """With ``--looks 2`` the sentence under the primary table said "the interval's lower bound" under a table with a
+    95 % and a 97.5 % interval; it names the one that decides (the protocol's 97.5 % corrected interval)."""
+    seeds = [30, 31, 32, 33, 34]
+    _fake_cmp(tmp_path / "cmp", seeds)
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
+                   ",".join(map(str, seeds))]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    one = C.markdown(r)
+    assert "not worse when the lower bound of the 95% interval is above -δ" in one
+    corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
+    two = C.markdown({**r, "primary_corrected": corr})
+    assert "not worse when the lower bound of the corrected row's 97.5% interval is above -δ" in two

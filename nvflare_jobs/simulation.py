@@ -36,6 +36,9 @@ DEFAULTS = {"data": None, "sites": 6, "scheme": "width", "alpha": 0.5, "labels":
             "feature_dim": 64, "aspect": None, "paper": False, "tracking": "tensorboard", "tracking_uri": None, "families": None}
 _TYPES = {"sites": int, "alpha": float, "rounds": int, "local_epochs": int, "finetune_epochs": int, "batch_size": int,
           "max_train_images": int, "seed": int, "min_sites": int, "late_wait": int, "feature_dim": int}
+# the least value of each bounded common option: the ``cxr-hfl simulate`` flags' own bounds (library callers too)
+_AT_LEAST = {"rounds": 1, "local_epochs": 0, "finetune_epochs": 0, "batch_size": 1, "max_train_images": 1, "seed": 0,
+             "min_sites": 1, "late_wait": 0, "feature_dim": 1}
 
 
 class SimulateError(ValueError):
@@ -82,7 +85,7 @@ def namespace(method: str, profile: str | os.PathLike | None, options: dict | No
     by the catalogue's checks).
 
     Raises:
-        SimulateError: an unknown option key, or a common option of the wrong type.
+        SimulateError: an unknown option key, a common option of the wrong type or below the command line's bound.
     """
     known = {**DEFAULTS, **method_option_defaults(), "probe": None}
     options = dict(options or {})
@@ -96,6 +99,10 @@ def namespace(method: str, profile: str | os.PathLike | None, options: dict | No
                 options[k] = typ(v)
             except ValueError:
                 raise SimulateError(f"option {k}: expected {typ.__name__}, got {v!r}") from None
+    for k, least in _AT_LEAST.items():
+        v = options.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < least:
+            raise SimulateError(f"option {k}: must be an integer >= {least}, got {v}")
     if isinstance(options.get("input_sizes"), str):
         options["input_sizes"] = [int(x) for x in options["input_sizes"].split(",") if x.strip()]
     return argparse.Namespace(**{**known, **options, "method": method,

@@ -130,6 +130,23 @@ def test_bad_method_variant_is_refused_before_any_run(tmp_path, capsys):
         assert check_variant(ok) is None, ok
 
 
+def test_a_variants_epochs_out_of_range_are_refused_before_any_run(tmp_path, capsys):
+    """``fedavg:rounds=0`` printed "0 round(s) ... = 0 epochs per site" while the job would run 1 round (the job's
+    ``rounds or 1``); ``ohfl:finetune_epochs=-1`` printed "+ -1 fine-tuning epochs = 19"; both passed ``--dry-run``.
+    Now refused as ``simulate`` refuses the same flags: exit 2, one line naming the variant, no folder."""
+    from nvflare_jobs.cli import main
+
+    out = tmp_path / "cmp"
+    for variant, says in (("fedavg:rounds=0", "option rounds: must be an integer >= 1, got 0"),
+                          ("fedavg:rounds=-2", "option rounds: must be an integer >= 1, got -2"),
+                          ("fens:rounds=0", "option rounds: must be an integer >= 1, got 0"),
+                          ("ohfl:finetune_epochs=-1", "option finetune_epochs: must be an integer >= 0, got -1")):
+        assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
+        err = capsys.readouterr().err.strip()
+        assert err == f"cxr-hfl compare: variant {variant}: {says}", err
+        assert not out.exists()
+
+
 @pytest.mark.slow
 def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     out = tmp_path / "cmp"

@@ -52,3 +52,26 @@ def test_finished_reads_the_run_back(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps({"method": "fedavg"}))
     run = finished("fedavg", tmp_path, 0)
     assert run.ok and run.metrics == {"method": "fedavg"}
+
+
+@pytest.mark.parametrize("key, value", [("rounds", 0), ("rounds", -2), ("finetune_epochs", -1), ("local_epochs", -1),
+                                        ("batch_size", 0), ("seed", -1), ("min_sites", 0)])
+def test_the_library_refuses_what_the_command_line_refuses(tmp_path, key, value):
+    """``simulate --rounds 0`` / ``--finetune-epochs -1`` are refused by the command line; the library (what compare
+    calls for a variant such as ``fedavg:rounds=0``) took them: the job then ran 1 round for ``rounds`` 0 while the
+    budget line said 0 epochs. Both now refuse the same values, typed or as text, before anything is written."""
+    from nvflare_jobs.commands.simulate import _add_method_args
+
+    p = argparse.ArgumentParser()
+    _add_method_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--method", "fedavg", "--" + key.replace("_", "-"), str(value)])
+    for v in (value, str(value)):
+        with pytest.raises(SimulateError, match=rf"option {key}: must be an integer >= \d+, got {value}"):
+            check("fedavg", {key: v})
+    out = tmp_path / "run"
+    with pytest.raises(SimulateError):
+        simulate("fedavg", None, {key: value}, out)
+    assert not out.exists()
+    least = int(str(p.parse_args(["--method", "fedavg", "--" + key.replace("_", "-"), str(value + 5)]).__dict__[key]))
+    assert check("fedavg", {key: least})[key] == least  # a value the command line takes passes

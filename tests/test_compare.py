@@ -147,6 +147,26 @@ def test_a_variants_epochs_out_of_range_are_refused_before_any_run(tmp_path, cap
         assert not out.exists()
 
 
+def test_a_variant_option_without_its_value_is_refused(tmp_path, capsys):
+    """``ohfl:local_epochs`` (no ``=N``) was read as a switch set to True, planned as 1 local epoch ("1 round(s) x 1
+    local epochs + 10 ... = 11") and printed as ``--local-epochs`` with no value; the same for method options
+    (``fens:fens_epochs``, ``ohfl:distill_steps``). Only an on/off option may be named alone."""
+    from nvflare_jobs.cli import main
+    from nvflare_jobs.compare import check_variant
+
+    out = tmp_path / "cmp"
+    for variant in ("ohfl:local_epochs", "ohfl:finetune_epochs", "fedavg:rounds", "fens:fens_epochs",
+                    "ohfl:distill_steps", "ohfl:strategy", "ohfl:local_epochs=25:finetune_epochs"):
+        key = variant.rsplit(":", 1)[1]
+        assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
+        err = capsys.readouterr().err.strip()
+        assert err == f"cxr-hfl compare: variant {variant}: option {key} needs a value ({key}=...); only an on/off " \
+                      "option may be named alone", err
+        assert not out.exists()
+    for ok in ("ohfl:gate", "ohfl:paper", "fens:fens_residual", "ohfl:data_free:distill_steps=0"):  # on/off options
+        assert "needs a value" not in (check_variant(ok) or ""), ok
+
+
 @pytest.mark.slow
 def test_compare_local_vs_ohfl_on_identical_partition(data_root, tmp_path):
     out = tmp_path / "cmp"

@@ -50,6 +50,9 @@ def check_variant(method: str, args=None) -> str | None:
     name, extra = split_variant(method)
     if not extra and args is None:
         return None
+    for key, v in extra.items():
+        if v is True and _option_type(key) not in (bool, None):  # e.g. ohfl:local_epochs, read as 1 epoch
+            return f"variant {method}: option {key} needs a value ({key}=...); only an on/off option may be named alone"
     opts = extra
     if args is not None:
         try:
@@ -61,6 +64,18 @@ def check_variant(method: str, args=None) -> str | None:
     except ValueError as e:
         return f"{'variant ' if extra else ''}{method}: {e}"
     return None
+
+
+def _option_type(key: str):
+    """The type of the option ``key`` (a catalogue option's, or a common ``simulate`` option's); None if unknown."""
+    from nvflare_jobs.simulation import _TYPES, DEFAULTS
+
+    users = catalogue.all_options().get(key)
+    if users:
+        return users[0][1].type
+    if key in _TYPES:
+        return _TYPES[key]
+    return bool if isinstance(DEFAULTS.get(key), bool) else (str if key in DEFAULTS else None)
 
 
 def _base(method: str) -> str:

@@ -355,3 +355,27 @@ def test_zero_local_epochs_is_refused_by_export_job_and_compare_too(tmp_path, ca
                  str(cmp)]) == 2
     _one_line(capsys, "--local-epochs 0")
     assert not cmp.exists()
+
+
+def test_compare_site_configs_record_a_variants_own_epochs(tmp_path):
+    """The site configs compare writes for ``ohfl:local_epochs=30:finetune_epochs=0`` say 30 and 0 (they said the
+    planned 20 + 10, then 10 fine-tuning epochs for any 0), and the default OHFL run's say 20 and 10."""
+    import yaml
+
+    from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.compare.run import _checked, write_method_profile
+
+    (tmp_path / "data").mkdir()
+    args = build_parser().parse_args(["compare", "--methods", "ohfl,ohfl:local_epochs=30:finetune_epochs=0",
+                                      "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cmp")])
+    methods = _checked(args)[0]
+    part = tmp_path / "part"
+    (part / "sites").mkdir(parents=True)
+    for i in range(1, 7):
+        (part / "sites" / f"site-{i}.csv").write_text("path,label,split\n")
+    got = {}
+    for k, m in enumerate(methods):
+        prof = write_method_profile(part, tmp_path / f"m{k}", m, 0, args)
+        cfg = yaml.safe_load((prof / "site-1.yaml").read_text())
+        got[m] = (cfg["local_epochs"], cfg["finetune_epochs"])
+    assert got == {"ohfl": (20, 10), "ohfl:local_epochs=30:finetune_epochs=0": (30, 0)}

@@ -73,7 +73,9 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
     base = _base(method)
     plan = epoch_plan(method, args)
     settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
-                "finetune_epochs": plan["finetune_epochs"] or 10, "seed": seed, "threads": 1,
+                # the one-shot method's own fine-tuning epochs, 0 included (the site configs record what runs)
+                "finetune_epochs": (plan["finetune_epochs"] if _entry(method).schedule == "one_shot"
+                                    else plan["finetune_epochs"] or 10), "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64,
                 "aspect": getattr(args, "aspect", None)}
     proto = True if getattr(args, "proto_protocol", False) else None  # Local on the prototype methods' backbones

@@ -349,6 +349,7 @@ def analyse(args) -> int:
            "seeds": prim["seeds"] if prim else None, "min_seeds": MIN_SEEDS, "margins": MARGINS,
            "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,
            "primary_corrected": corrected,
+           "verdict_from": "primary_corrected" if corrected else "primary",  # the record whose verdict decides
            "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local}
     res.mkdir(parents=True, exist_ok=True)
     (res / "result.json").write_text(json.dumps(out, indent=1, default=str))

@@ -298,7 +298,7 @@ def test_the_corrected_row_decides_in_result_md(tmp_path):
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
                    ",".join(map(str, seeds))]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
-    assert r["primary_corrected"] is None  # one look: no corrected row
+    assert r["primary_corrected"] is None and r["verdict_from"] == "primary"  # one look: no corrected row
     corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
     md = C.markdown({**r, "primary_corrected": corr})
     first, second = [ln for ln in md.splitlines() if ln.startswith("| ohfl vs local+ft, AUC") or
@@ -336,6 +336,7 @@ def test_looks_without_the_primary_pairs_predictions_is_refused(tmp_path, capsys
     assert C.main(args) == 0  # the intact folder: the corrected row is there and decides
     r = json.loads((res / "result.json").read_text())
     assert r["primary_corrected"]["looks"] == 2 and r["primary_corrected"]["comparison"] == "ohfl vs FedAvg"
+    assert r["verdict_from"] == "primary_corrected"
     import shutil
     shutil.rmtree(res)
     capsys.readouterr()

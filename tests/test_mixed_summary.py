@@ -66,3 +66,17 @@ def test_a_variant_folder_that_is_absent_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "ohfl:distill_steps=300" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r.json").exists()
+
+
+def test_an_evaluation_without_the_ensemble_is_named_in_one_line(tmp_path, capsys):
+    """A summary.json without the ``ensemble`` entry (an evaluation of another kind of run) is refused in one line
+    naming the seed folder and the missing entry (it printed only ``summarise: 'ensemble'``)."""
+    _fake(tmp_path, 0, "ohfl", np.random.default_rng(0))
+    f = tmp_path / "seed0" / "ohfl" / "external" / NAME / "summary.json"
+    d = json.loads(f.read_text())
+    del d["models"]["ensemble"]
+    f.write_text(json.dumps(d))
+    assert S.main(["--cmp", str(tmp_path), "--seeds", "0", "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path / "seed0") in err and "'ensemble'" in err
+    assert not (tmp_path / "r.json").exists()

@@ -143,11 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"summarise: --seeds {a.seeds!r}: expected comma-separated integers", file=sys.stderr)
         return 2
-    try:
-        rows = [seed_summary(Path(a.cmp), s, a.name, a.ohfl) for s in seeds]
-    except (Missing, KeyError) as e:
-        print(f"summarise: {e}", file=sys.stderr)
-        return 2
+    rows = []
+    for s in seeds:
+        try:
+            rows.append(seed_summary(Path(a.cmp), s, a.name, a.ohfl))
+        except Missing as e:
+            print(f"summarise: {e}", file=sys.stderr)
+            return 2
+        except (KeyError, TypeError) as e:  # an evaluation without an entry the summary reads (ensemble, global, ...)
+            where = Path(a.cmp) / f"seed{s}"
+            print(f"summarise: {where}: the runs' evaluations under external/{a.name} lack {e} (an entry or an AUC "
+                  "this summary reads); re-run evaluate on them", file=sys.stderr)
+            return 2
     Path(a.out).write_text(json.dumps({"cmp": Path(a.cmp).name, "name": a.name, "ohfl_run": a.ohfl, "seeds": rows},
                                       indent=1))
     print(markdown(rows))

@@ -53,15 +53,24 @@ def _auc(models: dict, key: str, where: Path) -> float:
     return float(v["auc"])
 
 
-def seed_summary(cmp: Path, seed: int, arm: str, name: str) -> dict:
-    """One arm's numbers at one seed (module docstring); raises :class:`Missing` naming what is absent (a run's
-    evaluation, its deployed models, or the arm's ``ensemble`` / ``global`` model)."""
+def _where(cmp: Path, seed: int, run: str, name: str) -> Path:
+    return cmp / f"seed{seed}" / run / "external" / name / "summary.json"
+
+
+def baselines(cmp: Path, seed: int, name: str) -> tuple[float, float]:
+    """(FedAvg, local+ft) deployed mean AUC at one seed, the same for every arm; :class:`Missing` naming the file."""
+    return tuple(_deployed(_summary(cmp, seed, m, name), where=_where(cmp, seed, m, name)) for m in ("fedavg", "local"))
+
+
+def seed_summary(cmp: Path, seed: int, arm: str, name: str, base: tuple[float, float] | None = None) -> dict:
+    """One arm's numbers at one seed (module docstring); ``base``: :func:`baselines` of that seed when already read.
+    Raises :class:`Missing` naming what is absent (a run's evaluation, its deployed models, or the arm's
+    ``ensemble`` / ``global`` model)."""
     def where(m: str) -> Path:
-        return cmp / f"seed{seed}" / m / "external" / name / "summary.json"
+        return _where(cmp, seed, m, name)
 
     oh = _summary(cmp, seed, arm, name)
-    fedavg = _deployed(_summary(cmp, seed, "fedavg", name), where=where("fedavg"))
-    local = _deployed(_summary(cmp, seed, "local", name), where=where("local"))
+    fedavg, local = base or baselines(cmp, seed, name)
     dep = _deployed(oh, where=where(arm))
     ens, glob = _auc(oh, "ensemble", where(arm)), _auc(oh, "global", where(arm))
     met = _read(cmp / f"seed{seed}" / arm / "metrics.json")
@@ -124,7 +133,8 @@ def main(argv=None) -> int:
         ap.exit(2, f"summarise: --out {a.out}: " + ("is a folder; give a file name\n" if a.out.is_dir() else
                                                      f"no folder {a.out.parent}\n"))
     try:
-        rows = {arm: [seed_summary(a.cmp, s, arm, a.name) for s in seeds] for arm in (DEFAULT, *CANDIDATES)}
+        base = {s: baselines(a.cmp, s, a.name) for s in seeds}  # FedAvg and local+ft, read once per seed
+        rows = {arm: [seed_summary(a.cmp, s, arm, a.name, base[s]) for s in seeds] for arm in (DEFAULT, *CANDIDATES)}
     except Missing as e:
         ap.exit(2, f"summarise: {e}\n")
     rule = apply_rule(rows)

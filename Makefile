@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# development: every test that runs no simulator job and needs no real images, stopping at the first failure
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow and not realdata" tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -31,10 +31,10 @@ BOUND_S = 300.0
 
 
 def run_once(profile: Path, run: Path, rounds: int, kill: str | None) -> dict:
-    from nvflare_jobs.simulation import start
+    from nvflare_jobs.spec import resolve
 
     t0 = time.perf_counter()
-    proc, log = start("fedavg", profile, {"rounds": rounds, "late_wait": 900}, run)
+    proc, log = resolve("fedavg", {"profile": str(profile), "rounds": rounds, "late_wait": 900}).start(run)
     killed_at = None
     while kill and killed_at is None and proc.poll() is None:
         if (read_status(run).get("round") or 0) >= 1:

@@ -265,14 +265,14 @@ def simulate_overhead(method: str, sim_args: str, data: Path) -> dict:
     import tempfile
 
     from nvflare_jobs.commands.simulate import options_from_argv
-    from nvflare_jobs.simulation import simulate
+    from nvflare_jobs.spec import resolve
 
     out = Path(tempfile.mkdtemp(prefix="bench_sim_")) / "run"
     method, opts = options_from_argv(["--method", method, *(["--data", str(data)] if data.exists() else []),
                                       *shlex.split(sim_args)])
     print(f"\nfederation overhead: simulate {method} {opts} -> {out}", flush=True)
     t0 = time.perf_counter()
-    run = simulate(method, opts.pop("profile", None), opts, out, isolate=True)
+    run = resolve(method, opts).simulate(out, isolate=True)
     wall = time.perf_counter() - t0
     if not run.ok:
         print(f"simulation failed (rc={run.rc}): {run.log.read_text()[-2000:]}")

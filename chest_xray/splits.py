@@ -159,13 +159,9 @@ def make_splits(manifest_csv: str | Path, seed: int = 0) -> dict[str, list[dict[
     return {p: sorted(v, key=lambda r: r["path"]) for p, v in out.items()}
 
 
-def _main() -> None:  # pragma: no cover - the one-time maker of the committed lists
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--make", required=True, help="the chest_xray_224 root (holding MANIFEST.csv)")
-    a = ap.parse_args()
-    parts = make_splits(Path(a.make) / "MANIFEST.csv")
+def write_splits(root: str | Path) -> None:  # pragma: no cover - the one-time maker of the committed lists
+    """Write the committed part lists from the ``chest_xray_224`` root ``root`` (holding MANIFEST.csv)."""
+    parts = make_splits(Path(root) / "MANIFEST.csv")
     _DIR.mkdir(exist_ok=True)
     for part, rows in parts.items():
         with (_DIR / f"{POOL}_{part}.csv").open("w", newline="") as f:
@@ -175,5 +171,9 @@ def _main() -> None:  # pragma: no cover - the one-time maker of the committed l
         print(f"{part}: {len(rows)} images")
 
 
-if __name__ == "__main__":
-    _main()
+if __name__ == "__main__":  # python -m chest_xray.splits --make ROOT
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--make", required=True, help="the chest_xray_224 root (holding MANIFEST.csv)")
+    write_splits(ap.parse_args().make)

@@ -56,17 +56,6 @@ TB_FOLDER = "tb_events"  # <server run dir>/tb_events/<site>/events.out.tfevents
 MLFLOW_EXTRA = "cxr-hfl[mlflow]"
 
 
-def add_tracking_args(p) -> None:
-    """``--tracking`` and ``--tracking-uri`` (simulate, export-job)."""
-    p.add_argument("--tracking", choices=TRACKING, default="tensorboard",
-                   help="experiment tracking on the server (NVFlare's receivers of the sites' "
-                        "nvflare.client.tracking scalars: per-epoch loss, per-round validation metrics): tensorboard "
-                        "(default; event files in the server's run folder, tb_events/<site>/), mlflow (also "
-                        f"TensorBoard; needs the {MLFLOW_EXTRA} extra), none")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: a local SQLite store mlflow.db in the "
-                                          "server's job results)")
-
-
 def tracking_receivers(tracking: str = "tensorboard", tracking_uri: str | None = None) -> list:
     """The server components for ``tracking``: NVFlare's ``TBAnalyticsReceiver`` (unless ``none``), plus its
     ``MLflowReceiver`` for ``mlflow`` (a local SQLite store unless ``tracking_uri``).

@@ -27,3 +27,19 @@ def forward(spec: dict, state_dict: dict, x: torch.Tensor) -> torch.Tensor:
     m.eval()
     with torch.no_grad():
         return m(x)
+
+
+def ohfl_controller(**kw):
+    """An ``OHFLController`` with the catalogue's defaults for every argument not in ``kw`` (constructor names:
+    ``ot_solver``, ``fusion_device``, ``min_sites``, ...), as a job built from a resolved spec would hold them."""
+    from hfl_components.flare.catalogue import validate_options
+    from hfl_components.flare.controllers import OHFLController
+
+    names = {v: k for k, v in OHFLController.OPTION_ATTRS.items()}
+    opts = validate_options("ohfl", {names.get(k, k): v for k, v in kw.items()}, require=False)
+    args = {OHFLController.OPTION_ATTRS.get(k, k): v for k, v in opts.items()}
+    tc = {"init": args.pop("init"), "init_seed": kw.get("seed", 0), "gate": bool(args.pop("gate")),
+          "target_sensitivity": float(args.pop("target_sensitivity"))}
+    common = {"num_rounds": 1, "min_sites": 1, "task_timeout": 0, "seed": 0, "late_wait_s": None,
+              "task_config": tc, "site_specs": {}}
+    return OHFLController(**{**common, **args, **{k: v for k, v in kw.items() if k in common or k in args}})

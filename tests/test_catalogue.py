@@ -50,8 +50,8 @@ def test_one_method_list_no_spelled_out_tuples():
 def test_consumers_read_the_catalogue():
     from hfl_components.flare import privacy
     from nvflare_jobs import compare, profiles
-    from nvflare_jobs import simulation
     from nvflare_jobs.commands import simulate
+    from nvflare_jobs.spec import resolve
 
     p = argparse.ArgumentParser()
     simulate._add_method_args(p)
@@ -70,9 +70,8 @@ def test_consumers_read_the_catalogue():
         for _, o in users:
             if o.choices and flags[key].choices is not None:
                 assert set(o.choices) <= set(flags[key].choices)
-    assert simulation.OHFL_DEFAULTS == {"ot": "emd", "ground_metric": "acts", "repair": "channel", "cka": "linear",
-                                        "probe_at": "own", "init": "site", "gate": True, "target_sensitivity": 0.95,
-                                        "distill_steps": 300, "data_free": False}
+    # the resolved defaults are the catalogue's, nothing restated on the way
+    assert dict(resolve("ohfl").options) == {o.key: o.default for o in catalogue.entry("ohfl").options}
 
 
 def test_validate_options_types_choices_defaults_and_fixed_values():
@@ -147,30 +146,26 @@ def test_counts_seconds_and_fedtopo_integers_refuse_negative_values(tmp_path, ca
 
 
 def test_simulate_refuses_a_strict_option_of_another_method_and_warns_about_others(capsys):
-    from nvflare_jobs import simulation
-    from nvflare_jobs.commands import simulate
+    from nvflare_jobs.commands.simulate import cli_spec
 
-    p = argparse.ArgumentParser()
-    simulate._add_method_args(p)
     with pytest.raises(SystemExit, match="--eval nearest-prototype is not an option of ohfl"):
-        simulation._defaults(p.parse_args(["--method", "ohfl", "--eval", "nearest-prototype"]))
-    a = p.parse_args(["--method", "fedsaf", "--strategy", "cdd"])
-    simulation._defaults(a)
+        cli_spec(["--method", "ohfl", "--eval", "nearest-prototype"])
+    cli_spec(["--method", "fedsaf", "--strategy", "cdd"])
     assert "WARNING: --strategy cdd is not an option of fedsaf (it is one of ohfl); ignored" in capsys.readouterr().err
     # OHFL's fusion levers (filled in before the check) are warned about too, not silently dropped
     for flags, given in ((["--ground-metric", "wts"], "--ground-metric wts"), (["--ot", "sinkhorn"], "--ot sinkhorn"),
                          (["--no-gate"], "--no-gate"), (["--no-repair"], "--repair none"),
                          (["--init", "shared"], "--init shared")):
-        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        cli_spec(["--method", "fedavg", *flags])
         assert f"WARNING: {given} is not an option of fedavg (it is one of ohfl); ignored" in capsys.readouterr().err
     for flags in ([], ["--gate"], ["--ground-metric", "acts"]):  # the defaults: nothing to warn about
-        simulation._defaults(p.parse_args(["--method", "fedavg", *flags]))
+        cli_spec(["--method", "fedavg", *flags])
         assert "WARNING" not in capsys.readouterr().err, flags
     with pytest.raises(SystemExit, match="FedSAF alignment"):
-        simulation._defaults(p.parse_args(["--method", "fedsaf", "--alignment", "cka"]))
-    a = p.parse_args(["--method", "fedtopo"])
-    simulation._defaults(a)
-    assert (a.rho, a.top_q, a.warmup, a.ablate, a.alignment) == (0.7, 3, 3, [], None)
+        cli_spec(["--method", "fedsaf", "--alignment", "cka"])
+    a = cli_spec(["--method", "fedtopo"])
+    assert (a.rho, a.top_q, a.warmup, a.ablate) == (0.7, 3, 3, [])
+    assert "alignment" not in a.options  # another method's option is no part of a fedtopo run
 
 
 def test_cli_bad_method_options_exit_2_with_one_line(tmp_path, capsys):
@@ -178,7 +173,7 @@ def test_cli_bad_method_options_exit_2_with_one_line(tmp_path, capsys):
     from nvflare_jobs.cli import main
 
     for argv, says in ((["--method", "ohfl", "--probe-size", "2"], "option 'probe_size' (--probe-size)"),
-                       (["--method", "fedavg", "--paper"], "--paper is an OHFL option")):
+                       (["--method", "fedavg", "--paper"], "--paper is a preset of ohfl")):
         assert main(["simulate", *argv, "--out", str(tmp_path / "run")]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert says in err and err.startswith("cxr-hfl: ") and len(err.splitlines()) == 1, err

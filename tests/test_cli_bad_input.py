@@ -39,7 +39,7 @@ def test_simulate_refuses_nonpositive_alpha_naming_the_option(tmp_path):
 def test_simulate_sites_check_is_one_line(tmp_path):
     out = tmp_path / "run"
     r = run_cli("simulate", "--method", "local", "--sites", "0", "--out", str(out), timeout=120)
-    _refused(r, out, "--sites must be at least 1")
+    _refused(r, out, "--sites: must be an integer >= 1, got 0")
 
 
 @pytest.mark.parametrize("flags, says", [

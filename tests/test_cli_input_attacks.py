@@ -343,13 +343,14 @@ def test_an_out_path_through_a_file_is_named_in_plain_words(tmp_path, capsys):
 def test_paper_with_distillation_steps_is_refused_not_silently_zeroed(tmp_path, capsys, steps, refused):
     """--paper --distill-steps 300 ran without distillation and said nothing: the paper's pipeline sets 0 steps,
     as it sets --ot sinkhorn, and a conflicting explicit value is refused as theirs are."""
-    from nvflare_jobs.simulation import SimulateError, check
+    from nvflare_jobs.spec import SimulateError, resolve
 
     if refused:
-        with pytest.raises(SimulateError, match=r"--distill-steps 0\); drop --distill-steps 300"):
-            check("ohfl", {"paper": True, "distill_steps": int(steps)})
+        with pytest.raises(SimulateError, match=r"option 'distill_steps' 0\); drop option 'distill_steps' 300") as e:
+            resolve("ohfl", {"paper": True, "distill_steps": int(steps)})
+        assert e.value.key == "distill_steps"
     else:
-        assert check("ohfl", {"paper": True, "distill_steps": 0})["distill_steps"] == 0
+        assert resolve("ohfl", {"paper": True, "distill_steps": 0}).distill_steps == 0
 
 
 @pytest.mark.parametrize("damage", ('{"input_size": ', '{"input_size": "big"}', "[1, 2]"))
@@ -441,12 +442,12 @@ def test_ctrl_c_before_the_simulator_starts_keeps_the_earlier_run_and_gives_no_o
     message no longer says "rerun with --overwrite to replace the unfinished run" of a folder that holds none."""
     import json
 
-    import nvflare_jobs.simulation as simulation
+    import nvflare_jobs.runner as runner
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(simulation, "prepare_profile", interrupted)
+    monkeypatch.setattr(runner, "prepare_profile", interrupted)
     out = tmp_path / "run"
     (out / "workspace").mkdir(parents=True)
     (out / "metrics.json").write_text(json.dumps({"method": "ohfl"}))

@@ -332,14 +332,14 @@ def test_zero_local_epochs_is_refused_naming_the_option_before_writing(tmp_path,
     """Every method trains its sites only in their local epochs (OHFL and FENS: before their one upload), so
     --local-epochs 0 is refused in one line naming it, before the run folder is made (a missing --data would be
     the next refusal, so nothing could start here either way); 1 passes the same check."""
-    from nvflare_jobs.simulation import check
+    from nvflare_jobs.spec import resolve
 
     out = tmp_path / "run"
     assert main(["simulate", "--method", method, "--local-epochs", "0", "--data", str(tmp_path / "none"),
                  "--out", str(out)]) == 2
     _one_line(capsys, "--local-epochs 0", f"{method}'s sites must train at least 1 local epoch")
     assert not out.exists()
-    assert check(method, {"local_epochs": 1})["local_epochs"] == 1
+    assert resolve(method, {"local_epochs": 1}).local_epochs == 1
 
 
 def test_zero_local_epochs_is_refused_by_export_job_and_compare_too(tmp_path, capsys):

@@ -119,9 +119,9 @@ def test_bad_method_variant_is_refused_before_any_run(tmp_path, capsys):
     for variant, says in (("ohfl:repair=foo", "option 'repair' (--repair) must be one of ['none', 'layer', 'channel']"),
                           ("fedproto:lambda=-1", "option 'lam' (--lambda): lambda must be a finite number >= 0"),
                           ("ohfl:bogus=1", "unknown option(s) ['bogus'] for ohfl"),
-                          ("fedsaf:paper", "--paper is an OHFL option"),
+                          ("fedsaf:paper", "option 'paper' is a preset of ohfl"),
                           # compare's own --finetune-epochs (equal budget) contradicts the paper's 50
-                          ("ohfl:paper", "--paper uses the paper's 50 finetune epochs")):
+                          ("ohfl:paper", "option 'paper' runs the paper's pipeline (option 'finetune_epochs' 50)")):
         assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"cxr-hfl compare: variant {variant}: ") and says in err, err
@@ -137,10 +137,10 @@ def test_a_variants_epochs_out_of_range_are_refused_before_any_run(tmp_path, cap
     from nvflare_jobs.cli import main
 
     out = tmp_path / "cmp"
-    for variant, says in (("fedavg:rounds=0", "option rounds: must be an integer >= 1, got 0"),
-                          ("fedavg:rounds=-2", "option rounds: must be an integer >= 1, got -2"),
-                          ("fens:rounds=0", "option rounds: must be an integer >= 1, got 0"),
-                          ("ohfl:finetune_epochs=-1", "option finetune_epochs: must be an integer >= 0, got -1")):
+    for variant, says in (("fedavg:rounds=0", "option 'rounds': must be an integer >= 1, got 0"),
+                          ("fedavg:rounds=-2", "option 'rounds': must be an integer >= 1, got -2"),
+                          ("fens:rounds=0", "option 'rounds': must be an integer >= 1, got 0"),
+                          ("ohfl:finetune_epochs=-1", "option 'finetune_epochs': must be an integer >= 0, got -1")):
         assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
         err = capsys.readouterr().err.strip()
         assert err == f"cxr-hfl compare: variant {variant}: {says}", err
@@ -375,7 +375,7 @@ def test_aspect_option_is_written_into_every_generated_site_config(data_root, tm
     import yaml
 
     from nvflare_jobs.cli import main
-    from nvflare_jobs.commands.simulate import SITE_KEYS, SITE_OPTIONS
+    from nvflare_jobs.runner import SITE_OPTIONS
 
     base = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
             "--seeds", "0", "--max-images", "40", "--dry-run"]
@@ -387,7 +387,7 @@ def test_aspect_option_is_written_into_every_generated_site_config(data_root, tm
     assert len(crop) == 4 and len(plain) == 4
     assert {yaml.safe_load(f.read_text()).get("aspect") for f in crop} == {"crop"}
     assert {yaml.safe_load(f.read_text()).get("aspect") for f in plain} == {None}
-    assert SITE_OPTIONS["aspect"] == "--aspect" and SITE_KEYS["aspect"] == "aspect"
+    assert SITE_OPTIONS["aspect"] == "aspect"
     with pytest.raises(SystemExit) as e:  # argparse refuses an unknown squaring, naming the choices
         main(["compare", "--methods", "local", "--aspect", "square", "--out", str(tmp_path / "bad")])
     assert e.value.code == 2 and "stretch" in capsys.readouterr().err

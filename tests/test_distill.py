@@ -167,7 +167,7 @@ def test_a_site_whose_family_the_server_cannot_build_is_refused_before_training_
 def test_no_probe_pool_and_no_data_free_is_refused_with_one_line_naming_the_option():
     from nvflare_jobs.jobs import make_controller
 
-    with pytest.raises(ValueError, match=r"--data-free") as e:
+    with pytest.raises(ValueError, match=r"option 'data_free'") as e:
         make_controller("ohfl", _profile(["cnn", "cnn"]), {"probe": "none"})
     assert "\n" not in str(e.value)
     assert make_controller("ohfl", _profile(["cnn", "cnn"]), {"probe": "none", "data_free": True}).data_free

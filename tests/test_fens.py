@@ -166,14 +166,14 @@ def test_holdout_split_is_stratified_disjoint_and_left_out_of_training(tmp_path)
 
 
 def test_bad_fens_options_are_refused_in_one_line_naming_the_option():
-    from nvflare_jobs.simulation import SimulateError, check
+    from nvflare_jobs.spec import SimulateError, resolve as check
 
     for opts, word in (({"fens_holdout": 1.5}, "fens_holdout"), ({"fens_aggregator": "tree"}, "fens_aggregator"),
                        ({"fens_hidden": 0}, "fens_hidden"), ({"fens_lr": -1}, "fens_lr")):
         with pytest.raises(SimulateError, match=word) as e:
             check("fens", opts)
         assert "\n" not in str(e.value)
-    assert check("fens", {})["fens_holdout"] == 0.1
+    assert check("fens", {}).fens_holdout == 0.1
 
 
 def test_a_site_that_missed_the_site_models_says_so_by_name(tmp_path):
@@ -214,7 +214,9 @@ def test_export_summary_counts_every_site_model_and_the_aggregator():
     from hfl_components.models import count_parameters
 
     profile = {"site-1": {"model": CNN}, "site-2": {"model": {**CNN, "depth": "medium"}}}
-    text = FENSController.payload_summary(profile, {"rounds": 3, "fens_hidden": 8})
+    from nvflare_jobs.spec import resolve
+
+    text = FENSController.payload_summary(profile, resolve("fens", {"rounds": 3, "fens_hidden": 8}).job_options(None))
     members = 4 * sum(count_parameters(build_model(c["model"])) for c in profile.values())
     agg = 4 * count_parameters(Aggregator(2, 2, "mlp", 8))
     assert f"({members} bytes per site, 2 models)" in text and f"({agg} bytes per round)" in text

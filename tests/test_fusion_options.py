@@ -2,6 +2,8 @@
 initialisation really shared, the deployment gate, and ``simulate --paper``."""
 from __future__ import annotations
 
+from tests.fusion_helpers import ohfl_controller
+
 import argparse
 
 import numpy as np
@@ -153,13 +155,12 @@ def test_shared_initialisation_is_really_shared_and_nested(tmp_path):
 
 
 def test_simulate_options_reach_the_controller_and_the_sites():
-    from nvflare_jobs.simulation import _defaults, _options
     from nvflare_jobs.jobs import build_job
+    from nvflare_jobs.runner import job_options
 
     args = _parse(["--init", "shared", "--no-gate", "--repair", "channel", "--cka", "debiased", "--probe-at", "own",
                    "--probe", "generated", "--seed", "4"])
-    _defaults(args)
-    opts = _options(args, None, None)
+    opts = job_options(args, None, None)
     profile = {f"site-{i}": {"model": {"family": "cnn", "depth": d, "in_channels": 1, "num_classes": 2},
                              "input_size": 64} for i, d in ((1, "shallow"), (2, "deep"))}
     job = build_job("ohfl", profile, opts)
@@ -187,34 +188,29 @@ def _controller(job):
 
 
 def _parse(extra):
-    from nvflare_jobs.commands.simulate import _add_method_args
+    from nvflare_jobs.commands.simulate import cli_spec
 
-    p = argparse.ArgumentParser()
-    _add_method_args(p)
-    return p.parse_args(["--method", "ohfl", *extra])
+    return cli_spec(["--method", "ohfl", *extra])
 
 
 def test_paper_flag_sets_the_papers_pipeline_and_rejects_conflicts():
-    from nvflare_jobs.simulation import OHFL_DEFAULTS, _defaults
+    from hfl_components.flare import catalogue
 
     a = _parse(["--paper"])
-    _defaults(a)
     assert (a.ot, a.ground_metric, a.repair, a.cka, a.probe_at, a.init, a.gate) == (
         "sinkhorn", "wts", "none", "linear", "largest", "site", False)
     assert (a.local_epochs, a.finetune_epochs, a.strategy, a.alignment) == (20, 50, "cid", "cka")
     d = _parse([])
-    _defaults(d)
-    assert {k: getattr(d, k) for k in OHFL_DEFAULTS} == OHFL_DEFAULTS
+    assert dict(d.options) == {o.key: o.default for o in catalogue.entry("ohfl").options}
     for bad in (["--ot", "emd"], ["--repair", "layer"], ["--finetune-epochs", "10"], ["--strategy", "cdd"]):
         with pytest.raises(SystemExit, match="--paper"):
-            _defaults(_parse(["--paper", *bad]))
+            _parse(["--paper", *bad])
     # the message names the flags as typed (a boolean option as --gate / --no-gate, not "--gate True")
     with pytest.raises(SystemExit, match=r"^cxr-hfl: --paper runs the paper's pipeline \(--no-gate\); drop --gate$"):
-        _defaults(_parse(["--paper", "--gate"]))
+        _parse(["--paper", "--gate"])
     with pytest.raises(SystemExit, match=r"\(--repair none\); drop --repair layer$"):
-        _defaults(_parse(["--paper", "--repair", "layer"]))
+        _parse(["--paper", "--repair", "layer"])
     n = _parse(["--no-repair"])
-    _defaults(n)
     assert n.repair == "none"
 
 
@@ -295,11 +291,10 @@ def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it
 
 def test_controller_counts_adopting_sites(monkeypatch, tmp_path):
     from tests.test_fusion_rung0 import _fl
-    from hfl_components.flare.controllers import OHFLController
     from hfl_components.flare.messages import to_numpy_state
 
     sd = to_numpy_state(he_model(SPEC, 0, bias_range=0.2).state_dict())
-    ctl = OHFLController(probe="generated", min_sites=1, probe_size=8)
+    ctl = ohfl_controller(probe="generated", min_sites=1, probe_size=8)
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     gates = {"site-1": True, "site-2": False, "site-3": True}
 

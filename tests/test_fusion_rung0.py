@@ -3,6 +3,8 @@
 broadcast weights at its own input size) gives back the parent's predictions on real chest X-rays."""
 from __future__ import annotations
 
+from tests.fusion_helpers import ohfl_controller
+
 import numpy as np
 import pytest
 import torch
@@ -34,9 +36,8 @@ def _images(data_root, size, n=24):
 
 def run_server(monkeypatch, tmp_path, uploads: dict, probe: str, **ctl_kw):
     """Run OHFLController.run_method with the sites' answers faked; returns (controller, broadcast global params)."""
-    from hfl_components.flare.controllers import OHFLController
 
-    ctl = OHFLController(probe=probe, min_sites=1, probe_size=16, **ctl_kw)
+    ctl = ohfl_controller(probe=probe, min_sites=1, probe_size=16, **ctl_kw)
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     sent = {}
 

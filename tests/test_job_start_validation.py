@@ -17,21 +17,9 @@ SITES = ("hospital-a", "hospital-b")
 
 
 def _export_ohfl(tmp_path: Path, profile: Path) -> Path:
-    from nvflare_jobs.commands.simulate import _add_method_args
-    from nvflare_jobs.simulation import _defaults, _options
-    from nvflare_jobs.deploy import export_portable
-    from nvflare_jobs.jobs import build_job
-    from hfl_components.flare.site_config import load_profile
+    from nvflare_jobs.spec import resolve
 
-    import argparse
-
-    p = argparse.ArgumentParser()
-    _add_method_args(p)
-    args = p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "8"])
-    _defaults(args)
-    job = build_job("ohfl", load_profile(profile, check_files=False, require_data=False), _options(args, None, None))
-    export_portable(job, tmp_path / "jobs")
-    return tmp_path / "jobs" / job.name
+    return resolve("ohfl", {"probe": "generated", "probe_size": 8, "profile": str(profile)}).export(tmp_path / "jobs")
 
 
 def _edit_server_arg(job: Path, key: str, value) -> dict:
@@ -79,18 +67,11 @@ def test_edited_exported_job_fails_the_option_check_naming_the_option(tmp_path):
 
 
 def test_export_job_refuses_a_probe_too_small_for_cka(capsys):
-    import argparse
+    from nvflare_jobs.commands.simulate import cli_spec
 
-    from nvflare_jobs.commands.simulate import _add_method_args
-    from nvflare_jobs.simulation import _defaults
-
-    p = argparse.ArgumentParser()
-    _add_method_args(p)
     with pytest.raises(SystemExit, match=r"ohfl: option 'probe_size' \(--probe-size\): needs at least 4 probe images"):
-        _defaults(p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "3"]))
-    a = p.parse_args(["--method", "ohfl", "--probe", "generated", "--probe-size", "4"])
-    _defaults(a)
-    assert a.probe_size == 4
+        cli_spec(["--method", "ohfl", "--probe", "generated", "--probe-size", "3"])
+    assert cli_spec(["--method", "ohfl", "--probe", "generated", "--probe-size", "4"]).probe_size == 4
 
 
 @pytest.mark.slow

@@ -28,16 +28,12 @@ class _RT:
 
 
 def _simulate_args(method: str):
-    from nvflare_jobs import simulation
-    from nvflare_jobs.commands import simulate
+    from nvflare_jobs.commands.simulate import cli_spec
+    from nvflare_jobs.spec import resolve
 
-    p = argparse.ArgumentParser()
-    simulate._add_method_args(p)
-    args = p.parse_args(["--method", method])
-    simulation._defaults(args)
-    check = simulation.check(method, {})  # the library's defaults are the command line's
-    assert {k: check[k] for k in ("labels", "rounds", "default_local_epochs")} == \
-        {k: vars(args)[k] for k in ("labels", "rounds", "default_local_epochs")}
+    args = cli_spec(["--method", method])
+    lib = resolve(method, {})  # the library's defaults are the command line's
+    assert lib == args
     return args
 
 
@@ -49,11 +45,11 @@ def test_site_config_defaults_agree_with_simulate(tmp_path, method):
     args = _simulate_args(method)
     cfg = _site_cfg(tmp_path)
     rt = _RT(cfg, method)
-    assert _epochs(rt, {}, "local_epochs", "local_epochs") == args.default_local_epochs
-    assert _epochs(rt, {}, "finetune_epochs", "finetune_epochs") == args.default_finetune_epochs
+    assert _epochs(rt, {}, "local_epochs", "local_epochs") == args.site_epochs[0]
+    assert _epochs(rt, {}, "finetune_epochs", "finetune_epochs") == args.site_epochs[1]
     d = method_defaults(method)
     assert (args.labels, args.rounds) == (d["labels"], d["rounds"])
-    assert (args.default_local_epochs, args.default_finetune_epochs) == (d["local_epochs"], d["finetune_epochs"])
+    assert args.site_epochs == (d["local_epochs"], d["finetune_epochs"])
 
 
 def test_ohfl_defaults_are_the_simulators_and_explicit_values_win(tmp_path):

@@ -3,6 +3,8 @@ probe tensors a synchronous load gives, each size is loaded once, a loader error
 tasks or failed sites start nothing."""
 from __future__ import annotations
 
+from tests.fusion_helpers import ohfl_controller
+
 import pytest
 import torch
 
@@ -33,10 +35,9 @@ def _meta(name, spec, size, status="ok"):
 
 def test_probe_preloaded_during_round0_is_the_synchronous_probe(monkeypatch, tmp_path):
     import hfl_components.fusion as fusion
-    from hfl_components.flare.controllers import OHFLController
     from hfl_components.flare.probe import load_probe
 
-    ctl = OHFLController(probe="generated", min_sites=1, probe_size=8, seed=3)
+    ctl = ohfl_controller(probe="generated", min_sites=1, probe_size=8, seed=3)
     monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
     calls: list = []
     orig = ctl._load_probe

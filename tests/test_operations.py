@@ -110,7 +110,7 @@ def test_quiet_log_config_keeps_info_off_the_console(tmp_path):
 
 
 def test_rerun_into_an_unfinished_run_folder_says_how_to_replace_it(tmp_path):
-    from nvflare_jobs.simulation import _prepare_run_dir
+    from nvflare_jobs.runner import _prepare_run_dir
 
     run = tmp_path / "run"
     (run / "workspace").mkdir(parents=True)

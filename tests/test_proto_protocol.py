@@ -196,19 +196,16 @@ def test_simulate_defaults_build_prototype_sites_from_the_training_parts(tmp_pat
 
     from chest_xray import read_site_manifest
     from chest_xray.splits import split_rows
-    from nvflare_jobs.commands.simulate import register
-    from nvflare_jobs.simulation import _defaults, prepare_profile
+    from nvflare_jobs.runner import prepare_profile
+    from nvflare_jobs.spec import resolve
     from nvflare_jobs.profiles import PROTO_LOCAL_EPOCHS, PROTO_ROUNDS
 
     if not (data_root / "chest_xray_224").is_dir():
         pytest.skip(f"no chest_xray_224 under {data_root}")
     monkeypatch.setenv("CXR_DATA", str(data_root))
-    parser = ap.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["simulate", "--method", "fedtopo", "--scheme", "dirichlet", "--out", str(tmp_path)])
-    _defaults(args)
-    assert (args.labels, args.rounds, args.default_local_epochs, args.input_sizes) == (
-        "subtype", PROTO_ROUNDS, PROTO_LOCAL_EPOCHS, [64])
+    args = resolve("fedtopo", {"scheme": "dirichlet"})
+    assert (args.labels, args.rounds, args.site_epochs[0], args.input_sizes) == (
+        "subtype", PROTO_ROUNDS, PROTO_LOCAL_EPOCHS, (64,))
     _, profile, data, _ = prepare_profile(args, tmp_path)
     assert data == tmp_path / "data_pool.csv"
     evaluation = {r["path"].rsplit("/", 1)[-1] for r in split_rows("evaluation")}
@@ -355,8 +352,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
     command line leaves each method its own default unless --lambda / --gamma is given."""
     from hfl_components.alignment import FedSAFAuxLoss
     from hfl_components.flare.catalogue import validate_options
-    from nvflare_jobs import simulation
-    from nvflare_jobs.commands import simulate
+    from nvflare_jobs.commands.simulate import cli_spec
 
     v = validate_options("fedproto", {})
     assert (v["lam"], v["gamma"], v["alignment"]) == (0.0, 1 / 64, "mse")
@@ -378,10 +374,7 @@ def test_fedproto_default_weights_are_the_papers_instance_mse_at_nn_mseloss_scal
     assert float(got) == pytest.approx(float(torch.nn.MSELoss()(z[keep], Pg[y[keep]])), rel=1e-6)
 
     def parsed(*argv):
-        p = argparse.ArgumentParser()
-        simulate._add_method_args(p)
-        a = p.parse_args(["--method", argv[0], *argv[1:]])
-        simulation._check_method_options(a)
+        a = cli_spec(["--method", argv[0], *argv[1:]])
         return a.lam, a.gamma
 
     assert parsed("fedproto") == (0.0, 1 / 64)

@@ -12,12 +12,12 @@ from benchmarks import proto_results as pr
 
 
 def _simulate_args(method: str):
-    """The ``simulate`` options a compare method variant gives (split_variant, then simulation.check)."""
-    from nvflare_jobs import simulation
+    """The resolved run a compare method variant gives (split_variant, then spec.resolve)."""
     from nvflare_jobs.compare import split_variant
+    from nvflare_jobs.spec import resolve
 
     name, extra = split_variant(method)
-    return name, argparse.Namespace(**simulation.check(name, extra))
+    return name, resolve(name, extra)
 
 
 def test_ablation_variant_specs_set_lambda_gamma_and_ablate():
@@ -30,7 +30,7 @@ def test_ablation_variant_specs_set_lambda_gamma_and_ablate():
     for m, (lam, gamma, ablate) in expect.items():
         assert check_variant(m) is None, m
         name, a = _simulate_args(m)
-        assert (name, a.lam, a.gamma, a.ablate) == (m.split(":")[0], lam, gamma, ablate), m
+        assert (name, a.lam, a.gamma, a.options.get("ablate", [])) == (m.split(":")[0], lam, gamma, ablate), m
     # every row of the two ablation tables is a variant compare accepts
     for spec in pr.ABLATIONS.values():
         for m, _, _ in spec["rows"]:

@@ -148,13 +148,13 @@ def test_simulate_refuses_to_mix_runs_and_reports_bad_arguments_in_one_line(tmp_
     assert r.returncode == 2 and "already holds a run" in r.stderr and "--overwrite" in r.stderr
     assert "Traceback" not in r.stderr
     r = run_cli("simulate", "--method", "local", "--sites", "0", "--out", str(tmp_path / "r0"))
-    assert r.returncode == 2 and "--sites must be at least 1" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--sites: must be an integer >= 1" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("export-job", "--method", "local", "--profile", str(tmp_path / "nope"), "--out", str(tmp_path / "j"))
     assert r.returncode == 2 and "no <site>.yaml files found" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_overwrite_keeps_a_profile_that_lives_in_the_run_folder(tmp_path):
-    from nvflare_jobs.simulation import _prepare_run_dir
+    from nvflare_jobs.runner import _prepare_run_dir
 
     run = tmp_path / "run"
     (run / "site_configs").mkdir(parents=True)

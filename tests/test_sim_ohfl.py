@@ -1,6 +1,8 @@
 """OHFL as a federation: one simulator run with three depths on real images, and the server's upload checks."""
 from __future__ import annotations
 
+from tests.fusion_helpers import ohfl_controller
+
 import json
 
 import numpy as np
@@ -66,7 +68,6 @@ def _fl_model(params, meta):
 
 def test_ohfl_server_rejects_nan_and_shape_mismatched_uploads_and_continues(monkeypatch):
     """A NaN upload and a shape-mismatched upload are excluded by name; the round goes on with the good one."""
-    from hfl_components.flare.controllers import OHFLController
     from hfl_components.flare.messages import to_numpy_state
     from hfl_components.models import build_model
 
@@ -79,7 +80,7 @@ def test_ohfl_server_rejects_nan_and_shape_mismatched_uploads_and_continues(monk
     results = [_fl_model(p, {"status": "ok", "spec": spec, "n_train": 10, "client_name": name})
                for name, p in (("site-a", good), ("site-b", nan), ("site-c", wrong))]
     results.append(_fl_model({}, {"status": "error", "error": "site site-d: task failed: boom", "client_name": "site-d"}))
-    ctl = OHFLController(probe="generated", min_sites=1)
+    ctl = ohfl_controller(probe="generated", min_sites=1)
     monkeypatch.setattr(ctl, "send_model_and_wait", lambda **kw: results)
     ok = ctl.broadcast("ohfl_train", 0)
     assert list(ok) == ["site-a"]
@@ -89,7 +90,7 @@ def test_ohfl_server_rejects_nan_and_shape_mismatched_uploads_and_continues(monk
     assert "boom" in ex["site-d"][0]["reason"]
     assert ctl.record["bytes_uploaded"] == 3 * sum(v.nbytes for v in good.values()) - 4 * (
         good["convs.1.weight"].size - wrong["convs.1.weight"].size)
-    ctl2 = OHFLController(probe="generated", min_sites=2)
+    ctl2 = ohfl_controller(probe="generated", min_sites=2)
     monkeypatch.setattr(ctl2, "send_model_and_wait", lambda **kw: results)
     with pytest.raises(RuntimeError, match="only 1 usable"):
         ctl2.broadcast("ohfl_train", 0)

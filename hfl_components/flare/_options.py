@@ -50,6 +50,11 @@ class Option:
         return self.flag or "--" + self.key.replace("_", "-")
 
     @property
+    def has_fixed(self) -> bool:
+        """True when the method always uses :attr:`fixed` whatever is given."""
+        return self.fixed is not _UNSET
+
+    @property
     def argparse_default(self):
         return self.default if self.cli_default is _UNSET else self.cli_default
 

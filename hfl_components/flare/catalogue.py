@@ -86,6 +86,11 @@ class MethodEntry:
             divisor of E below it).
         role: ``control`` (the comparison's local control: ``local+ft``), ``reference`` (the federated baseline
             every method is also paired against) or empty.
+        input_sizes: default input sizes (px) of the simulated sites, assigned by image width.
+        presets: name -> {option key: value} applied when a run switches the preset on (OHFL's ``paper``: the
+            paper's pipeline); a run that gives a contradicting value is refused.
+        checks: paths ``module:function`` of the cross-option rules of a resolved run (``nvflare_jobs.spec``):
+            ``check(spec)`` raises ValueError for an error and returns a warning line or None.
     """
 
     name: str
@@ -103,6 +108,9 @@ class MethodEntry:
     schedule: str = "rounds"
     epochs_per_round: int = 2
     role: str = ""
+    input_sizes: tuple[int, ...] = (64, 96, 128)
+    presets: dict = field(default_factory=dict)
+    checks: tuple[str, ...] = ("hfl_components.flare.catalogue:check_local_epochs",)
 
     @property
     def site_tasks(self) -> tuple[str, ...]:
@@ -270,7 +278,34 @@ _FENS = (
 )
 _PROTO_UPLOAD = ("every round: C x d class prototypes (mean training feature per class) and the C training class "
                  "counts; the alignment loss terms of the last batch")
-_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1, "epochs_per_round": 3}
+_PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "local_epochs": 1, "epochs_per_round": 3,
+                   "input_sizes": (64,)}
+# The OHFL paper's pipeline (OHFL paper, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
+PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
+         "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
+         "finetune_epochs": 50, "distill_steps": 0}
+
+
+def check_local_epochs(spec) -> None:
+    """Every method trains its sites only in their local epochs (per round; OHFL and FENS: before their one upload),
+    so fewer than 1 would fuse, average or upload untrained models. Raises OptionError naming the option."""
+    v = spec.local_epochs
+    if v is not None and v < 1:
+        when = "before their one upload" if entry(spec.method).schedule in ("one_shot", "ensemble") else "per round"
+        raise OptionError(f"option 'local_epochs' {v}: {spec.method}'s sites must train at least 1 local epoch "
+                          f"{when}; give 1 or more")
+
+
+def warn_binary_prototypes(spec) -> str | None:
+    """A warning for a structural prototype loss on 2 classes, where it is constant (PITFALLS: prototypes)."""
+    if spec.labels == "binary":
+        return ("WARNING: with 2 classes the prototype-level structural loss is constant (centred 2x2 Gram, a "
+                "single RDM entry); only the instance-level term acts. Use option 'labels' subtype for 3 classes.")
+    return None
+
+
+_PROTO_CHECKS = ("hfl_components.flare.catalogue:check_local_epochs",
+                 "hfl_components.flare.catalogue:warn_binary_prototypes")
 
 # ---------------------------------------------------------------------------------------------------- entries
 _ENTRIES: list[MethodEntry] = [
@@ -291,7 +326,9 @@ _ENTRIES: list[MethodEntry] = [
                 summary="FedProx (Li et al., 2020): FedAvg with a proximal term at each site"),
     MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
                 {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
-                local_epochs=20, options=_OHFL,
+                local_epochs=20, options=_OHFL, presets={"paper": PAPER},
+                checks=("hfl_components.flare.catalogue:check_local_epochs",
+                        "hfl_components.flare.distill_stage:check_run"),
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
                 uploads=("one trained model (every weight), once, with its validation accuracy and its test metrics; "
                          "after fusion the global model's zero-shot test metrics and the fine-tuning losses; for the "
@@ -301,11 +338,11 @@ _ENTRIES: list[MethodEntry] = [
                          "and test sensitivity/specificity at the federated threshold"),
                 summary="one-shot heterogeneous fusion (OHFL paper)", schedule="one_shot"),
     MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
-                **_PROTO_DEFAULTS, options=_fedsaf_options(False),
+                **_PROTO_DEFAULTS, options=_fedsaf_options(False), checks=_PROTO_CHECKS,
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (FedSAF paper)"),
     MethodEntry("fedproto", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
-                **_PROTO_DEFAULTS, options=_fedsaf_options(True),
+                **_PROTO_DEFAULTS, options=_fedsaf_options(True), checks=_PROTO_CHECKS,
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
                 uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
     MethodEntry("fedtopo", _CTL + "fedtopo.FedTopoController", {"fedtopo_train": _CTL + "fedtopo:fedtopo_train"},

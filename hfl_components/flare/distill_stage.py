@@ -25,15 +25,6 @@ import json
 NO_PROBE = "none"  # the probe option's value for "this server holds no public images"
 
 
-def _catalogue_default(key: str):
-    from hfl_components.flare.catalogue import entry
-
-    return entry("ohfl").option(key).default
-
-
-# Default distillation budget: steps of the server's ensemble distillation after fusion (the catalogue's option;
-# docs/decisions.md).
-DISTILL_STEPS = _catalogue_default("distill_steps")
 # Wall-clock caps of the server's distillation (each architecture group): the probe loop and the data-free loop.
 # Safety nets for an overloaded server, far above a quiet machine's time for the default budget (a run that hits one
 # says so in its record: distillation.<group>.stopped = "time").
@@ -44,13 +35,22 @@ DATA_FREE_MAX_SECONDS = 300.0
 def check_probe_or_data_free(probe, data_free, distill_steps) -> None:
     """Refuse a job with no probe pool (``probe == "none"``) whose distillation is not data-free.
 
+    Args:
+        probe: the probe option; data_free: the data-free option; distill_steps: the distillation steps (resolved:
+            the catalogue owns the default).
+
     Raises:
-        ValueError: one line naming the option (``--data-free``) and the alternative (``--probe``).
+        ValueError: one line naming the options (``option 'data_free'``, ``option 'probe'``).
     """
-    steps = DISTILL_STEPS if distill_steps is None else int(distill_steps)
-    if str(probe) == NO_PROBE and not data_free and steps > 0:
-        raise ValueError("OHFL: no probe pool (--probe none) and the data-free option is off: pass --data-free "
-                         "(distil on generator images) or --probe DIR (public images)")
+    if str(probe) == NO_PROBE and not data_free and int(distill_steps) > 0:
+        raise ValueError("OHFL: no probe pool (option 'probe' none) and option 'data_free' is off: turn on "
+                         "option 'data_free' (distil on generator images) or give option 'probe' DIR (public images)")
+
+
+def check_run(spec) -> None:
+    """The OHFL catalogue entry's check of a resolved run (``nvflare_jobs.spec.RunSpec``): a probe pool or
+    data-free distillation (:func:`check_probe_or_data_free`). Raises ValueError naming the options."""
+    check_probe_or_data_free(spec.options.get("probe"), spec.options["data_free"], spec.options["distill_steps"])
 
 
 def check_buildable(site_specs: dict[str, dict]) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hfl_components.flare.site_config import DEFAULTS as SITE_DEFAULTS
 from hfl_components.models import build_model
 
 log = logging.getLogger("cxr_hfl.site")
@@ -181,7 +182,7 @@ class SiteRuntime:
             aug = resolve_augment_classes(self.cfg["augment_classes"], self.rows("train"),
                                           self.num_classes) if train_mode else []
             collate = None
-            tensor_path = train_mode and (self.cfg.get("fast_augment") or self.cfg.get("augment", "batch") == "batch")
+            tensor_path = train_mode and (self.cfg.get("fast_augment") or self.cfg.get("augment", SITE_DEFAULTS["augment"]) == "batch")
             # cached eval-mode tensors, built once (an unreadable file is reported, with its manifest line, there)
             base = self.loader(split, size, train_mode=False).dataset if tensor_path else None
             try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hfl_components.flare import catalogue
 from chest_xray import ASPECTS
+from nvflare_jobs.spec import RUN_OPTIONS, SimulateError, cli_message, option, resolve
 
 ABLATIONS = catalogue.TOPOLOGY_ABLATIONS
 
@@ -73,79 +74,63 @@ def _device(s: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# options that describe the simulated sites (partition and per-site configs); with --profile the site configs
-# decide them, so export-job refuses them instead of silently dropping them
-SITE_OPTIONS = {"data": "--data", "sites": "--sites", "scheme": "--scheme", "alpha": "--alpha",
-                "input_sizes": "--input-sizes", "batch_size": "--batch-size", "max_train_images": "--max-train-images",
-                "feature_dim": "--feature-dim", "labels": "--labels", "families": "--families",
-                "aspect": "--aspect"}
-SITE_KEYS = {"input_sizes": "input_size", "batch_size": "batch_size", "max_train_images": "max_train_images",
-             "feature_dim": "model.feature_dim", "labels": "data.labels", "families": "model.family",
-             "aspect": "aspect"}
+def _help(key: str, extra: str = "") -> str:
+    """The help of a run option, with its default as :data:`nvflare_jobs.spec.RUN_OPTIONS` declares it."""
+    o = option(key)
+    dflt = "" if o.default is None or "(default" in o.help else f" (default {o.default})"
+    return o.help + extra + dflt
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
+    """The flags of one run: the run options (:data:`nvflare_jobs.spec.RUN_OPTIONS`) and every catalogue method's
+    options. No flag holds a default: a flag not given is absent from the namespace, and
+    :func:`nvflare_jobs.spec.resolve` fills it in from the declarations (one owner per default)."""
+    S = argparse.SUPPRESS
     p.add_argument("--method", choices=catalogue.methods(), required=True,
                    help="; ".join(f"{m}: {e.summary}" for m, e in catalogue.CATALOGUE.items()))
     protos = "/".join(catalogue.prototype_methods())
-    p.add_argument("--data", help="data root (Kaggle layout, class folders, or CSV); default $CXR_DATA, ../shared/data "
-                                  f"(chest_xray_original; {protos}: the tuning + probe parts of "
-                                  "chest_xray_224, see chest_xray/splits.py)")
-    p.add_argument("--profile", help="folder of <site>.yaml site configs (skips partitioning; default: none, --data "
-                                     "is partitioned into --sites simulated sites)")
-    p.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
-    p.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width",
-                   help="how the simulated sites are partitioned: width (OHFL resolution split, site-1 narrowest), "
-                        "dirichlet (label skew, --alpha) or pathological (a fixed number of classes per site) "
-                        "(default width)")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme; default 0.5)")
-    p.add_argument("--labels", choices=("binary", "subtype"),
+    p.add_argument("--data", default=S, help=_help("data", f" ({protos}: the tuning + probe parts of "
+                                                            "chest_xray_224, see chest_xray/splits.py)"))
+    p.add_argument("--profile", default=S, help=_help("profile"))
+    p.add_argument("--sites", type=int, default=S, help=_help("sites"))  # checked with the other site options
+    p.add_argument("--scheme", choices=option("scheme").choices, default=S, help=_help("scheme"))
+    p.add_argument("--alpha", type=float, default=S, help=_help("alpha"))
+    p.add_argument("--labels", choices=option("labels").choices, default=S,
                    help="label scheme (default: the method's: " + ", ".join(
                        f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--rounds", type=_at_least(1), help="federated rounds (default: the method's: " + ", ".join(
-        f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
-        + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
-    p.add_argument("--local-epochs", type=_at_least(0), help="local epochs per round, at least 1 (OHFL, FENS: before "
-                   "the upload; "
-                   "default: the method's: " + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--finetune-epochs", type=_at_least(0), help="OHFL fine-tuning epochs at each site (default "
-                   f"{catalogue.entry('ohfl').finetune_epochs})")
-    p.add_argument("--input-sizes", type=_ints,
-                   help="input sizes (16 to 1024 px), smallest to largest, assigned to sites by image width (default 64,96,128; "
-                        f"{protos}: 64)")
-    p.add_argument("--batch-size", type=_at_least(1), default=16,
-                   help="training batch size of every simulated site (default 16)")
-    p.add_argument("--max-train-images", type=_at_least(1),
-                   help="cap each site's training images (quick tests; default: no cap)")
-    p.add_argument("--seed", type=_at_least(0), default=0,
-                   help="seed of the run: partition, model initialisation and training (default 0)")
+    p.add_argument("--rounds", type=_at_least(1), default=S,
+                   help="federated rounds (default: the method's: " + ", ".join(
+                       f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
+                   + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
+    p.add_argument("--local-epochs", type=_at_least(0), default=S,
+                   help="local epochs per round, at least 1 (OHFL, FENS: before the upload; default: the method's: "
+                        + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
+    p.add_argument("--finetune-epochs", type=_at_least(0), default=S,
+                   help=f"OHFL fine-tuning epochs at each site (default {catalogue.entry('ohfl').finetune_epochs})")
+    p.add_argument("--input-sizes", type=_ints, default=S,
+                   help="input sizes (16 to 1024 px), smallest to largest, assigned to sites by image width "
+                        "(default: the method's: " + ", ".join(
+                            f"{m} {','.join(map(str, e.input_sizes))}" for m, e in catalogue.CATALOGUE.items()) + ")")
+    p.add_argument("--batch-size", type=_at_least(1), default=S, help=_help("batch_size"))
+    p.add_argument("--max-train-images", type=_at_least(1), default=S, help=_help("max_train_images"))
+    p.add_argument("--seed", type=_at_least(0), default=S, help=_help("seed"))
     fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
-    p.add_argument("--families", help=f"{fam_methods}: one model family per site, comma-separated in site order "
-                   "(cnn, vgg11, hetero_cnn, densenet, resnet, efficientnet), e.g. the mixed-family variant "
-                   "cnn,cnn,densenet,densenet,resnet,resnet (default: cnn at every site)")
-    p.add_argument("--aspect", choices=ASPECTS, help="how every site makes non-square images square: stretch "
-                   "(default), letterbox (zero padding) or crop (centred square); written into each generated site "
-                   "config (docs/decisions.md)")
-    p.add_argument("--min-sites", type=_at_least(1), help="fewest usable sites for a round to proceed (default N-1)")
-    p.add_argument("--server-device", type=_device, default="auto",
+    p.add_argument("--families", default=S, help=f"{fam_methods}: " + _help("families"))
+    p.add_argument("--aspect", choices=ASPECTS, default=S, help=_help("aspect"))
+    p.add_argument("--min-sites", type=_at_least(1), default=S, help=_help("min_sites"))
+    p.add_argument("--server-device", type=_device, default=S,
                    help=catalogue.entry("ohfl").option("server_device").help)
-    p.add_argument("--late-wait", type=_at_least(0), default=None,
-                   help="fixed seconds to wait for the remaining sites once --min-sites have answered (0 = wait for "
-                        "every live site). Default: adaptive, max(60 s, 3 x the slowest answering site's compute "
-                        "time), keeping sites that still send heartbeats. Sites that are not running or have gone "
-                        "silent are dropped at once either way.")
-    p.add_argument("--feature-dim", type=_at_least(1), default=64, help="common feature dimension d of the site backbones "
-                   f"({protos}; default 64)")
+    p.add_argument("--late-wait", type=_at_least(0), default=S, help=_help("late_wait"))
+    p.add_argument("--feature-dim", type=_at_least(1), default=S, help=f"{protos}: " + _help("feature_dim"))
     _add_catalogue_options(p)
-    from nvflare_jobs.jobs import add_tracking_args
-
-    add_tracking_args(p)
+    p.add_argument("--tracking", choices=option("tracking").choices, default=S, help=_help("tracking"))
+    p.add_argument("--tracking-uri", default=S, help=_help("tracking_uri"))
     g = p.add_argument_group("OHFL")
-    g.add_argument("--paper", action="store_true",
-                   help="the OHFL paper's pipeline exactly: Sinkhorn (eps 0.01), wts, linear CKA, no repair, probe at "
-                        "the largest size, per-site initialisation, no gate, no distillation, 20 local + 50 fine-tuning "
-                        "epochs")
-    g.add_argument("--no-repair", dest="repair", action="store_const", const="none", help="same as --repair none")
+    g.add_argument("--paper", action="store_true", default=S,
+                   help="the OHFL paper's pipeline exactly: " + ", ".join(
+                       f"{k}={v}" for k, v in catalogue.entry("ohfl").presets["paper"].items()))
+    g.add_argument("--no-repair", dest="repair", action="store_const", const="none", default=S,
+                   help="same as --repair none")
 
 
 def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
@@ -160,7 +145,7 @@ def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
         first = users[0][1]
         g = groups.setdefault(users[0][0], p.add_argument_group(f"{users[0][0]} options"))
         helps = list(dict.fromkeys(o.help for _, o in users if o.help))
-        defaults = {m: (o.default if o.fixed is catalogue._UNSET else f"{o.fixed} (fixed)") for m, o in users
+        defaults = {m: (f"{o.fixed} (fixed)" if o.has_fixed else o.default) for m, o in users
                     if o.default is not None and o.default != []}
         if defaults and len({repr(v) for v in defaults.values()}) == 1:
             dflt = f" (default {next(iter(defaults.values()))})"
@@ -170,7 +155,7 @@ def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
             dflt = ""
         else:
             dflt = " (default: none)"
-        kw = {"dest": key, "default": first.argparse_default,
+        kw = {"dest": key, "default": argparse.SUPPRESS,
               "help": f"[{', '.join(m for m, _ in users)}] " + "; ".join(helps) + dflt}
         choices = [c for _, o in users for c in (o.choices or ())]
         if choices and all(o.choices for _, o in users):
@@ -179,7 +164,6 @@ def _add_catalogue_options(p: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction
         elif first.type is list:
             kw["action"] = "append"
-            kw["default"] = []
         elif first.type in (int, float):
             kw["type"] = first.type
         g.add_argument(first.cli_flag, **kw)
@@ -204,80 +188,81 @@ def register(sub) -> None:
     _add_method_args(e)
     e.add_argument("--out", required=True, help="folder to export the job into")
     # site options given with --profile are refused (see SITE_OPTIONS): None tells "not given" from a default
-    e.set_defaults(func=run_export, sites=None, scheme=None, alpha=None, input_sizes=None, batch_size=None,
-                   feature_dim=None, families=None)
+    e.set_defaults(func=run_export)
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """The run options given on a command line parsed by :func:`_add_method_args` (flags not given are absent)."""
+    keys = {o.key for o in RUN_OPTIONS} | set(catalogue.all_options())
+    return {k: v for k, v in vars(args).items() if k in keys}
 
 
 def options_from_argv(argv: list[str]) -> tuple[str, dict]:
-    """``cxr-hfl simulate`` flags (without ``--out``) as ``(method, options)`` for
-    :func:`nvflare_jobs.simulation.simulate` (``options["profile"]`` when ``--profile`` is given). Raises SystemExit
-    (argparse's usage error, exit 2) for a bad flag."""
-    from nvflare_jobs.simulation import DEFAULTS, method_option_defaults
-
+    """``cxr-hfl simulate`` flags (without ``--out``) as ``(method, given options)`` for
+    :func:`nvflare_jobs.spec.resolve`. Raises SystemExit (argparse's usage error, exit 2) for a bad flag."""
     p = argparse.ArgumentParser(prog="cxr-hfl simulate", allow_abbrev=False)  # as the CLI's parsers
     _add_method_args(p)
     args = p.parse_args(argv)
-    keys = {*DEFAULTS, *method_option_defaults(), "probe"}
-    opts = {k: v for k, v in vars(args).items() if k in keys}
-    if args.profile:
-        opts["profile"] = args.profile
-    return args.method, opts
+    return args.method, given_options(args)
+
+
+def warn(line: str) -> None:
+    """Print one of a spec's warnings as the command line says it (options as flags)."""
+    line = cli_message(line)
+    print(line if line.startswith("WARNING") else f"WARNING: {line}", file=sys.stderr)
+
+
+def cli_spec(argv: list[str]):
+    """``cxr-hfl simulate`` flags as a resolved spec, its warnings printed: what the command does before it runs.
+    Raises SystemExit with the command's one-line message for a bad option."""
+    method, given = options_from_argv(argv)
+    try:
+        spec = resolve(method, given)
+    except SimulateError as e:
+        raise SystemExit(f"cxr-hfl: {cli_message(e)}") from None
+    for w in spec.warnings:
+        warn(w)
+    return spec
 
 
 def run_simulate(args) -> int:
-    """``cxr-hfl simulate``: :func:`nvflare_jobs.simulation.simulate` with the command line's options."""
-    from nvflare_jobs.simulation import DEFAULTS, SimulateError, method_option_defaults, simulate
-
-    if args.profile and getattr(args, "aspect", None):  # the profile's site configs decide it; never drop it silently
-        print(f"cxr-hfl simulate: --aspect {args.aspect}: with --profile each site config's aspect: key decides how "
-              f"its images are squared; set it in {args.profile}/<site>.yaml, or drop the option", file=sys.stderr)
+    """``cxr-hfl simulate``: :meth:`nvflare_jobs.spec.RunSpec.simulate` of the command line's options."""
+    given = given_options(args)
+    if given.get("profile") and given.get("aspect"):  # the profile's site configs decide it; never drop it silently
+        print(f"cxr-hfl simulate: --aspect {given['aspect']}: with --profile each site config's aspect: key decides "
+              f"how its images are squared; set it in {given['profile']}/<site>.yaml, or drop the option",
+              file=sys.stderr)
         return 2
-    keys = {*DEFAULTS, *method_option_defaults(), "probe"}
-    options = {k: v for k, v in vars(args).items() if k in keys}
     try:
-        run = simulate(args.method, args.profile, options, args.out, overwrite=args.overwrite, verbose=args.verbose,
-                       log_config=args.log_config, gpu=getattr(args, "gpu", None), command=" ".join(sys.argv))
+        spec = resolve(args.method, given)
+        return spec.simulate(args.out, overwrite=args.overwrite, verbose=args.verbose, log_config=args.log_config,
+                             gpu=getattr(args, "gpu", None), command=" ".join(sys.argv), warn=warn).rc
     except SimulateError as e:
-        sys.exit(f"cxr-hfl: {e}")
-    return run.rc
+        sys.exit(f"cxr-hfl: {cli_message(e)}")
 
 
 def run_export(args) -> int:
-    from nvflare_jobs.jobs import build_job
+    """``cxr-hfl export-job``: :meth:`nvflare_jobs.spec.RunSpec.export` of the command line's options."""
+    from hfl_components.flare.privacy import what_leaves
     from hfl_components.flare.site_config import load_profile
 
-    if not args.profile:
+    given = given_options(args)
+    if not given.get("profile"):
         print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
               file=sys.stderr)
         return 2
-    given = [k for k in SITE_OPTIONS if getattr(args, k, None) is not None]
-    if given:
-        keys = ", ".join(f"{SITE_OPTIONS[k]} (site key {SITE_KEYS[k]})" if k in SITE_KEYS else SITE_OPTIONS[k]
-                         for k in given)
-        print(f"cxr-hfl export-job: {keys}: with --profile each hospital's <site>.yaml decides this; a job does "
-              "not carry it. Set it in the profile's site configs (and in each hospital's own config), or drop "
-              "the option.", file=sys.stderr)
+    try:
+        spec = resolve(args.method, given)
+        job_dir = spec.export(args.out, given=set(given))
+    except SimulateError as e:
+        print(f"cxr-hfl export-job: {cli_message(e)}", file=sys.stderr)
         return 2
-    from nvflare_jobs.simulation import _defaults, _options
-
-    _defaults(args)
-    profile = load_profile(args.profile, check_files=False, require_data=False)
-    opts = _options(args, None, None, on_server=True)
-    job = build_job(args.method, profile, opts, tracking=getattr(args, "tracking", "tensorboard"),
-                    tracking_uri=getattr(args, "tracking_uri", None))
-    out = Path(args.out).resolve()
-    from nvflare_jobs.deploy import export_portable
-
-    export_portable(job, out)  # site script path made relative to the app's custom/ folder (portable to sites)
-    from hfl_components.flare.privacy import what_leaves
-
-    print(f"[cxr-hfl] exported job {job.name} to {out / job.name} for sites {', '.join(profile)}")
-    print(f"[cxr-hfl] each site sends: {what_leaves(args.method)}")
-    from hfl_components.flare.catalogue import entry, resolve
-
-    sends = getattr(resolve(entry(args.method).controller), "payload_summary", None)  # a method that says it (FENS)
+    profile = load_profile(spec.profile, check_files=False, require_data=False)
+    print(f"[cxr-hfl] exported job {job_dir.name} to {job_dir} for sites {', '.join(profile)}")
+    print(f"[cxr-hfl] each site sends: {what_leaves(spec.method)}")
+    sends = getattr(catalogue.resolve(spec.entry.controller), "payload_summary", None)  # a method that says it (FENS)
     if sends is not None:
-        print(f"[cxr-hfl] {sends(profile, opts)}")
-    print(f"submit with: nvflare job submit -j {out / job.name} --startup-kit <your coordinator kit folder>")
-    print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {out / job.name})")
+        print(f"[cxr-hfl] {sends(profile, spec.job_options(spec.options.get('probe')))}")
+    print(f"submit with: nvflare job submit -j {job_dir} --startup-kit <your coordinator kit folder>")
+    print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {job_dir})")
     return 0

@@ -41,11 +41,11 @@ def split_variant(method: str) -> tuple[str, dict]:
 
 def check_variant(method: str, args=None) -> str | None:
     """Why the method variant ``method`` (e.g. ``ohfl:repair=foo``) would be refused by ``simulate``, as one line
-    naming the variant and the option, or None when its options pass :func:`nvflare_jobs.simulation.check` (the
+    naming the variant and the option, or None when its options pass :func:`nvflare_jobs.spec.resolve` (the
     checks ``simulate`` runs before anything starts), so a bad variant is refused before any run. With the compare
     ``args``, the options compare would give ``simulate`` are checked (epochs included, e.g. ``ohfl:paper``
     against the equal budget's fine-tuning epochs)."""
-    from nvflare_jobs.simulation import check
+    from nvflare_jobs.spec import cli_message, resolve
 
     name, extra = split_variant(method)
     if not extra and args is None:
@@ -60,22 +60,18 @@ def check_variant(method: str, args=None) -> str | None:
         except BudgetError:  # refused with its own message once the budgets are planned
             pass
     try:
-        check(_base(method), opts)
-    except ValueError as e:
-        return f"{'variant ' if extra else ''}{method}: {e}"
+        resolve(_base(method), opts)
+    except ValueError as e:  # a variant's own option is named as typed (key=value); compare's flags as flags
+        return f"variant {method}: {e}" if extra else f"{method}: {cli_message(e)}"
     return None
 
 
 def _option_type(key: str):
-    """The type of the option ``key`` (a catalogue option's, or a common ``simulate`` option's); None if unknown."""
-    from nvflare_jobs.simulation import _TYPES, DEFAULTS
+    """The type of the option ``key`` (a catalogue option's, or a run option's); None if unknown."""
+    from nvflare_jobs.spec import option
 
-    users = catalogue.all_options().get(key)
-    if users:
-        return users[0][1].type
-    if key in _TYPES:
-        return _TYPES[key]
-    return bool if isinstance(DEFAULTS.get(key), bool) else (str if key in DEFAULTS else None)
+    o = option(key)
+    return None if o is None else o.type
 
 
 def _base(method: str) -> str:
@@ -258,7 +254,7 @@ def budget_lines(plans: dict[str, dict], unequal: bool) -> list[str]:
 
 
 def simulate_options(method: str, data: Path, seed: int, args) -> dict:
-    """The :func:`nvflare_jobs.simulation.simulate` options of one compare run: its epoch plan, the data, seed,
+    """The options (:func:`nvflare_jobs.spec.resolve`) of one compare run: its epoch plan, the data, seed,
     label scheme and pass-through settings, the probe for a method that has one, then the variant's options."""
     plan = epoch_plan(method, args)
     e = _entry(method)

@@ -257,7 +257,7 @@ def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -
 
 def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data: Path) -> list[str]:
     """Run (or, dry, print) every unfinished method of one seed on its partition; returns the failed runs."""
-    from nvflare_jobs.simulation import simulate
+    from nvflare_jobs.spec import SimulateError, resolve
 
     failed = []
     seed_dir = out / f"seed{seed}"
@@ -275,8 +275,12 @@ def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data:
         if args.dry_run:
             continue
         t0 = time.perf_counter()
-        rc = simulate(_base(m), profile, opts, run_dir, overwrite=True, isolate=True,
-                      log=run_dir / "simulate.log", command=cmd).rc
+        try:
+            rc = resolve(_base(m), {**opts, "profile": str(profile)}).simulate(
+                run_dir, overwrite=True, isolate=True, log=run_dir / "simulate.log", command=cmd).rc
+        except SimulateError as e:  # checked before any run (check_variant); kept as a failed run if it happens
+            (run_dir / "simulate.log").write_text(f"cxr-hfl simulate: error: {e}\n")
+            rc = 2
         ok = (run_dir / "metrics.json").is_file()
         if ok and m != _base(m):  # the run folder says which control / variant it is
             met = json.loads((run_dir / "metrics.json").read_text())

@@ -29,19 +29,20 @@ def _check(run) -> None:
 
 def run_arms(seed: int, out: Path, probe: str) -> None:
     """Run the monai (default) arm, then the batch arm on the monai arm's site configs (each an isolated
-    :func:`nvflare_jobs.simulation.simulate`). Raises RuntimeError naming the failed run and its log."""
-    from nvflare_jobs.simulation import simulate
+    :meth:`nvflare_jobs.spec.RunSpec.simulate`). Raises RuntimeError naming the failed run and its log."""
+    from nvflare_jobs.spec import resolve
 
     mon, bat = out / f"monai_s{seed}", out / f"batch_s{seed}"
     if not (mon / "metrics.json").is_file():
-        _check(simulate("ohfl", None, {"sites": 6, "scheme": "width", "seed": seed}, mon, overwrite=True,
-                        isolate=True))
+        _check(resolve("ohfl", {"sites": 6, "scheme": "width", "seed": seed}).simulate(mon, overwrite=True,
+                                                                                      isolate=True))
     if not (bat / "metrics.json").is_file():
         prof = out / f"prof_batch_s{seed}"
         prof.mkdir(parents=True, exist_ok=True)
         for f in sorted((mon / "site_configs").glob("*.yaml")):
             (prof / f.name).write_text(f.read_text().rstrip("\n") + "\naugment: batch\n")
-        _check(simulate("ohfl", prof, {"probe": probe, "seed": seed}, bat, overwrite=True, isolate=True))
+        _check(resolve("ohfl", {"profile": str(prof), "probe": probe, "seed": seed}).simulate(bat, overwrite=True,
+                                                                                             isolate=True))
 
 
 def _preds(d: Path) -> dict:

@@ -70,7 +70,7 @@ class FedSAFController(HFLController):
                                               fixed_hypersphere_prototypes, train_tgp_prototypes)
 
         C, d = self.num_classes, self.feature_dim
-        kind = self.task_config.get("alignment", "gcsa")
+        kind = self.task_config["alignment"]
         self.record["notes"] = []
         if C == 2 and kind in STRUCTURAL_KINDS:
             msg = (f"{kind} with 2 classes: the prototype-level structural term is constant (centred 2x2 Gram / a "

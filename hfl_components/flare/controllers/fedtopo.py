@@ -61,7 +61,7 @@ class FedTopoController(HFLController):
         tc = self.task_config
         abl = TopologyAblation.from_names(self.ablate)
         self.record["notes"] = []
-        q = int(tc.get("top_q", 3))
+        q = int(tc["top_q"])
         if abl.no_topq and TopologyAblation.topq_is_noop(q, C):
             msg = (f"ablation no_topq is identical to the default here: top_q = {q} >= C - 1 = {C - 1}, so the "
                    f"default already keeps every present negative")
@@ -69,7 +69,7 @@ class FedTopoController(HFLController):
             self.record["notes"].append(msg)
         if "no_topq" not in self.ablate and q > C - 1:
             self.record["notes"].append(f"top_q = {q} clipped to C - 1 = {C - 1}")
-        warmup = int(tc.get("warmup", 3))
+        warmup = int(tc["warmup"])
         if warmup >= self.num_rounds:
             msg = f"warm-up ({warmup} rounds) covers all {self.num_rounds} rounds: the topology loss never acts"
             self.warning(msg)

@@ -123,19 +123,17 @@ class FENSController(FedAvgController):
         options)."""
         import torch
 
-        from hfl_components.flare.catalogue import option_defaults
         from hfl_components.models import build_model
         from hfl_components.models.ensemble import ensemble_spec
 
         specs = [dict(c["model"]) for c in profile.values()]
-        spec = ensemble_spec(specs, None, int(specs[0].get("num_classes", 2)), opts.get("fens_aggregator") or "mlp",
-                             int(opts.get("fens_hidden") or 32),
-                             bool(opts.get("fens_residual", option_defaults("fens")["fens_residual"])))
+        spec = ensemble_spec(specs, None, int(specs[0].get("num_classes", 2)), opts["fens_aggregator"],
+                             int(opts["fens_hidden"]), bool(opts["fens_residual"]))
         with torch.device("meta"):
             model = build_model(spec)
         member = sum(4 * p.numel() for p in model.members.state_dict().values())
         agg = sum(4 * p.numel() for p in model.aggregator.state_dict().values())
-        r = int(opts.get("rounds") or 1)
+        r = int(opts["rounds"])
         return (f"the server sends every site's model to every site once ({member} bytes per site, {len(specs)} "
                 f"models), then the aggregator each of {r} rounds and once more to install it ({agg} bytes per "
                 f"round); each site uploads its own model once and its aggregator each round ({agg} bytes)")

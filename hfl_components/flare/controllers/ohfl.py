@@ -35,7 +35,7 @@ def _import_monai() -> None:
 
 
 from hfl_components.flare.distill_stage import (  # noqa: E402,F401 - the server stage's options live beside it
-    DATA_FREE_MAX_SECONDS, DISTILL_MAX_SECONDS, DISTILL_STEPS, NO_PROBE, check_probe_or_data_free)
+    DATA_FREE_MAX_SECONDS, DISTILL_MAX_SECONDS, NO_PROBE, check_probe_or_data_free)
 
 
 # ============================================================================ OHFL
@@ -65,7 +65,7 @@ class OHFLController(HFLController):
             distillation: ``auto`` (CUDA when present) | ``cpu`` | ``cuda`` | ``cuda:N``. Default ``auto``.
         distill_steps (int): after fusion, at most this many steps of ensemble distillation into each
             architecture group's global model (``hfl_components.flare.distill_stage``, FedDF, Lin et al. 2020,
-            arXiv:2006.07242); 0 = fusion alone (the paper). Default :data:`DISTILL_STEPS` (docs/decisions.md).
+            arXiv:2006.07242); 0 = fusion alone (the paper). The catalogue option ``distill_steps`` owns the default.
         distill_temperature (float): T of the soft targets (Hinton et al. 2015, arXiv:1503.02531). Default 2.
         distill_weights (str): teacher weights ``samples`` | ``score`` (validation AUC above chance) | ``equal``.
         distill_augment (bool): the sites' augmentation on the distillation images. Default False: teachers
@@ -88,16 +88,14 @@ class OHFLController(HFLController):
 
     method = "ohfl"
 
-    def __init__(self, probe: str, strategy: str = "cid", alignment: str = "cka", ot_solver: str = "emd",
-                 ground_metric: str = "acts", probe_size: int = 64, weighting: str = "samples",
-                 repair: str | bool = "channel", num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, cka: str = "linear",
-                 probe_at: str = "own", fusion_device: str = "auto", distill_steps: int | None = None,
-                 distill_temperature: float = 2.0, distill_weights: str = "samples", distill_augment: bool = False,
-                 distill_probe_size: int = 320, data_free: bool = False, data_free_rounds: int = 20,
-                 site_specs: dict | None = None):
+    def __init__(self, *, probe: str, strategy: str, alignment: str, ot_solver: str, ground_metric: str,
+                 probe_size: int, weighting: str, repair: str | bool, num_rounds: int, min_sites: int,
+                 task_config: dict, task_timeout: int, seed: int, late_wait_s: int | None, cka: str, probe_at: str,
+                 fusion_device: str, distill_steps: int, distill_temperature: float, distill_weights: str,
+                 distill_augment: bool, distill_probe_size: int, data_free: bool, data_free_rounds: int,
+                 site_specs: dict):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
-        self.distill_steps = DISTILL_STEPS if distill_steps is None else distill_steps
+        self.distill_steps = distill_steps
         self.distill_temperature = distill_temperature
         self.distill_weights = distill_weights
         self.distill_augment = distill_augment
@@ -198,20 +196,18 @@ class OHFLController(HFLController):
 
         site_specs = {site: cfg["model"] for site, cfg in profile.items()}
         check_buildable(site_specs)  # before any site trains: the site and its family are named
-        check_probe_or_data_free(opts["probe"], opts.get("data_free"), opts.get("distill_steps"))
+        check_probe_or_data_free(opts["probe"], opts["data_free"], opts["distill_steps"])
         common = {**common, "num_rounds": 1}
         return cls(probe=str(opts["probe"]), strategy=opts["strategy"], alignment=opts["alignment"],
                    ot_solver=opts["ot"], ground_metric=opts["ground_metric"], probe_size=int(opts["probe_size"]),
                    weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
-                   fusion_device=opts["server_device"] or "auto",
-                   distill_steps=opts.get("distill_steps"), distill_temperature=opts.get("distill_temperature", 2.0),
-                   distill_weights=opts.get("distill_weights", "samples"),
-                   distill_augment=bool(opts.get("distill_augment", False)),
-                   distill_probe_size=opts.get("distill_probe_size", 320), data_free=bool(opts.get("data_free")),
-                   data_free_rounds=opts.get("data_free_rounds", 20), site_specs=site_specs,
+                   fusion_device=opts["server_device"], distill_steps=opts["distill_steps"],
+                   distill_temperature=opts["distill_temperature"], distill_weights=opts["distill_weights"],
+                   distill_augment=bool(opts["distill_augment"]), distill_probe_size=opts["distill_probe_size"],
+                   data_free=bool(opts["data_free"]), data_free_rounds=opts["data_free_rounds"], site_specs=site_specs,
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
-                                "gate": bool(opts["gate"]),
-                                "target_sensitivity": float(opts.get("target_sensitivity") or 0.95)}, **common)
+                                "gate": bool(opts["gate"]), "target_sensitivity": float(opts["target_sensitivity"])},
+                   **common)
 
     def _probe_for(self, models: list) -> tuple[dict, list]:
         """The probe images at every input size of ``models`` (and of the sites that did not upload):
@@ -315,7 +311,7 @@ class OHFLController(HFLController):
             self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
-        op = federated_operating_point(op_reports, float(self.task_config.get("target_sensitivity") or 0.95))
+        op = federated_operating_point(op_reports, float(self.task_config["target_sensitivity"]))
         self.record["operating_point"] = _jsonable(op) if op else {
             "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
         (self.warning if not op or op["threshold"] is None else self.info)(describe(self.record["operating_point"]))

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hfl_components.flare import catalogue
+
 from nvflare_jobs.models_index import write_models_index
 
 SCALARS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
@@ -100,18 +102,13 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     tb = src.parent.parent / "tb_events"  # NVFlare's TBAnalyticsReceiver: <server run dir>/tb_events/<site>/
     if tb.is_dir():
         metrics["tensorboard"] = str(tb.resolve())
-    if rec.get("method") == "ohfl":
+    entry = catalogue.CATALOGUE.get(rec.get("method"))
+    if entry is not None and entry.schedule == "one_shot":  # one global model per site: its spread and spec
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
         metrics["fairness_variance"] = float(np.var(accs, ddof=1)) if len(accs) > 1 else None
-        metrics["server_fusion_s"] = rec.get("server_fusion_s", {})
         metrics["global_model"] = rec.get("global_spec")
-        metrics["operating_point"] = rec.get("operating_point")
-        if rec.get("gate"):
-            metrics["gate"] = rec["gate"]
-        if rec.get("probe"):
-            metrics["probe"] = rec["probe"]
-    for k in ("failed", "global_spec", "effective_rank", "R_global", "S_global", "task_config", "payload", "notes",
-              "topology_history", "distillation", "groups", "global_specs", "references", "fens"):
+    # the record fields every method may write, then the method's own (its catalogue entry declares them)
+    for k in (*catalogue.COMMON_RECORD_KEYS, *(f.key for f in (entry.record_fields if entry else ()))):
         if k in rec and k not in metrics:
             metrics[k] = rec[k]
     if extra:

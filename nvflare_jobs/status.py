@@ -18,6 +18,9 @@ import json
 import time
 from pathlib import Path
 
+from hfl_components.flare.catalogue import record_summary
+
+
 INTERRUPTED = "interrupted"  # the phase the CLI writes into status.json when Ctrl-C / SIGTERM stopped a run
 SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "stopped", "unknown")
 
@@ -172,6 +175,8 @@ def run_folder_view(run_dir: str | Path) -> dict:
     tb = sorted({str(p.parent.parent) for p in (run / "workspace").rglob("events.out.tfevents.*")}) \
         if (run / "workspace").is_dir() else []
     view["tensorboard"] = tb[0] if tb else None
+    # the method's own record fields, as its catalogue entry declares them (catalogue.record_summary)
+    view["record"] = record_summary(metrics.get("method"), metrics) if metrics else []
     idx = _read(run / "models.json")
     entries = [e for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
     view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")} for e in entries]
@@ -262,8 +267,10 @@ def format_view(v: dict) -> str:
     if v.get("failed"):
         lines.append(f"  FAILED: {v['failed']}")
     lines += ["  " + format_site(s, d) for s, d in v["sites"].items()]
+    record = v.get("record") or []
+    lines += [f"  {label}: {text}" for label, text in record]
     g = v.get("gate")
-    if g:
+    if g and not any(label == "gate" for label, _ in record):
         lines.append("  gate: " + json.dumps(g, default=str)[:400])
     if v.get("models"):
         lines.append(f"  models: {len(v['models'])} files (models.json): "

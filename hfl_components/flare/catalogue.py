@@ -57,6 +57,27 @@ from hfl_components.flare._options import (  # the public face of the option mac
 )
 
 @dataclass(frozen=True)
+class RecordField:
+    """A method-specific field of the run record: the controller writes ``record[key]``; ``results`` copies it into
+    ``metrics.json``, and ``status`` and ``compare`` show it as ``label: <summary>``.
+
+    Args:
+        key: the record's (and ``metrics.json``'s) key.
+        label: a few words for ``status`` and ``compare`` (e.g. ``gate``).
+        summary: path ``module:function`` turning the value into one short line (default: the value itself,
+            shortened); None values are not shown.
+    """
+
+    key: str
+    label: str
+    summary: str = ""
+
+
+# the record fields every method may write (the run's failure, its task config, payload bytes and notes)
+COMMON_RECORD_KEYS = ("failed", "global_spec", "task_config", "payload", "notes")
+
+
+@dataclass(frozen=True)
 class MethodEntry:
     """One federated method (see the module docstring).
 
@@ -91,6 +112,12 @@ class MethodEntry:
             paper's pipeline); a run that gives a contradicting value is refused.
         checks: paths ``module:function`` of the cross-option rules of a resolved run (``nvflare_jobs.spec``):
             ``check(spec)`` raises ValueError for an error and returns a warning line or None.
+        record_fields: the method's own fields of the run record (:class:`RecordField`), beyond
+            :data:`COMMON_RECORD_KEYS`: what ``results`` copies into ``metrics.json`` and ``status`` / ``compare``
+            show. A method declares its fields here; no consumer lists methods.
+        plan: under ``compare``'s equal budgets, a path ``module:function`` ``plan(budget, entry) -> {"rounds",
+            "local_epochs", "finetune_epochs", ...}`` for a method whose schedule is none of the built-in ones
+            (``schedule`` is then its own name); empty for the built-in schedules.
     """
 
     name: str
@@ -111,6 +138,8 @@ class MethodEntry:
     input_sizes: tuple[int, ...] = (64, 96, 128)
     presets: dict = field(default_factory=dict)
     checks: tuple[str, ...] = ("hfl_components.flare.catalogue:check_local_epochs",)
+    record_fields: tuple[RecordField, ...] = ()
+    plan: str = ""
 
     @property
     def site_tasks(self) -> tuple[str, ...]:
@@ -327,6 +356,14 @@ _ENTRIES: list[MethodEntry] = [
     MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
                 {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
                 local_epochs=20, options=_OHFL, presets={"paper": PAPER},
+                record_fields=(RecordField("gate", "gate", "hfl_components.flare.catalogue:summarise_gate"),
+                               RecordField("operating_point", "operating point",
+                                           "hfl_components.flare.catalogue:summarise_operating_point"),
+                               RecordField("probe", "probe", "hfl_components.flare.catalogue:summarise_probe"),
+                               RecordField("server_fusion_s", "fusion seconds",
+                                           "hfl_components.flare.catalogue:summarise_seconds"),
+                               RecordField("distillation", "distillation"), RecordField("groups", "groups"),
+                               RecordField("global_specs", "global models"), RecordField("references", "references")),
                 checks=("hfl_components.flare.catalogue:check_local_epochs",
                         "hfl_components.flare.distill_stage:check_run"),
                 upload_checks={"ohfl_train": "hfl_components.upload_checks:check_model_upload"},
@@ -340,20 +377,26 @@ _ENTRIES: list[MethodEntry] = [
     MethodEntry("fedsaf", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
                 **_PROTO_DEFAULTS, options=_fedsaf_options(False), checks=_PROTO_CHECKS,
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
+                record_fields=(RecordField("effective_rank", "prototype effective rank"),),
                 uploads=_PROTO_UPLOAD, summary="structure-aware prototype alignment (FedSAF paper)"),
     MethodEntry("fedproto", _CTL + "fedsaf.FedSAFController", {"fedsaf_train": _CTL + "fedsaf:fedsaf_train"},
                 **_PROTO_DEFAULTS, options=_fedsaf_options(True), checks=_PROTO_CHECKS,
                 upload_checks={"fedsaf_train": "hfl_components.upload_checks:check_prototype_upload"},
+                record_fields=(RecordField("effective_rank", "prototype effective rank"),),
                 uploads=_PROTO_UPLOAD, summary="FedSAF's framework with MSE alignment and FedProto prototypes (instance level, gamma 1/64)"),
     MethodEntry("fedtopo", _CTL + "fedtopo.FedTopoController", {"fedtopo_train": _CTL + "fedtopo:fedtopo_train"},
                 **_PROTO_DEFAULTS, options=_FEDTOPO,
                 upload_checks={"fedtopo_train": "hfl_components.upload_checks:check_topology_upload"},
+                record_fields=(RecordField("R_global", "global topology"), RecordField("S_global", "reliability"),
+                               RecordField("topology_history", "topology rounds")),
                 uploads=("every round: a C x C class-relation matrix and the C training class counts "
                          "(Laplace-noised with --noisy-counts); the topology-inconsistency scores D_r/D_rs"),
                 summary="class-relation topology exchange (FedTopo paper)"),
     MethodEntry("fens", _CTL + "fens.FENSController",
                 {"fens_local": _CTL + "fens:fens_local", "fens_aggregate": _CTL + "fens:fens_aggregate"},
                 rounds=5, local_epochs=20, options=_FENS, schedule="ensemble", epochs_per_round=2,
+                record_fields=(RecordField("fens", "aggregator", "hfl_components.flare.catalogue:summarise_fens"),
+                               RecordField("references", "references")),
                 upload_checks={"fens_local": "hfl_components.upload_checks:check_model_upload",
                                "fens_aggregate": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads=("one trained model (every weight), once; then every round the aggregator's weights and the "
@@ -509,3 +552,68 @@ def what_leaves(method: str) -> str:
     if method not in CATALOGUE:
         raise KeyError(method)
     return CATALOGUE[method].uploads
+
+
+# ------------------------------------------------------------------------------------------- record summaries
+def record_summary(method: str, record: dict) -> list[tuple[str, str]]:
+    """``[(label, one-line summary)]`` of the method's declared record fields present in ``record`` (a run record
+    or ``metrics.json``), in declaration order: what ``status`` and ``compare`` show. Unknown methods: []."""
+    e = CATALOGUE.get(method)
+    out = []
+    for f in (e.record_fields if e else ()):
+        v = record.get(f.key)
+        if v is None:
+            continue
+        text = resolve(f.summary)(v) if f.summary else _short(v)
+        if text:
+            out.append((f.label, text))
+    return out
+
+
+def _short(v, width: int = 80) -> str:
+    import json
+
+    t = v if isinstance(v, str) else json.dumps(v, default=str)
+    return t if len(t) <= width else t[:width - 3] + "..."
+
+
+def summarise_gate(v: dict) -> str:
+    """OHFL's gate: how many sites adopted the federated model, and which kept their own."""
+    if not isinstance(v, dict) or "adopted" not in v:
+        return _short(v)
+    kept = v.get("kept_local") or []
+    return f"{v['adopted']} of {v.get('sites', '?')} sites adopted the federated model" + (
+        f"; kept their local model: {', '.join(kept)}" if kept else "")
+
+
+def summarise_operating_point(v: dict) -> str:
+    """OHFL's federated operating point: the threshold and its target (or why there is none)."""
+    if not isinstance(v, dict):
+        return _short(v)
+    if v.get("skipped"):
+        return f"none: {v['skipped']}"
+    thr, tgt = v.get("threshold"), v.get("target_sensitivity")
+    return (f"threshold {thr:.3f}" if isinstance(thr, (int, float)) else "no threshold") + \
+        (f" at target sensitivity {tgt}" if tgt is not None else "")
+
+
+def summarise_probe(v: dict) -> str:
+    """OHFL's probe pool: its image count and sizes."""
+    if not isinstance(v, dict):
+        return _short(v)
+    return f"{v.get('n', '?')} images" + (f" at {v['sizes']} px" if v.get("sizes") else "")
+
+
+def summarise_seconds(v: dict) -> str:
+    """Seconds per phase, the largest first."""
+    if not isinstance(v, dict):
+        return _short(v)
+    items = sorted(((k, x) for k, x in v.items() if isinstance(x, (int, float))), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {x:.1f} s" for k, x in items[:4])
+
+
+def summarise_fens(v: dict) -> str:
+    """FENS: the aggregator and its rounds."""
+    if not isinstance(v, dict):
+        return _short(v)
+    return ", ".join(f"{k} {x}" for k, x in v.items() if not isinstance(x, (dict, list)))[:120]

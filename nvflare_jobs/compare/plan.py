@@ -175,6 +175,14 @@ def _planned(method: str, args) -> dict[str, int]:
     if not getattr(args, "unequal_budgets", False):
         L = args.local_epochs if args.local_epochs is not None else anchor["local_epochs"]
         E = L + ft_given
+        if _entry(method).plan:  # a schedule of the method's own: its entry plans the common budget
+            plan = dict(catalogue.resolve(_entry(method).plan)(E, _entry(method)))
+            plan.setdefault("finetune_epochs", 0)
+            plan.setdefault("total_epochs_per_site", plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"])
+            if plan["total_epochs_per_site"] != E:
+                raise BudgetError(f"{method}: its plan trains {plan['total_epochs_per_site']} epochs per site, not "
+                                  f"the common budget of {E}")
+            return plan
         if schedule == "one_shot":
             rounds, local, ft = 1, L, ft_given
         elif schedule == "ensemble":

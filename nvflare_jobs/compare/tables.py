@@ -381,6 +381,7 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
           "(`seed<k>/partition`).", ""]
     L += _mean_std_section(methods, rows, plans)
     L += _pooled_section(runs)
+    L += _records_section(runs)
     L += _per_site_sections(methods, sites, rows)
     L += _paired_section(methods, rows)
     if ext:
@@ -425,6 +426,15 @@ def _pooled_section(runs) -> list[str]:
         L.append(f"| {method} | {seed} | {p.get('n', '–')} | {ci('accuracy')} | {ci('balanced_accuracy')} | "
                  f"{ci('auc')} |")
     return L
+
+
+def _records_section(runs) -> list[str]:
+    """The methods' own record fields per run, as each catalogue entry declares them (``catalogue.record_summary``);
+    nothing when no run has any."""
+    lines = [f"- {m}, seed {seed}: " + "; ".join(f"{label}: {text}" for label, text in rec)
+             for m, seed, met in sorted(runs, key=lambda r: (r[0], r[1]))
+             if (rec := catalogue.record_summary(_base(m), met))]
+    return ["## Method records", "", *lines, ""] if lines else []
 
 
 def _per_site_sections(methods, sites, rows) -> list[str]:

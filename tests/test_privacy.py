@@ -381,3 +381,28 @@ def test_server_stage_needs_no_site_images(monkeypatch):
     avg = weighted_average(same, [50, 60])
     k = next(iter(avg))
     assert np.allclose(avg[k], (50 * same[0][k] + 60 * same[1][k]) / 110, atol=1e-6)
+
+
+class _InplaceResidual(nn.Module):
+    """A residual block written as MONAI's ResNet writes it: ``out += residual`` on a hooked layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, padding=1)
+        self.fc = nn.Linear(1, 2)
+
+    def features(self, x):
+        out = self.conv(x)
+        out += x
+        return out.mean(dim=(2, 3))
+
+    def head(self, z):
+        return self.fc(z)
+
+
+def test_compatibility_trial_step_finds_an_in_place_residual_add():
+    _, report = make_compatible(_InplaceResidual(), input_size=8)
+    assert report["remaining"] and report["text"].startswith("dp: NOT trainable with DP-SGD (Opacus): a trial step")
+    inplace_relu = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    fixed, report = make_compatible(inplace_relu, input_size=8)
+    assert report["inplace_off"] == 1 and not report["remaining"] and fixed[1].inplace is False

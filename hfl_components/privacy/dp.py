@@ -536,25 +536,74 @@ def epsilon_from_record(record: Mapping) -> float:
         return float(acc.get_epsilon(delta=delta))
 
 
-def make_compatible(model: nn.Module) -> tuple[nn.Module, dict]:
+def make_compatible(model: nn.Module, input_size: int | None = None) -> tuple[nn.Module, dict]:
     """A DP-SGD-compatible copy of ``model`` (Opacus ``ModuleValidator.fix``: BatchNorm -> GroupNorm, ...) and a
-    report ``{"changed": bool, "replaced": {module class: count}, "remaining": [error lines], "text": one line}``.
+    report ``{"changed": bool, "replaced": {module class: count}, "remaining": [error lines], "inplace_off": int,
+    "text": one line}``. In-place activations are turned off in either case (:func:`_inplace_off`; outputs
+    unchanged).
 
-    An unchanged model is returned as is (not copied). The copy has other modules and state-dict keys (GroupNorm
+    With ``input_size`` a trial step also runs Opacus's per-sample-gradient hooks through one forward and backward
+    pass on two random (in_channels, S, S) images: an in-place operation in the model's own forward (MONAI ResNet's
+    residual ``out += residual``) fails there and is listed in ``remaining``. Without it only Opacus's module
+    validator speaks.
+
+    A model without BatchNorm is returned as is (not copied). The copy has other modules and state-dict keys (GroupNorm
     holds no running statistics), so every party that rebuilds the model from its spec must apply the same fix.
     """
     from opacus.validators import ModuleValidator
 
     errors = ModuleValidator.validate(model, strict=False)
-    if not errors:
-        return model, {"changed": False, "replaced": {}, "remaining": [], "text": _report_text(model, {}, [])}
-    before = _norm_counts(model)
-    fixed = ModuleValidator.fix(model)
-    after = _norm_counts(fixed)
-    replaced = {k: before[k] - after.get(k, 0) for k in before if before[k] > after.get(k, 0)}
+    fixed, replaced = model, {}
+    if errors:
+        before = _norm_counts(model)
+        fixed = ModuleValidator.fix(model)
+        after = _norm_counts(fixed)
+        replaced = {k: before[k] - after.get(k, 0) for k in before if before[k] > after.get(k, 0)}
+    inplace = _inplace_off(fixed)
     remaining = [str(e).splitlines()[0] for e in ModuleValidator.validate(fixed, strict=False)]
-    return fixed, {"changed": True, "replaced": replaced, "remaining": remaining,
+    if not remaining and input_size is not None:
+        remaining = _trial_step(fixed, int(input_size))
+    return fixed, {"changed": bool(errors), "replaced": replaced, "remaining": remaining, "inplace_off": inplace,
                    "text": _report_text(fixed, replaced, remaining)}
+
+
+def _trial_step(model: nn.Module, size: int) -> list[str]:
+    """One forward/backward pass with Opacus's hooks on two random images; ``[]`` or the one-line error."""
+    from opacus.grad_sample.utils import prepare_module
+
+    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))), None)
+    channels = first.in_channels if isinstance(first, nn.Conv2d) else 1
+    was_training = model.training
+    hooks = prepare_module(model, grad_sample_mode="hooks", wrap_model=False)
+    try:
+        model.train()
+        x = torch.rand(2, channels, size, size, device=next(model.parameters()).device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.head(model.features(x)) if hasattr(model, "features") else model(x)
+            out.float().sum().backward()
+        return []
+    except RuntimeError as e:
+        return [f"a trial step fails: {str(e).splitlines()[0][:150]}"]
+    finally:
+        hooks.cleanup()
+        model.train(was_training)
+        for p in model.parameters():
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                delattr(p, "grad_sample")
+
+
+def _inplace_off(model: nn.Module) -> int:
+    """Turn off ``inplace`` activations (e.g. MONAI DenseNet's ``ReLU(inplace=True)``), which Opacus's backward
+    hooks cannot follow (autograd forbids an in-place change of a hooked view); same outputs, same weights.
+    Returns how many were turned off."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "inplace", False) is True:
+            m.inplace = False
+            n += 1
+    return n
 
 
 def _norm_counts(model: nn.Module) -> dict:
@@ -568,8 +617,7 @@ def _norm_counts(model: nn.Module) -> dict:
 
 def _report_text(model: nn.Module, replaced: dict, remaining: list) -> str:
     if remaining:
-        return (f"dp: NOT trainable with DP-SGD even after Opacus's fix ({len(remaining)} module(s): "
-                f"{remaining[0][:100]})")
+        return f"dp: NOT trainable with DP-SGD (Opacus): {remaining[0][:160]}"
     if replaced:
         what = ", ".join(f"{n} {k}" for k, n in sorted(replaced.items()))
         return (f"dp: made compatible by Opacus ModuleValidator.fix ({what} replaced by GroupNorm); the model "
@@ -577,7 +625,8 @@ def _report_text(model: nn.Module, replaced: dict, remaining: list) -> str:
     return "dp: compatible as is (no BatchNorm)"
 
 
-def compatibility_report(model: nn.Module) -> str:
-    """One line for ``cxr-hfl site check``: whether the site's model trains under dp as it is, or after Opacus's
-    ``ModuleValidator.fix`` (and what it replaces)."""
-    return make_compatible(model)[1]["text"]
+def compatibility_report(model: nn.Module, input_size: int | None = None) -> str:
+    """One line for ``cxr-hfl site check``: whether the site's model trains under dp as it is, after Opacus's
+    ``ModuleValidator.fix`` (and what it replaces), or not at all (with ``input_size``: after a trial step, see
+    :func:`make_compatible`)."""
+    return make_compatible(model, input_size)[1]["text"]

@@ -43,7 +43,7 @@ def register(sub) -> None:
                    help="a model file the site sent or received (upload, global model, FENS peer); repeat for more")
     q.add_argument("--out", required=True, help="folder for the results (created)")
     q.add_argument("--probe", help="public labelled images for LiRA's shadow models: the chest_xray_224 root (its "
-                                   "probe part) or a partition's probe.csv")
+                                   "probe part) or a partition's probe.csv (default: none; needed by --shadows)")
     q.add_argument("--shadows", type=int, default=0, help="LiRA shadow models per model file (default 0: no LiRA)")
     q.add_argument("--shadow-epochs", type=int, default=10, help="training epochs of each shadow model (default 10)")
     q.add_argument("--canary-epochs", type=int, default=0,

@@ -406,3 +406,22 @@ def test_compatibility_trial_step_finds_an_in_place_residual_add():
     inplace_relu = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten())
     fixed, report = make_compatible(inplace_relu, input_size=8)
     assert report["inplace_off"] == 1 and not report["remaining"] and fixed[1].inplace is False
+
+
+def test_fens_aggregator_trains_under_dp_within_its_budget():
+    from hfl_components.models.ensemble import Aggregator
+    from hfl_components.training.aggregator import train_aggregator
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.log_softmax(torch.randn(30, 3, 2, generator=g), dim=2)  # 30 hold-out rows, 3 members, 2 classes
+    y = torch.randint(0, 2, (30,), generator=g)
+    plan = check_budget(30, 10, 2, DPSpec(epsilon=4, accountant="rdp"), "site-2")
+    session = DPSession(plan, seed=0)
+    torch.manual_seed(0)
+    agg = Aggregator(3, 2)
+    before = [p.detach().clone() for p in agg.parameters()]
+    hist = train_aggregator(agg, z, y, 2, batch_size=10, dp=session)
+    assert hist == [{"epoch": 1, "loss": None, "dp": True}, {"epoch": 2, "loss": None, "dp": True}]
+    rec = session.record()
+    assert rec["steps"] == plan.steps == 6 and rec["epsilon"] <= 4.0
+    assert any(not torch.equal(a, p) for a, p in zip(before, agg.parameters()))

@@ -25,7 +25,7 @@ Scores everywhere: higher = "more likely a member".
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch

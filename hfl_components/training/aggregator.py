@@ -26,7 +26,7 @@ def aggregator_class_weights(y, num_classes: int, mode: str | None) -> torch.Ten
 
 
 def train_aggregator(aggregator: nn.Module, z, y, epochs: int, lr: float = 0.01, batch_size: int = 16,
-                     seed: int = 0, class_weights=None) -> list[dict]:
+                     seed: int = 0, class_weights=None, dp=None) -> list[dict]:
     """Train ``aggregator`` in place on cached member outputs with Adam and (weighted) cross-entropy.
 
     Args:
@@ -37,9 +37,13 @@ def train_aggregator(aggregator: nn.Module, z, y, epochs: int, lr: float = 0.01,
         lr: Adam learning rate; a fresh optimiser each call (one FedAvg round).
         batch_size: rows per step, shuffled by a generator seeded with ``seed``.
         class_weights: None or a (C,) tensor of cross-entropy class weights.
+        dp: None, or a :class:`hfl_components.privacy.DPSession` planned for these N rows (the site's hold-out)
+            and batch size: DP-SGD with Opacus as in :func:`hfl_components.training.train_local` (Poisson batches,
+            per-row clipping, noise; per-row loss ``w_y CE`` averaged over the batch).
 
     Returns:
-        one ``{"epoch": 1-based, "loss": mean loss over the epoch's rows, "n": N}`` per epoch.
+        one ``{"epoch": 1-based, "loss": mean loss over the epoch's rows, "n": N}`` per epoch; under ``dp``
+        ``{"epoch", "loss": None or the noised mean loss, "dp": True}`` (what may leave the site).
 
     Raises:
         ValueError: ``z`` not 3-D, ``y`` of another length, no rows with ``epochs > 0``, ``epochs < 0``.
@@ -58,6 +62,8 @@ def train_aggregator(aggregator: nn.Module, z, y, epochs: int, lr: float = 0.01,
     z, y = z.to(dev), y.to(dev)
     w = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float32, device=dev)
     opt = torch.optim.Adam(aggregator.parameters(), lr=float(lr))
+    if dp is not None:
+        return _train_aggregator_private(aggregator, z, y, int(epochs), opt, int(batch_size), int(seed), w, dp)
     g = torch.Generator().manual_seed(int(seed))
     aggregator.train()
     history = []
@@ -73,5 +79,34 @@ def train_aggregator(aggregator: nn.Module, z, y, epochs: int, lr: float = 0.01,
             opt.step()
             total += float(loss.detach()) * len(idx)
         history.append({"epoch": ep + 1, "loss": total / z.shape[0], "n": int(z.shape[0])})
+    aggregator.eval()
+    return history
+
+
+def _train_aggregator_private(aggregator, z, y, epochs, opt, batch_size, seed, w, dp) -> list[dict]:
+    """:func:`train_aggregator` under DP-SGD: the rows as a dataset, Opacus's Poisson batches through ``dp``."""
+    if epochs == 0:
+        return []
+    g = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(z, y), batch_size=batch_size, shuffle=True,
+                                         generator=g)
+    aggregator.train()
+    history = []
+    with dp.private(aggregator, opt, loader, epochs) as call:
+        for ep in range(epochs):
+            noisy = 0.0
+            for zb, yb in call.loader:
+                out = aggregator(zb)
+                per = F.cross_entropy(out, yb, weight=w, reduction="none")
+                loss = per.mean() if yb.shape[0] else out.sum() * 0.0  # an empty Poisson batch still steps
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"aggregator loss is {loss.item()} at epoch {ep + 1}")
+                call.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                call.optimizer.step()
+                s = call.noisy_loss_sum(per)
+                noisy += s if s is not None else 0.0
+            history.append({"epoch": ep + 1, "loss": noisy / dp.plan.n_images if dp.plan.losses == "noisy" else None,
+                            "dp": True})
     aggregator.eval()
     return history

@@ -125,6 +125,7 @@ def train_local(
     grad_clip: float | None = None,
     amp: bool = False,
     on_step: Callable[[], None] | None = None,
+    dp=None,
 ) -> list[dict]:
     """Train ``model`` in place on one site's loader for ``epochs`` epochs.
 
@@ -156,18 +157,29 @@ def train_local(
             CUDA, bfloat16 on the CPU. The losses (CE and ``aux_loss``) are computed in float32 from the
             autocast outputs. Default False (plain float32).
         on_step: optional callback called after every optimiser step (e.g. a weight EMA update).
+        dp: None (no differential privacy: the plain loop, as without the argument) or a
+            :class:`hfl_components.privacy.DPSession` (DP-SGD, see :func:`_train_private`): Poisson batches,
+            per-image clipping and Gaussian noise by Opacus, every step accounted by the session.
 
     Returns:
         one dict per epoch: ``{"epoch": 1-based int, "loss": mean total loss, "ce": mean CE, "aux": mean aux loss
         (0.0 without aux_loss), "n": samples seen, "seconds": wall time, "images_per_s": float}``. Means are over
-        samples (batch means weighted by batch size).
+        samples (batch means weighted by batch size). Under ``dp`` each record holds only what may leave the site:
+        ``{"epoch", "loss": None (losses dropped) or the noised mean loss, "dp": True, "seconds"}``.
 
     Raises:
-        ValueError: ``epochs < 1``, an empty loader, bad class weights or batches.
+        ValueError: ``epochs < 1``, an empty loader, bad class weights or batches; under ``dp`` also ``amp``, a
+            batch-dependent ``aux_loss`` and the session's refusals (another loader, a BatchNorm model).
         FloatingPointError: the loss became NaN/inf (reports epoch and step).
+        hfl_components.privacy.DPBudgetError: under ``dp``, more epochs than the session's plan allows.
     """
     if int(epochs) < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if dp is not None:
+        return _train_private(model, loader, int(epochs), dp, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                              optimizer=optimizer, class_weights=class_weights, class_counts=class_counts,
+                              aux_loss=aux_loss, on_epoch=on_epoch, seed=seed, device=device, grad_clip=grad_clip,
+                              amp=amp, on_step=on_step)
     device = _prepare(model, loader, seed, device)
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     step_fn = _Step(model, opt, device, bool(amp), class_weights, class_counts, loader, aux_loss, grad_clip, on_step)
@@ -251,3 +263,95 @@ class _Step:
         if self.on_step is not None:
             self.on_step()
         return y.shape[0], loss.item(), ce.item(), (aux.item() if aux is not None else 0.0)
+
+
+def _train_private(model: nn.Module, loader, epochs: int, dp, *, lr, momentum, weight_decay, optimizer,
+                   class_weights, class_counts, aux_loss, on_epoch, seed, device, grad_clip, amp, on_step
+                   ) -> list[dict]:
+    """:func:`train_local` under DP-SGD (Abadi et al. 2016, arXiv:1607.00133) with the session ``dp``.
+
+    Each step: Opacus's Poisson batch (possibly empty); ``l_i = w_{y_i} CE(logits_i, y_i)`` per image and the data
+    loss ``mean_i l_i`` (Opacus's ``loss_reduction="mean"``: each image's gradient is then ``grad l_i`` alone, so its
+    clip bounds one image's influence; the non-dp loop's weighted mean ``sum w l / sum w`` would tie images
+    together); per-image clip at ``max_grad_norm``, Gaussian noise, division by the expected batch size. A
+    data-independent ``aux_loss`` (FedProx's proximal term: no gradient through ``z`` or ``logits``) is added to
+    the noised gradient before the update, and ``grad_clip`` clips the noised gradient: both post-processing. An
+    ``aux_loss`` that depends on the batch is refused (its per-image gradients are not separable).
+    """
+    if amp:
+        raise ValueError("dp cannot be combined with amp (mixed precision): Opacus computes per-image gradients "
+                         "in float32")
+    device = _prepare(model, loader, seed, device)
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    history: list[dict] = []
+    model.train()
+    with dp.private(model, opt, loader, epochs) as call:
+        step_fn = _PrivateStep(model, call, device, class_weights, class_counts, loader, aux_loss, grad_clip, on_step)
+        for epoch in range(1, epochs + 1):
+            t0 = time.perf_counter()
+            noisy = 0.0
+            for step, batch in enumerate(call.loader):
+                s = step_fn(batch, epoch, step)
+                noisy += s if s is not None else 0.0
+            secs = time.perf_counter() - t0
+            released = noisy / dp.plan.n_images if dp.plan.losses == "noisy" else None
+            rec = {"epoch": epoch, "loss": released, "dp": True, "seconds": secs}
+            history.append(rec)
+            if on_epoch is not None:
+                on_epoch(rec)
+    return history
+
+
+class _PrivateStep:
+    """One DP-SGD step of :func:`_train_private` (see there). Returns the step's noised loss sum (None when the
+    session drops losses)."""
+
+    def __init__(self, model, call, device, class_weights, class_counts, loader, aux_loss, grad_clip, on_step):
+        self.model, self.call, self.device = model, call, device
+        self.class_weights, self.class_counts, self.loader = class_weights, class_counts, loader
+        self.aux_loss, self.grad_clip, self.on_step = aux_loss, grad_clip, on_step
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.weights = None
+        self.resolved = False
+        self.pending: tuple | None = None
+        call.after_noise.append(self._after_noise)
+
+    def _after_noise(self) -> None:
+        if self.pending is not None:
+            for p, g in zip(self.params, self.pending):
+                if g is not None and p.grad is not None:
+                    p.grad.add_(g.to(p.grad.dtype))
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, float(self.grad_clip))
+
+    def _aux_grads(self, aux: torch.Tensor, z: torch.Tensor, logits: torch.Tensor):
+        if not aux.requires_grad:
+            return None
+        through_batch = torch.autograd.grad(aux, [z, logits], retain_graph=True, allow_unused=True)
+        if any(g is not None for g in through_batch):
+            raise ValueError("dp: the method's auxiliary loss depends on the batch (features or logits); DP-SGD "
+                             "needs per-image gradients, so only a data-independent term (e.g. FedProx's "
+                             "proximal term) can be combined with dp")
+        return torch.autograd.grad(aux, self.params, allow_unused=True)
+
+    def __call__(self, batch, epoch: int, step: int) -> float | None:
+        x, y = unpack_batch(batch)
+        x, y = x.to(self.device), y.to(self.device)
+        z = self.model.features(x)
+        logits = self.model.head(z)
+        if not self.resolved:
+            w = _resolve_class_weights(self.class_weights, self.class_counts, self.loader, logits.shape[1])
+            self.weights = w.to(self.device) if w is not None else None
+            self.resolved = True
+        per = nn.functional.cross_entropy(logits, y, weight=self.weights, reduction="none")
+        data_loss = per.mean() if y.shape[0] else logits.sum() * 0.0  # an empty Poisson batch still steps (noise)
+        if not torch.isfinite(data_loss):
+            raise FloatingPointError(f"non-finite loss {data_loss.item()} at epoch {epoch}, step {step}")
+        self.pending = self._aux_grads(self.aux_loss(z, logits, y), z, logits) if self.aux_loss is not None else None
+        self.call.optimizer.zero_grad(set_to_none=True)
+        data_loss.backward()
+        self.call.optimizer.step()
+        self.pending = None
+        if self.on_step is not None:
+            self.on_step()
+        return self.call.noisy_loss_sum(per)

@@ -1,6 +1,8 @@
 """``cxr-hfl site check``: a hospital checks its config, manifest, images, model and device before a job.
 ``cxr-hfl site score``: a hospital scores model files on its own test split, as its site does in a cross-site
-evaluation job (its row of the sites x models matrix), here and sending nothing."""
+evaluation job (its row of the sites x models matrix), here and sending nothing.
+``cxr-hfl site privacy-audit``: a hospital measures membership inference on model files with its own data, sending
+nothing (``nvflare_jobs.privacy_audit``)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("site", help="tools for a hospital site operator (site check, site score)")
+    p = sub.add_parser("site", help="tools for a hospital site operator (site check, site score, site privacy-audit)")
     ssub = p.add_subparsers(dest="site_command", metavar="ACTION")
     q = ssub.add_parser("check", help="validate the site config and read every image of its manifest (one screen; "
                                       "exit 1 when it finds errors, 2 on a config it cannot read)")
@@ -31,6 +33,26 @@ def register(sub) -> None:
                    help="a model file (RUN/models/<site>_deployed.pt, global_model.pt, ...); repeat for more")
     q.add_argument("--json", action="store_true", help="print {model: metrics | {refused: reason}} as JSON")
     q.set_defaults(func=run_score)
+    q = ssub.add_parser("privacy-audit", help="membership-inference audit of model files on this site's own data "
+                                              "(train split = members, test split = non-members; nothing is sent)",
+                        epilog="Writes OUT/privacy_audit.json, .csv and _roc.png: per model, attack AUC and TPR at "
+                               "--fpr with bootstrap intervals. Exit 2 on bad input (one line).")
+    q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml")
+    q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
+    q.add_argument("--model", action="append", required=True, metavar="FILE",
+                   help="a model file the site sent or received (upload, global model, FENS peer); repeat for more")
+    q.add_argument("--out", required=True, help="folder for the results (created)")
+    q.add_argument("--probe", help="public labelled images for LiRA's shadow models: the chest_xray_224 root (its "
+                                   "probe part) or a partition's probe.csv (default: none; needed by --shadows)")
+    q.add_argument("--shadows", type=int, default=0, help="LiRA shadow models per model file (default 0: no LiRA)")
+    q.add_argument("--shadow-epochs", type=int, default=10, help="training epochs of each shadow model (default 10)")
+    q.add_argument("--canary-epochs", type=int, default=0,
+                   help="epochs of a one-run canary audit (Steinke et al. 2023) under the config's dp (default 0: "
+                        "none)")
+    q.add_argument("--fpr", type=float, default=0.01, help="FPR at which the TPR is reported (default 0.01)")
+    q.add_argument("--boot", type=int, default=1000, help="bootstrap replicates of the intervals (default 1000)")
+    q.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    q.set_defaults(func=run_privacy_audit)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
@@ -87,6 +109,49 @@ def run_score(args) -> int:
             print(f"  {name:<24} n={m.get('n')}  " + "  ".join(
                 f"{k} {m[k]:.3f}" for k in ("balanced_accuracy", "accuracy", "auc") if isinstance(m.get(k), float)))
     return _refusals(res, site, "in the JSON" if args.json else "above")
+
+
+def run_privacy_audit(args) -> int:
+    from chest_xray.io import ImageReadError
+    from nvflare_jobs.privacy_audit import privacy_audit
+
+    if _no_config("privacy-audit", args.config):
+        return 2
+    checks = (("--shadows", args.shadows, args.shadows >= 0), ("--shadow-epochs", args.shadow_epochs,
+              args.shadow_epochs >= 1), ("--canary-epochs", args.canary_epochs, args.canary_epochs >= 0),
+              ("--boot", args.boot, args.boot >= 1), ("--fpr", args.fpr, 0 <= args.fpr < 1))
+    bad = next(((flag, v) for flag, v, ok in checks if not ok), None)
+    if bad:
+        print(f"cxr-hfl site privacy-audit: {bad[0]} {bad[1]}: out of range (--shadows, --canary-epochs >= 0; "
+              "--shadow-epochs, --boot >= 1; 0 <= --fpr < 1)", file=sys.stderr)
+        return 2
+    if Path(args.out).is_file():
+        print(f"cxr-hfl site privacy-audit: --out {args.out}: is a file; give a folder", file=sys.stderr)
+        return 2
+    site = args.site or Path(args.config).stem
+    try:
+        doc = privacy_audit(args.config, site, args.model, args.out, probe=args.probe, shadows=args.shadows,
+                            shadow_epochs=args.shadow_epochs, canary_epochs=args.canary_epochs, fpr=args.fpr,
+                            n_boot=args.boot, seed=args.seed)
+    except (FileNotFoundError, ValueError, ImageReadError) as e:
+        print(f"cxr-hfl site privacy-audit: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(f"cxr-hfl site privacy-audit: site {site}; members = train split, non-members = test split; nothing sent")
+    for m in doc["models"]:
+        if "refused" in m:
+            print(f"  {m['name']:<24} refused: {m['refused']}")
+            continue
+        for a in m["attacks"]:
+            print(f"  {m['name']:<24} {a['attack']:<15} AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]"
+                  f"  TPR@{100 * a['fpr']:g}%FPR {a['tpr_at_fpr']:.3f} [{a['tpr_low']:.3f}, {a['tpr_high']:.3f}]"
+                  f"  n={a['n_members']}/{a['n_nonmembers']}")
+    if doc["canary"]:
+        c = doc["canary"]
+        acc = f", accountant epsilon {c['accountant_epsilon']:.2f}" if c.get("accountant_epsilon") is not None else ""
+        print(f"  one-run audit: epsilon >= {c['epsilon_lower_bound']:.2f} (95 %; {c['correct']}/{c['guesses']} "
+              f"correct guesses on {c['canaries']} canaries){acc}")
+    print(f"  results: {Path(args.out) / 'privacy_audit.json'}, .csv, _roc.png")
+    return 0
 
 
 def _refusals(res: dict, site: str, where: str) -> int:

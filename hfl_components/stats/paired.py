@@ -33,8 +33,9 @@ images of its own, their noise is inside the per-seed values and it is an interv
 ``ci_low``/``ci_high``, the interval that gives verdicts, is therefore the cluster bootstrap-t when some image pool
 spans seeds (every crossed comparison; a nested one with a pool shared across seeds) and the seed-level t-interval
 otherwise (including :func:`paired_summaries`, one value per (seed, site)); ``interval`` names it. The choice rests on
-the coverage simulation in ``tests/test_stats_coverage.py`` (``docs/decisions.md``); the plain percentile interval of
-the same replicates under-covers with few seeds and is not reported.
+the coverage simulation in ``tests/test_stats_coverage.py`` and the product-shaped one in ``studies/coverage``
+(``docs/decisions.md``); the plain percentile interval of the same replicates under-covers with few seeds and is not
+reported.
 
 **Reporting rule.**
 

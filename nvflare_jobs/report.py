@@ -359,7 +359,7 @@ def render_compare(cdir: Path) -> str:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from nvflare_jobs.compare import _order, collect_runs, comparison_rows
+    from nvflare_jobs.compare import method_order, collect_runs, comparison_rows
 
     runs = collect_runs(cdir)
     rows = comparison_rows(runs, thresholds=False)
@@ -378,7 +378,7 @@ def render_compare(cdir: Path) -> str:
                                         ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())]]),
             "<h2>Data manifest sha256 per seed</h2>", _table(["seed", "sha256 of partition/sites/*.csv"], digests)]
     body += targets_html(cdir)
-    methods = _order(r["method"] for r in rows)
+    methods = method_order(r["method"] for r in rows)
     if rows:
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(methods)), 3.5))
         data = [[100 * r["accuracy"] for r in rows if r["method"] == m and r["accuracy"] is not None]

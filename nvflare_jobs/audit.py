@@ -350,8 +350,8 @@ def summary_lines(a: dict) -> list[str]:
         out.append("no probe beyond the tolerance")
     for n, v in ((a.get("operating_point") or {}).get("models") or {}).items():
         sens, spec = v["sensitivity"], v["specificity"]
-        out.append(f"{n}: threshold {v['threshold']:.3f}: sensitivity {_cell(sens, 'value', signed=False)}, "
-                   f"specificity {_cell(spec, 'value', signed=False)}")
+        out.append(f"{n}: threshold {v['threshold']:.3f}: sensitivity {ci_text(sens, 'value', signed=False)}, "
+                   f"specificity {ci_text(spec, 'value', signed=False)}")
     return out
 
 
@@ -396,8 +396,9 @@ def run_audit_cli(args) -> int:
     return 0
 
 
-def _cell(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
-    """``value [low, high]`` of a dict with ``v``, ``ci_low``, ``ci_high``; ``–`` when the value is missing."""
+def ci_text(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
+    """``value [low, high]`` of an audit interval (a dict with ``v``, ``ci_low``, ``ci_high``) with ``nd`` decimals,
+    the value signed when ``signed``; ``–`` when the value is missing, ``value`` alone without both bounds."""
     if not d or d.get(v) is None:
         return "–"
     f = f"{{:{'+' if signed else ''}.{nd}f}}"

@@ -15,7 +15,7 @@ from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, _base, _en
 from nvflare_jobs.compare.tables import collect_runs, method_order, write_tables
 
 def _subset(records: list[dict], n: int | None) -> list[dict]:
-    from nvflare_jobs.evaluation import _subset as sub
+    from chest_xray.sampling import stratified_subset as sub
 
     return sub(sorted(records, key=lambda r: r["path"]), n)
 

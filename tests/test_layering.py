@@ -664,7 +664,6 @@ ALLOWED: dict[str, set[str]] = {
         "nvflare_jobs/commands/simulate.py:nvflare_jobs.simulation._defaults",
         "nvflare_jobs/commands/simulate.py:nvflare_jobs.simulation._options",
         "nvflare_jobs/commands/status.py:nvflare_jobs.commands.simulate._at_least",
-        "nvflare_jobs/compare/__init__.py:nvflare_jobs.compare.plan._base",
         "nvflare_jobs/compare/plan.py:nvflare_jobs.simulation._TYPES",
         "nvflare_jobs/compare/run.py:nvflare_jobs.compare.plan._base",
         "nvflare_jobs/compare/run.py:nvflare_jobs.compare.plan._entry",

@@ -35,7 +35,6 @@ from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run
     METHODS,
     PROTO,
     BudgetError,
-    _base,
     budget_lines,
     check_variant,
     command_for,

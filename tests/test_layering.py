@@ -86,7 +86,7 @@ def _imports(m: Module) -> list[Import]:
         if isinstance(node, ast.Import):
             for a in node.names:
                 bound = a.asname or a.name.split(".")[0]
-                out.append(Import(node.lineno, a.name if a.asname else a.name, None, bound, id(node) in top))
+                out.append(Import(node.lineno, a.name, None, bound, id(node) in top))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
@@ -236,7 +236,8 @@ def private_uses(mods) -> dict[str, str]:
             if full in mods:  # a module: ``import a.b``, ``from a import b``
                 if (bad := _private_module_misuse(mods, name, full)):
                     flag(bad, imp.line, "private module imported from outside its package")
-                alias[imp.bound] = full if (imp.name or imp.bound != imp.module.split(".")[0]) else imp.bound
+                plain = imp.name is None and imp.bound == imp.module.split(".")[0]  # ``import a.b`` binds ``a``
+                alias[imp.bound] = imp.bound if plain else full
                 continue
             if (bad := _private_module_misuse(mods, name, imp.module)):
                 flag(bad, imp.line, "private module imported from outside its package")
@@ -531,6 +532,15 @@ def test_code_lines_leave_out_docstrings_comments_and_blank_lines(tmp_path):
     assert sorted(code_lines(src)) == [1, 2, 7, 8, 10, 12, 13]
     assert long_functions(mods, cap=4) == {"hfl_components/a.py:f": "line 1: 5 code lines"}
     assert long_functions(mods, cap=5) == {}
+
+
+def test_the_ratchet_fails_on_a_new_violation_and_on_a_listed_one_that_is_gone(monkeypatch):
+    monkeypatch.setitem(ALLOWED, "cycle", {"a.py -> b", "c.py -> d"})
+    _ratchet("cycle", {"a.py -> b": "", "c.py -> d": ""})
+    with pytest.raises(AssertionError, match=r"1 new cycle violation.*\n\s+e.py -> f"):
+        _ratchet("cycle", {"a.py -> b": "", "c.py -> d": "", "e.py -> f": ""})
+    with pytest.raises(AssertionError, match=r"no longer violate.*\n\s+c.py -> d"):
+        _ratchet("cycle", {"a.py -> b": ""})
 
 
 def test_exits_are_found_outside_the_command_line_and_the_scripts_main_blocks(tmp_path):

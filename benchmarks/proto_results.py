@@ -38,10 +38,10 @@ LABEL = {"local": "Local", "fedproto": "FedProto (MSE)", "fedsaf": "FedSAF (GCSA
 
 
 def load(label: str, d: Path) -> dict:
-    from nvflare_jobs.compare import _order
+    from nvflare_jobs.compare import method_order
     from nvflare_jobs.proto_eval import section
 
-    methods = _order(p.parent.name for p in d.glob("seed*/*/metrics.json"))
+    methods = method_order(p.parent.name for p in d.glob("seed*/*/metrics.json"))
     text, summary = section(d, methods)
     seeds = {m: sorted({int(p.parent.parent.name[4:]) for p in d.glob(f"seed*/{m}/metrics.json")}) for m in methods}
     cj = json.loads((d / "compare.json").read_text()) if (d / "compare.json").is_file() else {}
@@ -124,9 +124,9 @@ def outcome(b: dict) -> list[str]:
     from nvflare_jobs.proto_eval import FLOOR
 
     s = b["summary"]
-    from nvflare_jobs.compare import _order
+    from nvflare_jobs.compare import method_order
 
-    ms = [m for m in _order(list(s["methods"])) if m in LABEL and ":" not in m]  # the plain methods, report order
+    ms = [m for m in method_order(list(s["methods"])) if m in LABEL and ":" not in m]  # the plain methods, report order
     if not ms:
         return []
     ok = all(s["methods"][m]["floor_met"] for m in ms)

@@ -25,12 +25,13 @@ numbers. Anything that cannot be audited gives one line in ``skipped`` naming wh
 from __future__ import annotations
 
 import json
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nvflare_jobs.evaluation.run_folder import list_run_models, load_model_file, model_aspect
 
 PROBE_IMAGES = 300
 SALIENCY_IMAGES = 8
@@ -66,8 +67,6 @@ class _Images:
 
 
 def _models_by_name(run: Path) -> dict[str, dict]:
-    from nvflare_jobs.evaluation import list_run_models
-
     return {m["name"]: m for m in list_run_models(run, "all")}
 
 
@@ -164,7 +163,6 @@ def _probe_and_saliency(run: Path, out: dict, paths: list[str], y: np.ndarray, f
     from hfl_components.audit.intervals import mean_ci
     from hfl_components.audit.probes import all_square, balanced_subsample
     from hfl_components.audit.saliency import BORDER_BAND, border_share, gradcam_maps, uniform_border_share
-    from nvflare_jobs.evaluation import load_model_file, model_aspect
 
     pidx = balanced_subsample(y, probe_images, seed)
     sidx = balanced_subsample(y, saliency_images, seed + 1)
@@ -250,7 +248,6 @@ def montage_figure(simg: _Images, rows: list[str], cams: dict, registry: dict, l
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from nvflare_jobs.evaluation import model_aspect
 
     n = len(simg.rows)
     fig, axes = plt.subplots(len(rows), n, figsize=(1.1 * n + 1.2, 1.15 * len(rows) + 0.4), squeeze=False)
@@ -350,8 +347,8 @@ def summary_lines(a: dict) -> list[str]:
         out.append("no probe beyond the tolerance")
     for n, v in ((a.get("operating_point") or {}).get("models") or {}).items():
         sens, spec = v["sensitivity"], v["specificity"]
-        out.append(f"{n}: threshold {v['threshold']:.3f}: sensitivity {_cell(sens, 'value', signed=False)}, "
-                   f"specificity {_cell(spec, 'value', signed=False)}")
+        out.append(f"{n}: threshold {v['threshold']:.3f}: sensitivity {ci_text(sens, 'value', signed=False)}, "
+                   f"specificity {ci_text(spec, 'value', signed=False)}")
     return out
 
 
@@ -360,44 +357,9 @@ def find_audits(run: str | Path) -> list[Path]:
     return sorted(Path(run).glob("external/*/audit.json"))
 
 
-def run_audit_cli(args) -> int:
-    """``cxr-hfl audit --run RUN [--data DATA [--part P]]``; a bad ``--data`` / ``--part`` combination is refused
-    as ``evaluate`` refuses it (:func:`nvflare_jobs.evaluation.part_required`)."""
-    from chest_xray.splits import POOL
-    from nvflare_jobs.evaluation import external_name, part_required
-
-    run = Path(args.run)
-    if not run.is_dir():
-        print(f"cxr-hfl audit: no run folder {run}", file=sys.stderr)
-        return 2
-    if args.part and not args.data:
-        print(f"cxr-hfl audit: --part {args.part} needs --data (the {POOL} root it was evaluated on)",
-              file=sys.stderr)
-        return 2
-    if args.data and (why := part_required(args.data, args.part)):  # the check evaluate and compare make
-        print(f"cxr-hfl audit: {why}", file=sys.stderr)
-        return 2
-    if args.data:
-        ext = run / "external" / external_name(args.data, args.part)
-    else:
-        found = sorted(p.parent for p in run.glob("external/*/predictions.npz"))
-        if len(found) != 1:
-            print(f"cxr-hfl audit: {run}: {len(found)} evaluated sets under external/; name one with --data "
-                  "(and --part)", file=sys.stderr)
-            return 2
-        ext = found[0]
-    if not (ext / "predictions.npz").is_file():
-        print(f"cxr-hfl audit: {ext}: no predictions.npz; run `cxr-hfl evaluate --run {run} --data ...` first",
-              file=sys.stderr)
-        return 2
-    audit_external(run, ext, probe_images=args.probe_images, saliency_images=args.saliency_images,
-                   device=args.device)
-    print(f"[cxr-hfl] audit: {ext / 'audit.json'}")
-    return 0
-
-
-def _cell(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
-    """``value [low, high]`` of a dict with ``v``, ``ci_low``, ``ci_high``; ``–`` when the value is missing."""
+def ci_text(d: dict | None, v: str = "mean_change", nd: int = 3, signed: bool = True) -> str:
+    """``value [low, high]`` of an audit interval (a dict with ``v``, ``ci_low``, ``ci_high``) with ``nd`` decimals,
+    the value signed when ``signed``; ``–`` when the value is missing, ``value`` alone without both bounds."""
     if not d or d.get(v) is None:
         return "–"
     f = f"{{:{'+' if signed else ''}.{nd}f}}"

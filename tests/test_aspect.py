@@ -75,7 +75,7 @@ def test_site_loader_follows_the_aspect_key(tmp_path, wide_pngs, aspect, pad):
 def test_probe_and_evaluate_use_the_sites_default(wide_pngs):
     from chest_xray import build_transforms, make_site_dataset
     from hfl_components.flare.probe import load_probe
-    from nvflare_jobs.evaluation import _ProbCache
+    from nvflare_jobs.evaluation import ProbCache
 
     folder = wide_pngs[0].parent
     probe = load_probe(str(folder), 32, n=4)
@@ -85,7 +85,7 @@ def test_probe_and_evaluate_use_the_sites_default(wide_pngs):
     assert all(_padded_rows_cols(lb[i]) == (19, 0) for i in range(4))
     # evaluate's decoded-image cache is the sites' eval dataset at the default aspect
     rows = [{"path": str(f), "label": k % 2} for k, f in enumerate(wide_pngs)]
-    xb = next(iter(_ProbCache(batch_size=4).loader("ext", rows, 32)))[0]
+    xb = next(iter(ProbCache(batch_size=4).loader("ext", rows, 32)))[0]
     ref = torch.stack([build_transforms(32, "eval")({"image": str(f), "label": 0})["image"] for f in wide_pngs])
     assert torch.equal(xb, ref) and torch.equal(xb, torch.stack([make_site_dataset(rows, 32, "eval")[i]["image"]
                                                                  for i in range(4)]))

@@ -415,7 +415,7 @@ def test_evaluate_refuses_when_it_cannot_see_a_sites_training_manifest(tmp_path)
     rows and scored the run's own training images as an external set (exit 0)."""
     import json
 
-    from nvflare_jobs.evaluation._run import LeakageError, missing_run_manifests
+    from nvflare_jobs.evaluation.run_folder import LeakageError, missing_run_manifests
     from nvflare_jobs.evaluation.evaluate import _external_records
 
     data = _tiny_data(tmp_path / "data")

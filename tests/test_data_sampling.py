@@ -35,7 +35,6 @@ def test_rare_class_kept_from_half_a_share_and_no_cap_returns_all():
 
 def test_old_import_paths_are_the_same_helpers():
     from hfl_components.flare.site_tasks import _stratified_cap
-    from nvflare_jobs.evaluation import _subset
 
     rows = _rows()
-    assert _stratified_cap(rows, 4, 1) == _subset(rows, 4, 1) == stratified_subset(rows, 4, 1)
+    assert _stratified_cap(rows, 4, 1) == stratified_subset(rows, 4, 1)

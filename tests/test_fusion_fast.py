@@ -325,7 +325,7 @@ def test_blocked_channel_stats_equal_float64_reference(layout, monkeypatch):
     numpy's float64 mean / unbiased std of each channel's values, gathered by hand."""
     import hfl_components.fusion.probe_stats as ps
 
-    monkeypatch.setattr(ps, "_CHUNK", 7)
+    monkeypatch.setattr(ps, "BLOCK_ROWS", 7)
     g = torch.Generator().manual_seed(3)
     y = torch.randn(5, 4, 6, 6, generator=g) * torch.tensor([0.1, 1.0, 3.0, 0.0]).view(1, -1, 1, 1) + 2.0
     if layout == "channels_last":
@@ -347,7 +347,7 @@ def test_blocked_affine_equals_float64_product(layout, monkeypatch):
     product rounded to float32 of the previous implementation."""
     import hfl_components.fusion.repair as rp
 
-    monkeypatch.setattr(rp, "_CHUNK", 5)
+    monkeypatch.setattr(rp, "BLOCK_ROWS", 5)
     g = torch.Generator().manual_seed(4)
     y = torch.randn(3, 4, 5, 5, generator=g)
     if layout == "channels_last":

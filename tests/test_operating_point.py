@@ -331,7 +331,7 @@ def test_predict_without_a_federated_threshold_says_why_in_one_line(data_root, t
 
 
 def test_run_summary_and_report_give_the_operating_point_in_one_line(capsys, tmp_path):
-    from nvflare_jobs.audit_report import operating_point_section
+    from nvflare_jobs.report import operating_point_section
     from nvflare_jobs.results import print_summary
 
     unset = {"threshold": None, "unresolved": "only threshold 0 (every image positive) reaches it", "target": 0.95}

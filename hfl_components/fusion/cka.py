@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-# the Gram primitives live in grams.py, shared with probe_stats (no import cycle); re-exported here
-from hfl_components.fusion.grams import _CHUNK, _REL_EPS, CKA_KINDS, _check_probe, _raw_gram, centre_gram  # noqa: F401
+# the Gram primitives live in grams.py, shared with probe_stats (no import cycle)
+from hfl_components.fusion.grams import CKA_KINDS, centre_gram, check_probe, raw_gram
 
 _EPS = 1e-300  # absolute guard on sqrt(HSIC(K,K) HSIC(L,L)) (only exact zeros / underflow)
 
@@ -48,13 +48,7 @@ def centred_gram(X) -> np.ndarray:
     Raises:
         ValueError: fewer than 2 samples or non-finite values.
     """
-    t = _as_2d_tensor(X, "X")
-    n, p = t.shape
-    K = torch.zeros((n, n), dtype=torch.float64)
-    for start in range(0, p, _CHUNK):
-        c = t[:, start:start + _CHUNK].to(torch.float64)
-        K += c @ c.T
-    return centre_gram(K.numpy())
+    return centre_gram(raw_gram(_as_2d_tensor(X, "X")))
 
 
 def cka_from_grams(Kc: np.ndarray, Lc: np.ndarray, eps: float = _EPS) -> float:
@@ -114,7 +108,7 @@ def layer_activations(model: nn.Module, probe: torch.Tensor) -> list[torch.Tenso
     Raises:
         ValueError: malformed probe.
     """
-    probe = _check_probe(model, probe)
+    probe = check_probe(model, probe)
     layers = model.layers()
     outs: list[torch.Tensor | None] = [None] * len(layers)
     handles = []

@@ -25,7 +25,13 @@ def centre_gram(K: np.ndarray) -> np.ndarray:
     return Kc
 
 
-def _check_probe(model: nn.Module, probe) -> torch.Tensor:
+def check_probe(model: nn.Module, probe) -> torch.Tensor:
+    """The probe batch as float32 (n, C, S, S), checked against ``model``.
+
+    Raises:
+        ValueError: not a 4-d float tensor, fewer than 2 images, or a channel count other than the model's first
+            convolution's.
+    """
     if not isinstance(probe, torch.Tensor) or probe.dim() != 4:
         raise ValueError("probe must be a float tensor of shape (n, in_channels, S, S)")
     if not torch.is_floating_point(probe):
@@ -38,7 +44,9 @@ def _check_probe(model: nn.Module, probe) -> torch.Tensor:
     return probe.to(torch.float32)
 
 
-def _raw_gram(t: torch.Tensor) -> np.ndarray:
+def raw_gram(t: torch.Tensor) -> np.ndarray:
+    """The raw linear Gram matrix K = t tᵀ (float64 n x n, not centred) of activations ``t`` (n x p, any float
+    dtype), summed over float64 blocks of :data:`_CHUNK` columns."""
     n, p = t.shape
     K = torch.zeros((n, n), dtype=torch.float64)
     for start in range(0, p, _CHUNK):

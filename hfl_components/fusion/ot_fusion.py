@@ -40,7 +40,7 @@ import numpy as np
 import ot
 import torch
 
-from hfl_components.fusion._arch import LayerRow, layer_table, resolve
+from hfl_components.fusion._arch import layer_table, resolve
 
 StateDict = dict[str, torch.Tensor]
 

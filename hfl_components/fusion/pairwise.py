@@ -10,7 +10,8 @@ import torch
 from hfl_components.fusion._arch import check_compatible, hidden_rows, spec_signature
 from hfl_components.fusion._timing import timed
 from hfl_components.fusion.balancing import insert_identity_layers, merge_layers
-from hfl_components.fusion.cka import CKA_KINDS, cka_cost_from_grams
+from hfl_components.fusion.cka import cka_cost_from_grams
+from hfl_components.fusion.grams import CKA_KINDS
 from hfl_components.fusion.layer_alignment import align_layers, map_cost
 from hfl_components.fusion.ot_fusion import ot_fuse_balanced
 from hfl_components.fusion.probe_stats import StatsCache

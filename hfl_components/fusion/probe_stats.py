@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hfl_components.fusion.grams import CKA_KINDS, _check_probe, _raw_gram, centre_gram
+from hfl_components.fusion.grams import CKA_KINDS, centre_gram, check_probe, raw_gram
 
 STAT_KEYS = ("stds", "channel", "acts") + tuple(f"gram_{k}" for k in CKA_KINDS)
 
@@ -50,7 +50,7 @@ def one_intra_op_thread():
         torch.set_num_threads(old)
 
 
-_CHUNK = 16384  # rows of the (positions, C) view per float64 block: no float64 copy of a whole 128 px map
+BLOCK_ROWS = 16384  # rows of the (positions, C) view per float64 block: no float64 copy of a whole 128 px map
 
 
 def neuron_rows(y: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def neuron_rows(y: torch.Tensor) -> torch.Tensor:
 def channel_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, C[, H, W]) -> per-channel mean and std (unbiased) over samples and positions, float64 (C,) each.
 
-    Two passes in float64 (mean, then the sum of squared deviations) over blocks of :data:`_CHUNK` rows of the
+    Two passes in float64 (mean, then the sum of squared deviations) over blocks of :data:`BLOCK_ROWS` rows of the
     (n·H·W, C) view, each block converted to float64 on its own: the same float64 arithmetic as ``y.double()``'s
     ``mean`` / ``std`` up to the order of summation (relative difference ~1e-14), without the float64 copy and the
     transposed copy of a whole 128 px activation map (faster; ``studies/speed/RESULTS.md``).
@@ -73,12 +73,12 @@ def channel_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.shape[0]
     with one_intra_op_thread():
         s1 = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
-        for i in range(0, n, _CHUNK):
-            s1 += flat[i:i + _CHUNK].sum(0, dtype=torch.float64)
+        for i in range(0, n, BLOCK_ROWS):
+            s1 += flat[i:i + BLOCK_ROWS].sum(0, dtype=torch.float64)
         mu = s1 / n
         s2 = torch.zeros_like(s1)
-        for i in range(0, n, _CHUNK):
-            s2 += (flat[i:i + _CHUNK].double() - mu).square_().sum(0)
+        for i in range(0, n, BLOCK_ROWS):
+            s2 += (flat[i:i + BLOCK_ROWS].double() - mu).square_().sum(0)
     return mu, (s2 / (n - 1)).sqrt_() if n > 1 else torch.full_like(s1, float("nan"))
 
 
@@ -99,7 +99,7 @@ def _gram(a: torch.Tensor, kind: str, is_conv: bool, n_out: int) -> object:
         a = a.reshape(a.shape[0], n_out, -1).mean(2)
     if a.shape[0] < 2:
         raise ValueError(f"activations needs at least 2 samples for CKA, got {a.shape[0]}")
-    K = _raw_gram(a)
+    K = raw_gram(a)
     if not np.isfinite(np.diag(K)).all():
         raise ValueError("activations contains non-finite values")
     return K if kind == "debiased" else centre_gram(K)
@@ -195,7 +195,7 @@ def hidden_layer_stats(model: nn.Module, probe: torch.Tensor, need) -> dict[str,
     bad = [k for k in need if k not in STAT_KEYS]
     if bad:
         raise ValueError(f"unknown probe statistics {bad}; known: {STAT_KEYS}")
-    probe = _check_probe(model, probe)
+    probe = check_probe(model, probe)
     layers = model.layers()[:-1]
     out: dict[str, list] = {k: [None] * len(layers) for k in need}
 

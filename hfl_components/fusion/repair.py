@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from hfl_components.fusion.probe_stats import channel_stats as _channel_stats
-from hfl_components.fusion.probe_stats import _CHUNK, neuron_rows, one_intra_op_thread
+from hfl_components.fusion.probe_stats import BLOCK_ROWS, neuron_rows, one_intra_op_thread
 from hfl_components.fusion.probe_stats import STAT_KEYS, hidden_layer_stats, hooked_pass, layer_stats, layer_std
 from hfl_components.models import build_model
 
@@ -85,8 +85,8 @@ def _affine_per_neuron(y: torch.Tensor, s: torch.Tensor, shift: torch.Tensor) ->
         view = (1, -1) + (1,) * (y.dim() - 2)
         return (y.double() * s.reshape(view) + shift.reshape(view)).to(y.dtype)
     with one_intra_op_thread():  # many small block operations: see probe_stats.one_intra_op_thread
-        for i in range(0, src.shape[0], _CHUNK):
-            dst[i:i + _CHUNK] = torch.addcmul(shift, src[i:i + _CHUNK].double(), s)
+        for i in range(0, src.shape[0], BLOCK_ROWS):
+            dst[i:i + BLOCK_ROWS] = torch.addcmul(shift, src[i:i + BLOCK_ROWS].double(), s)
     return out
 
 

@@ -222,9 +222,40 @@ def run_evaluate(args) -> int:
 
 
 def run_audit(args) -> int:
-    from nvflare_jobs.audit import run_audit_cli
+    """``cxr-hfl audit --run RUN [--data DATA [--part P]]``; a bad ``--data`` / ``--part`` combination is refused
+    as ``evaluate`` refuses it (:func:`nvflare_jobs.evaluation.part_required`)."""
+    from chest_xray.splits import POOL
+    from nvflare_jobs.audit import audit_external
+    from nvflare_jobs.evaluation import external_name, part_required
 
-    return run_audit_cli(args)
+    run = Path(args.run)
+    if not run.is_dir():
+        print(f"cxr-hfl audit: no run folder {run}", file=sys.stderr)
+        return 2
+    if args.part and not args.data:
+        print(f"cxr-hfl audit: --part {args.part} needs --data (the {POOL} root it was evaluated on)",
+              file=sys.stderr)
+        return 2
+    if args.data and (why := part_required(args.data, args.part)):  # the check evaluate and compare make
+        print(f"cxr-hfl audit: {why}", file=sys.stderr)
+        return 2
+    if args.data:
+        ext = run / "external" / external_name(args.data, args.part)
+    else:
+        found = sorted(p.parent for p in run.glob("external/*/predictions.npz"))
+        if len(found) != 1:
+            print(f"cxr-hfl audit: {run}: {len(found)} evaluated sets under external/; name one with --data "
+                  "(and --part)", file=sys.stderr)
+            return 2
+        ext = found[0]
+    if not (ext / "predictions.npz").is_file():
+        print(f"cxr-hfl audit: {ext}: no predictions.npz; run `cxr-hfl evaluate --run {run} --data ...` first",
+              file=sys.stderr)
+        return 2
+    audit_external(run, ext, probe_images=args.probe_images, saliency_images=args.saliency_images,
+                   device=args.device)
+    print(f"[cxr-hfl] audit: {ext / 'audit.json'}")
+    return 0
 
 
 def run_predict(args) -> int:

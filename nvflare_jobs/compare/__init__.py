@@ -35,7 +35,6 @@ from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run
     METHODS,
     PROTO,
     BudgetError,
-    _base,
     budget_lines,
     check_variant,
     command_for,
@@ -58,15 +57,16 @@ from nvflare_jobs.compare.tables import (
     COLUMNS,
     EXT_COLUMNS,
     METRICS,
-    _order,
     collect_runs,
     comparison_markdown,
     comparison_rows,
     control_method,
     external_markdown,
     external_tables,
+    load_external,
+    method_order,
     paired_diff,
     val_threshold_metrics,
     write_tables,
 )
-from nvflare_jobs.compare.targets import GLOBAL_AUC_TARGET, STRETCH_GAP, load_external, ohfl_targets, targets_markdown
+from nvflare_jobs.compare.targets import GLOBAL_AUC_TARGET, STRETCH_GAP, ohfl_targets, targets_markdown

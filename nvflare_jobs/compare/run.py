@@ -12,10 +12,10 @@ from pathlib import Path
 from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, _base, _entry, budget_lines, check_variant,
                                        command_for, epoch_plan, families_ignored, proto_protocol, simulate_options,
                                        split_variant)
-from nvflare_jobs.compare.tables import _order, collect_runs, write_tables
+from nvflare_jobs.compare.tables import collect_runs, method_order, write_tables
 
 def _subset(records: list[dict], n: int | None) -> list[dict]:
-    from nvflare_jobs.evaluation import _subset as sub
+    from chest_xray.sampling import stratified_subset as sub
 
     return sub(sorted(records, key=lambda r: r["path"]), n)
 
@@ -299,7 +299,7 @@ def _proto_section(out: Path, methods: list[str]) -> None:
     from nvflare_jobs.proto_eval import write_section
 
     try:
-        summary = write_section(out, _order(methods))
+        summary = write_section(out, method_order(methods))
     except (FileNotFoundError, ValueError) as e:
         print(f"[compare] site models not scored on the evaluation part: {e}", file=sys.stderr)
     else:

@@ -166,6 +166,23 @@ EXT_COLUMNS = ["method", "seed", "model", "kind", "site", "input_size", "n", "au
                "sensitivity", "specificity"]
 
 
+def load_external(out: Path) -> dict | None:
+    """The external evaluation tables compare wrote (``comparison_external.csv``, ``paired_external.json``) as
+    ``{"rows": [...], "paired": [...], ...}`` with numbers as floats; None when either file is missing."""
+    out = Path(out)
+    f_rows, f_pair = out / "comparison_external.csv", out / "paired_external.json"
+    if not (f_rows.is_file() and f_pair.is_file()):
+        return None
+    rows = []
+    with f_rows.open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            for k in EXT_COLUMNS[7:]:
+                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+            r["seed"] = int(r["seed"])
+            rows.append(r)
+    return {**json.loads(f_pair.read_text()), "rows": rows}
+
+
 def _external_name(out: Path) -> tuple[str | None, dict]:
     from nvflare_jobs.evaluation import external_name
 
@@ -244,7 +261,7 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     if not rows:
         return None
     _write_csv(out / "comparison_external.csv", rows, EXT_COLUMNS)
-    methods = _order({m for m, _ in runs_by})
+    methods = method_order({m for m, _ in runs_by})
     control = control_method(methods, cj)
     pairs = []
     reference = catalogue.with_role("reference")
@@ -293,7 +310,7 @@ def _ci_cell(d: dict) -> str:
 
 def external_markdown(ext: dict, plans: dict) -> list[str]:
     rows = ext["rows"]
-    methods = _order({r["method"] for r in rows})
+    methods = method_order({r["method"] for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     fens = "; FENS's (the site models + the aggregator) once, at its own input size" if "fens" in methods else ""
     L = ["", f"## External evaluation: `{ext['data']}`" + (f", part `{ext['part']}`" if ext.get("part") else ""), "",
@@ -353,7 +370,9 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
     return L
 
 
-def _order(methods) -> list[str]:
+def method_order(methods) -> list[str]:
+    """The distinct ``methods`` (names or variants such as ``ohfl:strategy=cdd``) in report order: the catalogue's
+    order of their base method (:data:`~nvflare_jobs.compare.plan.METHODS`), unknown names last, then by name."""
     def key(m):
         name = split_variant(m)[0]
         return (METHODS.index(name) if name in METHODS else 99, m)
@@ -365,7 +384,7 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
     if plans is None:
         plans = cj.get("epoch_plan")
     plans = plans or {}
-    methods = _order(r["method"] for r in rows)
+    methods = method_order(r["method"] for r in rows)
     seeds = sorted({r["seed"] for r in rows})
     sites = sorted({r["site"] for r in rows}, key=lambda s: (len(s), s))
     labels = {m.get("labels") for _, _, m in runs}
@@ -415,7 +434,7 @@ def _pooled_section(runs) -> list[str]:
     L: list[str] = []
     L += ["", "## Pooled test metrics with 95% bootstrap CI", "",
           "| method | seed | n | accuracy | balanced accuracy | AUC |", "|---|---|---|---|---|---|"]
-    for method, seed, m in sorted(runs, key=lambda x: (_order([r[0] for r in runs]).index(x[0]), x[1])):
+    for method, seed, m in sorted(runs, key=lambda x: (method_order([r[0] for r in runs]).index(x[0]), x[1])):
         p = m.get("pooled") or {}
 
         def ci(k):

@@ -1,35 +1,12 @@
 """The one-shot main job's targets against an external evaluation."""
 from __future__ import annotations
 
-import csv
-import json
-from pathlib import Path
-
 import numpy as np
 
 from hfl_components.flare import catalogue
 
 GLOBAL_AUC_TARGET = 0.75   # the fused global model's zero-shot mean AUC
 STRETCH_GAP = 0.05         # stretch: global within this of its parents' (pre-fusion local models') mean AUC
-
-
-def load_external(out: Path) -> dict | None:
-    """The external evaluation tables compare wrote (``comparison_external.csv``, ``paired_external.json``) as
-    ``{"rows": [...], "paired": [...], ...}`` with numbers as floats; None when either file is missing."""
-    out = Path(out)
-    f_rows, f_pair = out / "comparison_external.csv", out / "paired_external.json"
-    if not (f_rows.is_file() and f_pair.is_file()):
-        return None
-    from nvflare_jobs.compare.tables import EXT_COLUMNS
-
-    rows = []
-    with f_rows.open(newline="") as fh:
-        for r in csv.DictReader(fh):
-            for k in EXT_COLUMNS[7:]:
-                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-            r["seed"] = int(r["seed"])
-            rows.append(r)
-    return {**json.loads(f_pair.read_text()), "rows": rows}
 
 
 def ohfl_targets(ext: dict, method: str | None = None) -> list[dict]:

@@ -19,9 +19,8 @@ the run's site manifests; ``evaluate_run`` refuses an overlapping set unless ``f
 scored: every image of the probe pool the run's OHFL server was given (:func:`probe_pool`: a folder, a probe CSV, or
 the committed ``probe`` part) is left out, and ``summary.json`` records how many as ``probe_images_excluded``.
 """
-from nvflare_jobs.evaluation._run import (  # the public face; the parts: _run (run folder), evaluate, predict
+from nvflare_jobs.evaluation.run_folder import (  # the public face; the parts: run_folder, evaluate, predict
     LeakageError,
-    _subset,
     list_run_models,
     load_model_file,
     model_aspect,
@@ -37,7 +36,7 @@ from nvflare_jobs.evaluation._run import (  # the public face; the parts: _run (
 )
 from nvflare_jobs.evaluation.evaluate import (
     SUMMARY_METRICS,
-    _ProbCache,
+    ProbCache,
     evaluate_run,
     external_name,
     global_site_mean,

@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from nvflare_jobs.evaluation._run import (LeakageError, _stem_key, _subset, list_run_models, load_model_file,
-                                          missing_run_manifests, model_aspect, probe_pool, run_groups, run_labels,
-                                          run_site_sizes, site_rows, training_overlap)
+from chest_xray.sampling import stratified_subset
+from nvflare_jobs.evaluation.run_folder import (LeakageError, list_run_models, load_model_file, missing_run_manifests,
+                                                model_aspect, name_key, probe_pool, run_groups, run_labels,
+                                                run_site_sizes, site_rows, training_overlap)
 
-class _ProbCache:
+class ProbCache:
     """Image tensors per (image set, input size), decoded once and reused by every model scored at that size (a run
     has up to 15 models on the same external images; decoding dominates the cost)."""
 
@@ -188,7 +189,7 @@ def evaluate_run(run: str | Path, data: str | Path, labels: str | None = None, *
         raise ValueError(f"max_images must be >= 1, got {max_images}")
     _check_model_headers(models, labels)  # before the data are read and before an earlier result is replaced
     records, report, overlap, n_probe, probe_source = _external_records(run, data, labels, part, force, log)
-    records = _subset(records, max_images)
+    records = stratified_subset(records, max_images)
     name = external_name(data, part)
     out_dir = run / "external" / name
     opts = {"n_images": len(records), "max_images": max_images, "labels": labels, "forced": bool(force),
@@ -295,7 +296,7 @@ def _external_records(run: Path, data, labels: str, part, force: bool, log) -> t
         log("WARNING " + "!" * 60)
     probe_names, probe_source = probe_pool(run)
     n_before = len(records)
-    records = [r for r in records if _stem_key(r["path"]) not in probe_names]
+    records = [r for r in records if name_key(r["path"]) not in probe_names]
     n_probe = n_before - len(records)
     overlap["probe_file_names"] = n_probe
     if n_probe:
@@ -319,7 +320,7 @@ class _Scorer:
         self.C = len(self.names)
         self.val_rows = {s: [r for r in rs if r["split"] == "val"] for s, rs in site_rows(run).items()}
         self.run_labels = run_labels(run) or labels
-        self.cache = _ProbCache()
+        self.cache = ProbCache()
         self.y = None
 
     def score(self, m: dict) -> tuple[dict, np.ndarray]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from chest_xray.io import SUPPORTED_SUFFIXES
 from chest_xray.screening import MIN_IMAGE_SIDE, screen_image
-from nvflare_jobs.evaluation._run import load_model_file, model_aspect
+from nvflare_jobs.evaluation.run_folder import load_model_file, model_aspect
 
 def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[Path]:
     """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder,
@@ -189,7 +189,7 @@ def _global_sizes(model_path: Path) -> tuple[list[int], str]:
     """``(sorted input sizes, whose)`` of the sites a global model serves: every site of its run, or for
     ``RUN/global_models/<group>[_fused].pt`` of a run with ``groups.json`` that group's sites only; ``([], "")``
     when no run folder beside the file records them."""
-    from nvflare_jobs.evaluation._run import run_groups, run_input_sizes, run_site_sizes
+    from nvflare_jobs.evaluation.run_folder import run_groups, run_input_sizes, run_site_sizes
 
     run = _run_of(model_path)
     if run is None:

@@ -30,7 +30,7 @@ class Missing(Exception):
 
 def _read(p: Path) -> dict:
     """The JSON object in ``p`` (the runs' own reader); :class:`Missing` naming ``p`` when absent or unreadable."""
-    from nvflare_jobs.evaluation._run import run_metrics
+    from nvflare_jobs.evaluation.run_folder import run_metrics
 
     if not p.is_file():
         raise Missing(f"no {p}")

@@ -14,7 +14,7 @@ import torch
 
 from chest_xray import build_transforms
 from hfl_components.models import load_model_file
-from nvflare_jobs.evaluation.predict import model_aspect
+from nvflare_jobs.evaluation import model_aspect
 
 
 def site_scores(run: Path, part: Path) -> dict:

@@ -166,18 +166,19 @@ def run_groups(run: Path) -> dict[str, list[str]]:
 
 
 # ----------------------------------------------------------------------------------------------- leakage
-def _stem_key(path: str) -> str:
+def name_key(path: str) -> str:
+    """The key the leakage checks match images on: the file name of ``path``, lower case."""
     return Path(path).name.lower()
 
 
 def training_overlap(run: Path, records: list[dict]) -> dict[str, Any]:
     """File names and patient ids the external ``records`` share with the run's site manifests (all splits)."""
     rows = [r for rs in site_rows(run).values() for r in rs]
-    names = {_stem_key(r["path"]) for r in rows}
+    names = {name_key(r["path"]) for r in rows}
     pids = {str(r["patient_id"]) for r in rows if r.get("patient_id")}
-    shared_names = sorted({_stem_key(r["path"]) for r in records} & names)
+    shared_names = sorted({name_key(r["path"]) for r in records} & names)
     shared_pids = sorted({str(r["patient_id"]) for r in records if r.get("patient_id")} & pids)
-    n_img = sum(1 for r in records if _stem_key(r["path"]) in names or str(r.get("patient_id")) in pids)
+    n_img = sum(1 for r in records if name_key(r["path"]) in names or str(r.get("patient_id")) in pids)
     return {"n_run_rows": len(rows), "shared_file_names": len(shared_names), "shared_patient_ids": len(shared_pids),
             "n_external_images_affected": n_img, "examples": (shared_names[:5] + shared_pids[:5])}
 
@@ -213,7 +214,7 @@ def probe_pool(run: Path) -> tuple[set[str], str | None]:
     if (run / "metrics.json").is_file():
         rec = run_metrics(run).get("probe")
         if isinstance(rec, dict):
-            used = {_stem_key(str(f)) for f in rec.get("files") or []}
+            used = {name_key(str(f)) for f in rec.get("files") or []}
     opts = run / "job_options.json"
     if not opts.is_file():
         return used, None
@@ -221,14 +222,14 @@ def probe_pool(run: Path) -> tuple[set[str], str | None]:
     if not probe or probe in ("generated", "none"):  # generated inputs, or no probe pool (data-free)
         return used, probe
     p = Path(probe)
-    part = {_stem_key(r["path"]) for r in split_rows("probe")}
+    part = {name_key(r["path"]) for r in split_rows("probe")}
     if _probe_part(probe):
         return part | used, str(probe)
     if p.is_dir() and p.name == POOL and any((p / r["path"]).is_file() for r in split_rows("probe")[:20]):
         return part | used, f"{p} (its committed probe part)"
     if p.is_file():
         with open(p, newline="", encoding="utf-8", errors="surrogateescape") as fh:  # as write_partition wrote it
-            return {_stem_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")} | used, str(p)
+            return {name_key(r.get("path", "")) for r in csv.DictReader(fh) if r.get("path")} | used, str(p)
     if p.is_dir():
         return {f.name.lower() for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES} | used, str(p)
     raise FileNotFoundError(f"{run}: the probe pool its server used ({probe}) no longer exists, so its images "
@@ -238,17 +239,10 @@ def probe_pool(run: Path) -> tuple[set[str], str | None]:
 def probe_overlap(run: Path, records: list[dict]) -> int:
     """Number of external images whose file name is in the run's OHFL probe pool (:func:`probe_pool`)."""
     names, _ = probe_pool(run)
-    return sum(1 for r in records if _stem_key(r["path"]) in names)
+    return sum(1 for r in records if name_key(r["path"]) in names)
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
-def _subset(records: list[dict], max_images: int | None, seed: int = 0) -> list[dict]:
-    """A class-stratified subset of at most ``max_images`` records: :func:`chest_xray.sampling.stratified_subset`."""
-    from chest_xray.sampling import stratified_subset
-
-    return stratified_subset(records, max_images, seed)
-
-
 def model_aspect(header: dict, run: Path | None = None) -> str:
     """How to make images square for a model: its file's ``aspect`` (the site-config key it was trained with),
     else -- a global model, which has none of its own -- the one aspect every site of ``run`` used

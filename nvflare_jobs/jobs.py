@@ -30,6 +30,11 @@ class ServerParams:
         job.add_params(self.params, ctx)
 
 
+# how a controller finds its catalogue entry (its options' declarations, upload checks, training task): given to
+# every controller by the job, since the catalogue names the controllers and they must not import it back
+ENTRY_REF = "hfl_components.flare.catalogue:entry"
+
+
 def make_controller(method: str, profile: dict[str, dict], opts: dict):
     """Instantiate the server workflow for ``method`` with options ``opts`` (see ``cxr-hfl simulate --help``).
 
@@ -39,14 +44,16 @@ def make_controller(method: str, profile: dict[str, dict], opts: dict):
     Raises:
         ValueError: unknown method, a bad option (naming it), or a profile the method cannot run.
     """
-    from hfl_components.flare.catalogue import entry, resolve, validate_options
+    from hfl_components.flare.catalogue import entry, validate_options
+    from hfl_components.flare.options import resolve
 
     e = entry(method)
     checked = validate_options(method, opts)
     n = len(profile)
     common = {"num_rounds": int(opts.get("rounds") or 1), "min_sites": int(opts.get("min_sites") or max(1, n - 1)),
               "task_timeout": int(opts.get("task_timeout") or 0), "seed": int(opts.get("seed") or 0),
-              "late_wait_s": None if opts.get("late_wait_s") is None else int(opts["late_wait_s"])}
+              "late_wait_s": None if opts.get("late_wait_s") is None else int(opts["late_wait_s"]),
+              "entry_ref": ENTRY_REF}
     tc = {k: opts[k] for k in ("local_epochs", "finetune_epochs", "finetune_lr") if opts.get(k) is not None}
     return resolve(e.controller).from_options(method, profile, checked, common, tc)
 

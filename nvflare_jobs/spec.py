@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from chest_xray import ASPECTS
 from hfl_components.flare import catalogue
-from hfl_components.flare.catalogue import Option, OptionError, check_option
+from hfl_components.flare.options import Option, OptionError, check_option
 from nvflare_jobs.runner import Run, SimulateError, export_job, finished, run_in_process
 
 
@@ -304,20 +304,8 @@ def resolve(method: str, given: Mapping[str, Any] | None = None) -> RunSpec:
     if bad:
         raise SimulateError(f"unknown option(s) {bad} for {method}", bad[0])
     run = {k: (_typed(k, _RUN[k], given[k], method) if k in given else _RUN[k].default) for k in _RUN}
-    warnings: list[str] = []
     own = {o.key for o in e.options}
-    for key, users in foreign.items():  # options of other methods: ignored with a warning (refused when strict)
-        if key in own or key in _RUN or key not in given:
-            continue
-        opt = users[0][1]
-        v = given.pop(key)
-        if v in ([], opt.argparse_default, opt.default):
-            continue
-        msg = (f"{_shown(key, v)} is not an option of {method} (it is one of "
-               f"{', '.join(m for m, _ in users)})")
-        if any(o.strict for _, o in users):
-            raise SimulateError(msg, key)
-        warnings.append(f"{msg}; ignored")
+    warnings = _drop_foreign(method, given, own, foreign)
     method_given = {k: v for k, v in given.items() if k in own}
     for name in PRESETS:
         if not run[name]:
@@ -356,6 +344,24 @@ def resolve(method: str, given: Mapping[str, Any] | None = None) -> RunSpec:
         if w:
             warnings.append(w)
     return RunSpec(method=method, options=spec.options, warnings=tuple(warnings), **run)
+
+
+def _drop_foreign(method: str, given: dict, own: set, foreign: dict) -> list[str]:
+    """Remove from ``given`` the options of other methods; return a warning line for each given a value other than
+    its default. Raises SimulateError for a strict one (an option that must not be silently ignored)."""
+    warnings = []
+    for key, users in foreign.items():
+        if key in own or key in _RUN or key not in given:
+            continue
+        opt = users[0][1]
+        v = given.pop(key)
+        if v in ([], opt.argparse_default, opt.default):
+            continue
+        msg = f"{_shown(key, v)} is not an option of {method} (it is one of {', '.join(m for m, _ in users)})"
+        if any(o.strict for _, o in users):
+            raise SimulateError(msg, key)
+        warnings.append(f"{msg}; ignored")
+    return warnings
 
 
 def _shown(key: str, v) -> str:

@@ -41,5 +41,5 @@ def ohfl_controller(**kw):
     tc = {"init": args.pop("init"), "init_seed": kw.get("seed", 0), "gate": bool(args.pop("gate")),
           "target_sensitivity": float(args.pop("target_sensitivity"))}
     common = {"num_rounds": 1, "min_sites": 1, "task_timeout": 0, "seed": 0, "late_wait_s": None,
-              "task_config": tc, "site_specs": {}}
+              "task_config": tc, "site_specs": {}, "entry_ref": "hfl_components.flare.catalogue:entry"}
     return OHFLController(**{**common, **args, **{k: v for k, v in kw.items() if k in common or k in args}})

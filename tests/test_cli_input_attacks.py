@@ -343,7 +343,8 @@ def test_an_out_path_through_a_file_is_named_in_plain_words(tmp_path, capsys):
 def test_paper_with_distillation_steps_is_refused_not_silently_zeroed(tmp_path, capsys, steps, refused):
     """--paper --distill-steps 300 ran without distillation and said nothing: the paper's pipeline sets 0 steps,
     as it sets --ot sinkhorn, and a conflicting explicit value is refused as theirs are."""
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     if refused:
         with pytest.raises(SimulateError, match=r"option 'distill_steps' 0\); drop option 'distill_steps' 300") as e:

@@ -100,7 +100,8 @@ def test_export_job_is_portable_for_every_method(tmp_path, method):
     # every controller setting is written, defaults included: a server with other defaults runs the same job
     import inspect
 
-    from hfl_components.flare.catalogue import entry, resolve
+    from hfl_components.flare.catalogue import entry
+    from hfl_components.flare.options import resolve
 
     srv = json.loads((folder / "app_server" / "config" / "config_fed_server.json").read_text())
     ctl_args = srv["workflows"][0]["args"]

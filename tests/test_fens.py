@@ -166,7 +166,8 @@ def test_holdout_split_is_stratified_disjoint_and_left_out_of_training(tmp_path)
 
 
 def test_bad_fens_options_are_refused_in_one_line_naming_the_option():
-    from nvflare_jobs.spec import SimulateError, resolve as check
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve as check
 
     for opts, word in (({"fens_holdout": 1.5}, "fens_holdout"), ({"fens_aggregator": "tree"}, "fens_aggregator"),
                        ({"fens_hidden": 0}, "fens_hidden"), ({"fens_lr": -1}, "fens_lr")):

@@ -249,7 +249,7 @@ def _good_model():
 
 
 def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it(tmp_path):
-    from hfl_components.flare.controllers.ohfl import deployment_gate, ohfl_finetune
+    from hfl_components.flare.controllers.ohfl_site import deployment_gate, ohfl_finetune
     from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
 
     assert deployment_gate({"auc": 0.9}, {"auc": 0.8})["adopted"]

@@ -39,7 +39,7 @@ def _build_like_nvflare(wf: dict):
 
 
 def test_edited_exported_job_fails_the_option_check_naming_the_option(tmp_path):
-    from hfl_components.flare.catalogue import OptionError
+    from hfl_components.flare.options import OptionError
 
     man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}  # not read: the export needs only the model specs
     job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))
@@ -116,7 +116,7 @@ def test_edited_job_string_gate_reaches_the_sites_as_the_checked_bool(tmp_path):
 def test_edited_job_bad_probe_size_or_server_device_names_the_argument(tmp_path):
     """A hand-edited ``"probe_size": "abc"`` used to fail in the constructor with Python's "invalid literal for int()"
     and ``"fusion_device": "tpu"`` without naming the argument; both now name it."""
-    from hfl_components.flare.catalogue import OptionError
+    from hfl_components.flare.options import OptionError
 
     man = {s: tmp_path / "data" / f"{s}.csv" for s in SITES}
     job = _export_ohfl(tmp_path, tiny_profile(man, tmp_path / "profile", "ohfl"))

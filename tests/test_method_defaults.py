@@ -25,6 +25,7 @@ def _site_cfg(tmp_path, **extra):
 class _RT:
     def __init__(self, cfg, method):
         self.cfg, self.method, self.site = cfg, method, "site-1"
+        self.method_defaults = method_defaults(method) if method else None  # what dispatch.handler sets
 
 
 def _simulate_args(method: str):

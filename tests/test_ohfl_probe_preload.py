@@ -76,7 +76,7 @@ def test_probe_preloaded_during_round0_is_the_synchronous_probe(monkeypatch, tmp
 
 
 def test_probe_preloader_error_surfaces_when_the_probe_is_needed():
-    from hfl_components.flare.controllers.ohfl import ProbePreloader
+    from hfl_components.flare.controllers._probe_preload import ProbePreloader
 
     def bad(size):
         raise FileNotFoundError(f"no probe at {size}")

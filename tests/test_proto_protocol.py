@@ -387,7 +387,7 @@ def test_deploy_best_val_keeps_the_round_with_the_best_validation_score_ties_to_
     """deploy: best_val: scripted validation balanced accuracies 0.40, 0.60, 0.50, 0.60 (tie), 0.30 over
     five rounds of the real Local handler -> the deployed model file and the model the final evaluation task scores
     are round 3's weights (the later of the two 0.60 rounds), not round 4's; deploy: last deploys round 4's."""
-    from hfl_components.flare.site_methods import handler
+    from hfl_components.flare.dispatch import handler
     from hfl_components.models import load_model_file
 
     for rule, expect in (("best_val", 3), ("last", 4)):

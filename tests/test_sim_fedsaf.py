@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from nvflare_jobs.jobs import ENTRY_REF
 from hfl_components.flare.inprocess import InProcessTransport
 
 from tests.sim_helpers import assert_canonical, load_metrics, make_partition, make_profile, run_cli
@@ -68,7 +69,8 @@ def test_bad_prototype_upload_is_dropped_with_reason_and_round_completes(tmp_pat
         return {"prototypes": P, "counts": n}, {"val": {"accuracy": 0.4}}, {"status": "ok", "n_train": int(n.sum())}
 
     ctl = FedSAFController(num_classes=C, feature_dim=D, num_rounds=3, min_sites=1,
-                           task_config={"alignment": "gcsa", "lambda": 1.0, "gamma": 1.0})
+                           task_config={"alignment": "gcsa", "lambda": 1.0, "gamma": 1.0},
+                           entry_ref=ENTRY_REF)
     fake = transport(["site-1", "site-2", "site-3"], answer)
     logs = _wire(ctl, tmp_path, fake)
     ctl.run()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from nvflare_jobs.jobs import ENTRY_REF
 from tests.sim_helpers import assert_canonical, load_metrics, make_partition, make_profile, run_cli
 from tests.test_sim_fedsaf import _eval_answer, _wire, transport
 
@@ -72,7 +73,8 @@ def test_bad_topology_upload_is_dropped_with_reason_and_round_completes(tmp_path
         return {"R": R, "counts": n}, {"val": {"accuracy": 0.5}, "D_r": 0.1, "D_rs": 0.05}, {"status": "ok"}
 
     ctl = FedTopoController(num_classes=C, rho=0.7, num_rounds=2, min_sites=1,
-                            task_config={"top_q": 3, "warmup": 1, "lambda": 1.0, "gamma": 1.0, "ablate": []})
+                            task_config={"top_q": 3, "warmup": 1, "lambda": 1.0, "gamma": 1.0, "ablate": []},
+                            entry_ref=ENTRY_REF)  # the job builder gives it: the upload checks
     fake = transport(["site-1", "site-2", "site-3"], answer)
     logs = _wire(ctl, tmp_path, fake)
     ctl.run()

@@ -19,7 +19,7 @@ from tests.deploy_helpers import REPO_ROOT, run_cli, tiny_manifests, tiny_profil
 CUDA = torch.cuda.is_available()
 
 
-def _base(**kw):
+def base_method(**kw):
     return {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}, **kw}
 
 
@@ -27,17 +27,17 @@ def _base(**kw):
 def test_device_and_amp_keys_are_validated_naming_the_file(tmp_path):
     from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
 
-    assert validate_site_config(_base(), "s", check_files=False)["device"] == "auto"
-    assert validate_site_config(_base(), "s", check_files=False)["amp"] is False
+    assert validate_site_config(base_method(), "s", check_files=False)["device"] == "auto"
+    assert validate_site_config(base_method(), "s", check_files=False)["amp"] is False
     for ok in ("cpu", "cuda", "cuda:3", "AUTO"):
-        assert validate_site_config(_base(device=ok), "s", check_files=False)["device"] == ok.lower()
+        assert validate_site_config(base_method(device=ok), "s", check_files=False)["device"] == ok.lower()
     f = tmp_path / "hospital-a.yaml"
     for bad in ("gpu", "cuda:x", "cuda:", 0, "mps"):
-        f.write_text(yaml.safe_dump(_base(device=bad)))
+        f.write_text(yaml.safe_dump(base_method(device=bad)))
         with pytest.raises(SiteConfigError) as e:
             load_site_config("hospital-a", f, check_files=False)
         assert str(f) in str(e.value) and "'device'" in str(e.value) and "auto | cpu | cuda | cuda:N" in str(e.value)
-    f.write_text(yaml.safe_dump(_base(amp="yes")))
+    f.write_text(yaml.safe_dump(base_method(amp="yes")))
     with pytest.raises(SiteConfigError, match="'amp': must be true or false"):
         load_site_config("hospital-a", f, check_files=False)
 

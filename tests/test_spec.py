@@ -12,7 +12,8 @@ import pytest
 
 from hfl_components.flare import catalogue
 from nvflare_jobs.runner import Run, finished
-from nvflare_jobs.spec import RUN_OPTIONS, RunSpec, SimulateError, cli_message, from_dict, resolve
+from nvflare_jobs.runner import SimulateError
+from nvflare_jobs.spec import RUN_OPTIONS, cli_message, from_dict, resolve
 
 
 def test_the_command_lines_spec_is_the_librarys():

@@ -40,8 +40,9 @@ class MomentumFedAvgController(FedAvgController):
 
     def __init__(self, global_spec: dict, server_lr: float = 1.0, momentum: float = 0.9, num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 late_wait_s: int | None = None):
-        super().__init__(global_spec, num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+                 late_wait_s: int | None = None, entry_ref: str | None = None):
+        super().__init__(global_spec, num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s,
+                         entry_ref=entry_ref)
         self.server_lr = float(server_lr)
         self.momentum = float(momentum)
 

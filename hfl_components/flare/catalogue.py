@@ -45,15 +45,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hfl_components.flare._options import (  # the public face of the option machinery
-    _UNSET,
+from hfl_components.flare.options import (
     Option,
     OptionError,
-    _in_unit_interval,
-    _non_negative,
-    check_option,
+    in_unit_interval,
+    non_negative,
     repair_name,
     resolve,
+    validate,
 )
 
 @dataclass(frozen=True)
@@ -223,7 +222,7 @@ _OHFL = (
            "device"),
     Option("distill_steps", int, 300, None, "after fusion, at most this many steps of ensemble distillation of every "
            "upload into each architecture's global model on the probe pool (FedDF); 0 = fusion alone "
-           "(docs/decisions.md)", cli_default=None, check=_non_negative("distill steps")),
+           "(docs/decisions.md)", cli_default=None, check=non_negative("distill steps")),
     Option("distill_temperature", float, 2.0, None, "temperature of the distillation's soft targets (Hinton et al.)",
            check=lambda v: None if 0 < v < float("inf") else f"must be a finite number > 0, got {v}"),
     Option("distill_weights", str, "samples", ("samples", "score", "equal"),
@@ -236,18 +235,18 @@ _OHFL = (
     Option("data_free", bool, False, None, "distil on generator images (DENSE) instead of the probe pool; required "
            "with --probe none", cli_default=None),
     Option("data_free_rounds", int, 20, None, "budget cap of the data-free distillation (generator/student rounds)",
-           check=_non_negative("data-free rounds")),
+           check=non_negative("data-free rounds")),
 )
 # Gradient-norm clip of local training with the alignment / topology loss: without it a FedProto-MSE run on
 # chest_xray_224 (Dirichlet 0.1) blew one site's features up until every site's loss was inf in round 3.
 GRAD_CLIP = Option("grad_clip", float, 10.0, None, "clip the global gradient norm of local training to this value "
                    "in rounds trained with the method's auxiliary loss (0 or none: no clip)", cli_default=None,
-                   check=_non_negative("grad-clip"))
+                   check=non_negative("grad-clip"))
 # lambda / gamma: cli_default None so that each method fills in its own default (FedProto's differ, below)
 _LAMBDA = Option("lam", float, 1.0, None, "FedSAF/FedProto: weight of the prototype-level term; FedTopo: weight of "
-                 "the modulated CE", flag="--lambda", cli_default=None, check=_non_negative("lambda"))
+                 "the modulated CE", flag="--lambda", cli_default=None, check=non_negative("lambda"))
 _GAMMA = Option("gamma", float, 1.0, None, "FedSAF/FedProto: weight of the instance-level term; FedTopo: modulation "
-                "strength", cli_default=None, check=_non_negative("gamma"))
+                "strength", cli_default=None, check=non_negative("gamma"))
 # FedProto's alignment weights. FedProto's loss (FedSAF paper Eq. 2, the FedProto baseline) is
 # CE + lambda_FP * R(f(x), P_g^y) per sample: the instance level only, so the prototype level is off (lam 0). Its
 # reference code takes R = nn.MSELoss (mean over the d feature elements) with lambda_FP = 1; our "mse" sums over d
@@ -282,14 +281,14 @@ _FEDTOPO = (
     _LAMBDA, _GAMMA, GRAD_CLIP,
     Option("eval", str, "head", ("head",), "FedTopo evaluates with the site's own head only", strict=True),
     Option("top_q", int, 3, None, "FedTopo: negatives modulated per sample (clipped to C-1)",
-           check=_non_negative("top-q")),
-    Option("rho", float, 0.7, None, "FedTopo: EMA factor of the global topology", check=_in_unit_interval),
-    Option("warmup", int, 3, None, "FedTopo: rounds without the topology loss", check=_non_negative("warmup")),
+           check=non_negative("top-q")),
+    Option("rho", float, 0.7, None, "FedTopo: EMA factor of the global topology", check=in_unit_interval),
+    Option("warmup", int, 3, None, "FedTopo: rounds without the topology loss", check=non_negative("warmup")),
     Option("ablate", list, [], TOPOLOGY_ABLATIONS, "FedTopo ablation (repeatable): server no_reliability/no_ema, "
            "site no_topq/no_missing_mask/local_topology", what="ablation"),
     Option("noisy_counts", float, None, None,
            "FedTopo: Laplace scale b added to the uploaded counts of present classes (>= 1 kept)",
-           check=_non_negative("noisy-counts scale")),
+           check=non_negative("noisy-counts scale")),
 )
 
 _FENS = (
@@ -301,7 +300,7 @@ _FENS = (
            "FENS's plain aggregator)"),
     Option("fens_holdout", float, 0.1, None, "fraction of each site's training split held out of its local training "
            "to train the aggregator on", check=lambda v: None if 0 < v < 1 else f"must be in (0, 1), got {v}"),
-    Option("fens_epochs", int, 2, None, "aggregator epochs per round at each site", check=_non_negative("epochs")),
+    Option("fens_epochs", int, 2, None, "aggregator epochs per round at each site", check=non_negative("epochs")),
     Option("fens_lr", float, 0.01, None, "Adam learning rate of the aggregator",
            check=lambda v: None if 0 < v < float("inf") else f"must be a finite number > 0, got {v}"),
 )
@@ -349,12 +348,12 @@ _ENTRIES: list[MethodEntry] = [
                 summary="FedAvg on the profile's deepest fusable architecture", role="reference"),
     MethodEntry("fedprox", _CTL + "baselines.FedAvgController", {"fedprox_train": _CTL + "fedprox:fedprox_train"},
                 options=(Option("mu", float, 0.01, None, "FedProx proximal weight mu: each site minimises its loss + "
-                                "mu/2 ||w - w_global||^2 (0 = FedAvg)", check=_non_negative("mu")),),
+                                "mu/2 ||w - w_global||^2 (0 = FedAvg)", check=non_negative("mu")),),
                 upload_checks={"fedprox_train": "hfl_components.upload_checks:check_fedavg_upload"},
                 uploads="the full model (every weight) and its training sample count, every round",
                 summary="FedProx (Li et al., 2020): FedAvg with a proximal term at each site"),
     MethodEntry("ohfl", _CTL + "ohfl.OHFLController",
-                {"ohfl_train": _CTL + "ohfl:ohfl_train", "ohfl_finetune": _CTL + "ohfl:ohfl_finetune"},
+                {"ohfl_train": _CTL + "ohfl_site:ohfl_train", "ohfl_finetune": _CTL + "ohfl_site:ohfl_finetune"},
                 local_epochs=20, options=_OHFL, presets={"paper": PAPER},
                 record_fields=(RecordField("gate", "gate", "hfl_components.flare.catalogue:summarise_gate"),
                                RecordField("operating_point", "operating point",
@@ -528,19 +527,7 @@ def validate_options(method: str, opts: dict, *, require: bool = True) -> dict:
         ValueError: unknown method; ``OptionError`` (a ValueError) naming the method, the option and the allowed
         values for a bad value or a missing required one.
     """
-    e = entry(method)
-    out = {}
-    for o in e.options:
-        v = opts.get(o.key)
-        if v is None:
-            if o.required and o.fixed is _UNSET and require:
-                raise OptionError(o.required)
-            v = list(o.default) if isinstance(o.default, list) else o.default
-            val = v
-        else:
-            val = check_option(method, o, v)
-        out[o.key] = o.fixed if o.fixed is not _UNSET else val
-    return out
+    return validate(entry(method), opts, require=require)
 
 
 def what_leaves(method: str) -> str:

@@ -84,7 +84,7 @@ def runtime_answer(runtimes: dict, raise_errors: bool = False, on_result=None) -
             the site script does).
         on_result: ``on_result(site, runtime, round, metrics)`` after each successful answer.
     """
-    from hfl_components.flare.site_methods import handler
+    from hfl_components.flare.dispatch import handler
     from hfl_components.flare.site_tasks import describe_error
 
     def answer(task: str, site: str, data: FLModel):

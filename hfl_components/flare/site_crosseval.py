@@ -47,7 +47,7 @@ def _f(v) -> str:
 
 
 def cross_eval(rt, params, meta):
-    """The ``cross_eval`` task handler (resolved by :func:`hfl_components.flare.site_methods.handler`)."""
+    """The ``cross_eval`` task handler (resolved by :func:`hfl_components.flare.dispatch.handler`)."""
     models = list(meta.get("models") or [])
     scores = score_models(rt, models, model_states(params or {}, len(models)))
     return {}, {"cross_site": scores}, {"status": "ok", "n_train": rt.n_train(),

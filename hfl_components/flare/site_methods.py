@@ -9,7 +9,6 @@ module (``hfl_components.flare.controllers.<method>``), named by its catalogue e
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
@@ -36,17 +35,17 @@ def option(meta: dict, key: str):
 
 def task_epochs(rt, tc: dict, key: str, cfg_key: str) -> int:
     """Epochs for a task: the job's ``task_config[key]``, else the site config's ``cfg_key``, else the running
-    method's default (:mod:`hfl_components.flare.catalogue`). Raises ValueError naming the site when none applies."""
+    method's default (``rt.method_defaults``: its catalogue entry's, set by :func:`hfl_components.flare.dispatch.handler`
+    with the task's method). Raises ValueError naming the site when none applies."""
     v = tc.get(key)
     if v is None:
         v = rt.cfg.get(cfg_key)
     if v is None:
-        if rt.method is None:
+        defaults = getattr(rt, "method_defaults", None)
+        if not defaults:
             raise ValueError(f"site {rt.site}: {key} is set neither by the job nor in the site config, and the task "
                              f"names no method to take the default from")
-        from hfl_components.flare.catalogue import method_defaults
-
-        v = method_defaults(rt.method)[key]
+        v = defaults[key]
     return int(v)
 
 
@@ -158,29 +157,3 @@ def evaluate_deployed(rt, params, meta):
     return {}, out, ok_meta(rt, spec=rt.spec)
 
 
-def _with_method(handler):
-    """Wrap a handler so the site runtime knows the method of the task it runs (``meta["method"]``, sent by the
-    server; recorded in the provenance of the model files the site saves)."""
-    @functools.wraps(handler)
-    def run(rt, params, meta):
-        rt.method = meta.get("method") or rt.method
-        return handler(rt, params, meta)
-
-    return run
-
-
-def handler(task: str):
-    """The site handler of ``task`` (the catalogue's ``site_handler``; ``cross_eval``, the cross-site evaluation
-    of model files, belongs to no method: :func:`hfl_components.flare.site_crosseval.cross_eval`), wrapped to
-    record the task's method.
-
-    Raises:
-        ValueError: no method answers ``task`` (the message lists the known tasks).
-    """
-    if task == "cross_eval":
-        from hfl_components.flare.site_crosseval import cross_eval
-
-        return _with_method(cross_eval)
-    from hfl_components.flare.catalogue import site_handler
-
-    return _with_method(site_handler(task))

@@ -1,7 +1,7 @@
 """NVFlare Client API script run by every site, for every method (the only site code that imports NVFlare).
 
 It learns its site name from NVFlare, finds the hospital's own config locally (``hfl_components.flare.site_config``),
-and answers tasks by name with the handlers the method catalogue names (:func:`hfl_components.flare.site_methods.handler`). A task that fails (bad
+and answers tasks by name with the handlers the method catalogue names (:func:`hfl_components.flare.dispatch.handler`). A task that fails (bad
 config, missing data, a bug) is answered with ``meta["status"] = "error"`` and a message naming the site, so the
 server can log it and carry on with the other sites instead of the whole federation aborting.
 """
@@ -20,7 +20,7 @@ import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from hfl_components.flare.inprocess import task_meta
-from hfl_components.flare.site_methods import handler as site_handler
+from hfl_components.flare.dispatch import handler as site_handler
 from hfl_components.flare.site_tasks import SiteRuntime, describe_error
 from hfl_components.flare.site_config import load_site_config
 from hfl_components.flare.privacy import redact_paths

@@ -127,7 +127,8 @@ class SiteRuntime:
         self.spec = None
         self._ema = None  # torch.optim.swa_utils.AveragedModel of self._ema_src (site config weight_ema)
         self._ema_src = None
-        self.method = None  # the method of the task being run (meta["method"], set by site_methods.handler)
+        self.method = None  # the method of the task being run (meta["method"], set by dispatch.handler)
+        self.method_defaults = None  # that method's catalogue defaults (epochs a site config leaves out)
         self._manifest_sha = None
         # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
         self.progress: dict = {}

@@ -12,7 +12,7 @@ POC_ENV = "CXR_HFL_POC_DIR"
 
 
 def register(sub) -> None:
-    from nvflare_jobs.commands.simulate import _at_least
+    from nvflare_jobs.commands.simulate import at_least
     from nvflare_jobs.commands.status import watch_seconds
 
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
@@ -43,11 +43,11 @@ def register(sub) -> None:
     q.add_argument("--allow-site-errors", action="store_true",
                    help="prepare even when sites have problems (to rehearse how a failing site is reported)")
     q = add("start", "start the POC server and sites (returns when the sites are connected)", run_start)
-    q.add_argument("--timeout", type=_at_least(1), default=120, metavar="SECONDS",
+    q.add_argument("--timeout", type=at_least(1), default=120, metavar="SECONDS",
                    help="wait up to SECONDS for the server and sites to start (default 120)")
     q = add("submit", "submit an exported job folder as the coordinator", run_submit)
     q.add_argument("--job", "-j", required=True, help="job folder written by `cxr-hfl export-job` (OUT/<job name>)")
-    q.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+    q.add_argument("--wait", type=at_least(0), default=0, metavar="SECONDS",
                    help="wait up to SECONDS for the job to finish (default 0: return once submitted)")
     q = add("status", "POC processes, the jobs on the server and the status view of a job (cxr-hfl status)",
             run_status)
@@ -59,7 +59,7 @@ def register(sub) -> None:
             run_download)
     q.add_argument("job_id", nargs="?", help="job id (default: the last job submitted from this POC folder)")
     q.add_argument("--out", help="run folder (default WORKSPACE/runs/<job id>)")
-    q.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+    q.add_argument("--wait", type=at_least(0), default=0, metavar="SECONDS",
                    help="first wait up to SECONDS for the job (default 0: do not wait)")
     add("stop", "stop the POC and end any of its processes still running", run_stop)
     poc.set_defaults(func=lambda a: (poc.print_help(), 2)[1])

@@ -105,9 +105,9 @@ def _add_compare(c) -> None:
                                    "when the data are chest_xray_original)")
     c.add_argument("--max-train-images", type=_positive_int,
                    help="pass-through: cap each site's training images (default: no cap)")
-    from nvflare_jobs.commands.simulate import _sizes_text
+    from nvflare_jobs.commands.simulate import sizes_text
 
-    c.add_argument("--input-sizes", type=_sizes_text, help="pass-through: e.g. 64,96,128 (16 to 1024 px; default: simulate's)")
+    c.add_argument("--input-sizes", type=sizes_text, help="pass-through: e.g. 64,96,128 (16 to 1024 px; default: simulate's)")
     c.add_argument("--batch-size", type=_positive_int, help="pass-through (default 16)")
     c.add_argument("--max-images", type=_positive_int,
                    help="partition a class-stratified subset of this many images (quick; default: every image)")
@@ -182,9 +182,9 @@ def _register_audit(sub) -> None:
                    help="class-balanced, seeded subsample for the perturbation probes (default 300)")
     a.add_argument("--saliency-images", type=_positive_int, default=8,
                    help="class-balanced, seeded sample for Grad-CAM per model (default 8)")
-    from nvflare_jobs.commands.simulate import _device
+    from nvflare_jobs.commands.simulate import device_arg
 
-    a.add_argument("--device", type=_device, default="auto",
+    a.add_argument("--device", type=device_arg, default="auto",
                    help="auto (a GPU when present), cpu, cuda or cuda:N (default auto)")
     a.set_defaults(func=run_audit)
 

@@ -12,7 +12,7 @@ import argparse
 
 def register(subparsers) -> None:
     """Add the ``partition`` and ``inspect`` subcommands to the ``cxr-hfl`` parser."""
-    from nvflare_jobs.commands.simulate import _at_least  # the CLI's one integer-range argparse type
+    from nvflare_jobs.commands.simulate import at_least  # the CLI's one integer-range argparse type
 
     p = subparsers.add_parser(
         "partition",
@@ -27,14 +27,14 @@ def register(subparsers) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default: %(default)s)")
     p.add_argument("--labels", choices=["binary", "subtype"], default="binary",
                    help="binary NORMAL/PNEUMONIA or subtype NORMAL/BACTERIAL/VIRAL (default: %(default)s)")
-    p.add_argument("--seed", type=_at_least(0), default=0, help="random seed, >= 0 (default: %(default)s)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="random seed, >= 0 (default: %(default)s)")
     p.add_argument("--probe-fraction", type=float, default=0.0,
                    help="fraction reserved as a patient-disjoint probe pool in no site (default: %(default)s)")
     p.add_argument("--classes-per-site", type=int, default=None,
                    help="pathological scheme: classes per site (default: number of classes - 1, at least 1)")
-    p.add_argument("--min-per-site", type=_at_least(0), default=10,
+    p.add_argument("--min-per-site", type=at_least(0), default=10,
                    help="dirichlet scheme: minimum images per site (default: %(default)s)")
-    p.add_argument("--min-eval-per-class", type=_at_least(0), default=0, metavar="M",
+    p.add_argument("--min-eval-per-class", type=at_least(0), default=0, metavar="M",
                    help="every class a site holds >= 4 M images of gets >= M images in val and in test, whole train "
                         "patients moved (default %(default)s = the plain 80/10/10 cut; simulate/compare use 2 for the "
                         "prototype methods)")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from hfl_components.flare import catalogue
 from chest_xray import ASPECTS
-from nvflare_jobs.spec import RUN_OPTIONS, SimulateError, cli_message, option, resolve
+from nvflare_jobs.runner import SimulateError
+from nvflare_jobs.spec import RUN_OPTIONS, cli_message, option, resolve
 
 ABLATIONS = catalogue.TOPOLOGY_ABLATIONS
 
@@ -22,14 +23,14 @@ def _ints(s: str) -> list[int]:
     return v
 
 
-def _sizes_text(s: str) -> str:
+def sizes_text(s: str) -> str:
     """argparse type of a pass-through ``--input-sizes`` (``cxr-hfl compare``): checked as :func:`_ints` checks
     it, kept as the text given."""
     _ints(s)
     return s
 
 
-def _at_least(minimum: int):
+def at_least(minimum: int):
     """argparse type: an integer >= ``minimum`` (a count, epochs or seconds), else a one-line error naming it."""
     def parse(s: str) -> int:
         try:
@@ -65,7 +66,7 @@ def _log_config(s: str) -> str:
     return str(Path(s).resolve())
 
 
-def _device(s: str) -> str:
+def device_arg(s: str) -> str:
     from hfl_components.training.device import check_device_name
 
     try:
@@ -98,30 +99,30 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", choices=option("labels").choices, default=S,
                    help="label scheme (default: the method's: " + ", ".join(
                        f"{m} {e.labels}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--rounds", type=_at_least(1), default=S,
+    p.add_argument("--rounds", type=at_least(1), default=S,
                    help="federated rounds (default: the method's: " + ", ".join(
                        f"{m} {e.rounds}" for m, e in catalogue.CATALOGUE.items())
                    + "; OHFL is one-shot; FENS: aggregator rounds after its one upload)")
-    p.add_argument("--local-epochs", type=_at_least(0), default=S,
+    p.add_argument("--local-epochs", type=at_least(0), default=S,
                    help="local epochs per round, at least 1 (OHFL, FENS: before the upload; default: the method's: "
                         + ", ".join(f"{m} {e.local_epochs}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--finetune-epochs", type=_at_least(0), default=S,
+    p.add_argument("--finetune-epochs", type=at_least(0), default=S,
                    help=f"OHFL fine-tuning epochs at each site (default {catalogue.entry('ohfl').finetune_epochs})")
     p.add_argument("--input-sizes", type=_ints, default=S,
                    help="input sizes (16 to 1024 px), smallest to largest, assigned to sites by image width "
                         "(default: the method's: " + ", ".join(
                             f"{m} {','.join(map(str, e.input_sizes))}" for m, e in catalogue.CATALOGUE.items()) + ")")
-    p.add_argument("--batch-size", type=_at_least(1), default=S, help=_help("batch_size"))
-    p.add_argument("--max-train-images", type=_at_least(1), default=S, help=_help("max_train_images"))
-    p.add_argument("--seed", type=_at_least(0), default=S, help=_help("seed"))
+    p.add_argument("--batch-size", type=at_least(1), default=S, help=_help("batch_size"))
+    p.add_argument("--max-train-images", type=at_least(1), default=S, help=_help("max_train_images"))
+    p.add_argument("--seed", type=at_least(0), default=S, help=_help("seed"))
     fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
     p.add_argument("--families", default=S, help=f"{fam_methods}: " + _help("families"))
     p.add_argument("--aspect", choices=ASPECTS, default=S, help=_help("aspect"))
-    p.add_argument("--min-sites", type=_at_least(1), default=S, help=_help("min_sites"))
-    p.add_argument("--server-device", type=_device, default=S,
+    p.add_argument("--min-sites", type=at_least(1), default=S, help=_help("min_sites"))
+    p.add_argument("--server-device", type=device_arg, default=S,
                    help=catalogue.entry("ohfl").option("server_device").help)
-    p.add_argument("--late-wait", type=_at_least(0), default=S, help=_help("late_wait"))
-    p.add_argument("--feature-dim", type=_at_least(1), default=S, help=f"{protos}: " + _help("feature_dim"))
+    p.add_argument("--late-wait", type=at_least(0), default=S, help=_help("late_wait"))
+    p.add_argument("--feature-dim", type=at_least(1), default=S, help=f"{protos}: " + _help("feature_dim"))
     _add_catalogue_options(p)
     p.add_argument("--tracking", choices=option("tracking").choices, default=S, help=_help("tracking"))
     p.add_argument("--tracking-uri", default=S, help=_help("tracking_uri"))

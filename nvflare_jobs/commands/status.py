@@ -41,9 +41,9 @@ def register(sub) -> None:
     r.add_argument("job_id")
     _kit_args(r)
     r.add_argument("--out", required=True, help="run folder to write (metrics.json, sites.csv, plots)")
-    from nvflare_jobs.commands.simulate import _at_least
+    from nvflare_jobs.commands.simulate import at_least
 
-    r.add_argument("--wait", type=_at_least(0), default=0, metavar="SECONDS",
+    r.add_argument("--wait", type=at_least(0), default=0, metavar="SECONDS",
                    help="first wait up to SECONDS for the job (default 0: do not wait)")
     r.set_defaults(func=run_results)
     q = sub.add_parser("submit", help="check an exported (or edited) job folder as the server will, then submit it "

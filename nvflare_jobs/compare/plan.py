@@ -60,7 +60,7 @@ def check_variant(method: str, args=None) -> str | None:
         except BudgetError:  # refused with its own message once the budgets are planned
             pass
     try:
-        resolve(_base(method), opts)
+        resolve(base_method(method), opts)
     except ValueError as e:  # a variant's own option is named as typed (key=value); compare's flags as flags
         return f"variant {method}: {e}" if extra else f"{method}: {cli_message(e)}"
     return None
@@ -74,21 +74,21 @@ def _option_type(key: str):
     return None if o is None else o.type
 
 
-def _base(method: str) -> str:
+def base_method(method: str) -> str:
     name = split_variant(method)[0]
     return CONTROL if name == "local+ft" else name
 
 
-def _entry(method: str) -> catalogue.MethodEntry:
+def entry_of(method: str) -> catalogue.MethodEntry:
     """The catalogue entry of a compare method, variant or the local+ft control."""
-    return catalogue.entry(_base(method))
+    return catalogue.entry(base_method(method))
 
 
 def proto_protocol(methods: list[str]) -> bool:
     """True when the methods are prototype methods, with or without Local (the prototype-method protocol): sites from
     ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
     training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
-    bases = {_base(m) for m in methods}
+    bases = {base_method(m) for m in methods}
     return bool(bases & set(PROTO)) and bases <= set(PROTO) | {CONTROL}
 
 
@@ -97,7 +97,7 @@ def families_ignored(methods: list[str]) -> list[str]:
     comparison (:func:`proto_protocol`), Local beside them; their sites train the heterogeneous backbone pool. The
     other methods take one model family per site from it (``write_method_profile``)."""
     proto = proto_protocol(methods)
-    return [m for m in methods if proto or _base(m) in PROTO]
+    return [m for m in methods if proto or base_method(m) in PROTO]
 
 
 class BudgetError(ValueError):
@@ -142,7 +142,7 @@ def epoch_plan(method: str, args) -> dict[str, int]:
               AGGREGATOR_EPOCHS: "aggregator_epochs"}
     changed = False
     for key, field in fields.items():
-        if key in extra and field in plan and not (key == "rounds" and _entry(method).schedule == "one_shot"):
+        if key in extra and field in plan and not (key == "rounds" and entry_of(method).schedule == "one_shot"):
             try:
                 plan[field] = int(extra[key])
             except (TypeError, ValueError):
@@ -157,8 +157,8 @@ def epoch_plan(method: str, args) -> dict[str, int]:
 
 def _planned(method: str, args) -> dict[str, int]:
     """The budget :func:`epoch_plan` describes, before a variant's own epochs."""
-    base = _base(method)
-    schedule = _entry(method).schedule
+    base = base_method(method)
+    schedule = entry_of(method).schedule
     method = split_variant(method)[0]
     from hfl_components.flare.catalogue import method_defaults
 
@@ -175,8 +175,8 @@ def _planned(method: str, args) -> dict[str, int]:
     if not getattr(args, "unequal_budgets", False):
         L = args.local_epochs if args.local_epochs is not None else anchor["local_epochs"]
         E = L + ft_given
-        if _entry(method).plan:  # a schedule of the method's own: its entry plans the common budget
-            plan = dict(catalogue.resolve(_entry(method).plan)(E, _entry(method)))
+        if entry_of(method).plan:  # a schedule of the method's own: its entry plans the common budget
+            plan = dict(catalogue.resolve(entry_of(method).plan)(E, entry_of(method)))
             plan.setdefault("finetune_epochs", 0)
             plan.setdefault("total_epochs_per_site", plan["rounds"] * plan["local_epochs"] + plan["finetune_epochs"])
             if plan["total_epochs_per_site"] != E:
@@ -197,7 +197,7 @@ def _planned(method: str, args) -> dict[str, int]:
                                       "divide it, or pass --unequal-budgets")
                 rounds = args.rounds
             else:
-                rounds = E // _divisor_at_most(E, _entry(method).epochs_per_round)
+                rounds = E // _divisor_at_most(E, entry_of(method).epochs_per_round)
             local, ft = E // rounds, 0
     else:
         d = method_defaults(base)
@@ -234,7 +234,7 @@ def _ensemble_plan(method: str, local: int, agg_total: int, rounds: int | None) 
                               "--unequal-budgets")
         agg = agg_total // rounds
     else:
-        agg = _divisor_at_most(agg_total, _entry(method).epochs_per_round)
+        agg = _divisor_at_most(agg_total, entry_of(method).epochs_per_round)
         rounds = agg_total // agg
     return {"rounds": rounds, "local_epochs": local, "finetune_epochs": 0, "aggregator_epochs": agg,
             "total_epochs_per_site": local + rounds * agg}
@@ -265,7 +265,7 @@ def simulate_options(method: str, data: Path, seed: int, args) -> dict:
     """The options (:func:`nvflare_jobs.spec.resolve`) of one compare run: its epoch plan, the data, seed,
     label scheme and pass-through settings, the probe for a method that has one, then the variant's options."""
     plan = epoch_plan(method, args)
-    e = _entry(method)
+    e = entry_of(method)
     opts = {"data": str(data), "labels": args.labels, "seed": seed, "local_epochs": plan["local_epochs"]}
     if e.schedule != "one_shot":
         opts["rounds"] = plan["rounds"]
@@ -291,7 +291,7 @@ def command_for(method: str, profile: Path, options: dict, out: Path) -> str:
     import shlex
 
     flags = {key: o.cli_flag for key, users in catalogue.all_options().items() for _, o in users}
-    argv = ["simulate", "--method", _base(method), "--profile", str(profile)]
+    argv = ["simulate", "--method", base_method(method), "--profile", str(profile)]
     for k, v in options.items():
         flag = flags.get(k, "--" + k.replace("_", "-"))
         for item in (v if isinstance(v, list) else [v]):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 
-from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, _base, _entry, budget_lines, check_variant,
+from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, base_method, entry_of, budget_lines, check_variant,
                                        command_for, epoch_plan, families_ignored, proto_protocol, simulate_options,
                                        split_variant)
 from nvflare_jobs.compare.tables import collect_runs, method_order, write_tables
@@ -70,11 +70,11 @@ def _input_sizes(args) -> list[int]:
 def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args) -> Path:
     from nvflare_jobs.profiles import write_profile
 
-    base = _base(method)
+    base = base_method(method)
     plan = epoch_plan(method, args)
     settings = {"batch_size": args.batch_size or 16, "local_epochs": plan["local_epochs"],
                 # the one-shot method's own fine-tuning epochs, 0 included (the site configs record what runs)
-                "finetune_epochs": (plan["finetune_epochs"] if _entry(method).schedule == "one_shot"
+                "finetune_epochs": (plan["finetune_epochs"] if entry_of(method).schedule == "one_shot"
                                     else plan["finetune_epochs"] or 10), "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64,
                 "aspect": getattr(args, "aspect", None)}
@@ -139,7 +139,7 @@ def run_compare(args) -> int:
               flush=True)
     for line in budget_lines(plans, bool(getattr(args, "unequal_budgets", False))):
         print(f"[compare] budget: {line}")
-    if not getattr(args, "probe", None) and any(_entry(m).option("probe") is not None for m in methods):
+    if not getattr(args, "probe", None) and any(entry_of(m).option("probe") is not None for m in methods):
         args.probe = probe_part_csv(data, out)
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
@@ -232,7 +232,7 @@ def _families_notice(methods: list[str]) -> None:
     from nvflare_jobs.profiles import family_methods
 
     ignored = families_ignored(methods)
-    why = ("prototype methods" + (f" (and {CONTROL} beside them)" if any(_base(m) == CONTROL for m in ignored) else "")
+    why = ("prototype methods" + (f" (and {CONTROL} beside them)" if any(base_method(m) == CONTROL for m in ignored) else "")
            + " train the heterogeneous backbone pool")
     if len(ignored) == len(methods):
         raise _Refused(f"--families: no method in --methods takes it ({', '.join(ignored)}: {why}); it is for "
@@ -257,7 +257,8 @@ def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -
 
 def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data: Path) -> list[str]:
     """Run (or, dry, print) every unfinished method of one seed on its partition; returns the failed runs."""
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     failed = []
     seed_dir = out / f"seed{seed}"
@@ -276,13 +277,13 @@ def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data:
             continue
         t0 = time.perf_counter()
         try:
-            rc = resolve(_base(m), {**opts, "profile": str(profile)}).simulate(
+            rc = resolve(base_method(m), {**opts, "profile": str(profile)}).simulate(
                 run_dir, overwrite=True, isolate=True, log=run_dir / "simulate.log", command=cmd).rc
         except SimulateError as e:  # checked before any run (check_variant); kept as a failed run if it happens
             (run_dir / "simulate.log").write_text(f"cxr-hfl simulate: error: {e}\n")
             rc = 2
         ok = (run_dir / "metrics.json").is_file()
-        if ok and m != _base(m):  # the run folder says which control / variant it is
+        if ok and m != base_method(m):  # the run folder says which control / variant it is
             met = json.loads((run_dir / "metrics.json").read_text())
             met["method"] = m
             met["compare_plan"] = plans[m]

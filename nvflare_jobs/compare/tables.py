@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from hfl_components.flare import catalogue
-from nvflare_jobs.compare.plan import CONTROL, METHODS, _base, _entry, budget_lines, split_variant
+from nvflare_jobs.compare.plan import CONTROL, METHODS, base_method, entry_of, budget_lines, split_variant
 from nvflare_jobs.compare.targets import ohfl_targets, targets_markdown
 
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
@@ -273,12 +273,12 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
                 pairs.append((m, "deployed", ref, "deployed", f"{m} vs {label}" + (" (local, same E epochs)"
                                                                                   if ref == CONTROL else "")))
     for m in methods:
-        if _entry(m).schedule in ("one_shot", "ensemble"):  # its sites keep their pre-fusion local models
+        if entry_of(m).schedule in ("one_shot", "ensemble"):  # its sites keep their pre-fusion local models
             pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
     # the primary endpoint: the main job's deployed models' AUC against local+ft (every other verdict exploratory)
     main = catalogue.with_schedule("one_shot")
     primary = next(((m, "deployed", control, "deployed") for m in sorted(methods, key=lambda m: m != main)
-                    if _base(m) == main and control), None)
+                    if base_method(m) == main and control), None)
     paired = []
     for ma, ka, mb, kb, label in pairs:
         arr = _paired_arrays(runs_by, ma, mb, name, ka, kb)
@@ -365,7 +365,7 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
         L.append(f"| {p['comparison']} | {len(p['seeds'])} | {a['n_pairs']} | {_ci_cell(a)} | "
                  f"{verdict_cell(a)}, {role['auc']} | {_ci_cell(b)} | {verdict_cell(b)}, {role['balanced_accuracy']} |")
     for m in methods:
-        if split_variant(m)[0] == _base(m) and _entry(m).schedule == "one_shot":
+        if split_variant(m)[0] == base_method(m) and entry_of(m).schedule == "one_shot":
             L += targets_markdown(ohfl_targets(ext, m))
     return L
 
@@ -452,7 +452,7 @@ def _records_section(runs) -> list[str]:
     nothing when no run has any."""
     lines = [f"- {m}, seed {seed}: " + "; ".join(f"{label}: {text}" for label, text in rec)
              for m, seed, met in sorted(runs, key=lambda r: (r[0], r[1]))
-             if (rec := catalogue.record_summary(_base(m), met))]
+             if (rec := catalogue.record_summary(base_method(m), met))]
     return ["## Method records", "", *lines, ""] if lines else []
 
 

@@ -33,6 +33,7 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from chest_xray.labels import one_label_scheme
 from hfl_components.flare.messages import payload_bytes
+from hfl_components.flare.options import resolve, validate
 
 RESULTS_DIR = "cxr_hfl_results"
 PROGRESS_EVENT = "fed.analytix_log_stats"  # what ConvertToFedEvent makes of a site's flare.log(...)
@@ -43,13 +44,13 @@ PROGRESS_KEY = "cxr_hfl_progress"
 POLL_S = 0.5
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
+        return jsonable(x.tolist())
     if isinstance(x, (np.floating, float)):
         v = float(x)
         return v if np.isfinite(v) else None
@@ -105,8 +106,11 @@ class HFLController(ModelController):
         return tuple(p for p in inspect.signature(type(self).__init__).parameters if p not in ("self", "args", "kwargs"))
 
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, entry_ref: str | None = None):
         super().__init__(persistor_id="")
+        # ``"module:function"`` returning this method's catalogue entry, given by the job builder
+        # (``nvflare_jobs.jobs.make_controller``): the catalogue names the controllers, so they never import it
+        self.entry_ref = entry_ref
         self.late_wait_s = None if late_wait_s is None else _int_arg(self.method, "late_wait_s", late_wait_s, 0)
         self.last_dropped: dict[str, str] = {}
         self.num_rounds = _int_arg(self.method, "num_rounds", num_rounds, 1)
@@ -136,7 +140,7 @@ class HFLController(ModelController):
         if event_type == STATS_EVENT:  # NVFlare's admin `show_stats` (flare_api Session.show_stats): `cxr-hfl status`
             collector = fl_ctx.get_prop(STATS_COLLECTOR, None)
             if collector is not None:
-                collector.add_info(STATS_GROUP, _jsonable(self.status_snapshot()))
+                collector.add_info(STATS_GROUP, jsonable(self.status_snapshot()))
             return
         if event_type != PROGRESS_EVENT:
             return
@@ -188,7 +192,7 @@ class HFLController(ModelController):
             return
         st = self.status_snapshot()
         tmp = d / "status.json.tmp"
-        tmp.write_text(json.dumps(_jsonable(st)))
+        tmp.write_text(json.dumps(jsonable(st)))
         tmp.replace(d / "status.json")
 
     def send_model_and_wait(self, task_name: str = "train", data: FLModel = None, targets=None,
@@ -275,9 +279,7 @@ class HFLController(ModelController):
     def current_options(self) -> dict:
         """The method's options as this controller holds them (its constructor arguments, as an exported job's
         ``config_fed_server.json`` sets them, and its ``task_config``), keyed as in the catalogue."""
-        from hfl_components.flare.catalogue import CATALOGUE
-
-        e = CATALOGUE.get(self.method)
+        e = self.method_entry()
         own = vars(self)
         out = {}
         for o in (e.options if e is not None else ()):
@@ -294,12 +296,17 @@ class HFLController(ModelController):
         ``make_controller`` runs), so that an exported job whose config was edited fails when it starts, naming
         the option, before any site trains. Raises ValueError (``catalogue.OptionError`` for a bad option; an
         unknown method)."""
-        from hfl_components.flare.catalogue import validate_options
-
         for key in ("num_rounds", "min_sites"):  # common arguments an edited job may break too
             if getattr(self, key) < 1:
                 raise ValueError(f"{self.method}: {key} must be at least 1, got {getattr(self, key)}")
-        return validate_options(self.method, self.current_options())
+        e = self.method_entry()
+        if e is None:
+            raise ValueError(f"unknown method {self.method!r}: the job names no catalogue entry (entry_ref)")
+        return validate(e, self.current_options())
+
+    def method_entry(self):
+        """This method's catalogue entry (through ``entry_ref``), or None for a controller built without one."""
+        return resolve(self.entry_ref)(self.method) if self.entry_ref else None
 
     def use_checked_options(self, checked: dict) -> None:
         """Put the typed values of ``check_options`` into ``task_config``, which the sites read: an edited job's
@@ -345,9 +352,7 @@ class HFLController(ModelController):
     def validate_result(self, task: str, result: FLModel) -> None:
         """Run the method's upload check for ``task`` (catalogue ``upload_checks``; pure functions in
         ``hfl_components.upload_checks``); raises ValueError to reject a site's upload for this task."""
-        from hfl_components.flare.catalogue import CATALOGUE, resolve
-
-        e = CATALOGUE.get(self.method)
+        e = self.method_entry()
         path = e.upload_checks.get(task) if e is not None else None
         if path:
             resolve(path)(result.params or {}, result.meta or {}, self.upload_context())
@@ -411,7 +416,7 @@ class HFLController(ModelController):
             "round": rnd, "task": task, "seconds": time.perf_counter() - t0, "bytes_up": up, "bytes_down": down,
             "site_compute_s": {s: (r.meta or {}).get("compute_s") for s, r in sorted(good.items())},
             "bytes_up_per_site": dict(sorted(up_site.items())), "bytes_down_per_site": payload_bytes(params),
-            "sites": {s: _jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
+            "sites": {s: jsonable(r.metrics or {}) for s, r in sorted(good.items())}, "errors": errors})
         self._write_status()
         if len(good) < self.min_sites:
             self.record["failed"] = (f"round {rnd} task {task}: only {len(good)} usable site answers "
@@ -430,11 +435,11 @@ class HFLController(ModelController):
             self.record["sites"].setdefault(site, {}).update({
                 "model": (r.meta or {}).get("spec"), "input_size": (r.meta or {}).get("input_size"),
                 "n_train": (r.meta or {}).get("n_train"), "n_test": (m.get("test") or {}).get("n"),
-                "test": _jsonable(m.get("test")), "val": _jsonable(m.get("val"))})
+                "test": jsonable(m.get("test")), "val": jsonable(m.get("val"))})
             if m.get("deploy") is not None:  # deploy: best_val -> {rule, round, score} of the deployed round
-                self.record["sites"][site]["deploy"] = _jsonable(m["deploy"])
+                self.record["sites"][site]["deploy"] = jsonable(m["deploy"])
             if m.get("operating_point") is not None:  # OHFL: the site's own sensitivity at the federated threshold
-                self.record["sites"][site]["operating_point"] = _jsonable(m["operating_point"])
+                self.record["sites"][site]["operating_point"] = jsonable(m["operating_point"])
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the
@@ -447,7 +452,7 @@ class HFLController(ModelController):
 
     def save_record(self) -> None:
         p = self.results_dir() / "server_results.json"
-        p.write_text(json.dumps(_jsonable(self.record), indent=1))
+        p.write_text(json.dumps(jsonable(self.record), indent=1))
         self.info(f"results written to {p}")
 
     def run(self) -> None:
@@ -467,7 +472,7 @@ class HFLController(ModelController):
         raise NotImplementedError
 
 
-def _payload_round(record: dict, rnd: int, up_theory: int, down_theory: int) -> dict:
+def payload_round(record: dict, rnd: int, up_theory: int, down_theory: int) -> dict:
     """Per-site payload of the last broadcast (bytes of float32 arrays) against the theory; appended to
     ``record["payload"]["per_round"]``."""
     r = record["rounds"][-1]

@@ -6,6 +6,7 @@ import time
 
 from hfl_components.flare.controllers.base import HFLController
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
+from hfl_components.flare.options import resolve
 from hfl_components.flare.site_methods import ok_meta, task_epochs
 
 # ============================================================================ Local
@@ -57,10 +58,10 @@ class FedAvgController(HFLController):
     def __init__(self, global_spec: dict, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
                  task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None,
                  task_name: str = "fedavg_train", aggregator: str = "hfl_components.aggregation:weighted_average",
-                 method_name: str | None = None):
+                 method_name: str | None = None, entry_ref: str | None = None):
         if method_name:
             self.method = method_name
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         for key, v in (("task_name", task_name), ("aggregator", aggregator)):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"{self.method}: {key} must be a non-empty string, got {v!r}")
@@ -72,10 +73,9 @@ class FedAvgController(HFLController):
     @classmethod
     def from_options(cls, method, profile, opts, common, task_config):
         """The deepest spec of the profile; the entry's training task; the method's options go to the sites."""
-        from hfl_components.flare.catalogue import entry
         from hfl_components.models import deepest_spec
 
-        e = entry(method)
+        e = resolve(common["entry_ref"])(method)
         extra = {} if cls.method == method else {"method_name": method}
         return cls(global_spec=deepest_spec(profile), task_config={**task_config, **opts},
                    task_name=e.training_task, **extra, **common)
@@ -83,8 +83,6 @@ class FedAvgController(HFLController):
     def aggregate(self, results: dict) -> dict:
         """The new global weights from one round's usable answers ``{site: FLModel}`` (the ``aggregator`` hook,
         weighted by each answer's ``NUM_STEPS_CURRENT_ROUND``)."""
-        from hfl_components.flare.catalogue import resolve
-
         return resolve(self.aggregator)([r.params for r in results.values()],
                                         [float(r.meta["NUM_STEPS_CURRENT_ROUND"]) for r in results.values()])
 

@@ -12,7 +12,7 @@ import csv
 import json
 from pathlib import Path
 
-from hfl_components.flare.controllers.base import HFLController, _jsonable
+from hfl_components.flare.controllers.base import HFLController, jsonable
 
 MATRIX_METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity", "n")
 
@@ -95,7 +95,7 @@ class CrossSiteEvalController(HFLController):
         res = self.broadcast("cross_eval", 0, params, {"models": [{k: s[k] for k in ("name", "spec", "labels",
                                                                                       "sha256")} for s in sent]})
         matrix = {site: dict((r.metrics or {}).get("cross_site") or {}) for site, r in res.items()}
-        self.record["cross_site"] = _jsonable(matrix)
+        self.record["cross_site"] = jsonable(matrix)
         self.record["site_input_sizes"] = {s: (r.meta or {}).get("input_size") for s, r in res.items()}
         write_matrix(self.results_dir(), matrix, [s["name"] for s in sent], self.record["site_input_sizes"],
                      self.record.get("excluded") or {})
@@ -107,8 +107,8 @@ def write_matrix(out_dir: Path, matrix: dict, names: list[str], sizes: dict | No
 
     ``matrix``: ``{site: {model: metrics | {"refused": reason}}}``; ``excluded``: sites left out (their reasons)."""
     out_dir = Path(out_dir)
-    doc = {"models": names, "sites": sorted(matrix), "input_size": dict(sizes or {}), "matrix": _jsonable(matrix),
-           "excluded": _jsonable(excluded or {})}
+    doc = {"models": names, "sites": sorted(matrix), "input_size": dict(sizes or {}), "matrix": jsonable(matrix),
+           "excluded": jsonable(excluded or {})}
     (out_dir / "cross_site.json").write_text(json.dumps(doc, indent=1))
     with (out_dir / "cross_site.csv").open("w", newline="") as f:
         w = csv.writer(f)

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from hfl_components.flare.controllers.base import HFLController, _payload_round
+from hfl_components.flare.controllers.base import HFLController, payload_round
 from hfl_components.flare.site_methods import PROTOTYPE_FILES, features, ok_meta, option, site_evaluate, task_epochs
 
 log = logging.getLogger("cxr_hfl.site")
@@ -38,8 +38,8 @@ class FedSAFController(HFLController):
 
     def __init__(self, num_classes: int, feature_dim: int, prototypes: str = "fedproto", num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 method_name: str = "fedsaf", late_wait_s: int | None = None):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+                 method_name: str = "fedsaf", late_wait_s: int | None = None, entry_ref: str | None = None):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         self.method_name = method_name
         self.method = method_name
         self.record["method"] = method_name
@@ -92,7 +92,7 @@ class FedSAFController(HFLController):
             if gp is not None:
                 params = {"global_prototypes": np.asarray(gp, np.float32), "global_mask": np.asarray(gmask, np.float32)}
             res = self.broadcast("fedsaf_train", rnd, params)
-            _payload_round(self.record, rnd, 4 * (C * d + C), 0 if gp is None else 4 * (C * d + C))
+            payload_round(self.record, rnd, 4 * (C * d + C), 0 if gp is None else 4 * (C * d + C))
             self.set_phase("averaging prototypes", round=rnd)
             t0 = time.perf_counter()
             P = [torch.as_tensor(np.asarray(r.params["prototypes"])) for r in res.values()]

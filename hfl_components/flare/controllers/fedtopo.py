@@ -8,7 +8,7 @@ import numpy as np
 
 import torch
 
-from hfl_components.flare.controllers.base import HFLController, _payload_round
+from hfl_components.flare.controllers.base import HFLController, payload_round
 from hfl_components.flare.site_methods import features, ok_meta, option, site_evaluate, task_epochs
 
 # ============================================================================ FedTopo
@@ -32,8 +32,8 @@ class FedTopoController(HFLController):
 
     def __init__(self, num_classes: int, rho: float = 0.7, ablate: list | None = None, num_rounds: int = 1,
                  min_sites: int = 1, task_config: dict | None = None, task_timeout: int = 0, seed: int = 0,
-                 late_wait_s: int | None = None):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+                 late_wait_s: int | None = None, entry_ref: str | None = None):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         self.num_classes = int(num_classes)
         self.rho = float(rho)
         self.ablate = list(ablate or [])
@@ -86,7 +86,7 @@ class FedTopoController(HFLController):
         for rnd in range(self.num_rounds):
             params = {"R_global": np.asarray(R, np.float32), "S_global": np.asarray(S, np.float32)}
             res = self.broadcast("fedtopo_train", rnd, params)
-            _payload_round(self.record, rnd, 4 * (C * C + C), 4 * 2 * C * C)
+            payload_round(self.record, rnd, 4 * (C * C + C), 4 * 2 * C * C)
             self.set_phase("aggregating topology", round=rnd)
             t0 = time.perf_counter()
             R, S = aggregate_topology([np.asarray(r.params["R"]) for r in res.values()],

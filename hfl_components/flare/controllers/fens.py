@@ -38,9 +38,10 @@ class FENSController(FedAvgController):
     method = "fens"
 
     def __init__(self, num_rounds: int = 1, min_sites: int = 1, task_config: dict | None = None,
-                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None):
+                 task_timeout: int = 0, seed: int = 0, late_wait_s: int | None = None, entry_ref: str | None = None):
         super().__init__(global_spec={}, num_rounds=num_rounds, min_sites=min_sites, task_config=task_config,
-                         task_timeout=task_timeout, seed=seed, late_wait_s=late_wait_s, task_name="fens_aggregate")
+                         task_timeout=task_timeout, seed=seed, late_wait_s=late_wait_s, task_name="fens_aggregate",
+                         entry_ref=entry_ref)
         self._installing = False
 
     @classmethod

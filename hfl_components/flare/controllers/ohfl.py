@@ -9,14 +9,7 @@ import threading
 import time
 
 from hfl_components.flare.controllers._probe_preload import ProbePreloader
-from hfl_components.flare.controllers.base import HFLController, _jsonable
-from hfl_components.flare.controllers.ohfl_site import (  # noqa: F401 - the catalogue names them here
-    _operating_point_report,
-    _val_key,
-    deployment_gate,
-    ohfl_finetune,
-    ohfl_train,
-)
+from hfl_components.flare.controllers.base import HFLController, jsonable
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
 
 log = logging.getLogger("cxr_hfl.site")
@@ -93,8 +86,8 @@ class OHFLController(HFLController):
                  task_config: dict, task_timeout: int, seed: int, late_wait_s: int | None, cka: str, probe_at: str,
                  fusion_device: str, distill_steps: int, distill_temperature: float, distill_weights: str,
                  distill_augment: bool, distill_probe_size: int, data_free: bool, data_free_rounds: int,
-                 site_specs: dict):
-        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s)
+                 site_specs: dict, entry_ref: str | None = None):
+        super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         self.distill_steps = distill_steps
         self.distill_temperature = distill_temperature
         self.distill_weights = distill_weights
@@ -299,9 +292,9 @@ class OHFLController(HFLController):
             m = r.metrics or {}
             op_reports[site] = m.get("operating_point")
             self.record["sites"].setdefault(site, {}).update({
-                "global_zero_shot": _jsonable(m.get("global_zero_shot")),
-                "finetune_loss": _jsonable(m.get("finetune_loss")),
-                "gate": _jsonable(m.get("gate"))})
+                "global_zero_shot": jsonable(m.get("global_zero_shot")),
+                "finetune_loss": jsonable(m.get("finetune_loss")),
+                "gate": jsonable(m.get("gate"))})
             if m.get("gate") is not None:
                 gate[site] = m["gate"]
         if gate:
@@ -312,7 +305,7 @@ class OHFLController(HFLController):
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
         op = federated_operating_point(op_reports, float(self.task_config["target_sensitivity"]))
-        self.record["operating_point"] = _jsonable(op) if op else {
+        self.record["operating_point"] = jsonable(op) if op else {
             "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}
         (self.warning if not op or op["threshold"] is None else self.info)(describe(self.record["operating_point"]))
         return op
@@ -324,7 +317,7 @@ class OHFLController(HFLController):
         uploads_raw = self.broadcast("ohfl_train", 0)
         models, uploads = [], {}
         for site, r in uploads_raw.items():
-            self.record["sites"].setdefault(site, {})["local"] = _jsonable((r.metrics or {}).get("local"))
+            self.record["sites"].setdefault(site, {})["local"] = jsonable((r.metrics or {}).get("local"))
             val = (r.metrics or {}).get("val") or {}
             m = {"name": site, "spec": r.meta["spec"], "state_dict": from_numpy_state(r.params),
                  "n_samples": int(r.meta["n_train"]), "val_acc": float(r.meta.get("val_acc", 0.0)),
@@ -351,12 +344,12 @@ class OHFLController(HFLController):
         self.record["server_seconds"]["fusion_total"] = time.perf_counter() - t0
         if len(fusion_records) == 1:
             record = next(iter(fusion_records.values()))
-            self.record["server_fusion_s"] = _jsonable(record.get("phase_seconds", {}))
-            (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(record), indent=1))
+            self.record["server_fusion_s"] = jsonable(record.get("phase_seconds", {}))
+            (self.results_dir() / "alignment_record.json").write_text(json.dumps(jsonable(record), indent=1))
         elif fusion_records:
-            self.record["server_fusion_s"] = {g: _jsonable(r.get("phase_seconds", {}))
+            self.record["server_fusion_s"] = {g: jsonable(r.get("phase_seconds", {}))
                                               for g, r in fusion_records.items()}
-            (self.results_dir() / "alignment_record.json").write_text(json.dumps(_jsonable(fusion_records),
+            (self.results_dir() / "alignment_record.json").write_text(json.dumps(jsonable(fusion_records),
                                                                                  indent=1))
         students = ds.initial_students(groups, site_specs, uploads, fused)
         for g, st in students.items():  # a fresh model (a group without uploads) gets its weights here
@@ -366,7 +359,7 @@ class OHFLController(HFLController):
         t0 = time.perf_counter()
         if int(self.distill_steps) > 0 or self.data_free:
             self.set_phase("distilling (ensemble of the uploads into each architecture's global model)")
-            self.record["distillation"] = _jsonable(self._distill(students, uploads, probe_all, device))
+            self.record["distillation"] = jsonable(self._distill(students, uploads, probe_all, device))
         self.record["server_seconds"]["distillation"] = time.perf_counter() - t0
         self._save_group_models(students)
         self.record["references"] = self._references(uploads, fused, students)

@@ -1,13 +1,14 @@
-"""The parts of the method catalogue that know nothing of methods: :class:`Option` (one method option), its typed
-check :func:`check_option` and the reusable range checks. Private to :mod:`hfl_components.flare.catalogue`, which
-is the public face (``catalogue.Option``, ``catalogue.OptionError``)."""
+"""The option machinery under the method catalogue, knowing no method: :class:`Option` (one method option), its
+typed check :func:`check_option`, :func:`validate` (every option of one catalogue entry), the reusable range checks
+and :func:`resolve` (an object named ``"module:name"``). The catalogue builds its entries from these; the
+controllers, which the catalogue names, use them without importing the catalogue."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_UNSET = object()
+UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class Option:
     help: str = ""
     check: Callable[[Any], str | None] | None = None
     flag: str | None = None
-    cli_default: Any = _UNSET
+    cli_default: Any = UNSET
     required: str | None = None
-    fixed: Any = _UNSET
+    fixed: Any = UNSET
     what: str | None = None
     strict: bool = False
 
@@ -52,11 +53,11 @@ class Option:
     @property
     def has_fixed(self) -> bool:
         """True when the method always uses :attr:`fixed` whatever is given."""
-        return self.fixed is not _UNSET
+        return self.fixed is not UNSET
 
     @property
     def argparse_default(self):
-        return self.default if self.cli_default is _UNSET else self.cli_default
+        return self.default if self.cli_default is UNSET else self.cli_default
 
 
 class OptionError(ValueError):
@@ -105,11 +106,11 @@ def repair_name(v) -> str:
     return {True: "layer", False: "none"}.get(v, v) if isinstance(v, bool) else str(v)
 
 
-def _in_unit_interval(v) -> str | None:
+def in_unit_interval(v) -> str | None:
     return None if 0.0 <= float(v) < 1.0 else f"rho must lie in [0, 1), got {v}"
 
 
-def _non_negative(name: str) -> Callable[[Any], str | None]:
+def non_negative(name: str) -> Callable[[Any], str | None]:
     """A check: ``v`` is None or a finite number >= 0 (a loss weight or noise scale; inf is refused too)."""
     def check(v):
         return None if v is None or 0 <= float(v) < math.inf else f"{name} must be a finite number >= 0, got {v}"
@@ -124,3 +125,28 @@ def resolve(path: str):
     if not sep:
         mod, _, name = path.rpartition(".")
     return getattr(importlib.import_module(mod), name)
+
+
+def validate(entry, opts: dict, *, require: bool = True) -> dict:
+    """Check ``opts`` against the options of one catalogue entry (``entry.name``, ``entry.options``).
+
+    Returns:
+        ``{key: value}`` of the entry's own options: the given value typed and checked, the default when missing or
+        None, the ``fixed`` value where the method fixes one (``require=False``: a missing required option is not
+        an error yet). Keys of other methods are ignored.
+
+    Raises:
+        OptionError: naming the method, the option and the allowed values, for a bad value or a missing required
+            one.
+    """
+    out = {}
+    for o in entry.options:
+        v = opts.get(o.key)
+        if v is None:
+            if o.required and o.fixed is UNSET and require:
+                raise OptionError(o.required)
+            val = list(o.default) if isinstance(o.default, list) else o.default
+        else:
+            val = check_option(entry.name, o, v)
+        out[o.key] = o.fixed if o.fixed is not UNSET else val
+    return out

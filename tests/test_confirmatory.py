@@ -1,4 +1,4 @@
-"""The confirmatory run's analysis (benchmarks/confirmatory.py) on a comparison folder built by hand: the per-seed
+"""The confirmatory run's analysis (studies/confirmatory/confirmatory.py) on a comparison folder built by hand: the per-seed
 summaries, their seed-level t-intervals and the primary endpoint's row, checked against values computed here."""
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from benchmarks import confirmatory as C
+from studies.confirmatory import confirmatory as C
 
 
 def _write(p, obj):

@@ -1,11 +1,12 @@
 """Controlled prototype-method comparisons under the pre-registered protocol
-``benchmarks/results/proto_controlled/PROTOCOL.md``: FedSAF (GCSA) against the same FedSAF job with MSE alignment
-(identical weights lambda = gamma = 1, the FedSAF paper's Table III question) and FedTopo against Local (the FedTopo
+``studies/confirmatory/protocols/proto_controlled/PROTOCOL.md``: FedSAF (GCSA) against the same FedSAF job with MSE
+alignment (identical weights lambda = gamma = 1, the FedSAF paper's Table III question) and FedTopo against Local (the FedTopo
 paper's Table I question), at 5 seeds, with seeds as clusters (``hfl_components.stats``).
 
     cxr-hfl compare --methods local,fedsaf,fedsaf:alignment=mse,fedtopo --labels subtype --scheme dirichlet \\
         --alpha 0.5 --seeds 20,21,22,23,24 --out runs/proto_ctrl
-    python -m benchmarks.proto_controlled --compare runs/proto_ctrl --out benchmarks/results/proto_controlled
+    python -m studies.confirmatory.proto_controlled --compare runs/proto_ctrl \\
+        --out studies/confirmatory/protocols/proto_controlled
 
 Writes ``RESULT.md`` and ``result.json`` into ``--out``. Each question has one primary endpoint (Δ site balanced
 accuracy on the external ``evaluation`` part, restricted to each site's classes; cluster bootstrap-t, one shared
@@ -33,7 +34,7 @@ N_BOOT = 1000
 LABELS = {"local": "Local", "fedsaf": "FedSAF (GCSA)", "fedsaf:alignment=mse": "FedSAF (MSE alignment)",
           "fedtopo": "FedTopo"}
 #: the committed results folder beside PROTOCOL.md, resolved from this file (the same from any working folder)
-RESULTS = Path(__file__).resolve().parent / "results" / "proto_controlled"
+RESULTS = Path(__file__).resolve().parent / "protocols" / "proto_controlled"
 SET_TEXT = {"external": "evaluation part (restricted to the site's classes)", "test": "the sites' own test splits"}
 
 
@@ -81,10 +82,10 @@ def unanswered(entries: list[dict], seeds=SEEDS) -> str | None:
 
 def analyse(res: dict, n_boot: int = N_BOOT) -> list[dict]:
     """Every paired entry of the protocol: for each question, metric and evaluation set, a
-    :func:`nvflare_jobs.proto_eval.paired` result with ``question``, ``method_a``, ``method_b``, ``set`` and
+    :func:`studies.prototype_methods.proto_eval.paired` result with ``question``, ``method_a``, ``method_b``, ``set`` and
     ``endpoint`` (``primary`` for :data:`PRIMARY`, else ``exploratory``). ``res``:
-    :func:`nvflare_jobs.proto_eval.collect`'s per-(seed, site) predictions."""
-    from nvflare_jobs.proto_eval import paired
+    :func:`studies.prototype_methods.proto_eval.collect`'s per-(seed, site) predictions."""
+    from studies.prototype_methods.proto_eval import paired
 
     out = []
     for a, b, q in QUESTIONS:
@@ -131,16 +132,17 @@ def result_lines(entries: list[dict], command: str, compare_cmd: str) -> list[st
 def main(argv: list[str] | None = None) -> int:
     import shlex
 
-    from nvflare_jobs.proto_eval import collect
+    from studies.prototype_methods.proto_eval import collect
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.proto_controlled", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.confirmatory.proto_controlled",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--compare", required=True, metavar="DIR",
                     help="the compare folder the protocol's compare command wrote (seed<k>/<method>/ run folders; "
                          "required, no default)")
     ap.add_argument("--out", default=str(RESULTS), metavar="DIR",
-                    help="where RESULT.md and result.json are written (default: benchmarks/results/proto_controlled "
-                         "of this repository, the committed results folder beside PROTOCOL.md, whatever the working "
-                         "folder; give a scratch folder for a trial)")
+                    help="where RESULT.md and result.json are written (default: "
+                         "studies/confirmatory/protocols/proto_controlled of this repository, the committed results "
+                         "folder beside PROTOCOL.md, whatever the working folder; give a scratch folder for a trial)")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                     help="comma-separated seeds (default: the protocol's; other seeds are for testing the script)")
     a = ap.parse_args(argv)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proto_controlled.py: --compare {d}: {why}; nothing was written", file=sys.stderr)
         return 2
     cj = json.loads((d / "compare.json").read_text()) if (d / "compare.json").is_file() else {}
-    command = "python -m benchmarks.proto_controlled " + " ".join(
+    command = "python -m studies.confirmatory.proto_controlled " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULT.md").write_text("\n".join(result_lines(entries, command, cj.get("command", "?"))))

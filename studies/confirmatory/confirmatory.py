@@ -1,7 +1,7 @@
 """The main job's confirmatory run: run the pre-registered protocol seed by seed, then analyse it once.
 
-The protocol is ``benchmarks/results/confirmatory/PROTOCOL.md`` (committed before any run). This script does
-exactly what it says and nothing else:
+The protocol is ``studies/confirmatory/protocols/<name>/PROTOCOL.md`` (committed before any run). This script
+does exactly what it says and nothing else:
 
 * ``run``: ``cxr-hfl compare`` of the protocol's methods at the protocol's seeds, one seed at a time into one
   comparison folder (compare resumes: finished runs are kept, an interrupted seed is run again), with the external
@@ -14,9 +14,9 @@ exactly what it says and nothing else:
   the protocol lacks its run at a seed, a run file that is not its folder's method and seed, or an unreadable file
   is refused in one line naming it (exit 2) before anything is written.
 
-``python -m benchmarks.confirmatory run --cmp runs/confirmatory`` then
-``python -m benchmarks.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR`` runs the
-same protocol on the tuning part (the timing seed, or a dry rehearsal of the analysis).
+``python -m studies.confirmatory.confirmatory run --cmp runs/confirmatory`` then
+``python -m studies.confirmatory.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR``
+runs the same protocol on the tuning part (the timing seed, or a dry rehearsal of the analysis).
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.confirmatory_report import markdown  # noqa: F401 (RESULT.md; re-exported)
+from studies.confirmatory.confirmatory_report import markdown  # noqa: F401 (RESULT.md; re-exported)
 from hfl_components.stats import MARGINS, MIN_SEEDS, seed_mean_interval
 
-RESULTS = Path(__file__).resolve().parent / "results" / "confirmatory"
+RESULTS = Path(__file__).resolve().parent / "protocols" / "confirmatory"
 #: the protocol (PROTOCOL.md states the same; a change here after the run starts is a deviation)
 SEEDS = (10, 11, 12, 13, 14)
 METHODS = "local,fedavg,ohfl"
@@ -421,7 +421,8 @@ def _seed_list(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.confirmatory", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.confirmatory.confirmatory",
+                                 description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for c in ("run", "analyse", "copy"):
         p = sub.add_parser(c)

@@ -1,6 +1,6 @@
-"""``RESULT.md`` of a confirmatory run (``python -m benchmarks.confirmatory analyse``): the primary endpoint's
+"""``RESULT.md`` of a confirmatory run (``python -m studies.confirmatory.confirmatory analyse``): the primary endpoint's
 row, the secondary paired rows and the per-seed summaries with their seed-level t-intervals. Not a script of its own;
-:mod:`benchmarks.confirmatory` calls :func:`markdown`."""
+:mod:`studies.confirmatory.confirmatory` calls :func:`markdown`."""
 from __future__ import annotations
 
 from hfl_components.stats import paired_cell, verdict_cell

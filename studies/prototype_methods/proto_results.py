@@ -1,8 +1,8 @@
-"""Write ``benchmarks/results/fedsaf_table3.md`` and ``fedtopo_table1.md`` from ``cxr-hfl compare`` folders run
+"""Write ``studies/prototype_methods/fedsaf_table3.md`` and ``fedtopo_table1.md`` from ``cxr-hfl compare`` folders run
 under the prototype-method protocol (``docs/evaluation.md``: sites from ``chest_xray_224`` tuning + probe, the
 prototype methods' defaults, each site model scored on its own test split and on the evaluation part restricted to its classes, paired bootstrap CIs).
 
-    python -m benchmarks.proto_results --compare "alpha 0.5=runs/grid_a05" \
+    python -m studies.prototype_methods.proto_results --compare "alpha 0.5=runs/grid_a05" \
         --compare "alpha 1.0=runs/a10_s0" --compare "pathological=runs/path_s0" --out /tmp/tables
 
 (the folders are what ``cxr-hfl compare --out`` wrote; the exact commands behind the committed files are written at
@@ -19,7 +19,7 @@ seed) from one compare folder holding the variants of :data:`ABLATIONS`, each pa
     cxr-hfl compare --methods local,fedsaf,fedsaf:lam=0:gamma=0,fedsaf:gamma=0,fedsaf:lam=0,fedtopo,\
         fedtopo:ablate=local_topology,fedtopo:ablate=no_reliability,fedtopo:ablate=no_missing_mask,\
         fedtopo:ablate=no_ema --labels subtype --scheme dirichlet --alpha 0.5 --seeds 0 --out runs/ablate_s0
-    python -m benchmarks.proto_results --ablation "Dirichlet alpha 0.5, 6 sites (1 seed)=runs/ablate_s0"
+    python -m studies.prototype_methods.proto_results --ablation "Dirichlet alpha 0.5, 6 sites (1 seed)=runs/ablate_s0"
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ LABEL = {"local": "Local", "fedproto": "FedProto (MSE)", "fedsaf": "FedSAF (GCSA
 
 def load(label: str, d: Path) -> dict:
     from nvflare_jobs.compare import _order
-    from nvflare_jobs.proto_eval import section
+    from studies.prototype_methods.proto_eval import section
 
     methods = _order(p.parent.name for p in d.glob("seed*/*/metrics.json"))
     text, summary = section(d, methods)
@@ -121,7 +121,7 @@ def table(blocks: list[dict], methods: list, ref: str, paper_col: str | None = N
 def outcome(b: dict) -> list[str]:
     """The pass/fail learning floor per method and the two verdicts the issue asks for (FedSAF vs FedProto, FedTopo
     vs Local; balanced accuracy and AUC on both sets), as text, for one compare folder."""
-    from nvflare_jobs.proto_eval import FLOOR
+    from studies.prototype_methods.proto_eval import FLOOR
 
     s = b["summary"]
     from nvflare_jobs.compare import _order
@@ -244,11 +244,11 @@ ABLATION_LIMITS = {
 
 def ablation_pairs(res: dict, ref: str, methods: list[str], n_boot: int = 500) -> list[dict]:
     """Paired differences of every method in ``methods`` (but ``ref``) against ``ref``: balanced accuracy and AUC on
-    the sites' test splits and on the external part, each a :func:`nvflare_jobs.proto_eval.paired` result (seeds as
+    the sites' test splits and on the external part, each a :func:`studies.prototype_methods.proto_eval.paired` result (seeds as
     clusters, ``n_boot`` replicates) with ``method_a`` / ``method_b`` / ``set`` added, the entries
-    :func:`_paired_cell` looks up. ``res``: :func:`nvflare_jobs.proto_eval.collect`'s per-(seed, site) predictions.
+    :func:`_paired_cell` looks up. ``res``: :func:`studies.prototype_methods.proto_eval.collect`'s per-(seed, site) predictions.
     Methods absent from ``res`` are skipped."""
-    from nvflare_jobs.proto_eval import paired
+    from studies.prototype_methods.proto_eval import paired
 
     out = []
     for m in dict.fromkeys(methods):
@@ -265,7 +265,7 @@ def ablation_pairs(res: dict, ref: str, methods: list[str], n_boot: int = 500) -
 def same_predictions(res: dict, a: str, b: str) -> bool:
     """True when methods ``a`` and ``b`` hold the same (seed, site) pairs on both evaluation sets and every site
     model gives exactly the same class probabilities on the same images (e.g. an ablation that is a no-op on this
-    partition). ``res``: :func:`nvflare_jobs.proto_eval.collect`'s output."""
+    partition). ``res``: :func:`studies.prototype_methods.proto_eval.collect`'s output."""
     if a not in res or b not in res:
         return False
     for evalset in ("test", "external"):
@@ -280,7 +280,7 @@ def same_predictions(res: dict, a: str, b: str) -> bool:
 
 def ablation_file(b: dict, name: str, floor: float, notes: list[str], command: str,
                   wall_s: float | None = None) -> list[str]:
-    """The lines of ``benchmarks/results/<name>.md`` (``name`` a key of :data:`ABLATIONS`) for one compare block
+    """The lines of ``studies/prototype_methods/<name>.md`` (``name`` a key of :data:`ABLATIONS`) for one compare block
     whose ``summary["paired"]`` already holds :func:`ablation_pairs` against the spec's full method; ``wall_s``: the
     compare command's wall-clock seconds when known (recorded in the run record)."""
     spec = ABLATIONS[name]
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     import shlex
     import sys
 
-    from nvflare_jobs.proto_eval import FLOOR, NOTES, collect
+    from studies.prototype_methods.proto_eval import FLOOR, NOTES, collect
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", action="append", default=[], help="LABEL=DIR (repeatable): fedsaf_table3.md and "
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                     "this compare folder of the ablation variants (see ABLATIONS)")
     ap.add_argument("--wall-s", type=float, help="the ablation compare command's wall-clock seconds (as measured by "
                     "whoever ran it), written to the run record")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="studies/prototype_methods")
     a = ap.parse_args(argv)
     if not a.compare and not a.ablation:
         ap.error("give --compare LABEL=DIR and/or --ablation LABEL=DIR")
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"proto_results.py: --out {out} is a file, not a folder", file=sys.stderr)
         raise SystemExit(2)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.proto_results " + " ".join(
+    command = "python -m studies.prototype_methods.proto_results " + " ".join(
         shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
     notes = ["## Caveats", "", *[f"- {n}" for n in NOTES], ""]
     blocks = [load(*c.split("=", 1)[:1], Path(c.split("=", 1)[1])) for c in a.compare]

@@ -298,7 +298,7 @@ def test_the_corrected_row_decides_in_result_md(tmp_path):
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
                    ",".join(map(str, seeds))]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
-    assert r["primary_corrected"] is None and r["verdict_from"] == "primary"  # one look: no corrected row
+    assert "primary_corrected" not in r and "verdict_from" not in r  # one look: no corrected row, the 95 % decides
     corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
     md = C.markdown({**r, "primary_corrected": corr})
     first, second = [ln for ln in md.splitlines() if ln.startswith("| ohfl vs local+ft, AUC") or
@@ -370,14 +370,45 @@ def test_a_primary_control_without_its_row_is_refused(tmp_path, capsys):
 
 def test_the_margin_sentence_names_the_interval_that_decides(tmp_path):
     """With ``--looks 2`` the sentence under the primary table said "the interval's lower bound" under a table with a
-    95 % and a 97.5 % interval; it names the one that decides (the protocol's 97.5 % corrected interval)."""
+    95 % and a 97.5 % interval; it names the one that decides (the protocol's 97.5 % corrected interval). With one
+    interval in the table it keeps the earlier protocols' wording (their RESULT.md is rewritten byte for byte)."""
     seeds = [30, 31, 32, 33, 34]
     _fake_cmp(tmp_path / "cmp", seeds)
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
                    ",".join(map(str, seeds))]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     one = C.markdown(r)
-    assert "not worse when the lower bound of the 95% interval is above -δ" in one
+    assert "not worse when the interval's lower bound is above -δ" in one
     corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
     two = C.markdown({**r, "primary_corrected": corr})
     assert "not worse when the lower bound of the corrected row's 97.5% interval is above -δ" in two
+
+
+def test_copied_predictions_key_images_by_paths_relative_to_the_evaluated_root(tmp_path):
+    """copy_seed: a predictions.npz whose images carry machine paths is copied with each path relative to the
+    evaluated set's root (the ``data`` of the summary beside it); every other array unchanged, the sorted order of
+    the paths the same (the analysis pairs images by sorted path)."""
+    cmp = tmp_path / "cmp"
+    ext = cmp / "seed10" / "ohfl" / "external" / "set"
+    root = tmp_path / "data" / "chest_xray_224"
+    names = ["train/PNEUMONIA/person1_virus_2.jpeg", "train/NORMAL/IM-0115-0001.jpeg", "train/NORMAL/IM-0002.jpeg"]
+    probs = np.random.default_rng(0).random((3, 2)).astype(np.float32)
+    _write(ext / "summary.json", {"data": str(root)})
+    np.savez_compressed(ext / "predictions.npz", paths=np.asarray([str(root / n) for n in names]),
+                        y=np.array([1, 0, 0]), **{"site-1_deployed": probs})
+    dest = C.copy_seed(cmp, tmp_path / "res", 10)
+    z = np.load(dest / "ohfl" / "external" / "set" / "predictions.npz")
+    assert z["paths"].tolist() == names
+    assert np.argsort(z["paths"]).tolist() == [2, 1, 0]
+    assert (z["y"] == [1, 0, 0]).all() and np.array_equal(z["site-1_deployed"], probs)
+    assert z["site-1_deployed"].dtype == np.float32
+
+
+def test_a_predicted_image_outside_the_evaluated_root_is_refused_by_name(tmp_path):
+    cmp = tmp_path / "cmp"
+    ext = cmp / "seed10" / "ohfl" / "external" / "set"
+    _write(ext / "summary.json", {"data": str(tmp_path / "data")})
+    np.savez_compressed(ext / "predictions.npz", paths=np.asarray([str(tmp_path / "elsewhere" / "a.jpeg")]),
+                        y=np.array([0]))
+    with pytest.raises(ValueError, match="predictions.npz: image .*a.jpeg is not under"):
+        C.copy_seed(cmp, tmp_path / "res", 10)

@@ -80,10 +80,46 @@ def _sanitise(text: str, cmp: Path) -> str:
     return text
 
 
+def relative_predictions(src: Path, dest: Path) -> None:
+    """Copy an external evaluation's ``predictions.npz`` with every image keyed by its path relative to the evaluated
+    set's root (``train/NORMAL/IM-0115-0001.jpeg``, as in ``chest_xray/splits/``) instead of a machine path. The root
+    is the ``data`` of the ``summary.json`` beside ``src``; every other array is copied unchanged. A common prefix
+    keeps the sorted order of the paths, so an analysis that pairs images by sorted path draws the same images.
+
+    Raises:
+        ValueError: no readable ``summary.json`` with ``data`` beside ``src``, or a path of ``src`` outside that root
+            (the message names the file).
+    """
+    import numpy as np
+
+    with np.load(src, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    if "paths" not in arrays or not any(Path(str(p)).is_absolute() for p in arrays["paths"]):
+        shutil.copy2(src, dest)  # nothing machine-specific in it: the file as it is
+        return
+    summ = Path(src).parent / "summary.json"
+    try:
+        root = Path(json.loads(summ.read_text(encoding="utf-8"))["data"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{summ}: no readable 'data' (the evaluated set's root): {type(e).__name__}") from None
+    rel = []
+    for p in map(str, arrays["paths"]):
+        q = Path(p)
+        if not q.is_absolute():
+            rel.append(p)
+            continue
+        try:
+            rel.append(q.relative_to(root).as_posix())
+        except ValueError:
+            raise ValueError(f"{src}: image {p} is not under the evaluated set's root {root}") from None
+    arrays["paths"] = np.asarray(rel)
+    np.savez_compressed(dest, **arrays)
+
+
 def copy_seed(cmp: Path, res: Path, seed: int) -> Path:
     """Copy one finished seed's records into ``res/seeds/seed<k>/<method>/`` in the comparison folder's own layout
     (``metrics.json``, ``models.json``, ``external/<set>/summary.json``, ``audit.json``, ``predictions.npz``), machine
-    paths replaced (:func:`_sanitise`), and ``compare.json`` into ``res/seeds/``; :func:`analyse` can then be run on
+    paths replaced (:func:`_sanitise`; the predictions' image paths made relative by :func:`relative_predictions`), and ``compare.json`` into ``res/seeds/``; :func:`analyse` can then be run on
     ``res/seeds`` if the run folders are gone. Returns the seed's folder."""
     cmp, root = Path(cmp), Path(res) / "seeds"
     dest = root / f"seed{seed}"
@@ -96,7 +132,7 @@ def copy_seed(cmp: Path, res: Path, seed: int) -> Path:
         to = root / f.relative_to(cmp)
         to.parent.mkdir(parents=True, exist_ok=True)
         if f.suffix == ".npz":
-            shutil.copy2(f, to)
+            relative_predictions(f, to)
         else:
             to.write_text(_sanitise(f.read_text(encoding="utf-8"), cmp), encoding="utf-8")
     return dest
@@ -348,8 +384,7 @@ def analyse(args) -> int:
     out = {"data": paired.get("data"), "part": paired.get("part"), "n_images": paired.get("n_images"),
            "seeds": prim["seeds"] if prim else None, "min_seeds": MIN_SEEDS, "margins": MARGINS,
            "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,
-           "primary_corrected": corrected,
-           "verdict_from": "primary_corrected" if corrected else "primary",  # the record whose verdict decides
+           **({"primary_corrected": corrected, "verdict_from": "primary_corrected"} if corrected else {}),
            "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local}
     res.mkdir(parents=True, exist_ok=True)
     (res / "result.json").write_text(json.dumps(out, indent=1, default=str))

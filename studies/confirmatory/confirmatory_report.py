@@ -30,11 +30,13 @@ def _corrected_row(c: dict | None) -> list[str]:
             f"{c['a']:.3f} | {c['b']:.3f} | {paired_cell(c)} | {verdict_cell(c)} |"]
 
 
-def _deciding(p: dict, c: dict | None) -> str:
-    """Which interval gives the primary verdict, with its level: the corrected row's when there is one."""
-    d = c or p
-    level = f"{100 * (1 - float(d.get('alpha') or 0.05)):g}%"
-    return f"the corrected row's {level} interval" if c else f"the {level} interval"
+def _deciding(c: dict | None) -> str:
+    """Which lower bound gives the primary verdict: the corrected row's, with its level, when the table holds two
+    intervals; else the one interval's (the wording of the protocols analysed before the corrected row existed, so
+    that their ``RESULT.md`` is rewritten byte for byte)."""
+    if not c:
+        return "the interval's lower bound"
+    return f"the lower bound of the corrected row's {100 * (1 - float(c.get('alpha') or 0.05)):g}% interval"
 
 
 def markdown(r: dict) -> str:
@@ -50,8 +52,8 @@ def markdown(r: dict) -> str:
               f"| {p['comparison']}, AUC, deployed models | {p['a']:.3f} | {p['b']:.3f} | {paired_cell(p)} | "
               f"{verdict_cell(p) if not r.get('primary_corrected') else 'none: the corrected row decides'} |",
               *_corrected_row(r.get("primary_corrected")), "",
-              f"Non-inferiority margin δ = {p.get('margin')} AUC: not worse when the lower bound of "
-              f"{_deciding(p, r.get('primary_corrected'))} is above -δ; better when it is above 0."]
+              f"Non-inferiority margin δ = {p.get('margin')} AUC: not worse when "
+              f"{_deciding(r.get('primary_corrected'))} is above -δ; better when it is above 0."]
     else:
         L.append("No primary comparison could be formed (a method's runs or evaluations are missing).")
     L += ["", "## Secondary endpoints (exploratory: verdicts not corrected for multiplicity)", "",

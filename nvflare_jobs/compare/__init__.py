@@ -30,7 +30,7 @@ verdict; the deployed models' AUC against local+ft is the primary endpoint, ever
 A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
 Resumable: a run whose ``metrics.json`` exists is not run again, nor an external evaluation already written.
 """
-from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run, tables, targets
+from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run, tables
     CONTROL,
     METHODS,
     PROTO,
@@ -69,4 +69,3 @@ from nvflare_jobs.compare.tables import (
     val_threshold_metrics,
     write_tables,
 )
-from nvflare_jobs.compare.targets import GLOBAL_AUC_TARGET, STRETCH_GAP, load_external, ohfl_targets, targets_markdown

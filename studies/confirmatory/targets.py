@@ -1,8 +1,16 @@
-"""The one-shot main job's targets against an external evaluation."""
+"""The research milestones of the one-shot main job, checked on a finished ``cxr-hfl compare`` folder with an
+external evaluation: the fused global model's zero-shot AUC (:data:`GLOBAL_AUC_TARGET`), its gap to its parents
+(:data:`STRETCH_GAP`), the deployed models against their pre-fusion local models and against local+ft, and the
+verdict against FedAvg as it is. A research checklist, not a product output: compare's tables and reports do not
+print it.
+
+    python -m studies.confirmatory.targets runs/cmp
+"""
 from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +123,20 @@ def targets_markdown(targets: list[dict]) -> list[str]:
     return L
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Print the targets of the compare folder ``argv[0]``; exit 2 without its external tables."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m studies.confirmatory.targets COMPARE_FOLDER", file=sys.stderr)
+        return 2
+    ext = load_external(Path(args[0]))
+    if ext is None:
+        print(f"targets: {args[0]}: no comparison_external.csv and paired_external.json (compare --external)",
+              file=sys.stderr)
+        return 2
+    print("\n".join(targets_markdown(ohfl_targets(ext))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -74,7 +74,10 @@ def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
         (cmp / "seed10" / m / "metrics.json").write_text(json.dumps({"method": m, "seed": 10}))
     (cmp / "seedX" / "ohfl").mkdir(parents=True)  # not a seed folder: ignored
     (cmp / "seedX" / "ohfl" / "metrics.json").write_text("{}")
-    args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--results"]
+    from pathlib import Path
+
+    plan = Path(C.__file__).parent / "protocols" / "confirmatory" / "alpha_plan.json"  # primary: ohfl vs local+ft
+    args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--plan", str(plan), "--results"]
     assert C.main([*args, str(res)]) == 0  # the well-formed folder analyses
     bad = cmp / rel
     bad.parent.mkdir(parents=True, exist_ok=True)

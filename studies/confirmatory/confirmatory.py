@@ -12,7 +12,10 @@ does exactly what it says and nothing else:
   crossed cluster bootstrap-t for paired differences on the shared external images (Owen 2007), the seed-level
   t-interval for per-seed summaries; verdicts only with at least ``MIN_SEEDS`` seeds. A folder where a method of
   the protocol lacks its run at a seed, a run file that is not its folder's method and seed, or an unreadable file
-  is refused in one line naming it (exit 2) before anything is written.
+  is refused in one line naming it (exit 2) before anything is written. The tests and their levels come from the
+  protocol's α plan (``alpha_plan.json``, :mod:`studies.confirmatory.alpha_plan`): a plan that is missing, or a
+  ``--primary`` / ``--looks`` it does not list, is refused the same way; a row the plan does not test gets no
+  verdict unless the plan (a legacy one) kept the exploratory verdicts its protocol printed.
 
 ``python -m studies.confirmatory.confirmatory run --cmp runs/confirmatory`` then
 ``python -m studies.confirmatory.confirmatory analyse --cmp runs/confirmatory``; ``--part tuning --results DIR``
@@ -28,8 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from studies.confirmatory.confirmatory_report import markdown  # noqa: F401 (RESULT.md; re-exported)
 from hfl_components.stats import MARGINS, MIN_SEEDS, seed_mean_interval
+from studies.confirmatory.alpha_plan import PlanError, load_plan, require_test
+from studies.confirmatory.confirmatory_report import markdown  # noqa: F401 (RESULT.md; re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "protocols" / "confirmatory"
 #: the protocol (PROTOCOL.md states the same; a change here after the run starts is a deviation)
@@ -363,20 +367,27 @@ def analyse(args) -> int:
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
-        control = getattr(args, "primary", "local")
+        plan_path = Path(getattr(args, "plan", None) or res / "alpha_plan.json")
+        plan, test = planned_primary(plan_path, getattr(args, "primary", None), getattr(args, "looks", None))
+        control = test["b"]
         prim = _set_primary(paired["paired"], control)
         if prim is None:  # the protocol's primary endpoint: a result without it is not the confirmatory one
             raise BadInput(f"{pj}: no '{PRIMARY_ROWS[control]}' row (--primary {control}): its runs' evaluations or "
                            "predictions are missing")
-        looks = getattr(args, "looks", 1)
+        looks = test.get("looks")
         corrected = None
-        if prim and looks > 1:  # the corrected row decides: without it no verdict may be written
+        if test["alpha"] < plan["total_alpha"] or looks:  # the row at the plan's level decides
             check_corrected_inputs(cmp, name, prim, pj)
-            corrected = corrected_primary(cmp, name, prim, looks, paired.get("n_boot") or 1000)
+            corrected = corrected_primary(cmp, name, prim, looks or 1, paired.get("n_boot") or 1000,
+                                          alpha=test["alpha"])
             if corrected is None:
                 raise BadInput(f"{cmp}: the predictions of {prim['a']} and {prim['b']} share no images or sites: no "
-                               f"corrected interval for --looks {looks}")
-    except BadInput as e:
+                               f"interval at the α plan's level {test['alpha']:g}")
+            if not looks:
+                corrected.pop("looks")
+                corrected["procedure"] = plan["procedure"]
+                corrected["hypothesis"] = test["hypothesis"]
+    except (BadInput, PlanError) as e:
         print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
         return 2
     sec = {k: seed_mean_interval(v) for k, v in summ.items()}
@@ -386,6 +397,13 @@ def analyse(args) -> int:
            "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,
            **({"primary_corrected": corrected, "verdict_from": "primary_corrected"} if corrected else {}),
            "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local}
+    if not plan.get("exploratory_verdicts", False):  # a test the plan does not list gets no verdict
+        out["plan"] = {"file": plan_path.name, "procedure": plan["procedure"], "primary": test["id"],
+                       "later_levels": "set by the fallback sequence (docs/evaluation.md); not computed here"}
+        for q in out["paired"]:
+            for m in ("auc", "balanced_accuracy"):
+                if q.get("primary") != m and isinstance(q.get(m), dict):
+                    q[m] = {**q[m], "verdict": None, "note": "not a test of the α plan: described, no verdict"}
     res.mkdir(parents=True, exist_ok=True)
     (res / "result.json").write_text(json.dumps(out, indent=1, default=str))
     (res / "RESULT.md").write_text(markdown(out))
@@ -411,10 +429,12 @@ def check_corrected_inputs(cmp: Path, name: str, prim: dict, path: Path) -> None
                                "both methods)")
 
 
-def corrected_primary(cmp: Path, name: str, prim: dict, looks: int, n_boot: int = 1000) -> dict | None:
-    """The primary comparison's AUC difference at the Bonferroni-corrected level ``alpha = 0.05 / looks``, for a
-    protocol that is the ``looks``-th test of one hypothesis (Dunn 1961), from the runs' ``predictions.npz`` with the
-    crossed cluster bootstrap-t of the 95 % row (``hfl_components.stats.paired_crossed``, the same replicates' seed).
+def corrected_primary(cmp: Path, name: str, prim: dict, looks: int, n_boot: int = 1000,
+                      alpha: float | None = None) -> dict | None:
+    """The primary comparison's AUC difference at the level the α plan gives it: ``alpha`` (default the
+    Bonferroni-corrected ``0.05 / looks`` of a protocol that is the ``looks``-th test of one hypothesis, Dunn 1961),
+    from the runs' ``predictions.npz`` with the crossed cluster bootstrap-t of the 95 % row
+    (``hfl_components.stats.paired_crossed``, the same replicates' seed).
 
     Returns:
         ``paired_crossed``'s record plus ``looks`` and ``comparison``; None when the predictions do not pair.
@@ -427,8 +447,36 @@ def corrected_primary(cmp: Path, name: str, prim: dict, looks: int, n_boot: int 
     if arr is None:
         return None
     y, A, B, seeds, _ = arr
-    return {**paired_crossed(y, A, B, "auc", n_boot=n_boot, seed=0, seeds=seeds, alpha=0.05 / looks),
+    level = 0.05 / looks if alpha is None else alpha
+    return {**paired_crossed(y, A, B, "auc", n_boot=n_boot, seed=0, seeds=seeds, alpha=level),
             "looks": looks, "comparison": prim["comparison"]}
+
+
+def planned_primary(path: Path, control: str | None, looks: int | None) -> tuple[dict, dict]:
+    """The α plan at ``path`` and its primary test, refusing a request the plan does not list: ``control``
+    (``--primary``) must be the control of the plan's primary test, and ``looks`` (``--looks``) its number of
+    looks (1 for a test without); None accepts the plan's.
+
+    Raises:
+        PlanError: no valid plan at ``path``; the plan's primary is not a paired AUC test of :data:`MAIN` against a
+            control this analysis forms (:data:`PRIMARY_ROWS`); or the request differs from the plan.
+    """
+    plan = load_plan(path)
+    test = plan["tests"][0]
+    if (test.get("a"), test.get("metric")) != (MAIN, "auc") or test.get("b") not in PRIMARY_ROWS:
+        raise PlanError(f"{path}: the plan's primary test {test['id']} is not {MAIN} vs one of "
+                        f"{', '.join(PRIMARY_ROWS)} on auc, the comparison this analysis forms")
+    if control is not None:
+        t = require_test(plan, path, MAIN, control, "auc")
+        if t is not test:
+            raise PlanError(f"{path}: --primary {control}: the plan's primary test is {MAIN} vs {test['b']} "
+                            f"({t['id']} comes later in its sequence); a test the plan does not list as primary is "
+                            "refused")
+    if looks is not None and looks != test.get("looks", 1):
+        raise PlanError(f"{path}: --looks {looks}: the plan tests its primary at alpha {test['alpha']:g}"
+                        + (f" ({test['looks']} looks)" if test.get("looks") else " (one look)")
+                        + "; a test the plan does not list is refused")
+    return plan, test
 
 
 #: ``analyse --primary``: the control of the primary comparison -> the start of its paired row's label
@@ -470,12 +518,15 @@ def main(argv: list[str] | None = None) -> int:
                            help=f"the seeds every method must have its run at (default: the first protocol's "
                                 f"{','.join(map(str, SEEDS))}; a later protocol names its own)")
         if c == "analyse":
-            p.add_argument("--looks", type=int, default=1, choices=range(1, 11), metavar="K",
-                           help="the protocol is the K-th test of its primary hypothesis (1-10): with K > 1 the verdict "
-                                "comes from the Bonferroni-corrected interval (alpha 0.05 / K), the 95%% row beside it")
-            p.add_argument("--primary", choices=sorted(PRIMARY_ROWS), default="local",
-                           help="the control of the primary comparison, as the protocol names it (default: local, "
-                                "the local+ft control)")
+            p.add_argument("--plan", metavar="FILE",
+                           help="the protocol's α plan, which fixes every test and its level (default: "
+                                "alpha_plan.json in --results); a test it does not list is refused")
+            p.add_argument("--looks", type=int, default=None, choices=range(1, 11), metavar="K",
+                           help="checked against the plan: the plan's primary is the K-th test of its hypothesis (a "
+                                "legacy bonferroni-look plan; default: the plan's)")
+            p.add_argument("--primary", choices=sorted(PRIMARY_ROWS), default=None,
+                           help="checked against the plan: the control of its primary comparison (default: the "
+                                "plan's)")
         if c == "run":
             p.add_argument("--no-audit", action="store_true",
                            help="evaluate without the shortcut audit (a protocol without the audit endpoints)")

@@ -23,11 +23,15 @@ CLIPPED = " (95% CI clipped to [0, 1])"
 
 
 def _corrected_row(c: dict | None) -> list[str]:
-    """The primary endpoint's Bonferroni-corrected row (``analyse --looks``), or nothing."""
+    """The primary endpoint's row at the α plan's level, or nothing: a legacy plan's Bonferroni-corrected row
+    (``looks``), or the level a plan's procedure gives the primary."""
     if not c:
         return []
-    return [f"| the same, corrected for {c['looks']} tests of this hypothesis (Bonferroni, alpha {c['alpha']:g}) | "
-            f"{c['a']:.3f} | {c['b']:.3f} | {paired_cell(c)} | {verdict_cell(c)} |"]
+    what = (f"corrected for {c['looks']} tests of this hypothesis (Bonferroni, alpha {c['alpha']:g})" if c.get("looks")
+            else f"at the α plan's level ({c.get('procedure')} procedure, alpha {c['alpha']:g}; its hypothesis: "
+                 f"{c.get('hypothesis')}" + (", rejected only if better" if c.get("hypothesis") == "superiority" else "")
+                 + ")")
+    return [f"| the same, {what} | {c['a']:.3f} | {c['b']:.3f} | {paired_cell(c)} | {verdict_cell(c)} |"]
 
 
 def _deciding(c: dict | None) -> str:
@@ -36,7 +40,13 @@ def _deciding(c: dict | None) -> str:
     that their ``RESULT.md`` is rewritten byte for byte)."""
     if not c:
         return "the interval's lower bound"
+    if not c.get("looks"):
+        return f"the lower bound of the plan-level row's {100 * (1 - float(c.get('alpha') or 0.05)):g}% interval"
     return f"the lower bound of the corrected row's {100 * (1 - float(c.get('alpha') or 0.05)):g}% interval"
+
+
+def _row_name(r: dict) -> str:
+    return "corrected row" if (r.get("primary_corrected") or {}).get("looks") else "plan-level row"
 
 
 def markdown(r: dict) -> str:
@@ -50,13 +60,16 @@ def markdown(r: dict) -> str:
     if p:
         L += ["| comparison | A | B | A - B | verdict |", "|---|---|---|---|---|",
               f"| {p['comparison']}, AUC, deployed models | {p['a']:.3f} | {p['b']:.3f} | {paired_cell(p)} | "
-              f"{verdict_cell(p) if not r.get('primary_corrected') else 'none: the corrected row decides'} |",
+              f"{verdict_cell(p) if not r.get('primary_corrected') else 'none: the ' + _row_name(r) + ' decides'} |",
               *_corrected_row(r.get("primary_corrected")), "",
               f"Non-inferiority margin δ = {p.get('margin')} AUC: not worse when "
               f"{_deciding(r.get('primary_corrected'))} is above -δ; better when it is above 0."]
     else:
         L.append("No primary comparison could be formed (a method's runs or evaluations are missing).")
-    L += ["", "## Secondary endpoints (exploratory: verdicts not corrected for multiplicity)", "",
+    plan = r.get("plan")
+    L += ["", "## Secondary endpoints (exploratory: verdicts not corrected for multiplicity)" if not plan else
+          f"## Other rows (described: a verdict only for a test of the α plan, `{plan['file']}`; the later tests' "
+          "levels follow its sequence)", "",
           "| comparison | metric | A | B | A - B | verdict |", "|---|---|---|---|---|---|"]
     for q in r["paired"]:
         for metric in ("auc", "balanced_accuracy"):

@@ -20,8 +20,8 @@ FedSAF / FedTopo tables delegate to the in-process federation drivers (``bench_a
 anything runs). Their results are kept in ``--out``/fedsaf|fedtopo/bench_*_<store>.json (resumable; ``tiny`` and
 ``quick`` share one store since they differ only in the grid) and the tables are written from those files, beside
 them (``--out``/fedsaf|fedtopo/<table>_driver.md, a name of their own; the committed
-``benchmarks/results/fedsaf_*.md`` / ``fedtopo_*.md`` follow the prototype-method protocol of
-``benchmarks/proto_results.py``):
+``studies/prototype_methods/fedsaf_*.md`` / ``fedtopo_*.md`` follow the prototype-method protocol of
+``studies/prototype_methods/proto_results.py``):
 FedSAF Table III -- alignment MSE / cosine / GCSA / RCSA per Dirichlet alpha; Table VIII -- GCSA prototype-level only /
 instance-level only / both; FedTopo Table I -- Local / FedProto / FedSAF-GCSA / FedTopo on Dirichlet-0.1 and
 pathological splits; Table II -- FedTopo ablations. ``tiny`` runs one alpha (0.1) and one split (Dirichlet 0.1), the
@@ -522,10 +522,10 @@ def write_bench_table(table: str, store: Path, seeds, budget: str, cmd: str, arg
               + ". Accuracy alone flatters sites that predict their dominant class under label skew."]
     L += ["", "## Ordering", "", *_groups_note(groups, _bench_reason(group, st, len(seeds)), smoke)]
     # beside the driver's store, never over benchmarks/results/: the committed FedSAF / FedTopo tables follow the
-    # prototype protocol (benchmarks/proto_results.py from `cxr-hfl compare` folders), not this driver's budget
+    # prototype protocol (studies/prototype_methods/proto_results.py from `cxr-hfl compare` folders), not this driver's budget
     L[1:1] = ["", f"This driver's protocol (4 sites, bench_alignment / bench_topology budgets); the committed "
-                  f"`benchmarks/results/{table}.md` follows the prototype-methods protocol (`docs/evaluation.md`), written by `benchmarks/proto_results.py`."]
-    dest = store.parent / f"{table}_driver.md"  # a name of its own: benchmarks/results/{table}.md is proto_results'
+                  f"`studies/prototype_methods/{table}.md` follows the prototype-methods protocol (`docs/evaluation.md`), written by `studies/prototype_methods/proto_results.py`."]
+    dest = store.parent / f"{table}_driver.md"  # a name of its own: studies/prototype_methods/{table}.md is proto_results'
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("\n".join(L).rstrip() + "\n")
     return dest

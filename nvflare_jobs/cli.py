@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "nvflare_jobs.commands.crosssite",  # export-eval
     "nvflare_jobs.commands.site",  # site check
     "nvflare_jobs.commands.evaluate",  # compare, evaluate, predict, report
+    "nvflare_jobs.commands.data",  # data fetch
 ]
 
 

@@ -527,7 +527,6 @@ def render_compare(cdir: Path) -> str:
                                         ["seeds", ", ".join(map(str, cj.get("seeds", [])))],
                                         ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())]]),
             "<h2>Data manifest sha256 per seed</h2>", _table(["seed", "sha256 of partition/sites/*.csv"], digests)]
-    body += targets_html(cdir)
     methods = method_order(r["method"] for r in rows)
     if rows:
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(methods)), 3.5))
@@ -555,25 +554,6 @@ def render_compare(cdir: Path) -> str:
     if runs:
         body.append(model_card(runs[0][2]).replace("Model card", "Model card (first run; every run shares the data)"))
     return _page("cxr-hfl comparison", body)
-
-
-def targets_html(cdir: Path) -> list[str]:
-    """HTML of the fusion targets for the main job (``compare.ohfl_targets`` on the comparison's external
-    evaluation): a table with the numbers, and a sentence naming the targets that are not met. ``[]`` when the
-    comparison has no OHFL run evaluated externally."""
-    from nvflare_jobs.compare import load_external, ohfl_targets
-
-    ext = load_external(cdir)
-    targets = ohfl_targets(ext) if ext else []
-    if not targets:
-        return []
-    status = {True: "met", False: "NOT met", None: "reported"}
-    missed = [t for t in targets if t["met"] is False]
-    head = ("<p><b>Targets not met: " + html.escape("; ".join(f"{t['target']} ({t['value']})" for t in missed))
-            + "</b></p>") if missed else "<p>All of the main job's targets are met.</p>"
-    where = f"{ext.get('name')}" + (f", part {ext.get('part')}" if ext.get("part") else "")
-    return [f"<h2>Main-job targets (OHFL, external evaluation: {html.escape(str(where))})</h2>", head,
-            _table(["target", "value", "status"], [[t["target"], t["value"], status[t["met"]]] for t in targets])]
 
 
 def check_compare_tables(cdir: Path) -> None:

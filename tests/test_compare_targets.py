@@ -1,4 +1,5 @@
-"""The main job's targets in compare's tables and in the comparison's report.html (hand-made external tables)."""
+"""The main job's research milestones (``studies/confirmatory/targets.py``) on hand-made external tables of a compare
+folder; compare's own tables and report do not print them."""
 from __future__ import annotations
 
 import csv
@@ -43,7 +44,7 @@ def _write_tables(out):
 
 
 def test_targets_from_the_external_tables(tmp_path):
-    from nvflare_jobs.compare import load_external, ohfl_targets, targets_markdown
+    from studies.confirmatory.targets import load_external, ohfl_targets, targets_markdown
 
     _write_tables(tmp_path)
     t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
@@ -68,7 +69,7 @@ def test_targets_from_the_external_tables(tmp_path):
 def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
     """Without a local+ft control (compare --methods ohfl,fedavg) target (4) cannot be judged: one row says
     "not measured" and counts as not met, so the table never ends "All targets met" without it."""
-    from nvflare_jobs.compare import load_external, ohfl_targets, targets_markdown
+    from studies.confirmatory.targets import load_external, ohfl_targets, targets_markdown
 
     _write_tables(tmp_path)
     pj = json.loads((tmp_path / "paired_external.json").read_text())
@@ -83,27 +84,30 @@ def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
     assert "3 of 4 targets not met." in "\n".join(targets_markdown(list(t.values())))
 
 
-def test_compare_report_html_states_the_targets_not_met(tmp_path):
-    from nvflare_jobs.report import render_report
-
+def test_compare_report_html_no_longer_carries_the_research_targets(tmp_path):
     from nvflare_jobs.compare.tables import COLUMNS
+    from nvflare_jobs.report import render_report
 
     _write_tables(tmp_path)
     (tmp_path / "comparison.csv").write_text(",".join(COLUMNS) + "\n")  # compare's header, no site rows
     html = render_report(tmp_path).read_text()
-    assert "Main-job targets (OHFL, external evaluation: chest_xray_224-evaluation, part evaluation)" in html
-    head = html.split("<b>Targets not met: ", 1)[1].split("</b>", 1)[0]
-    assert "global model zero-shot mean AUC &gt;= 0.75 (0.700 over 2 seed(s)" in head
-    assert "balanced accuracy (non-inferiority, margin 0.03) (-0.050 (95% CI -0.080 to -0.020): worse (δ 0.03))" \
-        in head
-    assert "mean AUC &gt;= the pre-fusion" not in head and "AUC (non-inferiority" not in head  # met: not listed
-    assert html.count("NOT met") == 3
+    assert "cxr-hfl method comparison" in html and "targets" not in html.lower()
+
+
+def test_the_checklist_prints_for_a_compare_folder_and_refuses_one_without_external_tables(tmp_path, capsys):
+    from studies.confirmatory.targets import main
+
+    _write_tables(tmp_path)
+    assert main([str(tmp_path)]) == 0
+    assert "3 of 5 targets not met." in capsys.readouterr().out
+    assert main([str(tmp_path / "none")]) == 2
+    assert "no comparison_external.csv" in capsys.readouterr().err
 
 
 def test_fewer_than_five_seeds_give_no_verdict_and_the_target_is_not_met(tmp_path):
     """A paired result under 5 seeds (or one written before the rule, without ``reliable``) has no verdict: the
     non-inferiority target shows the per-seed differences and is not met."""
-    from nvflare_jobs.compare import load_external, ohfl_targets
+    from studies.confirmatory.targets import load_external, ohfl_targets
 
     _write_tables(tmp_path)
     pj = json.loads((tmp_path / "paired_external.json").read_text())
@@ -123,10 +127,9 @@ def test_fewer_than_five_seeds_give_no_verdict_and_the_target_is_not_met(tmp_pat
 
 
 def test_no_targets_without_an_external_evaluation(tmp_path):
-    from nvflare_jobs.compare import load_external
-    from nvflare_jobs.report import targets_html
+    from studies.confirmatory.targets import load_external
 
-    assert load_external(tmp_path) is None and targets_html(tmp_path) == []
+    assert load_external(tmp_path) is None
 
 
 if __name__ == "__main__":

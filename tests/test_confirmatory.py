@@ -1,4 +1,4 @@
-"""The confirmatory run's analysis (benchmarks/confirmatory.py) on a comparison folder built by hand: the per-seed
+"""The confirmatory run's analysis (studies/confirmatory/confirmatory.py) on a comparison folder built by hand: the per-seed
 summaries, their seed-level t-intervals and the primary endpoint's row, checked against values computed here."""
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from benchmarks import confirmatory as C
+from studies.confirmatory import confirmatory as C
 
 
 def _write(p, obj):
@@ -57,10 +57,23 @@ def _fake_cmp(root, seeds, name="chest_xray_224-evaluation"):
     return truth
 
 
+def _plan(root, control="local", looks=None):
+    """An α plan with one primary test of ohfl vs ``control`` (AUC, non-inferiority 0.02) at the total 0.05, or a
+    legacy bonferroni-look plan at 0.05 / ``looks``; returns the file (outside the results folder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    f = root / f"plan_{control}_{looks}.json"
+    test = {"id": "primary", "a": "ohfl", "b": control, "metric": "auc", "hypothesis": "non-inferiority",
+            "margin": 0.02, "alpha": 0.05 / (looks or 1), **({"looks": looks} if looks else {})}
+    f.write_text(json.dumps({"schema": "cxr-hfl alpha plan 1", "total_alpha": 0.05, "exploratory_verdicts": True,
+                             "procedure": "bonferroni-look" if looks else "single", "tests": [test]}))
+    return str(f)
+
+
 def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
     seeds = [10, 11, 12, 13, 14]
     truth = _fake_cmp(tmp_path / "cmp", seeds)
-    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res")]) == 0
+    assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"),
+                   "--plan", _plan(tmp_path)]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     for key, tk in (("gap_global", "gap"), ("border_dp_normal", "border"), ("fed_sensitivity", "sens"),
                     ("adopted", "adopted"), ("eval_sensitivity", "eval_sens"), ("eval_min_sensitivity", "eval_min")):
@@ -77,7 +90,7 @@ def test_analysis_summaries_match_a_hand_computed_seed_t_interval(tmp_path):
 def test_analysis_with_fewer_than_five_seeds_gives_per_seed_values_and_no_interval(tmp_path):
     truth = _fake_cmp(tmp_path / "cmp", [10, 11])
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"),
-                   "--seeds", "10,11"]) == 0
+                   "--seeds", "10,11", "--plan", _plan(tmp_path)]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     d = r["secondary"]["gap_global"]
     assert d["ci_low"] is None and not d["reliable"]
@@ -182,7 +195,7 @@ def test_a_share_interval_is_printed_clipped_to_0_1_and_says_so(tmp_path):
         met = json.loads(f.read_text())
         met["sites"] = {"site-1": {"gate": {"adopted": True}}, "site-2": {"gate": {"adopted": v == 1.0}}}
         _write(f, met)
-    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res)]) == 0
+    assert C.main(["analyse", "--cmp", str(cmp), "--results", str(res), "--plan", _plan(tmp_path)]) == 0
     half = stats.t.ppf(0.975, 4) * np.std(shares, ddof=1) / np.sqrt(5)
     assert 0.9 + half > 1.0
     r = json.loads((res / "result.json").read_text())["secondary"]["adopted"]
@@ -233,7 +246,7 @@ def test_a_protocol_with_fedavg_as_its_primary_control_reports_that_row(tmp_path
                              "balanced_accuracy": {**fed, "metric": "balanced_accuracy", "margin": 0.03}})
     pj.write_text(json.dumps(paired))
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
-                   ",".join(map(str, seeds)), "--primary", "fedavg"]) == 0
+                   ",".join(map(str, seeds)), "--primary", "fedavg", "--plan", _plan(tmp_path, "fedavg")]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     assert r["primary"]["comparison"] == "ohfl vs FedAvg" and r["primary"]["diff"] == -0.01
     assert r["primary"]["verdict"] == "inconclusive"
@@ -296,9 +309,9 @@ def test_the_corrected_row_decides_in_result_md(tmp_path):
     seeds = [30, 31, 32, 33, 34]
     _fake_cmp(tmp_path / "cmp", seeds)
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
-                   ",".join(map(str, seeds))]) == 0
+                   ",".join(map(str, seeds)), "--plan", _plan(tmp_path)]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
-    assert r["primary_corrected"] is None and r["verdict_from"] == "primary"  # one look: no corrected row
+    assert "primary_corrected" not in r and "verdict_from" not in r  # one look: no corrected row, the 95 % decides
     corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
     md = C.markdown({**r, "primary_corrected": corr})
     first, second = [ln for ln in md.splitlines() if ln.startswith("| ohfl vs local+ft, AUC") or
@@ -322,7 +335,7 @@ def _looks_cmp(root, seeds, name="chest_xray_224-evaluation"):
     paired["paired"].append(row)
     pj.write_text(json.dumps(paired))
     return ["analyse", "--cmp", str(root), "--results", str(root.parent / "res"), "--seeds", ",".join(map(str, seeds)),
-            "--primary", "fedavg", "--looks", "2"]
+            "--primary", "fedavg", "--looks", "2", "--plan", _plan(root.parent, "fedavg", 2)]
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "no_names"])
@@ -363,21 +376,99 @@ def test_a_primary_control_without_its_row_is_refused(tmp_path, capsys):
     _fake_cmp(tmp_path / "cmp", seeds)
     for looks in ("1", "2"):
         _refused(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
-                  ",".join(map(str, seeds)), "--primary", "fedavg", "--looks", looks], capsys,
+                  ",".join(map(str, seeds)), "--primary", "fedavg", "--looks", looks,
+                  "--plan", _plan(tmp_path, "fedavg", int(looks) if looks != "1" else None)], capsys,
                  str(tmp_path / "cmp" / "paired_external.json"), "'ohfl vs FedAvg'", "nothing was written")
         assert not (tmp_path / "res").exists()
 
 
 def test_the_margin_sentence_names_the_interval_that_decides(tmp_path):
     """With ``--looks 2`` the sentence under the primary table said "the interval's lower bound" under a table with a
-    95 % and a 97.5 % interval; it names the one that decides (the protocol's 97.5 % corrected interval)."""
+    95 % and a 97.5 % interval; it names the one that decides (the protocol's 97.5 % corrected interval). With one
+    interval in the table it keeps the earlier protocols' wording (their RESULT.md is rewritten byte for byte)."""
     seeds = [30, 31, 32, 33, 34]
     _fake_cmp(tmp_path / "cmp", seeds)
     assert C.main(["analyse", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds",
-                   ",".join(map(str, seeds))]) == 0
+                   ",".join(map(str, seeds)), "--plan", _plan(tmp_path)]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     one = C.markdown(r)
-    assert "not worse when the lower bound of the 95% interval is above -δ" in one
+    assert "not worse when the interval's lower bound is above -δ" in one
     corr = {**r["primary"], "alpha": 0.025, "ci_low": -0.03, "ci_high": 0.04, "verdict": "inconclusive", "looks": 2}
     two = C.markdown({**r, "primary_corrected": corr})
     assert "not worse when the lower bound of the corrected row's 97.5% interval is above -δ" in two
+
+
+def test_copied_predictions_key_images_by_paths_relative_to_the_evaluated_root(tmp_path):
+    """copy_seed: a predictions.npz whose images carry machine paths is copied with each path relative to the
+    evaluated set's root (the ``data`` of the summary beside it); every other array unchanged, the sorted order of
+    the paths the same (the analysis pairs images by sorted path)."""
+    cmp = tmp_path / "cmp"
+    ext = cmp / "seed10" / "ohfl" / "external" / "set"
+    root = tmp_path / "data" / "chest_xray_224"
+    names = ["train/PNEUMONIA/person1_virus_2.jpeg", "train/NORMAL/IM-0115-0001.jpeg", "train/NORMAL/IM-0002.jpeg"]
+    probs = np.random.default_rng(0).random((3, 2)).astype(np.float32)
+    _write(ext / "summary.json", {"data": str(root)})
+    np.savez_compressed(ext / "predictions.npz", paths=np.asarray([str(root / n) for n in names]),
+                        y=np.array([1, 0, 0]), **{"site-1_deployed": probs})
+    dest = C.copy_seed(cmp, tmp_path / "res", 10)
+    z = np.load(dest / "ohfl" / "external" / "set" / "predictions.npz")
+    assert z["paths"].tolist() == names
+    assert np.argsort(z["paths"]).tolist() == [2, 1, 0]
+    assert (z["y"] == [1, 0, 0]).all() and np.array_equal(z["site-1_deployed"], probs)
+    assert z["site-1_deployed"].dtype == np.float32
+
+
+def test_a_predicted_image_outside_the_evaluated_root_is_refused_by_name(tmp_path):
+    cmp = tmp_path / "cmp"
+    ext = cmp / "seed10" / "ohfl" / "external" / "set"
+    _write(ext / "summary.json", {"data": str(tmp_path / "data")})
+    np.savez_compressed(ext / "predictions.npz", paths=np.asarray([str(tmp_path / "elsewhere" / "a.jpeg")]),
+                        y=np.array([0]))
+    with pytest.raises(ValueError, match="predictions.npz: image .*a.jpeg is not under"):
+        C.copy_seed(cmp, tmp_path / "res", 10)
+
+
+PROTOCOLS = Path(C.__file__).resolve().parent / "protocols"
+
+
+@pytest.mark.parametrize("extra, says", [
+    ([], "no α plan"),
+    (["--plan", str(PROTOCOLS / "confirmatory_10seeds" / "alpha_plan.json"), "--primary", "local"],
+     "lists no test of ohfl vs local on auc"),
+    (["--plan", str(PROTOCOLS / "confirmatory_10seeds" / "alpha_plan.json"), "--looks", "1"],
+     "--looks 1: the plan tests its primary at alpha 0.025 (2 looks)"),
+    (["--plan", str(PROTOCOLS / "confirmatory_300" / "alpha_plan.json"), "--looks", "2"],
+     "--looks 2: the plan tests its primary at alpha 0.05 (one look)"),
+    (["--plan", str(PROTOCOLS / "protocol4" / "alpha_plan.json"), "--primary", "local"],
+     "the plan's primary test is ohfl vs fedavg (vs_local_ft comes later in its sequence)"),
+])
+def test_the_analysis_refuses_a_test_its_plan_does_not_list(tmp_path, capsys, extra, says):
+    """Without a plan, or asked for a primary comparison or a number of looks the plan does not list: one line
+    naming the plan, exit 2, nothing written."""
+    seeds = [30, 31, 32, 33, 34]
+    args = _looks_cmp(tmp_path / "cmp", seeds)
+    base = args[:args.index("--primary")]
+    _refused([*base, *extra], capsys, "a test the plan does not list" if extra else "alpha_plan.json", says,
+             "nothing was written")
+    assert not (tmp_path / "res").exists()
+
+
+def test_a_fallback_plan_tests_its_primary_at_its_level_and_gives_other_rows_no_verdict(tmp_path):
+    """Protocol 4's plan: the primary (ohfl vs FedAvg) at its share 0.025 (a 97.5 % interval, the same bootstrap as
+    :func:`corrected_primary` at that alpha), no verdict on any row the plan does not list as tested here."""
+    seeds = [30, 31, 32, 33, 34]
+    args = _looks_cmp(tmp_path / "cmp", seeds)
+    base = args[:args.index("--primary")]
+    plan = PROTOCOLS / "protocol4" / "alpha_plan.json"
+    assert C.main([*base, "--plan", str(plan)]) == 0
+    r = json.loads((tmp_path / "res" / "result.json").read_text())
+    c = r["primary_corrected"]
+    assert c["alpha"] == pytest.approx(0.025) and c["procedure"] == "fallback" and "looks" not in c
+    assert r["plan"]["primary"] == "primary" and r["verdict_from"] == "primary_corrected"
+    others = [q[m] for q in r["paired"] for m in ("auc", "balanced_accuracy") if q.get("primary") != m]
+    assert others and all(d["verdict"] is None for d in others)
+    md = (tmp_path / "res" / "RESULT.md").read_text()
+    assert "at the α plan's level (fallback procedure, alpha 0.025; its hypothesis: superiority, rejected only if " \
+        "better)" in md
+    assert "none: the plan-level row decides" in md and "## Other rows (described" in md
+    assert "lower bound of the plan-level row's 97.5% interval" in md

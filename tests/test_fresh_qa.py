@@ -49,7 +49,7 @@ def test_status_skips_model_index_entries_that_are_not_objects(tmp_path):
      "paired[0] lacks auc.a/b"),
 ])
 def test_confirmatory_analyse_names_a_bad_paired_file_and_writes_nothing(tmp_path, capsys, content, says):
-    from benchmarks import confirmatory as C
+    from studies.confirmatory import confirmatory as C
 
     cmp, res = tmp_path / "cmp", tmp_path / "res"
     cmp.mkdir()
@@ -62,7 +62,7 @@ def test_confirmatory_analyse_names_a_bad_paired_file_and_writes_nothing(tmp_pat
 @pytest.mark.parametrize("rel", ["seed10/ohfl/metrics.json", "seed10/ohfl/external/x/summary.json",
                                  "seed10/local/external/x/audit.json"])
 def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
-    from benchmarks import confirmatory as C
+    from studies.confirmatory import confirmatory as C
 
     cmp, res = tmp_path / "cmp", tmp_path / "res"
     q = {"metric": "auc", "a": 0.9, "b": 0.8}
@@ -74,7 +74,10 @@ def test_confirmatory_analyse_names_a_truncated_run_file(tmp_path, capsys, rel):
         (cmp / "seed10" / m / "metrics.json").write_text(json.dumps({"method": m, "seed": 10}))
     (cmp / "seedX" / "ohfl").mkdir(parents=True)  # not a seed folder: ignored
     (cmp / "seedX" / "ohfl" / "metrics.json").write_text("{}")
-    args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--results"]
+    from pathlib import Path
+
+    plan = Path(C.__file__).parent / "protocols" / "confirmatory" / "alpha_plan.json"  # primary: ohfl vs local+ft
+    args = ["analyse", "--cmp", str(cmp), "--seeds", "10", "--plan", str(plan), "--results"]
     assert C.main([*args, str(res)]) == 0  # the well-formed folder analyses
     bad = cmp / rel
     bad.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +324,7 @@ def test_watch_needs_seconds_above_zero(tmp_path, capsys, cmd, value):
 def test_confirmatory_analyse_refuses_another_comparison(tmp_path, capsys, methods, primary, says):
     """A comparison folder of other methods gave a RESULT.md without a primary endpoint, exit 0 -- by default into
     the committed results folder."""
-    from benchmarks import confirmatory as C
+    from studies.confirmatory import confirmatory as C
 
     cmp, res = tmp_path / "cmp", tmp_path / "res"
     cmp.mkdir()

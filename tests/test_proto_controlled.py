@@ -1,4 +1,4 @@
-"""The controlled prototype-method analysis (``benchmarks/proto_controlled.py``): its paired entries equal the
+"""The controlled prototype-method analysis (``studies/confirmatory/proto_controlled.py``): its paired entries equal the
 hand-computed seed-level differences, the primary endpoint is the one the protocol names, a 5-seed effect gets a
 verdict and a null one does not get "better", and a folder missing a protocol run is refused before anything is
 written. No simulator: predictions are built here."""
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import proto_controlled as pc
+from studies.confirmatory import proto_controlled as pc
 
 
 def _site(ids, y, pred, C=3):
@@ -62,7 +62,7 @@ def test_entries_match_the_hand_computed_seed_means_and_mark_one_primary():
 def test_result_lines_name_the_primary_and_give_per_seed_values():
     rng = np.random.default_rng(1)
     res = _res(pc.SEEDS, {"fedsaf": 0.6, "fedsaf:alignment=mse": 0.6, "fedtopo": 0.6, "local": 0.6}, rng)
-    L = pc.result_lines(pc.analyse(res, n_boot=100), "python -m benchmarks.proto_controlled --compare x", "cxr")
+    L = pc.result_lines(pc.analyse(res, n_boot=100), "python -m studies.confirmatory.proto_controlled --compare x", "cxr")
     prim = [ln for ln in L if ln.startswith("| **primary**")]
     assert len(prim) == 2 and all("evaluation part" in ln and "balanced accuracy" in ln for ln in prim)
     assert sum(ln.startswith("| exploratory") for ln in L) == 6
@@ -123,7 +123,7 @@ def test_a_run_file_that_is_not_its_folders_is_refused_before_writing(tmp_path, 
 def test_no_pair_for_a_question_is_refused_rather_than_an_empty_table(tmp_path, capsys, monkeypatch):
     """Well-formed runs without predictions gave `entries: []`; a question missing a seed is refused too, and
     complete predictions are written."""
-    import nvflare_jobs.proto_eval as pe
+    import studies.prototype_methods.proto_eval as pe
 
     cmp, out = _runs(tmp_path / "cmp", [20, 21]), tmp_path / "out"
     argv = ["--compare", str(cmp), "--out", str(out), "--seeds", "20,21"]
@@ -146,17 +146,17 @@ def test_help_names_the_defaults(capsys):
     with pytest.raises(SystemExit):
         pc.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--compare DIR" in text and "default: benchmarks/results/proto_controlled" in text
+    assert "--compare DIR" in text and "default: studies/confirmatory/protocols/proto_controlled" in text
 
 
 def test_default_out_is_the_repositorys_results_folder_from_any_working_folder(tmp_path, capsys, monkeypatch):
-    """Without --out the result goes to benchmarks/results/proto_controlled of the repository (beside PROTOCOL.md),
-    resolved from the script, not from the working folder: run from another folder, nothing is written there."""
+    """Without --out the result goes to studies/confirmatory/protocols/proto_controlled of the repository (beside
+    PROTOCOL.md), resolved from the script, not from the working folder: run from another folder, nothing is written there."""
     from pathlib import Path
 
-    import nvflare_jobs.proto_eval as pe
+    import studies.prototype_methods.proto_eval as pe
 
-    assert pc.RESULTS == Path(pc.__file__).resolve().parent / "results" / "proto_controlled"
+    assert pc.RESULTS == Path(pc.__file__).resolve().parent / "protocols" / "proto_controlled"
     assert (pc.RESULTS / "PROTOCOL.md").is_file()
     cmp = _runs(tmp_path / "cmp", [20, 21])
     monkeypatch.setattr(pe, "collect", lambda d, *a: _res((20, 21), {m: 0.7 for m in METHODS},

@@ -1,4 +1,4 @@
-"""The 1-seed ablation tables of ``benchmarks/proto_results.py`` (FedSAF Table VIII, FedTopo Table II):
+"""The 1-seed ablation tables of ``studies/prototype_methods/proto_results.py`` (FedSAF Table VIII, FedTopo Table II):
 the variant specs they are run with parse to the intended ``simulate`` options, and the table writer turns a tiny
 hand-made compare summary into the rows, paired Δ, verdicts and flags computed here by hand. No simulator."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import numpy as np
 import pytest
 
-from benchmarks import proto_results as pr
+from studies.prototype_methods import proto_results as pr
 
 
 def _simulate_args(method: str):
@@ -47,7 +47,7 @@ def _pred(y, pred, C=3):
 
 def _site(ids, y, pred):
     from hfl_components.stats import site_metric
-    from nvflare_jobs.proto_eval import single_class
+    from studies.prototype_methods.proto_eval import single_class
 
     y, probs = np.asarray(y), _pred(np.asarray(y), np.asarray(pred))
     return {"ids": np.asarray(ids), "y": y, "probs": probs, "single_class": single_class(y, probs),
@@ -111,7 +111,7 @@ def test_ablation_file_rows_flags_paper_numbers_and_1_seed_headings(tmp_path):
          "compare": {"command": "cxr-hfl compare --methods local,fedtopo,fedtopo:ablate=no_ema --seeds 0"},
          "summary": {"methods": methods, "paired": pr.ablation_pairs(res, "fedtopo", list(res), n_boot=50),
                      "rows": rows}, "identical": {"fedtopo:ablate=no_missing_mask"}}
-    L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python benchmarks/proto_results.py --ablation x",
+    L = pr.ablation_file(b, "fedtopo_table2", 0.55, ["a caveat"], "python -m studies.prototype_methods.proto_results --ablation x",
                          wall_s=150)
     text = "\n".join(L)
     assert all("1 seed" in ln for ln in L if ln.startswith("#")), [ln for ln in L if ln.startswith("#")]
@@ -145,7 +145,7 @@ def test_mean_ci_is_a_seed_level_t_interval():
     (a site without a metric) are dropped."""
     from scipy import stats as st
 
-    from nvflare_jobs.proto_eval import mean_ci
+    from studies.prototype_methods.proto_eval import mean_ci
 
     per = [0.6, 0.7, 0.65, 0.5, 0.55]
     vals = {(s, k): per[s] + d for s in range(5) for k, d in enumerate((-0.1, 0.1, 0.0))}
@@ -162,7 +162,7 @@ def _onehot(pred, n_cls=3):
 
 def test_single_class_chance_hand_cases():
     """sum_k prod_c R[c,k]^n_c on hand-built external rates."""
-    from nvflare_jobs.proto_eval import single_class_chance
+    from studies.prototype_methods.proto_eval import single_class_chance
 
     # external: class 0 -> always 0; class 1 -> 0 six times, 1 once, 2 three times; test 15 x class 0 + 1 x class 1
     ext_y = [0] * 10 + [1] * 10
@@ -197,7 +197,7 @@ def test_single_class_chance_hand_cases():
 
 def test_single_class_chance_matches_a_simulation_of_the_test_split():
     """Monte Carlo: draw each test image's prediction from its class's external rates, count single-class splits."""
-    from nvflare_jobs.proto_eval import single_class_chance
+    from studies.prototype_methods.proto_eval import single_class_chance
 
     rng = np.random.default_rng(0)
     R = np.array([[0.8, 0.1, 0.1], [0.5, 0.3, 0.2], [0.6, 0.1, 0.3]])
@@ -215,7 +215,7 @@ def test_single_class_chance_matches_a_simulation_of_the_test_split():
 def test_section_flags_a_single_class_test_split_with_its_counts_and_chance(tmp_path, monkeypatch):
     """A site model whose 3-image test split (2 x class 0, 1 x class 1) is all predicted 0, and which predicts class 1
     as 0 for half of the external class-1 images: flagged with 'test 2+1+0' and P(single) = 1^2 x 0.5 = 0.5."""
-    import nvflare_jobs.proto_eval as pe
+    import studies.prototype_methods.proto_eval as pe
 
     test = _site([0, 1, 2], [0, 0, 1], [0, 0, 0])
     ext = _site(list(range(6)), [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1])

@@ -180,7 +180,7 @@ def test_shared_external_images_are_drawn_once_for_every_site():
 
 def test_proto_external_part_is_one_pool_shared_by_every_site_and_seed():
     """proto_eval.paired scores every site's external images as ids into the one evaluation part."""
-    from nvflare_jobs.proto_eval import paired
+    from studies.prototype_methods.proto_eval import paired
 
     y, preds = _anti_correlated_sites(seed=3)
     ids = np.arange(y.size)

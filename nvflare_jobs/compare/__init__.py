@@ -30,11 +30,12 @@ verdict; the deployed models' AUC against local+ft is the primary endpoint, ever
 A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`` (benchmarks use this).
 Resumable: a run whose ``metrics.json`` exists is not run again, nor an external evaluation already written.
 """
-from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run, tables, targets
+from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run, tables
     CONTROL,
     METHODS,
     PROTO,
     BudgetError,
+    _base,
     budget_lines,
     check_variant,
     command_for,
@@ -57,16 +58,14 @@ from nvflare_jobs.compare.tables import (
     COLUMNS,
     EXT_COLUMNS,
     METRICS,
+    _order,
     collect_runs,
     comparison_markdown,
     comparison_rows,
     control_method,
     external_markdown,
     external_tables,
-    load_external,
-    method_order,
     paired_diff,
     val_threshold_metrics,
     write_tables,
 )
-from nvflare_jobs.compare.targets import GLOBAL_AUC_TARGET, STRETCH_GAP, ohfl_targets, targets_markdown

@@ -87,7 +87,7 @@ def entry_of(method: str) -> catalogue.MethodEntry:
 def proto_protocol(methods: list[str]) -> bool:
     """True when the methods are prototype methods, with or without Local (the prototype-method protocol): sites from
     ``chest_xray_224``'s tuning + probe parts (unless --data), Local on the same heterogeneous backbones and
-    training defaults at the same rounds x local epochs, and the site models scored on the evaluation part."""
+    training defaults at the same rounds x local epochs."""
     bases = {base_method(m) for m in methods}
     return bool(bases & set(PROTO)) and bases <= set(PROTO) | {CONTROL}
 

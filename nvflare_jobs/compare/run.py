@@ -12,7 +12,7 @@ from pathlib import Path
 from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, base_method, entry_of, budget_lines, check_variant,
                                        command_for, epoch_plan, families_ignored, proto_protocol, simulate_options,
                                        split_variant)
-from nvflare_jobs.compare.tables import collect_runs, method_order, write_tables
+from nvflare_jobs.compare.tables import collect_runs, write_tables
 
 def _subset(records: list[dict], n: int | None) -> list[dict]:
     from chest_xray.sampling import stratified_subset as sub
@@ -155,8 +155,6 @@ def run_compare(args) -> int:
                                     args.labels, audit=not getattr(args, "no_audit", False))
     rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
-    if args.proto_protocol:
-        _proto_section(out, methods)
     if failed:
         print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -293,21 +291,6 @@ def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data:
         if not ok:
             failed.append(f"{m}/seed{seed}")
     return failed
-
-
-def _proto_section(out: Path, methods: list[str]) -> None:
-    """The prototype-method protocol's site models scored on the evaluation part (``proto_eval.write_section``)."""
-    from nvflare_jobs.proto_eval import write_section
-
-    try:
-        summary = write_section(out, method_order(methods))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"[compare] site models not scored on the evaluation part: {e}", file=sys.stderr)
-    else:
-        for m, v in summary["methods"].items():
-            print(f"[compare] {m}: mean site balanced accuracy test {v['test_bal_acc']:.3f}, external "
-                  f"{v['external_bal_acc']:.3f}; single-class sites {v['single_class_test']} (test) / "
-                  f"{v['single_class_external']} (external); floor {'met' if v['floor_met'] else 'NOT met'}")
 
 
 def evaluate_external(out: Path, data: str | Path, part: str | None, max_images: int | None,

@@ -12,7 +12,6 @@ import numpy as np
 
 from hfl_components.flare import catalogue
 from nvflare_jobs.compare.plan import CONTROL, METHODS, base_method, entry_of, budget_lines, split_variant
-from nvflare_jobs.compare.targets import ohfl_targets, targets_markdown
 
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
            "sensitivity", "specificity", "threshold", "deploy_rule", "deployed_round", "wall_seconds", "server_seconds",
@@ -301,7 +300,6 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
     return {**info, "rows": rows}
 
 
-# The fusion targets for the main job (3 seeds, external evaluation part), checked on every compare with OHFL.
 def _ci_cell(d: dict) -> str:
     from hfl_components.stats import paired_cell
 
@@ -364,9 +362,6 @@ def external_markdown(ext: dict, plans: dict) -> list[str]:
         role = {k: endpoint_label(p.get("primary") == k) for k in ("auc", "balanced_accuracy")}
         L.append(f"| {p['comparison']} | {len(p['seeds'])} | {a['n_pairs']} | {_ci_cell(a)} | "
                  f"{verdict_cell(a)}, {role['auc']} | {_ci_cell(b)} | {verdict_cell(b)}, {role['balanced_accuracy']} |")
-    for m in methods:
-        if split_variant(m)[0] == base_method(m) and entry_of(m).schedule == "one_shot":
-            L += targets_markdown(ohfl_targets(ext, m))
     return L
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from hfl_components.flare.probe import load_probe
     from hfl_components.fusion.distill import DistillConfig, distill
     from nvflare_jobs.evaluation import load_model_file, run_site_sizes
-    from nvflare_jobs.proto_eval import image_tensor
+    from studies.prototype_methods.proto_eval import image_tensor
     from sklearn.metrics import roc_auc_score
 
     site_sizes = run_site_sizes(run)

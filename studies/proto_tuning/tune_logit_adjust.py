@@ -66,7 +66,7 @@ def site_logits(compare_dir: Path) -> list[dict]:
             file or validation image cannot be read (named)."""
     import torch
 
-    from nvflare_jobs.proto_eval import image_tensor, load_site_model
+    from studies.prototype_methods.proto_eval import image_tensor, load_site_model
 
     if not compare_dir.is_dir():
         raise InputError(f"no folder {compare_dir}")

@@ -63,7 +63,7 @@ def site_shifts(run: Path, labels: str, data_root: Path, kind: str = "deployed")
 
     from chest_xray import default_augment_classes, label_index, read_site_manifest
     from chest_xray.splits import split_rows
-    from nvflare_jobs.proto_eval import image_tensor, load_site_model
+    from studies.prototype_methods.proto_eval import image_tensor, load_site_model
 
     rows = [{"path": str(data_root / r["path"]), "label": label_index(r["label"], r["path"], labels)}
             for r in split_rows("tuning")]

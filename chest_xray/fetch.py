@@ -170,6 +170,24 @@ def _check_parts(name: str) -> None:
                              f"(first: {extra[0]})")
 
 
+def _not_there_yet(out: Path, sets, reports: dict) -> list[str]:
+    """The sets of ``sets`` not in ``out`` yet; each one already there is verified into ``reports``. Raises
+    FetchError for one there that does not verify (it is left as it is)."""
+    todo = []
+    for name in sets:
+        dest = out / name
+        if not dest.exists():
+            todo.append(name)
+            continue
+        rep = verify_folder(dest, name) if dest.is_dir() else None
+        if rep is None or rep.status != "verified":
+            raise FetchError(f"--out {out}: {dest} exists and is not a verified {name} "
+                             f"({rep.line() if rep else 'a file'}); move it away to fetch it again")
+        rep.status = "already there, verified"
+        reports[name] = rep
+    return todo
+
+
 def fetch(archives: list[str | Path], out: str | Path, sets: tuple[str, ...] = SETS,
           log: Callable[[str], None] = print) -> dict[str, SetReport]:
     """Select and verify ``sets`` from ``archives`` into ``out`` (module docstring).
@@ -202,18 +220,7 @@ def fetch(archives: list[str | Path], out: str | Path, sets: tuple[str, ...] = S
     for name in sets:
         _check_parts(name)
     reports: dict[str, SetReport] = {}
-    todo = []
-    for name in sets:
-        dest = out / name
-        if dest.exists():
-            rep = verify_folder(dest, name) if dest.is_dir() else None
-            if rep is None or rep.status != "verified":
-                raise FetchError(f"--out {out}: {dest} exists and is not a verified {name} "
-                                 f"({rep.line() if rep else 'a file'}); move it away to fetch it again")
-            rep.status = "already there, verified"
-            reports[name] = rep
-        else:
-            todo.append(name)
+    todo = _not_there_yet(out, sets, reports)
     found: dict[str, dict[str, str]] = {n: {} for n in todo}  # set -> {key: "original" | "copy" | "file"}
     mismatched: dict[str, set] = {n: set() for n in todo}
     index: dict[str, list] = {}  # key -> [(set, ListedFile)]

@@ -90,7 +90,7 @@ def rows(heads: list[str]) -> list[tuple[str, str, list[str], str]]:
 
     out: dict[tuple[str, str, str], list[str]] = {}
     one_shot = catalogue.with_schedule("one_shot")
-    for m in catalogue.methods():
+    for m in catalogue.builtin_methods():
         run = {k: v for k, v in catalogue.method_defaults(m).items() if k in RUN_KEYS or m == one_shot}
         for k, v in [*run.items(), *catalogue.option_defaults(m).items()]:
             out.setdefault((k, _value(v), _link(m, k, heads)), []).append(m)

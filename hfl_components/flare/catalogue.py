@@ -475,6 +475,11 @@ def methods() -> tuple[str, ...]:
     return tuple(CATALOGUE)
 
 
+def builtin_methods() -> tuple[str, ...]:
+    """The methods defined in this file (not those :func:`register` added at run time), in catalogue order."""
+    return tuple(e.name for e in _ENTRIES)
+
+
 def prototype_methods() -> tuple[str, ...]:
     """The prototype methods (family ``prototype``), in catalogue order."""
     return tuple(m for m, e in CATALOGUE.items() if e.prototype)

@@ -206,3 +206,13 @@ def test_federation_estimate_and_shrinkage_by_hand():
     assert up["threshold"] == pytest.approx(op["threshold"]) and not up["federation"]["shrunk"]
     assert down["threshold"] < op["threshold"] and down["federation"]["shrunk"]
     assert down["rates"]["sensitivity"]["k"] >= op["rates"]["sensitivity"]["k"]
+
+
+def test_reliability_diagram_png(tmp_path):
+    from nvflare_jobs.plots import reliability_diagram
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 200)
+    p = opm._sigmoid(rng.normal(2.0 * y - 1.0, 1.0))
+    out = reliability_diagram(tmp_path / "rel.png", {"site-1": opm.reliability_bins(p, y), "empty": {}})
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

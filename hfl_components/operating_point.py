@@ -968,3 +968,38 @@ def summary_for_server(op: dict) -> dict:
         "sensitivity": counts(acc.get("sensitivity")), "specificity": counts(acc.get("specificity")),
         "ece_before": op.get("ece_before"), "ece_after": op.get("ece_after"), "n_positive": op.get("n_positive"),
         "n_negative": op.get("n_negative")}
+
+
+def header_record(op: dict) -> dict:
+    """The compact, JSON-safe operating point a deployed model's file header carries (``save_model_file(...,
+    operating_point=header_record(op))``), read back by :func:`calibrate`, :func:`metrics_at_operating_point` and
+    ``predict``: rule, temperature, intercept, threshold (calibrated p), target, the acceptance outcome and its
+    rates, the ECE before and after calibration."""
+    acc = op.get("acceptance") or {}
+
+    def r(v):
+        return None if not v else {k: v.get(k) for k in ("value", "k", "n", "ci_low", "ci_high", "lower", "method")}
+    return {"rule": op.get("rule", "per-model"), "temperature": float(op["temperature"]),
+            "intercept": float(op.get("intercept") or 0.0),
+            "threshold": None if op.get("threshold") is None else float(op["threshold"]),
+            "target": op.get("target"), "calibration": (op.get("calibration") or {}).get("kind"),
+            "accepted": acc.get("accepted"), "reason": acc.get("reason"), "floors": acc.get("floors"),
+            "confidence": acc.get("confidence"), "sensitivity": r(acc.get("sensitivity")),
+            "specificity": r(acc.get("specificity")), "ece_before": op.get("ece_before"),
+            "ece_after": op.get("ece_after"), "n_positive": op.get("n_positive"), "n_negative": op.get("n_negative"),
+            "federation": op.get("federation")}
+
+
+def site_line(site: str, op: dict) -> str:
+    """One line per site for the console, the log and the report: threshold, the acceptance data's sensitivity and
+    specificity with their lower bounds, and the outcome."""
+    acc = op.get("acceptance") or {}
+    if op.get("threshold") is None:
+        return f"{site}: no operating point ({acc.get('reason') or 'no positives in the acceptance data'})"
+
+    def f(v):
+        return "–" if not v or v.get("value") is None else f"{v['value']:.3f} (lower bound {v['lower']:.3f})"
+    verdict = "ACCEPTED" if acc.get("accepted") else "REFUSED"
+    why = "" if acc.get("accepted") else f": {acc.get('reason', '').removeprefix('refused: ')}"
+    return (f"{site}: threshold {op['threshold']:.3g} on calibrated p(PNEUMONIA); acceptance data sensitivity "
+            f"{f(acc.get('sensitivity'))}, specificity {f(acc.get('specificity'))}; {verdict}{why}")

@@ -216,3 +216,27 @@ def test_reliability_diagram_png(tmp_path):
     p = opm._sigmoid(rng.normal(2.0 * y - 1.0, 1.0))
     out = reliability_diagram(tmp_path / "rel.png", {"site-1": opm.reliability_bins(p, y), "empty": {}})
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_header_record_is_json_and_reads_back_through_the_model_file(tmp_path):
+    import json
+
+    from hfl_components.models.files import read_model_header, save_model_file
+    from hfl_components.models import build_model
+
+    rng = np.random.default_rng(4)
+    y = np.r_[np.ones(90, int), np.zeros(50, int)]
+    p = opm._sigmoid(rng.normal(3.0 * y - 1.0, 1.2))
+    op = opm.site_operating_point(p, y)
+    json.dumps(op)  # every part JSON-safe
+    rec = opm.header_record(op)
+    spec = {"family": "cnn", "num_classes": 2}
+    f = save_model_file(tmp_path / "m.pt", spec, build_model(spec).state_dict(), input_size=32, labels="binary",
+                        operating_point=rec)
+    back = read_model_header(f)["operating_point"]
+    assert back["threshold"] == pytest.approx(op["threshold"]) and back["accepted"] == op["acceptance"]["accepted"]
+    # the stored record decides as the site did on its acceptance scores
+    called = opm.calibrate(np.stack([1 - p, p], 1), back)[:, 1] >= back["threshold"]
+    assert int(called[y == 1].sum()) == op["rates"]["sensitivity"]["k"]
+    line = opm.site_line("site-1", op)
+    assert line.startswith("site-1: threshold") and ("ACCEPTED" in line or "REFUSED" in line) and "\n" not in line

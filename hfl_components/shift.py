@@ -42,7 +42,7 @@ REFERENCE_VERSION = 1
 MIN_BATCH = 16
 #: Batch-level thresholds: image statistics and geometry on max |z|, features on the one-sided z of the mean
 #: distance, DICOM attributes on the share of images out of the training range (at least MIN_ATTRIBUTE_IMAGES).
-DEFAULT_THRESHOLDS = {"image": 5.0, "geometry": 5.0, "features": 4.0, "age_share": 0.25, "manufacturer_share": 0.25,
+DEFAULT_THRESHOLDS = {"image": 5.0, "geometry": 5.0, "features": 3.0, "age_share": 0.25, "manufacturer_share": 0.25,
                       "view_share": 0.25}
 MIN_ATTRIBUTE_IMAGES = 3
 GEOMETRY_SD_FLOOR = 0.05  # log units: a 5 % change of a side

@@ -217,3 +217,13 @@ def test_predict_warns_once_at_batch_level(population, tmp_path, capsys):
                             input_size=SIZE, labels="binary")
     r = predict_files(plain, [str(f) for f in files[:3]], tmp_path / "c.csv")
     assert not r["population"]["checked"] and "records no training population" in r["population"]["line"]
+
+
+def test_a_reference_of_another_model_is_said_not_raised():
+    from nvflare_jobs.evaluation.population import batch_check
+
+    ref, rng = _ref()
+    ref["features"] = {"mean": [0.0] * 4, "sd": [1.0] * 4, "n_dims": 4, "n_kept": 4,
+                       "distance": {"mean": 0.0, "sd": 1.0, "q99": 2.0, "n": 100}}
+    res = batch_check(ref, [rng.normal(size=(20, 2))], [{}] * 20, [rng.normal(size=(20, 8))])
+    assert not res["checked"] and "does not fit" in res["line"] and "4" in res["line"]

@@ -81,7 +81,8 @@ def check_files(files: Sequence[str | Path], reference: Mapping[str, Any], *, mo
 def batch_check(reference: Mapping[str, Any] | None, stats: list[np.ndarray], facts: list[dict],
                 feats: list[np.ndarray] | None, thresholds: Mapping[str, float] | None = None) -> dict:
     """:func:`hfl_components.shift.check_batch` on statistics, facts and features collected image by image (as
-    ``predict`` collects them while it scores); ``{"checked": False, "line": ...}`` without a reference."""
+    ``predict`` collects them while it scores); ``{"checked": False, "line": ...}`` without a reference, or with one
+    that does not fit these statistics or features (another model's)."""
     from hfl_components.shift import check_batch
 
     if not reference:
@@ -90,4 +91,8 @@ def batch_check(reference: Mapping[str, Any] | None, stats: list[np.ndarray], fa
     if not stats:
         return {"checked": False, "warn": False, "n": 0, "line": "population check: not run, no image was read"}
     f = np.concatenate(feats) if feats and reference.get("features") else None
-    return check_batch(reference, np.concatenate(stats), facts, f, thresholds)
+    try:
+        return check_batch(reference, np.concatenate(stats), facts, f, thresholds)
+    except ValueError as e:  # a reference of another model or statistics version: said, predictions unaffected
+        return {"checked": False, "warn": False, "n": len(facts),
+                "line": f"population check: not run, the model's population reference does not fit ({e})"}

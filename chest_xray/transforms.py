@@ -29,9 +29,11 @@ from monai.transforms import (
     EnsureChannelFirstd,
     EnsureTyped,
     Lambdad,
+    MapTransform,
     RandAffined,
     RandFlipd,
     Randomizable,
+    RandomizableTransform,
     ResizeWithPadOrCropd,
     Resized,
     ScaleIntensityd,
@@ -45,6 +47,18 @@ MODES = ("train", "eval")
 #: Augmentation ranges: rotation up to +-10 degrees, translation up to +-6 % of the side, horizontal flip p=0.5.
 MAX_ROTATION_DEG = 10.0
 MAX_TRANSLATE_FRACTION = 0.06
+#: The site-config ``augment`` value that adds border augmentation (:class:`RandBandPadd`) to the per-image
+#: MONAI pipeline (``build_transforms(..., border_augment=True)``).
+AUGMENT_BORDER = "border"
+#: Band colours of the border augmentation and the border probe, on the [0, 1] scale of the scaled image.
+BAND_VALUES = {"black": 0.0, "grey": 0.5, "white": 1.0}
+#: Border augmentation: probability per image, and the range of each band's width as a share of its side.
+BORDER_PROB = 0.5
+BORDER_FRACTION_RANGE = (0.02, 0.12)
+#: Inference-time band crop: a row / column is part of a uniform band when its pixels' standard deviation is below
+#: this (on [0, 1]) and its mean within it of the outermost row's; at most this share of a side is cropped.
+UNIFORM_TOLERANCE = 0.02
+MAX_CROP_FRACTION = 0.25
 
 
 def _load(path: str | os.PathLike, target_size: int | None = None) -> np.ndarray:
@@ -97,6 +111,152 @@ class ApplyToClassesd(Randomizable, Transform):
         return data
 
 
+def add_bands(img, widths: Sequence[int], value: float, keep_size: bool = True):
+    """Frame an image with uniform bands, as an export or a scanner adds a border: pad (C, H, W) (or (H, W)) with
+    the constant ``value`` by ``widths`` = (top, bottom, left, right) pixels, then, with ``keep_size``, resize back
+    to (H, W) (area averaging), so the content shrinks and the bands take their share of the side. Deterministic;
+    the same widths and value give the same output. Accepts a numpy array or a torch tensor and returns the same
+    kind (float32).
+
+    Raises:
+        ValueError: a negative width, or bands that leave no content (keep_size: widths >= the side).
+    """
+    t, b, l, r = (int(w) for w in widths)
+    if min(t, b, l, r) < 0:
+        raise ValueError(f"band widths must be >= 0, got {tuple(widths)}")
+    is_np = not isinstance(img, torch.Tensor)
+    x = torch.as_tensor(np.asarray(img) if is_np else img, dtype=torch.float32)
+    two_d = x.ndim == 2
+    if two_d:
+        x = x[None]
+    h, w = x.shape[-2:]
+    if keep_size and (t + b >= h or l + r >= w):
+        raise ValueError(f"bands of {tuple(widths)} px leave no content in a {h} x {w} image")
+    if not keep_size:
+        out = torch.nn.functional.pad(x, (l, r, t, b), value=float(value))
+    else:  # shrink the content into the inner box and frame it: padding, then resizing back, without the blur
+        out = torch.full_like(x, float(value))
+        out[..., t:h - b, l:w - r] = torch.nn.functional.interpolate(x[None], size=(h - t - b, w - l - r),
+                                                                     mode="area")[0]
+    if two_d:
+        out = out[0]
+    return out.numpy() if is_np else out
+
+
+class BandPad(Transform):
+    """Deterministic: :func:`add_bands` with fixed ``widths`` (top, bottom, left, right) in pixels and ``value``."""
+
+    def __init__(self, widths: Sequence[int], value: float, keep_size: bool = True):
+        self.widths, self.value, self.keep_size = tuple(int(w) for w in widths), float(value), keep_size
+
+    def __call__(self, img):
+        return add_bands(img, self.widths, self.value, self.keep_size)
+
+
+class RandBandPad(RandomizableTransform):
+    """Border augmentation (array transform, channel first): with probability ``prob`` frame the image with bands of
+    one colour drawn from ``values`` (default black, grey and white, :data:`BAND_VALUES`), on a random non-empty
+    set of sides (each side with probability 1/2), each band's width a uniform share of its side in
+    ``fraction_range``; the image keeps its size (:func:`add_bands`). Applied to every class, this teaches the
+    model that a frame says nothing about the label (the shortcut of augmenting only the minority class: a black
+    border meant NORMAL). As MONAI's ``RandFlip`` wraps ``Flip``: :meth:`randomize` draws the parameters
+    (``self.params``: ``{"widths", "value"}`` or None), a deterministic :class:`BandPad` applies them.
+    """
+
+    def __init__(self, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
+                 values: Sequence[float] = tuple(BAND_VALUES.values())):
+        RandomizableTransform.__init__(self, prob)
+        lo, hi = fraction_range
+        if not 0 <= lo <= hi < 0.5:
+            raise ValueError(f"fraction_range must satisfy 0 <= low <= high < 0.5, got {fraction_range}")
+        if not values:
+            raise ValueError("values must name at least one band colour")
+        self.fraction_range = (float(lo), float(hi))
+        self.values = tuple(float(v) for v in values)
+        self.params: dict | None = None
+
+    def randomize(self, data: Any = None, shape: Sequence[int] | None = None) -> None:
+        """Draw whether to frame and, if so, the sides, widths (for an image of ``shape`` (..., H, W)) and colour."""
+        super().randomize(None)
+        if not self._do_transform or shape is None:
+            self.params = None
+            return
+        h, w = int(shape[-2]), int(shape[-1])
+        sides = self.R.rand(4) < 0.5
+        if not sides.any():
+            sides[self.R.randint(4)] = True
+        frac = self.R.uniform(*self.fraction_range, size=4)
+        widths = [int(round(f * (h if i < 2 else w))) if on else 0 for i, (f, on) in enumerate(zip(frac, sides))]
+        self.params = {"widths": widths, "value": self.values[self.R.randint(len(self.values))]}
+
+    def __call__(self, img, randomize: bool = True):
+        if randomize:
+            self.randomize(None, tuple(img.shape))
+        if not self.params:
+            return img
+        return BandPad(self.params["widths"], self.params["value"])(img)
+
+
+class RandBandPadd(Randomizable, MapTransform):
+    """Dictionary version of :class:`RandBandPad`: one draw per sample, applied to every key in ``keys``."""
+
+    def __init__(self, keys, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
+                 values: Sequence[float] = tuple(BAND_VALUES.values()), allow_missing_keys: bool = False):
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        self.padder = RandBandPad(prob, fraction_range, values)
+
+    def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None):
+        super().set_random_state(seed, state)
+        self.padder.set_random_state(seed, state)
+        return self
+
+    def randomize(self, data: Any = None) -> None:
+        return None
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict:
+        d = dict(data)
+        first = True
+        for key in self.key_iterator(d):
+            if first:
+                self.padder.randomize(None, tuple(d[key].shape))
+                first = False
+            d[key] = self.padder(d[key], randomize=False)
+        return d
+
+
+def uniform_band_widths(img, tolerance: float = UNIFORM_TOLERANCE,
+                        max_fraction: float = MAX_CROP_FRACTION) -> tuple[int, int, int, int]:
+    """Widths (top, bottom, left, right) in pixels of the uniform bands framing an image (H, W) or (1, H, W): on
+    each side, the run of outer rows (columns) whose pixels have a standard deviation below ``tolerance`` and a
+    mean within ``tolerance`` of the outermost one's, at most ``max_fraction`` of the side. A radiograph's own
+    content is never that flat, so the run stops at the film."""
+    x = np.asarray(img, np.float64)
+    x = x.reshape(x.shape[-2:])
+    h, w = x.shape
+    lim = (int(max_fraction * h), int(max_fraction * w))
+
+    def run(lines, limit):
+        if not len(lines):
+            return 0
+        first = lines[0].mean()
+        n = 0
+        for ln in lines[:limit]:
+            if ln.std() >= tolerance or abs(ln.mean() - first) >= tolerance:
+                break
+            n += 1
+        return n
+    return run(x, lim[0]), run(x[::-1], lim[0]), run(x.T, lim[1]), run(x.T[::-1], lim[1])
+
+
+def crop_uniform_bands(img, tolerance: float = UNIFORM_TOLERANCE, max_fraction: float = MAX_CROP_FRACTION):
+    """An image (..., H, W) without the uniform bands framing it (:func:`uniform_band_widths`, measured on the
+    first channel); deterministic; the same kind of array back. Defence in depth at inference: a border a site's
+    export adds is removed before the image is made square."""
+    t, b, l, r = uniform_band_widths(np.asarray(img)[(0,) * (np.ndim(img) - 2)], tolerance, max_fraction)
+    h, w = img.shape[-2:]
+    return img[..., t:h - b, l:w - r]
+
+
 def _center_square(img: np.ndarray) -> np.ndarray:
     """The central min(H, W) x min(H, W) square of a (C, H, W) array (the longer dimension trimmed evenly)."""
     h, w = img.shape[-2:]
@@ -106,7 +266,8 @@ def _center_square(img: np.ndarray) -> np.ndarray:
 
 
 def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] | None = None,
-                     aspect: str = DEFAULT_ASPECT) -> Compose:
+                     aspect: str = DEFAULT_ASPECT, *, border_augment: bool = False, crop_bands: bool = False,
+                     raw_band: tuple[float, float] | None = None) -> Compose:
     """MONAI ``Compose`` of dictionary transforms for one site's input size.
 
     Steps (keys ``image``, ``label``): ``Lambdad`` calling :func:`chest_xray.read_image` (path -> (H, W), JPEG draft
@@ -129,6 +290,14 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         aspect: one of :data:`ASPECTS` (default ``stretch``). Sites, the server's probe and ``evaluate`` must use
             the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it
             separates the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
+        border_augment: train mode only: frame images of *every* class with random black / grey / white bands
+            (:class:`RandBandPadd`, probability :data:`BORDER_PROB`, before flip and affine; the site-config value
+            ``augment: border``). Not restricted to ``augment_classes``: a frame on one class only is a label cue.
+        crop_bands: remove uniform bands framing the decoded image (:func:`crop_uniform_bands`) before squaring,
+            in both modes (defence in depth at inference; not the fix of a border shortcut).
+        raw_band: ``(fraction, value)``: add bands of ``fraction`` of each side and colour ``value`` to the
+            decoded image before squaring (:func:`add_bands`, size kept), i.e. a border in the file: the border
+            probe on the raw pipeline. None: no band.
 
     Returns:
         the ``Compose``; applied to ``{"image": path, "label": int}`` it gives ``{"image": FloatTensor (1, S, S)
@@ -153,9 +322,16 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         square = [Resized(keys="image", spatial_size=(s, s), mode="area")]
         if aspect == "crop":
             square.insert(0, Lambdad(keys="image", func=_center_square))
+    raw: list = []
+    if raw_band is not None:
+        frac, value = float(raw_band[0]), float(raw_band[1])
+        raw.append(Lambdad(keys="image", func=partial(_frame, fraction=frac, value=value)))
+    if crop_bands:
+        raw.append(Lambdad(keys="image", func=crop_uniform_bands))
     steps: list = [
         Lambdad(keys="image", func=partial(_load, target_size=s if aspect == "letterbox" else 2 * s)),
         EnsureChannelFirstd(keys="image", channel_dim="no_channel"),
+        *raw,
         *square,
         ScaleIntensityd(keys="image", minv=0.0, maxv=1.0),
         EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False),
@@ -178,9 +354,21 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
                 ),
             ]
         )
+        if border_augment:  # every class: a frame on one class only would be a label cue
+            steps.append(RandBandPadd(keys="image"))
         steps.append(ApplyToClassesd(augment, augment_classes))
         steps.append(EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False))
     return Compose(steps)
+
+
+def _frame(img, fraction: float, value: float):
+    """:func:`add_bands` of ``fraction`` of each side on all four sides, in the image's own grey scale: ``value``
+    in [0, 1] is mapped onto the image's [min, max] so that black / white are its darkest / brightest level."""
+    x = np.asarray(img, np.float32)
+    h, w = x.shape[-2:]
+    lo, hi = float(x.min()), float(x.max())
+    t, l = int(round(fraction * h)), int(round(fraction * w))
+    return add_bands(x, (t, t, l, l), lo + float(value) * (hi - lo))
 
 
 def default_augment_classes(train_rows: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -222,6 +410,8 @@ def make_site_dataset(
     seed: int | None = None,
     cache_workers: int = 1,
     aspect: str = DEFAULT_ASPECT,
+    border_augment: bool = False,
+    crop_bands: bool = False,
 ) -> torch.utils.data.Dataset:
     """A cached torch Dataset of one site's images at its input size.
 
@@ -238,6 +428,7 @@ def make_site_dataset(
         seed: seeds the augmentation random state (reproducible epochs); None leaves MONAI's default.
         cache_workers: threads used to fill the in-memory cache.
         aspect: how images are made square, see :func:`build_transforms` (default ``stretch``).
+        border_augment, crop_bands: see :func:`build_transforms` (the cache folder name carries ``-cropbands``).
 
     Returns:
         a Dataset whose items are ``{"image": FloatTensor (1, S, S) in [0, 1], "label": int}``.
@@ -248,11 +439,12 @@ def make_site_dataset(
             first: it skips unreadable files.
     """
     data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
-    transform = build_transforms(input_size, mode, augment_classes, aspect=aspect)
+    transform = build_transforms(input_size, mode, augment_classes, aspect=aspect, border_augment=border_augment,
+                                 crop_bands=crop_bands)
     if seed is not None:
         transform.set_random_state(seed=seed)
     if cache_dir is not None:
-        d = Path(cache_dir) / f"s{int(input_size)}-{aspect}"
+        d = Path(cache_dir) / f"s{int(input_size)}-{aspect}{'-cropbands' if crop_bands else ''}"
         d.mkdir(parents=True, exist_ok=True)
         return PersistentDataset(data, transform, cache_dir=d)
     return CacheDataset(data, transform, cache_rate=1.0, num_workers=cache_workers, progress=False)

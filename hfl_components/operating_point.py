@@ -392,15 +392,16 @@ def _rate_ci(hits: np.ndarray, n_boot: int, rng, alpha: float = 0.05) -> dict:
 
 def metrics_at_operating_point(probs, y, op: dict, n_boot: int = 500, seed: int = 0) -> dict:
     """A deployed model's external results at its operating point ``op`` (``{"temperature", "threshold", ...}``,
-    from its file header): sensitivity and specificity of calibrated p(positive) >= threshold, each
-    ``{"value", "ci_low", "ci_high"}`` (percentile bootstrap over the images of each class, i.e. class-stratified),
-    and the top-label ECE before and after the temperature (only these, with ``unresolved``, when ``op`` carries no
-    threshold). ``probs`` (N, C) (C > 2: class 0 negative, the rest
+    from its file header; an ``intercept`` of a per-model calibration is applied by :func:`calibrate`): sensitivity
+    and specificity of calibrated p(positive) >= threshold, each ``{"value", "ci_low", "ci_high"}`` (percentile
+    bootstrap over the images of each class, i.e. class-stratified), the operating-point efficiency
+    (:func:`operating_point_efficiency`) and the top-label ECE before and after the calibration (only the ECEs,
+    with ``unresolved``, when ``op`` carries no threshold). ``probs`` (N, C) (C > 2: class 0 negative, the rest
     positive), ``y`` (N,) labels (> 0 positive)."""
     p = np.asarray(probs, np.float64)
     yb = (np.asarray(y).astype(int) > 0).astype(int)
     pb = np.stack([p[:, 0], 1.0 - p[:, 0]], axis=1)
-    cal = apply_temperature(pb, float(op["temperature"]))
+    cal = calibrate(pb, op)
     if op.get("threshold") is None:  # the federation set no threshold (``op["unresolved"]`` says why)
         return {"temperature": float(op["temperature"]), "threshold": None, "unresolved": op.get("unresolved"),
                 "ece_before": expected_calibration_error(pb, yb), "ece_after": expected_calibration_error(cal, yb)}
@@ -410,4 +411,595 @@ def metrics_at_operating_point(probs, y, op: dict, n_boot: int = 500, seed: int 
             "target_sensitivity": op.get("target"), "n_positive": int(yb.sum()), "n_negative": int((1 - yb).sum()),
             "sensitivity": _rate_ci(pred[yb == 1].astype(float), n_boot, rng),
             "specificity": _rate_ci((~pred[yb == 0]).astype(float), n_boot, rng),
-            "ece_before": expected_calibration_error(pb, yb), "ece_after": expected_calibration_error(cal, yb)}
+            "ece_before": expected_calibration_error(pb, yb), "ece_after": expected_calibration_error(cal, yb),
+            "efficiency": operating_point_efficiency(cal[:, 1], yb, float(op["threshold"])),
+            "intercept": float(op.get("intercept") or 0.0)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Per-model operating point (each deployed model its own threshold, chosen on the site's acceptance scores)
+# ------------------------------------------------------------------------------------------------------------------
+#: Floors the consortium sets for the acceptance check (lower confidence bounds must reach them).
+DEFAULT_FLOORS = {"sensitivity": 0.90, "specificity": 0.50}
+#: One-sided level of the lower confidence bounds the acceptance check and the threshold rule use.
+DEFAULT_CONFIDENCE = 0.95
+#: Interval methods: Wilson score (Wilson 1927) and Clopper-Pearson exact (Clopper & Pearson 1934).
+INTERVAL_METHODS = ("wilson", "clopper-pearson")
+#: Operating-point efficiency is counted only where the achieved sensitivity reaches this.
+EFFICIENCY_MIN_SENSITIVITY = 0.93
+#: A model whose recall of one class is at most this share "calls (almost) every image" the other class.
+DEGENERATE_RECALL = 0.05
+#: Prior standard deviations of the calibration fit: log slope ~ N(0, s^2), intercept ~ N(0, s^2) (logit units).
+CALIBRATION_PRIOR_SD = (1.0, 1.0)
+#: Bounds of the calibration slope a (the inverse temperature), as for :func:`fit_temperature`.
+SLOPE_BOUNDS = (0.05, 20.0)
+OUT_OF_FOLD_K = 5
+_EPS = 1e-6
+
+
+def logit(p) -> np.ndarray:
+    """log(p / (1 - p)) of probabilities (any shape), p clipped to [1e-6, 1 - 1e-6] so that scores of exactly 0 or 1
+    stay finite and ordered."""
+    q = np.clip(np.asarray(p, np.float64), _EPS, 1.0 - _EPS)
+    return np.log(q) - np.log1p(-q)
+
+
+def _sigmoid(z) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
+
+
+def positive_probability(probs) -> np.ndarray:
+    """p(positive) (N,) from class probabilities (N, C) (class 0 negative, every other class positive) or from
+    p(positive) itself (N,)."""
+    p = np.asarray(probs, np.float64)
+    return 1.0 - p[:, 0] if p.ndim == 2 else p
+
+
+def _binary(y) -> np.ndarray:
+    return (np.asarray(y).astype(int) > 0).astype(int)
+
+
+def proportion_interval(k: int, n: int, confidence: float = 0.95, method: str = "wilson") -> tuple:
+    """Two-sided ``confidence`` interval ``(low, high)`` of a binomial proportion k / n; ``(None, None)`` for n = 0.
+
+    ``wilson``: the score interval (Wilson 1927, J. Am. Stat. Assoc. 22:209); ``clopper-pearson``: the exact
+    interval from beta quantiles (Clopper & Pearson 1934, Biometrika 26:404), never narrower than its nominal
+    coverage. Both through :meth:`scipy.stats.binomtest.proportion_ci`.
+
+    Raises:
+        ValueError: unknown method, k outside 0..n, or confidence outside (0, 1).
+    """
+    from scipy.stats import binomtest
+
+    if method not in INTERVAL_METHODS:
+        raise ValueError(f"unknown interval method {method!r}; expected one of {', '.join(INTERVAL_METHODS)}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    k, n = int(k), int(n)
+    if n == 0:
+        return None, None
+    if not 0 <= k <= n:
+        raise ValueError(f"k = {k} outside 0..n = {n}")
+    ci = binomtest(k, n).proportion_ci(confidence, "wilson" if method == "wilson" else "exact")
+    return float(ci.low), float(ci.high)
+
+
+def lower_bound(k: int, n: int, confidence: float = DEFAULT_CONFIDENCE, method: str = "wilson") -> float | None:
+    """One-sided lower confidence bound of k / n at level ``confidence`` (the lower end of the two-sided interval at
+    level 2 confidence - 1); None for n = 0. See :func:`proportion_interval` for the methods and errors."""
+    return proportion_interval(k, n, 2.0 * confidence - 1.0, method)[0]
+
+
+def rate(k: int, n: int, confidence: float = DEFAULT_CONFIDENCE, method: str = "wilson") -> dict:
+    """A proportion with its intervals: ``{"value", "k", "n", "ci_low", "ci_high"`` (two-sided, level
+    ``confidence``), ``"lower"`` (one-sided lower bound, level ``confidence``), ``"method"}``; values None when
+    n = 0."""
+    lo, hi = proportion_interval(k, n, confidence, method)
+    return {"value": k / n if n else None, "k": int(k), "n": int(n), "ci_low": lo, "ci_high": hi,
+            "lower": lower_bound(k, n, confidence, method), "method": method}
+
+
+def rates_at(p_pos, y, threshold: float, confidence: float = DEFAULT_CONFIDENCE, method: str = "wilson") -> dict:
+    """Sensitivity and specificity of the decision ``p >= threshold`` (positive) on p(positive) (N,) and labels (N,)
+    (> 0 positive), each a :func:`rate` dict, plus ``positive_share`` (share of images called positive)."""
+    p = np.asarray(p_pos, np.float64)
+    yb = _binary(y)
+    call = p >= float(threshold)
+    return {"threshold": float(threshold),
+            "sensitivity": rate(int(call[yb == 1].sum()), int((yb == 1).sum()), confidence, method),
+            "specificity": rate(int((~call[yb == 0]).sum()), int((yb == 0).sum()), confidence, method),
+            "positive_share": float(call.mean()) if call.size else None}
+
+
+def roc_specificity_at(p_pos, y, sensitivity: float = DEFAULT_TARGET_SENSITIVITY) -> float | None:
+    """The specificity the model's own ROC curve gives at ``sensitivity`` on these images: the largest specificity
+    of any threshold whose sensitivity is >= ``sensitivity`` (p >= t is positive). None without both classes.
+
+    With P positives sorted ascending, at most m = floor(P (1 - sensitivity)) may be missed; the best threshold is
+    the (m + 1)-th lowest positive score, and the specificity is the share of negatives strictly below it.
+    """
+    p = np.asarray(p_pos, np.float64)
+    yb = _binary(y)
+    pos, neg = np.sort(p[yb == 1]), p[yb == 0]
+    if not pos.size or not neg.size:
+        return None
+    m = int(np.floor(pos.size * (1.0 - sensitivity) + 1e-9))
+    return float((neg < pos[m]).mean())
+
+
+def operating_point_efficiency(p_pos, y, threshold: float, sensitivity: float = DEFAULT_TARGET_SENSITIVITY,
+                               min_sensitivity: float = EFFICIENCY_MIN_SENSITIVITY) -> dict:
+    """Operating-point efficiency on one image set: achieved specificity at ``threshold`` divided by the
+    specificity the same model's ROC curve gives at ``sensitivity`` on the same images
+    (:func:`roc_specificity_at`). Counted only where the achieved sensitivity is >= ``min_sensitivity`` (a
+    threshold that buys specificity by missing positives is no efficient operating point): otherwise
+    ``efficiency`` is None and ``reason`` says why. Can exceed 1 when the achieved sensitivity lies between
+    ``min_sensitivity`` and ``sensitivity``.
+
+    Returns:
+        ``{"efficiency", "counted", "reason", "sensitivity", "specificity", "roc_specificity"}`` (rates as floats).
+    """
+    p = np.asarray(p_pos, np.float64)
+    yb = _binary(y)
+    if not (yb == 1).any() or not (yb == 0).any():
+        return {"efficiency": None, "counted": False, "reason": "needs images of both classes",
+                "sensitivity": None, "specificity": None, "roc_specificity": None}
+    sens = float((p[yb == 1] >= threshold).mean())
+    spec = float((p[yb == 0] < threshold).mean())
+    roc = roc_specificity_at(p, yb, sensitivity)
+    out = {"efficiency": None, "counted": False, "reason": None, "sensitivity": sens, "specificity": spec,
+           "roc_specificity": roc}
+    if sens < min_sensitivity - 1e-12:
+        out["reason"] = f"achieved sensitivity {sens:.3f} is below {min_sensitivity:g}"
+    elif not roc:
+        out["reason"] = f"the ROC curve gives specificity 0 at sensitivity {sensitivity:g}"
+    else:
+        out.update(efficiency=spec / roc, counted=True)
+    return out
+
+
+# --- out-of-fold scores ---------------------------------------------------------------------------------------------
+def fold_assignment(labels, groups=None, k: int = OUT_OF_FOLD_K, seed: int = 0) -> np.ndarray:
+    """Fold index 0..k-1 (N,) for each image: stratified by label and grouped by ``groups`` (patient ids, so a
+    patient's images share a fold), with scikit-learn's ``StratifiedGroupKFold`` (shuffled, ``random_state=seed``).
+    k is lowered to the number of groups when there are fewer.
+
+    Raises:
+        ValueError: k < 2, fewer than two groups, or ``groups`` of another length.
+    """
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    y = np.asarray(labels).astype(int)
+    g = np.arange(y.size) if groups is None else np.asarray(groups)
+    if g.shape[0] != y.size:
+        raise ValueError(f"{g.shape[0]} groups for {y.size} labels")
+    if k < 2:
+        raise ValueError(f"out-of-fold scores need k >= 2 folds, got {k}")
+    n_groups = np.unique(g).size
+    if n_groups < 2:
+        raise ValueError("out-of-fold scores need at least two groups (patients)")
+    k = min(int(k), n_groups)
+    folds = np.full(y.size, -1, int)
+    import warnings
+
+    with warnings.catch_warnings():  # "the least populated class has only m members": fine for small sites
+        warnings.simplefilter("ignore", UserWarning)
+        for f, (_, held) in enumerate(StratifiedGroupKFold(k, shuffle=True, random_state=seed).split(y, y, g)):
+            folds[held] = f
+    return folds
+
+
+def out_of_fold_scores(labels, fit_predict, groups=None, k: int = OUT_OF_FOLD_K, seed: int = 0) -> np.ndarray:
+    """Out-of-fold scores over a training split: every image scored by a model that did not train on it.
+
+    For each fold f of :func:`fold_assignment`, ``fit_predict(train_idx, held_idx)`` trains on the images
+    ``train_idx`` (the other folds; int arrays into the split) and returns the scores (len(held_idx),) or class
+    probabilities (len(held_idx), C) of the images ``held_idx``. A site calls it with a ``fit_predict`` that copies
+    the model the deployed model's last training stage started from, repeats that stage on ``train_idx`` and scores
+    ``held_idx`` (Stone 1974, J. R. Stat. Soc. B 36:111; the cross-validated scores of Platt 1999). Cost: k
+    repetitions of that stage on (k - 1) / k of the split, i.e. (k - 1) times the stage's training.
+
+    Returns:
+        scores (N,) or (N, C) in the split's order.
+    Raises:
+        ValueError: see :func:`fold_assignment`; a ``fit_predict`` answer of the wrong length.
+    """
+    y = np.asarray(labels).astype(int)
+    folds = fold_assignment(y, groups, k, seed)
+    out = None
+    for f in range(int(folds.max()) + 1):
+        held = np.flatnonzero(folds == f)
+        s = np.asarray(fit_predict(np.flatnonzero(folds != f), held), np.float64)
+        if s.shape[0] != held.size:
+            raise ValueError(f"fit_predict returned {s.shape[0]} scores for {held.size} held-out images")
+        if out is None:
+            out = np.zeros((y.size, *s.shape[1:]))
+        out[held] = s
+    return out
+
+
+# --- calibration ------------------------------------------------------------------------------------------------------
+def binary_ece(p_pos, y, n_bins: int = 10) -> float | None:
+    """ECE of binary p(positive) (N,) and labels (N,) as the reliability diagram shows it
+    (:func:`reliability_bins`): over ``n_bins`` equal-width bins of p(positive), the image-weighted mean
+    |observed share of positives - mean p| (Naeini et al. 2015, AAAI). None when N = 0. (The top-label ECE of
+    :func:`expected_calibration_error` bins max(p, 1 - p) instead, merging the bins of p and 1 - p.)"""
+    p = np.clip(np.asarray(p_pos, np.float64), 0.0, 1.0)
+    yb = _binary(y)
+    if yb.size == 0:
+        return None
+    b = np.minimum((p * n_bins).astype(int), n_bins - 1)
+    return float(sum((b == k).mean() * abs(yb[b == k].mean() - p[b == k].mean())
+                     for k in range(n_bins) if (b == k).any()))
+
+
+def fit_platt(z, y, prior_sd: tuple[float, float] = CALIBRATION_PRIOR_SD,
+              slope_bounds: tuple[float, float] = SLOPE_BOUNDS) -> tuple[float, float]:
+    """Logistic calibration of the model's logit z (N,): p = sigmoid(a z + b), a > 0, fitted by maximum a
+    posteriori with log a ~ N(0, s_a^2) and b ~ N(0, s_b^2) (``prior_sd`` = (s_a, s_b)), a kept in
+    ``slope_bounds``. Platt 1999 (Advances in Large Margin Classifiers) fits (a, b) by maximum likelihood; on a
+    perfectly separated split that likelihood grows without bound as a grows (the temperature 1 / a runs to its
+    bound, see :func:`fit_temperature`). The prior keeps the fit finite and near the identity (a = 1, b = 0) where
+    the images say little (a weakly informative prior for logistic regression: Gelman et al. 2008, Ann. Appl.
+    Stat. 2:1360). a = 1 / T: with b = 0 this is temperature scaling (Guo et al. 2017, arXiv:1706.04599).
+
+    Returns:
+        (a, b). (1.0, 0.0) for an empty split.
+    """
+    from scipy.optimize import minimize
+
+    z = np.asarray(z, np.float64)
+    yb = _binary(y)
+    if z.size == 0:
+        return 1.0, 0.0
+    sa, sb = prior_sd
+    lo, hi = np.log(slope_bounds[0]), np.log(slope_bounds[1])
+
+    def objective(theta):
+        la, b = theta
+        s = np.exp(la) * z + b
+        # -log sigmoid(s) for y = 1, -log sigmoid(-s) for y = 0, stably
+        nll = np.logaddexp(0.0, -s)[yb == 1].sum() + np.logaddexp(0.0, s)[yb == 0].sum()
+        return nll + la ** 2 / (2 * sa ** 2) + b ** 2 / (2 * sb ** 2)
+
+    r = minimize(objective, x0=np.zeros(2), method="L-BFGS-B", bounds=[(lo, hi), (None, None)])
+    return float(np.exp(r.x[0])), float(r.x[1])
+
+
+def calibrate(probs, op: dict) -> np.ndarray:
+    """Calibrated class probabilities (N, C) under an operating point's calibration: logits / ``temperature``, plus
+    ``intercept`` on the positive side for a binary model (0 when absent: plain temperature scaling, as
+    :func:`apply_temperature`). Monotone in p(positive), so the ranking (AUC) is unchanged.
+
+    Raises:
+        ValueError: an intercept for a model with more than two classes.
+    """
+    cal = apply_temperature(probs, float(op.get("temperature", 1.0)))
+    b = float(op.get("intercept") or 0.0)
+    if b:
+        if cal.shape[1] != 2:
+            raise ValueError("a calibration intercept applies to binary models only")
+        p = _sigmoid(logit(cal[:, 1]) + b)
+        cal = np.stack([1 - p, p], 1)
+    return cal
+
+
+def choose_calibration(p_pos, y, k: int = OUT_OF_FOLD_K, seed: int = 0, n_bins: int = 10,
+                       prior_sd: tuple[float, float] = CALIBRATION_PRIOR_SD) -> dict:
+    """Fit :func:`fit_platt` on p(positive) (N,) and keep it only when it lowers the ECE on images it was not
+    fitted on: the k-fold cross-validated ECE of the fitted calibration (each fold calibrated by a fit on the other
+    folds) against the ECE of the uncalibrated scores, both on all N images. A calibration that does not lower it
+    is dropped (``kind`` "none": temperature 1, intercept 0).
+
+    Returns:
+        ``{"kind": "platt" | "none", "temperature": 1 / a, "intercept": b, "ece_raw", "ece_cv", "fitted":
+        {"temperature", "intercept"}}`` (``fitted``: the fit on all N images, whether kept or not).
+    """
+    p = np.asarray(p_pos, np.float64)
+    yb = _binary(y)
+    z = logit(p)
+    a, b = fit_platt(z, yb, prior_sd)
+    out = {"kind": "none", "temperature": 1.0, "intercept": 0.0, "ece_raw": binary_ece(p, yb), "ece_cv": None,
+           "fitted": {"temperature": 1.0 / a, "intercept": b}}
+    if yb.size < 2 * k or min(yb.sum(), (1 - yb).sum()) < 2:
+        return out
+    folds = fold_assignment(yb, None, k, seed)
+    cv = np.zeros_like(p)
+    for f in range(int(folds.max()) + 1):
+        held = folds == f
+        af, bf = fit_platt(z[~held], yb[~held], prior_sd)
+        cv[held] = _sigmoid(af * z[held] + bf)
+    out["ece_cv"] = binary_ece(cv, yb, n_bins)
+    if out["ece_cv"] is not None and out["ece_raw"] is not None and out["ece_cv"] < out["ece_raw"]:
+        out.update(kind="platt", temperature=1.0 / a, intercept=b)
+    return out
+
+
+def reliability_bins(p_pos, y, n_bins: int = 10) -> dict:
+    """The points of a reliability diagram (DeGroot & Fienberg 1983; Niculescu-Mizil & Caruana 2005): p(positive)
+    (N,) in ``n_bins`` equal-width bins; per bin the mean predicted p, the observed share of positives, the count
+    and a Wilson 95 % interval of the observed share, plus the binary ECE (:func:`binary_ece`). Empty bins are left
+    out. Counts and means only (no image's score), so it may be shown outside the site.
+
+    Returns:
+        ``{"n_bins", "edges", "mean_predicted", "observed", "count", "ci_low", "ci_high", "ece", "n"}``.
+    """
+    p = np.clip(np.asarray(p_pos, np.float64), 0.0, 1.0)
+    yb = _binary(y)
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    b = np.minimum((p * n_bins).astype(int), n_bins - 1)
+    out = {"n_bins": int(n_bins), "edges": [float(e) for e in edges], "mean_predicted": [], "observed": [],
+           "count": [], "ci_low": [], "ci_high": [], "ece": binary_ece(p, yb, n_bins), "n": int(yb.size)}
+    for i in range(n_bins):
+        m = b == i
+        if not m.any():
+            continue
+        k, n = int(yb[m].sum()), int(m.sum())
+        lo, hi = proportion_interval(k, n, 0.95, "wilson")
+        out["mean_predicted"].append(float(p[m].mean()))
+        out["observed"].append(k / n)
+        out["count"].append(n)
+        out["ci_low"].append(lo)
+        out["ci_high"].append(hi)
+    return out
+
+
+# --- threshold and acceptance -------------------------------------------------------------------------------------------
+def choose_threshold(p_pos, y, target: float = DEFAULT_TARGET_SENSITIVITY,
+                     floor: float = DEFAULT_FLOORS["sensitivity"], confidence: float = DEFAULT_CONFIDENCE,
+                     method: str = "wilson") -> dict:
+    """The largest threshold on p(positive) (N,) whose sensitivity on these images reaches ``target`` and whose
+    one-sided lower confidence bound (:func:`lower_bound`) reaches ``floor``.
+
+    With P positives, the rule allows m misses, m the largest count with (P - m) / P >= target and
+    lower_bound(P - m, P) >= floor; the threshold lies in logit space midway between the (m + 1)-th lowest
+    positive score and the next lower score of any image, so that the m lowest positives, and no more, fall below
+    it. The midpoint is affine equivariant: for calibrated scores a logit + b (a > 0) it is the same decision, so
+    choosing on calibrated or on raw scores gives the same images above the threshold. When even m = 0 misses the
+    floor (too few positives), m follows the target alone and ``floor_reachable`` is False (the acceptance check
+    then refuses on the sensitivity bound). The target is a point estimate on these images and the floor a bound;
+    with about 100 positives the bound is the binding one (a few misses at most).
+
+    Returns:
+        ``{"threshold" (p), "logit", "misses_allowed", "n_positive", "n_negative", "floor_reachable",
+        "target", "floor", "confidence", "method"}``; threshold None without positives.
+    """
+    p = np.asarray(p_pos, np.float64)
+    yb = _binary(y)
+    z = logit(p)
+    pos = np.sort(z[yb == 1])
+    P = int(pos.size)
+    out = {"threshold": None, "logit": None, "misses_allowed": None, "n_positive": P,
+           "n_negative": int((yb == 0).sum()), "floor_reachable": False, "target": float(target),
+           "floor": float(floor), "confidence": float(confidence), "method": method}
+    if not P:
+        return out
+    by_target = int(np.floor(P * (1.0 - target) + 1e-9))
+    ok = [m for m in range(by_target + 1) if (lb := lower_bound(P - m, P, confidence, method)) is not None
+          and lb >= floor]
+    m = max(ok) if ok else by_target
+    keep = pos[m]  # the lowest positive that must be called positive
+    below = z[z < keep]
+    t = 0.5 * (keep + below.max()) if below.size else keep - 1.0
+    out.update(threshold=float(_sigmoid(t)), logit=float(t), misses_allowed=int(m), floor_reachable=bool(ok))
+    return out
+
+
+def site_threshold_estimate(p_pos, y, misses_allowed: int) -> dict:
+    """What a site sends for the federation's threshold estimate: the Harrell-Davis quantile of its positives'
+    logits at level q = (m + 0.5) / P and its standard error (Harrell & Davis 1982, Biometrika 69:635; through
+    ``scipy.stats.mstats.hdquantiles`` / ``hdquantiles_sd``). A weighted mean of every positive's score, not any
+    one image's score. ``{"logit": None, "se": None}`` with fewer than 3 positives."""
+    from scipy.stats.mstats import hdquantiles, hdquantiles_sd
+
+    z = logit(np.asarray(p_pos, np.float64))[_binary(y) == 1]
+    if z.size < 3:
+        return {"logit": None, "se": None, "n_positive": int(z.size)}
+    q = (int(misses_allowed) + 0.5) / z.size
+    return {"logit": float(np.asarray(hdquantiles(z, [q]))[0]),
+            "se": float(np.asarray(hdquantiles_sd(z, [q]))[0]), "n_positive": int(z.size)}
+
+
+def federation_estimate(estimates: dict[str, dict]) -> dict | None:
+    """The server's random-effects estimate of the threshold logit from the sites' :func:`site_threshold_estimate`
+    answers (DerSimonian & Laird 1986, Control. Clin. Trials 7:177): the between-site variance tau^2 by the method
+    of moments and the mean mu weighted by 1 / (se^2 + tau^2). Sites without an estimate are left out. None when
+    fewer than two sites sent one.
+
+    Returns:
+        ``{"mu", "tau2", "n_sites", "sites"}``.
+    """
+    rows = [(s, e["logit"], e["se"]) for s, e in sorted(estimates.items())
+            if e and e.get("logit") is not None and e.get("se")]
+    if len(rows) < 2:
+        return None
+    t = np.array([r[1] for r in rows])
+    v = np.maximum(np.array([r[2] for r in rows]) ** 2, 1e-8)
+    w = 1.0 / v
+    mu_fe = (w * t).sum() / w.sum()
+    q = (w * (t - mu_fe) ** 2).sum()
+    tau2 = max(0.0, (q - (len(rows) - 1)) / (w.sum() - (w ** 2).sum() / w.sum()))
+    ws = 1.0 / (v + tau2)
+    return {"mu": float((ws * t).sum() / ws.sum()), "tau2": float(tau2), "n_sites": len(rows),
+            "sites": [r[0] for r in rows]}
+
+
+def shrink_threshold(site_logit: float, site_se: float | None, fed: dict | None) -> float:
+    """A site's threshold logit shrunk towards the federation's estimate ``fed`` (:func:`federation_estimate`) by
+    precision (the empirical Bayes posterior mean under the random-effects model): (t / se^2 + mu / tau^2) /
+    (1 / se^2 + 1 / tau^2). A site with few positives (large se) moves towards mu; with tau^2 = 0 every site takes
+    mu; without ``fed`` or se the site's own value is returned."""
+    if fed is None or site_se is None or not np.isfinite(site_se) or site_se <= 0:
+        return float(site_logit)
+    if fed["tau2"] <= 0:
+        return float(fed["mu"])
+    w_site, w_fed = 1.0 / site_se ** 2, 1.0 / fed["tau2"]
+    return float((w_site * site_logit + w_fed * fed["mu"]) / (w_site + w_fed))
+
+
+def degenerate_reason(p_pos, y, threshold: float, recall_max: float = DEGENERATE_RECALL,
+                      names: Sequence[str] = ("NORMAL", "PNEUMONIA")) -> str | None:
+    """Why a model calls (almost) every image one class at ``threshold`` (None if it does not): a class whose recall
+    is <= ``recall_max``, i.e. the model calls nearly all its images the other class (specificity <= 0.05: "calls
+    almost every NORMAL image PNEUMONIA")."""
+    r = rates_at(p_pos, y, threshold)
+    for key, cls, other in (("specificity", names[0], names[1]), ("sensitivity", names[1], names[0])):
+        v = r[key]["value"]
+        if v is not None and v <= recall_max:
+            return (f"calls almost every {cls} image {other} ({key} {v:.2f} of {r[key]['n']} images at threshold "
+                    f"{threshold:.3g})")
+    return None
+
+
+def acceptance_check(p_pos, y, threshold: float | None, floors: dict | None = None,
+                     confidence: float = DEFAULT_CONFIDENCE, method: str = "wilson") -> dict:
+    """The site acceptance check of a candidate model at its operating point, on the site's acceptance scores
+    (calibrated p(positive) (N,), labels (N,)): refused when it has no threshold, when the data lack a class, when
+    it calls (almost) every image one class (:func:`degenerate_reason`), or when the one-sided lower confidence
+    bound of its sensitivity or specificity is below the consortium's floor (``floors``, default
+    :data:`DEFAULT_FLOORS`). Only counts and rates: the outcome may leave the site.
+
+    Returns:
+        ``{"accepted": bool, "reason": one line, "floors", "confidence", "method", "sensitivity", "specificity"
+        (:func:`rate` dicts), "positive_share"}``.
+    """
+    floors = {**DEFAULT_FLOORS, **(floors or {})}
+    out = {"accepted": False, "reason": "", "floors": floors, "confidence": float(confidence), "method": method,
+           "threshold": None if threshold is None else float(threshold), "sensitivity": None,
+           "specificity": None, "positive_share": None}
+    if threshold is None:
+        out["reason"] = "refused: no operating point (no threshold)"
+        return out
+    r = rates_at(p_pos, y, threshold, confidence, method)
+    out.update(sensitivity=r["sensitivity"], specificity=r["specificity"], positive_share=r["positive_share"])
+    if not r["sensitivity"]["n"] or not r["specificity"]["n"]:
+        out["reason"] = (f"refused: the acceptance data hold {r['sensitivity']['n']} positive and "
+                         f"{r['specificity']['n']} negative images; both classes are needed")
+        return out
+    why = degenerate_reason(p_pos, y, threshold)
+    if why:
+        out["reason"] = f"refused: {why}"
+        return out
+    short = [f"{k} lower bound {r[k]['lower']:.3f} < floor {floors[k]:g} ({r[k]['k']}/{r[k]['n']})"
+             for k in ("sensitivity", "specificity") if r[k]["lower"] < floors[k]]
+    if short:
+        out["reason"] = "refused: " + "; ".join(short)
+        return out
+    out.update(accepted=True, reason=(
+        f"accepted: sensitivity {r['sensitivity']['value']:.3f} (lower bound {r['sensitivity']['lower']:.3f} >= "
+        f"{floors['sensitivity']:g}), specificity {r['specificity']['value']:.3f} (lower bound "
+        f"{r['specificity']['lower']:.3f} >= {floors['specificity']:g}) on {r['sensitivity']['n']} + "
+        f"{r['specificity']['n']} images"))
+    return out
+
+
+def site_operating_point(p_pos, y, *, target: float = DEFAULT_TARGET_SENSITIVITY, floors: dict | None = None,
+                         confidence: float = DEFAULT_CONFIDENCE, method: str = "wilson", calibrate_scores: bool = True,
+                         seed: int = 0) -> dict:
+    """A deployed model's own operating point from the site's acceptance scores, in one call.
+
+    ``p_pos`` (N,) or class probabilities (N, C): the model's uncalibrated p(positive) on the site's acceptance
+    images (the out-of-fold scores of the training split, :func:`out_of_fold_scores`, plus the deployed model's
+    scores of the validation split); ``y`` (N,) labels (> 0 positive). Steps: :func:`choose_calibration` (kept only
+    when it lowers the cross-validated ECE); :func:`choose_threshold` on the calibrated scores (target
+    sensitivity, sensitivity floor as a lower bound); the rates with intervals there; :func:`acceptance_check`;
+    :func:`site_threshold_estimate` for the federation (the only part meant for the server, with the outcome).
+
+    Returns (JSON-safe; the ``temperature`` / ``intercept`` / ``threshold`` / ``target`` keys are what a model file
+    header's ``operating_point`` and :func:`calibrate` read):
+        ``{"rule": "per-model", "temperature", "intercept", "threshold", "target", "calibration"
+        (:func:`choose_calibration`), "choice" (:func:`choose_threshold`), "rates" (:func:`rates_at`),
+        "acceptance" (:func:`acceptance_check`), "estimate" (:func:`site_threshold_estimate`), "n_positive",
+        "n_negative", "ece_before", "ece_after"}``.
+    """
+    floors = {**DEFAULT_FLOORS, **(floors or {})}
+    p = positive_probability(p_pos)
+    yb = _binary(y)
+    cal = choose_calibration(p, yb, seed=seed) if calibrate_scores else {
+        "kind": "none", "temperature": 1.0, "intercept": 0.0, "ece_raw": binary_ece(p, yb), "ece_cv": None,
+        "fitted": None}
+    pc = calibrate(np.stack([1 - p, p], 1), cal)[:, 1]
+    choice = choose_threshold(pc, yb, target, floors["sensitivity"], confidence, method)
+    t = choice["threshold"]
+    return {"rule": "per-model", "temperature": float(cal["temperature"]), "intercept": float(cal["intercept"]),
+            "threshold": t, "target": float(target), "calibration": cal, "choice": choice,
+            "rates": None if t is None else rates_at(pc, yb, t, confidence, method),
+            "acceptance": acceptance_check(pc, yb, t, floors, confidence, method),
+            "estimate": site_threshold_estimate(pc, yb, choice["misses_allowed"] or 0),
+            "n_positive": int(yb.sum()), "n_negative": int((1 - yb).sum()),
+            "ece_before": binary_ece(p, yb), "ece_after": binary_ece(pc, yb)}
+
+
+def apply_federation(op: dict, p_pos, y, fed: dict | None) -> dict:
+    """A site's operating point (:func:`site_operating_point`) once the federation's estimate ``fed``
+    (:func:`federation_estimate`) arrives: the threshold logit shrunk towards it (:func:`shrink_threshold`), but
+    never above the site's own threshold (a higher one would miss more of the site's own acceptance positives than
+    its sensitivity floor allows), then the rates and the acceptance check again on the same acceptance scores
+    (uncalibrated ``p_pos``, labels ``y``). Returns a new dict with ``threshold``, ``rates``, ``acceptance`` and
+    ``federation`` (``{"mu", "tau2", "own_threshold", "shrunk"}``) updated; ``op`` itself unchanged."""
+    out = dict(op)
+    if op.get("threshold") is None or fed is None:
+        out["federation"] = None if fed is None else {**fed, "own_threshold": op.get("threshold"), "shrunk": False}
+        return out
+    own = float(op["choice"]["logit"])
+    t = min(own, shrink_threshold(own, (op.get("estimate") or {}).get("se"), fed))
+    p = positive_probability(p_pos)
+    pc = calibrate(np.stack([1 - p, p], 1), op)[:, 1]
+    floors, conf, method = op["acceptance"]["floors"], op["acceptance"]["confidence"], op["acceptance"]["method"]
+    thr = float(_sigmoid(t))
+    out.update(threshold=thr, rates=rates_at(pc, y, thr, conf, method),
+               acceptance=acceptance_check(pc, y, thr, floors, conf, method),
+               federation={"mu": fed["mu"], "tau2": fed["tau2"], "own_threshold": op["threshold"],
+                           "shrunk": t < own})
+    return out
+
+
+def summary_for_server(op: dict) -> dict:
+    """What leaves the site of :func:`site_operating_point` / :func:`apply_federation`: the threshold estimate for
+    the federation, the calibration, the acceptance outcome with its counts and bounds, and the ECE before and
+    after. No image's score (the threshold itself lies between two images' scores and stays in the site's model
+    file)."""
+    acc = op.get("acceptance") or {}
+
+    def counts(r):
+        return None if not r else {k: r.get(k) for k in ("value", "k", "n", "ci_low", "ci_high", "lower")}
+    return {"rule": op.get("rule"), "estimate": op.get("estimate"), "calibration": (op.get("calibration") or {}).get(
+        "kind"), "accepted": acc.get("accepted"), "reason": acc.get("reason"),
+        "sensitivity": counts(acc.get("sensitivity")), "specificity": counts(acc.get("specificity")),
+        "ece_before": op.get("ece_before"), "ece_after": op.get("ece_after"), "n_positive": op.get("n_positive"),
+        "n_negative": op.get("n_negative")}
+
+
+def header_record(op: dict) -> dict:
+    """The compact, JSON-safe operating point a deployed model's file header carries (``save_model_file(...,
+    operating_point=header_record(op))``), read back by :func:`calibrate`, :func:`metrics_at_operating_point` and
+    ``predict``: rule, temperature, intercept, threshold (calibrated p), target, the acceptance outcome and its
+    rates, the ECE before and after calibration."""
+    acc = op.get("acceptance") or {}
+
+    def r(v):
+        return None if not v else {k: v.get(k) for k in ("value", "k", "n", "ci_low", "ci_high", "lower", "method")}
+    return {"rule": op.get("rule", "per-model"), "temperature": float(op["temperature"]),
+            "intercept": float(op.get("intercept") or 0.0),
+            "threshold": None if op.get("threshold") is None else float(op["threshold"]),
+            "target": op.get("target"), "calibration": (op.get("calibration") or {}).get("kind"),
+            "accepted": acc.get("accepted"), "reason": acc.get("reason"), "floors": acc.get("floors"),
+            "confidence": acc.get("confidence"), "sensitivity": r(acc.get("sensitivity")),
+            "specificity": r(acc.get("specificity")), "ece_before": op.get("ece_before"),
+            "ece_after": op.get("ece_after"), "n_positive": op.get("n_positive"), "n_negative": op.get("n_negative"),
+            "federation": op.get("federation")}
+
+
+def site_line(site: str, op: dict) -> str:
+    """One line per site for the console, the log and the report: threshold, the acceptance data's sensitivity and
+    specificity with their lower bounds, and the outcome."""
+    acc = op.get("acceptance") or {}
+    if op.get("threshold") is None:
+        return f"{site}: no operating point ({acc.get('reason') or 'no positives in the acceptance data'})"
+
+    def f(v):
+        return "–" if not v or v.get("value") is None else f"{v['value']:.3f} (lower bound {v['lower']:.3f})"
+    verdict = "ACCEPTED" if acc.get("accepted") else "REFUSED"
+    why = "" if acc.get("accepted") else f": {acc.get('reason', '').removeprefix('refused: ')}"
+    return (f"{site}: threshold {op['threshold']:.3g} on calibrated p(PNEUMONIA); acceptance data sensitivity "
+            f"{f(acc.get('sensitivity'))}, specificity {f(acc.get('specificity'))}; {verdict}{why}")

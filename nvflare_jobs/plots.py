@@ -182,3 +182,27 @@ def make_all(out: Path, metrics: dict, rec: dict, class_names: list[str]) -> lis
             effective_rank_curve(out, metrics), *cka_heatmaps(out), *topology_heatmaps(out, metrics, class_names),
             payload_per_round(out, metrics), topology_diagnostic_curves(out, metrics)]
     return [p for p in made if p]
+
+
+def reliability_diagram(out_png: Path, curves: dict[str, dict], title: str = "calibration") -> Path:
+    """A reliability diagram as a PNG: for each curve (``{label: hfl_components.operating_point.reliability_bins(...)}``,
+    e.g. one per site, or before / after calibration) the observed share of PNEUMONIA against the mean predicted
+    p(PNEUMONIA) per bin, with the bins' Wilson 95 % intervals as error bars and the ECE in the legend; the diagonal
+    is perfect calibration. Bins and counts only, no image's score."""
+    fig, ax = plt.subplots(figsize=(4.2, 4.2))
+    ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="perfectly calibrated")
+    for label, b in curves.items():
+        if not b or not b.get("count"):
+            continue
+        x, yv = np.asarray(b["mean_predicted"]), np.asarray(b["observed"])
+        err = np.vstack([yv - np.asarray(b["ci_low"]), np.asarray(b["ci_high"]) - yv])
+        ece = b.get("ece")
+        name = f"{label} (ECE {ece:.3f}, n = {b.get('n')})" if ece is not None else label
+        ax.errorbar(x, yv, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("mean predicted p(PNEUMONIA) in bin")
+    ax.set_ylabel("observed share of PNEUMONIA in bin")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", fontsize=7)
+    return _save(fig, Path(out_png))

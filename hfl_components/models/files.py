@@ -11,7 +11,8 @@ the safetensors metadata one JSON header under the key ``"cxr_hfl_model"``::
      "site": "site-1" | null, "kind": "deployed" | "local" | "state" | "global" | null,
      "weights_sha256": "...",             # over (name, dtype, shape, bytes) of every tensor, names sorted
      "provenance": {"method": ..., "seed": ..., "code_version": ..., "manifest_sha256": ...},
-     "operating_point": {"temperature": ..., "threshold": ..., "target": ...}}  # only when set (deployed OHFL)
+     "operating_point": {"temperature": ..., "threshold": ..., "target": ...},  # only when set (deployed OHFL)
+     "population": {...}}                 # only when set: hfl_components.shift.build_reference
 
 Reading never unpickles anything (no ``torch.load``): a file written by ``torch.save`` (the format before this one)
 is refused with a message saying so. A file whose weights do not match its hash, its spec, or whose label scheme
@@ -87,7 +88,8 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str, Any], *,
                     input_size: int | None = None, labels: str | None = None, site: str | None = None,
                     kind: str | None = None, provenance: Mapping[str, Any] | None = None,
-                    aspect: str | None = None, operating_point: Mapping[str, Any] | None = None) -> Path:
+                    aspect: str | None = None, operating_point: Mapping[str, Any] | None = None,
+                    population: Mapping[str, Any] | None = None) -> Path:
     """Write a model file (safetensors weights + JSON header, see the module docstring); atomic (temp + rename).
 
     Args:
@@ -102,6 +104,8 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
             (readers use ``chest_xray.DEFAULT_ASPECT``).
         operating_point: a deployed model's ``{"temperature", "threshold", "target", ...}``
             (:mod:`hfl_components.operating_point`); stored in the header only when given.
+        population: the training population's summary (:func:`hfl_components.shift.build_reference`), which
+            ``predict`` compares each batch with; stored in the header only when given.
         provenance: any of ``method``, ``seed``, ``code_version`` (default :func:`code_version`),
             ``manifest_sha256`` (the site's manifest, :func:`file_sha256`).
 
@@ -139,6 +143,8 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
               "provenance": {k: prov.get(k) for k in _PROVENANCE_KEYS}}
     if operating_point is not None:
         header["operating_point"] = dict(operating_point)
+    if population is not None:
+        header["population"] = dict(population)
     from safetensors.torch import save_file
 
     p = Path(path)

@@ -5,12 +5,15 @@ import csv
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from chest_xray.io import SUPPORTED_SUFFIXES
+from chest_xray.population import image_statistics
 from chest_xray.screening import MIN_IMAGE_SIDE, screen_image
 from nvflare_jobs.evaluation.run_folder import load_model_file, model_aspect
+from nvflare_jobs.evaluation.population import batch_check, load_reference
 
 def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[Path]:
     """Files to predict on: each input is a file (any suffix: DICOM without suffix is sniffed) or a folder,
@@ -77,7 +80,7 @@ def check_predict_args(inputs: list[str], out_csv: str | Path) -> None:
 
 def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path, *, batch_size: int = 32,
                   threshold: float | None = None, allow_any_modality: bool = False,
-                  allow_lateral: bool = False, size: int | None = None) -> dict[str, int]:
+                  allow_lateral: bool = False, size: int | None = None, population=None) -> dict[str, Any]:
     """Write per-image class probabilities and the predicted class to ``out_csv``.
 
     Columns: ``path, status (ok|skipped), reason, p_<class>..., predicted``. A file that cannot be read is
@@ -96,6 +99,12 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     would call every image positive) gets one warning line on stderr with the reason, then argmax of the
     calibrated probabilities. Images are scored at the input size :func:`input_size_for` chooses (``size``: for a
     global model only); the result's ``input_size`` and ``size_from`` say which and why.
+
+    Population check (:mod:`hfl_components.shift`): the images predicted are one batch, compared with the training
+    population the model file records (header ``population``; ``population``: a reference dict, a JSON file of one
+    or another model file instead). When they differ, one ``WARNING: population shift: ...`` line on stderr; the
+    result's ``population`` holds the outcome (``warn``, ``line``, per-group scores, per-image flag counts), also
+    when no reference exists (``checked`` False and why).
     """
     import torch
 
@@ -108,24 +117,33 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     labels = blob.get("labels") or scheme_for_num_classes(int(blob["spec"].get("num_classes", 2)))
     names = class_names(labels)
     op, threshold = _decision(model_path, blob, names, labels, threshold)
+    reference = load_reference(population, blob)
     tf = build_transforms(size, "eval", aspect=model_aspect(blob, _run_of(Path(model_path))))
+    pop_stats: list[np.ndarray] = []
+    pop_feats: list[np.ndarray] = []
+    pop_facts: list[dict] = []
     folder_skips: list[dict] = []
     files = collect_files(inputs, folder_skips)
     rows: list[dict] = []
-    batch: list[tuple[int, torch.Tensor]] = []
+    batch: list[tuple[int, torch.Tensor, dict]] = []
 
     def flush():
         if not batch:
             return
         with torch.no_grad():
-            x = torch.stack([t for _, t in batch])
-            p = torch.softmax(model.head(model.features(x)), dim=1).numpy().astype(np.float64)
+            x = torch.stack([t for _, t, _ in batch])
+            z = model.features(x)
+            p = torch.softmax(model.head(z), dim=1).numpy().astype(np.float64)
+        if reference:
+            pop_stats.append(image_statistics(x))
+            pop_feats.append(z.reshape(len(batch), -1).double().numpy())
+            pop_facts.extend(facts for _, _, facts in batch)
         if op:
-            from hfl_components.operating_point import apply_temperature
+            from hfl_components.operating_point import calibrate
 
-            p = apply_temperature(p, float(op["temperature"]))
+            p = calibrate(p, op)
         pred = predict_labels(p, threshold)
-        for (i, _), pi, ci in zip(batch, p, pred):
+        for (i, _, _), pi, ci in zip(batch, p, pred):
             rows[i].update({f"p_{n}": round(float(v), 5) for n, v in zip(names, pi)})
             rows[i]["predicted"] = names[int(ci)]
         batch.clear()
@@ -143,15 +161,30 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
             reason = getattr(cause, "reason", None) or f"{type(cause).__name__}: {cause}"
             row.update({"status": "skipped", "reason": str(reason).replace("\n", " ")[:300]})
             continue
-        batch.append((len(rows) - 1, x))
+        batch.append((len(rows) - 1, x, _facts(f) if reference else {}))
         if len(batch) >= batch_size:
             flush()
     flush()
     rows.extend({"path": e["path"], "status": "skipped", "reason": e["reason"]} for e in folder_skips)
     _write_rows(Path(out_csv), rows, ["path", "status", "reason", *[f"p_{n}" for n in names], "predicted"])
     n_ok = sum(r["status"] == "ok" for r in rows)
+    pop = batch_check(reference, pop_stats, pop_facts, pop_feats)
+    if pop.get("warn"):
+        print(f"{pop['line']} (model {model_path})", file=sys.stderr)
     return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
-            "size_from": size_from, "threshold": threshold, "calibrated": bool(op)}
+            "size_from": size_from, "threshold": threshold, "calibrated": bool(op),
+            "population": {k: pop.get(k) for k in ("checked", "warn", "line", "n", "groups", "flags")}}
+
+
+def _facts(f: Path) -> dict:
+    """:func:`chest_xray.population.population_facts` of a file that was read, or ``{}`` when its header says
+    nothing more (the population check then uses its pixels only)."""
+    from chest_xray.population import population_facts
+
+    try:
+        return population_facts(f)
+    except Exception:  # noqa: BLE001 -- the file was decoded; a header fact missing only narrows the check
+        return {}
 
 
 def input_size_for(model_path: Path, header: dict, size: int | None = None) -> tuple[int, str]:

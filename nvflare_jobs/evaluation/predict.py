@@ -151,15 +151,8 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     for f in files:
         row = {"path": str(f), "status": "ok", "reason": ""}
         rows.append(row)
-        try:
-            _screen(f, allow_any_modality, allow_lateral)
-            x = tf({"image": str(f), "label": 0})["image"]
-        except Exception as e:  # noqa: BLE001 -- one bad file never stops the run
-            cause = e
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            reason = getattr(cause, "reason", None) or f"{type(cause).__name__}: {cause}"
-            row.update({"status": "skipped", "reason": str(reason).replace("\n", " ")[:300]})
+        x = _read_one(f, tf, row, allow_any_modality, allow_lateral)
+        if x is None:
             continue
         batch.append((len(rows) - 1, x, _facts(f) if reference else {}))
         if len(batch) >= batch_size:
@@ -174,6 +167,21 @@ def predict_files(model_path: str | Path, inputs: list[str], out_csv: str | Path
     return {"n_files": len(rows), "n_ok": n_ok, "n_skipped": len(rows) - n_ok, "input_size": size,
             "size_from": size_from, "threshold": threshold, "calibrated": bool(op),
             "population": {k: pop.get(k) for k in ("checked", "warn", "line", "n", "groups", "flags")}}
+
+
+def _read_one(f: Path, tf, row: dict, allow_any_modality: bool, allow_lateral: bool):
+    """The transformed image of ``f``, or None with ``row`` marked skipped and the one-line reason (one bad file
+    never stops the run)."""
+    try:
+        _screen(f, allow_any_modality, allow_lateral)
+        return tf({"image": str(f), "label": 0})["image"]
+    except Exception as e:  # noqa: BLE001 -- one bad file never stops the run
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        reason = getattr(cause, "reason", None) or f"{type(cause).__name__}: {cause}"
+        row.update({"status": "skipped", "reason": str(reason).replace("\n", " ")[:300]})
+        return None
 
 
 def _facts(f: Path) -> dict:

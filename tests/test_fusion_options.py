@@ -319,11 +319,14 @@ def test_ohfl_finetune_deploys_by_the_acceptance_check(tmp_path, monkeypatch):
         assert op["deployed"] == want and op["rule"] == "per-model"
         if want is None:
             assert op["threshold"] is None and "acceptance check" in op["unresolved"]
+            assert metrics["acceptance"]["test"] is None
         else:
             assert 0.0 < op["threshold"] < 1.0 and op["accepted"] is True
             src = fed if want == "federated" else local
             assert all(torch.equal(model.state_dict()[k], v) for k, v in src.state_dict().items())
             assert op["sensitivity"]["n"] == 60 + 60 and op["specificity"]["n"] == 60 + 60  # 120 oof + 120 val
+            test = metrics["acceptance"]["test"]  # the separable images: every test image right at the threshold
+            assert test["sensitivity"]["value"] == 1.0 and test["specificity"]["value"] == 1.0
     with pytest.raises(ValueError, match="lacks option 'gate'"):
         ohfl_site.ohfl_finetune(_runtime_with_rows(tmp_path / "none", x, y), to_numpy_state(good.state_dict(), GLOBAL_PREFIX),
                                 {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
@@ -358,3 +361,48 @@ def test_controller_counts_adopting_sites(monkeypatch, tmp_path):
     assert ctl.record["gate"] == {"adopted": 2, "sites": 3, "adopted_sites": ["site-1", "site-3"],
                                   "kept_local": ["site-2"]}
     assert ctl.record["sites"]["site-2"]["gate"]["adopted"] is False
+
+
+def test_controller_records_the_acceptance_outcomes_and_refusal_rate(monkeypatch, tmp_path):
+    """Each site's acceptance outcome goes into the run record (per site and as the catalogue's ``acceptance``
+    field, with the refusal rate: a refused site counts once whatever it deploys); no federated threshold is sent
+    when the sites set their own."""
+    from tests.test_fusion_rung0 import _fl
+    from hfl_components.flare.catalogue import summarise_acceptance
+    from hfl_components.flare.messages import to_numpy_state
+
+    sd = to_numpy_state(he_model(SPEC, 0, bias_range=0.2).state_dict())
+    ctl = ohfl_controller(probe="generated", min_sites=1, probe_size=8)
+    monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
+    deployed = {"site-1": "federated", "site-2": "local", "site-3": None, "site-4": "federated"}
+    outcome = {"federated": "accepted", "local": "refused: kept the local model", None: "refused: nothing deployed"}
+    rate = {"value": 0.95, "lower": 0.91, "k": 19, "n": 20}
+    sent = []
+
+    def fake_send(task_name, data, **kw):
+        sent.append((task_name, dict(data.meta or {})))
+        if task_name == "ohfl_train":
+            return [_fl(sd, {"status": "ok", "spec": SPEC, "n_train": 5, "input_size": 32, "client_name": s})
+                    for s in deployed]
+        if task_name == "ohfl_finetune":
+            return [_fl({}, {"status": "ok", "client_name": s}, {
+                "gate": {"adopted": d == "federated", "deployed": d, "reason": "r"},
+                "acceptance": {"outcome": outcome[d], "deployed": d,
+                               "federated": {"sensitivity": rate, "specificity": rate, "oof_seconds": 2.0},
+                               "local": None if d == "federated" else {"sensitivity": rate, "specificity": rate,
+                                                                       "oof_seconds": 3.0},
+                               "test": None}}) for s, d in deployed.items()]
+        return [_fl({}, {"status": "ok", "client_name": s}) for s in deployed]
+
+    monkeypatch.setattr(ctl, "send_model_and_wait", fake_send)
+    ctl.run_method()
+    acc = ctl.record["acceptance"]
+    assert (acc["sites"], acc["accepted"], acc["refused"]) == (4, 2, ["site-2", "site-3"])
+    assert acc["kept_local"] == ["site-2"] and acc["nothing_deployed"] == ["site-3"]
+    assert acc["refusal_rate"] == 0.5 and acc["oof_seconds"] == 4 * 2.0 + 2 * 3.0
+    assert acc["per_site"]["site-2"]["sensitivity"] == {"value": 0.95, "lower": 0.91}
+    assert ctl.record["sites"]["site-3"]["acceptance"]["outcome"] == "refused: nothing deployed"
+    assert ctl.record["operating_point"]["rule"] == "per-model"
+    assert "operating_point" not in sent[-1][1]  # the final evaluation carries no federated threshold
+    line = summarise_acceptance(acc)
+    assert "2 of 4" in line and "refusal rate 0.50" in line and "site-3" in line

@@ -86,6 +86,7 @@ def ohfl_finetune(rt, params, meta):
     val = rt.evaluate("val", with_predictions=True)
     if gate is not None:  # the per-model operating point replaces the pooled histogram threshold
         val.pop("_probs", None), val.pop("_labels", None)
+        gate["acceptance"]["test"] = test_rates(rt, rt.operating_point)
         (rt.state_dir / _pending_file()).unlink(missing_ok=True)
         return {}, {"global_zero_shot": zero, "finetune_loss": [h["loss"] for h in hist], "val": val,
                     "gate": gate, "acceptance": gate["acceptance"], "operating_point": None}, ok_meta(rt)
@@ -140,6 +141,23 @@ def deployed_header(op: dict, gate: dict) -> dict:
         h.update(threshold=None, accepted=False,
                  unresolved=f"refused by the site acceptance check ({gate['reason']})")
     return h
+
+
+def test_rates(rt, header: dict) -> dict | None:
+    """The deployed model's sensitivity and specificity (:func:`hfl_components.operating_point.rate` dicts: counts,
+    interval) on the site's own test split at its operating point (``header``: :func:`deployed_header`), reported
+    beside AUC; None when no threshold is deployed."""
+    from hfl_components.operating_point import calibrate, rates_at
+
+    if header.get("threshold") is None:
+        return None
+    ev = rt.evaluate("test", with_predictions=True)
+    p = np.asarray(ev.get("_probs") or [], np.float64).reshape(-1, 2)
+    y = (np.asarray(ev.get("_labels") or [], int) > 0).astype(int)
+    if not y.size:
+        return None
+    r = rates_at(calibrate(p, header)[:, 1], y, float(header["threshold"]))
+    return {k: r[k] for k in ("sensitivity", "specificity")}
 
 
 def _pending_file() -> str:

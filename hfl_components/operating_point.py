@@ -362,6 +362,9 @@ def describe(op: dict | None) -> str:
         return "operating point: none (no site sent a validation histogram)"
     if op.get("skipped"):
         return f"operating point: none: {op['skipped']}"
+    if op.get("rule") == "per-model":
+        return (f"operating point: per model, each site's own threshold on its acceptance data (out-of-fold training "
+                f"scores + validation) for {len(op.get('sites') or [])} sites; see the acceptance outcomes")
     if op.get("threshold") is None:
         return f"operating point: NO federated threshold: {op.get('unresolved') or 'not recorded why'}"
 
@@ -1040,3 +1043,19 @@ def acceptance_summary(outcomes: dict[str, dict]) -> dict:
     return {"sites": n, "accepted": n - len(refused), "refused": refused, "kept_local": kept,
             "nothing_deployed": none, "refusal_rate": (len(refused) / n) if n else None, "oof_seconds": secs,
             "per_site": per, "line": line}
+
+
+def site_decision_columns(block: dict) -> dict:
+    """A site's columns beside AUC in the per-site table (``make demo``, ``sites.csv``): test sensitivity and
+    specificity at its operating point and the acceptance outcome, from a ``metrics.json`` site block: the
+    per-model rule's ``acceptance`` (``{"outcome", "test": {"sensitivity", "specificity"}}``, :func:`rate` dicts)
+    or the federated rule's ``operating_point`` (:func:`site_rates_at`). Returns ``{"sensitivity", "specificity",
+    "acceptance"}`` (None where the run has none)."""
+    acc = block.get("acceptance") if isinstance(block.get("acceptance"), dict) else None
+    if acc is not None:
+        test = acc.get("test") or {}
+        return {"sensitivity": (test.get("sensitivity") or {}).get("value"),
+                "specificity": (test.get("specificity") or {}).get("value"), "acceptance": acc.get("outcome")}
+    op = block.get("operating_point") if isinstance(block.get("operating_point"), dict) else {}
+    test = op.get("test") if isinstance(op.get("test"), dict) else {}
+    return {"sensitivity": test.get("sensitivity"), "specificity": test.get("specificity"), "acceptance": None}

@@ -317,6 +317,8 @@ def operating_point_section(m: dict) -> list[str]:
     op = m.get("operating_point")
     if not op:
         return []
+    if op.get("rule") == "per-model":
+        return [f"<h2>Clinical operating point</h2><p>{esc(describe(op))}</p>", *acceptance_section(m)]
     unset = op.get("threshold") is None
     line = esc(describe(op))
     body = ["<h2>Clinical operating point</h2>", f"<p class='warn'><b>{line}</b></p>" if unset else f"<p>{line}</p>"]
@@ -333,6 +335,31 @@ def operating_point_section(m: dict) -> list[str]:
         body.append(_flag_table(["site", "T", "val. sensitivity", "val. specificity", "test sensitivity",
                                  "test specificity"], [[(str(c), False) for c in r] for r in rows]))
     return body
+
+
+def acceptance_section(m: dict) -> list[str]:
+    """The site acceptance check (``metrics.json``'s ``acceptance``, OHFL with the gate): the line with the refusal
+    rate (red when a site was refused), then per site the outcome, what it deploys, the acceptance data's
+    sensitivity and specificity with their lower bounds, and the test split's at the operating point."""
+    acc = m.get("acceptance")
+    if not isinstance(acc, dict) or not acc.get("per_site"):
+        return []
+
+    def f(v):
+        return "–" if v is None else f"{v:.3f}"
+
+    def b(v):
+        v = v or {}
+        return f"{f(v.get('value'))} (≥ {f(v.get('lower'))})"
+    rows = [[(s, False), (str(o.get("outcome")), o.get("outcome") != "accepted"), (str(o.get("deployed") or "nothing"),
+             o.get("deployed") is None), (b(o.get("sensitivity")), False), (b(o.get("specificity")), False),
+             (f(o.get("test_sensitivity")), False), (f(o.get("test_specificity")), False)]
+            for s, o in sorted(acc["per_site"].items())]
+    cls = " class='warn'" if acc.get("refused") else ""
+    return ["<h3>Site acceptance check</h3>", f"<p{cls}>{esc(acc.get('line') or '')}; out-of-fold training cost "
+            f"{float(acc.get('oof_seconds') or 0):.0f} s</p>",
+            _flag_table(["site", "outcome", "deploys", "acceptance sensitivity (lower bound)",
+                         "acceptance specificity (lower bound)", "test sensitivity", "test specificity"], rows)]
 
 
 def _operating_point_html(op: dict) -> list[str]:

@@ -361,3 +361,41 @@ def test_describe_reads_partial_records_of_older_runs():
     assert describe({"threshold": 0.4, "target": 0.95}).startswith("operating point: threshold 0.4 on calibrated")
     assert "every image positive" in describe({"threshold": 0.0, "target": 0.95})
     assert describe({"skipped": "no site"}) == "operating point: none: no site" and "none" in describe(None)
+
+
+def test_per_site_table_csv_and_report_show_the_operating_point_and_acceptance(capsys, tmp_path):
+    """make demo's per-site table and sites.csv put test sensitivity / specificity at each site's own operating
+    point and the acceptance outcome beside AUC; the report shows the acceptance table with the refusal rate."""
+    import csv
+
+    from hfl_components.operating_point import acceptance_summary
+    from nvflare_jobs.report import operating_point_section
+    from nvflare_jobs.results import write_sites_csv
+    from nvflare_jobs.results import print_summary
+
+    r = {"value": 0.96, "lower": 0.91, "k": 24, "n": 25}
+    outcomes = {"s1": {"outcome": "accepted", "deployed": "federated", "federated": {"sensitivity": r,
+                       "specificity": r, "oof_seconds": 4.0}, "local": None,
+                       "test": {"sensitivity": {"value": 0.9}, "specificity": {"value": 0.75}}},
+                "s2": {"outcome": "refused: nothing deployed", "deployed": None, "federated": {}, "local": {},
+                       "test": None}}
+    sites = {s: {"model": {"family": "cnn", "depth": "shallow"}, "input_size": 32, "n_test": 10,
+                 "test": {"accuracy": 0.8, "balanced_accuracy": 0.8, "auc": 0.85}, "acceptance": o}
+             for s, o in outcomes.items()}
+    m = {"method": "ohfl", "wall_time_s": 1.0, "sites": sites, "acceptance": acceptance_summary(outcomes),
+         "operating_point": {"rule": "per-model", "sites": ["s1", "s2"]}}
+    print_summary(m, tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    head = next(line for line in out if line.startswith("site"))
+    assert head.split()[-4:] == ["auc", "sens", "spec", "acceptance"]
+    s1 = next(line for line in out if line.startswith("s1"))
+    assert s1.split()[-4:] == ["0.850", "0.900", "0.750", "accepted"]
+    s2 = next(line for line in out if line.startswith("s2"))
+    assert s2.split()[-6:] == ["0.850", "-", "-", "refused:", "nothing", "deployed"]
+    assert any("refusal rate 0.50" in line for line in out)
+    write_sites_csv(tmp_path / "sites.csv", sites)
+    rows = list(csv.DictReader((tmp_path / "sites.csv").open()))
+    assert (rows[0]["op_sensitivity"], rows[0]["op_specificity"], rows[0]["acceptance"]) == ("0.9", "0.75", "accepted")
+    assert (rows[1]["op_sensitivity"], rows[1]["acceptance"]) == ("", "refused: nothing deployed")
+    html = "".join(operating_point_section(m))
+    assert "Site acceptance check" in html and "class='warn'" in html and "0.960 (≥ 0.910)" in html

@@ -1030,6 +1030,8 @@ def acceptance_summary(outcomes: dict[str, dict]) -> dict:
         per[site] = {"outcome": o.get("outcome"), "deployed": o.get("deployed"),
                      **{k: {"value": (chosen.get(k) or {}).get("value"), "lower": (chosen.get(k) or {}).get("lower")}
                         for k in ("sensitivity", "specificity")},
+                     "ece_before": chosen.get("ece_before"), "ece_after": chosen.get("ece_after"),
+                     "reliability": chosen.get("reliability"),
                      "test_sensitivity": (test.get("sensitivity") or {}).get("value"),
                      "test_specificity": (test.get("specificity") or {}).get("value")}
     refused = [s for s, v in per.items() if v["outcome"] != "accepted"]

@@ -277,6 +277,7 @@ class SiteRuntime:
                                input_size=self.input_size, aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
+                               population=getattr(self, "population_reference", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
                                            "manifest_sha256": self.manifest_sha256()})
 

@@ -78,6 +78,7 @@ def ohfl_finetune(rt, params, meta):
                        (local_header["spec"], local_model.state_dict())))
         op = (fed if gate["deployed"] != "local" else local)["op"]
         rt.operating_point = deployed_header(op, gate)
+        rt.population_reference = population_reference(rt)
         log.warning("site %s: acceptance: %s", rt.site, gate["reason"])
         from hfl_components.operating_point import site_line
 
@@ -115,7 +116,7 @@ def acceptance_gate(fed: dict, local: dict | None) -> dict:
 
     def summary(c):
         return None if c is None else {**summary_for_server(c["op"]), "oof_seconds": c["oof_seconds"],
-                                       "n_acceptance": c["n_acceptance"]}
+                                       "n_acceptance": c["n_acceptance"], "reliability": c.get("reliability")}
     fed_ok = bool(fed["op"]["acceptance"]["accepted"])
     local_ok = bool(local is not None and local["op"]["acceptance"]["accepted"])
     deployed = "federated" if fed_ok else "local" if local_ok else None
@@ -243,7 +244,35 @@ def acceptance_candidate(rt, spec: dict, start: dict, epochs: int, lr: float, fi
                         np.asarray(val.get("_probs") or np.zeros((0, p_oof.shape[1])), np.float64)])
     y = np.concatenate([y_oof, np.asarray(val.get("_labels") or [], int)])
     op = site_operating_point(p, y, seed=int(rt.cfg["seed"]))
-    return {"op": op, "oof_seconds": float(secs), "n_acceptance": int(y.size)}
+    from hfl_components.operating_point import calibrate, positive_probability, reliability_bins
+
+    pp = positive_probability(p)
+    rel = reliability_bins(calibrate(np.stack([1 - pp, pp], 1), op)[:, 1], y)  # bins and counts only
+    return {"op": op, "oof_seconds": float(secs), "n_acceptance": int(y.size), "reliability": rel}
+
+
+def population_reference(rt) -> dict | None:
+    """The deployed model's training population (:func:`hfl_components.shift.build_reference`): image statistics,
+    file facts (size, format, DICOM age / manufacturer / view) and the model's features of the training split, the
+    validation split's features as held-out reference; stored in the deployed model file so that ``predict`` warns
+    when a batch differs. None (logged) when it cannot be built, e.g. under 5 training images."""
+    import torch
+
+    from chest_xray.population import population_facts
+    from hfl_components.shift import build_reference, features_and_statistics
+
+    try:
+        def images(split):
+            return torch.cat([b["image"] if isinstance(b, dict) else b[0]
+                              for b in rt.loader(split, train_mode=False)]).to(rt.device)
+        stats, feats = features_and_statistics(rt.eval_model, images("train"))
+        held = features_and_statistics(rt.eval_model, images("val"))[1] if rt.rows("val") else None
+        facts = [population_facts(r["path"]) for r in rt.rows("train")]
+        return build_reference(stats, facts, feats, held_out_features=held, population=rt.cfg.get("population"),
+                               seed=int(rt.cfg["seed"]))
+    except (ValueError, OSError) as e:
+        log.warning("site %s: no population reference in the deployed model file: %s", rt.site, e)
+        return None
 
 
 def _operating_point_report(rt, val: dict) -> dict | None:

@@ -399,3 +399,38 @@ def test_per_site_table_csv_and_report_show_the_operating_point_and_acceptance(c
     assert (rows[1]["op_sensitivity"], rows[1]["acceptance"]) == ("", "refused: nothing deployed")
     html = "".join(operating_point_section(m))
     assert "Site acceptance check" in html and "class='warn'" in html and "0.960 (≥ 0.910)" in html
+
+
+def test_report_calibration_and_training_population(tmp_path):
+    """report.html: per-site ECE before / after and a reliability diagram of the acceptance data; the model card's
+    training population, one sentence per deployed model file that records one (and none for a file without)."""
+    from hfl_components.models import build_model, save_model_file
+    from hfl_components.operating_point import reliability_bins
+    from hfl_components.shift import KERMANY_POPULATION, build_reference, population_statement
+    from nvflare_jobs.report import calibration_section, population_note
+
+    rng = np.random.default_rng(0)
+    p = rng.random(200)
+    y = (rng.random(200) < p).astype(int)
+    per = {"s1": {"ece_before": 0.12, "ece_after": 0.04, "reliability": reliability_bins(p, y)},
+           "s2": {"ece_before": None, "ece_after": None, "reliability": None}}
+    html = "".join(calibration_section(per))
+    assert "<td>s1</td><td>0.120</td><td>0.040</td>" in html
+    assert html.count("<img") == 1 and "<td>s2</td>" not in html
+    assert calibration_section({"s2": per["s2"]}) == []
+
+    spec = {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}
+    model = build_model(spec)
+    (tmp_path / "models").mkdir()
+    stats = rng.random((20, 4))
+    facts = [{"format": "JPEG", "width": 1000 + 10 * i, "height": 800, "age_years": None, "manufacturer": None,
+              "view": None} for i in range(20)]
+    ref = build_reference(stats, facts, rng.random((20, 8)), population=KERMANY_POPULATION,
+                          stat_names=[f"s{i}" for i in range(4)])
+    save_model_file(tmp_path / "models" / "s1_deployed.pt", spec, model.state_dict(), input_size=32,
+                    labels="binary", population=ref)
+    save_model_file(tmp_path / "models" / "s2_deployed.pt", spec, model.state_dict(), input_size=32, labels="binary")
+    note = "".join(population_note(tmp_path))
+    assert "paediatric" in note and "one centre" in note and "s2" not in note
+    assert population_statement(ref).replace("'", "&#x27;") in note
+    assert population_note(tmp_path / "nothing") == []

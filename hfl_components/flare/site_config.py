@@ -72,6 +72,9 @@ DEFAULTS = {
     "threads": 1,
     "seed": 0,
     "cache_dir": None,
+    # a deployed model file (cxr-hfl predict's input): site check compares the site's images with its training
+    # population (the file's population reference); null = no population check
+    "deployed_model": None,
     # how a non-square image is made input_size x input_size: stretch (default) | letterbox | crop
     # (chest_xray.ASPECTS); every site of a job and the server's probe should use the same
     "aspect": "stretch",
@@ -276,6 +279,8 @@ def _check_training(cfg: dict, site: str, path) -> None:
         raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
     if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
         raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+    if cfg["deployed_model"] is not None and not isinstance(cfg["deployed_model"], str):
+        raise _err(site, path, "deployed_model", f"must be null or a model file path, got {cfg['deployed_model']!r}")
 
 
 def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:

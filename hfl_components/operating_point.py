@@ -362,6 +362,9 @@ def describe(op: dict | None) -> str:
         return "operating point: none (no site sent a validation histogram)"
     if op.get("skipped"):
         return f"operating point: none: {op['skipped']}"
+    if op.get("rule") == "per-model":
+        return (f"operating point: per model, each site's own threshold on its acceptance data (out-of-fold training "
+                f"scores + validation) for {len(op.get('sites') or [])} sites; see the acceptance outcomes")
     if op.get("threshold") is None:
         return f"operating point: NO federated threshold: {op.get('unresolved') or 'not recorded why'}"
 
@@ -1003,3 +1006,58 @@ def site_line(site: str, op: dict) -> str:
     why = "" if acc.get("accepted") else f": {acc.get('reason', '').removeprefix('refused: ')}"
     return (f"{site}: threshold {op['threshold']:.3g} on calibrated p(PNEUMONIA); acceptance data sensitivity "
             f"{f(acc.get('sensitivity'))}, specificity {f(acc.get('specificity'))}; {verdict}{why}")
+
+
+def acceptance_summary(outcomes: dict[str, dict]) -> dict:
+    """The run's acceptance record (server side) from each site's outcome (``{"outcome", "deployed" ("federated" |
+    "local" | None), "federated", "local"`` (:func:`summary_for_server` dicts plus ``oof_seconds``), ``"test"``
+    (sensitivity / specificity :func:`rate` dicts on the site's test split, or None)}``): a site refused counts once,
+    whatever it then deploys.
+
+    Returns:
+        ``{"sites", "accepted", "refused" (site names), "kept_local", "nothing_deployed", "refusal_rate",
+        "oof_seconds" (the out-of-fold training cost, summed over sites and candidates), "per_site": {site:
+        {"outcome", "deployed", "sensitivity", "specificity" (acceptance data, value and lower bound),
+        "test_sensitivity", "test_specificity"}}, "line"}``.
+    """
+    per, secs = {}, 0.0
+    for site, o in sorted(outcomes.items()):
+        o = o or {}
+        chosen = o.get(o.get("deployed") or "federated") or {}
+        for c in ("federated", "local"):
+            secs += float((o.get(c) or {}).get("oof_seconds") or 0.0)
+        test = o.get("test") or {}
+        per[site] = {"outcome": o.get("outcome"), "deployed": o.get("deployed"),
+                     **{k: {"value": (chosen.get(k) or {}).get("value"), "lower": (chosen.get(k) or {}).get("lower")}
+                        for k in ("sensitivity", "specificity")},
+                     "ece_before": chosen.get("ece_before"), "ece_after": chosen.get("ece_after"),
+                     "reliability": chosen.get("reliability"),
+                     "test_sensitivity": (test.get("sensitivity") or {}).get("value"),
+                     "test_specificity": (test.get("specificity") or {}).get("value")}
+    refused = [s for s, v in per.items() if v["outcome"] != "accepted"]
+    kept = [s for s in refused if per[s]["deployed"] == "local"]
+    none = [s for s in refused if per[s]["deployed"] is None]
+    n = len(per)
+    line = (f"site acceptance: {n - len(refused)} of {n} sites accepted the federated model"
+            + (f"; refused: {', '.join(refused)} (kept local: {', '.join(kept) or 'none'}; nothing deployed: "
+               f"{', '.join(none) or 'none'})" if refused else "")
+            + f"; refusal rate {len(refused) / n:.2f}" if n else "site acceptance: no site answered")
+    return {"sites": n, "accepted": n - len(refused), "refused": refused, "kept_local": kept,
+            "nothing_deployed": none, "refusal_rate": (len(refused) / n) if n else None, "oof_seconds": secs,
+            "per_site": per, "line": line}
+
+
+def site_decision_columns(block: dict) -> dict:
+    """A site's columns beside AUC in the per-site table (``make demo``, ``sites.csv``): test sensitivity and
+    specificity at its operating point and the acceptance outcome, from a ``metrics.json`` site block: the
+    per-model rule's ``acceptance`` (``{"outcome", "test": {"sensitivity", "specificity"}}``, :func:`rate` dicts)
+    or the federated rule's ``operating_point`` (:func:`site_rates_at`). Returns ``{"sensitivity", "specificity",
+    "acceptance"}`` (None where the run has none)."""
+    acc = block.get("acceptance") if isinstance(block.get("acceptance"), dict) else None
+    if acc is not None:
+        test = acc.get("test") or {}
+        return {"sensitivity": (test.get("sensitivity") or {}).get("value"),
+                "specificity": (test.get("specificity") or {}).get("value"), "acceptance": acc.get("outcome")}
+    op = block.get("operating_point") if isinstance(block.get("operating_point"), dict) else {}
+    test = op.get("test") if isinstance(op.get("test"), dict) else {}
+    return {"sensitivity": test.get("sensitivity"), "specificity": test.get("specificity"), "acceptance": None}

@@ -317,6 +317,8 @@ def operating_point_section(m: dict) -> list[str]:
     op = m.get("operating_point")
     if not op:
         return []
+    if op.get("rule") == "per-model":
+        return [f"<h2>Clinical operating point</h2><p>{esc(describe(op))}</p>", *acceptance_section(m)]
     unset = op.get("threshold") is None
     line = esc(describe(op))
     body = ["<h2>Clinical operating point</h2>", f"<p class='warn'><b>{line}</b></p>" if unset else f"<p>{line}</p>"]
@@ -333,6 +335,76 @@ def operating_point_section(m: dict) -> list[str]:
         body.append(_flag_table(["site", "T", "val. sensitivity", "val. specificity", "test sensitivity",
                                  "test specificity"], [[(str(c), False) for c in r] for r in rows]))
     return body
+
+
+def acceptance_section(m: dict) -> list[str]:
+    """The site acceptance check (``metrics.json``'s ``acceptance``, OHFL with the gate): the line with the refusal
+    rate (red when a site was refused), then per site the outcome, what it deploys, the acceptance data's
+    sensitivity and specificity with their lower bounds, and the test split's at the operating point."""
+    acc = m.get("acceptance")
+    if not isinstance(acc, dict) or not acc.get("per_site"):
+        return []
+
+    def f(v):
+        return "–" if v is None else f"{v:.3f}"
+
+    def b(v):
+        v = v or {}
+        return f"{f(v.get('value'))} (≥ {f(v.get('lower'))})"
+    rows = [[(s, False), (str(o.get("outcome")), o.get("outcome") != "accepted"), (str(o.get("deployed") or "nothing"),
+             o.get("deployed") is None), (b(o.get("sensitivity")), False), (b(o.get("specificity")), False),
+             (f(o.get("test_sensitivity")), False), (f(o.get("test_specificity")), False)]
+            for s, o in sorted(acc["per_site"].items())]
+    cls = " class='warn'" if acc.get("refused") else ""
+    return ["<h3>Site acceptance check</h3>", f"<p{cls}>{esc(acc.get('line') or '')}; out-of-fold training cost "
+            f"{float(acc.get('oof_seconds') or 0):.0f} s</p>",
+            _flag_table(["site", "outcome", "deploys", "acceptance sensitivity (lower bound)",
+                         "acceptance specificity (lower bound)", "test sensitivity", "test specificity"], rows),
+            *calibration_section(acc["per_site"])]
+
+
+def calibration_section(per_site: dict) -> list[str]:
+    """Calibration a clinician can read: each site's ECE of its acceptance data before and after the calibration
+    step it kept, and one reliability diagram of the sites' calibrated acceptance scores
+    (:func:`nvflare_jobs.plots.reliability_diagram`; bins and counts only)."""
+    import tempfile
+
+    from nvflare_jobs import plots
+
+    def f(v):
+        return "–" if v is None else f"{v:.3f}"
+    rows = [[s, f(o.get("ece_before")), f(o.get("ece_after"))] for s, o in sorted(per_site.items())
+            if o.get("ece_before") is not None or o.get("ece_after") is not None]
+    curves = {s: o["reliability"] for s, o in sorted(per_site.items()) if (o.get("reliability") or {}).get("n")}
+    if not rows and not curves:
+        return []
+    body = ["<h3>Calibration</h3>", "<p>Expected calibration error (ECE, 10 bins) of each site's acceptance data "
+            "(out-of-fold training scores + validation) before and after the calibration step it kept; the "
+            "step is kept only where it lowers the cross-validated ECE.</p>",
+            _table(["site", "ECE before", "ECE after"], rows)]
+    if curves:
+        with tempfile.TemporaryDirectory() as d:
+            png = plots.reliability_diagram(Path(d) / "reliability.png", curves, title="reliability per site")
+            body.append(_figure(_png_b64(png), "Reliability diagram: observed share of PNEUMONIA against the mean "
+                                               "calibrated p(PNEUMONIA) per bin, each site's acceptance data"))
+    return body
+
+
+def population_note(run: Path) -> list[str]:
+    """The model card's training population: one sentence per deployed model file that records its population
+    (:func:`hfl_components.shift.population_statement`), so a hospital sees whom the model was trained on."""
+    from hfl_components.models import read_model_header
+    from hfl_components.shift import population_statement
+
+    out = []
+    for f in sorted((run / "models").glob("*_deployed.pt")) if (run / "models").is_dir() else []:
+        try:
+            ref = read_model_header(f).get("population")
+        except (ValueError, OSError):
+            continue
+        if ref:
+            out.append(f"<li>{esc(f.stem.removesuffix('_deployed'))}: {esc(population_statement(ref))}</li>")
+    return ["<h3>Training population (deployed models)</h3><ul>" + "".join(out) + "</ul>"] if out else []
 
 
 def _operating_point_html(op: dict) -> list[str]:
@@ -419,6 +491,7 @@ def render_run(run: Path) -> str:
                 ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())],
                 ["wall time (s)", m.get("wall_time_s")]])]
     body.append(model_card(m, card_note(run)))
+    body += population_note(run)
     body += _results_sections(m)
     body += operating_point_section(m)
     body += _figure_sections(run, m, names, bool(empty))

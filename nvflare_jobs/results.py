@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hfl_components.flare import catalogue
+from hfl_components.operating_point import site_decision_columns
 
 from nvflare_jobs.models_index import write_models_index
 
@@ -81,7 +82,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
             all_y.extend(test["_labels"])
         block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
                  "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
-        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point"):
+        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point", "acceptance"):
             if k in s:
                 block[k] = _strip_predictions(s[k])
         sites[site] = block
@@ -114,7 +115,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     if extra:
         metrics.update(extra)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    _write_sites_csv(out / "sites.csv", sites)
+    write_sites_csv(out / "sites.csv", sites)
     _write_rounds_csv(out / "rounds.csv", metrics["rounds"])
     if all_y:
         _write_predictions(out / "test_predictions.csv", rec, class_names)
@@ -152,16 +153,23 @@ def _round_curves(rec: dict) -> list[dict]:
     return rows
 
 
-def _write_sites_csv(path: Path, sites: dict) -> None:
+def write_sites_csv(path: Path, sites: dict) -> None:
+    """``sites.csv``: one row per site (model, sizes, the test metrics, and beside AUC the test sensitivity /
+    specificity at the site's operating point and its acceptance outcome) from ``metrics.json``'s site blocks."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["site", "model", "input_size", "n_train", "n_test", *SCALARS])
+        # beside AUC: sensitivity / specificity at the site's operating point and its acceptance outcome
+        w.writerow(["site", "model", "input_size", "n_train", "n_test", *SCALARS, "op_sensitivity",
+                    "op_specificity", "acceptance"])
         for site, b in sites.items():
             t = b.get("test") or {}
             m = b.get("model") or {}
+            d = site_decision_columns(b)
             name = "/".join(str(m.get(k)) for k in ("family", "depth", "width") if m.get(k) is not None)
             w.writerow([site, name, b.get("input_size"), b.get("n_train"), b.get("n_test"),
-                        *[("" if t.get(k) is None else round(t[k], 4)) for k in SCALARS]])
+                        *[("" if t.get(k) is None else round(t[k], 4)) for k in SCALARS],
+                        *[("" if d[k] is None else round(d[k], 4)) for k in ("sensitivity", "specificity")],
+                        d["acceptance"] or ""])
 
 
 def _write_rounds_csv(path: Path, rounds: list[dict]) -> None:
@@ -187,16 +195,21 @@ def _write_predictions(path: Path, rec: dict, class_names: list[str]) -> None:
 def print_summary(m: dict, run_dir: Path) -> None:
     """Print a finished run's per-site table, gate and deploy decisions, pooled accuracy and warnings."""
     print(f"\n[cxr-hfl] {m['method']} finished in {m['wall_time_s']:.0f} s -> {run_dir}")
-    print(f"{'site':<10}{'model':<22}{'size':>5}{'n_test':>8}{'acc':>8}{'bal_acc':>9}{'auc':>7}")
+    print(f"{'site':<10}{'model':<22}{'size':>5}{'n_test':>8}{'acc':>8}{'bal_acc':>9}{'auc':>7}{'sens':>7}"
+          f"{'spec':>7}  acceptance")
     for site, b in m["sites"].items():
         t = b.get("test") or {}
         spec = b.get("model") or {}
         name = f"{spec.get('family')}/{spec.get('depth', spec.get('feature_dim', ''))}"
+        d = site_decision_columns(b)  # at the site's operating point
 
         def f(v):
             return "   -" if v is None else f"{v:.3f}"
         print(f"{site:<10}{name:<22}{b.get('input_size') or '':>5}{b.get('n_test') or '':>8}{f(t.get('accuracy')):>8}"
-              f"{f(t.get('balanced_accuracy')):>9}{f(t.get('auc')):>7}")
+              f"{f(t.get('balanced_accuracy')):>9}{f(t.get('auc')):>7}{f(d['sensitivity']):>7}"
+              f"{f(d['specificity']):>7}  {d['acceptance'] or '-'}")
+    if m.get("acceptance"):
+        print(m["acceptance"].get("line") or "")
     gate = m.get("gate")
     if gate:
         print(f"deployment gate: {gate['adopted']} of {gate['sites']} sites adopted the federated model"

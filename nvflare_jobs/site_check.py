@@ -71,7 +71,32 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         _metadata_check(rows, rep)
     else:
         _check_exist(rows, rep, workers or int(cfg["threads"]))
+    if cfg.get("deployed_model") and read_images:
+        population_check(cfg["deployed_model"], [r["path"] for r in rows], rep)
     return rep
+
+
+def population_check(model_file: str, files: list, rep: dict) -> None:
+    """The site's images against the training population of the deployed model the config names
+    (:func:`nvflare_jobs.evaluation.population.check_files`, batch level; per-image flags counted only): one warning
+    line when they differ, ``rep["population"]`` the outcome. A model file without a reference, or one that cannot be
+    read, is one warning line naming the file."""
+    from hfl_components.models import load_model_file
+    from nvflare_jobs.evaluation.population import check_files
+
+    try:
+        model, header = load_model_file(model_file)
+    except (ValueError, OSError) as e:
+        rep["warnings"].append(f"deployed_model {model_file}: cannot be read, no population check: {e}")
+        return
+    ref = header.get("population")
+    if not ref:
+        rep["warnings"].append(f"deployed_model {model_file}: records no training population; no population check")
+        return
+    res = check_files(files, ref, model=model, size=int(header.get("input_size") or 64), aspect=header.get("aspect"))
+    rep["population"] = {k: res.get(k) for k in ("warn", "line", "checked", "flags", "n_unreadable")}
+    if res.get("warn"):
+        rep["warnings"].append(f"population shift against {model_file}: {res.get('line')}")
 
 
 def _check_exist(rows: list[dict], rep: dict, workers: int) -> None:

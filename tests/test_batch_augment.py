@@ -206,3 +206,51 @@ def test_site_config_refuses_augment_monai_with_fast_augment(tmp_path):
         load_site_config("hospital-b", f, check_files=False)
     msg = str(e.value)
     assert str(f) in msg and "'augment'" in msg and "fast_augment: false" in msg and "\n" not in msg
+
+
+def test_site_config_augment_border_frames_training_images_only(tmp_path):
+    """augment: border is accepted, refused with fast_augment (the tensor path would drop it), and reaches the site
+    dataset: with no class flipped or shifted (augment_classes []), the train split differs from the eval-mode
+    images only by bands, and some of 12 images (each framed with probability BORDER_PROB) are framed; the eval
+    loader of the same split is never framed."""
+    import csv
+
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    from chest_xray.transforms import AUGMENT_BORDER
+    from hfl_components.flare.site_config import SiteConfigError, load_site_config, validate_site_config
+    from hfl_components.flare.site_tasks import SiteRuntime
+
+    base = {"data": {"manifest": "x.csv"}, "model": {"family": "cnn", "depth": "shallow"}}
+    assert validate_site_config({**base, "augment": AUGMENT_BORDER}, "s", check_files=False)["augment"] == "border"
+    f = tmp_path / "hospital-c.yaml"
+    f.write_text(yaml.safe_dump({**base, "augment": "border", "fast_augment": True}))
+    with pytest.raises(SiteConfigError, match="border has no effect with fast_augment"):
+        load_site_config("hospital-c", f, check_files=False)
+
+    rng = np.random.default_rng(1)
+    man = tmp_path / "site.csv"
+    with man.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label", "split", "patient_id"])
+        for k in range(12):
+            img = tmp_path / f"img{k}.png"
+            Image.fromarray((rng.random((40, 40)) * 100 + 80).astype(np.uint8)).save(img)
+            w.writerow([str(img), k % 2, "train", f"p{k}"])
+    cfg = {"site": "site-1", "threads": 1, "seed": 0, "input_size": 16, "batch_size": 12, "augment_classes": [],
+           "augment": "border", "data": {"labels": "binary", "manifest": str(man)},
+           "model": {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}}
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    eval_imgs = torch.cat([b["image"] for b in rt.loader("train", train_mode=False)])
+    framed = 0
+    for _ in range(3):  # three epochs: 36 draws at probability 0.5
+        xt = next(iter(rt.loader("train")))["image"]
+        # a band is a constant run along an edge: an unframed image equals an eval image exactly
+        same = [(xt[i:i + 1] == eval_imgs).flatten(1).all(1).any().item() for i in range(len(xt))]
+        framed += sum(not s for s in same)
+    assert framed > 0
+    # the eval-mode loader never frames: two passes give identical images
+    again = torch.cat([b["image"] for b in rt.loader("train", train_mode=False)])
+    assert torch.equal(again, eval_imgs)

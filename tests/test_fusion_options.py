@@ -7,6 +7,8 @@ from tests.fusion_helpers import ohfl_controller
 import argparse
 
 import numpy as np
+import json
+
 import pytest
 import torch
 
@@ -248,44 +250,91 @@ def _good_model():
     return m
 
 
-def test_deployment_gate_keeps_the_local_model_unless_the_federated_one_beats_it(tmp_path):
-    from hfl_components.flare.controllers.ohfl_site import deployment_gate, ohfl_finetune
+def _runtime_with_rows(tmp_path, x, y):
+    t = _TensorRuntime(tmp_path, x, y)
+    t.rt.rows = lambda split: [{"label": int(v), "path": f"img{i}.png", "patient_id": f"p{i}"} for i, v in enumerate(y)]
+    return t.rt
+
+
+def test_acceptance_gate_outcomes_by_hand():
+    """The federated candidate is deployed when it passes; a refused site keeps its local model when that passes,
+    else deploys nothing; what is summarised holds no score per image."""
+    from hfl_components.flare.controllers.ohfl_site import acceptance_gate, deployed_header
+    from hfl_components.operating_point import site_operating_point
+
+    y = np.r_[np.zeros(60, int), np.ones(60, int)]
+    good = {"op": site_operating_point(np.r_[np.linspace(0.01, 0.4, 60), np.linspace(0.6, 0.99, 60)], y),
+            "oof_seconds": 1.0, "n_acceptance": 120}
+    const = {"op": site_operating_point(np.full(120, 0.7), y), "oof_seconds": 2.0, "n_acceptance": 120}
+    assert good["op"]["acceptance"]["accepted"] and not const["op"]["acceptance"]["accepted"]
+    g = acceptance_gate(good, None)
+    assert (g["deployed"], g["adopted"], g["acceptance"]["outcome"]) == ("federated", True, "accepted")
+    g = acceptance_gate(const, good)
+    assert (g["deployed"], g["adopted"], g["acceptance"]["outcome"]) == ("local", False, "refused: kept the local model")
+    assert g["acceptance"]["local"]["oof_seconds"] == 1.0 and g["acceptance"]["federated"]["oof_seconds"] == 2.0
+    g = acceptance_gate(const, const)
+    assert g["deployed"] is None and g["acceptance"]["outcome"] == "refused: nothing deployed"
+    h = deployed_header(const["op"], g)
+    assert h["threshold"] is None and h["accepted"] is False and "acceptance check" in h["unresolved"]
+    h = deployed_header(good["op"], acceptance_gate(good, None))
+    assert h["threshold"] == pytest.approx(good["op"]["threshold"]) and h["accepted"] is True
+    def longest_list(v):  # counts and bounds only: no list of per-image values leaves the site
+        if isinstance(v, dict):
+            return max([longest_list(w) for w in v.values()] or [0])
+        if isinstance(v, (list, tuple)):
+            return max([len(v)] + [longest_list(w) for w in v])
+        return 0
+    summary = acceptance_gate(const, good)["acceptance"]
+    json.dumps(summary)
+    assert longest_list(summary) < 10
+
+
+def test_ohfl_finetune_deploys_by_the_acceptance_check(tmp_path, monkeypatch):
+    """Hand case in process: a model that separates the site's images perfectly passes the check and is deployed
+    with its operating point in the file header; a constant model is refused, the local model (its out-of-fold
+    repetitions start from the state _initial_state gives) replaces it when that passes, and nothing is deployed
+    (threshold None, the reason stored) when neither passes."""
+    from hfl_components.flare.controllers import ohfl_site
     from hfl_components.flare.messages import GLOBAL_PREFIX, to_numpy_state
-
-    assert deployment_gate({"auc": 0.9}, {"auc": 0.8})["adopted"]
-    assert not deployment_gate({"auc": 0.8, "balanced_accuracy": 0.7}, {"auc": 0.8, "balanced_accuracy": 0.7})["adopted"]
-    assert deployment_gate({"auc": 0.8, "balanced_accuracy": 0.8}, {"auc": 0.8, "balanced_accuracy": 0.7})["adopted"]
-    assert not deployment_gate({"auc": None}, {"auc": 0.6})["adopted"]
-
     from hfl_components.models import load_model_file, save_model_file
 
-    x, y = _separable()
-    good, useless = _good_model(), build_fusable(SPEC)  # zero class layer: constant output, AUC 0.5
-    for local, fed, adopt in ((good, useless, False), (useless, good, True)):
-        t = _TensorRuntime(tmp_path / f"{adopt}", x, y)
-        rt = t.rt
+    x, y = _separable(120)
+    good, useless = _good_model(), build_fusable(SPEC)  # zero class layer: constant output
+    tc = {"finetune_epochs": 0, "local_epochs": 0, "gate": True, "init": "site"}
+    cases = ((good, useless, useless, "federated"), (useless, good, good, "local"), (useless, useless, useless, None))
+    for fed, local, local_init, want in cases:
+        rt = _runtime_with_rows(tmp_path / f"{want}", x, y)
         save_model_file(rt.state_dir / "local_model.pt", SPEC, local.state_dict(), input_size=16, labels="binary")
-        params = to_numpy_state(fed.state_dict(), GLOBAL_PREFIX)
-        _, metrics, _ = ohfl_finetune(rt, params, {"global_spec": SPEC, "task_config": {"finetune_epochs": 0, "gate": True}})
+        monkeypatch.setattr(ohfl_site, "_initial_state", lambda rt, spec, meta, s=local_init.state_dict(): s)
+        _, metrics, _ = ohfl_site.ohfl_finetune(rt, to_numpy_state(fed.state_dict(), GLOBAL_PREFIX),
+                                                {"global_spec": SPEC, "task_config": tc})
         gate = metrics["gate"]
-        assert gate["adopted"] is adopt
-        assert ("does not beat" in gate["reason"]) is (not adopt)
-        deployed = load_model_file(rt.state_dir / "deployed_model.pt")[0].state_dict()
-        want = fed if adopt else local
-        assert all(torch.equal(deployed[k], v) for k, v in want.state_dict().items())
-        cand, head = load_model_file(rt.state_dir / "federated_model.pt")  # kept whatever the gate decided
-        assert head["kind"] == "federated"
-        assert all(torch.equal(cand.state_dict()[k], v) for k, v in fed.state_dict().items())
-        assert metrics["val"]["auc"] == pytest.approx(1.0)
-    # the handler keeps no default of its own: a task config without the option is refused, naming it
+        assert gate["deployed"] == want, gate["reason"]
+        assert metrics["acceptance"]["outcome"] == {"federated": "accepted", "local": "refused: kept the local model",
+                                                    None: "refused: nothing deployed"}[want]
+        assert (metrics["acceptance"]["local"] is None) is (want == "federated")
+        assert metrics["operating_point"] is None and "_probs" not in metrics["val"]
+        model, head = load_model_file(rt.state_dir / "deployed_model.pt")
+        op = head["operating_point"]
+        assert op["deployed"] == want and op["rule"] == "per-model"
+        if want is None:
+            assert op["threshold"] is None and "acceptance check" in op["unresolved"]
+            assert metrics["acceptance"]["test"] is None
+        else:
+            assert 0.0 < op["threshold"] < 1.0 and op["accepted"] is True
+            src = fed if want == "federated" else local
+            assert all(torch.equal(model.state_dict()[k], v) for k, v in src.state_dict().items())
+            assert op["sensitivity"]["n"] == 60 + 60 and op["specificity"]["n"] == 60 + 60  # 120 oof + 120 val
+            test = metrics["acceptance"]["test"]  # the separable images: every test image right at the threshold
+            assert test["sensitivity"]["value"] == 1.0 and test["specificity"]["value"] == 1.0
     with pytest.raises(ValueError, match="lacks option 'gate'"):
-        ohfl_finetune(_TensorRuntime(tmp_path / "none", x, y).rt, to_numpy_state(good.state_dict(), GLOBAL_PREFIX),
-                      {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
-    # the gate off: the federated model is deployed whatever it scores
-    t = _TensorRuntime(tmp_path / "off", x, y)
-    save_model_file(t.rt.state_dir / "local_model.pt", SPEC, good.state_dict(), input_size=16, labels="binary")
-    _, metrics, _ = ohfl_finetune(t.rt, to_numpy_state(useless.state_dict(), GLOBAL_PREFIX),
-                                  {"global_spec": SPEC, "task_config": {"finetune_epochs": 0, "gate": False}})
+        ohfl_site.ohfl_finetune(_runtime_with_rows(tmp_path / "none", x, y), to_numpy_state(good.state_dict(), GLOBAL_PREFIX),
+                                {"global_spec": SPEC, "task_config": {"finetune_epochs": 0}})
+    # the gate off: the federated model is deployed whatever it scores, with the pooled-histogram report
+    rt = _runtime_with_rows(tmp_path / "off", x, y)
+    save_model_file(rt.state_dir / "local_model.pt", SPEC, good.state_dict(), input_size=16, labels="binary")
+    _, metrics, _ = ohfl_site.ohfl_finetune(rt, to_numpy_state(useless.state_dict(), GLOBAL_PREFIX),
+                                            {"global_spec": SPEC, "task_config": {"finetune_epochs": 0, "gate": False}})
     assert metrics["gate"] is None and metrics["val"]["auc"] == pytest.approx(0.5)
 
 
@@ -312,3 +361,48 @@ def test_controller_counts_adopting_sites(monkeypatch, tmp_path):
     assert ctl.record["gate"] == {"adopted": 2, "sites": 3, "adopted_sites": ["site-1", "site-3"],
                                   "kept_local": ["site-2"]}
     assert ctl.record["sites"]["site-2"]["gate"]["adopted"] is False
+
+
+def test_controller_records_the_acceptance_outcomes_and_refusal_rate(monkeypatch, tmp_path):
+    """Each site's acceptance outcome goes into the run record (per site and as the catalogue's ``acceptance``
+    field, with the refusal rate: a refused site counts once whatever it deploys); no federated threshold is sent
+    when the sites set their own."""
+    from tests.test_fusion_rung0 import _fl
+    from hfl_components.flare.catalogue import summarise_acceptance
+    from hfl_components.flare.messages import to_numpy_state
+
+    sd = to_numpy_state(he_model(SPEC, 0, bias_range=0.2).state_dict())
+    ctl = ohfl_controller(probe="generated", min_sites=1, probe_size=8)
+    monkeypatch.setattr(ctl, "get_run_dir", lambda: str(tmp_path))
+    deployed = {"site-1": "federated", "site-2": "local", "site-3": None, "site-4": "federated"}
+    outcome = {"federated": "accepted", "local": "refused: kept the local model", None: "refused: nothing deployed"}
+    rate = {"value": 0.95, "lower": 0.91, "k": 19, "n": 20}
+    sent = []
+
+    def fake_send(task_name, data, **kw):
+        sent.append((task_name, dict(data.meta or {})))
+        if task_name == "ohfl_train":
+            return [_fl(sd, {"status": "ok", "spec": SPEC, "n_train": 5, "input_size": 32, "client_name": s})
+                    for s in deployed]
+        if task_name == "ohfl_finetune":
+            return [_fl({}, {"status": "ok", "client_name": s}, {
+                "gate": {"adopted": d == "federated", "deployed": d, "reason": "r"},
+                "acceptance": {"outcome": outcome[d], "deployed": d,
+                               "federated": {"sensitivity": rate, "specificity": rate, "oof_seconds": 2.0},
+                               "local": None if d == "federated" else {"sensitivity": rate, "specificity": rate,
+                                                                       "oof_seconds": 3.0},
+                               "test": None}}) for s, d in deployed.items()]
+        return [_fl({}, {"status": "ok", "client_name": s}) for s in deployed]
+
+    monkeypatch.setattr(ctl, "send_model_and_wait", fake_send)
+    ctl.run_method()
+    acc = ctl.record["acceptance"]
+    assert (acc["sites"], acc["accepted"], acc["refused"]) == (4, 2, ["site-2", "site-3"])
+    assert acc["kept_local"] == ["site-2"] and acc["nothing_deployed"] == ["site-3"]
+    assert acc["refusal_rate"] == 0.5 and acc["oof_seconds"] == 4 * 2.0 + 2 * 3.0
+    assert acc["per_site"]["site-2"]["sensitivity"] == {"value": 0.95, "lower": 0.91}
+    assert ctl.record["sites"]["site-3"]["acceptance"]["outcome"] == "refused: nothing deployed"
+    assert ctl.record["operating_point"]["rule"] == "per-model"
+    assert "operating_point" not in sent[-1][1]  # the final evaluation carries no federated threshold
+    line = summarise_acceptance(acc)
+    assert "2 of 4" in line and "refusal rate 0.50" in line and "site-3" in line

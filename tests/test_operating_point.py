@@ -361,3 +361,76 @@ def test_describe_reads_partial_records_of_older_runs():
     assert describe({"threshold": 0.4, "target": 0.95}).startswith("operating point: threshold 0.4 on calibrated")
     assert "every image positive" in describe({"threshold": 0.0, "target": 0.95})
     assert describe({"skipped": "no site"}) == "operating point: none: no site" and "none" in describe(None)
+
+
+def test_per_site_table_csv_and_report_show_the_operating_point_and_acceptance(capsys, tmp_path):
+    """make demo's per-site table and sites.csv put test sensitivity / specificity at each site's own operating
+    point and the acceptance outcome beside AUC; the report shows the acceptance table with the refusal rate."""
+    import csv
+
+    from hfl_components.operating_point import acceptance_summary
+    from nvflare_jobs.report import operating_point_section
+    from nvflare_jobs.results import write_sites_csv
+    from nvflare_jobs.results import print_summary
+
+    r = {"value": 0.96, "lower": 0.91, "k": 24, "n": 25}
+    outcomes = {"s1": {"outcome": "accepted", "deployed": "federated", "federated": {"sensitivity": r,
+                       "specificity": r, "oof_seconds": 4.0}, "local": None,
+                       "test": {"sensitivity": {"value": 0.9}, "specificity": {"value": 0.75}}},
+                "s2": {"outcome": "refused: nothing deployed", "deployed": None, "federated": {}, "local": {},
+                       "test": None}}
+    sites = {s: {"model": {"family": "cnn", "depth": "shallow"}, "input_size": 32, "n_test": 10,
+                 "test": {"accuracy": 0.8, "balanced_accuracy": 0.8, "auc": 0.85}, "acceptance": o}
+             for s, o in outcomes.items()}
+    m = {"method": "ohfl", "wall_time_s": 1.0, "sites": sites, "acceptance": acceptance_summary(outcomes),
+         "operating_point": {"rule": "per-model", "sites": ["s1", "s2"]}}
+    print_summary(m, tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    head = next(line for line in out if line.startswith("site"))
+    assert head.split()[-4:] == ["auc", "sens", "spec", "acceptance"]
+    s1 = next(line for line in out if line.startswith("s1"))
+    assert s1.split()[-4:] == ["0.850", "0.900", "0.750", "accepted"]
+    s2 = next(line for line in out if line.startswith("s2"))
+    assert s2.split()[-6:] == ["0.850", "-", "-", "refused:", "nothing", "deployed"]
+    assert any("refusal rate 0.50" in line for line in out)
+    write_sites_csv(tmp_path / "sites.csv", sites)
+    rows = list(csv.DictReader((tmp_path / "sites.csv").open()))
+    assert (rows[0]["op_sensitivity"], rows[0]["op_specificity"], rows[0]["acceptance"]) == ("0.9", "0.75", "accepted")
+    assert (rows[1]["op_sensitivity"], rows[1]["acceptance"]) == ("", "refused: nothing deployed")
+    html = "".join(operating_point_section(m))
+    assert "Site acceptance check" in html and "class='warn'" in html and "0.960 (≥ 0.910)" in html
+
+
+def test_report_calibration_and_training_population(tmp_path):
+    """report.html: per-site ECE before / after and a reliability diagram of the acceptance data; the model card's
+    training population, one sentence per deployed model file that records one (and none for a file without)."""
+    from hfl_components.models import build_model, save_model_file
+    from hfl_components.operating_point import reliability_bins
+    from hfl_components.shift import KERMANY_POPULATION, build_reference, population_statement
+    from nvflare_jobs.report import calibration_section, population_note
+
+    rng = np.random.default_rng(0)
+    p = rng.random(200)
+    y = (rng.random(200) < p).astype(int)
+    per = {"s1": {"ece_before": 0.12, "ece_after": 0.04, "reliability": reliability_bins(p, y)},
+           "s2": {"ece_before": None, "ece_after": None, "reliability": None}}
+    html = "".join(calibration_section(per))
+    assert "<td>s1</td><td>0.120</td><td>0.040</td>" in html
+    assert html.count("<img") == 1 and "<td>s2</td>" not in html
+    assert calibration_section({"s2": per["s2"]}) == []
+
+    spec = {"family": "cnn", "depth": "shallow", "in_channels": 1, "num_classes": 2}
+    model = build_model(spec)
+    (tmp_path / "models").mkdir()
+    stats = rng.random((20, 4))
+    facts = [{"format": "JPEG", "width": 1000 + 10 * i, "height": 800, "age_years": None, "manufacturer": None,
+              "view": None} for i in range(20)]
+    ref = build_reference(stats, facts, rng.random((20, 8)), population=KERMANY_POPULATION,
+                          stat_names=[f"s{i}" for i in range(4)])
+    save_model_file(tmp_path / "models" / "s1_deployed.pt", spec, model.state_dict(), input_size=32,
+                    labels="binary", population=ref)
+    save_model_file(tmp_path / "models" / "s2_deployed.pt", spec, model.state_dict(), input_size=32, labels="binary")
+    note = "".join(population_note(tmp_path))
+    assert "paediatric" in note and "one centre" in note and "s2" not in note
+    assert population_statement(ref).replace("'", "&#x27;") in note
+    assert population_note(tmp_path / "nothing") == []

@@ -227,3 +227,44 @@ def test_a_reference_of_another_model_is_said_not_raised():
                        "distance": {"mean": 0.0, "sd": 1.0, "q99": 2.0, "n": 100}}
     res = batch_check(ref, [rng.normal(size=(20, 2))], [{}] * 20, [rng.normal(size=(20, 8))])
     assert not res["checked"] and "does not fit" in res["line"] and "4" in res["line"]
+
+
+def test_site_check_warns_on_a_shift_against_the_named_deployed_model(population, tmp_path):
+    """site check with deployed_model in the site config: quiet on in-population images, one warning line on a
+    built shift (another geometry), and a warning naming the file when it records no population."""
+    import csv
+
+    import yaml
+    from PIL import Image
+
+    from hfl_components.models.files import save_model_file
+    from nvflare_jobs.site_check import check_site
+
+    model = population["model"]
+    with_ref, without = tmp_path / "with.pt", tmp_path / "without.pt"
+    spec = {"family": "cnn", "num_classes": 2}
+    save_model_file(with_ref, spec, model.state_dict(), input_size=SIZE, labels="binary", population=population["ref"])
+    save_model_file(without, spec, model.state_dict(), input_size=SIZE, labels="binary")
+    files = population["unseen"][:N_BATCH]
+    wide = _write(tmp_path, "wide", [np.asarray(Image.fromarray(_grey(f)).resize((300, 180))) for f in files])
+
+    def run(paths, model_file):
+        man = tmp_path / f"m{len(list(tmp_path.glob('m*.csv')))}.csv"
+        with man.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["path", "label", "split", "patient_id"])
+            for i, f in enumerate(paths):
+                w.writerow([str(f), i % 2, ["train", "val", "test"][i % 3], f"p{i}"])
+        cfg = tmp_path / "site-1.yaml"
+        cfg.write_text(yaml.safe_dump({"data": {"manifest": str(man), "labels": "binary"},
+                                       "model": {"family": "cnn", "depth": "shallow"}, "input_size": SIZE,
+                                       "deployed_model": str(model_file)}))
+        return check_site(cfg, "site-1")
+
+    quiet = run(files, with_ref)
+    assert quiet["population"]["checked"] and not quiet["population"]["warn"], quiet["population"]["line"]
+    shifted = run(wide, with_ref)
+    assert shifted["population"]["warn"]
+    assert [w for w in shifted["warnings"] if w.startswith("population shift against")]
+    none = run(files, without)
+    assert "population" not in none and any("records no training population" in w for w in none["warnings"])

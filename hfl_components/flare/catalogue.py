@@ -358,6 +358,8 @@ _ENTRIES: list[MethodEntry] = [
                 record_fields=(RecordField("gate", "gate", "hfl_components.flare.catalogue:summarise_gate"),
                                RecordField("operating_point", "operating point",
                                            "hfl_components.flare.catalogue:summarise_operating_point"),
+                               RecordField("acceptance", "acceptance",
+                                           "hfl_components.flare.catalogue:summarise_acceptance"),
                                RecordField("probe", "probe", "hfl_components.flare.catalogue:summarise_probe"),
                                RecordField("server_fusion_s", "fusion seconds",
                                            "hfl_components.flare.catalogue:summarise_seconds"),
@@ -584,9 +586,18 @@ def summarise_operating_point(v: dict) -> str:
         return _short(v)
     if v.get("skipped"):
         return f"none: {v['skipped']}"
+    if v.get("rule") == "per-model":
+        return "per model: each site's own threshold on its acceptance data"
     thr, tgt = v.get("threshold"), v.get("target_sensitivity")
     return (f"threshold {thr:.3f}" if isinstance(thr, (int, float)) else "no threshold") + \
         (f" at target sensitivity {tgt}" if tgt is not None else "")
+
+
+def summarise_acceptance(v: dict) -> str:
+    """OHFL's site acceptance check: accepted sites, refusals and what they deployed, the refusal rate."""
+    if not isinstance(v, dict) or "line" not in v:
+        return _short(v)
+    return str(v["line"]).removeprefix("site acceptance: ")
 
 
 def summarise_probe(v: dict) -> str:

@@ -39,7 +39,8 @@ import yaml
 ENV_DIR = "CXR_HFL_SITE_CONFIG_DIR"
 LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 #: training augmentation implementations (site-config key ``augment``): the first is the default
-AUGMENTS = ("monai", "batch")
+#: ``border`` = monai plus random black / grey / white bands framing every class (chest_xray AUGMENT_BORDER)
+AUGMENTS = ("monai", "batch", "border")
 
 DEFAULTS = {
     "input_size": 64,
@@ -71,6 +72,9 @@ DEFAULTS = {
     "threads": 1,
     "seed": 0,
     "cache_dir": None,
+    # a deployed model file (cxr-hfl predict's input): site check compares the site's images with its training
+    # population (the file's population reference); null = no population check
+    "deployed_model": None,
     # how a non-square image is made input_size x input_size: stretch (default) | letterbox | crop
     # (chest_xray.ASPECTS); every site of a job and the server's probe should use the same
     "aspect": "stretch",
@@ -275,6 +279,8 @@ def _check_training(cfg: dict, site: str, path) -> None:
         raise _err(site, path, "seed", f"must be an integer, got {cfg['seed']!r}")
     if cfg["cache_dir"] is not None and not isinstance(cfg["cache_dir"], str):
         raise _err(site, path, "cache_dir", f"must be null or a folder path, got {cfg['cache_dir']!r}")
+    if cfg["deployed_model"] is not None and not isinstance(cfg["deployed_model"], str):
+        raise _err(site, path, "deployed_model", f"must be null or a model file path, got {cfg['deployed_model']!r}")
 
 
 def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
@@ -288,9 +294,9 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
     for key in ("balanced_sampling", "fast_augment"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
-    if cfg["fast_augment"] and raw.get("augment") == "monai":  # the tensor path would silently win
-        raise _err(site, path, "augment", "monai has no effect with fast_augment: true (flip + shift on cached "
-                                          "tensors); set fast_augment: false to augment per image with MONAI")
+    if cfg["fast_augment"] and raw.get("augment") in ("monai", "border"):  # the tensor path would silently win
+        raise _err(site, path, "augment", f"{raw['augment']} has no effect with fast_augment: true (flip + shift "
+                                          "on cached tensors); set fast_augment: false to augment per image with MONAI")
     if cfg["class_weights"] not in (None, "balanced"):
         raise _err(site, path, "class_weights", "must be null or 'balanced'")
     ac = cfg["augment_classes"]
@@ -392,7 +398,7 @@ batch_size: 16
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: all             # all (default) | auto (minority classes only: a label shortcut) | [] (none) | [0, 1]
-# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster)
+# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster) | border (monai + random bands)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs

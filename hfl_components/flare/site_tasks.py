@@ -202,7 +202,8 @@ class SiteRuntime:
                 else:
                     ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug,
                                            cache_dir=self.cfg.get("cache_dir"),
-                                           aspect=self.cfg.get("aspect", "stretch"))
+                                           aspect=self.cfg.get("aspect", "stretch"),
+                                           border_augment=train_mode and self.cfg.get("augment") == "border")
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:
@@ -276,6 +277,7 @@ class SiteRuntime:
                                input_size=self.input_size, aspect=self.cfg.get("aspect"),
                                labels=self.labels, site=self.site, kind=kind,
                                operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
+                               population=getattr(self, "population_reference", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
                                            "manifest_sha256": self.manifest_sha256()})
 

@@ -287,7 +287,7 @@ class OHFLController(HFLController):
         from hfl_components.operating_point import describe, federated_operating_point
 
         ft = self.broadcast("ohfl_finetune", 1, params, meta)
-        gate, op_reports = {}, {}
+        gate, op_reports, acceptance = {}, {}, {}
         for site, r in ft.items():
             m = r.metrics or {}
             op_reports[site] = m.get("operating_point")
@@ -297,6 +297,9 @@ class OHFLController(HFLController):
                 "gate": jsonable(m.get("gate"))})
             if m.get("gate") is not None:
                 gate[site] = m["gate"]
+            if m.get("acceptance") is not None:
+                acceptance[site] = m["acceptance"]
+                self.record["sites"][site]["acceptance"] = jsonable(m["acceptance"])
         if gate:
             adopted = sorted(s for s, g in gate.items() if g.get("adopted"))
             self.record["gate"] = {"adopted": len(adopted), "sites": len(gate), "adopted_sites": adopted,
@@ -304,6 +307,14 @@ class OHFLController(HFLController):
             self.info(f"deployment gate: {len(adopted)} of {len(gate)} sites adopted the federated model"
                       + (f"; kept their local model: {', '.join(self.record['gate']['kept_local'])}"
                          if len(adopted) < len(gate) else ""))
+        if acceptance:  # the gate as the site acceptance check: each deployed model's own operating point
+            from hfl_components.operating_point import acceptance_summary
+
+            self.record["acceptance"] = jsonable(acceptance_summary(acceptance))
+            self.record["operating_point"] = {"rule": "per-model", "sites": sorted(acceptance)}
+            (self.warning if self.record["acceptance"]["refused"] else self.info)(
+                self.record["acceptance"]["line"])
+            return None
         op = federated_operating_point(op_reports, float(self.task_config["target_sensitivity"]))
         self.record["operating_point"] = jsonable(op) if op else {
             "skipped": "no site has a validation split with both classes to fit a temperature and send a histogram"}

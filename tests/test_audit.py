@@ -393,7 +393,8 @@ def test_site_check_warns_when_file_facts_predict_the_training_labels(data_root,
 
 @pytest.mark.slow
 def test_ohfl_run_without_a_placeable_positive_sets_no_threshold_and_says_why(data_root, tmp_path):
-    """A real OHFL simulator run whose three sites have 4 validation positives each (fewer than the 5 a histogram
+    """A real OHFL simulator run without the acceptance gate (``--no-gate``: the pooled federated threshold; with the
+    gate each model gets its own threshold) whose three sites have 4 validation positives each (fewer than the 5 a histogram
     cell needs): no threshold is set. The run's summary says why in one line; metrics.json keeps the reason and
     each site's temperature; every deployed model file carries its temperature, no threshold and the reason (local
     models carry nothing); evaluate (on images of the tuning part) and the report say so instead of scoring a
@@ -413,7 +414,7 @@ def test_ohfl_run_without_a_placeable_positive_sets_no_threshold_and_says_why(da
     run = tmp_path / "run"
     r = run_cli("simulate", "--method", "ohfl", "--profile", str(profile), "--probe",
                 str(data_root / "chest_xray_224"), "--probe-size", "24", "--target-sensitivity", "0.9",
-                "--out", str(run))
+                "--no-gate", "--out", str(run))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("operating point:")]
     assert lines == ["operating point: NO federated threshold: no site sent >= 5 validation positives (the minimum "

@@ -44,7 +44,8 @@ def _write_tables(out):
 
 
 def test_targets_from_the_external_tables(tmp_path):
-    from studies.confirmatory.targets import load_external, ohfl_targets, targets_markdown
+    from nvflare_jobs.compare import load_external
+    from studies.confirmatory.targets import ohfl_targets, targets_markdown
 
     _write_tables(tmp_path)
     t = {x["target"]: x for x in ohfl_targets(load_external(tmp_path))}
@@ -69,7 +70,8 @@ def test_targets_from_the_external_tables(tmp_path):
 def test_missing_local_ft_control_is_not_reported_as_met(tmp_path):
     """Without a local+ft control (compare --methods ohfl,fedavg) target (4) cannot be judged: one row says
     "not measured" and counts as not met, so the table never ends "All targets met" without it."""
-    from studies.confirmatory.targets import load_external, ohfl_targets, targets_markdown
+    from nvflare_jobs.compare import load_external
+    from studies.confirmatory.targets import ohfl_targets, targets_markdown
 
     _write_tables(tmp_path)
     pj = json.loads((tmp_path / "paired_external.json").read_text())
@@ -107,7 +109,8 @@ def test_the_checklist_prints_for_a_compare_folder_and_refuses_one_without_exter
 def test_fewer_than_five_seeds_give_no_verdict_and_the_target_is_not_met(tmp_path):
     """A paired result under 5 seeds (or one written before the rule, without ``reliable``) has no verdict: the
     non-inferiority target shows the per-seed differences and is not met."""
-    from studies.confirmatory.targets import load_external, ohfl_targets
+    from nvflare_jobs.compare import load_external
+    from studies.confirmatory.targets import ohfl_targets
 
     _write_tables(tmp_path)
     pj = json.loads((tmp_path / "paired_external.json").read_text())
@@ -127,7 +130,7 @@ def test_fewer_than_five_seeds_give_no_verdict_and_the_target_is_not_met(tmp_pat
 
 
 def test_no_targets_without_an_external_evaluation(tmp_path):
-    from studies.confirmatory.targets import load_external
+    from nvflare_jobs.compare import load_external
 
     assert load_external(tmp_path) is None
 

@@ -31,14 +31,20 @@ def test_ohfl_three_depths_in_simulator(partition3, data_root, tmp_path):
     assert_canonical(m, sites)
     depths = [json.loads((run / "resolved_configs" / f"{s}.json").read_text())["model"]["depth"] for s in sites]
     assert depths == ["shallow", "medium", "deep"]
-    # CID: the global model has the deepest architecture; every site fine-tunes it and deploys it if the deployment
-    # gate (on by default) finds it better than the site's local model on validation, else keeps its own model
+    # CID: the global model has the deepest architecture; every site fine-tunes it and deploys it when it passes the
+    # site acceptance check (the gate, on by default); a refused site keeps its local model when that passes the same
+    # check, and otherwise deploys nothing (the file keeps the federated weights, with no threshold and the reason)
     assert m["global_model"]["depth"] == "deep"
     assert m["gate"]["sites"] == 3 and m["gate"]["adopted"] == len(m["gate"]["adopted_sites"])
+    from hfl_components.models import read_model_header
+
     for s, own in zip(sites, depths):
         b = m["sites"][s]
         assert b["gate"]["adopted"] is (s in m["gate"]["adopted_sites"])
-        assert b["model"]["depth"] == ("deep" if b["gate"]["adopted"] else own)
+        assert b["gate"]["adopted"] is (b["gate"]["deployed"] == "federated")
+        assert b["model"]["depth"] == (own if b["gate"]["deployed"] == "local" else "deep")
+        if b["gate"]["deployed"] is None:
+            assert read_model_header(run / "models" / f"{s}_deployed.pt")["operating_point"]["threshold"] is None
         assert {"local", "global_zero_shot"} <= set(b) and len(b["finetune_loss"]) == 1
         assert b["local"]["n"] == b["global_zero_shot"]["n"] == b["n_test"]
     accs = [100 * m["sites"][s]["test"]["accuracy"] for s in sites]

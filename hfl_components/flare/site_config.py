@@ -403,6 +403,7 @@ batch_size: 16
 # balanced_sampling: false         # true: class-balanced sampling of the training split
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs
 # aspect: stretch                  # stretch | letterbox | crop: how non-square images become square (as the job's)
+# deployed_model: null             # the deployed model file: site check compares your images with its training population
 """
 
 

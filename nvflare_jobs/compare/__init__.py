@@ -64,6 +64,7 @@ from nvflare_jobs.compare.tables import (
     control_method,
     external_markdown,
     external_tables,
+    load_external,
     paired_diff,
     val_threshold_metrics,
     write_tables,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hfl_components.flare import catalogue
+from nvflare_jobs.compare import load_external
 
 GLOBAL_AUC_TARGET = 0.75   # the fused global model's zero-shot mean AUC
 STRETCH_GAP = 0.05         # stretch: global within this of its parents' (pre-fusion local models') mean AUC

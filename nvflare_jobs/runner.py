@@ -132,7 +132,7 @@ def prepare_profile(spec, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     write_partition(res, part_dir, extra={"labels": spec.labels, "data_root": str(data)})
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
     local_epochs, finetune_epochs = spec.site_epochs
-    settings = {"batch_size": spec.batch_size, "aspect": spec.aspect, "local_epochs": local_epochs,
+    settings = {"batch_size": spec.batch_size, "aspect": spec.aspect, "augment": spec.augment, "local_epochs": local_epochs,
                 "finetune_epochs": finetune_epochs, "seed": spec.seed, "threads": 1,
                 "max_train_images": spec.max_train_images, "feature_dim": spec.feature_dim}
     profile_dir = write_profile(part_dir, run_dir / "site_configs", spec.method, spec.labels, list(spec.input_sizes),
@@ -347,7 +347,7 @@ def _final_sites(server_results: Path) -> set[str]:
 # decide them, so an export refuses them instead of silently dropping them (value: the site config's key)
 SITE_OPTIONS = {"data": None, "sites": None, "scheme": None, "alpha": None, "input_sizes": "input_size",
                 "batch_size": "batch_size", "max_train_images": "max_train_images", "feature_dim": "model.feature_dim",
-                "families": "model.family", "aspect": "aspect"}
+                "families": "model.family", "aspect": "aspect", "augment": "augment"}
 
 
 def export_job(spec, job_dir: Path, given: set | None = None) -> Path:

@@ -117,7 +117,11 @@ def _add_compare(c) -> None:
                                       "with them, train the heterogeneous backbone pool and ignore it: compare names "
                                       "them in one line at the start, and refuses --families when no method takes it (default: cnn at every "
                                       "site)")
+    from hfl_components.flare.site_config import AUGMENTS
+
     for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square (default stretch)"}),
+                     ("--augment", {"choices": AUGMENTS, "help": "pass-through: every site's training augmentation "
+                                                                 "(default monai; border adds random bands)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):
         c.add_argument(flag, **kw)

@@ -48,6 +48,7 @@ class CompareOptions:
     max_images: int | None = None
     families: str | None = None
     aspect: str | None = None
+    augment: str | None = None
     no_audit: bool = False
     dry_run: bool = False
     proto_protocol: bool = False

@@ -8,7 +8,8 @@ only, and the one patient-level value a site needs for grouping, :func:`dicom_pa
 The package is one public face over private parts: ``_common`` (limits, suffixes, the error type, the warnings
 lock), ``_pil`` (JPEG / PNG), ``_dicom_header`` (parsing and attribute checks), ``_dicom`` (decoding and the
 grey-scale pipeline), ``_grayscale`` (the rules for missing, inconsistent or contradictory grey-scale attributes),
-``_gdcm`` (12-bit JPEG Extended through GDCM), ``_salt`` (the site salt and the hashed patient ids) and ``_read``
+``_gdcm`` (12-bit JPEG Extended through GDCM), ``_pixel_bytes`` (what the Pixel Data bytes and the compressed stream
+really are, when the Transfer Syntax or Samples per Pixel say otherwise), ``_salt`` (the site salt and the hashed patient ids) and ``_read``
 (:func:`read_image`).
 """
 from __future__ import annotations

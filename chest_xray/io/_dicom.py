@@ -11,6 +11,7 @@ import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
+from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
 from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
@@ -30,8 +31,8 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     _import_pydicom()
     ds = _dcmread(p)
     rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
-    raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols)
     notes: list[dict[str, str]] = []
+    raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols, photometric, notes)
     pad, pad_note = padding_mask(ds, raw)
     notes += [pad_note] if pad_note else []
     out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes, pad)
@@ -104,19 +105,37 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
     return rows, cols, bits_stored, photometric
 
 
-def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, list[str]]:
+def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCHROME2",
+                   notes: list[dict[str, str]] | None = None) -> tuple[np.ndarray, str, list[str]]:
     """Stage 2: ``(stored values (rows, cols), transfer syntax name, decoder messages)``; the decoder's messages
-    are captured, and one that means missing or garbage data refuses the file."""
+    are captured, and one that means missing or garbage data refuses the file. The bytes are decoded as what
+    they are (:mod:`._pixel_bytes`): a transfer syntax that does not describe them, or a 3-component stream under
+    a one-sample header, is followed by the bytes, with a note appended to ``notes``."""
+    notes = [] if notes is None else notes
+    try:
+        said = reconcile_syntax(ds, rows, cols)
+    except PixelBytesError as e:
+        raise ImageReadError(p, str(e), "invalid DICOM attribute") from None
+    notes += [{"kind": "transfer syntax mismatch", "note": said}] if said else []
     why = _decoder_problem(ds)
     if why:
         raise ImageReadError(p, why, "no decoder")
     tsyntax = ds.file_meta.get("TransferSyntaxUID")
     ts_name = getattr(tsyntax, "name", str(tsyntax))
+    comps = stream_components(ds)
+    if comps not in (None, 1) and (comps != 3 or needs_direct_gdcm(ds)):
+        raise ImageReadError(p, f"the {ts_name} stream holds {comps} components but the header says Samples per "
+                             f"Pixel 1 ({photometric}): not decoded", "invalid DICOM attribute")
+    if comps == 3:
+        notes.append({"kind": "colour stream in grey-scale header", "note": f"the {ts_name} stream holds 3 "
+                      f"components but the header says Samples per Pixel 1 ({photometric}): decoded as colour and "
+                      "read as its luma (BT.601)"})
     decoder_said: list[str] = []
     try:
         with _warnings_scope(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
-            raw = gdcm_extended_12_bit(ds, rows, cols) if needs_direct_gdcm(ds) else ds.pixel_array
+            raw = (decode_as_colour(ds) if comps == 3 else gdcm_extended_12_bit(ds, rows, cols)
+                   if needs_direct_gdcm(ds) else ds.pixel_array)
     except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one short line naming the syntax
         said = f" (decoder: {_one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
         reason, kind = decoder_failure(e, ts_name, decoder_hint(tsyntax))

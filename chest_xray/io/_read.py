@@ -50,7 +50,9 @@ def read_image(
         when silent: the decoder's messages are captured, never printed) and ``grayscale_notes`` (list of
         ``{"kind", "note"}``: every unusual step of the grey-scale pipeline that changed the pixels, e.g. a VOI LUT
         rescaled to its data's range or a Photometric Interpretation / Presentation LUT Shape contradiction; see
-        :mod:`chest_xray.io._grayscale` for the rules). A JPEG whose other MPF images are only previews is read as
+        :mod:`chest_xray.io._grayscale` for the rules; also a Transfer Syntax that did not describe the Pixel Data
+        or a 3-component stream under a one-sample header, decoded as the bytes are, see
+        :mod:`chest_xray.io._pixel_bytes`). A JPEG whose other MPF images are only previews is read as
         its primary image.
 
     Raises:

@@ -1,0 +1,187 @@
+"""DICOM ingestion, fourth pass: files whose header does not describe their pixels, and headers that say what the
+file is not (a raw For Processing image, a lateral coded only in the View Code Sequence, another body part).
+
+- A grey-scale header (Samples per Pixel 1) over a 3-component JPEG stream: the stream governs (luma).
+- A Transfer Syntax that does not describe the Pixel Data (native over encapsulated, compressed over a bare
+  stream or over native pixels, JPEG Lossless over a DCT stream): the bytes are decoded as what they are.
+- A Modality LUT Sequence whose LUT Descriptor says 12 bits: applied by hand, as the standard maps it.
+
+Every input is built in ``tmp_path`` from the real radiographs of ``../shared/data/dicom`` and the field cases.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import ingestion_kinds as K
+
+BASELINE = "1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819.dcm"  # CR PA, 8-bit JPEG Baseline, MONO2
+MONO1_BASELINE = "Fake_MONOHR1.dcm"  # the same kind, MONOCHROME1
+
+
+def _real(data_root: Path, name: str) -> Path:
+    f = data_root / "dicom" / name
+    if not f.is_file():
+        pytest.skip(f"real DICOM not found: {f}")
+    return f
+
+
+def _write(ds, ts: str, dest: Path) -> Path:
+    """``ds`` written with Transfer Syntax ``ts`` in its file meta whatever its Pixel Data hold (pydicom refuses to
+    write such a file, as a converter that gets it wrong does not): the data set explicit VR little endian."""
+    from pydicom.filebase import DicomBytesIO
+    from pydicom.filewriter import write_dataset, write_file_meta_info
+    from pydicom.uid import UID
+
+    meta = ds.file_meta
+    meta.TransferSyntaxUID = UID(ts)
+    head, body = DicomBytesIO(), DicomBytesIO()
+    for fp in (head, body):
+        fp.is_little_endian, fp.is_implicit_VR = True, False
+    write_file_meta_info(head, meta, enforce_standard=True)
+    write_dataset(body, ds)
+    dest.write_bytes(b"\0" * 128 + b"DICM" + head.getvalue() + body.getvalue())
+    return dest
+
+
+def _stream(a: np.ndarray, **save) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", **save)
+    return buf.getvalue()
+
+
+def _with_pixels(src: Path, data: bytes, encapsulated: bool):
+    import pydicom
+    from pydicom.encaps import encapsulate
+
+    ds = pydicom.dcmread(src)
+    ds.PixelData = encapsulate([data]) if encapsulated else data + (b"\0" if len(data) % 2 else b"")
+    ds["PixelData"].VR = "OB"
+    ds["PixelData"].is_undefined_length = encapsulated
+    return ds
+
+
+# ------------------------------------------------------------------------ 3-component stream, grey-scale header
+@pytest.mark.parametrize("name", [BASELINE, MONO1_BASELINE])
+def test_a_three_component_stream_under_a_grey_header_is_read_as_its_luma(data_root, tmp_path, name):
+    """A converter wrote the grey radiograph as a colour (YCbCr) JPEG but kept Samples per Pixel 1 / MONOCHROMEx.
+    Decoded as one component the pixels were scrambled (correlation ~0.1 with the picture)."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    src = _real(data_root, name)
+    grey = pydicom.dcmread(src).pixel_array  # the real radiograph, uint8 (rows, cols)
+    stream = _stream(np.repeat(grey[..., None], 3, axis=2), quality=95)
+    assert stream[stream.find(b"\xff\xc0") + 9] == 3  # the frame header says 3 components
+    f = _write(_with_pixels(src, stream, True), "1.2.840.10008.1.2.4.50", tmp_path / "colour_stream.dcm")
+    img, meta = read_image(f)
+    want = grey / 255.0
+    if meta["photometric_interpretation"] == "MONOCHROME1":
+        want = 1.0 - want
+    diff = np.abs(np.asarray(img, np.float64) - want)
+    assert img.shape == grey.shape and diff.mean() < 1.5 / 255 and diff.max() < 24 / 255  # JPEG q95 of the picture
+    assert [n["kind"] for n in meta["grayscale_notes"]] == ["colour stream in grey-scale header"]
+    assert "3 components" in meta["grayscale_notes"][0]["note"]
+
+
+def test_a_grey_header_over_a_two_component_stream_is_refused_naming_the_mismatch(data_root, tmp_path):
+    import pydicom
+
+    from chest_xray import ImageReadError, read_image
+
+    src = _real(data_root, BASELINE)
+    stream = bytearray(_stream(pydicom.dcmread(src).pixel_array, quality=95))
+    stream[stream.find(b"\xff\xc0") + 9] = 2  # Nf: a stream no grey-scale or colour reading fits
+    f = _write(_with_pixels(src, bytes(stream), True), "1.2.840.10008.1.2.4.50", tmp_path / "two.dcm")
+    with pytest.raises(ImageReadError) as e:
+        read_image(f)
+    assert str(f) in str(e.value) and "2 components" in e.value.reason and "Samples per Pixel 1" in e.value.reason
+
+
+# ---------------------------------------------------------------------- Transfer Syntax vs. what the bytes are
+def _lossless_frame(cases: Path) -> bytes:
+    import pydicom
+    from pydicom.encaps import generate_frames
+
+    ds = pydicom.dcmread(cases / "jpeg_lossless_sv1.dcm")
+    return next(generate_frames(ds.PixelData, number_of_frames=1))
+
+
+@pytest.mark.parametrize("variant", ["native syntax, encapsulated lossless", "lossless syntax, bare stream",
+                                     "lossless syntax, native pixels", "lossless syntax, bare stream, odd pad"])
+def test_a_transfer_syntax_that_does_not_describe_the_pixels_is_decoded_as_the_bytes_are(
+        ingestion_cases, tmp_path, variant):
+    """The field case's 12-bit CR: every variant must equal its native reference exactly (today "truncated" or
+    "Found unexpected tag ... instead of (FFFE,E000)")."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    ref_img, _ = read_image(nat)
+    frame = _lossless_frame(ingestion_cases)
+    if variant == "native syntax, encapsulated lossless":
+        ds, ts = _with_pixels(nat, frame, True), "1.2.840.10008.1.2.1"
+    elif variant.startswith("lossless syntax, bare stream"):
+        ds, ts = _with_pixels(nat, frame + (b"\0" if "pad" in variant else b""), False), "1.2.840.10008.1.2.4.70"
+    else:
+        ds, ts = pydicom.dcmread(nat), "1.2.840.10008.1.2.4.70"
+    f = _write(ds, ts, tmp_path / "mismatch.dcm")
+    img, meta = read_image(f)
+    assert np.array_equal(img, ref_img)
+    notes = [n for n in meta["grayscale_notes"] if n["kind"] == "transfer syntax mismatch"]
+    assert len(notes) == 1 and "does not describe the Pixel Data" in notes[0]["note"]
+
+
+@pytest.mark.parametrize("ts, encapsulated", [("1.2.840.10008.1.2.4.70", True), ("1.2.840.10008.1.2.1", False),
+                                              ("1.2.840.10008.1.2.4.57", False)])
+def test_a_dct_stream_under_a_lossless_or_native_syntax_is_decoded_as_a_dct_stream(data_root, tmp_path, ts,
+                                                                                    encapsulated):
+    """The real JPEG Baseline radiograph's own stream, relabelled: read equal to the correctly labelled file."""
+    import pydicom
+    from pydicom.encaps import generate_frames
+
+    from chest_xray import read_image
+
+    src = _real(data_root, BASELINE)
+    want, _ = read_image(src)
+    frame = next(generate_frames(pydicom.dcmread(src).PixelData, number_of_frames=1))
+    f = _write(_with_pixels(src, frame, encapsulated), ts, tmp_path / "relabelled.dcm")
+    img, meta = read_image(f)
+    assert np.array_equal(img, want)
+    assert any("DCT JPEG stream" in n["note"] for n in meta["grayscale_notes"])
+
+
+def test_a_stream_no_syntax_reads_is_refused_naming_the_mismatch(data_root, tmp_path):
+    """A progressive JPEG (no DICOM transfer syntax in use reads it) inside a native-syntax file."""
+    import pydicom
+
+    from chest_xray import ImageReadError, read_image
+
+    src = _real(data_root, BASELINE)
+    stream = _stream(pydicom.dcmread(src).pixel_array, quality=90, progressive=True)
+    f = _write(_with_pixels(src, stream, True), "1.2.840.10008.1.2.1", tmp_path / "progressive.dcm")
+    with pytest.raises(ImageReadError) as e:
+        read_image(f)
+    assert "does not describe the Pixel Data" in e.value.reason and "progressive" in e.value.reason
+    assert "truncated" not in e.value.reason
+
+
+def test_a_native_file_cut_short_is_still_truncated(ingestion_cases, tmp_path):
+    """The byte rules do not swallow a real truncation: native bytes short of Rows x Columns stay refused."""
+    import pydicom
+
+    from chest_xray import ImageReadError, read_image
+
+    ds = pydicom.dcmread(K.native_dicom(ingestion_cases))
+    ds.PixelData = ds.PixelData[: len(ds.PixelData) // 2]
+    f = _write(ds, "1.2.840.10008.1.2.1", tmp_path / "short.dcm")
+    with pytest.raises(ImageReadError) as e:
+        read_image(f)
+    assert e.value.kind == "corrupt or truncated"

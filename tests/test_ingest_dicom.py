@@ -185,3 +185,73 @@ def test_a_native_file_cut_short_is_still_truncated(ingestion_cases, tmp_path):
     with pytest.raises(ImageReadError) as e:
         read_image(f)
     assert e.value.kind == "corrupt or truncated"
+
+
+# ---------------------------------------------------------------------------------------- Modality LUT Sequence
+def _with_modality_lut(src: Path, dest: Path, descriptor, lut: np.ndarray, vr: str = "OW", **attrs) -> Path:
+    import pydicom
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    ds = pydicom.dcmread(src)
+    for k, v in attrs.items():
+        setattr(ds, k, v)
+    item = Dataset()
+    item.LUTDescriptor = list(descriptor)
+    item.ModalityLUTType = "US"
+    item.LUTData = lut.astype(np.uint16).tobytes() if vr == "OW" else [int(x) for x in lut]
+    item["LUTData"].VR = vr
+    ds.ModalityLUTSequence = Sequence([item])
+    ds.save_as(dest)
+    return dest
+
+
+def _lut_by_hand(raw: np.ndarray, first: int, lut: np.ndarray) -> np.ndarray:
+    """PS3.3 C.11.1 then the no-VOI rule: the LUT output (values below the first mapped value take the first
+    entry, above the last the last) scaled to its own range."""
+    v = lut[np.clip(raw.astype(np.int64) - first, 0, len(lut) - 1)].astype(np.float64)
+    return (v - v.min()) / (v.max() - v.min())
+
+
+@pytest.mark.parametrize("vr", ["OW", "US"])
+def test_a_12_bit_modality_lut_descriptor_is_applied_by_hand(ingestion_cases, tmp_path, vr):
+    """LUT Descriptor [4096, 0, 12] (pydicom: "data type 'uint12' not understood"): the square-root curve applied
+    to the real CR's stored values, equal to the standard's mapping by hand."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    raw = pydicom.dcmread(nat).pixel_array
+    lut = np.round(np.sqrt(np.arange(4096) / 4095.0) * 4095).astype(np.int64)
+    img, meta = read_image(_with_modality_lut(nat, tmp_path / "mlut12.dcm", [4096, 0, 12], lut, vr))
+    assert np.abs(np.asarray(img, np.float64) - _lut_by_hand(raw, 0, lut)).max() < 1e-6
+    assert any("12-bit entries" in n["note"] for n in meta["grayscale_notes"] if n["kind"] == "modality LUT")
+
+
+def test_a_modality_lut_beside_a_rescale_wins_and_the_rescale_is_noted(ingestion_cases, tmp_path):
+    """The standard allows a LUT or a rescale, not both: the LUT is applied (first mapped value 100: stored values
+    below take the first entry), the rescale named as ignored."""
+    import pydicom
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    raw = pydicom.dcmread(nat).pixel_array
+    lut = np.round(np.linspace(0, 65535, 3000)).astype(np.int64)  # 16-bit entries over stored values 100..3099
+    f = _with_modality_lut(nat, tmp_path / "both.dcm", [3000, 100, 16], lut, "OW", RescaleSlope=2,
+                           RescaleIntercept=-1000)
+    img, meta = read_image(f)
+    assert np.abs(np.asarray(img, np.float64) - _lut_by_hand(raw, 100, lut)).max() < 1e-6
+    assert any("rescale ignored" in n["note"] for n in meta["grayscale_notes"])
+
+
+def test_a_malformed_modality_lut_is_refused_naming_the_sequence_not_the_rescale(ingestion_cases, tmp_path):
+    from chest_xray import ImageReadError, read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    f = _with_modality_lut(nat, tmp_path / "bad.dcm", [4096, 0, 24], np.arange(4096), "OW")
+    with pytest.raises(ImageReadError) as e:
+        read_image(f)
+    assert "Modality LUT Sequence" in e.value.reason and "LUT Descriptor" in e.value.reason
+    assert "Rescale" not in e.value.reason and e.value.kind == "invalid DICOM attribute"

@@ -12,7 +12,15 @@ import numpy as np
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
-from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
+from ._grayscale import (
+    apply_lut,
+    lut_length_note,
+    modality_lut_problem,
+    modality_transform,
+    padding_mask,
+    polarity,
+    voi_lut_bits,
+)
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
     _dcmread,
@@ -156,16 +164,17 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
     """Stage 3, the DICOM grey-scale pipeline in the standard's order: modality LUT -> VOI LUT / window (the
     presentation step, the polarity, is the caller's). Returns ``(values in [0, 1], voi kind, the reason a VOI
     transform was ignored or None)``; a rule of :mod:`._grayscale` that changed the pixels appends to ``notes``."""
-    from pydicom.pixels import apply_modality_lut, apply_voi_lut
+    from pydicom.pixels import apply_voi_lut
 
-    why = rescale_problem(ds)
+    why = rescale_problem(ds) or modality_lut_problem(ds)
     if why:
         raise ImageReadError(p, why, "invalid DICOM attribute")
     try:
-        arr = apply_modality_lut(raw, ds)
+        arr, modality_notes = modality_transform(ds, raw)
     except Exception as e:  # noqa: BLE001
-        raise ImageReadError(p, f"invalid modality LUT / Rescale Slope, Intercept ({type(e).__name__}: {e})",
-                             "invalid DICOM attribute") from None
+        what = "Modality LUT Sequence" if ds.get("ModalityLUTSequence") else "Rescale Slope / Intercept"
+        raise ImageReadError(p, f"invalid {what} ({type(e).__name__}: {e})", "invalid DICOM attribute") from None
+    notes += modality_notes
     voi, fallback = "none", voi_problem(ds)
     if fallback is None:
         if ds.get("VOILUTSequence"):

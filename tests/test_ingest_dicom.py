@@ -255,3 +255,168 @@ def test_a_malformed_modality_lut_is_refused_naming_the_sequence_not_the_rescale
         read_image(f)
     assert "Modality LUT Sequence" in e.value.reason and "LUT Descriptor" in e.value.reason
     assert "Rescale" not in e.value.reason and e.value.kind == "invalid DICOM attribute"
+
+
+# ------------------------------------------------- For Processing, View Code Sequence laterals, other body parts
+DX_FOR_PROCESSING = "1.2.840.10008.5.1.4.1.1.1.1.1"
+DX_FOR_PRESENTATION = "1.2.840.10008.5.1.4.1.1.1.1"
+
+
+def _code(meaning: str):
+    from pydicom.dataset import Dataset
+    from pydicom.sequence import Sequence
+
+    item = Dataset()
+    item.CodeValue, item.CodingSchemeDesignator, item.CodeMeaning = "R-10000", "SRT", meaning
+    return Sequence([item])
+
+
+def _header_variant(src: Path, dest: Path, drop: tuple[str, ...] = (), **attrs) -> Path:
+    import pydicom
+
+    ds = pydicom.dcmread(src)
+    for k in drop:
+        if k in ds:
+            delattr(ds, k)
+    for k, v in attrs.items():
+        setattr(ds, k, v)
+    if "SOPClassUID" in attrs:
+        ds.file_meta.MediaStorageSOPClassUID = attrs["SOPClassUID"]
+    ds.save_as(dest)
+    return dest
+
+
+#: file name -> (class folder, header changes, what a default scan does: "kept" or a skip kind)
+HEADER_KINDS = {
+    "dx_for_processing.dcm": ("NORMAL", dict(Modality="DX", PresentationIntentType="FOR PROCESSING",
+                                             SOPClassUID=DX_FOR_PROCESSING), "for processing"),
+    "dx_for_presentation.dcm": ("NORMAL", dict(Modality="DX", PresentationIntentType="FOR PRESENTATION",
+                                               SOPClassUID=DX_FOR_PRESENTATION), "kept"),
+    "dx_processing_sop_only.dcm": ("PNEUMONIA", dict(Modality="DX", SOPClassUID=DX_FOR_PROCESSING), "for processing"),
+    "left_lateral_code.dcm": ("NORMAL", dict(ViewPosition="", ViewCodeSequence=_code("left lateral")),
+                              "lateral view"),
+    "lateral_code_no_view.dcm": ("PNEUMONIA", dict(drop=("ViewPosition",), ViewCodeSequence=_code("lateral")),
+                                 "lateral view"),
+    "pa_code.dcm": ("PNEUMONIA", dict(ViewPosition="", ViewCodeSequence=_code("postero-anterior")), "kept"),
+    "shoulder.dcm": ("NORMAL", dict(BodyPartExamined="SHOULDER"), "kept"),
+    "abdomen.dcm": ("PNEUMONIA", dict(BodyPartExamined="ABDOMEN"), "kept"),
+    "shoulder_description.dcm": ("NORMAL", dict(BodyPartExamined="CHEST", StudyDescription="SHOULDER 2 VIEWS"),
+                                 "kept"),
+}
+OTHER_PARTS = {"shoulder.dcm", "abdomen.dcm", "shoulder_description.dcm"}
+FOR_PROCESSING = {"dx_for_processing.dcm", "dx_processing_sop_only.dcm"}
+
+
+def _header_export(root: Path, ingestion_cases: Path, data_root: Path) -> Path:
+    import shutil
+
+    nat = K.native_dicom(ingestion_cases)
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (root / cls).mkdir(parents=True)
+        jpegs = sorted((data_root / "chest_xray_224" / "train" / cls).glob("*.jpeg"))[:12]
+        if len(jpegs) < 12:
+            pytest.skip("real JPEGs not found")
+        for f in jpegs:
+            shutil.copy(f, root / cls / f.name)
+    for k, (name, (cls, attrs, _)) in enumerate(HEADER_KINDS.items()):
+        attrs = dict(attrs)
+        drop = attrs.pop("drop", ())
+        _header_variant(nat, root / cls / name, drop, PatientID=f"SYN-H{k:02d}", **attrs)
+    return root
+
+
+def test_header_facts_read_the_view_code_sequence_the_intent_and_the_body_part(ingestion_cases, tmp_path):
+    from chest_xray.io import dicom_header, dicom_skip
+
+    nat = K.native_dicom(ingestion_cases)
+    h = dicom_header(_header_variant(nat, tmp_path / "a.dcm", ViewPosition="", ViewCodeSequence=_code("left lateral")))
+    assert (h["view_position"], h["view_code"]) == ("LL", "left lateral")
+    assert dicom_skip(h) == ("lateral view (View Code Sequence 'left lateral', ViewPosition empty)", "lateral view")
+    assert dicom_skip(h, allow_lateral=True) is None
+    h = dicom_header(_header_variant(nat, tmp_path / "b.dcm", ViewPosition="AP", ViewCodeSequence=_code("lateral")))
+    assert h["view_position"] == "AP" and h["view_code"] is None  # ViewPosition, when present, is the view
+    cases = {  # header changes -> other_body_part
+        (("BodyPartExamined", "CHESTABDOMEN"),): None,
+        (("BodyPartExamined", "UNKNOWN"),): None,
+        (("BodyPartExamined", "ANKLE"),): "BodyPartExamined ANKLE",
+        (("BodyPartExamined", ""), ("ProtocolName", "KNEE LAT")): "ProtocolName names KNEE",
+        (("BodyPartExamined", "CHEST"), ("StudyDescription", "CHEST PA AND SHOULDER")): None,
+        (("BodyPartExamined", "THORAX"), ("SeriesDescription", "Hand 2 views")): "SeriesDescription names HAND",
+    }
+    for k, (attrs, want) in enumerate(cases.items()):
+        h = dicom_header(_header_variant(nat, tmp_path / f"c{k}.dcm", **dict(attrs)))
+        assert h["other_body_part"] == want, attrs
+
+
+def test_a_default_scan_skips_for_processing_and_code_sequence_laterals_and_notes_other_body_parts(
+        ingestion_cases, data_root, tmp_path):
+    """Today both twins train, the laterals train as frontal films and the shoulder / abdomen films pass silently."""
+    from chest_xray import scan_dataset
+
+    root = _header_export(tmp_path / "export", ingestion_cases, data_root)
+    records, rep = scan_dataset(root, workers=1)
+    kept = {Path(r["path"]).name for r in records}
+    skipped = {Path(s["path"]).name: s for s in rep["skipped"]}
+    for name, (_, _, want) in HEADER_KINDS.items():
+        if want == "kept":
+            assert name in kept, name
+        else:
+            assert skipped[name]["kind"] == want, (name, skipped.get(name))
+    assert "For Processing" in skipped["dx_for_processing.dcm"]["reason"]
+    assert "View Code Sequence 'lateral'" in skipped["lateral_code_no_view.dcm"]["reason"]
+    noted = {Path(n["path"]).name for n in rep["notes"] if n["kind"] == "other body part"}
+    assert noted == OTHER_PARTS
+    assert [f["count"] for f in rep["findings"] if f["kind"] == "other body part"] == [3]
+
+
+def test_site_options_keep_for_processing_and_skip_other_body_parts_reach_the_scan(ingestion_cases, data_root,
+                                                                                   tmp_path, capsys):
+    from nvflare_jobs.cli import main
+
+    root = _header_export(tmp_path / "export", ingestion_cases, data_root)
+    out = tmp_path / "part"
+    assert main(["partition", "--data", str(root), "--sites", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert any(ln.startswith("finding: other body part: 3 image(s)") for ln in err.splitlines()), err
+    assert "for processing 2" in err
+    assert main(["partition", "--data", str(root), "--sites", "1", "--out", str(tmp_path / "p2"),
+                 "--keep-for-processing", "--skip-other-body-parts"]) == 0
+    import json
+
+    rep = json.loads((tmp_path / "p2" / "scan_report.json").read_text())
+    skipped = {Path(s["path"]).name: s["kind"] for s in rep["skipped"]}
+    assert {n for n, k in skipped.items() if k == "other body part"} == OTHER_PARTS
+    assert not FOR_PROCESSING & set(skipped)
+
+
+def test_site_check_warns_about_for_processing_laterals_and_notes_other_body_parts(ingestion_cases, data_root,
+                                                                                   tmp_path):
+    """A manifest written by hand (no partition) lists every header kind: site check said OK."""
+    import yaml
+
+    from nvflare_jobs.site_check import check_site, format_report
+
+    root = _header_export(tmp_path / "export", ingestion_cases, data_root)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    man = tmp_path / "site.csv"
+    man.write_text("path,label,split\n" + "".join(f"{p},{int(p.parent.name == 'PNEUMONIA')},{('train', 'val', 'test')[k % 3]}\n"
+                                                  for k, p in enumerate(files)))
+    cfg = tmp_path / "site-1.yaml"
+    for keep in (False, True):
+        cfg.write_text(yaml.safe_dump({"data": {"manifest": str(man)}, "model": {"family": "cnn", "depth": "shallow"},
+                                       "keep_for_processing": keep}))
+        rep = check_site(cfg)
+        screen = format_report(rep)
+        fp = [w for w in rep["warnings"] if "For Processing" in w]
+        assert len(fp) == (0 if keep else 1), rep["warnings"]
+        assert keep or ("dx_for_processing.dcm" in fp[0] and "dx_processing_sop_only.dcm" in fp[0])
+        lat = [w for w in rep["warnings"] if "lateral view" in w]
+        assert len(lat) == 1 and "left_lateral_code.dcm" in lat[0] and "lateral_code_no_view.dcm" in lat[0]
+        line = [ln for ln in screen.splitlines() if "finding: other body part: 3 image(s)" in ln]
+        assert len(line) == 1, screen
+        assert ("finding: for processing: 2 image(s)" in screen) == keep
+    cfg.write_text(yaml.safe_dump({"data": {"manifest": str(man)}, "model": {"family": "cnn", "depth": "shallow"},
+                                   "skip_other_body_parts": True}))
+    rep = check_site(cfg)
+    other = [w for w in rep["warnings"] if "another body part" in w]
+    assert len(other) == 1 and all(n in other[0] for n in ("shoulder.dcm", "abdomen.dcm", "BodyPartExamined SHOULDER"))

@@ -11,16 +11,7 @@ import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
-from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
-from ._grayscale import (
-    apply_lut,
-    lut_length_note,
-    modality_lut_problem,
-    modality_transform,
-    padding_mask,
-    polarity,
-    voi_lut_bits,
-)
+from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
     _dcmread,
@@ -28,10 +19,13 @@ from ._dicom_header import (
     _has_pixel_tag,
     _import_pydicom,
     decoder_hint,
+    header_facts,
     is_directory_index,
     rescale_problem,
     voi_problem,
 )
+from ._grayscale import modality_lut_problem, modality_transform  # the modality step (PS3.3 C.11.1)
+from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -61,7 +55,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         "photometric_interpretation": photometric,
         "draft": False,
         "modality": str(ds.get("Modality", "") or "").strip().upper(),
-        "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
+        **header_facts(ds),  # view_position (ViewPosition, else the View Code Sequence), view_code, ...
         "transfer_syntax": ts_name,
         "voi": voi,
         "voi_fallback": _one_line(fallback) if fallback else None,

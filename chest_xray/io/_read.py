@@ -43,7 +43,8 @@ def read_image(
         ("MONOCHROME1"/"MONOCHROME2" for DICOM, "MONOCHROME2" for grayscale Pillow modes, else the Pillow mode),
         ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent); JPEGs add
         ``decoder_warnings`` (a harmless libjpeg warning, one line, or None). DICOM adds ``modality``,
-        ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"), ``voi_fallback`` (why an
+        ``view_position``, ``view_code``, ``presentation_intent``, ``other_body_part`` (see
+        :func:`chest_xray.io.header_facts`), ``transfer_syntax``, ``voi`` ("lut", "window" or "none"), ``voi_fallback`` (why an
         invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own range, see
         :func:`voi_problem`; None when not needed), ``inverted``, ``decoder_warnings`` (what the compressed-pixel
         decoder reported without failing, e.g. libjpeg's "N extraneous bytes before marker 0xd9", one line; None

@@ -420,3 +420,20 @@ def test_site_check_warns_about_for_processing_laterals_and_notes_other_body_par
     rep = check_site(cfg)
     other = [w for w in rep["warnings"] if "another body part" in w]
     assert len(other) == 1 and all(n in other[0] for n in ("shoulder.dcm", "abdomen.dcm", "BodyPartExamined SHOULDER"))
+
+
+@pytest.mark.parametrize("ts", ["1.2.840.10008.1.2.1", "1.2.840.10008.1.2.4.70"])
+def test_broken_encapsulation_under_any_syntax_is_one_line_naming_the_file(ingestion_cases, tmp_path, ts):
+    """An Item tag, then an item length past the end of the data: refused in one line, never a crash."""
+    import pydicom
+
+    from chest_xray import ImageReadError, read_image
+
+    ds = pydicom.dcmread(K.native_dicom(ingestion_cases))
+    ds.PixelData = b"\xfe\xff\x00\xe0" + (10**6).to_bytes(4, "little") + b"\x00" * 1000
+    ds["PixelData"].VR = "OB"
+    f = _write(ds, ts, tmp_path / "broken.dcm")
+    with pytest.raises(ImageReadError) as e:
+        read_image(f)
+    assert str(e.value).startswith(str(f)) and "\n" not in str(e.value)
+    assert e.value.kind in ("corrupt or truncated", "invalid DICOM attribute")

@@ -174,7 +174,10 @@ def reconcile_syntax(ds, rows: int, cols: int) -> str | None:
         return f"{said}: they are native (uncompressed) pixels of exactly Rows x Columns; decoded as such"
     if kind not in ("encapsulated", "stream"):
         return None
-    frame = _first_frame(data) if kind == "encapsulated" else data
+    try:
+        frame = _first_frame(data) if kind == "encapsulated" else data
+    except Exception:  # noqa: BLE001 -- broken encapsulation: the decoder names it, as for any such file
+        return None
     uid, what, _ = stream_syntax(frame[:65536] if kind == "stream" else frame)
     if ts.is_compressed and kind == "encapsulated" and (uid is None or _same_family(str(ts), uid)):
         return None  # as declared (or of no kind we could name better: the declared decoder reports)

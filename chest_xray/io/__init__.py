@@ -35,10 +35,8 @@ from ._dicom import _read_dicom
 from ._dicom_header import (
     DICOM_DECODER_HINT,
     DIRECTORY_INDEX_REASON,
-    HTJ2K_DECODER_HINT,
-    _dcmread,
-    _import_pydicom,
     FOR_PROCESSING_SOP_CLASSES,
+    HTJ2K_DECODER_HINT,
     decoder_hint,
     dicom_header,
     dicom_skip,
@@ -46,6 +44,7 @@ from ._dicom_header import (
     header_facts,
     header_notes,
     is_directory_index,
+    read_dataset,
     rescale_problem,
     voi_problem,
 )
@@ -93,6 +92,7 @@ __all__ = [
     "is_placeholder_id",
     "jpeg_entropy_problem",
     "polarity",
+    "read_dataset",
     "read_image",
     "rescale_problem",
     "site_salt",

@@ -14,10 +14,10 @@ from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
-    _dcmread,
-    _decoder_problem,
-    _has_pixel_tag,
-    _import_pydicom,
+    read_dataset,
+    decoder_problem,
+    has_pixel_tag,
+    import_pydicom,
     decoder_hint,
     header_facts,
     is_directory_index,
@@ -30,8 +30,8 @@ from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, s
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     """A DICOM file through the grey-scale pipeline (see :func:`chest_xray.io.read_image` for the contract)."""
-    _import_pydicom()
-    ds = _dcmread(p)
+    import_pydicom()
+    ds = read_dataset(p)
     rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
     notes: list[dict[str, str]] = []
     raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols, photometric, notes)
@@ -72,7 +72,7 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
     colour)."""
     if is_directory_index(ds):
         raise ImageReadError(p, DIRECTORY_INDEX_REASON, "directory index")
-    if not _has_pixel_tag(ds):
+    if not has_pixel_tag(ds):
         sop = str(ds.get("SOPClassUID", "")) and getattr(ds.SOPClassUID, "name", str(ds.SOPClassUID))
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
                              "no pixel data")
@@ -119,7 +119,7 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCH
     except PixelBytesError as e:
         raise ImageReadError(p, str(e), "invalid DICOM attribute") from None
     notes += [{"kind": "transfer syntax mismatch", "note": said}] if said else []
-    why = _decoder_problem(ds)
+    why = decoder_problem(ds)
     if why:
         raise ImageReadError(p, why, "no decoder")
     tsyntax = ds.file_meta.get("TransferSyntaxUID")

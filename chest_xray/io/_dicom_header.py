@@ -18,7 +18,7 @@ from ._common import (
 )
 
 
-def _import_pydicom():
+def import_pydicom():
     """``pydicom``, imported (the first time) under :data:`_WARNINGS_LOCK`. Its import chain (pydicom.data ->
     requests -> urllib3) adds a warnings filter and then relies on it; in a scan thread, another thread's warnings
     scope could swap the filter list meanwhile, and urllib3's DependencyWarning about SOCKS was printed in the
@@ -29,10 +29,10 @@ def _import_pydicom():
     return pydicom
 
 
-def _dcmread(p: Path, stop_before_pixels: bool = False):
+def read_dataset(p: Path, stop_before_pixels: bool = False):
     """pydicom dataset of ``p``; a data set without the Part-10 header (no preamble, no ``DICM``) is read with
     ``force=True`` and accepted only when it holds an image (Rows, Columns) or a SOP Class UID."""
-    pydicom = _import_pydicom()
+    pydicom = import_pydicom()
     from pydicom.errors import InvalidDicomError
 
     check_readable(p)
@@ -105,7 +105,7 @@ def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
         ImageReadError: not a parseable DICOM file, or Rows/Columns that are not integers.
     """
     p = Path(path)
-    ds = _dcmread(p, stop_before_pixels=True)
+    ds = read_dataset(p, stop_before_pixels=True)
     try:
         return {
             "modality": str(ds.get("Modality", "") or "").strip().upper(),
@@ -278,7 +278,7 @@ def rescale_problem(ds) -> str | None:
     return None
 
 
-def _has_pixel_tag(ds) -> bool:
+def has_pixel_tag(ds) -> bool:
     return any(k in ds for k in ("PixelData", "FloatPixelData", "DoubleFloatPixelData"))
 
 
@@ -366,7 +366,7 @@ def is_directory_index(ds) -> bool:
     return sop == DIRECTORY_SOP_CLASS or "DirectoryRecordSequence" in ds
 
 
-def _decoder_problem(ds) -> str | None:
+def decoder_problem(ds) -> str | None:
     """Why pydicom has no usable decoder for this data set's transfer syntax, or None."""
     from pydicom.pixels import get_decoder
 

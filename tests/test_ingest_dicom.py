@@ -437,3 +437,25 @@ def test_broken_encapsulation_under_any_syntax_is_one_line_naming_the_file(inges
         read_image(f)
     assert str(e.value).startswith(str(f)) and "\n" not in str(e.value)
     assert e.value.kind in ("corrupt or truncated", "invalid DICOM attribute")
+
+
+@pytest.mark.parametrize("codec", ["jpeg2000", "rle"])
+def test_other_codecs_under_a_native_syntax_are_recognised_by_their_own_markers(ingestion_cases, tmp_path, codec):
+    """A JPEG 2000 code-stream (SOC/SIZ markers) or an RLE stream (its 64-byte segment header) encapsulated under
+    Explicit VR Little Endian: decoded losslessly, equal to the native reference."""
+    import pydicom
+    from pydicom.uid import RLELossless
+
+    from chest_xray import read_image
+
+    nat = K.native_dicom(ingestion_cases)
+    ref, _ = read_image(nat)
+    if codec == "jpeg2000":
+        ds = pydicom.dcmread(K.htj2k(nat, tmp_path / "j2k.dcm"))
+    else:
+        ds = pydicom.dcmread(nat)
+        ds.compress(RLELossless)
+    f = _write(ds, "1.2.840.10008.1.2.1", tmp_path / f"{codec}_under_native.dcm")
+    img, meta = read_image(f)
+    assert np.array_equal(img, ref)
+    assert any(n["kind"] == "transfer syntax mismatch" for n in meta["grayscale_notes"])

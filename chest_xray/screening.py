@@ -98,8 +98,8 @@ def dicom_manifest_screen(paths: list[str], metas: list, keep_for_processing: bo
                         f"not the radiograph; a scan skips them): {_named(for_processing)}; remove them, or set "
                         "keep_for_processing: true to train on them")
     if lateral:
-        warnings.append(f"{len(lateral)} lateral view(s) in the manifest (a scan skips them; they would train as "
-                        f"frontal films): {_named(*map(list, zip(*lateral)))}")
+        warnings.append(f"{len(lateral)} lateral view(s) in the manifest (a scan skips them unless --allow-lateral; "
+                        f"they train as if frontal): {_named(*map(list, zip(*lateral)))}")
     if other:
         warnings.append(f"{len(other)} image(s) of another body part in the manifest (skip_other_body_parts: true; "
                         f"a scan with it skips them): {_named(*map(list, zip(*other)))}")

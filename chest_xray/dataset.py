@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,20 +40,8 @@ from .grouping import (
     public_summary,
     skip_findings,
 )
-from ._manifest import read_csv_rows  # noqa: F401 -- re-exported (partition reads site manifests with it)
-from ._walk import (  # noqa: F401 -- re-exported: the scan's public names and the walkers evaluate / predict use
-    _CLASS_DIRS,
-    _SPLIT_DIRS,
-    JUNK_DIR_NAMES,
-    JUNK_FILE_NAMES,
-    _dir_key,
-    _iter_candidates,
-    _skip,
-    _sniff_dicom,
-    _walk_files,
-    detect_layout,
-    junk_reason,
-)
+from ._manifest import manifest_candidates
+from ._walk import SPLIT_DIRS, detect_layout, iter_candidates, junk_reason, skip_entry
 from .io import (
     DICOM_SUFFIXES,
     SUPPORTED_SUFFIXES,
@@ -64,7 +51,9 @@ from .io import (
     dicom_header,
     dicom_skip_reason,
     is_placeholder_id,
+    pil_size,
     read_image,
+    sniff_dicom,
 )
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
@@ -209,7 +198,10 @@ def scan_dataset(
     layout = detect_layout(r)
     skipped: list[dict[str, str]] = []
     walk_notes: list[dict[str, str]] = []
-    candidates = _iter_candidates(r, layout, skipped, walk_notes)
+    if layout == "manifest":
+        candidates = manifest_candidates(r, skipped, walk_notes)
+    else:
+        candidates = iter_candidates(r, layout, skipped)
     n_walk_skipped = len(skipped)
 
     def one(candidate):
@@ -253,7 +245,7 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
     for rec in records:
         g = rec.pop("_grouping")
         top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
-        info.append({**g, "split": top if top in _SPLIT_DIRS else None})
+        info.append({**g, "split": top if top in SPLIT_DIRS else None})
         rec["sha256"] = g["sha256"]
     kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
     skipped.extend(dup_skips)
@@ -324,18 +316,18 @@ def _scan_file(
     # patient id; only the bytes are read through the link
     why = junk_reason(path) if layout != "manifest" else None
     if why:
-        return None, _skip(path, why, "junk"), notes, None
+        return None, skip_entry(path, why, "junk"), notes, None
     if path.is_dir():  # a manifest row naming a folder
-        return None, _skip(path, "a folder, not an image file", "not a regular file"), notes, None
+        return None, skip_entry(path, "a folder, not an image file", "not a regular file"), notes, None
     if path.exists() and not path.is_file():  # a pipe, socket or device (a manifest row): opening it could block
-        return None, _skip(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
+        return None, skip_entry(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
             None
     suffix = path.suffix.lower()
     # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
     # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
-    is_dicom = suffix in DICOM_SUFFIXES or _sniff_dicom(path)
+    is_dicom = suffix in DICOM_SUFFIXES or sniff_dicom(path)
     if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
-        return None, _skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
+        return None, skip_entry(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
                            "unsupported file type"), notes, None
     try:
         label = label_index(cls, path, labels)
@@ -357,11 +349,11 @@ def _scan_file(
         group["sha256"] = file_sha256(path)
         group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
     except ImageReadError as e:
-        return None, _skip(path, e.reason, e.kind), notes, None
+        return None, skip_entry(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
         raise
     except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
-        return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+        return None, skip_entry(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                            "unreadable"), notes, None
     record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height),
               "_grouping": group}
@@ -378,7 +370,7 @@ def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: 
     if why:
         kind = ("directory index" if hdr.get("directory_index") else "lateral view" if "lateral" in why
                 else "not a projection radiograph")
-        return _skip(path, why, kind), 0, 0, None, {}
+        return skip_entry(path, why, kind), 0, 0, None, {}
     width, height, image = hdr["columns"], hdr["rows"], None
     if verify:
         image, meta = read_image(path)
@@ -392,7 +384,7 @@ def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: 
 def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
     """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
     if not verify:
-        return (*_pil_size(path), None)
+        return (*pil_size(path), None)
     image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
     notes += meta_notes(path, meta)
     return meta["original_width"], meta["original_height"], image
@@ -405,39 +397,3 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
         k = s.get("kind") or "unreadable"
         c[k] = c.get(k, 0) + 1
     return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _pil_size(path: Path) -> tuple[int, int]:
-    """Upright (EXIF-oriented) width and height from the header alone."""
-    from PIL import Image, UnidentifiedImageError
-
-    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, _warnings_scope, check_readable, exif_orientation
-    from .io._common import image_signature
-
-    try:
-        if path.stat().st_size == 0:
-            raise ImageReadError(path, "empty file (0 bytes)", "empty file")
-        check_readable(path)
-        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
-            with Image.open(path) as img:
-                w, h = img.size
-                if exif_orientation(img) in EXIF_SWAPS_AXES:
-                    w, h = h, w
-    except ImageReadError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
-    except UnidentifiedImageError:
-        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
-            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
-                                 "corrupt or truncated") from None
-        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
-                             "not an image") from None
-    except FileNotFoundError as e:
-        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "missing file") from None
-    except Exception as e:  # noqa: BLE001
-        raise ImageReadError(path, f"cannot open image: {e}", "corrupt or truncated") from None
-    if w * h > MAX_PIXELS:
-        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
-    return w, h

@@ -178,7 +178,7 @@ def _read_manifest(cfg: dict, rep: dict):
 
 
 def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
-    from chest_xray.io._salt import patient_id_key  # ids differing only in case / whitespace: one patient
+    from chest_xray.io import patient_id_key  # ids differing only in case / whitespace: one patient
 
     man = cfg["data"]["manifest"]
     counts = {sp: {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k) for k, n in enumerate(names)}
@@ -272,8 +272,8 @@ def _findings(rows: list[dict], metas: list, cfg: dict) -> list[dict]:
 
 def format_report(rep: dict) -> str:
     """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems); every line that
-    may hold a file name is escaped to one line (:func:`chest_xray.io._common.printable`)."""
-    from chest_xray.io._common import printable
+    may hold a file name is escaped to one line (:func:`chest_xray.io.printable`)."""
+    from chest_xray.io import printable
 
     out = [f"cxr-hfl site check: site {rep['site']} (config {rep['config']})"]
     if "counts" in rep or "model" in rep:

@@ -8,7 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _warnings_scope
+from ._common import (
+    _FATAL_DECODER_MESSAGES,
+    MAX_PIXELS,
+    ImageReadError,
+    _one_line,
+    _warnings_scope,
+    check_readable,
+    image_signature,
+)
 
 _GRAY_MODES = {"L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32, "F": 32, "1": 1, "LA": 8}
 
@@ -50,8 +58,6 @@ _LOAD_WITHOUT_BOMB_CHECK = ("JPEG", "PNG")
 def _open_pil(p: Path):
     """``PIL.Image.open(p)`` with its errors as :class:`ImageReadError` (decompression bombs never a warning)."""
     from PIL import Image, UnidentifiedImageError
-
-    from ._common import image_signature
 
     try:
         with _warnings_scope():
@@ -204,3 +210,41 @@ def _minmax(a: np.ndarray) -> np.ndarray:
         return np.zeros(a.shape, dtype=np.float32)
     return ((a - lo) / (hi - lo)).astype(np.float32)
 
+
+
+def pil_size(path: Path) -> tuple[int, int]:
+    """Upright (EXIF-oriented) width and height in pixels of a JPEG / PNG, from the header alone.
+
+    Raises:
+        ImageReadError: empty, missing, unreadable, not an image, cut short in its header, or more than
+            :data:`MAX_PIXELS` pixels.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if path.stat().st_size == 0:
+            raise ImageReadError(path, "empty file (0 bytes)", "empty file")
+        check_readable(path)
+        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
+            with Image.open(path) as img:
+                w, h = img.size
+                if exif_orientation(img) in EXIF_SWAPS_AXES:
+                    w, h = h, w
+    except ImageReadError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
+    except UnidentifiedImageError:
+        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
+            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
+                                 "corrupt or truncated") from None
+        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
+                             "not an image") from None
+    except FileNotFoundError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "missing file") from None
+    except Exception as e:  # noqa: BLE001
+        raise ImageReadError(path, f"cannot open image: {e}", "corrupt or truncated") from None
+    if w * h > MAX_PIXELS:
+        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
+    return w, h

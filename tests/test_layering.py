@@ -579,7 +579,7 @@ ALLOWED: dict[str, set[str]] = {
         "nvflare_jobs/progress.py -> nvflare_jobs.status",  # lines [36, 124, 124, 175, 180, 200]; cycle among ['nvflare_jobs.progress', 'nvflare_jobs.status']
         "nvflare_jobs/status.py -> nvflare_jobs.progress",  # lines [242]; cycle among ['nvflare_jobs.progress', 'nvflare_jobs.status']
     },
-    'private': {  # 31
+    'private': {  # 29
         "chest_xray/file_facts.py:chest_xray.io._dcmread",  # line 58: from chest_xray.io import _dcmread
         "chest_xray/file_facts.py:chest_xray.io._is_dicom",  # line 40: from chest_xray.io import _is_dicom
         "chest_xray/io/__init__.py:chest_xray.io._common._WARNINGS_LOCK",  # line 16: from chest_xray.io._common import _WARNINGS_LOCK
@@ -602,8 +602,6 @@ ALLOWED: dict[str, set[str]] = {
         "chest_xray/io/_dicom_header.py:chest_xray.io._common._WARNINGS_LOCK",  # line 11: from chest_xray.io._common import _WARNINGS_LOCK
         "chest_xray/io/_dicom_header.py:chest_xray.io._common._warnings_scope",  # line 11: from chest_xray.io._common import _warnings_scope
         "chest_xray/io/_gdcm.py:chest_xray.io._common._one_line",  # line 13: from chest_xray.io._common import _one_line
-        "chest_xray/io/_pil.py:chest_xray.io._common._FATAL_DECODER_MESSAGES",  # line 11: from chest_xray.io._common import _FATAL_DECODER_MESSAGES
-        "chest_xray/io/_pil.py:chest_xray.io._common._one_line",  # line 11: from chest_xray.io._common import _one_line
         "chest_xray/io/_pil.py:chest_xray.io._common._warnings_scope",  # line 11: from chest_xray.io._common import _warnings_scope
         "chest_xray/io/_read.py:chest_xray.io._common._is_dicom",  # line 11: from chest_xray.io._common import _is_dicom
         "chest_xray/io/_read.py:chest_xray.io._dicom._read_dicom",  # line 12: from chest_xray.io._dicom import _read_dicom

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from .io import (
     read_image,
     sniff_dicom,
 )
+from .io.worker import Crash, map_isolated
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
@@ -123,8 +124,8 @@ def label_index(class_name: str, path: str | os.PathLike, labels: str = "binary"
 
 
 def scan_workers() -> int:
-    """Default number of threads :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set (an
-    integer >= 1; 1 = no threads), else ``min(4, os.cpu_count())``.
+    """Default number of worker processes :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set
+    (an integer >= 1), else ``min(4, os.cpu_count())``.
 
     Raises:
         ValueError: ``CXR_SCAN_WORKERS`` is set but not an integer >= 1 (the message names the variable).
@@ -162,9 +163,11 @@ def scan_dataset(
         salt: site-local salt for DICOM patient-id hashing (see :func:`chest_xray.io.site_salt`).
         allow_any_modality: keep DICOM objects whose Modality is not CR/DX/DR.
         allow_lateral: keep DICOM objects with a lateral ViewPosition.
-        workers: threads that read / verify files side by side (Pillow's and the DICOM decoders' C code release
-            the GIL); None = :func:`scan_workers` (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one
-            file after the other. The records, report and errors do not depend on it.
+        workers: worker processes that read / verify files side by side; None = :func:`scan_workers`
+            (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one file after the other. The decoders
+            run only in these processes: a file that crashes or hangs one is skipped by name (kind ``decoder
+            crash`` / ``decoder timeout``) and the scan goes on. The records, report and errors do not depend on
+            the number.
         near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
             and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
 
@@ -204,12 +207,9 @@ def scan_dataset(
         candidates = iter_candidates(r, layout, skipped)
     n_walk_skipped = len(skipped)
 
-    def one(candidate):
-        path, cls, pid = candidate
-        return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
-                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
-                          near_duplicates=near_duplicates and verify)
-
+    one = partial(_scan_candidate, layout=layout, labels=labels, verify=verify, salt=salt,
+                  allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
+                  near_duplicates=near_duplicates and verify)
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     notes = walk_notes + notes
     records, summary = _group(records, r, layout, skipped, near_duplicates)
@@ -254,15 +254,21 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
 
 
 def _run_scan(candidates: list, one, workers: int | None) -> list:
-    """``one(candidate)`` for every candidate, in order, in ``workers`` threads (None: :func:`scan_workers`)."""
+    """``one(candidate)`` for every candidate, in order, in ``workers`` worker processes (None:
+    :func:`scan_workers`) that a crashing or hanging decoder does not take down: such a file becomes a skip naming
+    it (:func:`chest_xray.io.worker.map_isolated`)."""
     n_workers = scan_workers() if workers is None else int(workers)
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
-    n_workers = min(n_workers, len(candidates))
-    if n_workers > 1:
-        with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
-            return list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
-    return [one(c) for c in candidates]
+    out = map_isolated(one, candidates, n_workers)
+    return [(None, skip_entry(c[0], r.reason, r.kind), [], None) if isinstance(r, Crash) else r
+            for c, r in zip(candidates, out)]
+
+
+def _scan_candidate(candidate: tuple[Path, str, str | None], **kw):
+    """:func:`_scan_file` of one ``(path, class, manifest patient id)`` candidate (a worker process's task)."""
+    path, cls, pid = candidate
+    return _scan_file(path, cls, pid, **kw)
 
 
 def _collect(results: list, skipped: list[dict[str, str]], labels: str

@@ -132,3 +132,102 @@ def test_scan_keeps_lossless_frames_with_their_sizes_verified_or_not(data_root, 
         size = {Path(x["path"]).name: (x["width"], x["height"]) for x in out["recs"]}
         assert size["frame8.jpg"] == (a8.shape[1], a8.shape[0]) and size["frame12.jpg"] == (a12.shape[1], a12.shape[0])
         assert len(size) == 6
+
+
+# ------------------------------------------------------------------------------------- no decoder takes a site down
+def _sleep_on_negative(x: int) -> int:
+    import time
+
+    if x < 0:
+        time.sleep(60)
+    return x * 2
+
+
+def _die_on_three(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), 11)  # SIGSEGV, as a decoder's bad pointer
+    return x + 1
+
+
+def test_map_isolated_survives_a_crash_and_a_hang_and_names_only_those_items():
+    from chest_xray.io.worker import Crash, map_isolated
+
+    out = map_isolated(_die_on_three, list(range(7)), workers=2)
+    assert [o for k, o in enumerate(out) if k != 3] == [1, 2, 3, 5, 6, 7]
+    assert isinstance(out[3], Crash) and out[3].kind == "decoder crash" and "SIGSEGV" in out[3].reason
+    out = map_isolated(_sleep_on_negative, [1, -1, 2], workers=1, timeout_s=1.0)
+    assert out[0] == 2 and out[2] == 4 and isinstance(out[1], Crash) and out[1].kind == "decoder timeout"
+    with pytest.raises(ZeroDivisionError):  # an ordinary exception is the caller's, not a crash
+        map_isolated(lambda x: 1 // x, [1, 0], workers=1)
+
+
+_CRASHING_SCAN = r'''
+import sys, json
+from pathlib import Path
+import simplejpeg
+from chest_xray import dataset, scan_dataset
+real = dataset._scan_file
+
+def strict_first(path, *a, **kw):  # today's strict check, before any routing: a lossless frame crashes it
+    simplejpeg.decode_jpeg(Path(path).read_bytes(), colorspace="GRAY", min_factor=8, min_height=1, min_width=1,
+                           strict=True) \
+        if path.name == "crasher.jpg" else None
+    return real(path, *a, **kw)
+
+dataset._scan_file = strict_first
+recs, rep = scan_dataset(sys.argv[1], workers=int(sys.argv[2]))
+print(json.dumps({"recs": [r["path"] for r in recs], "skipped": rep["skipped"]}))
+'''
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in relies on fork inheriting a patched module")
+@pytest.mark.parametrize("workers", [1, 2])  # the real decoder crash: libjpeg-turbo's strict decode of an SOF3 frame
+def test_a_file_that_crashes_the_decoder_is_one_skip_naming_it_and_the_scan_goes_on(data_root, tmp_path, workers):
+    root = tmp_path / "site"
+    for cls in ("NORMAL", "PNEUMONIA"):
+        (root / cls).mkdir(parents=True)
+        for src in _real_jpegs(data_root, cls, 3):
+            (root / cls / src.name).write_bytes(src.read_bytes())
+    bad, _ = _lossless_8_bit(data_root, root / "NORMAL" / "crasher.jpg")
+    r = _child(_CRASHING_SCAN, root, workers)
+    assert r.returncode == 0, r.stderr[-500:]
+    out = json.loads(r.stdout)
+    assert len(out["recs"]) == 6 and str(bad) not in out["recs"]
+    [skip] = out["skipped"]
+    assert skip["path"] == str(bad) and skip["kind"] == "decoder crash" and "crashed" in skip["reason"]
+
+
+@pytest.mark.slow  # site check builds the model: ~40 s on a shared 2-core machine
+def test_site_check_names_a_file_that_crashes_the_decoder_and_writes_its_report(data_root, tmp_path, monkeypatch):
+    import csv
+
+    import yaml
+
+    from nvflare_jobs import site_check
+
+    files = _real_jpegs(data_root, "NORMAL", 3) + _real_jpegs(data_root, "PNEUMONIA", 3)
+    crasher = tmp_path / "crasher.jpeg"
+    crasher.write_bytes(files[0].read_bytes())
+    man = tmp_path / "site.csv"
+    with open(man, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "label", "split", "patient_id"])
+        for k, f in enumerate(files + [crasher]):
+            w.writerow([f, int(k >= 3), ("train", "val", "test")[k % 3], f"P{k}"])
+    cfg = tmp_path / "site.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"manifest": str(man)}, "model": {"family": "cnn", "depth": "shallow"}}))
+    real = site_check._read_one
+
+    def read_or_die(row, size):  # a stand-in for a decoder that segfaults on this one file (inherited by fork)
+        if row["path"].endswith("crasher.jpeg"):
+            os.kill(os.getpid(), 11)
+        return real(row, size)
+
+    if sys.platform != "linux":
+        pytest.skip("the stand-in relies on fork inheriting a patched module")
+    monkeypatch.setattr(site_check, "_read_one", read_or_die)
+    rep = site_check.check_site(cfg)
+    [bad] = rep["unreadable"]
+    assert bad["path"] == str(crasher) and "crashed" in bad["reason"] and bad["line"] == 8
+    screen = site_check.format_report(rep)
+    assert sum(str(crasher) in ln for ln in screen.splitlines()) == 1 and "result: FAILED" in screen

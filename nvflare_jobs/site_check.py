@@ -71,8 +71,9 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         _metadata_check(rows, rep)
     else:
         _check_exist(rows, rep, workers or int(cfg["threads"]))
-    if cfg.get("deployed_model") and read_images:
-        population_check(cfg["deployed_model"], [r["path"] for r in rows], rep)
+    if cfg.get("deployed_model") and read_images:  # the files the isolated read accepted: none can crash it here
+        bad = {b["path"] for b in rep["unreadable"]}
+        population_check(cfg["deployed_model"], [r["path"] for r in rows if r["path"] not in bad], rep)
     return rep
 
 

@@ -235,12 +235,24 @@ def admin_view(session, job_id: str) -> dict:
     return view
 
 
+def describe_site(p: dict) -> str:
+    """One line for a site's last heartbeat, e.g. ``fedavg_train r1 round 1 epoch 2/3 loss 0.512``; a task whose
+    round number would mislead is worded by its ``step`` (:func:`step`), e.g. ``evaluate (final
+    evaluation)``."""
+    s = f"{p.get('task')} ({p['step']})" if p.get("step") else f"{p.get('task')} r{p.get('round')}"
+    if p.get("stage"):
+        s += f" {p['stage']}"
+    if p.get("epochs"):
+        s += f" epoch {p.get('epoch') or 0}/{p['epochs']}"
+    if isinstance(p.get("loss"), (int, float)):
+        s += f" loss {p['loss']:.3f}"
+    return s
+
+
 def format_site(site: str, d: dict, heard: bool = True) -> str:
     """One site's line of the view: name, state, seconds since its last heartbeat (``heard``), task, round, stage,
     epoch and loss, its latest validation metric and, when excluded, the reason. The simulator's live console
     (:class:`nvflare_jobs.progress.LiveProgress`) prints the same line without the heartbeat age."""
-    from nvflare_jobs.progress import describe_site  # the live console's wording of a site's heartbeat
-
     parts = [f"{site:<14}{d['state']:<14}"]
     if heard and d.get("heard_s_ago") is not None and d["state"] != "done":
         parts.append(f"heard {d['heard_s_ago']:.0f} s ago")

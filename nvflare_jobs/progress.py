@@ -46,7 +46,10 @@ def describe_server(st: dict) -> str:
         return f"{head}: {tail}"
     if phase == "failed":
         return f"server: FAILED: {st.get('error')}"
-    return f"server: {phase}"
+    from nvflare_jobs.status import describe_progress
+
+    prog = describe_progress(st.get("server_progress"))
+    return f"server: {phase}" + (f": {prog}" if prog else "")
 
 
 def _usable_terminal(stream) -> bool:

@@ -84,3 +84,81 @@ def test_central_in_process_trains_once_on_the_union_and_every_site_deploys_it(t
         files = sum(os.path.getsize(r["path"]) for r in rt.rows("train"))
         assert per_site[s] == {"up": files + (model_bytes if s == "site-2" else 0), "down": model_bytes}
     assert sum(d["up"] for d in per_site.values()) == ctl.record["bytes_uploaded"]
+
+
+def _metrics(method, auc):
+    return {"method": method, "labels": "binary",
+            "sites": {s: {"model": {"family": "cnn", "depth": "shallow"}, "input_size": 32, "n_test": 4,
+                          "test": {"accuracy": a, "balanced_accuracy": a, "auc": a}} for s, a in auc.items()}}
+
+
+def test_comparison_reports_the_gap_of_every_method_to_central(tmp_path):
+    """One seed, two sites: central 0.9 / 0.8, FedAvg 0.7 / 0.75, Local 0.8 / 0.8: gaps +0.125 and +0.050 (central −
+    method, mean over the seed's sites); no gap section without central."""
+    from nvflare_jobs.compare import comparison_markdown, comparison_rows
+
+    runs = [("central", 0, _metrics("central", {"site-1": .9, "site-2": .8})),
+            ("fedavg", 0, _metrics("fedavg", {"site-1": .7, "site-2": .75})),
+            ("local", 0, _metrics("local", {"site-1": .8, "site-2": .8}))]
+    rows = comparison_rows(runs, thresholds=False)
+    md = comparison_markdown(tmp_path, runs, rows, plans={})
+    assert "## Gap to the pooled-data reference (central)" in md
+    gap = md.split("## Gap to the pooled-data reference (central)")[1].split("\n## ")[0]
+    line = {ln.split(" | ")[0].strip("| "): ln for ln in gap.splitlines() if ln.startswith("| ")}
+    assert line["fedavg"].startswith("| fedavg | 2 | +0.125") and line["fedavg"].count("+0.125") >= 3
+    assert line["local"].startswith("| local | 2 | +0.050")
+    assert "central" not in line
+    assert "Gap to the pooled" not in comparison_markdown(tmp_path, runs[1:], comparison_rows(runs[1:], False), {})
+
+
+def test_central_gets_the_common_epoch_budget_in_one_run():
+    import argparse
+
+    from nvflare_jobs.compare import epoch_plan, simulate_options
+
+    a = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, max_train_images=None,
+                           batch_size=None, labels="binary", input_sizes=None, unequal_budgets=False)
+    assert epoch_plan("central", a) == {"rounds": 1, "local_epochs": 30, "finetune_epochs": 0,
+                                        "total_epochs_per_site": 30} == {**epoch_plan("local", a)}
+    a.local_epochs, a.finetune_epochs = 3, 2
+    assert epoch_plan("central", a)["total_epochs_per_site"] == epoch_plan("ohfl", a)["total_epochs_per_site"] == 5
+    assert simulate_options("central", "D", 0, a)["local_epochs"] == 5
+
+
+@pytest.mark.slow
+def test_compare_central_and_fedavg_reports_the_gap_and_central_trains_on_the_union(data_root, tmp_path):
+    """``compare --methods central,fedavg`` on 2 sites, 1 epoch, 16 training images per site: central's rows and its
+    gap to FedAvg are in the tables; central trained on exactly the union of what the two sites' own runtimes train
+    on (their resolved configs, the cap applied), at 128 px; bytes per site are in comparison.csv."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.models import read_model_header
+    from tests.sim_helpers import run_cli
+
+    out = tmp_path / "cmp"
+    r = run_cli("compare", "--methods", "central,fedavg", "--data", str(data_root / "chest_xray_original"),
+                "--sites", "2", "--seeds", "0", "--max-images", "120", "--max-train-images", "16", "--local-epochs",
+                "1", "--finetune-epochs", "0", "--rounds", "1", "--input-sizes", "32,48", "--late-wait", "60",
+                "--out", str(out), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = list(csv.DictReader((out / "comparison.csv").open()))
+    assert {(x["method"], x["site"]) for x in rows} == {(m, s) for m in ("central", "fedavg")
+                                                        for s in ("site-1", "site-2")}
+    assert all(int(x["site_bytes_up"]) > 0 and int(x["site_bytes_down"]) > 0 for x in rows)
+    md = (out / "comparison.md").read_text()
+    gap = md.split("## Gap to the pooled-data reference (central)")[1].split("\n## ")[0]
+    assert any(ln.startswith("| fedavg | 2 | ") for ln in gap.splitlines())
+    run = out / "seed0" / "central"
+    m = json.loads((run / "metrics.json").read_text())
+    rec = m["central"]
+    union = set()
+    for site in ("site-1", "site-2"):
+        cfg = json.loads((run / "resolved_configs" / f"{site}.json").read_text())
+        rt = SiteRuntime(cfg, tmp_path / "check" / site)
+        mine = {(r["path"], int(r["label"])) for r in rt.rows("train")}
+        assert len(mine) == 16 and rec["sites"][site]["n_train"] == 16
+        union |= mine
+    with (run / "workspace" / rec["trainer"] / "cxr_hfl_state" / "central_pool" / "pooled_train.csv").open() as fh:
+        pooled = [(x["path"], int(x["label"])) for x in csv.DictReader(fh)]
+    assert len(pooled) == len(union) == rec["n_train"] == 32 and set(pooled) == union
+    assert rec["trained_on_pool"] is True and rec["epochs"] == 1
+    assert all(read_model_header(run / "models" / f"{s}_deployed.pt")["input_size"] == 128 for s in ("site-1", "site-2"))

@@ -27,10 +27,13 @@ fedsaf   subtype 20     1            10 (unused)
 fedproto subtype 20     1            10 (unused)
 fedtopo  subtype 20     1            10 (unused)
 fens     binary  5 (**) 20           10 (unused)
+central  binary  1      30           10 (unused)
 ======== ======= ====== ============ ===============
 
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
 (**) FENS: one upload after the local epochs, then ``rounds`` FedAvg rounds of ``fens_epochs`` aggregator epochs.
+``central`` is the pooled-data reference, not a federated method (role ``ceiling``): one model trained on the union
+of the sites' training images for ``local_epochs`` (compare: the common budget E = 30 by default).
 
 Prototype methods: 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
 training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px;

@@ -65,5 +65,6 @@ def summarise(v: dict) -> str:
     same = {True: "trained on exactly the pooled images", False: "TRAINED ON OTHER IMAGES THAN POOLED"}.get(
         v.get("trained_on_pool"), "")
     return (f"{v['n_train']} training images of {len(v.get('sites') or {})} sites pooled; {model} at "
-            f"{v.get('input_size')} px, {v.get('epochs')} epochs, trained at {v.get('trainer')}"
+            f"{v.get('input_size')} px, {v.get('epochs')} epoch{'' if v.get('epochs') == 1 else 's'}, trained at "
+            f"{v.get('trainer')}"
             + (f"; {same}" if same else ""))

@@ -4,6 +4,8 @@ on, every site deploys the one pooled model at its input size), and a compare ru
 from __future__ import annotations
 
 import csv
+import json
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,16 @@ def test_trainer_is_the_first_site_holding_the_deepest_spec():
     assert trainer_site({"site-2": shallow, "site-1": shallow}, deep) == "site-1"
     with pytest.raises(ValueError):
         trainer_site({}, deep)
+
+
+def test_the_record_line_says_what_was_pooled_and_flags_another_training_set():
+    from hfl_components.central import summarise
+
+    v = {"n_train": 32, "sites": {"site-1": {}, "site-2": {}}, "spec": {"family": "cnn", "depth": "deep"},
+         "input_size": 128, "epochs": 1, "trainer": "site-2", "trained_on_pool": True}
+    assert summarise(v) == ("32 training images of 2 sites pooled; cnn/deep at 128 px, 1 epoch, trained at site-2; "
+                            "trained on exactly the pooled images")
+    assert summarise({**v, "trained_on_pool": False}).endswith("TRAINED ON OTHER IMAGES THAN POOLED")
 
 
 def test_central_in_process_trains_once_on_the_union_and_every_site_deploys_it(tmp_path):

@@ -174,3 +174,31 @@ def test_compare_central_and_fedavg_reports_the_gap_and_central_trains_on_the_un
     assert len(pooled) == len(union) == rec["n_train"] == 32 and set(pooled) == union
     assert rec["trained_on_pool"] is True and rec["epochs"] == 1
     assert all(read_model_header(run / "models" / f"{s}_deployed.pt")["input_size"] == 128 for s in ("site-1", "site-2"))
+
+
+def test_external_tables_pair_central_with_every_method_as_its_gap(tmp_path):
+    """External evaluation of central and FENS (one seed, two sites, four shared images): the paired table holds
+    "central vs fens (gap to the pooled reference)" with central's AUC 1.0 − FENS's 0.75 = +0.25 (by hand: FENS ranks
+    3 of the 4 (pneumonia, normal) pairs right at each site)."""
+    from nvflare_jobs.compare.tables import external_tables
+
+    out = tmp_path / "cmp"
+    name = "ext"
+    (tmp_path / "cmp").mkdir()
+    (out / "compare.json").write_text(json.dumps({"external": "EXT", "external_name": name, "methods": []}))
+    y = np.array([0, 0, 1, 1])
+    score = {"central": np.array([0.1, 0.2, 0.8, 0.9]), "fens": np.array([0.1, 0.6, 0.4, 0.9])}
+    runs = []
+    for method, p in score.items():
+        d = out / "seed0" / method / "external" / name
+        d.mkdir(parents=True)
+        probs = np.stack([1 - p, p], axis=1)
+        np.savez(d / "predictions.npz", paths=np.array(["a", "b", "c", "d"]), y=y,
+                 **{f"site-{k}_deployed": probs for k in (1, 2)})
+        models = {f"site-{k}_deployed": {"kind": "deployed", "site": f"site-{k}", "input_size": 32, "auc": None}
+                  for k in (1, 2)}
+        (d / "summary.json").write_text(json.dumps({"models": models, "n_images": 4}))
+        runs.append((method, 0, {"_run_dir": str(out / "seed0" / method)}))
+    ext = external_tables(out, runs, n_boot=20)
+    pair = next(p for p in ext["paired"] if p["comparison"] == "central vs fens (gap to the pooled reference)")
+    assert (pair["a"], pair["b"]) == ("central", "fens") and pair["auc"]["diff"] == pytest.approx(0.25)

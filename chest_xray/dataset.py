@@ -62,7 +62,8 @@ from .io import (
     PatientSaltError,
     dicom_grouping_ids,
     dicom_header,
-    dicom_skip_reason,
+    dicom_skip,
+    header_notes,
     is_placeholder_id,
     read_image,
 )
@@ -162,6 +163,8 @@ def scan_dataset(
     allow_lateral: bool = False,
     workers: int | None = None,
     near_duplicates: bool = False,
+    keep_for_processing: bool = False,
+    skip_other_body_parts: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Scan a data root into one record per usable image.
 
@@ -178,6 +181,9 @@ def scan_dataset(
             file after the other. The records, report and errors do not depend on it.
         near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
             and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
+        keep_for_processing: keep DICOM "For Processing" images (skipped by default); skip_other_body_parts: skip
+            DICOM objects whose header names another body part (noted by default). See
+            :func:`chest_xray.io.dicom_skip`.
 
     Returns:
         ``(records, report)``. ``records`` is a list sorted by path of dicts ``path`` (absolute str), ``label``
@@ -216,7 +222,9 @@ def scan_dataset(
         path, cls, pid = candidate
         return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
                           allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
-                          near_duplicates=near_duplicates and verify)
+                          near_duplicates=near_duplicates and verify,
+                          dicom_rules={"keep_for_processing": keep_for_processing,
+                                       "skip_other_body_parts": skip_other_body_parts})
 
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     notes = walk_notes + notes
@@ -310,6 +318,7 @@ def _scan_file(
     allow_any_modality: bool,
     allow_lateral: bool,
     near_duplicates: bool = False,
+    dicom_rules: dict[str, bool] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
     """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
 
@@ -344,7 +353,7 @@ def _scan_file(
     try:
         if is_dicom:
             skip, width, height, image, group = _scan_dicom(path, verify, salt, allow_any_modality, allow_lateral,
-                                                            notes)
+                                                            notes, **(dicom_rules or {}))
             if skip is not None:
                 return None, skip, notes, None
             group["judged"] = bool(pid) or group.get("patient") is not None
@@ -369,16 +378,16 @@ def _scan_file(
 
 
 def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: bool, allow_lateral: bool,
-                notes: list[dict[str, str]]):
-    """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate."""
+                notes: list[dict[str, str]], keep_for_processing: bool = False, skip_other_body_parts: bool = False):
+    """``(skip or None, width, height, decoded image or None, grouping ids)`` of a DICOM candidate; the header's
+    notes (another body part, a For Processing image kept) are appended to ``notes``."""
     if path.stat().st_size == 0:  # as for any other image, not "not a valid DICOM file"
         raise ImageReadError(path, "empty file (0 bytes)", "empty file")
     hdr = dicom_header(path)
-    why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
-    if why:
-        kind = ("directory index" if hdr.get("directory_index") else "lateral view" if "lateral" in why
-                else "not a projection radiograph")
-        return _skip(path, why, kind), 0, 0, None, {}
+    skip = dicom_skip(hdr, allow_any_modality, allow_lateral, keep_for_processing, skip_other_body_parts)
+    if skip:
+        return _skip(path, *skip), 0, 0, None, {}
+    notes += [{"path": str(path), **n} for n in header_notes(hdr)]
     width, height, image = hdr["columns"], hdr["rows"], None
     if verify:
         image, meta = read_image(path)

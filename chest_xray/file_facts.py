@@ -37,11 +37,11 @@ def file_facts(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         OSError: the file cannot be read. ValueError: neither a readable image header nor a DICOM file.
     """
-    from chest_xray.io import _is_dicom
+    from chest_xray.io import DICOM_SUFFIXES, sniff_dicom
 
     p = Path(path)
     size_kb = p.stat().st_size / 1024.0
-    if _is_dicom(p):
+    if p.suffix.lower() in DICOM_SUFFIXES or sniff_dicom(p):
         return _dicom_facts(p, size_kb)
     from PIL import Image, UnidentifiedImageError
 
@@ -55,9 +55,9 @@ def file_facts(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _dicom_facts(p: Path, size_kb: float) -> dict[str, Any]:
-    from chest_xray.io import _dcmread
+    from chest_xray.io import read_dataset
 
-    ds = _dcmread(p, stop_before_pixels=True)
+    ds = read_dataset(p, stop_before_pixels=True)
     got = {k: ds.get(k) for k in DICOM_TAGS}  # DataElement values only; nothing else leaves this function
 
     def text(v):

@@ -1,5 +1,6 @@
 """Screening of JPEG/PNG files before inference: is this plausibly a chest radiograph? (The DICOM twin,
-:func:`chest_xray.io.dicom_skip_reason`, judges a DICOM object from its header.)"""
+:func:`chest_xray.io.dicom_skip_reason`, judges a DICOM object from its header.) And :func:`dicom_manifest_screen`:
+what the DICOM headers of a site's manifest say that a scan would have skipped or noted (``site check``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,3 +50,58 @@ def screen_image(path: str | Path) -> str | None:
                 f"{100 * frac:.1f}% strongly coloured pixels; limits {MAX_MEAN_COLOUR_SPREAD:g} and "
                 f"{100 * MAX_COLOUR_PIXEL_FRACTION:g}%)")
     return None
+
+
+#: File names listed per warning line of :func:`dicom_manifest_screen`.
+MAX_NAMED = 3
+
+
+def _named(paths: list[str], details: list[str] | None = None) -> str:
+    shown = [Path(p).name + (f" ({d})" if d else "") for p, d in zip(paths, details or [None] * len(paths))]
+    more = f" and {len(paths) - MAX_NAMED} more" if len(paths) > MAX_NAMED else ""
+    return ", ".join(shown[:MAX_NAMED]) + more
+
+
+def dicom_manifest_screen(paths: list[str], metas: list, keep_for_processing: bool = False,
+                          skip_other_body_parts: bool = False) -> tuple[list[str], list[dict[str, str]]]:
+    """What the DICOM headers of a site's manifest say, by the rules a scan applies (:func:`chest_xray.io.dicom_skip`).
+
+    Args:
+        paths: the manifest's files. metas: per file, :func:`chest_xray.read_image`'s metadata (None: unreadable).
+        keep_for_processing, skip_other_body_parts: the site's options (``site check`` reads them from the site
+            config).
+
+    Returns:
+        ``(warnings, notes)``: one warning line per kind of image a scan would have skipped but the manifest lists
+        (For Processing images unless kept, lateral views read from ViewPosition or the View Code Sequence, another
+        body part when ``skip_other_body_parts``), naming the first files; and the notes (``{"path", "note",
+        "kind"}``, :func:`chest_xray.io.header_notes`) of the images kept although their header is unusual.
+    """
+    from .io import LATERAL_VIEWS, header_notes
+
+    for_processing, lateral, other, notes = [], [], [], []
+    for path, m in zip(paths, metas):
+        if not m or m.get("format") != "DICOM":
+            continue
+        if m.get("presentation_intent") == "FOR PROCESSING" and not keep_for_processing:
+            for_processing.append(path)
+        elif m.get("view_position") in LATERAL_VIEWS:
+            lateral.append((path, m.get("view_code") and f"View Code Sequence {m['view_code']!r}"
+                            or f"ViewPosition {m['view_position']}"))
+        elif m.get("other_body_part") and skip_other_body_parts:
+            other.append((path, m["other_body_part"]))
+        else:
+            notes += [{"path": str(path), **n} for n in header_notes(m)]
+    warnings = []
+    if for_processing:
+        warnings.append(f"{len(for_processing)} For Processing image(s) in the manifest (the raw detector signal, "
+                        f"not the radiograph; a scan skips them): {_named(for_processing)}; remove them, or set "
+                        "keep_for_processing: true to train on them")
+    if lateral:
+        warnings.append(f"{len(lateral)} lateral view(s) in the manifest (a scan skips them unless --allow-lateral; "
+                        f"they train as if frontal): {_named(*map(list, zip(*lateral)))}")
+    if other:
+        warnings.append(f"{len(other)} image(s) of another body part in the manifest (skip_other_body_parts: true; "
+                        f"a scan with it skips them): {_named(*map(list, zip(*other)))}")
+    return warnings, notes
+

@@ -241,6 +241,13 @@ def _read_all(rows: list[dict], cfg: dict, rep: dict, workers: int) -> None:
     rep["unreadable"] = bad
     rep["formats"] = dict(sorted(formats.items()))
     rep["findings"] = _findings(rows, [m for _, m, _ in results], cfg)
+    from chest_xray.grouping import note_findings
+    from chest_xray.screening import dicom_manifest_screen  # For Processing, laterals, other body parts
+
+    warns, notes = dicom_manifest_screen([r["path"] for r in rows], [m for _, m, _ in results],
+                                         cfg["keep_for_processing"], cfg["skip_other_body_parts"])
+    rep["warnings"] += warns
+    rep["findings"] += note_findings(notes)
 
     def stats(v):
         return {"min": int(min(v)), "median": float(np.median(v)), "max": int(max(v))} if v else None

@@ -70,7 +70,7 @@ def test_dicom_meta_and_patient_id_carry_no_patient_fields(dicom_dir):
         assert set(meta) <= {"format", "original_height", "original_width", "height", "width", "bit_depth", "mode",
                              "photometric_interpretation", "draft", "modality", "view_position",
                              "transfer_syntax", "voi", "voi_fallback", "inverted", "decoder_warnings",
-                             "grayscale_notes"}
+                             "grayscale_notes", "view_code", "presentation_intent", "other_body_part"}
         if pid is not None:
             assert pid.startswith("dcm-")
             assert dicom_patient_id(f, salt="site-secret") == pid

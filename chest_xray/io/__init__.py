@@ -8,7 +8,8 @@ only, and the one patient-level value a site needs for grouping, :func:`dicom_pa
 The package is one public face over private parts: ``_common`` (limits, suffixes, the error type, the warnings
 lock), ``_pil`` (JPEG / PNG), ``_dicom_header`` (parsing and attribute checks), ``_dicom`` (decoding and the
 grey-scale pipeline), ``_grayscale`` (the rules for missing, inconsistent or contradictory grey-scale attributes),
-``_gdcm`` (12-bit JPEG Extended through GDCM), ``_salt`` (the site salt and the hashed patient ids) and ``_read``
+``_gdcm`` (12-bit JPEG Extended through GDCM), ``_pixel_bytes`` (what the Pixel Data bytes and the compressed stream
+really are, when the Transfer Syntax or Samples per Pixel say otherwise), ``_salt`` (the site salt and the hashed patient ids) and ``_read``
 (:func:`read_image`).
 """
 from __future__ import annotations
@@ -34,13 +35,16 @@ from ._dicom import _read_dicom
 from ._dicom_header import (
     DICOM_DECODER_HINT,
     DIRECTORY_INDEX_REASON,
+    FOR_PROCESSING_SOP_CLASSES,
     HTJ2K_DECODER_HINT,
-    _dcmread,
-    _import_pydicom,
     decoder_hint,
     dicom_header,
+    dicom_skip,
     dicom_skip_reason,
+    header_facts,
+    header_notes,
     is_directory_index,
+    read_dataset,
     rescale_problem,
     voi_problem,
 )
@@ -63,6 +67,7 @@ __all__ = [
     "HTJ2K_DECODER_HINT",
     "DICOM_SUFFIXES",
     "EXIF_SWAPS_AXES",
+    "FOR_PROCESSING_SOP_CLASSES",
     "LATERAL_VIEWS",
     "MAX_PIXELS",
     "PIL_SUFFIXES",
@@ -78,12 +83,16 @@ __all__ = [
     "dicom_grouping_ids",
     "dicom_header",
     "dicom_patient_id",
+    "dicom_skip",
     "dicom_skip_reason",
     "exif_orientation",
+    "header_facts",
+    "header_notes",
     "is_directory_index",
     "is_placeholder_id",
     "jpeg_entropy_problem",
     "polarity",
+    "read_dataset",
     "read_image",
     "rescale_problem",
     "site_salt",

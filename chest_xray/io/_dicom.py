@@ -14,24 +14,27 @@ from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
     DIRECTORY_INDEX_REASON,
-    _dcmread,
-    _decoder_problem,
-    _has_pixel_tag,
-    _import_pydicom,
+    read_dataset,
+    decoder_problem,
+    has_pixel_tag,
+    import_pydicom,
     decoder_hint,
+    header_facts,
     is_directory_index,
     rescale_problem,
     voi_problem,
 )
+from ._grayscale import modality_lut_problem, modality_transform  # the modality step (PS3.3 C.11.1)
+from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
 
 
 def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     """A DICOM file through the grey-scale pipeline (see :func:`chest_xray.io.read_image` for the contract)."""
-    _import_pydicom()
-    ds = _dcmread(p)
+    import_pydicom()
+    ds = read_dataset(p)
     rows, cols, bits_stored, photometric = _check_geometry(p, ds, max_pixels)
-    raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols)
     notes: list[dict[str, str]] = []
+    raw, ts_name, decoder_said = _decode_pixels(p, ds, rows, cols, photometric, notes)
     pad, pad_note = padding_mask(ds, raw)
     notes += [pad_note] if pad_note else []
     out, voi, fallback = _grayscale(p, ds, raw, bits_stored, notes, pad)
@@ -52,7 +55,7 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         "photometric_interpretation": photometric,
         "draft": False,
         "modality": str(ds.get("Modality", "") or "").strip().upper(),
-        "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
+        **header_facts(ds),  # view_position (ViewPosition, else the View Code Sequence), view_code, ...
         "transfer_syntax": ts_name,
         "voi": voi,
         "voi_fallback": _one_line(fallback) if fallback else None,
@@ -69,7 +72,7 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
     colour)."""
     if is_directory_index(ds):
         raise ImageReadError(p, DIRECTORY_INDEX_REASON, "directory index")
-    if not _has_pixel_tag(ds):
+    if not has_pixel_tag(ds):
         sop = str(ds.get("SOPClassUID", "")) and getattr(ds.SOPClassUID, "name", str(ds.SOPClassUID))
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
                              "no pixel data")
@@ -104,19 +107,37 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
     return rows, cols, bits_stored, photometric
 
 
-def _decode_pixels(p: Path, ds, rows: int, cols: int) -> tuple[np.ndarray, str, list[str]]:
+def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCHROME2",
+                   notes: list[dict[str, str]] | None = None) -> tuple[np.ndarray, str, list[str]]:
     """Stage 2: ``(stored values (rows, cols), transfer syntax name, decoder messages)``; the decoder's messages
-    are captured, and one that means missing or garbage data refuses the file."""
-    why = _decoder_problem(ds)
+    are captured, and one that means missing or garbage data refuses the file. The bytes are decoded as what
+    they are (:mod:`._pixel_bytes`): a transfer syntax that does not describe them, or a 3-component stream under
+    a one-sample header, is followed by the bytes, with a note appended to ``notes``."""
+    notes = [] if notes is None else notes
+    try:
+        said = reconcile_syntax(ds, rows, cols)
+    except PixelBytesError as e:
+        raise ImageReadError(p, str(e), "invalid DICOM attribute") from None
+    notes += [{"kind": "transfer syntax mismatch", "note": said}] if said else []
+    why = decoder_problem(ds)
     if why:
         raise ImageReadError(p, why, "no decoder")
     tsyntax = ds.file_meta.get("TransferSyntaxUID")
     ts_name = getattr(tsyntax, "name", str(tsyntax))
+    comps = stream_components(ds)
+    if comps not in (None, 1) and (comps != 3 or needs_direct_gdcm(ds)):
+        raise ImageReadError(p, f"the {ts_name} stream holds {comps} components but the header says Samples per "
+                             f"Pixel 1 ({photometric}): not decoded", "invalid DICOM attribute")
+    if comps == 3:
+        notes.append({"kind": "colour stream in grey-scale header", "note": f"the {ts_name} stream holds 3 "
+                      f"components but the header says Samples per Pixel 1 ({photometric}): decoded as colour and "
+                      "read as its luma (BT.601)"})
     decoder_said: list[str] = []
     try:
         with _warnings_scope(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
-            raw = gdcm_extended_12_bit(ds, rows, cols) if needs_direct_gdcm(ds) else ds.pixel_array
+            raw = (decode_as_colour(ds) if comps == 3 else gdcm_extended_12_bit(ds, rows, cols)
+                   if needs_direct_gdcm(ds) else ds.pixel_array)
     except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one short line naming the syntax
         said = f" (decoder: {_one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
         reason, kind = decoder_failure(e, ts_name, decoder_hint(tsyntax))
@@ -137,16 +158,17 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
     """Stage 3, the DICOM grey-scale pipeline in the standard's order: modality LUT -> VOI LUT / window (the
     presentation step, the polarity, is the caller's). Returns ``(values in [0, 1], voi kind, the reason a VOI
     transform was ignored or None)``; a rule of :mod:`._grayscale` that changed the pixels appends to ``notes``."""
-    from pydicom.pixels import apply_modality_lut, apply_voi_lut
+    from pydicom.pixels import apply_voi_lut
 
-    why = rescale_problem(ds)
+    why = rescale_problem(ds) or modality_lut_problem(ds)
     if why:
         raise ImageReadError(p, why, "invalid DICOM attribute")
     try:
-        arr = apply_modality_lut(raw, ds)
+        arr, modality_notes = modality_transform(ds, raw)
     except Exception as e:  # noqa: BLE001
-        raise ImageReadError(p, f"invalid modality LUT / Rescale Slope, Intercept ({type(e).__name__}: {e})",
-                             "invalid DICOM attribute") from None
+        what = "Modality LUT Sequence" if ds.get("ModalityLUTSequence") else "Rescale Slope / Intercept"
+        raise ImageReadError(p, f"invalid {what} ({type(e).__name__}: {e})", "invalid DICOM attribute") from None
+    notes += modality_notes
     voi, fallback = "none", voi_problem(ds)
     if fallback is None:
         if ds.get("VOILUTSequence"):

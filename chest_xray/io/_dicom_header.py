@@ -18,7 +18,7 @@ from ._common import (
 )
 
 
-def _import_pydicom():
+def import_pydicom():
     """``pydicom``, imported (the first time) under :data:`_WARNINGS_LOCK`. Its import chain (pydicom.data ->
     requests -> urllib3) adds a warnings filter and then relies on it; in a scan thread, another thread's warnings
     scope could swap the filter list meanwhile, and urllib3's DependencyWarning about SOCKS was printed in the
@@ -29,10 +29,10 @@ def _import_pydicom():
     return pydicom
 
 
-def _dcmread(p: Path, stop_before_pixels: bool = False):
+def read_dataset(p: Path, stop_before_pixels: bool = False):
     """pydicom dataset of ``p``; a data set without the Part-10 header (no preamble, no ``DICM``) is read with
     ``force=True`` and accepted only when it holds an image (Rows, Columns) or a SOP Class UID."""
-    pydicom = _import_pydicom()
+    pydicom = import_pydicom()
     from pydicom.errors import InvalidDicomError
 
     check_readable(p)
@@ -96,26 +96,102 @@ def dicom_header(path: str | os.PathLike) -> dict[str, Any]:
     """Technical header fields of a DICOM file, read without decoding pixels.
 
     Returns:
-        dict with ``modality`` (str, "" if absent), ``view_position`` (str), ``rows``, ``columns`` (int, 0 if
-        absent), ``voi_fallback`` (why the VOI window/LUT will be ignored, see :func:`voi_problem`; None when it
-        is usable), ``directory_index`` (True for a DICOMDIR). No patient-identifying field is included.
+        dict with ``modality`` (str, "" if absent), ``rows``, ``columns`` (int, 0 if absent), ``voi_fallback``
+        (why the VOI window/LUT will be ignored, see :func:`voi_problem`; None when it is usable),
+        ``directory_index`` (True for a DICOMDIR) and the facts of :func:`header_facts` (``view_position``,
+        ``view_code``, ``presentation_intent``, ``other_body_part``). No patient-identifying field is included.
 
     Raises:
         ImageReadError: not a parseable DICOM file, or Rows/Columns that are not integers.
     """
     p = Path(path)
-    ds = _dcmread(p, stop_before_pixels=True)
+    ds = read_dataset(p, stop_before_pixels=True)
     try:
         return {
             "modality": str(ds.get("Modality", "") or "").strip().upper(),
-            "view_position": str(ds.get("ViewPosition", "") or "").strip().upper(),
             "rows": int(ds.get("Rows", 0) or 0),
             "columns": int(ds.get("Columns", 0) or 0),
             "voi_fallback": voi_problem(ds),
             "directory_index": is_directory_index(ds),
+            **header_facts(ds),
         }
     except (TypeError, ValueError) as e:
         raise ImageReadError(p, f"invalid DICOM attribute: {e}", "invalid DICOM attribute") from None
+
+
+#: SOP classes of "For Processing" images, the raw detector signal (PS3.3 C.8.11.1.1.1): digital X-ray,
+#: mammography and intra-oral.
+FOR_PROCESSING_SOP_CLASSES = ("1.2.840.10008.5.1.4.1.1.1.1.1", "1.2.840.10008.5.1.4.1.1.1.2.1",
+                              "1.2.840.10008.5.1.4.1.1.1.3.1")
+#: View Code Sequence meanings (lower case, hyphens and spaces dropped; CID 4010 "DX View" as MIMIC-CXR and DX
+#: modalities write them) and the ViewPosition they stand for. A meaning holding "lateral" that is not listed is
+#: read as "LATERAL".
+VIEW_CODE_MEANINGS = {"posteroanterior": "PA", "anteroposterior": "AP", "lateral": "LATERAL", "leftlateral": "LL",
+                      "rightlateral": "RL", "lateromedial": "LATERAL", "mediolateral": "LATERAL"}
+#: Words that make BodyPartExamined or a description a chest (English, German, French, Spanish, Portuguese,
+#: Italian spellings and the usual abbreviations).
+CHEST_WORDS = ("CHEST", "THORAX", "TORAX", "TÓRAX", "TORACE", "LUNG", "CXR", "RIB", "STERNUM")
+#: Body-part words that, in a description without a chest word, say the film is of another part.
+OTHER_BODY_PART_WORDS = ("SHOULDER", "ABDOMEN", "ABDOMINAL", "ANKLE", "KNEE", "HIP", "PELVIS", "HAND", "WRIST",
+                         "ELBOW", "FOOT", "FEET", "SKULL", "HEAD", "SPINE", "CSPINE", "TSPINE", "LSPINE", "FEMUR",
+                         "TIBIA", "FIBULA", "HUMERUS", "FOREARM", "FINGER", "TOE", "HEEL", "SINUS", "SINUSES",
+                         "MANDIBLE", "CLAVICLE", "SCAPULA", "KUB", "LEG", "ARM", "BREAST", "DENTAL")
+#: BodyPartExamined values that name no part (read as absent).
+_NO_BODY_PART = ("", "UNKNOWN", "OTHER", "NONE", "NULL", "-", "N/A", "NA", "ANY")
+_DESCRIPTIONS = ("StudyDescription", "SeriesDescription", "ProtocolName")
+
+
+def header_facts(ds) -> dict[str, Any]:
+    """What the header says the image is, beside its pixels.
+
+    Returns:
+        dict with ``view_position`` (ViewPosition, upper case; when it is absent or empty, the View Code
+        Sequence's meaning as a ViewPosition via :data:`VIEW_CODE_MEANINGS`, "" when neither says), ``view_code``
+        (the View Code Sequence meaning the view came from, or None), ``presentation_intent`` ("FOR PROCESSING",
+        "FOR PRESENTATION" or "": Presentation Intent Type, else a For Processing SOP class) and
+        ``other_body_part`` (e.g. "BodyPartExamined SHOULDER" or "StudyDescription names SHOULDER": the attribute
+        and the body-part word only, never the description's text; None for a chest or when nothing is said).
+    """
+    view, code = str(ds.get("ViewPosition", "") or "").strip().upper(), None
+    if not view:
+        view, code = _view_from_code(ds)
+    intent = str(ds.get("PresentationIntentType", "") or "").strip().upper()
+    if not intent:
+        meta = getattr(ds, "file_meta", None)
+        sop = str(ds.get("SOPClassUID", "") or (meta.get("MediaStorageSOPClassUID", "") if meta else "") or "")
+        intent = "FOR PROCESSING" if sop in FOR_PROCESSING_SOP_CLASSES else ""
+    return {"view_position": view, "view_code": code, "presentation_intent": intent,
+            "other_body_part": _other_body_part(ds)}
+
+
+def _view_from_code(ds) -> tuple[str, str | None]:
+    """``(ViewPosition-like value, code meaning)`` from the first View Code Sequence item, or ``("", None)``."""
+    try:
+        seq = ds.get("ViewCodeSequence")
+        meaning = str(seq[0].get("CodeMeaning", "") or "").strip() if seq else ""
+    except (TypeError, IndexError, AttributeError):
+        return "", None
+    key = "".join(c for c in meaning.lower() if c.isalpha())
+    view = VIEW_CODE_MEANINGS.get(key) or ("LATERAL" if "lateral" in key else "")
+    return view, (meaning if view else None)
+
+
+def _words(text: str) -> set[str]:
+    return set("".join(c if c.isalnum() else " " for c in text.upper()).split())
+
+
+def _other_body_part(ds) -> str | None:
+    bp = " ".join(str(ds.get("BodyPartExamined", "") or "").upper().split())
+    if bp not in _NO_BODY_PART and not any(w in bp for w in CHEST_WORDS):
+        return f"BodyPartExamined {bp}"
+    for attr in _DESCRIPTIONS:  # also under a chest BodyPartExamined: a reader's default is often CHEST
+        words = _words(str(ds.get(attr, "") or ""))
+        if words & set(CHEST_WORDS) or any(w.startswith(("CHEST", "THORA")) for w in words):
+            continue  # this description names the chest (another may still name another part)
+        hit = [w for w in OTHER_BODY_PART_WORDS if w in words]
+        if hit:
+            return f"{attr} names {hit[0]}"
+    return None
 
 
 def _values(v) -> list:
@@ -202,29 +278,70 @@ def rescale_problem(ds) -> str | None:
     return None
 
 
-def _has_pixel_tag(ds) -> bool:
+def has_pixel_tag(ds) -> bool:
     return any(k in ds for k in ("PixelData", "FloatPixelData", "DoubleFloatPixelData"))
 
 
-def dicom_skip_reason(header: dict[str, Any], allow_any_modality: bool = False, allow_lateral: bool = False):
-    """Why a DICOM object is not a chest projection radiograph a site would train on, or None.
+def dicom_skip(header: dict[str, Any], allow_any_modality: bool = False, allow_lateral: bool = False,
+               keep_for_processing: bool = False, skip_other_body_parts: bool = False) -> tuple[str, str] | None:
+    """Why a DICOM object is not a chest projection radiograph a site would train on, and the kind of skip; None
+    when it should be used.
 
     Args:
         header: as returned by :func:`dicom_header`.
         allow_any_modality: accept modalities other than CR/DX/DR.
-        allow_lateral: accept lateral ViewPosition values.
+        allow_lateral: accept lateral views (ViewPosition, or the View Code Sequence when ViewPosition is empty).
+        keep_for_processing: accept "For Processing" images (the raw detector signal; PS3.3 C.8.11.1.1.1). They
+            are skipped by default: the radiograph is their "For Presentation" twin.
+        skip_other_body_parts: skip images whose header names another body part (:func:`header_facts`). The
+            attribute is unreliable, so by default they are kept and noted (:func:`header_notes`).
 
     Returns:
-        a reason string, or None when the object should be used.
+        ``(reason, kind)``: kind is "directory index", "not a projection radiograph", "for processing",
+        "lateral view" or "other body part"; or None.
     """
     if header.get("directory_index"):
-        return DIRECTORY_INDEX_REASON
+        return DIRECTORY_INDEX_REASON, "directory index"
     mod = header.get("modality", "")
     if not allow_any_modality and mod not in PROJECTION_MODALITIES:
-        return f"DICOM modality {mod or '(missing)'} is not a projection radiograph (CR/DX/DR)"
-    if not allow_lateral and header.get("view_position", "") in LATERAL_VIEWS:
-        return f"lateral view (ViewPosition {header['view_position']})"
+        return (f"DICOM modality {mod or '(missing)'} is not a projection radiograph (CR/DX/DR)",
+                "not a projection radiograph")
+    if not keep_for_processing and header.get("presentation_intent") == "FOR PROCESSING":
+        return ("For Processing image: the raw detector signal (Presentation Intent FOR PROCESSING), not the "
+                "radiograph a viewer shows, which is its For Presentation twin (keep_for_processing keeps it)",
+                "for processing")
+    view = header.get("view_position", "")
+    if not allow_lateral and view in LATERAL_VIEWS:
+        code = header.get("view_code")
+        said = f"View Code Sequence {code!r}, ViewPosition empty" if code else f"ViewPosition {view}"
+        return f"lateral view ({said})", "lateral view"
+    if skip_other_body_parts and header.get("other_body_part"):
+        return (f"another body part, not a chest ({header['other_body_part']}; skip_other_body_parts)",
+                "other body part")
     return None
+
+
+def dicom_skip_reason(header: dict[str, Any], allow_any_modality: bool = False, allow_lateral: bool = False,
+                      keep_for_processing: bool = False, skip_other_body_parts: bool = False) -> str | None:
+    """The reason of :func:`dicom_skip` (same arguments), or None when the object should be used."""
+    got = dicom_skip(header, allow_any_modality, allow_lateral, keep_for_processing, skip_other_body_parts)
+    return got[0] if got else None
+
+
+def header_notes(header: dict[str, Any]) -> list[dict[str, str]]:
+    """Notes (``{"kind", "note"}``) for a DICOM object that is used although its header says something unusual:
+    another body part (kind "other body part": the attribute is unreliable, so a note, not a skip) and a For
+    Processing image kept (kind "for processing"). ``header``: :func:`dicom_header`'s dict or
+    :func:`chest_xray.io.read_image`'s DICOM metadata."""
+    out = []
+    if header.get("other_body_part"):
+        out.append({"kind": "other body part", "note": f"the header names another body part "
+                    f"({header['other_body_part']}): kept (the attribute is unreliable); check the film, or set "
+                    "skip_other_body_parts to skip such images"})
+    if header.get("presentation_intent") == "FOR PROCESSING":
+        out.append({"kind": "for processing", "note": "For Processing image (the raw detector signal) kept "
+                    "(keep_for_processing)"})
+    return out
 
 
 #: The decoder package this project pins for compressed DICOM (JPEG Lossless, JPEG-LS, JPEG 2000, RLE).
@@ -249,7 +366,7 @@ def is_directory_index(ds) -> bool:
     return sop == DIRECTORY_SOP_CLASS or "DirectoryRecordSequence" in ds
 
 
-def _decoder_problem(ds) -> str | None:
+def decoder_problem(ds) -> str | None:
     """Why pydicom has no usable decoder for this data set's transfer syntax, or None."""
     from pydicom.pixels import get_decoder
 

@@ -14,6 +14,14 @@ that changed its pixels.
   (which it pairs with MONOCHROME1; IDENTITY goes with MONOCHROME2). Rule: the image is inverted once when either
   says so, never twice; a pair that contradicts itself (MONOCHROME2 with INVERSE, MONOCHROME1 with IDENTITY) is
   noted, and so is a Presentation LUT Shape that is neither value (ignored).
+- **Modality LUT** (PS3.3 C.11.1): a Modality LUT Sequence of one item, or Rescale Slope and Intercept, never
+  both. A LUT is applied by hand, as the VOI LUT is (values below its first mapped value take the first entry,
+  above the last the last; a first mapped value written as US for signed data is read as signed); its entries are
+  read as 16-bit words whatever bits the descriptor states (8-bit entries packed one per byte excepted). The
+  standard allows 8 or 16 bits per entry: another value (12 is written by some modalities, and pydicom refuses
+  it) is noted. A LUT beside Rescale Slope / Intercept wins (as pydicom and DCMTK read it) and the rescale is
+  noted as ignored; so is every item after the first. Rescale Slope / Intercept go through pydicom's
+  ``apply_modality_lut``.
 - **Pixel Padding Value** (PS3.3 C.7.5.1.1.2): stored values equal to it (or within it and Pixel Padding Range
   Limit) lie outside the radiograph. Rule: they are left out of the range an image without a usable VOI transform
   is scaled to, and shown black, as viewers show them; a note gives their count. A padding value no pixel holds is
@@ -26,7 +34,7 @@ import numpy as np
 
 #: Kinds of the notes these rules write (``meta["grayscale_notes"][i]["kind"]``).
 NOTE_KINDS = ("VOI LUT rescaled", "VOI LUT length", "polarity contradiction", "Presentation LUT Shape ignored",
-              "pixel padding")
+              "pixel padding", "modality LUT")
 
 
 def _note(kind: str, text: str) -> dict[str, str]:
@@ -66,14 +74,64 @@ def lut_values(item) -> np.ndarray:
     return np.asarray(data if isinstance(data, (list, tuple)) or hasattr(data, "__len__") else [data], np.int64)
 
 
-def lut_length_note(item) -> dict[str, str] | None:
+def lut_length_note(item, what: str = "VOI LUT") -> dict[str, str] | None:
     """A note when a LUT holds another number of entries than its descriptor says (its data are used as they are:
-    values past the last entry take the last, as for any LUT), else None."""
+    values past the last entry take the last, as for any LUT), else None. ``what``: "VOI LUT" or "Modality LUT"."""
     n, got = int(item.LUTDescriptor[0]) or 65536, len(lut_values(item))
     if got == n:
         return None
-    return _note("VOI LUT length", f"VOI LUT Descriptor says {n} entries but the LUT data hold {got}: "
-                                   "the data's entries used")
+    kind = "VOI LUT length" if what == "VOI LUT" else "modality LUT"
+    return _note(kind, f"{what} Descriptor says {n} entries but the LUT data hold {got}: the data's entries used")
+
+
+def modality_lut_problem(ds) -> str | None:
+    """Why the Modality LUT Sequence cannot be applied (one line naming the attribute), or None when it is valid
+    or absent: an item needs a three-value LUT Descriptor with 1..16 bits per entry and LUT Data."""
+    seq = ds.get("ModalityLUTSequence")
+    if not seq:
+        return None
+    try:
+        item = seq[0]
+        desc = item.get("LUTDescriptor")
+        desc = list(desc) if desc is not None and not isinstance(desc, (int, float)) else [desc]
+        if len(desc) != 3 or not 1 <= int(desc[2]) <= 16:
+            return f"invalid Modality LUT Sequence: LUT Descriptor {desc} (three values, 1..16 bits per entry)"
+        if "LUTData" not in item or not len(lut_values(item)):
+            return "invalid Modality LUT Sequence: no LUT Data"
+    except (TypeError, ValueError, IndexError, AttributeError) as e:
+        return f"invalid Modality LUT Sequence ({type(e).__name__}: {e})"
+    return None
+
+
+def modality_transform(ds, raw: np.ndarray) -> tuple[np.ndarray, list[dict[str, str]]]:
+    """Stored values (rows, cols) -> modality-LUT output (float64, same shape), by the rule in the module docstring,
+    and the notes it wrote.
+
+    Raises:
+        ValueError: the Modality LUT Sequence is malformed (:func:`modality_lut_problem`'s line).
+    """
+    from pydicom.pixels import apply_modality_lut
+
+    seq = ds.get("ModalityLUTSequence")
+    if not seq:
+        return np.asarray(apply_modality_lut(raw, ds), dtype=np.float64), []
+    why = modality_lut_problem(ds)
+    if why:
+        raise ValueError(why)
+    item, notes = seq[0], []
+    bits = int(item.LUTDescriptor[2])
+    if bits not in (8, 16):
+        notes.append(_note("modality LUT", f"Modality LUT Descriptor says {bits}-bit entries (the standard allows 8 "
+                                           "or 16): entries read as 16-bit words and applied by hand"))
+    rescale = [k for k in ("RescaleSlope", "RescaleIntercept") if ds.get(k) not in (None, "")]
+    if rescale:
+        notes.append(_note("modality LUT", "Modality LUT Sequence and Rescale Slope / Intercept both present (the "
+                                           "standard allows one): the LUT applied, the rescale ignored"))
+    if len(seq) > 1:
+        notes.append(_note("modality LUT", f"Modality LUT Sequence holds {len(seq)} items (the standard allows one): "
+                                           "the first applied"))
+    notes += [n for n in (lut_length_note(item, "Modality LUT"),) if n]
+    return apply_lut(raw, item), notes
 
 
 def apply_lut(arr: np.ndarray, item) -> np.ndarray:

@@ -43,14 +43,17 @@ def read_image(
         ("MONOCHROME1"/"MONOCHROME2" for DICOM, "MONOCHROME2" for grayscale Pillow modes, else the Pillow mode),
         ``draft`` (bool). Pillow formats add ``exif_orientation`` (1..8, 1 = upright or absent); JPEGs add
         ``decoder_warnings`` (a harmless libjpeg warning, one line, or None). DICOM adds ``modality``,
-        ``view_position``, ``transfer_syntax``, ``voi`` ("lut", "window" or "none"), ``voi_fallback`` (why an
+        ``view_position``, ``view_code``, ``presentation_intent``, ``other_body_part`` (see
+        :func:`chest_xray.io.header_facts`), ``transfer_syntax``, ``voi`` ("lut", "window" or "none"), ``voi_fallback`` (why an
         invalid VOI window/LUT was ignored and the modality-LUT output scaled to its own range, see
         :func:`voi_problem`; None when not needed), ``inverted``, ``decoder_warnings`` (what the compressed-pixel
         decoder reported without failing, e.g. libjpeg's "N extraneous bytes before marker 0xd9", one line; None
         when silent: the decoder's messages are captured, never printed) and ``grayscale_notes`` (list of
         ``{"kind", "note"}``: every unusual step of the grey-scale pipeline that changed the pixels, e.g. a VOI LUT
         rescaled to its data's range or a Photometric Interpretation / Presentation LUT Shape contradiction; see
-        :mod:`chest_xray.io._grayscale` for the rules). A JPEG whose other MPF images are only previews is read as
+        :mod:`chest_xray.io._grayscale` for the rules; also a Transfer Syntax that did not describe the Pixel Data
+        or a 3-component stream under a one-sample header, decoded as the bytes are, see
+        :mod:`chest_xray.io._pixel_bytes`). A JPEG whose other MPF images are only previews is read as
         its primary image.
 
     Raises:

@@ -8,7 +8,7 @@ import threading
 import unicodedata
 from pathlib import Path
 
-from ._dicom_header import _dcmread
+from ._dicom_header import read_dataset
 
 #: Environment variable holding the site-local salt for DICOM patient-id hashing.
 SALT_ENV = "CXR_PATIENT_SALT"
@@ -96,7 +96,7 @@ def dicom_patient_id(path: str | os.PathLike, salt: str | None = None) -> str | 
     Raises:
         ImageReadError: not a parseable DICOM file.
     """
-    ds = _dcmread(Path(path), stop_before_pixels=True)
+    ds = read_dataset(Path(path), stop_before_pixels=True)
     pid = patient_id_key(ds.get("PatientID", "") or "")
     if not pid:
         return None
@@ -132,7 +132,7 @@ def dicom_grouping_ids(path: str | os.PathLike, salt: str | None = None) -> dict
     Raises:
         ImageReadError: not a parseable DICOM file.
     """
-    ds = _dcmread(Path(path), stop_before_pixels=True)
+    ds = read_dataset(Path(path), stop_before_pixels=True)
     out: dict = {"placeholder": False}
     for key, attr, prefix in (("patient", "PatientID", "dcm-"), ("study", "StudyInstanceUID", "dcm-study-"),
                               ("accession", "AccessionNumber", "dcm-acc-")):

@@ -75,6 +75,11 @@ DEFAULTS = {
     # a deployed model file (cxr-hfl predict's input): site check compares the site's images with its training
     # population (the file's population reference); null = no population check
     "deployed_model": None,
+    # DICOM headers site check (and partition, --keep-for-processing / --skip-other-body-parts) judges: For
+    # Processing images (the raw detector signal) are left out unless kept; an image whose header names another
+    # body part than the chest is noted, or left out with skip_other_body_parts (the attribute is unreliable)
+    "keep_for_processing": False,
+    "skip_other_body_parts": False,
     # how a non-square image is made input_size x input_size: stretch (default) | letterbox | crop
     # (chest_xray.ASPECTS); every site of a job and the server's probe should use the same
     "aspect": "stretch",
@@ -291,7 +296,7 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
         raise _err(site, path, "aspect", f"must be one of {', '.join(ASPECTS)}, got {cfg['aspect']!r}")
     if cfg["augment"] not in AUGMENTS:
         raise _err(site, path, "augment", f"must be one of {', '.join(AUGMENTS)}, got {cfg['augment']!r}")
-    for key in ("balanced_sampling", "fast_augment"):
+    for key in ("balanced_sampling", "fast_augment", "keep_for_processing", "skip_other_body_parts"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
     if cfg["fast_augment"] and raw.get("augment") in ("monai", "border"):  # the tensor path would silently win
@@ -404,6 +409,8 @@ batch_size: 16
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs
 # aspect: stretch                  # stretch | letterbox | crop: how non-square images become square (as the job's)
 # deployed_model: null             # the deployed model file: site check compares your images with its training population
+# keep_for_processing: false       # true: DICOM For Processing images (raw detector signal) may train; site check warns otherwise
+# skip_other_body_parts: false     # true: site check warns about images whose header names another body part (else a note)
 """
 
 

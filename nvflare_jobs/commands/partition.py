@@ -42,6 +42,10 @@ def register(subparsers) -> None:
                    help="read image headers only (faster; corrupt files are then found only at training)")
     p.add_argument("--allow-lateral", action="store_true", help="keep lateral DICOM views")
     p.add_argument("--allow-any-modality", action="store_true", help="keep DICOM modalities other than CR/DX/DR")
+    p.add_argument("--keep-for-processing", action="store_true",
+                   help="keep DICOM For Processing images (the raw detector signal; skipped by default)")
+    p.add_argument("--skip-other-body-parts", action="store_true",
+                   help="skip DICOM images whose header names another body part than the chest (noted by default)")
     p.add_argument("--near-duplicates", action="store_true",
                    help="also group near duplicates (the same radiograph re-encoded or resized) as one patient, as "
                         "exact duplicates always are (see docs/DATA.md)")
@@ -73,7 +77,9 @@ def run_partition(args: argparse.Namespace) -> int:
     try:
         records, report = scan_dataset(args.data, labels=args.labels, verify=not args.no_verify,
                                        allow_any_modality=args.allow_any_modality, allow_lateral=args.allow_lateral,
-                                       near_duplicates=args.near_duplicates)
+                                       near_duplicates=args.near_duplicates,
+                                       keep_for_processing=args.keep_for_processing,
+                                       skip_other_body_parts=args.skip_other_body_parts)
     except (FileNotFoundError, ValueError) as e:
         print(f"cxr-hfl partition: {e}", file=sys.stderr)
         return 2

@@ -124,15 +124,12 @@ def test_comparison_reports_the_gap_of_every_method_to_central(tmp_path):
 
 
 def test_central_gets_the_common_epoch_budget_in_one_run():
-    import argparse
+    from nvflare_jobs.compare import CompareOptions, epoch_plan, simulate_options
 
-    from nvflare_jobs.compare import epoch_plan, simulate_options
-
-    a = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, max_train_images=None,
-                           batch_size=None, labels="binary", input_sizes=None, unequal_budgets=False)
+    a = CompareOptions(out="runs/x", labels="binary")
     assert epoch_plan("central", a) == {"rounds": 1, "local_epochs": 30, "finetune_epochs": 0,
                                         "total_epochs_per_site": 30} == {**epoch_plan("local", a)}
-    a.local_epochs, a.finetune_epochs = 3, 2
+    a = CompareOptions(out="runs/x", labels="binary", local_epochs=3, finetune_epochs=2)
     assert epoch_plan("central", a)["total_epochs_per_site"] == epoch_plan("ohfl", a)["total_epochs_per_site"] == 5
     assert simulate_options("central", "D", 0, a)["local_epochs"] == 5
 

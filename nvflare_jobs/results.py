@@ -6,7 +6,8 @@ Canonical ``RUN/metrics.json`` (every method extends it, none redefines it)::
      "sites": {"<site>": {"model": <spec>, "input_size", "n_train", "n_test", "test": {...}}},
      "excluded_sites": {"<site>": [{"round", "task", "reason"}]},
      "pooled": {<metrics over all sites' test images, each {"value", "ci_low", "ci_high"}>},
-     "mean": {...}, "std": {...}, "bytes_uploaded", "bytes_downloaded", ...method extras}
+     "mean": {...}, "std": {...}, "bytes_uploaded", "bytes_downloaded",
+     "bytes_per_site": {"<site>": {"up", "down"[, "peer_models_down"]}}, ...method extras}
 
 Reported values are those of the final round. Also ``RUN/sites.csv``, ``RUN/rounds.csv`` and PNG plots.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hfl_components.communication import bytes_per_site
 from hfl_components.flare import catalogue
 from hfl_components.operating_point import site_decision_columns
 
@@ -97,6 +99,9 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     metrics = {"method": rec.get("method"), "labels": labels, "seed": seed, "wall_time_s": round(wall_time_s, 2),
                "sites": sites, "pooled": pooled, "mean": mean, "std": std,
                "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
+               # per site, up and down; a method that sends every site's model to every other site (record key
+               # peer_model_bytes) adds the bytes of the peers' models each site receives
+               "bytes_per_site": bytes_per_site(rec.get("rounds", []), rec.get("peer_model_bytes")),
                "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
                **participation(rec),
                "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s),

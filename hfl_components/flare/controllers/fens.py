@@ -146,6 +146,9 @@ def fens_local(rt, params, meta):
     rest for ``local_epochs``, keep it as the site's local model and upload it once."""
     tc = meta.get("task_config", {})
     rt.hold_out(option(meta, "fens_holdout"))
+    # under dp both budgets are checked before any training: the site model's and the aggregator's (its own
+    # session over the held-out images, every aggregator round of the job: meta total_rounds)
+    rt.dp_session("holdout", len(rt.rows(rt.HOLDOUT)), job_epochs(meta, int(option(meta, "fens_epochs"))))
     rt.ensure_own_model()
     hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
     rt.save_state()

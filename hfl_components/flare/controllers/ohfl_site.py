@@ -250,7 +250,7 @@ def acceptance_candidate(rt, spec: dict, start: dict, epochs: int, lr: float, fi
         rt.set_model(spec, final_state)
     val = rt.evaluate("val", with_predictions=True)
     rt.set_model(keep_spec, keep_state)
-    p = np.concatenate([np.asarray(p_oof, np.float64).reshape(len(y_oof), -1),
+    p = np.concatenate([np.asarray(p_oof, np.float64).reshape(len(y_oof), rt.num_classes),
                         np.asarray(val.get("_probs") or np.zeros((0, p_oof.shape[1])), np.float64)])
     y = np.concatenate([y_oof, np.asarray(val.get("_labels") or [], int)])
     op = site_operating_point(p, y, seed=int(rt.cfg["seed"]))

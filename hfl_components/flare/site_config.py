@@ -197,7 +197,7 @@ def _check_dp(cfg: dict, site: str, path) -> None:
     try:
         DPSpec.from_config(cfg["dp"], site, str(path))
     except ValueError as e:
-        msg = str(e).split(": ", 3)[-1] if str(e).startswith(f"site {site}: config") else str(e)
+        msg = str(e).removeprefix(f"site {site}: config {path} key dp: ")
         raise _err(site, path, "dp", msg) from None
     if cfg["class_weights"] is not None:
         raise _err(site, path, "class_weights", "cannot be combined with dp (balanced weights come from the exact "

@@ -195,3 +195,20 @@ def test_dp_run_payloads_hold_no_unprotected_training_value(tmp_path, method):
         assert {r["name"]: r["protection"] for r in led["releases"]}["training losses"] == "dropped"
     if method == "fens":  # the aggregator trains on the held-out images in its own session
         assert set(ctl.record["sites"]["site-1"]["dp"]["sessions"]) == {"train", "holdout"}
+
+
+def test_status_report_and_model_card_say_plainly_whether_a_run_was_dp():
+    from hfl_components.privacy import run_dp_line
+    from nvflare_jobs.report import model_card
+
+    sess = {"noise_multiplier": 0.56, "sample_rate": 0.25, "steps": 12, "epsilon": 7.9, "delta": 1e-3}
+    dp = {"dp": True, "epsilon": 7.9, "target_epsilon": 8.0, "delta": 1e-3, "sessions": {"train": sess}}
+    assert run_dp_line({"a": {"dp": {"dp": False}}, "b": {}}) == "not DP (no site trained with dp)"
+    both = run_dp_line({"a": {"dp": dp}, "b": {"dp": {**dp, "epsilon": 7.5}}})
+    assert both.startswith("DP-SGD at every site: epsilon <= 7.90 (target 8)") and "b 7.50" in both
+    half = run_dp_line({"a": {"dp": dp}, "b": {"dp": {"dp": False}}})
+    assert half.startswith("DP-SGD at 1 of 2 sites") and half.endswith("NOT DP: b")
+    card = model_card({"method": "fedavg", "labels": "binary", "sites": {"a": {"dp": dp, "test": {}}}})
+    assert "Differential privacy:</b> DP-SGD at every site" in card and "noise multiplier 0.56" in card
+    assert "12 steps" in card
+    assert "Differential privacy:</b> not DP" in model_card({"method": "fedavg", "sites": {"a": {"test": {}}}})

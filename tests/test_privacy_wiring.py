@@ -212,3 +212,58 @@ def test_status_report_and_model_card_say_plainly_whether_a_run_was_dp():
     assert "Differential privacy:</b> DP-SGD at every site" in card and "noise multiplier 0.56" in card
     assert "12 steps" in card
     assert "Differential privacy:</b> not DP" in model_card({"method": "fedavg", "sites": {"a": {"test": {}}}})
+
+
+@pytest.mark.slow
+def test_main_job_in_the_simulator_with_dp_epsilon_8_records_and_recomputes_epsilon(data_root, tmp_path):
+    """A real simulator run of the main job (OHFL) with ``dp: {epsilon: 8}`` at every site: per site
+    ``metrics.json`` records the noise multiplier, sample rate, steps and epsilon <= 8, which Opacus's accountant
+    recomputes from those values alone; the deployed model files carry the same record; status says DP."""
+    from hfl_components.models import read_model_header
+    from hfl_components.privacy import epsilon_from_record
+    from tests.sim_helpers import load_metrics, make_partition, make_profile, run_cli
+
+    part = make_partition(data_root, tmp_path / "part", 3, max_images=150)
+    profile = make_profile(part, tmp_path / "profile", "ohfl", dp={"epsilon": 8})
+    run = tmp_path / "run"
+    r = run_cli("simulate", "--method", "ohfl", "--profile", str(profile), "--probe", "generated",
+                "--probe-size", "16", "--distill-steps", "10", "--out", str(run))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = load_metrics(run)
+    assert sorted(m["sites"]) == ["site-1", "site-2", "site-3"]
+    for site, b in m["sites"].items():
+        rec = b["dp"]
+        assert rec["dp"] is True and 0 < rec["epsilon"] <= 8.0, (site, rec)
+        sess = rec["sessions"]["train"]
+        assert sess["steps"] == sess["planned_steps"] > 0 and 0 < sess["sample_rate"] <= 1
+        again = epsilon_from_record({k: sess[k] for k in ("accountant", "delta", "noise_multiplier", "sample_rate",
+                                                          "steps")})
+        assert again == pytest.approx(sess["epsilon"], rel=1e-6) and again <= 8.0
+        assert {x["name"]: x["protection"] for x in b["releases"]["releases"]}["model weights"] == "dp"
+        deployed = sorted((run / "models").glob(f"{site}_deployed*.pt"))
+        assert deployed and read_model_header(deployed[0])["provenance"]["dp"]["epsilon"] == rec["epsilon"]
+    st = run_cli("status", str(run))
+    assert "privacy: DP-SGD at every site: epsilon <= " in st.stdout, st.stdout[-2000:]
+
+
+def test_a_monai_site_model_is_made_compatible_and_its_spec_rebuilds_it(tmp_path):
+    """Local with a DenseNet (BatchNorm) site under dp: Opacus's ModuleValidator.fix replaces BatchNorm by GroupNorm,
+    the spec says ``norm: group``, the saved model file loads back with the trained weights, and site check's
+    compatibility line names the fix."""
+    from hfl_components.flare.dispatch import handler
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.models import build_model, load_model_file
+    from hfl_components.privacy import compatibility_report
+
+    spec = {"family": "densenet", "in_channels": 1, "num_classes": 2, "init_features": 8, "growth_rate": 4,
+            "block_config": [2, 2]}
+    cfg = {**_site(tmp_path, "hospital-d", 24, dp={"epsilon": 8}), "model": spec}
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    handler("local_train")(rt, {}, {"method": "local", "task_config": {"local_epochs": 1}, "round": 0,
+                                    "total_rounds": 1})
+    assert rt.spec["norm"] == "group" and not any("BatchNorm" in type(m).__name__ for m in rt.model.modules())
+    model, header = load_model_file(rt.state_dir / "model.pt")
+    for k, v in rt.model.state_dict().items():
+        assert torch.equal(model.state_dict()[k].cpu(), v.cpu()), k
+    assert header["provenance"]["dp"]["epsilon"] <= 8.0
+    assert "made compatible by Opacus ModuleValidator.fix" in compatibility_report(build_model(spec))

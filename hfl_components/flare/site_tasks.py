@@ -348,23 +348,19 @@ class SiteRuntime:
 
     def dp_compatible(self, model):
         """``model`` ready for DP-SGD: as is without dp or when Opacus accepts it; a BatchNorm model (MONAI
-        families) of the Local method made compatible by Opacus's ``ModuleValidator.fix``
-        (:func:`hfl_components.privacy.make_compatible`). Raises ValueError naming the site for a BatchNorm model
-        of a method whose other parties rebuild the site's model from its spec (they would build BatchNorm)."""
+        families) made compatible by Opacus's ``ModuleValidator.fix`` (BatchNorm -> GroupNorm, the trained weights of
+        every other layer kept) and its spec marked ``norm: group``, so every party that rebuilds it from the spec
+        (model files, FENS's ensemble, evaluation) builds the same modules
+        (:func:`hfl_components.models.build_model`). In-place activations are turned off either way
+        (:func:`hfl_components.privacy.make_compatible`)."""
         if self.dp_spec is None:
             return model
-        from opacus.validators import ModuleValidator
-
-        if not ModuleValidator.validate(model, strict=False):
-            return model
-        if self.method not in ("local", None):
-            raise ValueError(f"site {self.site}: dp: the {self.cfg['model'].get('family')} model has BatchNorm, which "
-                             f"DP-SGD cannot train; Opacus's fix (GroupNorm) changes the model the other parties "
-                             f"rebuild, so method {self.method} needs a fusable model (cnn / vgg11) under dp")
         from hfl_components.privacy import make_compatible
 
         fixed, rep = make_compatible(model)
-        log.warning("site %s: %s", self.site, rep["text"])
+        if rep["changed"]:
+            log.warning("site %s: %s", self.site, rep["text"])
+            self.spec = {**self.spec, "norm": "group"}
         return fixed.to(self.device)
 
     def ensure_own_model(self, init: str = "site", init_seed: int | None = None):

@@ -267,3 +267,21 @@ def test_a_monai_site_model_is_made_compatible_and_its_spec_rebuilds_it(tmp_path
         assert torch.equal(model.state_dict()[k].cpu(), v.cpu()), k
     assert header["provenance"]["dp"]["epsilon"] <= 8.0
     assert "made compatible by Opacus ModuleValidator.fix" in compatibility_report(build_model(spec))
+
+
+@pytest.mark.parametrize("model, says", [
+    ({"family": "cnn", "depth": "shallow"}, "compatible as is (no BatchNorm)"),
+    ({"family": "densenet", "init_features": 8, "growth_rate": 4, "block_config": [2, 2]},
+     "made compatible by Opacus ModuleValidator.fix"),
+])
+def test_site_check_says_how_dp_trains_the_sites_model(tmp_path, model, says):
+    import yaml
+
+    from nvflare_jobs.site_check import check_site, format_report
+
+    cfg = _site(tmp_path, "hospital-e", 12)
+    raw = {"data": cfg["data"], "model": model, "input_size": 32, "dp": {"epsilon": 8}}
+    (tmp_path / "hospital-e.yaml").write_text(yaml.safe_dump(raw))
+    rep = check_site(tmp_path / "hospital-e.yaml", read_images=False)
+    assert says in rep["dp"] and rep["dp"].startswith("epsilon 8")
+    assert any(line.strip().startswith("dp ") and says in line for line in format_report(rep).splitlines())

@@ -193,7 +193,22 @@ def model_card(m: dict, audit: str | None = None) -> str:
             + "<p><b>Pooled metrics:</b> " + html.escape(pooled_note(m)) + ".</p>"
             + "<p><b>Limitations:</b> small test splits give wide confidence intervals; the pooled 95% CIs below are "
               "bootstrap intervals over images, not over sites or centres.</p>"
-            + (f"<p><b>Shortcut audit</b> (section below): {html.escape(audit)}.</p>" if audit else "") + "</div>")
+            + (f"<p><b>Shortcut audit</b> (section below): {html.escape(audit)}.</p>" if audit else "")
+            + f"<p><b>Differential privacy:</b> {html.escape(dp_statement(sites))}.</p></div>")
+
+
+def dp_statement(sites: dict) -> str:
+    """The model card's and report's privacy line (:func:`hfl_components.privacy.run_dp_line`), with each DP site's
+    noise multiplier, sample rate and steps."""
+    from hfl_components.privacy import run_dp_line
+
+    parts = [run_dp_line(sites)]
+    for s, b in sorted(sites.items()):
+        for key, r in ((b.get("dp") or {}).get("sessions") or {}).items():
+            parts.append(f"{s} ({key}): noise multiplier {r.get('noise_multiplier'):.3g}, sample rate "
+                         f"{r.get('sample_rate'):.3g}, {r.get('steps')} steps, epsilon {r.get('epsilon'):.2f}, "
+                         f"delta {r.get('delta'):.2g}")
+    return "; ".join(parts)
 
 
 def excluded_rows(m: dict) -> list[list]:

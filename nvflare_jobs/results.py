@@ -85,7 +85,8 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
             all_y.extend(test["_labels"])
         block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
                  "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
-        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point", "acceptance"):
+        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point", "acceptance",
+                  "dp", "releases"):
             if k in s:
                 block[k] = _strip_predictions(s[k])
         sites[site] = block

@@ -141,6 +141,10 @@ def _check_model(cfg: dict, rep: dict) -> None:
     try:
         m = build_model(cfg["model"])
         rep["n_params"] = int(sum(t.numel() for t in m.parameters()))
+        if cfg.get("dp"):  # whether DP-SGD trains this model as it is, after Opacus's fix, or not at all
+            from hfl_components.privacy import compatibility_report
+
+            rep["dp"] = f"epsilon {cfg['dp']['epsilon']}; {compatibility_report(m, int(cfg['input_size']))}"
     except Exception as e:  # noqa: BLE001 - reported, the check goes on
         rep["errors"].append(f"config {cfg['config_path']} key 'model': cannot build {cfg['model']}: {e}")
 
@@ -322,6 +326,8 @@ def format_report(rep: dict) -> str:
             npar = f", {rep['n_params'] / 1e6:.2f} M parameters" if rep.get("n_params") else ""
             out.append(f"  model       {desc} ({extra}){npar}; input {rep['input_size']} x {rep['input_size']} px, "
                        f"batch {rep['batch_size']}")
+        if "dp" in rep:
+            out.append(f"  dp          {rep['dp']}")
         if "device" in rep:
             out.append(f"  device      {rep['device']}; mixed precision {'on' if rep.get('amp') else 'off'}; "
                        f"{rep.get('threads', 1)} CPU threads")

@@ -256,6 +256,10 @@ def run_folder_view(run_dir: str | Path) -> dict:
     view["tensorboard"] = tb[0] if tb else None
     # the method's own record fields, as its catalogue entry declares them (catalogue.record_summary)
     view["record"] = record_summary(metrics.get("method"), metrics) if metrics else []
+    if metrics and isinstance(metrics.get("sites"), dict):  # whether the run was DP, and at which epsilon
+        from hfl_components.privacy import run_dp_line
+
+        view["record"].append(("privacy", run_dp_line(metrics["sites"])))
     idx = _read(run / "models.json")
     entries = [e for e in ((idx or {}).get("models") or []) if isinstance(e, dict)]
     view["models"] = [{k: e.get(k) for k in ("name", "kind", "site", "sha256", "gate")} for e in entries]

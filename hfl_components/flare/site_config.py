@@ -90,6 +90,10 @@ DEFAULTS = {
     "share_predictions": False,
     "device": "auto",  # auto | cpu | cuda | cuda:N, for training and evaluation
     "amp": False,  # mixed precision training
+    # differential privacy of local training (DP-SGD with Opacus, hfl_components.privacy): null = off, or
+    # {epsilon: 8[, delta, max_grad_norm, accountant, losses, loss_clip, count_epsilon]} for the whole job's
+    # training at this site; delta null = 1 / (10 x training images)
+    "dp": None,
 }
 DEPLOY_RULES = ("last", "best_val")
 TOP_KEYS = set(DEFAULTS) | {"site", "data", "model"}
@@ -182,7 +186,32 @@ def validate_site_config(raw: dict, site: str, path: str | os.PathLike = "<memor
     cfg["model"] = _model_section(raw, site, path, cfg["data"]["labels"])
     _check_training(cfg, site, path)
     _check_augmentation(cfg, raw, site, path)
+    _check_dp(cfg, site, path)
     return cfg
+
+
+def _check_dp(cfg: dict, site: str, path) -> None:
+    """``dp``: null, or a mapping :class:`hfl_components.privacy.DPSpec` accepts (SiteConfigError naming the key);
+    DP-SGD needs per-image gradients of plain float32 steps over Poisson batches, so ``amp`` and
+    ``balanced_sampling`` are refused with it, and ``class_weights: balanced`` (from exact class counts). The mapping is kept as written (the site resolves delta from its
+    image count)."""
+    if cfg["dp"] is None:
+        return
+    from hfl_components.privacy.dp import DPSpec
+
+    try:
+        DPSpec.from_config(cfg["dp"], site, str(path))
+    except ValueError as e:
+        msg = str(e).removeprefix(f"site {site}: config {path} key dp: ")
+        raise _err(site, path, "dp", msg) from None
+    if cfg["class_weights"] is not None:
+        raise _err(site, path, "class_weights", "cannot be combined with dp (balanced weights come from the exact "
+                                                "training class counts, outside the DP-SGD accountant); set null")
+    for key in ("amp", "balanced_sampling"):
+        if cfg[key]:
+            raise _err(site, path, key, f"cannot be combined with dp (DP-SGD samples Poisson batches and clips "
+                                        f"per-image float32 gradients); set {key}: false or remove dp")
+    cfg["dp"] = dict(cfg["dp"])
 
 
 def _data_section(raw: dict, site: str, path, check_files: bool, require_data: bool) -> dict:
@@ -411,6 +440,8 @@ batch_size: 16
 # deployed_model: null             # the deployed model file: site check compares your images with its training population
 # keep_for_processing: false       # true: DICOM For Processing images (raw detector signal) may train; site check warns otherwise
 # skip_other_body_parts: false     # true: site check warns about images whose header names another body part (else a note)
+# dp: null                         # e.g. {{epsilon: 8}}: DP-SGD (Opacus) for the whole job's training here; optional
+#                                  # delta (default 1/(10 x training images)), max_grad_norm (1.0); see docs/DEPLOYMENT.md
 """
 
 

@@ -49,11 +49,105 @@ def task_epochs(rt, tc: dict, key: str, cfg_key: str) -> int:
     return int(v)
 
 
+def job_epochs(meta: dict, epochs: int) -> int:
+    """The epochs a site trains over the whole job when each of the job's ``meta["total_rounds"]`` rounds (1 when
+    the task gives none) trains ``epochs``: what a DP-SGD session is planned for on the first round."""
+    return int(epochs) * max(1, int(meta.get("total_rounds") or 1))
+
+
 def ok_meta(rt, **meta) -> dict:
-    """The answer's ``meta`` of a task that worked: status, training count, input size, label scheme, plus ``meta``."""
-    out = {"status": "ok", "n_train": rt.n_train(), "input_size": int(rt.cfg["input_size"]), "labels": rt.labels}
+    """The answer's ``meta`` of a task that worked: status, training count (under dp
+    :meth:`~hfl_components.flare.site_tasks.SiteRuntime.released_count`), input size, label scheme, the site's dp
+    record (:func:`sent_dp_record`), plus ``meta``."""
+    out = {"status": "ok", "n_train": rt.released_count(rt.n_train()), "input_size": int(rt.cfg["input_size"]),
+           "labels": rt.labels, "dp": sent_dp_record(rt)}
     out.update(meta)
     return out
+
+
+# ---------------------------------------------------------------------------- what leaves a site under dp
+#: Under the site config's ``dp``: each metrics key a site handler may send, with its stated protection
+#: (docs/DEPLOYMENT.md, "what leaves a site"). :func:`protect_answer` drops every other key.
+DP_METRICS = {
+    "loss": "training losses: dropped (None) or noised inside the DP-SGD epsilon (dp.losses)",
+    "finetune_loss": "fine-tuning losses: dropped (None) or noised inside the DP-SGD epsilon (dp.losses)",
+    "val": "validation metrics of the DP-trained model: validation images, not training images (not covered)",
+    "local": "test metrics of the DP-trained model: test images (not covered)",
+    "global_zero_shot": "test metrics of the fused model (post-processing of DP uploads): test images (not covered)",
+    "test": "test metrics: test images (not covered)",
+    "gate": "acceptance outcome and bounds on validation images only under dp (not covered)",
+    "acceptance": "acceptance outcome and bounds on validation images only under dp (not covered)",
+    "operating_point": "temperature, ECE and a k-per-cell histogram of calibrated validation scores (k-anonymity)",
+    "deploy": "the deployed round and its validation balanced accuracy (validation images, not covered)",
+    "releases": "the site's release ledger (settings and accountant values)",
+    "cross_site": "test metrics of received model files on this site's test images (not covered)",
+}
+#: Under dp, the ``meta`` keys of an answer that carry a training count: replaced by the released count.
+DP_COUNT_KEYS = ("n_train", "NUM_STEPS_CURRENT_ROUND", "n_holdout")
+
+
+def sent_dp_record(rt) -> dict:
+    """The site's dp record as it leaves the site (``meta["dp"]`` of every answer): ``{"dp": False}`` without dp;
+    else :meth:`~hfl_components.flare.site_tasks.SiteRuntime.dp_record` with each session's training-image count
+    removed when the count is noised (``dp.count_epsilon``). The sample rate ``1 / ceil(n / B)`` discloses the
+    number of batches either way."""
+    rec = rt.dp_record()
+    if not rec.get("dp") or rt.dp_spec.count_epsilon is None:
+        return rec
+    return {**rec, "sessions": {k: {kk: vv for kk, vv in s.items() if kk != "n_images"}
+                                for k, s in rec["sessions"].items()}}
+
+
+def protect_answer(rt, task: str, answer: tuple) -> tuple:
+    """A site handler's ``(params, metrics, meta)`` as it may leave the site: unchanged without dp; under dp every
+    metrics key not in :data:`DP_METRICS` is dropped (logged), every training loss must be None or DP-noised (a
+    record of the DP loop), and the counts of :data:`DP_COUNT_KEYS` are the released count.
+
+    Raises:
+        ValueError: under dp, a training loss that the DP loop did not produce (a number while losses are dropped).
+    """
+    params, metrics, meta = answer
+    spec = rt.dp_spec
+    if spec is None:
+        return answer
+    metrics = dict(metrics or {})
+    for k in sorted(set(metrics) - set(DP_METRICS)):
+        log.warning("site %s: dp: %s of task %s is not sent (no stated protection)", rt.site, k, task)
+        metrics.pop(k)
+    for k in ("loss", "finetune_loss"):
+        if spec.losses == "drop" and any(v is not None for v in metrics.get(k) or []):
+            raise ValueError(f"site {rt.site}: dp: task {task} would send raw training losses ({k}); refused")
+    meta = dict(meta or {})
+    for k in DP_COUNT_KEYS:
+        if k in meta and meta[k] is not None:
+            meta[k] = rt.released_count(int(meta[k]))
+    return params, metrics, meta
+
+
+def release_ledger(rt, method: str | None) -> dict:
+    """The site's :class:`hfl_components.privacy.ReleaseLedger` for ``method`` under its dp record (JSON-able):
+    the weights DP-SGD covers, the training losses, the training-set size, FENS's aggregator, OHFL's
+    operating-point histogram, validation and test summaries."""
+    from hfl_components.privacy import ReleaseLedger
+
+    rec, spec = rt.dp_record(), rt.dp_spec
+    led = ReleaseLedger(rt.site)
+    sessions = rec.get("sessions") or {}
+    led.add_training(sessions.get("train"), "model weights" if method != "local" else "nothing (Local: table only)")
+    if "holdout" in sessions:
+        led.add_training(sessions["holdout"], "FENS aggregator weights (held-out images)")
+    if spec is not None and spec.count_epsilon is not None:
+        led.add("training-set size", "dp", epsilon=float(spec.count_epsilon), delta=0.0,
+                mechanism="discrete Laplace", note="noised once, the same value in every answer")
+    else:
+        led.add("training-set size", "public", note="declared to the consortium")
+    if method == "ohfl":
+        led.add("operating-point histogram", "k-anonymity", k=5, mechanism="coarse shared grid",
+                note="validation images; every non-empty cell >= 5 images of its class")
+    led.add("validation metrics and acceptance summaries", "not covered",
+            note="validation images (not training images); computed from the DP-trained model")
+    led.add("test metrics", "not covered", note="test images; share_predictions adds per-image scores")
+    return led.to_dict()
 
 
 # ---------------------------------------------------------------------------- evaluation rules
@@ -154,6 +248,7 @@ def evaluate_deployed(rt, params, meta):
         import json
 
         out["deploy"] = json.loads(sel.read_text())
+    out["releases"] = release_ledger(rt, rt.method)  # what this site sent, each with its protection
     return {}, out, ok_meta(rt, spec=rt.spec)
 
 

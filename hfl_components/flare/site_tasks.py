@@ -130,6 +130,8 @@ class SiteRuntime:
         self.method = None  # the method of the task being run (meta["method"], set by dispatch.handler)
         self.method_defaults = None  # that method's catalogue defaults (epochs a site config leaves out)
         self._manifest_sha = None
+        self._dp_sessions: dict = {}  # "train" / "holdout" -> hfl_components.privacy.DPSession (site config dp)
+        self._dp_count = None  # the released (noised or declared) training-set size under dp, fixed once per process
         # what the site is doing now (task, epoch, loss); the site script sends it to the server as a heartbeat
         self.progress: dict = {}
         self._load_state()
@@ -279,7 +281,7 @@ class SiteRuntime:
                                operating_point=getattr(self, "operating_point", None) if kind == "deployed" else None,
                                population=getattr(self, "population_reference", None) if kind == "deployed" else None,
                                provenance={"method": self.method, "seed": int(self.cfg["seed"]),
-                                           "manifest_sha256": self.manifest_sha256()})
+                                           "manifest_sha256": self.manifest_sha256(), "dp": self.dp_record()})
 
     def set_model(self, spec: dict, state_dict: dict | None = None):
         self.spec = dict(spec)
@@ -287,6 +289,79 @@ class SiteRuntime:
         if state_dict is not None:
             self.model.load_state_dict(state_dict)
         self.model.to(self.device)
+
+    # ---------------------------------------------------------------- differential privacy (site config dp)
+    @property
+    def dp_spec(self):
+        """The site config's ``dp`` as a :class:`hfl_components.privacy.DPSpec`, or None (no dp). Raises ValueError
+        naming the site and file on a bad mapping."""
+        raw = self.cfg.get("dp")
+        if not raw:
+            return None
+        from hfl_components.privacy import DPSpec
+
+        return DPSpec.from_config(raw, self.site, self.cfg.get("config_path", "<memory>"))
+
+    def dp_session(self, key: str, n_images: int, epochs: int):
+        """The site's DP-SGD session ``key`` (``train``: the training split; ``holdout``: FENS's held-out images, a
+        disjoint set), planned on first use for ``epochs`` epochs over ``n_images`` images at the config's batch
+        size (:func:`hfl_components.privacy.check_budget`: an impossible budget is refused here, before any step,
+        in one line naming the site). None without dp. One session (one accountant) serves every later training
+        call of the job with the same key; its plan must cover them all (the caller passes the job's total)."""
+        spec = self.dp_spec
+        if spec is None:
+            return None
+        if key not in self._dp_sessions:
+            from hfl_components.privacy import DPSession, check_budget
+
+            plan = check_budget(int(n_images), int(self.cfg["batch_size"]), int(epochs), spec, self.site)
+            log.warning("site %s: dp (%s): epsilon %g, delta %.3g, noise multiplier %.3f, sample rate %.4f, %d steps",
+                        self.site, key, plan.target_epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate,
+                        plan.steps)
+            self._dp_sessions[key] = DPSession(plan, seed=int(self.cfg["seed"]))
+        return self._dp_sessions[key]
+
+    def dp_record(self) -> dict | None:
+        """What the site records of its DP-SGD (model-file provenance, the answers' ``meta["dp"]``):
+        ``{"dp": True, "epsilon": the largest of its sessions' (disjoint image sets: parallel composition),
+        "delta", "sessions": {key: DPSession.record()}}``; ``{"dp": False}`` without dp."""
+        if self.dp_spec is None:
+            return {"dp": False}
+        recs = {k: s.record() for k, s in self._dp_sessions.items()}
+        eps = max((r["epsilon"] for r in recs.values()), default=0.0)
+        delta = max((r["delta"] for r in recs.values()), default=None)
+        return {"dp": True, "epsilon": eps, "target_epsilon": float(self.dp_spec.epsilon), "delta": delta,
+                "sessions": recs}
+
+    def released_count(self, n: int) -> int:
+        """The training-set size this site sends under dp: noised once with the discrete Laplace mechanism when the
+        config sets ``dp.count_epsilon`` (:func:`hfl_components.privacy.noisy_count`, the same value in every answer
+        of the job), else ``n`` (declared public to the consortium). Without dp, ``n``."""
+        spec = self.dp_spec
+        if spec is None or spec.count_epsilon is None:
+            return int(n)
+        if self._dp_count is None:
+            from hfl_components.privacy import noisy_count
+
+            self._dp_count = noisy_count(int(n), float(spec.count_epsilon))
+        return int(self._dp_count)
+
+    def dp_compatible(self, model):
+        """``model`` ready for DP-SGD: as is without dp or when Opacus accepts it; a BatchNorm model (MONAI
+        families) made compatible by Opacus's ``ModuleValidator.fix`` (BatchNorm -> GroupNorm, the trained weights of
+        every other layer kept) and its spec marked ``norm: group``, so every party that rebuilds it from the spec
+        (model files, FENS's ensemble, evaluation) builds the same modules
+        (:func:`hfl_components.models.build_model`). In-place activations are turned off either way
+        (:func:`hfl_components.privacy.make_compatible`)."""
+        if self.dp_spec is None:
+            return model
+        from hfl_components.privacy import make_compatible
+
+        fixed, rep = make_compatible(model)
+        if rep["changed"]:
+            log.warning("site %s: %s", self.site, rep["text"])
+            self.spec = {**self.spec, "norm": "group"}
+        return fixed.to(self.device)
 
     def ensure_own_model(self, init: str = "site", init_seed: int | None = None):
         """The site's own model, built on first use.
@@ -376,16 +451,22 @@ class SiteRuntime:
 
     # ---------------------------------------------------------------- training / evaluation
     def train(self, epochs: int, lr: float, aux_loss=None, tag: str = "train", rnd: int = 0,
-              total_rounds: int | None = None, grad_clip: float | None = None) -> list[dict]:
+              total_rounds: int | None = None, grad_clip: float | None = None,
+              dp_epochs: int | None = None) -> list[dict]:
         """Train the site's model for ``epochs`` epochs at ``lr`` (scaled by :func:`round_lr_factor` when the site
         config sets ``lr_schedule: cosine`` and ``total_rounds`` is known) with the config's optimiser, the
         method's ``aux_loss`` added to the CE, and the gradient norm clipped at ``grad_clip`` (None: no clip; the
-        method's option, e.g. the prototype methods' ``grad_clip``)."""
+        method's option, e.g. the prototype methods' ``grad_clip``). Under the site config's ``dp`` the training is
+        DP-SGD in the site's ``train`` session (:meth:`dp_session`), planned on the first call for ``dp_epochs``
+        epochs (the whole job's training at this site; default ``epochs``)."""
         from hfl_components.training import train_local
 
         model = self.ensure_own_model()
         if epochs <= 0:
             return []
+        if self.dp_spec is not None:
+            model = self.model = self.dp_compatible(model)
+        dp = self.dp_session("train", self.n_train(), int(dp_epochs or epochs))
         if self.cfg.get("lr_schedule", "constant") == "cosine" and total_rounds:
             lr = float(lr) * round_lr_factor(int(rnd), int(total_rounds))
             log.info("site %s %s: cosine schedule, round %s of %s, lr %.6f", self.site, tag, rnd, total_rounds, lr)
@@ -395,7 +476,9 @@ class SiteRuntime:
 
         def on_epoch(rec):
             self.progress.update({"epoch": rec.get("epoch"), "loss": rec.get("loss")})
-            log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs, rec.get("loss", float("nan")))
+            loss = rec.get("loss")
+            log.info("site %s %s epoch %s/%s loss %.4f", self.site, tag, rec.get("epoch"), epochs,
+                     float("nan") if loss is None else loss)
 
         decay = float(self.cfg.get("weight_ema") or 0.0)
         on_step = None
@@ -412,7 +495,7 @@ class SiteRuntime:
                            optimizer=self._optimizer(model, lr), weight_decay=float(self.cfg.get("weight_decay", 0.0)),
                            grad_clip=grad_clip,
                            seed=int(self.cfg["seed"]) * 1000 + int(rnd), device=self.device, amp=self.amp,
-                           on_step=on_step)
+                           on_step=on_step, dp=dp)
 
     @property
     def eval_model(self):

@@ -10,7 +10,7 @@ the safetensors metadata one JSON header under the key ``"cxr_hfl_model"``::
      "labels": "binary" | "subtype" | null, "class_names": [...] | null,   # owner: chest_xray.labels
      "site": "site-1" | null, "kind": "deployed" | "local" | "state" | "global" | null,
      "weights_sha256": "...",             # over (name, dtype, shape, bytes) of every tensor, names sorted
-     "provenance": {"method": ..., "seed": ..., "code_version": ..., "manifest_sha256": ...},
+     "provenance": {"method": ..., "seed": ..., "code_version": ..., "manifest_sha256": ..., "dp": ...},
      "operating_point": {"temperature": ..., "threshold": ..., "target": ...},  # only when set (deployed OHFL)
      "population": {...}}                 # only when set: hfl_components.shift.build_reference
 
@@ -34,7 +34,7 @@ from torch import nn
 
 HEADER_KEY = "cxr_hfl_model"
 FORMAT_VERSION = 1
-_PROVENANCE_KEYS = ("method", "seed", "code_version", "manifest_sha256")
+_PROVENANCE_KEYS = ("method", "seed", "code_version", "manifest_sha256", "dp")
 _EXAMPLE = "e.g. RUN/models/site-1_deployed.pt"
 
 
@@ -107,7 +107,9 @@ def save_model_file(path: str | os.PathLike, spec: dict, state_dict: Mapping[str
         population: the training population's summary (:func:`hfl_components.shift.build_reference`), which
             ``predict`` compares each batch with; stored in the header only when given.
         provenance: any of ``method``, ``seed``, ``code_version`` (default :func:`code_version`),
-            ``manifest_sha256`` (the site's manifest, :func:`file_sha256`).
+            ``manifest_sha256`` (the site's manifest, :func:`file_sha256`), ``dp`` (the site's DP-SGD record,
+            ``hfl_components.flare.site_tasks.SiteRuntime.dp_record``: ``{"dp": False}`` or the accountant's epsilon,
+            delta, noise multiplier, sample rate and steps).
 
     Returns:
         The path written.

@@ -47,6 +47,11 @@ def is_fusable(spec: dict) -> bool:
     return spec.get("family") in FAMILIES
 
 
+#: model spec ``norm``: ``batch`` (as the family builds it; the default) or ``group`` (BatchNorm -> GroupNorm by
+#: Opacus's ``ModuleValidator.fix``, for DP-SGD)
+NORMS = ("batch", "group")
+
+
 def validate_spec(spec: dict) -> dict:
     """Check a spec is JSON-able, names a known family and resolves (keys and sizes); return it unchanged.
 
@@ -60,20 +65,34 @@ def validate_spec(spec: dict) -> dict:
     if fam not in _ALL:
         raise ValueError(f"unknown model family {fam!r}; known: {sorted(FAMILY_TABLE)}")
     json.dumps(spec)  # raises TypeError on non-JSON-able content
-    _ALL[fam].resolve(spec)  # full check of keys and sizes without building the network
+    if spec.get("norm", "batch") not in NORMS:
+        raise ValueError(f"model spec key 'norm' must be one of {', '.join(NORMS)}, got {spec.get('norm')!r}")
+    _ALL[fam].resolve({k: v for k, v in spec.items() if k != "norm"})  # keys and sizes, without building
     return spec
 
 
 def resolve_spec(spec: dict) -> dict:
     """Return the spec with every family default filled in (what :func:`build_model` builds). Raises ValueError."""
     validate_spec(spec)
-    return _ALL[spec["family"]].resolve(spec)
+    out = _ALL[spec["family"]].resolve({k: v for k, v in spec.items() if k != "norm"})
+    return {**out, "norm": spec["norm"]} if "norm" in spec else out
 
 
 def build_model(spec: dict) -> nn.Module:
-    """Build an ``nn.Module`` from a spec dict. Raises ValueError on an unknown family or bad sizes."""
+    """Build an ``nn.Module`` from a spec dict. Raises ValueError on an unknown family or bad sizes.
+
+    ``spec["norm"] == "group"`` (a site training under differential privacy, ``hfl_components.privacy``): the
+    family's network with every BatchNorm replaced by GroupNorm by Opacus's ``ModuleValidator.fix`` (DP-SGD needs
+    per-image gradients, which BatchNorm's batch statistics mix), so every party that rebuilds the model from its
+    spec builds the same modules; a model without BatchNorm is unchanged."""
     validate_spec(spec)
-    return _ALL[spec["family"]].build(spec)
+    model = _ALL[spec["family"]].build({k: v for k, v in spec.items() if k != "norm"})
+    if spec.get("norm", "batch") == "group":
+        from opacus.validators import ModuleValidator
+
+        if ModuleValidator.validate(model, strict=False):
+            model = ModuleValidator.fix(model)
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

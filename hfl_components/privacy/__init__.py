@@ -20,7 +20,7 @@ from hfl_components.privacy.mia import (
     roc_points, tpr_at_fpr, train_shadow_models,
 )
 from hfl_components.privacy.releases import (
-    PROTECTIONS, SAFE_HISTORY_KEYS, Release, ReleaseLedger, noisy_count, release_history,
+    PROTECTIONS, SAFE_HISTORY_KEYS, Release, ReleaseLedger, noisy_count, release_history, run_dp_line,
 )
 
 __all__ = [
@@ -30,5 +30,5 @@ __all__ = [
     "DEFAULT_FPR", "attack_metrics", "audit_p_value", "auc", "canary_inclusion", "default_guesses",
     "epsilon_lower_bound", "lira_offline", "logit_confidence", "loss_threshold_attack", "model_logits",
     "one_run_audit", "per_example_losses", "roc_points", "tpr_at_fpr", "train_shadow_models",
-    "PROTECTIONS", "SAFE_HISTORY_KEYS", "Release", "ReleaseLedger", "noisy_count", "release_history",
+    "PROTECTIONS", "SAFE_HISTORY_KEYS", "Release", "ReleaseLedger", "noisy_count", "release_history", "run_dp_line",
 ]

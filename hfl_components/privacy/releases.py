@@ -88,6 +88,25 @@ def noisy_count(n: int, epsilon: float, seed: int | None = None, minimum: int = 
     return max(int(minimum), int(n) + z)
 
 
+def run_dp_line(sites: Mapping) -> str:
+    """One plain line saying whether a run was differentially private and at which epsilon, from ``metrics.json``'s
+    ``sites`` (each site's ``dp`` record, :meth:`hfl_components.flare.site_tasks.SiteRuntime.dp_record`):
+    ``"not DP (no site trained with dp)"``, ``"DP-SGD at every site: epsilon <= E (target T), delta <= D; per site
+    s1 e1, ..."`` or ``"DP-SGD at k of N sites ... ; NOT DP: s, ..."`` (a run is DP only where every site is)."""
+    recs = {s: (b or {}).get("dp") for s, b in sorted(sites.items())}
+    dp = {s: r for s, r in recs.items() if isinstance(r, Mapping) and r.get("dp")}
+    if not dp:
+        return "not DP (no site trained with dp)"
+    eps = max(float(r.get("epsilon") or 0.0) for r in dp.values())
+    target = max(float(r.get("target_epsilon") or 0.0) for r in dp.values())
+    delta = max(float(r.get("delta") or 0.0) for r in dp.values())
+    per = ", ".join(f"{s} {float(r.get('epsilon') or 0.0):.2f}" for s, r in dp.items())
+    who = "every site" if len(dp) == len(recs) else f"{len(dp)} of {len(recs)} sites"
+    line = f"DP-SGD at {who}: epsilon <= {eps:.2f} (target {target:g}), delta <= {delta:.2g}; per site {per}"
+    off = [s for s in recs if s not in dp]
+    return line + (f"; NOT DP: {', '.join(off)}" if off else "")
+
+
 @dataclass
 class Release:
     """One kind of value a site sends.

@@ -519,6 +519,9 @@ class HFLController(ModelController):
                 self.record["sites"][site]["deploy"] = jsonable(m["deploy"])
             if m.get("operating_point") is not None:  # OHFL: the site's own sensitivity at the federated threshold
                 self.record["sites"][site]["operating_point"] = jsonable(m["operating_point"])
+            for key, v in (("dp", (r.meta or {}).get("dp")), ("releases", m.get("releases"))):  # site config dp
+                if v is not None:
+                    self.record["sites"][site][key] = jsonable(v)
 
     def save_global_model(self, spec: dict, numpy_state: dict) -> Path:
         """Write ``<results dir>/global_model.pt`` (``hfl_components.models.save_model_file``: weights, spec, the

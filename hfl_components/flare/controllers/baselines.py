@@ -7,7 +7,7 @@ import time
 from hfl_components.flare.controllers.base import HFLController
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
 from hfl_components.flare.options import resolve
-from hfl_components.flare.site_methods import ok_meta, task_epochs
+from hfl_components.flare.site_methods import job_epochs, ok_meta, task_epochs
 
 # ============================================================================ Local
 class LocalController(HFLController):
@@ -25,8 +25,9 @@ class LocalController(HFLController):
 def local_train(rt, params, meta):
     """Local round at a site: train the site's own model, evaluate on validation, deploy by the site config's rule."""
     tc = meta.get("task_config", {})
-    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)),
-                    total_rounds=meta.get("total_rounds"))
+    epochs = task_epochs(rt, tc, "local_epochs", "local_epochs")
+    hist = rt.train(epochs, float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)),
+                    total_rounds=meta.get("total_rounds"), dp_epochs=job_epochs(meta, epochs))
     val = rt.evaluate("val")
     rt.deploy_round(val, int(meta.get("round", 0)))  # the site config's deploy rule: last | best_val
     return {}, {"loss": [h["loss"] for h in hist], "val": val}, ok_meta(rt, spec=rt.spec)
@@ -123,9 +124,11 @@ def fedavg_train(rt, params, meta):
     """FedAvg round at a site: load the global model, train it locally, upload every weight and the sample count."""
     tc = meta.get("task_config", {})
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
-    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)))
+    epochs = task_epochs(rt, tc, "local_epochs", "local_epochs")
+    hist = rt.train(epochs, float(rt.cfg["lr"]), tag=f"round {meta.get('round', 0)}", rnd=int(meta.get('round', 0)),
+                    dp_epochs=job_epochs(meta, epochs))
     rt.save_state()
-    n = rt.n_train()
+    n = rt.released_count(rt.n_train())  # under dp: noised (dp.count_epsilon) or declared public
     # NVFlare's FedAvg convention: NUM_STEPS_CURRENT_ROUND carries the aggregation weight (trap 10).
     return to_numpy_state(rt.model.state_dict()), {"loss": [h["loss"] for h in hist]}, ok_meta(
         rt, NUM_STEPS_CURRENT_ROUND=n, spec=rt.spec)

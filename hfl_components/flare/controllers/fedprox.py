@@ -10,7 +10,7 @@ round budget (no gradient clipping), and uploads every weight as FedAvg does.
 from __future__ import annotations
 
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, to_numpy_state
-from hfl_components.flare.site_methods import ok_meta, option, task_epochs
+from hfl_components.flare.site_methods import job_epochs, ok_meta, option, task_epochs
 
 
 def fedprox_train(rt, params, meta):
@@ -22,8 +22,12 @@ def fedprox_train(rt, params, meta):
     rnd = int(meta.get("round", 0))
     rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     prox = ProximalTerm(rt.model, float(option(meta, "mu")))
-    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), aux_loss=prox,
-                    tag=f"round {rnd}", rnd=rnd)
+    epochs = task_epochs(rt, tc, "local_epochs", "local_epochs")
+    hist = rt.train(epochs, float(rt.cfg["lr"]), aux_loss=prox, tag=f"round {rnd}", rnd=rnd,
+                    dp_epochs=job_epochs(meta, epochs))
     rt.save_state()
-    return to_numpy_state(rt.model.state_dict()), {"loss": [h["loss"] for h in hist], "proximal_last_batch":
-                                                   prox.last.get("proximal")}, ok_meta(rt, NUM_STEPS_CURRENT_ROUND=rt.n_train(), spec=rt.spec)
+    metrics = {"loss": [h["loss"] for h in hist]}
+    if rt.dp_spec is None:  # the last batch's proximal term is a training-derived value: not sent under dp
+        metrics["proximal_last_batch"] = prox.last.get("proximal")
+    return to_numpy_state(rt.model.state_dict()), metrics, ok_meta(
+        rt, NUM_STEPS_CURRENT_ROUND=rt.released_count(rt.n_train()), spec=rt.spec)

@@ -19,7 +19,7 @@ import numpy as np
 
 from hfl_components.flare.controllers.baselines import FedAvgController
 from hfl_components.flare.messages import GLOBAL_PREFIX, from_numpy_state, payload_bytes, to_numpy_state
-from hfl_components.flare.site_methods import ok_meta, option, task_epochs
+from hfl_components.flare.site_methods import job_epochs, ok_meta, option, task_epochs
 
 MEMBER_PREFIX = "member."  # "member.<i>.<key>": the i-th site model (meta["members"][i]) in the first round
 OUTPUTS_FILE = "fens_outputs.npz"  # a site's cached member outputs on its held-out images
@@ -147,6 +147,9 @@ def fens_local(rt, params, meta):
     rest for ``local_epochs``, keep it as the site's local model and upload it once."""
     tc = meta.get("task_config", {})
     rt.hold_out(option(meta, "fens_holdout"))
+    # under dp both budgets are checked before any training: the site model's and the aggregator's (its own
+    # session over the held-out images, every aggregator round of the job: meta total_rounds)
+    rt.dp_session("holdout", len(rt.rows(rt.HOLDOUT)), job_epochs(meta, int(option(meta, "fens_epochs"))))
     rt.ensure_own_model()
     hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
     rt.save_state()
@@ -203,8 +206,11 @@ def fens_aggregate(rt, params, meta):
     z, y = _member_outputs(rt)
     rnd = int(meta.get("round", 0))
     cw = aggregator_class_weights(y, rt.num_classes, rt.cfg.get("class_weights"))
-    hist = train_aggregator(rt.model.aggregator, z, y, int(option(meta, "fens_epochs")),
-                            float(option(meta, "fens_lr")), int(rt.cfg["batch_size"]),
-                            seed=int(rt.cfg["seed"]) * 1000 + rnd, class_weights=cw)
+    epochs = int(option(meta, "fens_epochs"))
+    # under dp: the held-out images (disjoint from the members' training images) in their own session
+    dp = rt.dp_session("holdout", int(len(y)), job_epochs(meta, epochs))
+    hist = train_aggregator(rt.model.aggregator, z, y, epochs, float(option(meta, "fens_lr")),
+                            int(rt.cfg["batch_size"]), seed=int(rt.cfg["seed"]) * 1000 + rnd, class_weights=cw, dp=dp)
+    n = rt.released_count(int(len(y))) if rt.dp_spec is not None else int(len(y))
     return to_numpy_state(rt.model.aggregator.state_dict()), {"loss": [h["loss"] for h in hist]}, ok_meta(
-        rt, spec=rt.spec, NUM_STEPS_CURRENT_ROUND=int(len(y)), n_holdout=int(len(y)))
+        rt, spec=rt.spec, NUM_STEPS_CURRENT_ROUND=n, n_holdout=n)

@@ -19,7 +19,10 @@ def ohfl_train(rt, params, meta):
     """OHFL step 1: train the site's own depth/width model and upload it once (with spec, count, val acc)."""
     tc = meta.get("task_config", {})
     rt.ensure_own_model(option(meta, "init"), option(meta, "init_seed"))
-    hist = rt.train(task_epochs(rt, tc, "local_epochs", "local_epochs"), float(rt.cfg["lr"]), tag="local")
+    epochs = task_epochs(rt, tc, "local_epochs", "local_epochs")
+    # under dp one session covers both stages: the uploaded model and the fine-tuned one whose summaries leave
+    hist = rt.train(epochs, float(rt.cfg["lr"]), tag="local",
+                    dp_epochs=epochs + task_epochs(rt, tc, "finetune_epochs", "finetune_epochs"))
     rt.save_state()
     rt.save_model(rt.state_dir / "local_model.pt", kind="local")
     val = rt.evaluate("val")
@@ -51,6 +54,10 @@ def ohfl_finetune(rt, params, meta):
     else:
         rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")
+    if rt.dp_spec is not None and rt.dp_record()["sessions"].get("train") is None:
+        raise ValueError(f"site {rt.site}: dp: the accountant of this site's local training is not in this process "
+                         "(was the site restarted between the two OHFL steps?); fine-tuning would spend an "
+                         "unaccounted budget, so it is refused")
     start = {k: v.detach().cpu().clone() for k, v in rt.model.state_dict().items()}  # the fine-tuning stage's start
     hist = rt.train(task_epochs(rt, tc, "finetune_epochs", "finetune_epochs"), float(tc.get("finetune_lr") or rt.cfg["finetune_lr"]),
                     tag="finetune")
@@ -235,12 +242,15 @@ def acceptance_candidate(rt, spec: dict, start: dict, epochs: int, lr: float, fi
 
     keep_spec = rt.spec
     keep_state = {k: v.detach().cpu().clone() for k, v in rt.model.state_dict().items()}
-    p_oof, y_oof, secs = out_of_fold_train_scores(rt, spec, start, epochs, lr)
+    if rt.dp_spec is None:
+        p_oof, y_oof, secs = out_of_fold_train_scores(rt, spec, start, epochs, lr)
+    else:  # under dp the out-of-fold refits (non-private training) are skipped: validation images only
+        p_oof, y_oof, secs = np.zeros((0, rt.num_classes)), np.zeros(0, int), 0.0
     if final_state is not None:
         rt.set_model(spec, final_state)
     val = rt.evaluate("val", with_predictions=True)
     rt.set_model(keep_spec, keep_state)
-    p = np.concatenate([np.asarray(p_oof, np.float64).reshape(len(y_oof), -1),
+    p = np.concatenate([np.asarray(p_oof, np.float64).reshape(len(y_oof), rt.num_classes),
                         np.asarray(val.get("_probs") or np.zeros((0, p_oof.shape[1])), np.float64)])
     y = np.concatenate([y_oof, np.asarray(val.get("_labels") or [], int)])
     op = site_operating_point(p, y, seed=int(rt.cfg["seed"]))

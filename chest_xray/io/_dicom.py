@@ -115,10 +115,10 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCH
     a one-sample header, is followed by the bytes, with a note appended to ``notes``."""
     notes = [] if notes is None else notes
     try:
-        said = reconcile_syntax(ds, rows, cols)
+        mismatch = reconcile_syntax(ds, rows, cols)
     except PixelBytesError as e:
         raise ImageReadError(p, str(e), "invalid DICOM attribute") from None
-    notes += [{"kind": "transfer syntax mismatch", "note": said}] if said else []
+    notes += [{"kind": "transfer syntax mismatch", "note": mismatch}] if mismatch else []
     why = decoder_problem(ds)
     if why:
         raise ImageReadError(p, why, "no decoder")

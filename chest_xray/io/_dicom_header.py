@@ -155,7 +155,7 @@ def header_facts(ds) -> dict[str, Any]:
     view, code = str(ds.get("ViewPosition", "") or "").strip().upper(), None
     if not view:
         view, code = _view_from_code(ds)
-    intent = str(ds.get("PresentationIntentType", "") or "").strip().upper()
+    intent = " ".join(str(ds.get("PresentationIntentType", "") or "").replace("_", " ").upper().split())
     if not intent:
         meta = getattr(ds, "file_meta", None)
         sop = str(ds.get("SOPClassUID", "") or (meta.get("MediaStorageSOPClassUID", "") if meta else "") or "")

@@ -6,7 +6,14 @@ For input sizes 64/128/224 it measures images/s for
   cached  - one epoch over a MONAI CacheDataset that already holds the resized images,
 and prints each as a ratio to plain decode.
 
+``--scan`` times what ``cxr-hfl partition`` pays before it splits: ``scan_dataset(verify=True)`` of the whole data
+root (every file decoded and checked), ``--repeat`` times, and prints the median seconds and its ratio to the
+baseline recorded in ``benchmarks/results/scan_baseline.json`` (``--record-baseline`` writes that file; the budget is
+:data:`SCAN_BUDGET` times the baseline). The machine's load moves these seconds: time a baseline and a change back to
+back.
+
     .venv/bin/python -m benchmarks.bench_data [--n 120] [--sizes 64 128 224] [--data DIR]
+    .venv/bin/python -m benchmarks.bench_data --scan [--repeat 3] [--record-baseline]
 """
 from __future__ import annotations
 
@@ -17,6 +24,53 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SCAN_BASELINE = REPO / "benchmarks" / "results" / "scan_baseline.json"
+#: The scan may take at most this many times the recorded baseline.
+SCAN_BUDGET = 1.3
+
+
+def time_scan(data: str | Path, repeat: int = 3) -> list[float]:
+    """Wall seconds of ``scan_dataset(data, verify=True)``, ``repeat`` times (one warm-up scan of the headers first,
+    so the file cache is warm for every timed run)."""
+    from chest_xray import scan_dataset
+
+    scan_dataset(data, verify=False)
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        scan_dataset(data, verify=True)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_scan(data: str | Path, repeat: int, record: bool, baseline_path: Path = SCAN_BASELINE) -> int:
+    """Time the scan and print it against the recorded baseline (or record it). Returns the exit code (0)."""
+    import json
+    import statistics
+    import subprocess
+
+    secs = time_scan(data, repeat)
+    med = statistics.median(secs)
+    print(f"scan of {data}: median {med:.2f} s over {len(secs)} run(s) ({', '.join(f'{x:.2f}' for x in secs)})")
+    if record:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True, check=False).stdout.strip() or None
+        except OSError:
+            commit = None
+        baseline_path.parent.mkdir(parents=True, exist_ok=True)
+        baseline_path.write_text(json.dumps({"data": Path(data).name, "seconds": secs, "median_s": med,
+                                             "commit": commit, "repeat": len(secs)}, indent=2) + "\n")
+        print(f"baseline -> {baseline_path}")
+        return 0
+    if not baseline_path.is_file():
+        print(f"no baseline at {baseline_path} (run with --record-baseline on the reference code first)")
+        return 0
+    base = json.loads(baseline_path.read_text())
+    ratio = med / float(base["median_s"])
+    print(f"ratio to the baseline ({base['median_s']:.2f} s, commit {base.get('commit')}): {ratio:.2f}x "
+          f"(budget {SCAN_BUDGET}x: {'within' if ratio <= SCAN_BUDGET else 'OVER'})")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -26,10 +80,15 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=120, help="images per measurement (spread over the width range)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 224])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--scan", action="store_true", help="time the verifying scan of the data root instead")
+    ap.add_argument("--repeat", type=int, default=3, help="--scan: timed scans (default: %(default)s)")
+    ap.add_argument("--record-baseline", action="store_true", help="--scan: write the timings as the baseline")
     args = ap.parse_args(argv)
     if not Path(args.data).is_dir():
         print(f"skipped: data not found at {args.data} (set $CXR_DATA or --data)")
         return 0
+    if args.scan:
+        return run_scan(args.data, max(1, args.repeat), args.record_baseline)
 
     import torch
     from monai.data import CacheDataset

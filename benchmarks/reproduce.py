@@ -121,18 +121,19 @@ TABLE4_METHODS = [f"ohfl:strategy={s}" for s in ("cid", "cdd", "cia", "rand")]
 TABLE5_METHODS = [f"ohfl:alignment={a}:strategy={s}" for a in ("random", "cka") for s in ("rand", "cid")]
 
 
-def compare_args(methods, sites, seeds, out, budget, data, external=None, part=None) -> argparse.Namespace:
-    """``cxr-hfl compare``'s options for one table: equal epoch budgets, and (when ``external``) every saved model
-    evaluated on the external evaluation part with paired bootstrap CIs -- the protocol of docs/evaluation.md."""
+def compare_args(methods, sites, seeds, out, budget, data, external=None, part=None):
+    """``cxr-hfl compare``'s options for one table (:class:`nvflare_jobs.compare.CompareOptions`): equal epoch
+    budgets, and (when ``external``) every saved model evaluated on the external evaluation part with paired
+    bootstrap CIs -- the protocol of docs/evaluation.md."""
+    from nvflare_jobs.compare import CompareOptions
+
     b = BUDGETS[budget]
     argv = ["compare", "--methods", ",".join(methods), "--sites", str(sites), "--seeds", ",".join(map(str, seeds)),
             "--out", str(out)] + (["--external", str(external)] + (["--part", part] if part else []) if external else [])
-    return argparse.Namespace(methods=",".join(methods), data=data, sites=sites, scheme="width", alpha=0.5,
-                              labels="binary", seeds=seeds, out=str(out), rounds=b["rounds"],
-                              local_epochs=b["local_epochs"], finetune_epochs=b["finetune_epochs"],
-                              max_train_images=b["max_train_images"], input_sizes=None, batch_size=None,
-                              max_images=None, dry_run=False, unequal_budgets=False, external=external, part=part,
-                              external_max_images=None, n_boot=1000, late_wait=60, probe=None, _argv=argv)
+    return CompareOptions(methods=",".join(methods), data=data, sites=sites, seeds=seeds, out=str(out),
+                          rounds=b["rounds"], local_epochs=b["local_epochs"], finetune_epochs=b["finetune_epochs"],
+                          max_train_images=b["max_train_images"], external=external, part=part, late_wait=60,
+                          argv=argv)
 
 
 def plan(tables, seeds) -> list[tuple[str, str, int, list[str]]]:

@@ -5,9 +5,12 @@ The transform helpers (``build_transforms``, ``make_site_dataset``, ``default_au
 """
 from __future__ import annotations
 
-from .dataset import CLASS_NAMES, LabelError, detect_layout, label_index, patient_id_from_name, scan_dataset
+from ._walk import detect_layout, dir_key, walk_files
+from .aspect import ASPECTS, DEFAULT_ASPECT
+from .dataset import LabelError, label_index, patient_id_from_name, scan_dataset
 from .io import ImageReadError, dicom_patient_id, read_image
 from .labels import (
+    CLASS_NAMES,
     LABEL_SCHEMES,
     LabelSchemeMismatch,
     check_label_scheme,
@@ -25,11 +28,6 @@ from .partition import (
     write_partition,
 )
 
-#: How a non-square image is made S x S (``build_transforms(aspect=...)``, site-config key ``aspect``); the first is
-#: the default for sites, the server's probe, ``evaluate`` and the benchmarks. See :mod:`chest_xray.transforms`.
-ASPECTS = ("stretch", "letterbox", "crop")
-DEFAULT_ASPECT = ASPECTS[0]
-
 _LAZY = {"build_transforms", "make_site_dataset", "default_augment_classes", "resolve_augment_classes",
          "ApplyToClassesd"}
 
@@ -44,6 +42,7 @@ __all__ = [
     "PartitionResult",
     "detect_layout",
     "dicom_patient_id",
+    "dir_key",
     "check_label_scheme",
     "class_names",
     "label_index",
@@ -57,6 +56,7 @@ __all__ = [
     "scan_dataset",
     "scheme_for_num_classes",
     "site_summary",
+    "walk_files",
     "write_partition",
     *sorted(_LAZY),
 ]

@@ -13,14 +13,14 @@ import numpy as np
 SPLITS = ("train", "val", "test")
 
 
-def _patients(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def patients_by_id(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         by[str(r["patient_id"])].append(r)
     return {k: sorted(v, key=lambda r: r["path"]) for k, v in sorted(by.items())}
 
 
-def _majority_label(rows: list[dict[str, Any]]) -> int:
+def majority_label(rows: list[dict[str, Any]]) -> int:
     c = Counter(int(r["label"]) for r in rows)
     return min(c, key=lambda k: (-c[k], k))
 
@@ -53,13 +53,13 @@ def _cut_by_fractions(sizes: list[int], fractions: list[float]) -> list[int]:
     return [min(g, len(fractions) - 1) for g in out]
 
 
-def _split_patients(
+def split_patients(
     patients: dict[str, list[dict[str, Any]]], rng: np.random.Generator, fractions: tuple[float, ...]
 ) -> dict[str, str]:
     """Patient -> split, stratified by majority label and grouped by patient, sizes by image count."""
     by_class: dict[int, list[str]] = defaultdict(list)
     for pid, rows in patients.items():
-        by_class[_majority_label(rows)].append(pid)
+        by_class[majority_label(rows)].append(pid)
     out: dict[str, str] = {}
     order: dict[int, list[str]] = {}
     for k in sorted(by_class):
@@ -98,7 +98,7 @@ def _fill_empty_splits(out: dict[str, str], order: dict[int, list[str]], sizes: 
         out[cand[i]] = split
 
 
-def _min_eval_per_class(out: dict[str, str], patients: dict[str, list[dict[str, Any]]], m: int,
+def move_to_eval_per_class(out: dict[str, str], patients: dict[str, list[dict[str, Any]]], m: int,
                         fractions: tuple[float, ...]) -> list[dict[str, Any]]:
     """Give each class at least ``m`` images in val and in test (in place) where the site holds enough of it.
 

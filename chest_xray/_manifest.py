@@ -8,8 +8,8 @@ import os
 import unicodedata
 from pathlib import Path
 
-from ._walk import _skip
-from .io._salt import patient_id_key
+from ._walk import skip_entry
+from .io import patient_id_key
 
 
 def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
@@ -55,7 +55,7 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     an earlier row (same file, same label), and every row of a file listed with different labels are listed in
     ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
     after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``. Patient ids that
-    differ only in case or whitespace (:func:`chest_xray.io._salt.patient_id_key`) are one patient, under the
+    differ only in case or whitespace (:func:`chest_xray.io.patient_id_key`) are one patient, under the
     spelling of its first row."""
     cols, rows = read_csv_rows(root)
     if not {"path", "label"} <= set(cols):
@@ -68,7 +68,7 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     for line, row in enumerate(rows, start=2):
         raw = row["path"]
         if not raw:
-            skipped.append(_skip(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
+            skipped.append(skip_entry(f"{root}:{line}", f"manifest line {line}: empty path", "manifest row"))
             continue
         p = Path(raw)
         if not p.is_absolute():
@@ -85,7 +85,7 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
         if key in first:
             line0, label0 = first[key]
             if label0.strip().upper() == label.strip().upper():
-                skipped.append(_skip(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
+                skipped.append(skip_entry(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
                                      "duplicate manifest row"))
             else:
                 conflicting.setdefault(key, {label0}).add(label)
@@ -100,7 +100,7 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     for line, p in [(line, p) for line, p, _, _ in kept] + later:
         if str(p) in conflicting:
             labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
-            skipped.append(_skip(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
+            skipped.append(skip_entry(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
                                     "none is used", "conflicting labels"))
     out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
     return sorted(out, key=lambda t: str(t[0]))

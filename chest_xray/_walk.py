@@ -7,10 +7,11 @@ from pathlib import Path
 from .io import DIRECTORY_INDEX_REASON, SUPPORTED_SUFFIXES, sniff_dicom
 from .labels import CLASS_NAMES
 
-_SPLIT_DIRS = ("train", "val", "test")
+#: Split folder names (lower case) a Kaggle layout may hold; matched in any case (``Train/``).
+SPLIT_DIRS = ("train", "val", "test")
 
 #: Class folder names (upper case) a folder layout may hold; matched in any case (``normal/``, ``Pneumonia/``).
-_CLASS_DIRS = tuple(dict.fromkeys(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"]))
+CLASS_DIRS = tuple(dict.fromkeys(CLASS_NAMES["binary"] + CLASS_NAMES["subtype"]))
 
 
 def _named_subdirs(folder: Path, names) -> list[tuple[Path, str]]:
@@ -46,9 +47,9 @@ def detect_layout(root: str | os.PathLike) -> str:
         if r.suffix.lower() == ".csv":
             return "manifest"
         raise ValueError(f"{r}: a data root file must be a CSV manifest")
-    if _named_subdirs(r, _CLASS_DIRS):
+    if _named_subdirs(r, CLASS_DIRS):
         return "classes"
-    if any(_named_subdirs(d, _CLASS_DIRS) for d, _ in _named_subdirs(r, _SPLIT_DIRS)):
+    if any(_named_subdirs(d, CLASS_DIRS) for d, _ in _named_subdirs(r, SPLIT_DIRS)):
         return "kaggle"
     raise ValueError(
         f"{r}: unrecognised data root; expected {{train,val,test}}/{{NORMAL,PNEUMONIA}}/, NORMAL/ and PNEUMONIA/, "
@@ -89,12 +90,15 @@ def junk_reason(path: str | os.PathLike, is_dir: bool = False) -> str | None:
     return None
 
 
-def _skip(path, reason: str, kind: str) -> dict[str, str]:
+def skip_entry(path, reason: str, kind: str) -> dict[str, str]:
+    """A scan report's ``skipped`` entry: ``{"path", "reason", "kind"}`` (``kind`` one of the report's skip
+    kinds, e.g. ``"junk"``, ``"unreadable"``)."""
     return {"path": str(path), "reason": reason, "kind": kind}
 
 
-def _dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed."""
+def dir_key(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of a folder (links followed), or None when it cannot be stat'ed: the key
+    :func:`walk_files` marks visited folders by."""
     try:
         st = os.stat(path)
     except OSError:
@@ -106,13 +110,13 @@ def _other_class(cls: str | None, name: str) -> str | None:
     """The class a sub-folder of class folder ``cls`` is named after when that contradicts ``cls`` (``PNEUMONIA/``
     inside ``NORMAL/``; ``BACTERIAL/`` inside ``PNEUMONIA/`` agrees with it), else None."""
     other = name.upper()
-    if cls is None or other not in _CLASS_DIRS or other == cls:
+    if cls is None or other not in CLASS_DIRS or other == cls:
         return None
     pneumonia = {"PNEUMONIA", "BACTERIAL", "VIRAL"}
     return None if "PNEUMONIA" in (cls, other) and {cls, other} <= pneumonia else other
 
 
-def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
+def walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, int]],
                 blocked: set[tuple[int, int]] = frozenset(), cls: str | None = None) -> list[Path]:
     """Every file under ``top``, following symbolic links to folders, each real folder visited once.
 
@@ -130,23 +134,23 @@ def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, i
         try:
             st = os.stat(d)
         except OSError as e:
-            skipped.append(_skip(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
+            skipped.append(skip_entry(d, f"cannot open folder ({e.strerror or e})", "unreadable"))
             continue
         key = (st.st_dev, st.st_ino)
         if d is not top and key in blocked:
-            skipped.append(_skip(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
+            skipped.append(skip_entry(d, f"symbolic link to {os.path.realpath(d)}, the data root, one of its parent "
                                     "folders or another class folder: not followed (a cycle, or images of another "
                                     "class)", "symbolic-link cycle"))
             continue
         if key in seen:
-            skipped.append(_skip(d, f"folder already scanned through another path (symbolic-link cycle or a "
+            skipped.append(skip_entry(d, f"folder already scanned through another path (symbolic-link cycle or a "
                                     f"second link to {os.path.realpath(d)})", "symbolic-link cycle"))
             continue
         seen.add(key)
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
-            skipped.append(_skip(d, f"cannot list folder ({e.strerror or e})", "unreadable"))
+            skipped.append(skip_entry(d, f"cannot list folder ({e.strerror or e})", "unreadable"))
             continue
         subdirs = []
         for e in entries:
@@ -156,14 +160,14 @@ def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, i
                 is_file = e.is_file(follow_symlinks=True)
                 is_link = e.is_symlink()
             except OSError as err:
-                skipped.append(_skip(p, f"cannot stat ({err.strerror or err})", "unreadable"))
+                skipped.append(skip_entry(p, f"cannot stat ({err.strerror or err})", "unreadable"))
                 continue
             if is_dir:
                 why, other = junk_reason(p, is_dir=True), _other_class(cls, e.name)
                 if why:
-                    skipped.append(_skip(p, why, "junk"))
+                    skipped.append(skip_entry(p, why, "junk"))
                 elif other:
-                    skipped.append(_skip(p, f"folder named {other} inside the {cls} class folder: its images' label "
+                    skipped.append(skip_entry(p, f"folder named {other} inside the {cls} class folder: its images' label "
                                             "is ambiguous, not scanned (move them to the right class folder)",
                                          "ambiguous class folder"))
                 else:
@@ -171,10 +175,10 @@ def _walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, i
             elif is_file:
                 out.append(p)
             elif is_link:
-                skipped.append(_skip(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
+                skipped.append(skip_entry(p, f"broken symbolic link (its target {os.readlink(p)} does not exist)",
                                      "broken symbolic link"))
             else:
-                skipped.append(_skip(p, "not a regular file", "not a regular file"))
+                skipped.append(skip_entry(p, "not a regular file", "not a regular file"))
         stack.extend(reversed(subdirs))
     return out
 
@@ -186,7 +190,7 @@ def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError as e:
-        skipped.append(_skip(folder, f"cannot list folder ({e.strerror or e})", "unreadable"))
+        skipped.append(skip_entry(folder, f"cannot list folder ({e.strerror or e})", "unreadable"))
         return
     for e in entries:
         p = Path(e.path)
@@ -198,51 +202,39 @@ def _list_outside(folder: Path, accepted: set[str], expected: str, skipped: list
             if e.name.lower() in accepted:
                 continue
             why = junk_reason(p, is_dir=True)
-            skipped.append(_skip(p, why, "junk") if why else _skip(
+            skipped.append(skip_entry(p, why, "junk") if why else skip_entry(
                 p, f"folder {e.name!r} is not {expected}: not scanned (its images have no label)",
                 "not in a class folder"))
-        elif p.suffix.lower() in SUPPORTED_SUFFIXES or _sniff_dicom(p):
+        elif p.suffix.lower() in SUPPORTED_SUFFIXES or sniff_dicom(p):
             if junk_reason(p):
-                skipped.append(_skip(p, junk_reason(p), "junk"))
+                skipped.append(skip_entry(p, junk_reason(p), "junk"))
             elif e.name.upper() == "DICOMDIR":  # a DICOM export's index, at any level: never an image
-                skipped.append(_skip(p, DIRECTORY_INDEX_REASON, "directory index"))
+                skipped.append(skip_entry(p, DIRECTORY_INDEX_REASON, "directory index"))
             else:
-                skipped.append(_skip(p, f"image not inside {expected}: not scanned (no label)",
+                skipped.append(skip_entry(p, f"image not inside {expected}: not scanned (no label)",
                                      "not in a class folder"))
 
 
-def _iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]],
-                     notes: list[dict[str, str]] | None = None) -> list[tuple[Path, str, str | None]]:
-    """(file, class name, manifest patient id or None), sorted by path; junk, cycles, broken links, images outside
-    the class folders and bad manifest rows go to ``skipped``; manifest rows matched after Unicode normalisation
-    to ``notes``."""
-    if layout == "manifest":
-        from ._manifest import manifest_candidates  # (imported here: the manifest module uses this one's _skip)
-
-        return manifest_candidates(root, skipped, notes)
-    out: list[tuple[Path, str, str | None]] = []
-    class_list = " / ".join(_CLASS_DIRS)
+def iter_candidates(root: Path, layout: str, skipped: list[dict[str, str]]) -> list[tuple[Path, str, None]]:
+    """(file, class name, None) of a folder layout (``"classes"`` or ``"kaggle"``), sorted by path; junk, cycles,
+    broken links and images outside the class folders go to ``skipped``. (A manifest's rows:
+    :func:`chest_xray._manifest.manifest_candidates`.)"""
+    out: list[tuple[Path, str, None]] = []
+    class_list = " / ".join(CLASS_DIRS)
     if layout == "classes":
         dirs = [root]
     else:
-        dirs = [d for d, _ in _named_subdirs(root, _SPLIT_DIRS)]
-        _list_outside(root, set(_SPLIT_DIRS), f"a split folder ({' / '.join(_SPLIT_DIRS)})", skipped)
+        dirs = [d for d, _ in _named_subdirs(root, SPLIT_DIRS)]
+        _list_outside(root, set(SPLIT_DIRS), f"a split folder ({' / '.join(SPLIT_DIRS)})", skipped)
     class_dirs: list[tuple[Path, str]] = []
     for d in dirs:
-        found = _named_subdirs(d, _CLASS_DIRS)
-        _list_outside(d, {c.lower() for c in _CLASS_DIRS}, f"a class folder ({class_list})", skipped)
+        found = _named_subdirs(d, CLASS_DIRS)
+        _list_outside(d, {c.lower() for c in CLASS_DIRS}, f"a class folder ({class_list})", skipped)
         class_dirs.extend(found)
     seen: set[tuple[int, int]] = set()
     # never entered through a link: the data root and every folder above it, the split and class folders
     real = Path(os.path.realpath(root))
-    blocked = {k for k in map(_dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
+    blocked = {k for k in map(dir_key, [real, *real.parents, *dirs, *(cd for cd, _ in class_dirs)]) if k}
     for cd, c in class_dirs:
-        out.extend((f, c, None) for f in _walk_files(cd, skipped, seen, blocked, c))
+        out.extend((f, c, None) for f in walk_files(cd, skipped, seen, blocked, c))
     return sorted(out, key=lambda t: str(t[0]))
-
-
-
-def _sniff_dicom(path: Path) -> bool:
-    """A file (whatever its suffix) is DICOM when it has the Part-10 ``DICM`` marker at byte 128."""
-    return sniff_dicom(path)
-

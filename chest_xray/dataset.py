@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +40,8 @@ from .grouping import (
     public_summary,
     skip_findings,
 )
-from ._manifest import read_csv_rows  # noqa: F401 -- re-exported (partition reads site manifests with it)
-from ._walk import (  # noqa: F401 -- re-exported: the scan's public names and the walkers evaluate / predict use
-    _CLASS_DIRS,
-    _SPLIT_DIRS,
-    JUNK_DIR_NAMES,
-    JUNK_FILE_NAMES,
-    _dir_key,
-    _iter_candidates,
-    _skip,
-    _sniff_dicom,
-    _walk_files,
-    detect_layout,
-    junk_reason,
-)
+from ._manifest import manifest_candidates
+from ._walk import SPLIT_DIRS, detect_layout, iter_candidates, junk_reason, skip_entry
 from .io import (
     DICOM_SUFFIXES,
     SUPPORTED_SUFFIXES,
@@ -65,8 +52,11 @@ from .io import (
     dicom_skip,
     header_notes,
     is_placeholder_id,
+    pil_size,
     read_image,
+    sniff_dicom,
 )
+from .io.worker import Crash, map_isolated
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
@@ -135,8 +125,8 @@ def label_index(class_name: str, path: str | os.PathLike, labels: str = "binary"
 
 
 def scan_workers() -> int:
-    """Default number of threads :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set (an
-    integer >= 1; 1 = no threads), else ``min(4, os.cpu_count())``.
+    """Default number of worker processes :func:`scan_dataset` verifies files with: ``$CXR_SCAN_WORKERS`` when set
+    (an integer >= 1), else ``min(4, os.cpu_count())``.
 
     Raises:
         ValueError: ``CXR_SCAN_WORKERS`` is set but not an integer >= 1 (the message names the variable).
@@ -176,9 +166,11 @@ def scan_dataset(
         salt: site-local salt for DICOM patient-id hashing (see :func:`chest_xray.io.site_salt`).
         allow_any_modality: keep DICOM objects whose Modality is not CR/DX/DR.
         allow_lateral: keep DICOM objects with a lateral ViewPosition.
-        workers: threads that read / verify files side by side (Pillow's and the DICOM decoders' C code release
-            the GIL); None = :func:`scan_workers` (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one
-            file after the other. The records, report and errors do not depend on it.
+        workers: worker processes that read / verify files side by side; None = :func:`scan_workers`
+            (``$CXR_SCAN_WORKERS``, else ``min(4, os.cpu_count())``); 1 = one file after the other. The decoders
+            run only in these processes: a file that crashes or hangs one is skipped by name (kind ``decoder
+            crash`` / ``decoder timeout``) and the scan goes on. The records, report and errors do not depend on
+            the number.
         near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
             and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
         keep_for_processing: keep DICOM "For Processing" images (skipped by default); skip_other_body_parts: skip
@@ -215,17 +207,17 @@ def scan_dataset(
     layout = detect_layout(r)
     skipped: list[dict[str, str]] = []
     walk_notes: list[dict[str, str]] = []
-    candidates = _iter_candidates(r, layout, skipped, walk_notes)
+    if layout == "manifest":
+        candidates = manifest_candidates(r, skipped, walk_notes)
+    else:
+        candidates = iter_candidates(r, layout, skipped)
     n_walk_skipped = len(skipped)
 
-    def one(candidate):
-        path, cls, pid = candidate
-        return _scan_file(path, cls, pid, layout=layout, labels=labels, verify=verify, salt=salt,
-                          allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
-                          near_duplicates=near_duplicates and verify,
-                          dicom_rules={"keep_for_processing": keep_for_processing,
-                                       "skip_other_body_parts": skip_other_body_parts})
-
+    one = partial(_scan_candidate, layout=layout, labels=labels, verify=verify, salt=salt,
+                  allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
+                  near_duplicates=near_duplicates and verify,
+                  dicom_rules={"keep_for_processing": keep_for_processing,
+                               "skip_other_body_parts": skip_other_body_parts})
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     notes = walk_notes + notes
     records, summary = _group(records, r, layout, skipped, near_duplicates)
@@ -261,7 +253,7 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
     for rec in records:
         g = rec.pop("_grouping")
         top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
-        info.append({**g, "split": top if top in _SPLIT_DIRS else None})
+        info.append({**g, "split": top if top in SPLIT_DIRS else None})
         rec["sha256"] = g["sha256"]
     kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
     skipped.extend(dup_skips)
@@ -270,15 +262,21 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
 
 
 def _run_scan(candidates: list, one, workers: int | None) -> list:
-    """``one(candidate)`` for every candidate, in order, in ``workers`` threads (None: :func:`scan_workers`)."""
+    """``one(candidate)`` for every candidate, in order, in ``workers`` worker processes (None:
+    :func:`scan_workers`) that a crashing or hanging decoder does not take down: such a file becomes a skip naming
+    it (:func:`chest_xray.io.worker.map_isolated`)."""
     n_workers = scan_workers() if workers is None else int(workers)
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
-    n_workers = min(n_workers, len(candidates))
-    if n_workers > 1:
-        with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cxr-scan") as pool:
-            return list(pool.map(one, candidates))  # in candidate order, whatever order the files finish in
-    return [one(c) for c in candidates]
+    out = map_isolated(one, candidates, n_workers)
+    return [(None, skip_entry(c[0], r.reason, r.kind), [], None) if isinstance(r, Crash) else r
+            for c, r in zip(candidates, out)]
+
+
+def _scan_candidate(candidate: tuple[Path, str, str | None], **kw):
+    """:func:`_scan_file` of one ``(path, class, manifest patient id)`` candidate (a worker process's task)."""
+    path, cls, pid = candidate
+    return _scan_file(path, cls, pid, **kw)
 
 
 def _collect(results: list, skipped: list[dict[str, str]], labels: str
@@ -333,18 +331,18 @@ def _scan_file(
     # patient id; only the bytes are read through the link
     why = junk_reason(path) if layout != "manifest" else None
     if why:
-        return None, _skip(path, why, "junk"), notes, None
+        return None, skip_entry(path, why, "junk"), notes, None
     if path.is_dir():  # a manifest row naming a folder
-        return None, _skip(path, "a folder, not an image file", "not a regular file"), notes, None
+        return None, skip_entry(path, "a folder, not an image file", "not a regular file"), notes, None
     if path.exists() and not path.is_file():  # a pipe, socket or device (a manifest row): opening it could block
-        return None, _skip(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
+        return None, skip_entry(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
             None
     suffix = path.suffix.lower()
     # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
     # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split
-    is_dicom = suffix in DICOM_SUFFIXES or _sniff_dicom(path)
+    is_dicom = suffix in DICOM_SUFFIXES or sniff_dicom(path)
     if suffix not in SUPPORTED_SUFFIXES and not is_dicom:
-        return None, _skip(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
+        return None, skip_entry(path, f"unsupported file type {path.suffix or '(no suffix, not DICOM)'}",
                            "unsupported file type"), notes, None
     try:
         label = label_index(cls, path, labels)
@@ -366,11 +364,11 @@ def _scan_file(
         group["sha256"] = file_sha256(path)
         group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
     except ImageReadError as e:
-        return None, _skip(path, e.reason, e.kind), notes, None
+        return None, skip_entry(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
         raise
     except Exception as e:  # noqa: BLE001 -- one bad file never aborts a scan
-        return None, _skip(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+        return None, skip_entry(path, f"cannot read ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
                            "unreadable"), notes, None
     record = {"path": str(path), "label": label, "patient_id": str(pid), "width": int(width), "height": int(height),
               "_grouping": group}
@@ -386,7 +384,7 @@ def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: 
     hdr = dicom_header(path)
     skip = dicom_skip(hdr, allow_any_modality, allow_lateral, keep_for_processing, skip_other_body_parts)
     if skip:
-        return _skip(path, *skip), 0, 0, None, {}
+        return skip_entry(path, *skip), 0, 0, None, {}
     notes += [{"path": str(path), **n} for n in header_notes(hdr)]
     width, height, image = hdr["columns"], hdr["rows"], None
     if verify:
@@ -401,7 +399,7 @@ def _scan_dicom(path: Path, verify: bool, salt: str | None, allow_any_modality: 
 def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
     """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
     if not verify:
-        return (*_pil_size(path), None)
+        return (*pil_size(path), None)
     image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
     notes += meta_notes(path, meta)
     return meta["original_width"], meta["original_height"], image
@@ -414,39 +412,3 @@ def count_by_kind(entries: list[dict[str, str]]) -> dict[str, int]:
         k = s.get("kind") or "unreadable"
         c[k] = c.get(k, 0) + 1
     return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _pil_size(path: Path) -> tuple[int, int]:
-    """Upright (EXIF-oriented) width and height from the header alone."""
-    from PIL import Image, UnidentifiedImageError
-
-    from .io import EXIF_SWAPS_AXES, MAX_PIXELS, _warnings_scope, check_readable, exif_orientation
-    from .io._common import image_signature
-
-    try:
-        if path.stat().st_size == 0:
-            raise ImageReadError(path, "empty file (0 bytes)", "empty file")
-        check_readable(path)
-        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
-            with Image.open(path) as img:
-                w, h = img.size
-                if exif_orientation(img) in EXIF_SWAPS_AXES:
-                    w, h = h, w
-    except ImageReadError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
-    except UnidentifiedImageError:
-        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
-            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
-                                 "corrupt or truncated") from None
-        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
-                             "not an image") from None
-    except FileNotFoundError as e:
-        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "missing file") from None
-    except Exception as e:  # noqa: BLE001
-        raise ImageReadError(path, f"cannot open image: {e}", "corrupt or truncated") from None
-    if w * h > MAX_PIXELS:
-        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
-    return w, h

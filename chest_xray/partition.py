@@ -28,18 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from ._assign import (  # noqa: F401 -- the split helpers keep their names here
-    _cut_by_fractions,
-    _cut_contiguous,
-    _fill_empty_splits,
-    _majority_label,
-    _min_eval_per_class,
-    _patients,
-    _split_patients,
+from ._assign import (
     assign_dirichlet,
     assign_pathological,
     assign_width,
+    majority_label,
+    move_to_eval_per_class,
+    patients_by_id,
     probe_pool,
+    split_patients,
 )
 
 SCHEMES = ("width", "dirichlet", "pathological")
@@ -104,7 +101,7 @@ def partition_records(
             one patient in each split whose fraction is non-zero (moved from train when needed).
         max_tries: dirichlet re-draw limit.
         min_eval_per_class: m >= 0; after the split, every class a site holds at least 4 m images of gets at least
-            m images in val and in test, moved from train patient by patient (:func:`_min_eval_per_class`; 0, the
+            m images in val and in test, moved from train patient by patient (:func:`chest_xray._assign.move_to_eval_per_class`; 0, the
             default: no change). The prototype methods' comparison uses 2.
 
     Returns:
@@ -122,8 +119,8 @@ def partition_records(
         n_classes = len(class_names)
     names = list(class_names) if class_names is not None else [str(k) for k in range(n_classes)]
     rng = np.random.default_rng(seed)
-    patients = _patients(records)
-    plabel = {p: _majority_label(rows) for p, rows in patients.items()}
+    patients = patients_by_id(records)
+    plabel = {p: majority_label(rows) for p, rows in patients.items()}
 
     # 1. probe pool: per class, a seeded random set of patients covering ~probe_fraction of the class's images
     probe_pids = probe_pool(patients, plabel, n_classes, probe_fraction, rng)
@@ -173,8 +170,8 @@ def _split_sites(pool: dict[str, list[dict[str, Any]]], site_of: dict[str, int],
     sites: dict[str, list[dict[str, Any]]] = {}
     for s in range(n_sites):
         sp = {p: pool[p] for p in pool if site_of.get(p) == s}
-        split = _split_patients(sp, np.random.default_rng([seed, s + 1]), split_fractions)
-        moved = _min_eval_per_class(split, sp, min_eval_per_class, split_fractions)
+        split = split_patients(sp, np.random.default_rng([seed, s + 1]), split_fractions)
+        moved = move_to_eval_per_class(split, sp, min_eval_per_class, split_fractions)
         if moved:
             params.setdefault("eval_moves", {})[f"site-{s + 1}"] = moved
         rows = [_row(r, split[p]) for p in sp for r in sp[p]]
@@ -380,8 +377,8 @@ def read_site_manifest(csv_path: str | os.PathLike) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a required column is missing or a value is malformed (the message names the file and line).
     """
-    from ._manifest import match_normalised
-    from .dataset import patient_id_from_name, read_csv_rows
+    from ._manifest import match_normalised, read_csv_rows
+    from .dataset import patient_id_from_name
 
     p = Path(csv_path)
     rows: list[dict[str, Any]] = []

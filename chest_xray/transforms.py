@@ -40,7 +40,7 @@ from monai.transforms import (
     Transform,
 )
 
-from . import ASPECTS, DEFAULT_ASPECT
+from .aspect import ASPECTS, DEFAULT_ASPECT
 from .io import read_image
 
 MODES = ("train", "eval")

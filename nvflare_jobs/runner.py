@@ -132,7 +132,7 @@ def prepare_profile(spec, run_dir: Path) -> tuple[Path, dict, Path | None, Path 
     write_partition(res, part_dir, extra={"labels": spec.labels, "data_root": str(data)})
     (part_dir / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
     local_epochs, finetune_epochs = spec.site_epochs
-    settings = {"batch_size": spec.batch_size, "aspect": spec.aspect, "local_epochs": local_epochs,
+    settings = {"batch_size": spec.batch_size, "aspect": spec.aspect, "augment": spec.augment, "local_epochs": local_epochs,
                 "finetune_epochs": finetune_epochs, "seed": spec.seed, "threads": 1,
                 "max_train_images": spec.max_train_images, "feature_dim": spec.feature_dim}
     profile_dir = write_profile(part_dir, run_dir / "site_configs", spec.method, spec.labels, list(spec.input_sizes),
@@ -224,21 +224,39 @@ def job_options(spec, data_root, part_dir, on_server: bool = False) -> dict:
 def _run(spec, run_dir: Path, overwrite: bool, verbose: bool = False, log_config: str | None = None,
          gpu: str | None = None, command: str | None = None) -> int:
     """One simulation of ``spec`` in this process into ``run_dir``; returns the exit status."""
-    from chest_xray import CLASS_NAMES
+    t0 = time.perf_counter()
+    ready = _prepare_job(spec, run_dir, overwrite)
+    if isinstance(ready, int):
+        return ready
+    job, profile_dir, profile, labels = ready
+    from hfl_components.flare.site_config import ENV_DIR
+
+    os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
+    ws = run_dir / "workspace"
+    rc, live = _simulate(job, ws, run_dir, list(profile), verbose, log_config, gpu)
+    return _collect(spec, run_dir, ws, rc, live, profile, profile_dir, labels, t0, command)
+
+
+def _prepare_job(spec, run_dir: Path, overwrite: bool):
+    """Everything before the simulator starts: the run folder, the partition and site configs, the job options and
+    the NVFlare job. Returns ``(job, profile_dir, profile, labels)``, or the exit status 2 of a refused data folder
+    or site config (one line on stderr). Until the job is built a refusal leaves nothing behind that a corrected
+    rerun would trip over, and an earlier run that ``overwrite`` was to replace is put back.
+
+    Raises:
+        SimulateError: an option that cannot work with the profile (named by its key).
+    """
     from nvflare_jobs.jobs import build_job
     from nvflare_jobs.profiles import DataNotFoundError
-    from nvflare_jobs.results import assemble_run, find_server_results, print_summary
-    from hfl_components.flare.site_config import ENV_DIR, SiteConfigError
+    from hfl_components.flare.site_config import SiteConfigError
 
-    t0 = time.perf_counter()
     _check_probe(spec)
     keep = Path(spec.profile).resolve() if spec.profile else None
     made = not run_dir.exists()
     aside = run_dir / ".replaced_run"  # --overwrite: the earlier run waits here until this one starts
     _prepare_run_dir(run_dir, overwrite, keep, aside)
     built = False
-    try:  # until the simulator starts, a refusal leaves nothing behind that a corrected rerun would trip over,
-        # and an earlier run that --overwrite was to replace is put back
+    try:
         try:
             profile_dir, profile, data_root, part_dir = prepare_profile(spec, run_dir)
         except (DataNotFoundError, SiteConfigError) as e:
@@ -264,22 +282,39 @@ def _run(spec, run_dir: Path, overwrite: bool, verbose: bool = False, log_config
             _restore_aside(run_dir, aside)
     if aside.exists():
         shutil.rmtree(aside)
-    ws = run_dir / "workspace"
-    if ws.exists():
-        shutil.rmtree(ws)
-    os.environ[ENV_DIR] = str(profile_dir)  # each simulated site finds <its name>.yaml here
+    return job, profile_dir, profile, labels
+
+
+def _simulate(job, ws: Path, run_dir: Path, sites: list[str], verbose: bool, log_config: str | None,
+              gpu: str | None):
+    """Run the NVFlare simulator on ``job`` in a fresh workspace ``ws`` with live progress; returns ``(rc, live)``.
+
+    Raises:
+        KeyboardInterrupt: the run was interrupted (NVFlare's runner swallows it and returns -9).
+    """
     from nvflare_jobs.progress import LiveProgress, quiet_log_config
     from nvflare_jobs.proctree import INTERRUPTED, unique_simulator_ports
 
+    if ws.exists():
+        shutil.rmtree(ws)
     unique_simulator_ports()  # see its docstring: the port race behind "Connection reset by peer" at start
-
     shown = log_config or ("concise" if verbose else str(quiet_log_config(run_dir)))
     print(f"[cxr-hfl] NVFlare logs: {ws}/<server|site>/log.txt" + ("" if verbose or log_config else
                                                                      " (--verbose shows them here)"))
-    with LiveProgress(ws, list(profile), stream=sys.stdout if verbose else sys.stderr) as live:
-        rc = job.simulator_run(str(ws), threads=len(profile), log_config=shown, gpu=gpu)
-    if INTERRUPTED.is_set():  # NVFlare's runner swallows the KeyboardInterrupt and returns -9
+    with LiveProgress(ws, sites, stream=sys.stdout if verbose else sys.stderr) as live:
+        rc = job.simulator_run(str(ws), threads=len(sites), log_config=shown, gpu=gpu)
+    if INTERRUPTED.is_set():
         raise KeyboardInterrupt
+    return rc, live
+
+
+def _collect(spec, run_dir: Path, ws: Path, rc, live, profile: dict, profile_dir: Path, labels: str, t0: float,
+             command: str | None) -> int:
+    """The finished simulation's results into ``run_dir`` (models, metrics.json, the summary); returns the exit
+    status: 1 when the server wrote no results, 3 when the run failed, else the simulator's."""
+    from chest_xray import CLASS_NAMES
+    from nvflare_jobs.results import assemble_run, find_server_results, print_summary
+
     try:
         server_results = find_server_results(ws)
     except FileNotFoundError as e:
@@ -347,7 +382,7 @@ def _final_sites(server_results: Path) -> set[str]:
 # decide them, so an export refuses them instead of silently dropping them (value: the site config's key)
 SITE_OPTIONS = {"data": None, "sites": None, "scheme": None, "alpha": None, "input_sizes": "input_size",
                 "batch_size": "batch_size", "max_train_images": "max_train_images", "feature_dim": "model.feature_dim",
-                "families": "model.family", "aspect": "aspect"}
+                "families": "model.family", "aspect": "aspect", "augment": "augment"}
 
 
 def export_job(spec, job_dir: Path, given: set | None = None) -> Path:

@@ -28,7 +28,7 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         site: the site name (default: the file's stem, the convention every site follows).
         read_images: decode every image of the manifest (False: only check that each file exists, plus the config,
             manifest and model).
-        workers: reader threads (default: the config's ``threads``).
+        workers: reader processes, and threads for the existence check (default: the config's ``threads``).
 
     Returns:
         dict with ``site``, ``config`` (path), ``errors`` and ``warnings`` (lists of one-line messages; any error
@@ -71,8 +71,9 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         _metadata_check(rows, rep)
     else:
         _check_exist(rows, rep, workers or int(cfg["threads"]))
-    if cfg.get("deployed_model") and read_images:
-        population_check(cfg["deployed_model"], [r["path"] for r in rows], rep)
+    if cfg.get("deployed_model") and read_images:  # the files the isolated read accepted: none can crash it here
+        bad = {b["path"] for b in rep["unreadable"]}
+        population_check(cfg["deployed_model"], [r["path"] for r in rows if r["path"] not in bad], rep)
     return rep
 
 
@@ -178,7 +179,7 @@ def _read_manifest(cfg: dict, rep: dict):
 
 
 def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
-    from chest_xray.io._salt import patient_id_key  # ids differing only in case / whitespace: one patient
+    from chest_xray.io import patient_id_key  # ids differing only in case / whitespace: one patient
 
     man = cfg["data"]["manifest"]
     counts = {sp: {n: sum(1 for r in rows if r["split"] == sp and r["label"] == k) for k, n in enumerate(names)}
@@ -212,8 +213,9 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
 
 
 def _read_one(row: dict, size: int):
+    """``(row, meta with the near-duplicate signature, None)`` or ``(row, None, reason)``: one file read (a worker
+    process's task, :func:`chest_xray.io.worker.map_isolated`)."""
     from chest_xray import ImageReadError, read_image
-
     from chest_xray.grouping import near_duplicate_signature
 
     try:
@@ -227,9 +229,14 @@ def _read_one(row: dict, size: int):
 
 
 def _read_all(rows: list[dict], cfg: dict, rep: dict, workers: int) -> None:
+    from functools import partial
+
+    from chest_xray.io.worker import Crash, map_isolated
+
+    # the decoders run in worker processes: a file that crashes or hangs one is an unreadable file, not a dead check
     size = int(cfg["input_size"])
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-        results = list(ex.map(lambda r: _read_one(r, size), rows))
+    out = map_isolated(partial(_read_one, size=size), rows, max(1, workers))
+    results = [(row, None, r.reason) if isinstance(r, Crash) else r for row, r in zip(rows, out)]
     bad, formats, ws, hs = [], {}, [], []
     for row, meta, reason in results:
         if reason is not None:
@@ -279,8 +286,8 @@ def _findings(rows: list[dict], metas: list, cfg: dict) -> list[dict]:
 
 def format_report(rep: dict) -> str:
     """One screen of text for a :func:`check_site` result (counts, sizes, model, device, problems); every line that
-    may hold a file name is escaped to one line (:func:`chest_xray.io._common.printable`)."""
-    from chest_xray.io._common import printable
+    may hold a file name is escaped to one line (:func:`chest_xray.io.printable`)."""
+    from chest_xray.io import printable
 
     out = [f"cxr-hfl site check: site {rep['site']} (config {rep['config']})"]
     if "counts" in rep or "model" in rep:

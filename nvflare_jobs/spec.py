@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from chest_xray import ASPECTS
 from hfl_components.flare import catalogue
+from hfl_components.flare.site_config import AUGMENTS
 from hfl_components.flare.options import Option, OptionError, check_option
 from nvflare_jobs.runner import Run, SimulateError, export_job, finished, run_in_process
 
@@ -84,6 +85,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("aspect", str, None, ASPECTS, "how every site makes non-square images square: stretch (default), "
            "letterbox (zero padding) or crop (centred square); written into each generated site config "
            "(docs/decisions.md)"),
+    Option("augment", str, None, AUGMENTS, "training augmentation of every site, written into each generated site "
+           "config: monai (default: flip + affine per image), batch (per collated batch), border (monai + random "
+           "black/grey/white bands framing every class)"),
     Option("families", str, None, help="one model family per site, comma-separated in site order (cnn, vgg11, "
            "hetero_cnn, densenet, resnet, efficientnet), e.g. cnn,cnn,densenet,densenet,resnet,resnet (default: cnn "
            "at every site; not for prototype methods)"),
@@ -125,7 +129,7 @@ class RunSpec:
     Attributes (run options, :data:`RUN_OPTIONS`): ``data``, ``profile``, ``sites``, ``scheme``, ``alpha``,
     ``labels``, ``rounds``, ``local_epochs`` / ``finetune_epochs`` (None: given nowhere; each site config, or the
     method's default for generated configs, decides: :attr:`site_epochs`), ``input_sizes`` (px), ``batch_size``,
-    ``max_train_images``, ``seed``, ``min_sites``, ``late_wait`` (s), ``feature_dim``, ``aspect``, ``families``,
+    ``max_train_images``, ``seed``, ``min_sites``, ``late_wait`` (s), ``feature_dim``, ``aspect``, ``augment``, ``families``,
     ``paper``, ``tracking``, ``tracking_uri``; ``method``; ``options``: the method's own options, typed, with the
     catalogue's defaults and its presets applied; ``warnings``: one line each (an ignored option, a constant loss).
     """
@@ -148,6 +152,7 @@ class RunSpec:
     late_wait: int | None
     feature_dim: int
     aspect: str | None
+    augment: str | None
     families: str | None
     paper: bool
     tracking: str

@@ -206,11 +206,13 @@ def test_compare_names_the_methods_that_ignore_families_and_their_profiles_agree
     import yaml
 
     from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.compare import CompareOptions
     from nvflare_jobs.compare.run import _checked, write_method_profile
 
     def checked(methods):
-        args = build_parser().parse_args(["compare", "--methods", methods, "--families", FAMS, "--data",
-                                          str(tmp_path / "data"), "--out", str(tmp_path / "cmp")])
+        args = CompareOptions.from_mapping(vars(build_parser().parse_args(
+            ["compare", "--methods", methods, "--families", FAMS, "--data", str(tmp_path / "data"), "--out",
+             str(tmp_path / "cmp")])))
         return args, _checked(args)[0]
 
     (tmp_path / "data").mkdir()
@@ -363,11 +365,13 @@ def test_compare_site_configs_record_a_variants_own_epochs(tmp_path):
     import yaml
 
     from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.compare import CompareOptions
     from nvflare_jobs.compare.run import _checked, write_method_profile
 
     (tmp_path / "data").mkdir()
-    args = build_parser().parse_args(["compare", "--methods", "ohfl,ohfl:local_epochs=30:finetune_epochs=0",
-                                      "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cmp")])
+    args = CompareOptions.from_mapping(vars(build_parser().parse_args(
+        ["compare", "--methods", "ohfl,ohfl:local_epochs=30:finetune_epochs=0", "--data", str(tmp_path / "data"),
+         "--out", str(tmp_path / "cmp")])))
     methods = _checked(args)[0]
     part = tmp_path / "part"
     (part / "sites").mkdir(parents=True)

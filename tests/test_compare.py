@@ -13,11 +13,10 @@ from tests.sim_helpers import run_cli
 IMG = '<img src="data:image/png;base64,'
 
 
-def _args(**kw) -> argparse.Namespace:
-    base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
-            "batch_size": None, "labels": "binary", "input_sizes": None, "unequal_budgets": False}
-    base.update(kw)
-    return argparse.Namespace(**base)
+def _args(**kw):
+    from nvflare_jobs.compare import CompareOptions
+
+    return CompareOptions(**{"out": "runs/x", "labels": "binary", **kw})
 
 
 def test_equal_epoch_budgets_by_default(tmp_path):

@@ -258,9 +258,22 @@ def test_a_protocol_with_fedavg_as_its_primary_control_reports_that_row(tmp_path
 
 
 def test_the_run_command_without_the_audit_passes_no_audit_to_compare():
-    cmd = C.compare_command([30], Path("runs/x"), None, "ext", "evaluation", audit=False)
-    assert cmd[-1] == "--no-audit" and "--no-audit" not in C.compare_command([30], Path("runs/x"), None, "ext",
-                                                                             "evaluation")
+    """The protocol's options are comparison options as a library caller passes them (no command line): they build
+    a CompareOptions, the audit switch reaches it, and the recorded command says --no-audit exactly when it is off."""
+    from nvflare_jobs.compare import CompareOptions
+
+    off = C.compare_options([30], Path("runs/x"), None, "ext", "evaluation", audit=False)
+    on = C.compare_options([30], Path("runs/x"), None, "ext", "evaluation")
+    assert CompareOptions.from_mapping(off).no_audit is True and CompareOptions.from_mapping(on).no_audit is False
+    assert off["argv"][-1] == "--no-audit" and "--no-audit" not in on["argv"]
+    assert CompareOptions.from_mapping(on).seeds == [30] and CompareOptions.from_mapping(on).methods == C.METHODS
+
+
+def test_compare_options_refuse_an_unknown_key_by_name():
+    from nvflare_jobs.compare import compare
+
+    with pytest.raises(ValueError, match="unknown option.*'epochs'"):
+        compare("runs/x", epochs=3)
 
 
 def _npz_cmp(root, seeds, name, n=60, sites=3):

@@ -189,8 +189,9 @@ def test_a_site_that_missed_the_site_models_says_so_by_name(tmp_path):
 
 
 def _args(**kw):
-    base = {"local_epochs": None, "finetune_epochs": None, "rounds": None, "unequal_budgets": False}
-    return argparse.Namespace(**{**base, **kw})
+    from nvflare_jobs.compare import CompareOptions
+
+    return CompareOptions(**{"out": "runs/x", "labels": "binary", **kw})
 
 
 def test_compare_plan_gives_fens_the_local_epochs_plus_aggregator_epochs():

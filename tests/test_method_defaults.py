@@ -65,19 +65,19 @@ def test_ohfl_defaults_are_the_simulators_and_explicit_values_win(tmp_path):
 
 
 def test_compare_epoch_plan_reads_the_same_defaults():
-    from nvflare_jobs.compare import epoch_plan
+    from nvflare_jobs.compare import CompareOptions, epoch_plan
 
     ohfl = method_defaults("ohfl")
     for unequal in (False, True):
-        args = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, unequal_budgets=unequal)
+        args = CompareOptions(out="runs/x", unequal_budgets=unequal)
         assert epoch_plan("ohfl", args)["local_epochs"] == ohfl["local_epochs"]
         assert epoch_plan("ohfl", args)["finetune_epochs"] == ohfl["finetune_epochs"]
     # unequal budgets: each method runs the simulator's own defaults
-    args = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, unequal_budgets=True)
+    args = CompareOptions(out="runs/x", unequal_budgets=True)
     for m in ("fedavg", "fedsaf", "fedtopo"):
         plan = epoch_plan(m, args)
         assert (plan["rounds"], plan["local_epochs"]) == (method_defaults(m)["rounds"], method_defaults(m)["local_epochs"])
     # equal budgets (compare's default): every method trains OHFL's local + fine-tuning epochs per site
-    args = argparse.Namespace(rounds=None, local_epochs=None, finetune_epochs=None, unequal_budgets=False)
+    args = CompareOptions(out="runs/x", unequal_budgets=False)
     for m in ("local", "fedavg", "fedsaf", "fedtopo"):
         assert epoch_plan(m, args)["total_epochs_per_site"] == ohfl["local_epochs"] + ohfl["finetune_epochs"]

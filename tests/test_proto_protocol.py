@@ -103,10 +103,9 @@ def test_tensor_augment_is_a_flip_and_zero_filled_shift():
 
 
 def _args(**kw):
-    base = {"rounds": None, "local_epochs": None, "finetune_epochs": None, "max_train_images": None,
-            "batch_size": None, "labels": "subtype", "input_sizes": None}
-    base.update(kw)
-    return argparse.Namespace(**base)
+    from nvflare_jobs.compare import CompareOptions
+
+    return CompareOptions(**{"out": "runs/x", "labels": "subtype", **kw})
 
 
 def test_local_runs_the_prototype_methods_budget_and_backbones_in_their_comparison(tmp_path):

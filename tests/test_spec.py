@@ -144,3 +144,32 @@ def test_no_library_module_exits_or_parses_a_command_line():
             elif isinstance(n, ast.Raise) and n.exc is not None and "SystemExit" in ast.unparse(n.exc):
                 bad.append(f"{f}:{n.lineno} raises SystemExit")
     assert not bad, "\n".join(bad)
+
+
+def test_augment_reaches_every_generated_site_config_and_a_profile_keeps_its_own(tmp_path):
+    """``augment`` is a run option (border augmentation for a study or a whole consortium): resolve checks it
+    against the site config's values and names the key; compare's pass-through writes it into every site config of
+    every method; ``simulate --profile`` with ``--augment`` is refused (the profile's site configs decide it)."""
+    import yaml
+
+    from hfl_components.flare.site_config import AUGMENTS
+    from nvflare_jobs.compare import CompareOptions, write_method_profile
+    from tests.sim_helpers import run_cli
+
+    assert resolve("ohfl", {"augment": "border"}).augment == "border" and resolve("ohfl", {}).augment is None
+    with pytest.raises(SimulateError) as e:
+        resolve("fedavg", {"augment": "stripes"})
+    assert e.value.key == "augment" and all(a in str(e.value) for a in AUGMENTS)
+    part = tmp_path / "part"
+    (part / "sites").mkdir(parents=True)
+    for i in range(1, 4):
+        (part / "sites" / f"site-{i}.csv").write_text("path,label,split\n")
+    for method in ("ohfl", "fedavg", "local"):
+        prof = write_method_profile(part, tmp_path / method, method, 0, CompareOptions(out="x", augment="border"))
+        assert {yaml.safe_load(f.read_text())["augment"] for f in prof.glob("site-*.yaml")} == {"border"}
+    prof = write_method_profile(part, tmp_path / "plain", "fedavg", 0, CompareOptions(out="x"))
+    assert all("augment" not in yaml.safe_load(f.read_text()) for f in prof.glob("site-*.yaml"))
+    r = run_cli("simulate", "--method", "fedavg", "--profile", str(tmp_path / "ohfl" / "site_configs"),
+                "--augment", "border", "--out", str(tmp_path / "run"), timeout=120)
+    assert r.returncode == 2 and "--augment border: with --profile each site config's augment: key decides it" \
+        in r.stderr and not (tmp_path / "run").exists()

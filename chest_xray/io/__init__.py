@@ -29,6 +29,7 @@ from ._common import (
     _scale,
     _warnings_scope,
     check_readable,
+    printable,
     sniff_dicom,
 )
 from ._dicom import _read_dicom
@@ -49,7 +50,7 @@ from ._dicom_header import (
     voi_problem,
 )
 from ._grayscale import polarity, voi_lut_bits
-from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation, jpeg_entropy_problem
+from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation, jpeg_entropy_problem, pil_size
 from ._read import read_image
 from ._salt import (
     PLACEHOLDER_PATIENT_IDS,
@@ -58,6 +59,7 @@ from ._salt import (
     dicom_grouping_ids,
     dicom_patient_id,
     is_placeholder_id,
+    patient_id_key,
     site_salt,
 )
 
@@ -91,7 +93,10 @@ __all__ = [
     "is_directory_index",
     "is_placeholder_id",
     "jpeg_entropy_problem",
+    "patient_id_key",
+    "pil_size",
     "polarity",
+    "printable",
     "read_dataset",
     "read_image",
     "rescale_problem",

@@ -28,7 +28,8 @@ LATERAL_VIEWS = ("LL", "RL", "LAT", "LATERAL", "LLD", "RLD", "RLO", "LLO")
 #: libjpeg messages (lower case) that mean part of the image is missing or garbage: the file is refused. Other
 #: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
 #: pixels) are kept in ``meta["decoder_warnings"]``.
-_FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
+FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
+_FATAL_DECODER_MESSAGES = FATAL_DECODER_MESSAGES  # the name the DICOM reader imports
 
 
 #: Categories of :attr:`ImageReadError.kind` (and of the scan report's ``skipped_by_reason`` counts).
@@ -39,10 +40,13 @@ READ_ERROR_KINDS = (
 )
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def one_line(text: str, limit: int = 300) -> str:
     """``text`` with every run of whitespace (newlines included) collapsed to one space, cut to ``limit`` chars."""
     t = " ".join(str(text).split())
     return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
+_one_line = one_line  # the name the DICOM and GDCM readers import
 
 
 def printable(text: str) -> str:
@@ -64,7 +68,7 @@ class ImageReadError(Exception):
 
     def __init__(self, path: str | os.PathLike, reason: str, kind: str = "unreadable"):
         self.path = os.fsdecode(path) if isinstance(path, bytes) else str(path)
-        self.reason = _one_line(reason)
+        self.reason = one_line(reason)
         self.kind = kind
         super().__init__(f"{self.path!s}: {self.reason}")
 
@@ -135,3 +139,61 @@ def _scale(a, lo: float, hi: float) -> np.ndarray:
         return np.zeros(a.shape, np.float32)
     return np.clip((a - lo) / (hi - lo), 0.0, 1.0)
 
+
+#: Words (lower case) of the lines libjpeg / OpenJPEG / CharLS (inside GDCM or Pillow) write straight to the
+#: C-level stderr while decoding; a captured line holding none of them is passed on to stderr unchanged.
+DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantization", "j2k", "jp2", "codestream",
+                          "tile", "premature end", "gdcm", "warning:", "error:")
+
+
+_FD2_LOCK = threading.Lock()
+
+
+class decoder_messages:
+    """Context manager: while decoding, what C libraries write to file descriptor 2 (libjpeg's "Corrupt JPEG data:
+    ..." lines, which name no file) is captured; decoder messages are appended to ``into`` (one line each) and
+    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged. File descriptor
+    2 is process-wide: a lock makes concurrent decodes in threads take turns, so that none restores another's
+    redirection."""
+
+    def __init__(self, into: list[str]):
+        self.into = into
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        _FD2_LOCK.acquire()
+        self.tmp = None
+        try:
+            sys.stderr.flush()
+            self.tmp = tempfile.TemporaryFile()
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # no usable fd 2 (embedded interpreter): do not capture
+            if self.tmp is not None:
+                self.tmp.close()
+            self.tmp = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.tmp is None:
+            _FD2_LOCK.release()
+            return False
+        try:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+        finally:
+            _FD2_LOCK.release()
+        self.tmp.seek(0)
+        text = self.tmp.read().decode("utf-8", errors="replace")
+        self.tmp.close()
+        other = []
+        for line in text.splitlines():
+            if any(w in line.lower() for w in DECODER_MESSAGE_WORDS):
+                self.into.append(one_line(line, 200))
+            elif line.strip():
+                other.append(line)
+        if other:
+            os.write(2, ("\n".join(other) + "\n").encode("utf-8", errors="replace"))
+        return False

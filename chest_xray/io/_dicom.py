@@ -1,8 +1,6 @@
 """DICOM reader: decoding (decoder messages captured) and the grey-scale pipeline (modality LUT, VOI, inversion)."""
 from __future__ import annotations
 
-import os
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
+from ._common import decoder_messages as _decoder_messages
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
 from ._dicom_header import (
@@ -199,65 +198,6 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
         inside = a[~pad] if pad is not None else a
         out = _scale(a, float(inside.min()), float(inside.max()))
     return out, voi, fallback
-
-
-#: Words (lower case) of the lines libjpeg / OpenJPEG / CharLS (inside GDCM or Pillow) write straight to the
-#: C-level stderr while decoding; a captured line holding none of them is passed on to stderr unchanged.
-_DECODER_MESSAGE_WORDS = ("jpeg", "huffman", "marker", "sof ", "bogus", "quantization", "j2k", "jp2", "codestream",
-                          "tile", "premature end", "gdcm", "warning:", "error:")
-
-
-_FD2_LOCK = threading.Lock()
-
-
-class _decoder_messages:
-    """Context manager: while decoding, what C libraries write to file descriptor 2 (libjpeg's "Corrupt JPEG data:
-    ..." lines, which name no file) is captured; decoder messages are appended to ``into`` (one line each) and
-    any other text written meanwhile (another thread's log line) is passed on to stderr unchanged. File descriptor
-    2 is process-wide: a lock makes concurrent decodes in threads take turns, so that none restores another's
-    redirection."""
-
-    def __init__(self, into: list[str]):
-        self.into = into
-
-    def __enter__(self):
-        import sys
-        import tempfile
-
-        _FD2_LOCK.acquire()
-        self.tmp = None
-        try:
-            sys.stderr.flush()
-            self.tmp = tempfile.TemporaryFile()
-            self.saved = os.dup(2)
-            os.dup2(self.tmp.fileno(), 2)
-        except (OSError, ValueError, AttributeError):  # no usable fd 2 (embedded interpreter): do not capture
-            if self.tmp is not None:
-                self.tmp.close()
-            self.tmp = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.tmp is None:
-            _FD2_LOCK.release()
-            return False
-        try:
-            os.dup2(self.saved, 2)
-            os.close(self.saved)
-        finally:
-            _FD2_LOCK.release()
-        self.tmp.seek(0)
-        text = self.tmp.read().decode("utf-8", errors="replace")
-        self.tmp.close()
-        other = []
-        for line in text.splitlines():
-            if any(w in line.lower() for w in _DECODER_MESSAGE_WORDS):
-                self.into.append(_one_line(line, 200))
-            elif line.strip():
-                other.append(line)
-        if other:
-            os.write(2, ("\n".join(other) + "\n").encode("utf-8", errors="replace"))
-        return False
 
 
 def _window_output_range(ds, bits: int) -> tuple[float, float]:

@@ -8,7 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _warnings_scope
+from ._common import (
+    FATAL_DECODER_MESSAGES,
+    MAX_PIXELS,
+    ImageReadError,
+    _warnings_scope,
+    check_readable,
+    image_signature,
+    one_line,
+)
+from ._jpeg import gdcm_problem, jpeg_frame, pil_decodes
 
 _GRAY_MODES = {"L": 8, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32, "F": 32, "1": 1, "LA": 8}
 
@@ -50,8 +59,6 @@ _LOAD_WITHOUT_BOMB_CHECK = ("JPEG", "PNG")
 def _open_pil(p: Path):
     """``PIL.Image.open(p)`` with its errors as :class:`ImageReadError` (decompression bombs never a warning)."""
     from PIL import Image, UnidentifiedImageError
-
-    from ._common import image_signature
 
     try:
         with _warnings_scope():
@@ -145,22 +152,25 @@ def jpeg_entropy_problem(p: Path) -> tuple[str | None, str | None]:
     marker after the cut) or with flipped bits decodes "fine", the missing part grey. The file is therefore decoded
     once more by libjpeg-turbo through ``simplejpeg`` in strict mode (at 1/8 scale: the whole entropy-coded data
     is still decoded, only the inverse DCT is reduced), which raises on the first warning. A warning that means
-    missing or garbage data (:data:`_FATAL_DECODER_MESSAGES`: premature end, bad Huffman code, ...) is ``fatal``;
+    missing or garbage data (:data:`FATAL_DECODER_MESSAGES`: premature end, bad Huffman code, ...) is ``fatal``;
     "N extraneous bytes before marker" (harmless, common in real exports) is ``harmless``; anything else (a
     colour space the strict decoder does not convert) leaves Pillow's decode standing. Flipped bits that keep the
     Huffman stream valid cannot be detected this way (no checksum exists in JPEG). Without ``simplejpeg``
-    installed nothing is checked: ``(None, None)``.
+    installed, and for a frame Pillow does not decode (:func:`chest_xray.io._jpeg.pil_decodes`: lossless or
+    12-bit, which crash the strict decoder), nothing is checked: ``(None, None)``.
     """
     try:
         import simplejpeg
     except ImportError:  # pinned in pyproject.toml; without it the check is skipped
         return None, None
+    if not pil_decodes(jpeg_frame(p)):  # a lossless or 12-bit frame crashes libjpeg-turbo's strict decode
+        return None, None
     try:
         simplejpeg.decode_jpeg(p.read_bytes(), colorspace="GRAY", min_factor=8, min_height=1, min_width=1,
                                strict=True)
     except ValueError as e:
-        msg = _one_line(str(e), 200)
-        if any(k in msg.lower() for k in _FATAL_DECODER_MESSAGES):
+        msg = one_line(str(e), 200)
+        if any(k in msg.lower() for k in FATAL_DECODER_MESSAGES):
             return msg, None
         return None, (msg if "extraneous bytes" in msg.lower() else None)
     except OSError:
@@ -204,3 +214,49 @@ def _minmax(a: np.ndarray) -> np.ndarray:
         return np.zeros(a.shape, dtype=np.float32)
     return ((a - lo) / (hi - lo)).astype(np.float32)
 
+
+
+def pil_size(path: Path) -> tuple[int, int]:
+    """Upright (EXIF-oriented) width and height in pixels of a JPEG / PNG, from the header alone.
+
+    Raises:
+        ImageReadError: empty, missing, unreadable, not an image, cut short in its header, or more than
+            :data:`MAX_PIXELS` pixels.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    frame = jpeg_frame(path)
+    if not pil_decodes(frame):  # a lossless / 12-bit JPEG frame: its size from the frame header, as GDCM reads it
+        if why := gdcm_problem(frame):
+            raise ImageReadError(path, why, "no decoder")
+        w, h = frame["columns"], frame["rows"]
+        if w * h > MAX_PIXELS:
+            raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
+        return w, h
+    try:
+        if path.stat().st_size == 0:
+            raise ImageReadError(path, "empty file (0 bytes)", "empty file")
+        check_readable(path)
+        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
+            with Image.open(path) as img:
+                w, h = img.size
+                if exif_orientation(img) in EXIF_SWAPS_AXES:
+                    w, h = h, w
+    except ImageReadError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageReadError(path, f"image too large (decompression-bomb guard): {e}", "too large") from None
+    except UnidentifiedImageError:
+        if image_signature(path):  # a JPEG / PNG start marker, then too little to identify: cut short
+            raise ImageReadError(path, f"{image_signature(path)} file cut short in its header",
+                                 "corrupt or truncated") from None
+        raise ImageReadError(path, "not a recognised image format (JPEG, PNG or DICOM expected)",
+                             "not an image") from None
+    except FileNotFoundError as e:
+        raise ImageReadError(path, f"cannot open file ({e.strerror or e})", "missing file") from None
+    except Exception as e:  # noqa: BLE001
+        raise ImageReadError(path, f"cannot open image: {e}", "corrupt or truncated") from None
+    if w * h > MAX_PIXELS:
+        raise ImageReadError(path, f"image too large: {w}x{h} exceeds {MAX_PIXELS:,} pixels", "too large")
+    return w, h

@@ -10,6 +10,7 @@ import numpy as np
 
 from ._common import MAX_PIXELS, ImageReadError, _is_dicom, check_readable
 from ._dicom import _read_dicom
+from ._jpeg import jpeg_frame, pil_decodes, read_gdcm_frame
 from ._pil import _read_pil
 
 
@@ -21,7 +22,9 @@ def read_image(
 
     Args:
         path: the file. DICOM is recognised by the suffix ``.dcm``/``.dicom`` or the ``DICM`` preamble marker;
-            everything else goes through Pillow.
+            everything else goes through Pillow, except a JPEG whose frame header announces a process Pillow cannot
+            decode (lossless SOF3, 12-bit samples: the raw frames of DICOM exports saved as ``.jpg``), which GDCM
+            decodes, or which is refused with kind "no decoder" (e.g. "lossless JPEG not supported" without GDCM).
         target_size: the longest side (pixels) the caller will resize to, or None. Only a decoding hint: when the
             image's longest side is at least twice ``target_size``, JPEGs are decoded in draft mode at a reduced
             scale (1/2, 1/4 or 1/8) whose longest side is still >= ``target_size``. The caller does the exact
@@ -85,6 +88,9 @@ def read_image(
         check_readable(p)
         if _is_dicom(p):
             return _read_dicom(p, max_pixels)
+        frame = jpeg_frame(p)  # the frame header first: lossless / 12-bit frames never reach libjpeg-turbo
+        if not pil_decodes(frame):
+            return read_gdcm_frame(p, frame, max_pixels)
         return _read_pil(p, target_size, max_pixels, check_entropy)
     except ImageReadError:
         raise

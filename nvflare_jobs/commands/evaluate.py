@@ -67,20 +67,21 @@ def register(sub) -> None:
 
 def _add_compare(c) -> None:
     from hfl_components.flare.catalogue import methods, with_role  # plain data: --help stays fast
+    from nvflare_jobs.compare.plan import COMPARE_DEFAULTS as D
 
     control = with_role("control")
-    c.add_argument("--methods", default="local,fedavg,ohfl",
+    c.add_argument("--methods", default=D["methods"],
                    help=f"comma-separated: {', '.join([control, 'local+ft', *(m for m in methods() if m != control)])}"
                         f"; a variant adds options, e.g. ohfl:strategy=cdd (default local,fedavg,ohfl; under equal "
                         f"budgets {control} is the local+ft control)")
     c.add_argument("--data", help="data root (default $CXR_DATA, ../shared/data)")
-    c.add_argument("--sites", type=int, default=6, help="number of simulated hospital sites (default 6)")
-    c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default="width",
+    c.add_argument("--sites", type=int, default=D["sites"], help="number of simulated hospital sites (default 6)")
+    c.add_argument("--scheme", choices=("width", "dirichlet", "pathological"), default=D["scheme"],
                    help="how the sites are partitioned, as simulate --scheme (default width)")
-    c.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (dirichlet scheme; default 0.5)")
-    c.add_argument("--labels", choices=("binary", "subtype"), default="binary",
+    c.add_argument("--alpha", type=float, default=D["alpha"], help="Dirichlet alpha (dirichlet scheme; default 0.5)")
+    c.add_argument("--labels", choices=("binary", "subtype"), default=D["labels"],
                    help="one label scheme for every method (default binary)")
-    c.add_argument("--seeds", type=_csv_ints, default=[0], help="comma-separated seeds (default 0)")
+    c.add_argument("--seeds", type=_csv_ints, default=D["seeds"], help="comma-separated seeds (default 0)")
     c.add_argument("--out", required=True, help="comparison folder (one run folder per seed and method)")
     c.add_argument("--rounds", type=_positive_int,
                    help="rounds of FedAvg / prototype methods; under equal budgets they must divide the budget E "
@@ -98,7 +99,7 @@ def _add_compare(c) -> None:
                                                  "default: none, the whole --external set)")
     c.add_argument("--external-max-images", type=_positive_int,
                    help="class-stratified subset of the external set (quick checks only; default: every image)")
-    c.add_argument("--n-boot", type=_non_negative_int, default=1000, help="bootstrap replicates of the paired CIs (default 1000)")
+    c.add_argument("--n-boot", type=_non_negative_int, default=D["n_boot"], help="bootstrap replicates of the paired CIs (default 1000)")
     c.add_argument("--late-wait", type=_non_negative_int,
                    help="pass-through: seconds to wait for late sites (default: simulate's adaptive wait)")
     c.add_argument("--probe", help="pass-through to OHFL runs (default: the committed probe part of chest_xray_224 "
@@ -116,7 +117,11 @@ def _add_compare(c) -> None:
                                       "with them, train the heterogeneous backbone pool and ignore it: compare names "
                                       "them in one line at the start, and refuses --families when no method takes it (default: cnn at every "
                                       "site)")
+    from hfl_components.flare.site_config import AUGMENTS
+
     for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square (default stretch)"}),
+                     ("--augment", {"choices": AUGMENTS, "help": "pass-through: every site's training augmentation "
+                                                                 "(default monai; border adds random bands)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):
         c.add_argument(flag, **kw)
@@ -330,6 +335,7 @@ def run_report(args) -> int:
 
 
 def run_compare(args) -> int:
+    from nvflare_jobs.compare import CompareOptions
     from nvflare_jobs.compare import run_compare as _run
 
-    return _run(args)
+    return _run(CompareOptions.from_mapping(vars(args)))

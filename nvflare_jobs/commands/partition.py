@@ -129,7 +129,7 @@ def run_partition(args: argparse.Namespace) -> int:
 def printable_path(path: str) -> str:
     """``path`` on one line: control characters (a newline in a file name) and undecodable bytes (a cp1252 name,
     kept as surrogate escapes) written as Python escapes, e.g. ``two\\nlines.jpeg``, ``caf\\udce9.jpeg``."""
-    from chest_xray.io._common import printable
+    from chest_xray.io import printable
 
     return printable(path)
 

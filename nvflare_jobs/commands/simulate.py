@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hfl_components.flare import catalogue
 from chest_xray import ASPECTS
+from hfl_components.flare.site_config import AUGMENTS
 from nvflare_jobs.runner import SimulateError
 from nvflare_jobs.spec import RUN_OPTIONS, cli_message, option, resolve
 
@@ -118,6 +119,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     fam_methods = ", ".join(m for m in catalogue.methods() if not catalogue.is_prototype(m))
     p.add_argument("--families", default=S, help=f"{fam_methods}: " + _help("families"))
     p.add_argument("--aspect", choices=ASPECTS, default=S, help=_help("aspect"))
+    p.add_argument("--augment", choices=AUGMENTS, default=S, help=_help("augment"))
     p.add_argument("--min-sites", type=at_least(1), default=S, help=_help("min_sites"))
     p.add_argument("--server-device", type=device_arg, default=S,
                    help=catalogue.entry("ohfl").option("server_device").help)
@@ -229,11 +231,11 @@ def cli_spec(argv: list[str]):
 def run_simulate(args) -> int:
     """``cxr-hfl simulate``: :meth:`nvflare_jobs.spec.RunSpec.simulate` of the command line's options."""
     given = given_options(args)
-    if given.get("profile") and given.get("aspect"):  # the profile's site configs decide it; never drop it silently
-        print(f"cxr-hfl simulate: --aspect {given['aspect']}: with --profile each site config's aspect: key decides "
-              f"how its images are squared; set it in {given['profile']}/<site>.yaml, or drop the option",
-              file=sys.stderr)
-        return 2
+    for key in ("aspect", "augment"):  # the profile's site configs decide them; never drop one silently
+        if given.get("profile") and given.get(key):
+            print(f"cxr-hfl simulate: --{key} {given[key]}: with --profile each site config's {key}: key decides it; "
+                  f"set it in {given['profile']}/<site>.yaml, or drop the option", file=sys.stderr)
+            return 2
     try:
         spec = resolve(args.method, given)
         return spec.simulate(args.out, overwrite=args.overwrite, verbose=args.verbose, log_config=args.log_config,

@@ -31,8 +31,10 @@ A method may carry extra ``simulate`` options as a variant, ``ohfl:strategy=cdd`
 Resumable: a run whose ``metrics.json`` exists is not run again, nor an external evaluation already written.
 """
 from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run, tables
+    COMPARE_DEFAULTS,
     CONTROL,
     METHODS,
+    CompareOptions,
     PROTO,
     BudgetError,
     budget_lines,
@@ -45,6 +47,7 @@ from nvflare_jobs.compare.plan import (  # the public face; the parts: plan, run
 )
 from nvflare_jobs.compare.run import (
     command_line,
+    compare,
     evaluate_external,
     prepare_partition,
     probe_part_csv,

@@ -1,6 +1,8 @@
 """What ``cxr-hfl compare`` runs: methods and variants, equal epoch budgets, each run's simulate options."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from hfl_components.flare import catalogue
@@ -10,6 +12,74 @@ from hfl_components.flare import catalogue
 CONTROL = catalogue.with_role("control")
 METHODS = (CONTROL, "local+ft", *(m for m in catalogue.methods() if m != CONTROL))
 PROTO = catalogue.prototype_methods()
+
+
+@dataclass
+class CompareOptions:
+    """One comparison's options, held once: what ``cxr-hfl compare`` parses and what a library caller (a study, a
+    benchmark) passes to :func:`nvflare_jobs.compare.compare`. Every default is stated here only; the command line's
+    flags take theirs from :data:`COMPARE_DEFAULTS`. ``None`` means "the method's or simulate's own default".
+
+    ``probe`` and ``proto_protocol`` are filled in by the comparison itself (the committed probe part; whether the
+    prototype methods' protocol applies); ``argv`` is the command as typed, kept for ``compare.json``.
+    """
+
+    out: str
+    methods: str = "local,fedavg,ohfl"
+    data: str | None = None
+    sites: int = 6
+    scheme: str = "width"
+    alpha: float = 0.5
+    labels: str = "binary"
+    seeds: list = dataclasses.field(default_factory=lambda: [0])
+    rounds: int | None = None
+    local_epochs: int | None = None
+    finetune_epochs: int | None = None
+    unequal_budgets: bool = False
+    external: str | None = None
+    part: str | None = None
+    external_max_images: int | None = None
+    n_boot: int = 1000
+    late_wait: int | None = None
+    probe: str | None = None
+    max_train_images: int | None = None
+    input_sizes: list | None = None
+    batch_size: int | None = None
+    max_images: int | None = None
+    families: str | None = None
+    aspect: str | None = None
+    augment: str | None = None
+    no_audit: bool = False
+    dry_run: bool = False
+    proto_protocol: bool = False
+    argv: list | None = None
+
+    @classmethod
+    def from_mapping(cls, given: dict) -> "CompareOptions":
+        """The options from a mapping (a parsed command line's ``vars(args)`` or a caller's dict): keys that are not
+        comparison options are ignored when they come from the command line (``command``, ``func``), refused
+        otherwise.
+
+        Raises:
+            ValueError: ``out`` missing, or (for a caller's dict) a key that is not an option, named.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "out" not in given or not given["out"]:
+            raise ValueError("compare: 'out' (the comparison folder) is required")
+        cli = "func" in given
+        unknown = sorted(k for k in given if k not in names and k not in ("_argv",))
+        if unknown and not cli:
+            raise ValueError(f"compare: unknown option(s) {', '.join(map(repr, unknown))}; "
+                             f"options: {', '.join(sorted(names - {'proto_protocol', 'argv'}))}")
+        opts = {k: v for k, v in given.items() if k in names}
+        if "_argv" in given:
+            opts["argv"] = given["_argv"]
+        return cls(**opts)
+
+
+#: the default of every comparison option (the command line's flags read theirs here)
+COMPARE_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                    for f in dataclasses.fields(CompareOptions) if f.name != "out"}
 
 
 def _option_key(name: str) -> str:
@@ -162,7 +232,7 @@ def _planned(method: str, args) -> dict[str, int]:
     method = split_variant(method)[0]
     from hfl_components.flare.catalogue import method_defaults
 
-    if getattr(args, "proto_protocol", False):  # every method at the prototype methods' rounds x epochs
+    if args.proto_protocol:  # every method at the prototype methods' rounds x epochs
         d = method_defaults(PROTO[0])
         plan = {"rounds": args.rounds or d["rounds"],
                 "local_epochs": args.local_epochs if args.local_epochs is not None else d["local_epochs"],
@@ -172,7 +242,7 @@ def _planned(method: str, args) -> dict[str, int]:
 
     anchor = method_defaults(catalogue.with_schedule("one_shot"))  # E = the one-shot method's L + F
     ft_given = args.finetune_epochs if args.finetune_epochs is not None else anchor["finetune_epochs"]
-    if not getattr(args, "unequal_budgets", False):
+    if not args.unequal_budgets:
         L = args.local_epochs if args.local_epochs is not None else anchor["local_epochs"]
         E = L + ft_given
         if entry_of(method).plan:  # a schedule of the method's own: its entry plans the common budget
@@ -277,10 +347,10 @@ def simulate_options(method: str, data: Path, seed: int, args) -> dict:
         opts["max_train_images"] = args.max_train_images
     if args.batch_size:
         opts["batch_size"] = args.batch_size
-    if getattr(args, "late_wait", None) is not None:
+    if args.late_wait is not None:
         opts["late_wait"] = args.late_wait
     extra = split_variant(method)[1]
-    probe = getattr(args, "probe", None)
+    probe = args.probe
     if e.option("probe") is not None and probe and "probe" not in extra:
         opts["probe"] = str(probe)
     return {**opts, **extra}

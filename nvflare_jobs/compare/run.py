@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 
-from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, base_method, entry_of, budget_lines, check_variant,
+from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, CompareOptions, base_method, entry_of, budget_lines, check_variant,
                                        command_for, epoch_plan, families_ignored, proto_protocol, simulate_options,
                                        split_variant)
 from nvflare_jobs.compare.tables import collect_runs, write_tables
@@ -33,7 +33,7 @@ def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
 
     res = partition_records(records, args.sites, args.scheme, alpha=args.alpha, seed=seed,
                             class_names=CLASS_NAMES[args.labels],
-                            min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if getattr(args, "proto_protocol", False)
+                            min_eval_per_class=PROTO_MIN_EVAL_PER_CLASS if args.proto_protocol
                             else 0)
     write_partition(res, part)
     (part / "scan_report.json").write_text(json.dumps(report, indent=1, default=str))
@@ -58,9 +58,9 @@ def probe_part_csv(data: Path, out: Path) -> Path | None:
 
 
 def _input_sizes(args) -> list[int]:
-    if getattr(args, "input_sizes", None):
+    if args.input_sizes:
         return [int(x) for x in args.input_sizes.split(",")]
-    if getattr(args, "proto_protocol", False):
+    if args.proto_protocol:
         from nvflare_jobs.profiles import PROTO_TRAINING
 
         return [PROTO_TRAINING["input_size"]]
@@ -77,10 +77,10 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
                 "finetune_epochs": (plan["finetune_epochs"] if entry_of(method).schedule == "one_shot"
                                     else plan["finetune_epochs"] or 10), "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64,
-                "aspect": getattr(args, "aspect", None)}
-    proto = True if getattr(args, "proto_protocol", False) else None  # Local on the prototype methods' backbones
+                "aspect": args.aspect, "augment": args.augment}
+    proto = True if args.proto_protocol else None  # Local on the prototype methods' backbones
     return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto,
-                         families=getattr(args, "families", None))
+                         families=args.families)
 
 
 def relative(path) -> str:
@@ -123,9 +123,24 @@ def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
     return rec
 
 
-def run_compare(args) -> int:
+def compare(out: str | Path, **options) -> int:
+    """Run a comparison from a library caller (a study, a benchmark): the same as ``cxr-hfl compare`` with the
+    options of :class:`~nvflare_jobs.compare.plan.CompareOptions` as keywords (``methods="local,fedavg,ohfl"``,
+    ``seeds=[0, 1]``, ``external=...``, ``part="tuning"``), in this process; nothing shells out to the command line.
+
+    Returns:
+        0, 1 (some runs failed; rerun to resume) or 2 (refused before any run, one line on stderr).
+
+    Raises:
+        ValueError: an option that is not a comparison option, named.
+    """
+    return run_compare(CompareOptions.from_mapping({"out": str(out), **options}))
+
+
+def run_compare(args: CompareOptions) -> int:
     """``cxr-hfl compare``: check the methods and budgets, run every (seed, method) not finished yet, then the
-    external evaluation and the tables. Returns 0, 1 (some runs failed) or 2 (bad input, one line on stderr)."""
+    external evaluation and the tables. Returns 0, 1 (some runs failed) or 2 (bad input, one line on stderr).
+    ``args`` is a :class:`~nvflare_jobs.compare.plan.CompareOptions` (or an object with the same attributes)."""
     try:
         methods, plans, data, ext, out = _checked(args)
     except _Refused as e:
@@ -137,9 +152,9 @@ def run_compare(args) -> int:
         print(f"[compare] {out} holds an earlier comparison ({done} finished run(s)): resuming -- finished runs are "
               f"kept, unfinished ones are run again. To replace it instead, delete {out} or choose another --out.",
               flush=True)
-    for line in budget_lines(plans, bool(getattr(args, "unequal_budgets", False))):
+    for line in budget_lines(plans, bool(args.unequal_budgets)):
         print(f"[compare] budget: {line}")
-    if not getattr(args, "probe", None) and any(entry_of(m).option("probe") is not None for m in methods):
+    if not args.probe and any(entry_of(m).option("probe") is not None for m in methods):
         args.probe = probe_part_csv(data, out)
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
@@ -148,12 +163,12 @@ def run_compare(args) -> int:
     if args.dry_run:
         if ext:
             print(f"[compare] then: every saved model of every run evaluated on {ext}"
-                  + (f" (part {args.part})" if getattr(args, "part", None) else ""))
+                  + (f" (part {args.part})" if args.part else ""))
         return 0
     if ext:
-        failed += evaluate_external(out, ext, getattr(args, "part", None), getattr(args, "external_max_images", None),
-                                    args.labels, audit=not getattr(args, "no_audit", False))
-    rows = write_tables(out, plans, n_boot=getattr(args, "n_boot", 1000))
+        failed += evaluate_external(out, ext, args.part, args.external_max_images,
+                                    args.labels, audit=not args.no_audit)
+    rows = write_tables(out, plans, n_boot=args.n_boot)
     print(f"[compare] {len(rows)} rows -> {out / 'comparison.csv'}, {out / 'comparison.md'}")
     if failed:
         print(f"[compare] failed runs (rerun the same command to retry them): {', '.join(failed)}", file=sys.stderr)
@@ -181,14 +196,14 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         why = check_variant(m, args)
         if why:
             raise _Refused(why)
-    ext, part = getattr(args, "external", None), getattr(args, "part", None)
+    ext, part = args.external, args.part
     if why := site_options_problem(args) or (ext and part_required(ext, part, "--external")):
         raise _Refused(why)  # before the output folder and the partitions are written
     if ext and not Path(ext).exists():
         raise _Refused(f"no external data at {ext}")
     if part and not ext:
         raise _Refused("--part needs --external (the chest_xray_224 root)")
-    probe = getattr(args, "probe", None)
+    probe = args.probe
     if probe and probe not in ("generated", "none"):  # every OHFL run would fail on it, one after the other
         from hfl_components.flare.probe import list_probe_files
 
@@ -200,11 +215,11 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
             raise _Refused(f"--probe {probe}: {e}") from None
     args.proto_protocol = proto_protocol(methods)
     out = Path(args.out).resolve()
-    if not getattr(args, "unequal_budgets", False) and CONTROL in methods and "local+ft" in methods:
+    if not args.unequal_budgets and CONTROL in methods and "local+ft" in methods:
         methods.remove("local+ft")
         print("[compare] equal budgets: local+ft is the same run as local (E epochs); running local once, reported "
               "as the local+ft control")
-    if getattr(args, "families", None) is not None:
+    if args.families is not None:
         _families_notice(methods)
     try:
         plans = {m: epoch_plan(m, args) for m in methods}
@@ -244,12 +259,12 @@ def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -
     """``compare.json``: the command and settings, every path relative to the working directory."""
     from nvflare_jobs.evaluation import external_name
 
-    record_command(out, command_line(getattr(args, "_argv", None)), args.dry_run, {
+    record_command(out, command_line(args.argv), args.dry_run, {
         "data": relative(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
-        "labels": args.labels, "epoch_plan": plans, "unequal_budgets": bool(getattr(args, "unequal_budgets", False)),
-        "external": relative(ext) if ext else None, "part": getattr(args, "part", None),
-        "external_name": external_name(ext, getattr(args, "part", None)) if ext else None,
-        "probe": relative(args.probe) if getattr(args, "probe", None) else None,
+        "labels": args.labels, "epoch_plan": plans, "unequal_budgets": bool(args.unequal_budgets),
+        "external": relative(ext) if ext else None, "part": args.part,
+        "external_name": external_name(ext, args.part) if ext else None,
+        "probe": relative(args.probe) if args.probe else None,
         "paths": "relative to the working directory the command ran in"})
 
 

@@ -28,12 +28,13 @@ def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[
             broken link without an image suffix (operating-system junk folders such as ``__MACOSX`` are left out
             silently).
     """
-    from chest_xray.dataset import _dir_key, _sniff_dicom, _walk_files
+    from chest_xray import dir_key, walk_files
+    from chest_xray.io import sniff_dicom
 
     def wanted(f: Path) -> bool:
         if f.suffix.lower() in SUPPORTED_SUFFIXES:
             return True
-        return _sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
+        return sniff_dicom(f)  # IM000001, or a UID name 1.2.840....1234
 
     out: list[Path] = []
     seen: set[tuple[int, int]] = set()
@@ -42,8 +43,8 @@ def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[
         if p.is_dir():
             walk_skips: list[dict] = []
             real = Path(os.path.realpath(p))  # a link up to the folder or a parent would leave the input: not followed
-            blocked = {k for k in map(_dir_key, [real, *real.parents]) if k}
-            files = [f for f in _walk_files(p, walk_skips, seen, blocked) if wanted(f)]
+            blocked = {k for k in map(dir_key, [real, *real.parents]) if k}
+            files = [f for f in walk_files(p, walk_skips, seen, blocked) if wanted(f)]
             for e in walk_skips:
                 if e["kind"] == "broken symbolic link" and Path(e["path"]).suffix.lower() in SUPPORTED_SUFFIXES:
                     files.append(Path(e["path"]))

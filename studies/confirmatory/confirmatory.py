@@ -3,7 +3,7 @@
 The protocol is ``studies/confirmatory/protocols/<name>/PROTOCOL.md`` (committed before any run). This script
 does exactly what it says and nothing else:
 
-* ``run``: ``cxr-hfl compare`` of the protocol's methods at the protocol's seeds, one seed at a time into one
+* ``run``: the comparison (:func:`nvflare_jobs.compare.compare`, in this process) of the protocol's methods at the protocol's seeds, one seed at a time into one
   comparison folder (compare resumes: finished runs are kept, an interrupted seed is run again), with the external
   evaluation on the protocol's part after each seed; after each seed the seed's result tables are copied into the
   results folder (``seeds/seed<k>/``) so that they can be committed as they finish.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,26 +44,31 @@ RUN_FILES = ("metrics.json", "models.json")
 EXT_FILES = ("summary.json", "audit.json", "predictions.npz")
 
 
-def compare_command(seeds: list[int], cmp: Path, data: str | None, external: str, part: str,
-                    audit: bool = True) -> list[str]:
-    """The ``cxr-hfl compare`` command of the protocol for ``seeds`` (default budgets: 30 epochs per site);
-    ``audit=False`` adds ``--no-audit`` (a protocol without the shortcut-audit endpoints)."""
-    cmd = [sys.executable, "-m", "nvflare_jobs.cli", "compare", "--methods", METHODS, "--seeds",
-           ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width", "--external", external, "--part", part,
-           "--out", str(cmp)]
-    return cmd + (["--data", data] if data else []) + ([] if audit else ["--no-audit"])
+def compare_options(seeds: list[int], cmp: Path, data: str | None, external: str, part: str,
+                    audit: bool = True) -> dict:
+    """The comparison options of the protocol for ``seeds`` (:class:`nvflare_jobs.compare.CompareOptions`; default
+    budgets: 30 epochs per site); ``audit=False`` sets ``no_audit`` (a protocol without the shortcut-audit
+    endpoints)."""
+    opts = {"methods": METHODS, "seeds": list(seeds), "sites": 6, "scheme": "width", "external": external,
+            "part": part, "out": str(cmp), "data": data, "no_audit": not audit}
+    flags = ["--methods", METHODS, "--seeds", ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width",
+             "--external", external, "--part", part, "--out", str(cmp)]
+    opts["argv"] = ["compare", *flags, *(["--data", data] if data else []), *([] if audit else ["--no-audit"])]
+    return opts
 
 
 def run(args) -> int:
+    from nvflare_jobs.compare import compare
+
     cmp, res = Path(args.cmp), Path(args.results)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
     done: list[int] = []
     for s in seeds:
         done.append(s)
-        cmd = compare_command(done, cmp, args.data, args.external, args.part, audit=not args.no_audit)
-        print(f"[confirmatory] seed {s}: {' '.join(cmd[2:])}", flush=True)
+        opts = compare_options(done, cmp, args.data, args.external, args.part, audit=not args.no_audit)
+        print(f"[confirmatory] seed {s}: cxr-hfl {' '.join(opts['argv'])}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.call(cmd)
+        rc = compare(**opts)
         wall = time.perf_counter() - t0
         print(f"[confirmatory] seed {s}: rc={rc} in {wall:.0f} s", flush=True)
         dest = copy_seed(cmp, res, s)

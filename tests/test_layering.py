@@ -579,27 +579,9 @@ ALLOWED: dict[str, set[str]] = {
         "nvflare_jobs/progress.py -> nvflare_jobs.status",  # lines [36, 124, 124, 175, 180, 200]; cycle among ['nvflare_jobs.progress', 'nvflare_jobs.status']
         "nvflare_jobs/status.py -> nvflare_jobs.progress",  # lines [242]; cycle among ['nvflare_jobs.progress', 'nvflare_jobs.status']
     },
-    'private': {  # 29
-        "chest_xray/io/__init__.py:chest_xray.io._common._WARNINGS_LOCK",  # line 16: from chest_xray.io._common import _WARNINGS_LOCK
-        "chest_xray/io/__init__.py:chest_xray.io._common._is_dicom",  # line 16: from chest_xray.io._common import _is_dicom
-        "chest_xray/io/__init__.py:chest_xray.io._common._one_line",  # line 16: from chest_xray.io._common import _one_line
-        "chest_xray/io/__init__.py:chest_xray.io._common._scale",  # line 16: from chest_xray.io._common import _scale
-        "chest_xray/io/__init__.py:chest_xray.io._common._warnings_scope",  # line 16: from chest_xray.io._common import _warnings_scope
-        "chest_xray/io/__init__.py:chest_xray.io._dicom._read_dicom",  # line 33: from chest_xray.io._dicom import _read_dicom
-        "chest_xray/io/__init__.py:chest_xray.io._pil._read_pil",  # line 48: from chest_xray.io._pil import _read_pil
-        "chest_xray/io/_dicom.py:chest_xray.io._common._FATAL_DECODER_MESSAGES",  # line 12: from chest_xray.io._common import _FATAL_DECODER_MESSAGES
-        "chest_xray/io/_dicom.py:chest_xray.io._common._one_line",  # line 12: from chest_xray.io._common import _one_line
-        "chest_xray/io/_dicom.py:chest_xray.io._common._scale",  # line 12: from chest_xray.io._common import _scale
-        "chest_xray/io/_dicom.py:chest_xray.io._common._warnings_scope",  # line 12: from chest_xray.io._common import _warnings_scope
-        "chest_xray/io/_dicom_header.py:chest_xray.io._common._WARNINGS_LOCK",  # line 11: from chest_xray.io._common import _WARNINGS_LOCK
-        "chest_xray/io/_dicom_header.py:chest_xray.io._common._warnings_scope",  # line 11: from chest_xray.io._common import _warnings_scope
-        "chest_xray/io/_gdcm.py:chest_xray.io._common._one_line",  # line 13: from chest_xray.io._common import _one_line
-        "chest_xray/io/_pil.py:chest_xray.io._common._warnings_scope",  # line 11: from chest_xray.io._common import _warnings_scope
-        "chest_xray/io/_read.py:chest_xray.io._common._is_dicom",  # line 11: from chest_xray.io._common import _is_dicom
-        "chest_xray/io/_read.py:chest_xray.io._dicom._read_dicom",  # line 12: from chest_xray.io._dicom import _read_dicom
+    'private': {  # 2
         "chest_xray/io/_read.py:chest_xray.io._pil._read_pil",  # line 13: from chest_xray.io._pil import _read_pil
         "nvflare_jobs/deploy/_poc.py:nvflare_jobs.deploy._provision._latest_prod",  # line 17: from nvflare_jobs.deploy._provision import _latest_prod
-        "nvflare_jobs/evaluation/predict.py:chest_xray.io._is_dicom",  # line 241: from chest_xray.io import _is_dicom
     },
     'reexport': set(),  # 0
     'long_function': {  # 3

@@ -63,7 +63,10 @@ def build_eval_job(profile: dict[str, dict], models: list[dict], min_sites: int 
     n = len(profile)
     ctl = CrossSiteEvalController(models=models, min_sites=int(min_sites or max(1, n - 1)))
     ctl.check_options()
-    job = FedJob(name=JOB_NAME, min_clients=ctl.min_sites)
+    from hfl_components.flare.participation import EXPECTED_SITES_KEY
+
+    job = FedJob(name=JOB_NAME, min_clients=ctl.min_sites,
+                 meta_props={EXPECTED_SITES_KEY: sorted(profile)})  # "missing" is computable at the server
     job.to_server(ctl)
     job.to_server(ServerParams({"server": {"task_request_interval": TASK_REQUEST_INTERVAL_S}}))
     for site in profile:

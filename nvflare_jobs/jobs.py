@@ -104,7 +104,10 @@ def build_job(method: str, profile: dict[str, dict], opts: dict, tracking: str =
 
     ctl = make_controller(method, profile, opts)
     receivers = tracking_receivers(tracking, tracking_uri)
-    job = FedJob(name=f"cxr_hfl_{method}", min_clients=ctl.min_sites)
+    from hfl_components.flare.participation import EXPECTED_SITES_KEY
+
+    job = FedJob(name=f"cxr_hfl_{method}", min_clients=ctl.min_sites,
+                 meta_props={EXPECTED_SITES_KEY: sorted(profile)})  # "missing" is computable at the server
     job.to_server(ctl)
     job.to_server(ServerParams({"server": {"task_request_interval": TASK_REQUEST_INTERVAL_S}}))
     for i, r in enumerate(receivers):

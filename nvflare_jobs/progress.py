@@ -46,21 +46,10 @@ def describe_server(st: dict) -> str:
         return f"{head}: {tail}"
     if phase == "failed":
         return f"server: FAILED: {st.get('error')}"
-    return f"server: {phase}"
+    from nvflare_jobs.status import describe_progress
 
-
-def describe_site(p: dict) -> str:
-    """One line for a site's last heartbeat, e.g. ``fedavg_train r1 round 1 epoch 2/3 loss 0.512``; a task whose
-    round number would mislead is worded by its ``step`` (:func:`nvflare_jobs.status.step`), e.g. ``evaluate (final
-    evaluation)``."""
-    s = f"{p.get('task')} ({p['step']})" if p.get("step") else f"{p.get('task')} r{p.get('round')}"
-    if p.get("stage"):
-        s += f" {p['stage']}"
-    if p.get("epochs"):
-        s += f" epoch {p.get('epoch') or 0}/{p['epochs']}"
-    if isinstance(p.get("loss"), (int, float)):
-        s += f" loss {p['loss']:.3f}"
-    return s
+    prog = describe_progress(st.get("server_progress"))
+    return f"server: {phase}" + (f": {prog}" if prog else "")
 
 
 def _usable_terminal(stream) -> bool:

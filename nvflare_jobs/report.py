@@ -146,12 +146,16 @@ def pooled_note(m: dict) -> str:
 def model_card(m: dict, audit: str | None = None) -> str:
     """The model card of a run, describing the run itself: its sites (simulated partitions of the Kermany set, or
     a consortium's hospitals for a POC / provisioned job), the counts of sites, training and test images, the
-    sites left out, which sites the pooled metrics come from, and the shortcut audit's headline (``audit``) when
+    sites left out, which sites the pooled metrics come from, the bytes each site uploaded and downloaded (and,
+    where every site received its peers' models, their bytes), and the shortcut audit's headline (``audit``) when
     given."""
     sites = m.get("sites", {})
+    per_site = m.get("bytes_per_site") or {}  # metrics.json of runs assembled before it was recorded: none
     rows = [[s, _model_name(b.get("model")), b.get("input_size"), b.get("n_train"), b.get("n_test"),
-             _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc"))]
+             _f((b.get("test") or {}).get("accuracy")), _f((b.get("test") or {}).get("auc")),
+             *(f"{per_site[s][k]:,}" if s in per_site else "–" for k in ("up", "down"))]
             for s, b in sites.items()]
+    peers = {s: d["peer_models_down"] for s, d in per_site.items() if "peer_models_down" in d}
     deployed = m.get("job_id") is not None or m.get("downloaded_from") is not None
     excluded = sorted(set(m.get("excluded_sites") or {}) - set(sites_with_results(m)))
     n_train = sum(int(b.get("n_train") or 0) for b in sites.values())
@@ -181,7 +185,11 @@ def model_card(m: dict, audit: str | None = None) -> str:
             "effusion, ...); images with devices or annotations. Pneumonia labels come from the dataset's grading, "
             "not from a reference standard such as CT or culture.</p>"
             "<p><b>Per-site results</b> (each site's own held-out test split, argmax decision):</p>"
-            + _table(["site", "model", "input px", "n train", "n test", "accuracy", "AUC"], rows)
+            + _table(["site", "model", "input px", "n train", "n test", "accuracy", "AUC", "bytes up", "bytes down"],
+                     rows)
+            + ("<p><b>Peer-to-peer share:</b> every site received every other site's model; of each site's "
+               "download, the peers' models were " + html.escape(", ".join(f"{s} {v:,}" for s, v in peers.items()))
+               + " bytes.</p>" if peers else "")
             + "<p><b>Pooled metrics:</b> " + html.escape(pooled_note(m)) + ".</p>"
             + "<p><b>Limitations:</b> small test splits give wide confidence intervals; the pooled 95% CIs below are "
               "bootstrap intervals over images, not over sites or centres.</p>"

@@ -2,10 +2,12 @@
 
 Canonical ``RUN/metrics.json`` (every method extends it, none redefines it)::
 
-    {"method", "labels", "seed", "wall_time_s",
+    {"method", "labels", "seed", "wall_time_s", "expected_sites": [...], "not_deployed": {"<site>": reason},
      "sites": {"<site>": {"model": <spec>, "input_size", "n_train", "n_test", "test": {...}}},
+     "excluded_sites": {"<site>": [{"round", "task", "reason"}]},
      "pooled": {<metrics over all sites' test images, each {"value", "ci_low", "ci_high"}>},
-     "mean": {...}, "std": {...}, "bytes_uploaded", "bytes_downloaded", ...method extras}
+     "mean": {...}, "std": {...}, "bytes_uploaded", "bytes_downloaded",
+     "bytes_per_site": {"<site>": {"up", "down"[, "peer_models_down"]}}, ...method extras}
 
 Reported values are those of the final round. Also ``RUN/sites.csv``, ``RUN/rounds.csv`` and PNG plots.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hfl_components.communication import bytes_per_site
 from hfl_components.flare import catalogue
 from hfl_components.operating_point import site_decision_columns
 
@@ -96,7 +99,11 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     metrics = {"method": rec.get("method"), "labels": labels, "seed": seed, "wall_time_s": round(wall_time_s, 2),
                "sites": sites, "pooled": pooled, "mean": mean, "std": std,
                "bytes_uploaded": rec.get("bytes_uploaded", 0), "bytes_downloaded": rec.get("bytes_downloaded", 0),
+               # per site, up and down; a method that sends every site's model to every other site (record key
+               # peer_model_bytes) adds the bytes of the peers' models each site receives
+               "bytes_per_site": bytes_per_site(rec.get("rounds", []), rec.get("peer_model_bytes")),
                "server_seconds": rec.get("server_seconds", {}), "excluded_sites": rec.get("excluded", {}),
+               **participation(rec),
                "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s),
                # which sites' per-image predictions the pooled metrics come from (share_predictions: true)
                "pooled_sites": pooled_sites}
@@ -124,6 +131,14 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     plots.make_all(out, metrics, rec, class_names)
     write_models_index(out, metrics)
     return metrics
+
+
+def participation(rec: dict) -> dict:
+    """The record's ``expected_sites`` (the job's expected sites; default: every site the record names) and
+    ``not_deployed`` ({site: reason}, the expected sites the job never reached), as ``metrics.json`` keeps them."""
+    named = set(rec.get("sites") or {}) | set(rec.get("excluded") or {}) | set(rec.get("cross_site") or {})
+    return {"expected_sites": sorted(rec.get("expected_sites") or named),
+            "not_deployed": dict(rec.get("not_deployed") or {})}
 
 
 def _timing(rec: dict, wall_time_s: float) -> dict:
@@ -235,6 +250,8 @@ def print_summary(m: dict, run_dir: Path) -> None:
         if cm and sum(1 for col in zip(*cm) if sum(col) > 0) == 1:
             print(f"WARNING: {site}'s deployed model predicts a single class for every test image "
                   f"(confusion matrix {cm}); it has not learned a usable decision rule")
+    for site, why in sorted((m.get("not_deployed") or {}).items()):
+        print(f"NOT PART OF THE JOB: {site}: {why} (metrics.json: not_deployed)")
     if m.get("excluded_sites"):
         print("excluded sites (metrics.json: excluded_sites):")
         for site, events in m["excluded_sites"].items():

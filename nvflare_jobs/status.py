@@ -22,7 +22,8 @@ from hfl_components.flare.catalogue import record_summary
 
 
 INTERRUPTED = "interrupted"  # the phase the CLI writes into status.json when Ctrl-C / SIGTERM stopped a run
-SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "stopped", "unknown")
+SITE_STATES = ("training", "late", "answered", "excluded", "connected", "not connected", "done", "stopped", "unknown",
+               "took part", "not deployed", "missing")  # the last three: a finished job's truth (site_truth)
 
 
 def _read(path: Path) -> dict | None:
@@ -61,7 +62,8 @@ def step(method: str | None, task: str | None, rnd, num_rounds) -> str | None:
 
 
 def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None = None,
-             connected: dict[str, float | None] | None = None, job_id: str | None = None) -> dict:
+             connected: dict[str, float | None] | None = None, job_id: str | None = None,
+             record: dict | None = None) -> dict:
     """The status view of one job.
 
     Args:
@@ -70,54 +72,130 @@ def job_view(snapshot: dict | None, *, job_state: str, sites: list[str] | None =
         sites: the job's sites (default: those the snapshot names).
         connected: {site: seconds since its last heartbeat to the server (None: unknown)} of the sites connected
             now, when known (POC / provisioned); None for a simulator run.
+        record: the finished job's record (``metrics.json`` or the server's ``server_results.json``); default the
+            snapshot's ``final`` part. For a finished job each site's state is then its part in the job
+            (:func:`site_truth`), never a bare ``done``.
     Returns:
-        ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "step", "failed", "sites": {site:
-        {"state", "reason", "heard_s_ago", "task", "round", "step", "stage", "epoch", "epochs", "loss", "val"}},
-        "gate"}`` (``step``: :func:`step`; a site's ``val`` from the final evaluation carries ``step`` too).
+        ``{"job_id", "job_state", "phase", "round", "num_rounds", "task", "step", "failed", "server_progress",
+        "sites": {site: {"state", "reason", "heard_s_ago", "task", "round", "step", "stage", "epoch", "epochs",
+        "loss", "val", "waiting_for_server"}}, "gate"}`` (``step``: :func:`step`; a site's ``val`` from the final
+        evaluation carries ``step`` too; a finished job's sites also carry :func:`site_truth`'s ``exclusions``,
+        ``test`` and ``decision``).
     """
     st = snapshot or {}
-    prog = st.get("sites") or {}
-    excluded = st.get("excluded") or {}
-    names = list(sites or []) or sorted(set(prog) | set(excluded) | set(st.get("waiting_for") or [])
-                                        | set(st.get("answered") or []) | set(connected or {}))
-    waiting = set(st.get("waiting_for") or [])
-    answered = set(st.get("answered") or [])
-    dropped_now = st.get("dropped_now") or {}
     finished = str(job_state).upper().startswith("FINISHED") or st.get("phase") in ("done", "failed")
-    late = st.get("late_wait_ends_in_s") is not None
-    out = {}
-    for s in names:
-        p = prog.get(s) or {}
-        reason = dropped_now.get(s) or excluded.get(s)
-        if s in dropped_now or (s in excluded and s not in waiting and s not in answered):
-            state = "excluded"
-        elif connected is not None and s not in connected and not finished:
-            state = "not connected"
-        elif st.get("phase") == INTERRUPTED:
-            state = "stopped"
-        elif finished:
-            state = "done"
-        elif s in waiting:
-            state = "late" if late and answered else "training"
-        elif s in answered:
-            state = "answered"
-        elif connected is not None:
-            state = "connected"
-        else:
-            state = "unknown"
-        heard = p.get("heard_s_ago")
-        if connected is not None and connected.get(s) is not None and heard is None:
-            heard = connected[s]
-        out[s] = {"state": state, "reason": reason if state == "excluded" or s in excluded else None,
-                  "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"),
-                  "step": step(st.get("method"), p.get("task"), p.get("round"), st.get("num_rounds")),
-                  "stage": p.get("stage"), "epoch": p.get("epoch"), "epochs": p.get("epochs"), "loss": p.get("loss"),
-                  "val": _val(st, s)}
+    record = record if record is not None else (st.get("final") if finished else None)
+    truth = site_truth(record) if isinstance(record, dict) else {}
+    not_deployed = {**(st.get("not_deployed") or {}), **{s: t["reason"] for s, t in truth.items()
+                                                         if t["state"] == "not deployed"}}
+    names = list(sites or []) or sorted(set(st.get("sites") or {}) | set(st.get("excluded") or {})
+                                        | set(st.get("waiting_for") or []) | set(st.get("answered") or [])
+                                        | set(connected or {}) | set(st.get("expected_sites") or [])
+                                        | set(not_deployed))
+    names += [s for s in sorted(set(truth) | set(not_deployed)) if s not in names]
+    out = {s: _site_entry(st, s, finished, connected, not_deployed) for s in names}
+    for s in out if truth else ():  # a site the record names nowhere (e.g. one deploy_map names) is missing
+        t = truth.get(s) or {"state": "missing", "reason": MISSING, "exclusions": [], "test": None, "decision": None}
+        out[s].update(state=t["state"], reason=t["reason"], exclusions=t["exclusions"], test=t["test"],
+                      decision=t["decision"])
     return {"job_id": job_id, "job_state": job_state, "phase": st.get("phase"), "round": st.get("round"),
             "num_rounds": st.get("num_rounds"), "task": st.get("task"),
             "step": step(st.get("method"), st.get("task"), st.get("round"), st.get("num_rounds")),
-            "method": st.get("method"),
-            "failed": st.get("failed"), "sites": out, "gate": st.get("gate") if finished else None}
+            "method": st.get("method") or (record or {}).get("method"), "failed": st.get("failed"),
+            "server_progress": None if finished else st.get("server_progress"), "sites": out,
+            "gate": (st.get("gate") or (record or {}).get("gate")) if finished else None}
+
+
+SERVER_WAIT_PHASES = ("waiting", "starting", "done", "failed", INTERRUPTED)
+
+
+def _site_entry(st: dict, s: str, finished: bool, connected: dict | None, not_deployed: dict) -> dict:
+    """One site's live entry of :func:`job_view` from the snapshot ``st``."""
+    p = (st.get("sites") or {}).get(s) or {}
+    excluded = st.get("excluded") or {}
+    waiting, answered = set(st.get("waiting_for") or []), set(st.get("answered") or [])
+    dropped_now = st.get("dropped_now") or {}
+    reason = dropped_now.get(s) or excluded.get(s) or not_deployed.get(s)
+    if s in not_deployed:
+        state = "not deployed"
+    elif s in dropped_now or (s in excluded and s not in waiting and s not in answered):
+        state = "excluded"
+    elif connected is not None and s not in connected and not finished:
+        state = "not connected"
+    elif st.get("phase") == INTERRUPTED:
+        state = "stopped"
+    elif finished:
+        state = "done"
+    elif s in waiting:
+        state = "late" if st.get("late_wait_ends_in_s") is not None and answered else "training"
+    elif s in answered:
+        state = "answered"
+    else:
+        state = "connected" if connected is not None else "unknown"
+    heard = p.get("heard_s_ago")
+    if connected is not None and connected.get(s) is not None and heard is None:
+        heard = connected[s]
+    return {"state": state, "reason": reason if state in ("excluded", "not deployed") or s in excluded else None,
+            "heard_s_ago": heard, "task": p.get("task"), "round": p.get("round"),
+            "step": step(st.get("method"), p.get("task"), p.get("round"), st.get("num_rounds")),
+            "stage": p.get("stage"), "epoch": p.get("epoch"), "epochs": p.get("epochs"), "loss": p.get("loss"),
+            "val": _val(st, s),
+            # an answered site while the server works (fusion, distillation): quiet by design, not stale
+            "waiting_for_server": state == "answered" and st.get("phase") not in SERVER_WAIT_PHASES}
+
+
+TEST_KEYS = ("balanced_accuracy", "auc", "accuracy")
+MISSING = "expected, but the job's record names it nowhere (never deployed to or never answered)"
+
+
+def site_truth(record: dict) -> dict[str, dict]:
+    """Each site's part in a finished job, from its record: ``metrics.json`` (``excluded_sites``) or the server's
+    ``server_results.json`` / the final status snapshot (``excluded``), with ``expected_sites`` and
+    ``not_deployed`` where the job recorded them.
+
+    Returns:
+        {site: {"state", "reason", "exclusions", "test", "decision"}}: ``state`` is ``took part`` (it answered the
+        final evaluation, or has a row of a cross-site evaluation; ``exclusions`` lists any earlier round it was
+        left out of), ``excluded`` (left out and
+        never evaluated; ``reason`` the last exclusion's), ``not deployed`` (the job never reached it; ``reason``)
+        or ``missing`` (expected, but the record names it nowhere); ``exclusions`` = [{"round", "task",
+        "reason"}]; ``test`` = its final test metrics ({balanced_accuracy, auc, accuracy}) or None; ``decision`` =
+        its gate or acceptance decision in words, or None.
+    """
+    blocks = record.get("sites") or {}
+    rows = record.get("cross_site") if isinstance(record.get("cross_site"), dict) else {}
+    excluded = record.get("excluded_sites", record.get("excluded")) or {}
+    not_dep = record.get("not_deployed") or {}
+    names = sorted(set(record.get("expected_sites") or []) | set(blocks) | set(excluded) | set(not_dep) | set(rows))
+    out = {}
+    for s in names:
+        events = [{"round": e.get("round"), "task": e.get("task"), "reason": e.get("reason")}
+                  for e in (excluded.get(s) or []) if isinstance(e, dict)]
+        b = blocks.get(s) if isinstance(blocks.get(s), dict) else None
+        if s in not_dep:
+            state, reason = "not deployed", not_dep[s]
+        elif isinstance((b or {}).get("test"), dict) or s in rows:  # it answered the final evaluation
+            state, reason = "took part", None
+        elif events:
+            state, reason = "excluded", events[-1]["reason"]
+        else:
+            state, reason = "missing", MISSING
+        test = (b or {}).get("test") if isinstance((b or {}).get("test"), dict) else None
+        out[s] = {"state": state, "reason": reason, "exclusions": events,
+                  "test": {k: test[k] for k in TEST_KEYS if isinstance(test.get(k), (int, float))} if test else None,
+                  "decision": _decision(b or {})}
+    return out
+
+
+def _decision(block: dict) -> str | None:
+    """A site's gate (``{"adopted", "reason"}``) or acceptance (``{"outcome"}``) decision in words, or None."""
+    acc, gate = block.get("acceptance"), block.get("gate")
+    if isinstance(acc, dict) and acc.get("outcome"):
+        return f"acceptance: {acc['outcome']}"
+    if isinstance(gate, dict) and "adopted" in gate:
+        return "gate: adopted the federated model" if gate["adopted"] else \
+            "gate: kept its local model" + (f" ({gate['reason']})" if gate.get("reason") else "")
+    return None
 
 
 def _val(st: dict, site: str) -> dict | None:
@@ -155,7 +233,8 @@ def run_folder_view(run_dir: str | Path) -> dict:
                     "excluded": {s: ev[-1].get("reason") for s, ev in (metrics.get("excluded_sites") or {}).items()},
                     "gate": metrics.get("gate"), "failed": metrics.get("failed")}
         snap.setdefault("gate", metrics.get("gate"))
-        sites = sorted(set(metrics.get("sites") or {}) | set(metrics.get("excluded_sites") or {}))
+        sites = sorted(set(metrics.get("sites") or {}) | set(metrics.get("excluded_sites") or {})
+                       | set(metrics.get("expected_sites") or []) | set(metrics.get("not_deployed") or {}))
     else:
         phase = (snap or {}).get("phase")
         state = {"done": "FINISHED:COMPLETED", "failed": "FINISHED:FAILED",
@@ -170,7 +249,7 @@ def run_folder_view(run_dir: str | Path) -> dict:
                 if isinstance(p, dict) and isinstance(p.get("heard_s_ago"), (int, float)):
                     p["heard_s_ago"] = round(p["heard_s_ago"] + age, 1)
         sites = None
-    view = job_view(snap, job_state=state, sites=sites, job_id=run.name)
+    view = job_view(snap, job_state=state, sites=sites, job_id=run.name, record=metrics)
     view["source"] = str(found[0]) if found else str(run / "metrics.json")
     tb = sorted({str(p.parent.parent) for p in (run / "workspace").rglob("events.out.tfevents.*")}) \
         if (run / "workspace").is_dir() else []
@@ -205,44 +284,97 @@ def mark_interrupted(out_dir: str | Path) -> int:
 
 
 def admin_view(session, job_id: str) -> dict:
-    """The view of a POC / provisioned job through an open ``flare_api`` session (the caller's startup kit)."""
+    """The view of a POC / provisioned job through an open ``flare_api`` session (the caller's startup kit).
+
+    A running job's snapshot comes from the server's ``show_stats``; a finished job's sites are its record's
+    (:func:`finished_record`: the job's ``server_results.json``, downloaded), so each reads ``took part``,
+    ``excluded`` (round, reason), ``not deployed`` (reason) or ``missing``, with its final metrics and decision.
+    The expected sites are the job meta's (``hfl_components.flare.participation.expected_sites``)."""
+    from hfl_components.flare.participation import expected_sites
+
     meta = session.get_job_meta(job_id) or {}
     state = str(meta.get("status") or "UNKNOWN")
-    snap = None
+    snap, record = None, None
     if state.upper().startswith("RUNNING"):
         try:
             stats = session.show_stats(job_id, "server") or {}
             snap = (stats.get("server") or {}).get("cxr_hfl")
         except Exception:  # noqa: BLE001 - the job may be starting or ending
             snap = None
-    connected = None
+    elif state.upper().startswith("FINISHED"):
+        record = finished_record(session, job_id)
+    view = job_view(snap, job_state=state, sites=expected_sites(meta) or None, connected=heard_sites(session),
+                    job_id=job_id, record=record)
+    view["submitter"] = meta.get("submitter_name")
+    if state.upper().startswith("FINISHED") and record is None:
+        view["record_unavailable"] = "the job's results could not be downloaded; the sites' parts are unknown"
+    return view
+
+
+def heard_sites(session) -> dict[str, float | None] | None:
+    """{site: seconds since the server last heard from it (None: unknown)} of the sites the server lists as
+    connected (NVFlare's ``check_status``); None when the server cannot be asked. A site that stopped stays
+    listed until its heartbeat times out: :func:`connected_now` tells the live ones."""
     try:
         from nvflare.fuel.flare_api.api_spec import TargetType
 
         info = session.check_status(TargetType.SERVER) or {}
-        connected = {}
-        for c in info.get("clients") or []:  # [{"client_name", "client_last_conn_time", "fqcn"}]
-            last = c.get("client_last_conn_time")
-            if c.get("client_name"):
-                connected[c["client_name"]] = (None if not isinstance(last, (int, float))
-                                               else round(max(0.0, time.time() - last), 1))
     except Exception:  # noqa: BLE001 - the view still shows the job
-        connected = None
-    dm = meta.get("deploy_map") or {}
-    sites = sorted({s for t in dm.values() for s in t if s != "server" and not str(s).startswith("@")}) or None
-    view = job_view(snap, job_state=state, sites=sites, connected=connected, job_id=job_id)
-    view["submitter"] = meta.get("submitter_name")
-    return view
+        return None
+    out = {}
+    for c in info.get("clients") or []:  # [{"client_name", "client_last_conn_time", "fqcn"}]
+        last = c.get("client_last_conn_time")
+        if c.get("client_name"):
+            out[c["client_name"]] = (None if not isinstance(last, (int, float))
+                                     else round(max(0.0, time.time() - last), 1))
+    return out
+
+
+def finished_record(session, job_id: str) -> dict | None:
+    """A finished job's server record (``cxr_hfl_results/server_results.json``), downloaded through the session
+    into the kit's download folder and removed again; None when it cannot be downloaded or holds none."""
+    import shutil
+
+    try:
+        path = Path(session.download_job_result(job_id))
+    except Exception:  # noqa: BLE001 - NVFlare raises many kinds; the view says the record is unavailable
+        return None
+    try:
+        hits = sorted(path.rglob("cxr_hfl_results/server_results.json"))
+        return _read(hits[-1]) if hits else None
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def describe_site(p: dict) -> str:
+    """One line for a site's last heartbeat, e.g. ``fedavg_train r1 round 1 epoch 2/3 loss 0.512``; a task whose
+    round number would mislead is worded by its ``step`` (:func:`step`), e.g. ``evaluate (final
+    evaluation)``."""
+    s = f"{p.get('task')} ({p['step']})" if p.get("step") else f"{p.get('task')} r{p.get('round')}"
+    if p.get("stage"):
+        s += f" {p['stage']}"
+    if p.get("epochs"):
+        s += f" epoch {p.get('epoch') or 0}/{p['epochs']}"
+    if isinstance(p.get("loss"), (int, float)):
+        s += f" loss {p['loss']:.3f}"
+    return s
+
+
+FINAL_STATES = ("took part", "excluded", "not deployed", "missing")  # a finished job's parts (site_truth)
 
 
 def format_site(site: str, d: dict, heard: bool = True) -> str:
     """One site's line of the view: name, state, seconds since its last heartbeat (``heard``), task, round, stage,
-    epoch and loss, its latest validation metric and, when excluded, the reason. The simulator's live console
-    (:class:`nvflare_jobs.progress.LiveProgress`) prints the same line without the heartbeat age."""
-    from nvflare_jobs.progress import describe_site  # the live console's wording of a site's heartbeat
-
+    epoch and loss, its latest validation metric and, when excluded or not deployed, the reason; an answered site
+    while the server works says so instead of a heartbeat age. A finished job's site (:func:`site_truth`) shows
+    its part, final test metrics, gate or acceptance decision and every round it was left out of. The simulator's
+    live console (:class:`nvflare_jobs.progress.LiveProgress`) prints the same line without the heartbeat age."""
     parts = [f"{site:<14}{d['state']:<14}"]
-    if heard and d.get("heard_s_ago") is not None and d["state"] != "done":
+    if "exclusions" in d:  # a finished job's truth
+        return "  ".join(parts + _truth_parts(d)).rstrip()
+    if d.get("waiting_for_server"):
+        parts.append("done with its task; the server is working")
+    elif heard and d.get("heard_s_ago") is not None and d["state"] != "done":
         parts.append(f"heard {d['heard_s_ago']:.0f} s ago")
     if d.get("task"):
         parts.append(describe_site(d))
@@ -251,8 +383,37 @@ def format_site(site: str, d: dict, heard: bool = True) -> str:
     if m:
         parts.append(f"val {m} {val[m]:.3f} ({val.get('step') or 'round ' + str(val.get('round'))})")
     if d.get("reason"):
-        parts.append(f"excluded: {d['reason']}")
+        parts.append(f"{'not deployed' if d['state'] == 'not deployed' else 'excluded'}: {d['reason']}")
     return "  ".join(parts).rstrip()
+
+
+def _truth_parts(d: dict) -> list[str]:
+    """The words of a finished job's site (:func:`site_truth` fields of a view entry)."""
+    parts = []
+    t = d.get("test") or {}
+    if t:
+        parts.append("test " + ", ".join(f"{k.replace('balanced_accuracy', 'bal. acc.').replace('auc', 'AUC')} "
+                                         f"{t[k]:.3f}" for k in TEST_KEYS if k in t))
+    if d.get("decision"):
+        parts.append(d["decision"])
+    if d["state"] in ("not deployed", "missing", "excluded") and d.get("reason"):
+        parts.append(d["reason"] if d["state"] != "excluded" else "")
+    for e in d.get("exclusions") or []:
+        parts.append(f"left out of round {e.get('round')} ({e.get('task')}): {e.get('reason')}")
+    return [p for p in parts if p]
+
+
+def describe_progress(sp: dict | None) -> str | None:
+    """The server stage's progress (``server_progress`` of a snapshot, ``HFLController.report_progress``) in
+    words, e.g. ``distillation (steps) step 120 of 300, 40 s so far, about 60 s left``; None without one."""
+    if not isinstance(sp, dict) or sp.get("step") is None:
+        return None
+    text = f"{sp.get('stage')} step {sp['step']}" + (f" of {sp['total']}" if sp.get("total") else "")
+    if isinstance(sp.get("elapsed_s"), (int, float)):
+        text += f", {sp['elapsed_s']:.0f} s so far"
+    if isinstance(sp.get("eta_s"), (int, float)):
+        text += f", about {sp['eta_s']:.0f} s left"
+    return text
 
 
 def format_view(v: dict) -> str:
@@ -264,6 +425,10 @@ def format_view(v: dict) -> str:
         where = v.get("step") or f"round {v.get('round')}"
         head += f"; {where} task {v['task']} ({v.get('phase')})"
     lines = [head]
+    if describe_progress(v.get("server_progress")):
+        lines.append(f"  server: {describe_progress(v['server_progress'])}")
+    if v.get("record_unavailable"):
+        lines.append(f"  {v['record_unavailable']}")
     if v.get("failed"):
         lines.append(f"  FAILED: {v['failed']}")
     lines += ["  " + format_site(s, d) for s, d in v["sites"].items()]

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from nvflare_jobs.progress import describe_server, describe_site
-from nvflare_jobs.status import format_view, job_view, step
+from nvflare_jobs.progress import describe_server
+from nvflare_jobs.status import describe_site, format_view, job_view, step
 
 
 @pytest.mark.parametrize("method, task, rnd, n, want", [

@@ -27,10 +27,13 @@ fedsaf   subtype 20     1            10 (unused)
 fedproto subtype 20     1            10 (unused)
 fedtopo  subtype 20     1            10 (unused)
 fens     binary  5 (**) 20           10 (unused)
+central  binary  1      30           10 (unused)
 ======== ======= ====== ============ ===============
 
 (*) OHFL is one-shot: the server runs one upload and one fine-tuning step whatever ``rounds`` says.
 (**) FENS: one upload after the local epochs, then ``rounds`` FedAvg rounds of ``fens_epochs`` aggregator epochs.
+``central`` is the pooled-data reference, not a federated method (role ``ceiling``): one model trained on the union
+of the sites' training images for ``local_epochs`` (compare: the common budget E = 30 by default).
 
 Prototype methods: 20 rounds x 1 local epoch, chosen on the sites' validation splits with their other
 training defaults (Adam 0.001, cosine lr over the rounds, class-balanced sampling, 64 px;
@@ -72,8 +75,9 @@ class RecordField:
     summary: str = ""
 
 
-# the record fields every method may write (the run's failure, its task config, payload bytes and notes)
-COMMON_RECORD_KEYS = ("failed", "global_spec", "task_config", "payload", "notes")
+# the record fields every method may write (the run's failure, its task config, payload bytes and notes;
+# peer_model_bytes: {site: bytes of its own model} where the server sends every site's model to every other site)
+COMMON_RECORD_KEYS = ("failed", "global_spec", "task_config", "payload", "notes", "peer_model_bytes")
 
 
 @dataclass(frozen=True)
@@ -405,6 +409,20 @@ _ENTRIES: list[MethodEntry] = [
                          "every site)"),
                 summary="FENS (Allouah et al., 2024): one-shot upload, then a FedAvg-trained aggregator over every "
                         "site's frozen model"),
+    # not a federated method: the pooled-data ceiling every method's gap is read against (compare, role ceiling);
+    # one run of E epochs under compare's equal budgets (schedule single), 30 = the default E (OHFL's 20 + 10)
+    MethodEntry("central", _CTL + "central.CentralController",
+                {"central_train": _CTL + "central:central_train", "central_share": _CTL + "central:central_share",
+                 "central_install": _CTL + "central:central_install"},
+                rounds=1, local_epochs=30, schedule="single", role="ceiling",
+                options=(Option("central_input_size", int, 128, None, "central: input size (px) of the one pooled "
+                                "model, trained and scored at every site at this size",
+                                check=lambda v: None if 16 <= v <= 1024 else f"must be 16 to 1024 px, got {v}"),),
+                record_fields=(RecordField("central", "pooled data", "hfl_components.central:summarise"),),
+                uploads=("pooled data, not a federated deployment: every training image (in the simulator its path, "
+                         "the file's bytes counted), once; the site that trains the pooled model uploads it once"),
+                summary="pooled-data reference (not federated): one model of the deepest site architecture trained "
+                        "on the union of the sites' training images"),
 ]
 CATALOGUE: dict[str, MethodEntry] = {e.name: e for e in _ENTRIES}
 

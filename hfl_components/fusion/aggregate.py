@@ -90,7 +90,7 @@ def _n_params(spec: dict) -> int:
 def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
                      alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
                      sinkhorn_reg: float = 0.01, repair: bool | str = False,
-                     cka: str = "linear", device=None) -> tuple[dict, StateDict, dict]:
+                     cka: str = "linear", device=None, progress=None) -> tuple[dict, StateDict, dict]:
     """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
 
     Args:
@@ -104,6 +104,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         alignment, ot_solver, ground_metric, sinkhorn_reg, repair, cka: passed to :func:`fuse_pair`.
         seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
         device: where the probe forward passes run (``torch.device`` or name; default CPU), see :func:`fuse_pair`.
+        progress: optional callable ``progress(done, total)`` after each pairwise fusion (``total`` = n - 1).
 
     Returns:
         ``(spec, state_dict, record)``: the global model (spec of the final target, float32 tensors) and a JSON-able
@@ -122,6 +123,7 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     _check(sites, strategy, weighting, probe)
     fz = _Fusion(sites, probe, strategy, weighting, seed, dict(alignment=alignment, ot_solver=ot_solver,
                  ground_metric=ground_metric, sinkhorn_reg=sinkhorn_reg, repair=repair, cka=cka, device=device))
+    fz.progress = progress
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
                     "ground_metric": ground_metric, "repair": repair, "cka": cka,
                     "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
@@ -166,6 +168,7 @@ class _Fusion:
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.pairs: list[dict] = []
         self.cache = StatsCache()  # each model's probe statistics, computed once across the pairwise fusions
+        self.progress = None  # progress(done, total) after each pairwise fusion
 
     def probe_for(self, size):
         return self.probe[int(size)] if isinstance(self.probe, dict) else self.probe
@@ -190,6 +193,8 @@ class _Fusion:
             self.phase[p] += rec["seconds"][p]
         self.pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t,
                            **rec})
+        if self.progress is not None:
+            self.progress(len(self.pairs), max(len(self.pairs), self.n_sites - 1))
         members = src.members + tgt.members if running_is_src else tgt.members + src.members
         return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members, tgt.size)
 

@@ -187,7 +187,9 @@ def _download(sess, job_id: str, dest: Path) -> Path:
 def report_downloaded(download: Path, meta: dict, assemble) -> int:
     """Print a downloaded job's status and, when the run failed, its reason; unless it failed before any site
     finished (then nothing is written: no empty metrics.json or plots), ``assemble()`` writes the run folder
-    (returns its metrics) and the per-site metrics and findings (``run_findings``) are printed.
+    (returns its metrics with ``run_dir``) and every expected site's part in the job (``status.site_truth``:
+    took part with its test metrics and decision, excluded, not deployed) and the findings (``run_findings``) are
+    printed.
     Returns 0 for a completed run, else 1."""
     from nvflare_jobs.deploy import run_findings
     from nvflare_jobs.results import find_server_results
@@ -202,14 +204,14 @@ def report_downloaded(download: Path, meta: dict, assemble) -> int:
         print(f"[cxr-hfl] job {meta.get('job_id')}: {status}: {reason}", file=sys.stderr)
         print(f"  downloaded to {download}; no metrics.json written (no site finished)", file=sys.stderr)
         return 1
+    from nvflare_jobs.status import format_site, site_truth
+
     m = assemble()
-    print(f"[cxr-hfl] job {meta.get('job_id')} ({status}) -> {m.get('run_dir')}/metrics.json")
+    print(f"[cxr-hfl] job {meta.get('job_id')} ({status}) -> {Path(m['run_dir']) / 'metrics.json'}")
     if rec.get("failed"):
         print(f"  FAILED: {rec['failed']}")
-    for site, b in m["sites"].items():
-        t = b.get("test") or {}
-        acc = t.get("accuracy")
-        print(f"  {site:<12} n_test={b.get('n_test')} accuracy={'-' if acc is None else f'{acc:.3f}'}")
+    for site, t in site_truth(m).items():  # every expected site: took part / excluded / not deployed / missing
+        print("  " + format_site(site, t))
     for site, row in sorted((m.get("cross_site") or {}).items()):  # a cross-site evaluation job
         print(f"  {site:<12} " + "  ".join(
             f"{name}: " + (f"refused ({v['refused']})" if "refused" in v else

@@ -15,7 +15,7 @@ from nvflare_jobs.compare.plan import CONTROL, METHODS, base_method, entry_of, b
 
 COLUMNS = ["method", "seed", "site", "model", "input_size", "n_test", "accuracy", "balanced_accuracy", "auc",
            "sensitivity", "specificity", "threshold", "deploy_rule", "deployed_round", "wall_seconds", "server_seconds",
-           "bytes_up", "bytes_down"]
+           "bytes_up", "bytes_down", "site_bytes_up", "site_bytes_down", "site_peer_models_down"]
 METRICS = ("accuracy", "balanced_accuracy", "auc", "sensitivity", "specificity")
 
 
@@ -89,7 +89,10 @@ def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) 
     """One row per (method, seed, site). Sensitivity/specificity: at the threshold chosen on the site's validation
     split (binary runs with saved models, ``thresholds=True``), else the argmax rule of the site's own metrics.
     ``deploy_rule`` / ``deployed_round``: which model the site deployed (``metrics.json`` ``sites.<site>.deploy``,
-    e.g. ``best_val`` and the round chosen on its validation split; empty for runs that did not record it)."""
+    e.g. ``best_val`` and the round chosen on its validation split; empty for runs that did not record it).
+    ``bytes_up`` / ``bytes_down``: the run's totals; ``site_bytes_up`` / ``site_bytes_down``: this site's
+    (``metrics.json`` ``bytes_per_site``), and ``site_peer_models_down`` the bytes of the other sites' models it
+    received where every site's model went to every site (FENS); empty where not recorded."""
     rows = []
     for method, seed, m in runs:
         vt = {}
@@ -103,6 +106,7 @@ def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) 
             if site in vt:
                 t.update({k: vt[site]["test"][k] for k in ("sensitivity", "specificity", "threshold")})
             spec = b.get("model") or {}
+            per_site = (m.get("bytes_per_site") or {}).get(site) or {}
             rows.append({"method": method, "seed": seed, "site": site,
                          "model": "/".join(str(spec[k]) for k in ("family", "depth") if spec.get(k)),
                          "input_size": b.get("input_size"), "n_test": b.get("n_test"),
@@ -110,7 +114,9 @@ def comparison_rows(runs: list[tuple[str, int, dict]], thresholds: bool = True) 
                          "deploy_rule": (b.get("deploy") or {}).get("rule"),
                          "deployed_round": (b.get("deploy") or {}).get("round"), "wall_seconds": m.get("wall_time_s"),
                          "server_seconds": _server_seconds(m), "bytes_up": m.get("bytes_uploaded"),
-                         "bytes_down": m.get("bytes_downloaded")})
+                         "bytes_down": m.get("bytes_downloaded"), "site_bytes_up": per_site.get("up"),
+                         "site_bytes_down": per_site.get("down"),
+                         "site_peer_models_down": per_site.get("peer_models_down")})
     return rows
 
 
@@ -271,6 +277,10 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
             if m != ref and not (label == "FedAvg" and m == control):
                 pairs.append((m, "deployed", ref, "deployed", f"{m} vs {label}" + (" (local, same E epochs)"
                                                                                   if ref == CONTROL else "")))
+    ceiling = next((m for m in methods if base_method(m) == catalogue.with_role("ceiling")), None)
+    for m in methods:  # the gap to the pooled-data reference (against the control and FedAvg: above already)
+        if ceiling and base_method(m) != base_method(ceiling) and m not in (control, reference):
+            pairs.append((ceiling, "deployed", m, "deployed", f"{ceiling} vs {m} (gap to the pooled reference)"))
     for m in methods:
         if entry_of(m).schedule in ("one_shot", "ensemble"):  # its sites keep their pre-fusion local models
             pairs.append((m, "deployed", m, "local", f"{m} deployed vs its own pre-fusion local models"))
@@ -394,6 +404,8 @@ def comparison_markdown(out: Path, runs, rows, plans: dict | None = None, ext: d
           f"{', '.join(sorted(x for x in labels if x))}. Every method ran on the identical partition per seed "
           "(`seed<k>/partition`).", ""]
     L += _mean_std_section(methods, rows, plans)
+    L += _bytes_section(methods, rows)
+    L += _gap_section(methods, rows)
     L += _pooled_section(runs)
     L += _records_section(runs)
     L += _per_site_sections(methods, sites, rows)
@@ -422,6 +434,54 @@ def _mean_std_section(methods, rows, plans) -> list[str]:
                  + " | ".join(_mean_std([r[k] for r in runs_m.values()]) if k.endswith("seconds") else
                               f"{np.mean([r[k] or 0 for r in runs_m.values()]):,.0f}"
                               for k in ("wall_seconds", "server_seconds", "bytes_up", "bytes_down")) + " |")
+    return L
+
+
+def _bytes_section(methods, rows) -> list[str]:
+    """Bytes per site: mean and largest over (seed, site) of what a site uploaded and downloaded, and the peers'
+    models among its download (FENS: every site receives every other site's model)."""
+    have = [m for m in methods if any(r["method"] == m and r.get("site_bytes_up") is not None for r in rows)]
+    if not have:
+        return []
+    L = ["", "## Bytes per site", "",
+         "Per site and run (`metrics.json` `bytes_per_site`: bytes of the arrays each site sent and was sent; central: "
+         "its training images' file bytes up). Mean and largest over (seed, site). Peers' models: the bytes of the "
+         "other sites' models a site received (every site's model sent to every site), and their share of its "
+         "download.", "",
+         "| method | up per site | largest up | down per site | largest down | peers' models per site | share of "
+         "download |", "|---|---|---|---|---|---|---|"]
+    for m in have:
+        rs = [r for r in rows if r["method"] == m and r.get("site_bytes_up") is not None]
+        up, down = [int(r["site_bytes_up"]) for r in rs], [int(r["site_bytes_down"] or 0) for r in rs]
+        peer = [int(r["site_peer_models_down"]) for r in rs if r.get("site_peer_models_down") is not None]
+        share = (f"{sum(peer) / sum(down):.0%}" if peer and sum(down) else "–")
+        L.append(f"| {m} | {np.mean(up):,.0f} | {max(up):,} | {np.mean(down):,.0f} | {max(down):,} | "
+                 + (f"{np.mean(peer):,.0f}" if peer else "–") + f" | {share} |")
+    return L
+
+
+def _gap_section(methods, rows) -> list[str]:
+    """The gap of every method to the pooled-data reference (the catalogue's role ``ceiling``, ``central``):
+    central − method, paired by (seed, site) on each site's own test split; nothing without central."""
+    from hfl_components.stats import paired_cell
+
+    ceiling = catalogue.with_role("ceiling")
+    bases = [m for m in methods if base_method(m) == ceiling]
+    others = [m for m in methods if base_method(m) != ceiling]
+    if not bases or not others:
+        return []
+    c = bases[0]
+    L = ["", f"## Gap to the pooled-data reference ({c})", "",
+         f"`{c}`: one model of the deepest site architecture trained on the union of the sites' training images at "
+         "the same epochs (pooled data: not a federated method; the ceiling the federation's gap is read against). "
+         f"Gap = {c} − method, mean over seeds of the seed's mean over its sites' own test sets, with the 95% "
+         "seed-level t-interval (per-seed values below the seeds an interval needs); positive: the pooled model "
+         "is better.", "",
+         "| method | pairs | gap accuracy | gap balanced accuracy | gap AUC |", "|---|---|---|---|---|"]
+    for m in others:
+        ds = {k: paired_diff(rows, c, k, ref=m) for k in ("accuracy", "balanced_accuracy", "auc")}
+        L.append(f"| {m} | {max(d['n'] for d in ds.values())} | " + " | ".join(paired_cell(d) for d in ds.values())
+                 + " |")
     return L
 
 
@@ -499,6 +559,10 @@ def _notes(methods, plans, cj) -> list[str]:
     elif plans and not cj.get("unequal_budgets"):
         L.append("- Equal budgets: Local (= the local+ft control), FedAvg (rounds x local epochs) and OHFL (local + "
                  "fine-tuning epochs) train the same number of epochs per site.")
+    if any(base_method(m) == catalogue.with_role("ceiling") for m in methods):
+        L.append("- `central` is the pooled-data reference, not a federated method: every site's training images "
+                 "leave the site (its bytes up are their files' bytes); each site scores the one pooled model at "
+                 "the pooled model's input size.")
     L.append("- With few test images per site the per-site numbers are noisy; read the pooled CIs and the paired "
              "intervals before ranking methods.")
     return L

@@ -14,7 +14,7 @@ import yaml
 from nvflare_jobs.deploy._env import POC_ADMIN, SERVER_PORTS, STATE_FILE, DeployError, nvflare_env, run_nvflare
 from nvflare_jobs.deploy._export import check_job_folder
 from nvflare_jobs.deploy._kits import configure_server_kit, no_log_streaming, protect_keys
-from nvflare_jobs.deploy._provision import _latest_prod, coordinator, load_project
+from nvflare_jobs.deploy._provision import coordinator, latest_prod, load_project
 from nvflare_jobs.deploy._results import assemble_downloaded
 
 
@@ -107,7 +107,7 @@ class Poc:
             raise DeployError(f"the POC in {self.dir} is running; `cxr-hfl poc stop --workspace {self.dir}` first")
         run_nvflare(["poc", "prepare", "-i", str(proj_file), "--force"], self.env, timeout=300,
                     log=self.logs / "poc_prepare.log")
-        prod = _latest_prod(Path(self.env["NVFLARE_POC_WORKSPACE"]), poc_proj["name"])
+        prod = latest_prod(Path(self.env["NVFLARE_POC_WORKSPACE"]), poc_proj["name"])
         # POC timeouts are short: every site runs on this machine, and a test kills sites on purpose
         configure_server_kit(prod / "server", self.dir / "store", heartbeat_timeout_s=POC_HEARTBEAT_TIMEOUT_S,
                              client_outcome_wait_s=POC_CLIENT_OUTCOME_WAIT_S)

@@ -61,7 +61,8 @@ def coordinator(project: dict) -> dict:
     return (leads or subs)[0]
 
 
-def _latest_prod(root: Path, name: str) -> Path:
+def latest_prod(root: Path, name: str) -> Path:
+    """The newest ``<root>/<name>/prod_N`` folder ``nvflare provision`` wrote. Raises DeployError when none."""
     prods = sorted((root / name).glob("prod_*"), key=lambda d: int(d.name.split("_")[-1]))
     if not prods:
         raise DeployError(f"no {root / name}/prod_* folder: provisioning wrote nothing")
@@ -93,7 +94,7 @@ def provision(project_file: str | os.PathLike | None, out: str | os.PathLike,
     env = nvflare_env(home=out / ".home")
     run_nvflare(["provision", "-p", str(project_file), "-w", str(out), "--force"], env, timeout=300,
                 log=out / "provision.log")
-    prod = _latest_prod(out, proj["name"])
+    prod = latest_prod(out, proj["name"])
     kits = []
     from hfl_components.flare.site_config import LOCAL_SUBDIR, write_sample_config
 

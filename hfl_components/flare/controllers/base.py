@@ -162,16 +162,74 @@ class HFLController(ModelController):
 
     def set_phase(self, phase: str, **extra) -> None:
         """What the server is doing now (``waiting``, ``probing``, ``CKA``, ``OT``, ``averaging``, ``repair``...),
-        for the live console (``status.json``) and the log."""
+        for the live console (``status.json``) and the log. A new phase ends the previous stage's progress."""
+        if phase != self._status.get("phase"):
+            self._status["server_progress"] = None
         self._status.update({"phase": phase, **extra})
         if phase != "waiting":
             self._status["waiting_for"] = []
         self._write_status()
 
+    def report_progress(self, stage: str, step: int, total: int | None) -> None:
+        """Progress within a server stage (fusion: pairwise fusions done; distillation: optimiser steps), for
+        ``status``: ``status.json``'s ``server_progress`` = ``{"stage", "step", "total", "elapsed_s", "eta_s"}``,
+        the ETA (seconds) extrapolated from the stage's mean seconds per step so far (None before the first step
+        or without a total). Rewrites ``status.json`` at most every :data:`POLL_S` seconds, and at the last step."""
+        now = time.monotonic()
+        prev = self._status.get("server_progress") or {}
+        if prev.get("stage") != stage:
+            self._stage_t0 = now
+        elapsed = now - getattr(self, "_stage_t0", now)
+        eta = elapsed / step * (total - step) if step > 0 and total else None
+        self._status["server_progress"] = {"stage": stage, "step": int(step), "total": total,
+                                           "elapsed_s": round(elapsed, 1),
+                                           "eta_s": None if eta is None else round(max(0.0, eta), 1)}
+        if now - getattr(self, "_progress_written", 0.0) >= POLL_S or step == total:
+            self._progress_written = now
+            self._write_status()
+
+    def stage_log(self, stage: str):
+        """A ``log`` callable for a server stage's loop: each line goes to the log (``info``) and a line naming
+        ``step k/N`` (the distillation loop's, ``hfl_components.fusion.distill``) is reported as ``stage``'s
+        progress (:meth:`report_progress`); a ``[group]`` prefix of the line is added to the stage's name."""
+        import re
+
+        pattern = re.compile(r"(?:\[(?P<group>[^\]]+)\].*?)?step (?P<k>\d+)/(?P<n>\d+)")
+
+        def log(line: str) -> None:
+            self.info(line)
+            m = pattern.search(str(line))
+            if m:
+                name = f"{stage} [{m['group']}]" if m["group"] else stage
+                self.report_progress(name, int(m["k"]), int(m["n"]))
+        return log
+
+    def note_participation(self, fl_ctx) -> None:
+        """At job start: the job's expected sites (its meta, ``hfl_components.flare.participation``) against the
+        sites NVFlare deployed it to; every expected site the job did not reach goes to ``record["not_deployed"]``
+        ({site: reason}) and the log, the expected sites to ``record["expected_sites"]``."""
+        from nvflare.apis.fl_constant import FLContextKey
+
+        from hfl_components.flare.participation import expected_sites, not_deployed
+
+        meta = fl_ctx.get_prop(FLContextKey.JOB_META, None) or {}
+        try:
+            deployed = sorted(c.name for c in self.engine.get_clients())
+        except Exception:  # noqa: BLE001 - outside a running job (unit tests)
+            return
+        expected = expected_sites(meta) or deployed
+        missing = not_deployed(expected, deployed, meta.get("min_clients"))
+        self.record["expected_sites"] = expected
+        self.record["not_deployed"] = missing
+        for site, why in missing.items():
+            self.warning(f"site {site} is not part of this job: {why}")
+        self._write_status()
+
     def status_snapshot(self) -> dict:
         """The server's live state (``status.json``, and NVFlare's ``show_stats`` under ``cxr_hfl``): phase, task,
         round, the sites waited for / answered / excluded (with the reason), each site's last heartbeat (task,
-        round, epoch, loss, seconds since), each site's latest validation metrics and, once decided, the gate."""
+        round, epoch, loss, seconds since), each site's latest validation metrics, once decided the gate, the
+        expected sites and those the job never reached (``not_deployed``), and the server stage's progress."""
         now = time.monotonic()
         latest_val: dict[str, dict] = {}
         for r in self.record["rounds"]:
@@ -183,7 +241,27 @@ class HFLController(ModelController):
                     sites={s: dict(p, heard_s_ago=round(now - self._heard[s], 1)) for s, p in self._progress.items()},
                     excluded={s: ev[-1]["reason"] for s, ev in self.record["excluded"].items()},
                     down=sorted(self._down), latest_val=latest_val, gate=self.record.get("gate"),
-                    failed=self.record.get("failed"))
+                    failed=self.record.get("failed"), expected_sites=self.record.get("expected_sites"),
+                    not_deployed=self.record.get("not_deployed") or {},
+                    final=self.final_summary() if self._status.get("phase") in ("done", "failed") else None)
+
+    def final_summary(self) -> dict:
+        """What a finished job's status needs of the record (``nvflare_jobs.status.site_truth``): per site its
+        final test metrics, gate and acceptance outcome; every exclusion (round, task, reason); the expected sites
+        and those never deployed to."""
+        keep = ("accuracy", "balanced_accuracy", "auc")
+        sites = {}
+        for s, b in self.record["sites"].items():
+            test = b.get("test") if isinstance(b.get("test"), dict) else {}
+            gate = b.get("gate") if isinstance(b.get("gate"), dict) else None
+            acc = b.get("acceptance") if isinstance(b.get("acceptance"), dict) else None
+            sites[s] = {"test": {k: test[k] for k in keep if k in test},
+                        "gate": None if gate is None else {k: gate.get(k) for k in ("adopted", "reason")},
+                        "acceptance": None if acc is None else {"outcome": acc.get("outcome")}}
+        return {"method": self.method, "sites": sites, "excluded": self.record["excluded"],
+                "expected_sites": self.record.get("expected_sites"),
+                "not_deployed": self.record.get("not_deployed") or {},
+                **({"cross_site": self.record["cross_site"]} if "cross_site" in self.record else {})}
 
     def _write_status(self) -> None:
         try:
@@ -322,6 +400,7 @@ class HFLController(ModelController):
     def start_controller(self, fl_ctx) -> None:
         """NVFlare's start hook (server side, before ``run()`` sends any task): also checks the options."""
         super().start_controller(fl_ctx)
+        self.note_participation(fl_ctx)
         try:
             self.use_checked_options(self.check_options())
             self.check_server_inputs()

@@ -112,6 +112,7 @@ class FENSController(FedAvgController):
             "down_per_site": {"site_models_once": members, "aggregator_per_round": agg,
                               "aggregator_rounds": rounds + 1, "total": members + agg * (rounds + 1)},
             "up_per_site": {"own_model_once": up_model, "aggregator_per_round": agg, "aggregator_rounds": rounds}}
+        self.record["peer_model_bytes"] = up_model  # every site receives every other site's model once
         self.record.setdefault("references", {})["fens"] = {
             "server_seconds": secs.get("bundle", 0.0) + secs.get("aggregation", 0.0),
             "bytes_down_per_site": members + agg * (rounds + 1),

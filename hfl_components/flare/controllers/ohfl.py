@@ -239,7 +239,8 @@ class OHFLController(HFLController):
                   f"probe {shape}")
         return aggregate_models(models, strategy=self.strategy, probe=probe, alignment=self.alignment,
                                 ot_solver=self.ot_solver, ground_metric=self.ground_metric, weighting=self.weighting,
-                                seed=self.seed, repair=self.repair, cka=self.cka, device=device)
+                                seed=self.seed, repair=self.repair, cka=self.cka, device=device,
+                                progress=lambda k, n: self.report_progress("fusion (pairwise fusions)", k, n))
 
     def _distill(self, students: dict, uploads: dict, probe_all: dict, device) -> dict:
         """Ensemble distillation into every group's student, in place of its state dict; returns the records
@@ -251,7 +252,7 @@ class OHFLController(HFLController):
                              augment=bool(self.distill_augment), data_free=bool(self.data_free),
                              data_free_rounds=int(self.data_free_rounds), in_channels=int(self._in_channels),
                              seed=self.seed, max_seconds=DATA_FREE_MAX_SECONDS if self.data_free else
-                             DISTILL_MAX_SECONDS, log=self.info)
+                             DISTILL_MAX_SECONDS, log=self.stage_log("distillation (steps)"))
 
     def _save_group_models(self, students: dict, suffix: str = "") -> None:
         """One group: ``global_model.pt`` (distilled) / ``global_fused.pt`` (before distillation, ``suffix='_fused'``);

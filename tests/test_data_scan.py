@@ -268,11 +268,11 @@ def test_first_dicom_read_in_a_thread_leaves_no_stray_warning_on_the_console(tmp
     code = f"""
 import sys, threading
 sys.setswitchinterval(1e-6)  # threads take turns every few bytecodes: the race shows in (nearly) every run
-from chest_xray.io import _warnings_scope, read_image
+from chest_xray.io import warnings_scope, read_image
 stop = threading.Event()
 def churn():
     while not stop.is_set():
-        with _warnings_scope():
+        with warnings_scope():
             pass
 t = threading.Thread(target=churn)
 t.start()

@@ -23,16 +23,12 @@ from ._common import (
     READ_ERROR_KINDS,
     SUPPORTED_SUFFIXES,
     ImageReadError,
-    _WARNINGS_LOCK,
-    _is_dicom,
-    _one_line,
-    _scale,
-    _warnings_scope,
     check_readable,
+    is_dicom_file,
     printable,
     sniff_dicom,
+    warnings_scope,
 )
-from ._dicom import _read_dicom
 from ._dicom_header import (
     DICOM_DECODER_HINT,
     DIRECTORY_INDEX_REASON,
@@ -50,7 +46,7 @@ from ._dicom_header import (
     voi_problem,
 )
 from ._grayscale import polarity, voi_lut_bits
-from ._pil import EXIF_SWAPS_AXES, _read_pil, exif_orientation, jpeg_entropy_problem, pil_size
+from ._pil import EXIF_SWAPS_AXES, exif_orientation, jpeg_entropy_problem, pil_size
 from ._read import read_image
 from ._salt import (
     PLACEHOLDER_PATIENT_IDS,
@@ -90,6 +86,7 @@ __all__ = [
     "exif_orientation",
     "header_facts",
     "header_notes",
+    "is_dicom_file",
     "is_directory_index",
     "is_placeholder_id",
     "jpeg_entropy_problem",
@@ -104,4 +101,5 @@ __all__ = [
     "sniff_dicom",
     "voi_lut_bits",
     "voi_problem",
+    "warnings_scope",
 ]

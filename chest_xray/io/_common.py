@@ -29,7 +29,6 @@ LATERAL_VIEWS = ("LL", "RL", "LAT", "LATERAL", "LLD", "RLD", "RLO", "LLO")
 #: libjpeg warnings (e.g. "N extraneous bytes before marker 0xd9", common in real exports and harmless to the
 #: pixels) are kept in ``meta["decoder_warnings"]``.
 FATAL_DECODER_MESSAGES = ("premature end", "bad huffman", "corrupt jpeg data: found marker", "huffman table")
-_FATAL_DECODER_MESSAGES = FATAL_DECODER_MESSAGES  # the name the DICOM reader imports
 
 
 #: Categories of :attr:`ImageReadError.kind` (and of the scan report's ``skipped_by_reason`` counts).
@@ -44,9 +43,6 @@ def one_line(text: str, limit: int = 300) -> str:
     """``text`` with every run of whitespace (newlines included) collapsed to one space, cut to ``limit`` chars."""
     t = " ".join(str(text).split())
     return t if len(t) <= limit else t[: limit - 3] + "..."
-
-
-_one_line = one_line  # the name the DICOM and GDCM readers import
 
 
 def printable(text: str) -> str:
@@ -112,27 +108,29 @@ def image_signature(path: Path) -> str | None:
     return "JPEG" if head.startswith(b"\xff\xd8") else "PNG" if head.startswith(b"\x89PNG\r\n\x1a\n") else None
 
 
-def _is_dicom(path: Path) -> bool:
+def is_dicom_file(path: Path) -> bool:
+    """A file the DICOM reader takes: suffix ``.dcm`` / ``.dicom`` (any case), or the ``DICM`` marker
+    (:func:`sniff_dicom`)."""
     return path.suffix.lower() in DICOM_SUFFIXES or sniff_dicom(path)
 
 
 #: ``warnings.catch_warnings`` swaps the process-wide filter list (and, with ``record=True``, ``showwarning``): two
 #: threads inside it at once can record each other's warnings or leave a filter behind when they leave out of
 #: order (Python < 3.14). Every warnings scope in this module holds this lock.
-_WARNINGS_LOCK = threading.RLock()
+WARNINGS_LOCK = threading.RLock()
 
 
 @contextmanager
-def _warnings_scope(record: bool = False):
-    """``warnings.catch_warnings(record=record)`` held under :data:`_WARNINGS_LOCK`, so that a scan verifying files
+def warnings_scope(record: bool = False):
+    """``warnings.catch_warnings(record=record)`` held under :data:`WARNINGS_LOCK`, so that a scan verifying files
     in threads (:func:`chest_xray.dataset.scan_dataset`) attributes each warning to its own file and leaves the
     filters as it found them. Yields the list of caught warnings (``record=True``) or None."""
-    with _WARNINGS_LOCK, warnings.catch_warnings(record=record) as caught:
+    with WARNINGS_LOCK, warnings.catch_warnings(record=record) as caught:
         yield caught
 
 
 
-def _scale(a, lo: float, hi: float) -> np.ndarray:
+def scale_to_unit(a, lo: float, hi: float) -> np.ndarray:
     """``(a - lo) / (hi - lo)`` clipped to [0, 1]; zeros when ``hi <= lo`` (a constant image)."""
     a = np.asarray(a, dtype=np.float64)
     if hi <= lo:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import _FATAL_DECODER_MESSAGES, ImageReadError, _one_line, _scale, _warnings_scope
+from ._common import FATAL_DECODER_MESSAGES, ImageReadError, one_line, scale_to_unit, warnings_scope
 from ._common import decoder_messages as _decoder_messages
 from ._gdcm import decoder_failure, gdcm_extended_12_bit, needs_direct_gdcm
 from ._grayscale import apply_lut, lut_length_note, padding_mask, polarity, voi_lut_bits
@@ -27,7 +27,7 @@ from ._grayscale import modality_lut_problem, modality_transform  # the modality
 from ._pixel_bytes import PixelBytesError, decode_as_colour, reconcile_syntax, stream_components
 
 
-def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
+def read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
     """A DICOM file through the grey-scale pipeline (see :func:`chest_xray.io.read_image` for the contract)."""
     import_pydicom()
     ds = read_dataset(p)
@@ -57,9 +57,9 @@ def _read_dicom(p: Path, max_pixels: int) -> tuple[np.ndarray, dict[str, Any]]:
         **header_facts(ds),  # view_position (ViewPosition, else the View Code Sequence), view_code, ...
         "transfer_syntax": ts_name,
         "voi": voi,
-        "voi_fallback": _one_line(fallback) if fallback else None,
+        "voi_fallback": one_line(fallback) if fallback else None,
         "inverted": inverted,
-        "decoder_warnings": _one_line("; ".join(decoder_said)) if decoder_said else None,
+        "decoder_warnings": one_line("; ".join(decoder_said)) if decoder_said else None,
         "grayscale_notes": notes,
     }
     return out.astype(np.float32, copy=False), meta
@@ -76,7 +76,7 @@ def _check_geometry(p: Path, ds, max_pixels: int) -> tuple[int, int, int, str]:
         raise ImageReadError(p, f"DICOM object has no pixel data (not an image; SOP class {sop or 'unknown'})",
                              "no pixel data")
     try:
-        with _warnings_scope():
+        with warnings_scope():
             warnings.simplefilter("ignore")  # pydicom warns before it raises on an invalid IS/US value
             n_frames = int(ds.get("NumberOfFrames", 1) or 1)
             rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
@@ -114,10 +114,10 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCH
     a one-sample header, is followed by the bytes, with a note appended to ``notes``."""
     notes = [] if notes is None else notes
     try:
-        said = reconcile_syntax(ds, rows, cols)
+        mismatch = reconcile_syntax(ds, rows, cols)
     except PixelBytesError as e:
         raise ImageReadError(p, str(e), "invalid DICOM attribute") from None
-    notes += [{"kind": "transfer syntax mismatch", "note": said}] if said else []
+    notes += [{"kind": "transfer syntax mismatch", "note": mismatch}] if mismatch else []
     why = decoder_problem(ds)
     if why:
         raise ImageReadError(p, why, "no decoder")
@@ -133,15 +133,15 @@ def _decode_pixels(p: Path, ds, rows: int, cols: int, photometric: str = "MONOCH
                       "read as its luma (BT.601)"})
     decoder_said: list[str] = []
     try:
-        with _warnings_scope(), _decoder_messages(decoder_said):
+        with warnings_scope(), _decoder_messages(decoder_said):
             warnings.simplefilter("ignore")  # pydicom warns about fixable header quirks; errors still raise
             raw = (decode_as_colour(ds) if comps == 3 else gdcm_extended_12_bit(ds, rows, cols)
                    if needs_direct_gdcm(ds) else ds.pixel_array)
     except Exception as e:  # noqa: BLE001 -- every decoder failure becomes one short line naming the syntax
-        said = f" (decoder: {_one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
+        said = f" (decoder: {one_line('; '.join(decoder_said), 120)})" if decoder_said else ""
         reason, kind = decoder_failure(e, ts_name, decoder_hint(tsyntax))
         raise ImageReadError(p, reason + said, kind) from None
-    fatal = [m for m in decoder_said if any(k in m.lower() for k in _FATAL_DECODER_MESSAGES)]
+    fatal = [m for m in decoder_said if any(k in m.lower() for k in FATAL_DECODER_MESSAGES)]
     if fatal:
         raise ImageReadError(p, f"corrupt compressed pixel data ({ts_name}): the decoder reported "
                              f"{'; '.join(fatal)}", "corrupt or truncated")
@@ -177,7 +177,7 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
     out = None
     if voi != "none":
         try:
-            with _warnings_scope():
+            with warnings_scope():
                 warnings.simplefilter("ignore")
                 if voi == "lut":
                     bits, lut_note = voi_lut_bits(ds.VOILUTSequence[0])
@@ -188,7 +188,7 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
                 else:
                     windowed = apply_voi_lut(arr, ds, prefer_lut=False)
                     lo, hi = _window_output_range(ds, bits_stored or raw.dtype.itemsize * 8)
-            out = _scale(windowed, lo, hi)
+            out = scale_to_unit(windowed, lo, hi)
             notes += [n for n in (lut_note, lut_length_note(ds.VOILUTSequence[0])) if n] if voi == "lut" else []
         except Exception as e:  # noqa: BLE001 -- documented fallback below
             fallback, voi, out = f"VOI transform failed ({type(e).__name__}: {e})", "none", None
@@ -196,7 +196,7 @@ def _grayscale(p: Path, ds, raw: np.ndarray, bits_stored: int, notes: list[dict[
         # no (usable) VOI transform: the modality-LUT output scaled to its own range (padding pixels left out)
         a = np.asarray(arr, dtype=np.float64)
         inside = a[~pad] if pad is not None else a
-        out = _scale(a, float(inside.min()), float(inside.max()))
+        out = scale_to_unit(a, float(inside.min()), float(inside.max()))
     return out, voi, fallback
 
 

@@ -12,18 +12,18 @@ from ._common import (
     LATERAL_VIEWS,
     PROJECTION_MODALITIES,
     ImageReadError,
-    _WARNINGS_LOCK,
-    _warnings_scope,
+    WARNINGS_LOCK,
+    warnings_scope,
     check_readable,
 )
 
 
 def import_pydicom():
-    """``pydicom``, imported (the first time) under :data:`_WARNINGS_LOCK`. Its import chain (pydicom.data ->
+    """``pydicom``, imported (the first time) under :data:`WARNINGS_LOCK`. Its import chain (pydicom.data ->
     requests -> urllib3) adds a warnings filter and then relies on it; in a scan thread, another thread's warnings
     scope could swap the filter list meanwhile, and urllib3's DependencyWarning about SOCKS was printed in the
     middle of `cxr-hfl site check` / a scan. Cheap after the first call."""
-    with _WARNINGS_LOCK:
+    with WARNINGS_LOCK:
         import pydicom
         import pydicom.pixels  # noqa: F401 -- the decoders' registry, imported with the rest
     return pydicom
@@ -37,7 +37,7 @@ def read_dataset(p: Path, stop_before_pixels: bool = False):
 
     check_readable(p)
     try:
-        with _warnings_scope(record=True) as caught:
+        with warnings_scope(record=True) as caught:
             warnings.simplefilter("always")  # recorded, not printed: a scan of a whole export stays readable
             ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels)
         _check_complete(p, ds, caught)
@@ -50,7 +50,7 @@ def read_dataset(p: Path, stop_before_pixels: bool = False):
         raise ImageReadError(p, f"cannot parse DICOM file ({type(e).__name__}: {e})", "corrupt or truncated") from None
     # no Part-10 header: a raw data set (what some PACS exports and old archives write) is read with force
     try:
-        with _warnings_scope(record=True) as caught:
+        with warnings_scope(record=True) as caught:
             warnings.simplefilter("always")
             ds = pydicom.dcmread(p, stop_before_pixels=stop_before_pixels, force=True)
             looks_valid = ("Rows" in ds and "Columns" in ds) or "SOPClassUID" in ds
@@ -155,7 +155,7 @@ def header_facts(ds) -> dict[str, Any]:
     view, code = str(ds.get("ViewPosition", "") or "").strip().upper(), None
     if not view:
         view, code = _view_from_code(ds)
-    intent = str(ds.get("PresentationIntentType", "") or "").strip().upper()
+    intent = " ".join(str(ds.get("PresentationIntentType", "") or "").replace("_", " ").upper().split())
     if not intent:
         meta = getattr(ds, "file_meta", None)
         sop = str(ds.get("SOPClassUID", "") or (meta.get("MediaStorageSOPClassUID", "") if meta else "") or "")
@@ -279,6 +279,7 @@ def rescale_problem(ds) -> str | None:
 
 
 def has_pixel_tag(ds) -> bool:
+    """The data set holds Pixel Data, Float Pixel Data or Double Float Pixel Data (an image, not a report)."""
     return any(k in ds for k in ("PixelData", "FloatPixelData", "DoubleFloatPixelData"))
 
 

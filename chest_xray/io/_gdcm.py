@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from ._common import _one_line
+from ._common import one_line
 
 #: JPEG Extended (Process 2 & 4).
 JPEG_EXTENDED = "1.2.840.10008.1.2.4.51"
@@ -72,10 +72,10 @@ def decoder_failure(e: Exception, ts_name: str, hint: str) -> tuple[str, str]:
     text = str(e)
     lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()] if "all available plugins" in text else []
     if lines and all(any(w in ln.lower() for w in _UNSUPPORTED_WORDS) for ln in lines):
-        return (f"no installed decoder handles this {ts_name} data ({_one_line(lines[0], 120)}; "
+        return (f"no installed decoder handles this {ts_name} data ({one_line(lines[0], 120)}; "
                 f"decoders this project pins: {hint})", "no decoder")
     short = re.search(r"pixel data is less than expected \((\d+) vs (\d+) bytes\)", text)
     if short:  # an uncompressed file cut short (pydicom's words are a paragraph)
         return f"truncated DICOM file: the pixel data hold {short[1]} of {short[2]} bytes", "corrupt or truncated"
     first = lines[0] if lines else f"{type(e).__name__}: {text}"
-    return f"cannot decode DICOM pixel data ({ts_name}): {_one_line(first, 120)}", "corrupt or truncated"
+    return f"cannot decode DICOM pixel data ({ts_name}): {one_line(first, 120)}", "corrupt or truncated"

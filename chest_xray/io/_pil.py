@@ -12,7 +12,7 @@ from ._common import (
     FATAL_DECODER_MESSAGES,
     MAX_PIXELS,
     ImageReadError,
-    _warnings_scope,
+    warnings_scope,
     check_readable,
     image_signature,
     one_line,
@@ -61,7 +61,7 @@ def _open_pil(p: Path):
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with _warnings_scope():
+        with warnings_scope():
             # never let Pillow's bomb check degrade to a warning; our own guard below gives the clear error
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(p)
@@ -110,7 +110,7 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: 
             if fmt in _LOAD_WITHOUT_BOMB_CHECK:
                 img.load()  # no warnings scope (and no lock): decodes in scan threads run side by side
             else:
-                with _warnings_scope():
+                with warnings_scope():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
                     img.load()
             upright = img
@@ -237,7 +237,7 @@ def pil_size(path: Path) -> tuple[int, int]:
         if path.stat().st_size == 0:
             raise ImageReadError(path, "empty file (0 bytes)", "empty file")
         check_readable(path)
-        with _warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
+        with warnings_scope():  # thread-safe catch_warnings (scans run files in threads)
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own guard below names the size
             with Image.open(path) as img:
                 w, h = img.size

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ._common import MAX_PIXELS, ImageReadError, _is_dicom, check_readable
-from ._dicom import _read_dicom
+from ._common import MAX_PIXELS, ImageReadError, is_dicom_file, check_readable
+from ._dicom import read_dicom
 from ._jpeg import jpeg_frame, pil_decodes, read_gdcm_frame
 from ._pil import _read_pil
 
@@ -86,8 +86,8 @@ def read_image(
         if size == 0:
             raise ImageReadError(p, "empty file (0 bytes)", "empty file")
         check_readable(p)
-        if _is_dicom(p):
-            return _read_dicom(p, max_pixels)
+        if is_dicom_file(p):
+            return read_dicom(p, max_pixels)
         frame = jpeg_frame(p)  # the frame header first: lossless / 12-bit frames never reach libjpeg-turbo
         if not pil_decodes(frame):
             return read_gdcm_frame(p, frame, max_pixels)

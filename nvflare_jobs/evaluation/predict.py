@@ -280,11 +280,11 @@ def _screen(f: Path, allow_any_modality: bool, allow_lateral: bool) -> None:
     the training scan would skip (not a CR/DX/DR projection, a lateral view) or too small, a JPEG/PNG that is no
     plausible chest radiograph (:func:`chest_xray.screening.screen_image`)."""
     from chest_xray import ImageReadError
-    from chest_xray.io import _is_dicom, dicom_header, dicom_skip_reason
+    from chest_xray.io import is_dicom_file, dicom_header, dicom_skip_reason
 
     if f.is_symlink() and not f.exists():
         raise ImageReadError(f, f"broken symbolic link (its target {os.readlink(f)} does not exist)")
-    if _is_dicom(f) and f.is_file():  # same rule as the training scan: projection radiographs, no laterals
+    if is_dicom_file(f) and f.is_file():  # same rule as the training scan: projection radiographs, no laterals
         hdr = dicom_header(f)
         why = dicom_skip_reason(hdr, allow_any_modality, allow_lateral)
         side = min(int(hdr.get("rows") or 0), int(hdr.get("columns") or 0))

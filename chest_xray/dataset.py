@@ -24,6 +24,7 @@ as junk.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from functools import partial
@@ -59,6 +60,9 @@ from .io.worker import Crash, map_isolated
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
+#: File-name ids that are a counter (``IM-0001`` of ``IM-0001-0003``: an export's series number, the same in every
+#: patient folder of a Horos / OsiriX export), not a patient's own number (``person12``).
+_COUNTER_ID = re.compile(r"^(NORMAL2-)?IM-\d+$", re.IGNORECASE)
 _SUBTYPE = re.compile(r"_(bacteria|virus)_", re.IGNORECASE)
 
 
@@ -242,14 +246,55 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
     """The trust rule and the content-hash index over the scan's records (:mod:`chest_xray.grouping`); skipped
     contradictory duplicates are appended to ``skipped``. Records keep their content hash as ``sha256``."""
     info = []
+    from_folders = patient_folder_ids(records, root, layout)
     for rec in records:
         g = rec.pop("_grouping")
         top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
         info.append({**g, "split": top if top in SPLIT_DIRS else None})
         rec["sha256"] = g["sha256"]
     kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
+    summary["patient_folders"] = from_folders
     skipped.extend(dup_skips)
     return kept, summary
+
+
+def patient_folder_ids(records: list[dict[str, Any]], root: Path, layout: str) -> dict[str, Any]:
+    """Patient ids from patient folders, in place: an export with one folder per patient (Horos / OsiriX) names
+    every patient's files ``IM-0001-0001``, ``IM-0001-0002``, ..., so the file-name rule
+    (:func:`patient_id_from_name`) would make all of them one patient ``IM-0001``.
+
+    A patient folder is a folder below a class folder (neither a class nor a split folder) whose images all have
+    the same counter id from their names (:data:`_COUNTER_ID`: one counter series). Its images get an id made from
+    the folder's path below the class folder (``dir-`` + 16 hex digits of its SHA-256: a folder is often named after
+    the patient, and the name never enters a manifest; the same folder name under two classes is one patient), and
+    that id is judged by the trust rule like a manifest's (:mod:`chest_xray.grouping`). Records of a manifest, of DICOM
+    files and of names that are not counters are left as they are.
+
+    Args:
+        records: scan records with ``"_grouping"`` (``from_name`` marks an id taken from the file name).
+
+    Returns:
+        ``{"folders": number of patient folders, "images": their images, "paths": those images' paths}``.
+    """
+    if layout == "manifest":
+        return {"folders": 0, "images": 0, "paths": []}
+    depth = 2 if layout == "kaggle" else 1  # the class folder's depth below the root
+    by_dir: dict[Path, list[dict[str, Any]]] = {}
+    for rec in records:
+        if rec["_grouping"].get("from_name"):
+            by_dir.setdefault(Path(rec["path"]).parent, []).append(rec)
+    n, paths = 0, []
+    for d, recs in sorted(by_dir.items()):
+        below = d.relative_to(root).parts[depth:]
+        ids = {r["patient_id"].upper() for r in recs}
+        if not below or len(ids) != 1 or not _COUNTER_ID.match(next(iter(ids))):
+            continue
+        n += 1
+        for r in recs:
+            r["patient_id"] = "dir-" + hashlib.sha256("/".join(below).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            r["_grouping"].update(judged=True, from_name=False)
+            paths.append(r["path"])
+    return {"folders": n, "images": len(paths), "paths": paths}
 
 
 
@@ -350,7 +395,7 @@ def _scan_file(
             pid = pid or group.get("patient") or path.stem
         else:
             width, height, image = _scan_pil(path, verify, notes)
-            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid)}
+            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid), "from_name": not pid}
             pid = pid or patient_id_from_name(path)
         group["sha256"] = file_sha256(path)
         group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None

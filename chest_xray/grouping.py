@@ -118,6 +118,22 @@ def untrusted_ids(ids: list[str | None], labels: list[int], judged: list[bool],
     return out
 
 
+def named_across_classes(recs: list[dict[str, Any]], info: list[dict[str, Any]]) -> dict[str, str]:
+    """Ids taken from file names (``info[k]["from_name"]``) that NORMAL images (label 0) and pneumonia images (any
+    other label) share: id -> reason.
+
+    A data set's own naming (Kermany's ``personN``, ``IM-NNNN``) never puts one patient's number under NORMAL and
+    PNEUMONIA (it does put a patient's bacterial and viral films under one ``personN``); an export whose names
+    repeat in every patient (a counter ``IM-0001``) does, and would make unrelated patients of both classes one
+    patient. Such an id is not trusted (one group per image).
+    """
+    labels: dict[str, set[bool]] = defaultdict(set)
+    for r, i in zip(recs, info):
+        if i.get("from_name"):
+            labels[r["patient_id"]].add(int(r["label"]) > 0)
+    return {pid: "a file-name id under NORMAL and PNEUMONIA" for pid, ls in labels.items() if len(ls) > 1}
+
+
 class _Union:
     def __init__(self):
         self.parent: dict[str, str] = {}
@@ -153,6 +169,7 @@ def _regroup_untrusted(recs: list[dict[str, Any]], info: list[dict[str, Any]]) -
     """Apply the trust rule in place (``patient_id`` of images under an untrusted id); returns the counts."""
     bad = untrusted_ids([r["patient_id"] for r in recs], [int(r["label"]) for r in recs],
                         [i.get("judged", False) for i in info], [i.get("placeholder", False) for i in info])
+    bad.update(named_across_classes(recs, info))
     hit = [k for k, r in enumerate(recs) if r["patient_id"] in bad]
     summary = {"untrusted_ids": len(bad), "images": len(hit), "by_study": 0, "by_accession": 0, "per_image": 0,
                "reasons": dict(Counter(bad.values())), "paths": [recs[k]["path"] for k in hit]}
@@ -250,6 +267,11 @@ def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_finding("near duplicates", dup["near_pairs"], "pair(s)", paths.get("near", []),
                             f" with similarity >= {dup['near_threshold']}, {how}; "
                             f"{dup.get('near_contradictory_pairs', 0)} under different classes"))
+    folders = summary.get("patient_folders") or {}
+    if folders.get("folders"):
+        out.append(_finding("patient folders", folders["folders"], "folder(s)", folders.get("paths", []),
+                            f" of one counter series (IM-0001-000N, as Horos / OsiriX export them) on "
+                            f"{folders['images']} images: each folder is one patient"))
     if ids.get("untrusted_ids"):
         reasons = "; ".join(f"{r}: {n}" for r, n in sorted(ids["reasons"].items()))
         out.append(_finding("untrusted patient id", ids["untrusted_ids"], "id(s)", ids.get("paths", []),

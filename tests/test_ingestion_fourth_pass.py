@@ -231,3 +231,51 @@ def test_site_check_names_a_file_that_crashes_the_decoder_and_writes_its_report(
     assert bad["path"] == str(crasher) and "crashed" in bad["reason"] and bad["line"] == 8
     screen = site_check.format_report(rep)
     assert sum(str(crasher) in ln for ln in screen.splitlines()) == 1 and "result: FAILED" in screen
+
+
+# ------------------------------------------------------------------------------ Horos / OsiriX: one folder per patient
+def _horos_export(data_root: Path, root: Path, per_class: int = 6, per_patient: int = 2, flat: bool = False) -> dict:
+    """``root/<class>/<patient folder>/IM-0001-000N.jpeg`` (``flat``: straight in the class folder, the names
+    repeating), from distinct real radiographs; returns {path: patient folder}."""
+    out = {}
+    for cls in ("NORMAL", "PNEUMONIA"):
+        src = iter(_real_jpegs(data_root, cls, per_class * per_patient))
+        for p in range(per_class):
+            folder = root / cls if flat else root / cls / f"{cls[:1]}{p:02d}^Doe"
+            folder.mkdir(parents=True, exist_ok=True)
+            for n in range(per_patient):
+                f = folder / (f"IM-0001-{p:02d}{n + 1:02d}.jpeg" if flat else f"IM-0001-{n + 1:04d}.jpeg")
+                f.write_bytes(next(src).read_bytes())
+                out[str(f)] = f"{cls}/{p}"
+    return out
+
+
+def test_a_horos_export_gets_one_patient_per_folder_and_splits_them(data_root, tmp_path):
+    from chest_xray import partition_records
+
+    truth = _horos_export(data_root, tmp_path / "export")
+    recs, rep = scan_dataset(tmp_path / "export")
+    assert len(recs) == 24 and rep["n_patients"] == 12
+    pid = {r["path"]: r["patient_id"] for r in recs}
+    for a in truth:  # same folder <=> same id
+        assert all((pid[a] == pid[b]) == (truth[a] == truth[b]) for b in truth)
+    assert not any("Doe" in p for p in pid.values())  # the folder name (often the patient's) is not the id
+    assert any(f["kind"] == "patient folders" and f["count"] == 12 for f in rep["findings"])
+    res = partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1)
+    splits = {r["split"] for r in res.sites["site-1"]}
+    assert splits == {"train", "val", "test"}  # not one patient "IM-0001" all in train
+
+
+def test_a_file_name_id_under_both_classes_is_not_one_patient(data_root, tmp_path):
+    _horos_export(data_root, tmp_path / "flat", per_class=3, per_patient=2, flat=True)
+    recs, rep = scan_dataset(tmp_path / "flat")
+    ids = {r["patient_id"] for r in recs}
+    assert len(recs) == 12 and len(ids) == 12  # untrusted: one group per image, never one patient of both classes
+    [f] = [f for f in rep["findings"] if f["kind"] == "untrusted patient id"]
+    assert "a file-name id under NORMAL and PNEUMONIA" in f["text"] and f["count"] == 1
+
+
+def test_kermany_names_keep_their_patients(data_root):
+    recs, rep = scan_dataset(data_root / "chest_xray_original", labels="subtype", verify=False)
+    assert rep["n_patients"] == 774 and not any(f["kind"] in ("patient folders", "untrusted patient id")
+                                               for f in rep["findings"])

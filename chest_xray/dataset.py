@@ -63,6 +63,9 @@ _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECA
 #: File-name ids that are a counter (``IM-0001`` of ``IM-0001-0003``: an export's series number, the same in every
 #: patient folder of a Horos / OsiriX export), not a patient's own number (``person12``).
 _COUNTER_ID = re.compile(r"^(NORMAL2-)?IM-\d+$", re.IGNORECASE)
+#: Longest side (pixels) the scan decodes a JPEG to at least (draft mode): the near-duplicate signature reduces it
+#: to 32 x 32.
+SIGNATURE_MIN_SIDE = 64
 _SUBTYPE = re.compile(r"_(bacteria|virus)_", re.IGNORECASE)
 
 
@@ -172,8 +175,9 @@ def scan_dataset(
             run only in these processes: a file that crashes or hangs one is skipped by name (kind ``decoder
             crash`` / ``decoder timeout``) and the scan goes on. The records, report and errors do not depend on
             the number.
-        near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
-            and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
+        near_duplicates: (with ``verify``) group near duplicates (the same radiograph re-encoded or resized) as
+            one patient, as exact duplicates always are (:mod:`chest_xray.grouping`). With ``verify`` they are
+            found either way (an index, not all pairs) and listed in the report's ``near_pairs``.
 
     Returns:
         ``(records, report)``. ``records`` is a list sorted by path of dicts ``path`` (absolute str), ``label``
@@ -186,8 +190,10 @@ def scan_dataset(
         "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``: a VOI
         fallback, a grey-scale rule applied, a harmless decoder warning, a manifest name matched after Unicode
         normalisation), ``duplicates`` and ``patient_ids`` (counts of the content-hash index and the trust rule)
-        and ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
-        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print).
+        , ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
+        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print) and
+        ``near_pairs`` (``[path, path, similarity]`` of every near-duplicate pair; :func:`chest_xray.partition.
+        crossing_pairs` finds those a partition puts in two sites or splits).
 
     Raises:
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
@@ -212,11 +218,10 @@ def scan_dataset(
     n_walk_skipped = len(skipped)
 
     one = partial(_scan_candidate, layout=layout, labels=labels, verify=verify, salt=salt,
-                  allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
-                  near_duplicates=near_duplicates and verify)
+                  allow_any_modality=allow_any_modality, allow_lateral=allow_lateral)
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     notes = walk_notes + notes
-    records, summary = _group(records, r, layout, skipped, near_duplicates)
+    records, summary = _group(records, r, layout, skipped, near_duplicates and verify)
     return records, _report(r, layout, labels, len(candidates) + n_walk_skipped, records, skipped, notes, summary)
 
 
@@ -238,6 +243,7 @@ def _report(root: Path, layout: str, labels: str, n_files: int, records: list[di
         "notes": notes,
         **public_summary(summary),
         "findings": content_findings(summary) + note_findings(notes) + skip_findings(skipped),
+        "near_pairs": summary["duplicates"]["paths"].get("near_pairs", []),
     }
 
 
@@ -352,7 +358,6 @@ def _scan_file(
     salt: str | None,
     allow_any_modality: bool,
     allow_lateral: bool,
-    near_duplicates: bool = False,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
     """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
 
@@ -398,7 +403,8 @@ def _scan_file(
             group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid), "from_name": not pid}
             pid = pid or patient_id_from_name(path)
         group["sha256"] = file_sha256(path)
-        group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
+        # every verified image: the near pairs are reported whether or not they are grouped
+        group["signature"] = near_duplicate_signature(image) if image is not None else None
     except ImageReadError as e:
         return None, skip_entry(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
@@ -436,7 +442,9 @@ def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
     """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
     if not verify:
         return (*pil_size(path), None)
-    image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
+    # the smallest draft scale that keeps >= SIGNATURE_MIN_SIDE px: a full but cheap decode (1/8 of a 2,000-px film),
+    # and enough pixels for the near-duplicate signature of a small (224-px) export
+    image, meta = read_image(path, target_size=SIGNATURE_MIN_SIDE)
     notes += meta_notes(path, meta)
     return meta["original_width"], meta["original_height"], image
 

@@ -274,10 +274,24 @@ def group_records(records: list[dict[str, Any]], info: list[dict[str, Any]], *, 
            "near_contradictory_pairs": len(near_contra), "near_grouped": bool(near_duplicates),
            "near_threshold": NEAR_DUPLICATE_MIN_SIMILARITY,
            "paths": {"exact": [recs[k]["path"] for g in same for k in g], "contradictory": [recs[k]["path"]
-                     for k in sorted(drop)], "across": [recs[k]["path"] for g in across for k in g],
-                     "near": [recs[k]["path"] for p in pairs for k in p]}}
+                     for k in sorted(drop)], "across": [recs[k]["path"] for g in across for k in g]}}
+    _near_summary(dup, recs, info, pairs)
     kept = [r for k, r in enumerate(recs) if k not in drop]
     return kept, skipped, {"patient_ids": ids, "duplicates": dup}
+
+
+def _near_summary(dup: dict[str, Any], recs: list[dict[str, Any]], info: list[dict[str, Any]],
+                  pairs: list[tuple[int, int]]) -> None:
+    """Add the near pairs to ``dup``: ``near_across_splits`` (pairs whose images sit in different splits) and, under
+    ``paths``, their paths and the pairs themselves (``near_pairs``: ``[path, path, similarity]``, site-local)."""
+    sig = [i.get("signature") for i in info]
+    across = [(a, b) for a, b in pairs if None not in (info[a].get("split"), info[b].get("split"))
+              and info[a]["split"] != info[b]["split"]]
+    dup["near_across_splits"] = len(across)
+    dup["paths"]["near"] = [recs[k]["path"] for p in pairs for k in p]
+    dup["paths"]["near_across"] = [recs[k]["path"] for p in across for k in p]
+    dup["paths"]["near_pairs"] = [[recs[a]["path"], recs[b]["path"], round(float(np.dot(sig[a], sig[b])), 5)]
+                                  for a, b in pairs]
 
 
 def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -301,6 +315,10 @@ def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_finding("near duplicates", dup["near_pairs"], "pair(s)", paths.get("near", []),
                             f" with similarity >= {dup['near_threshold']}, {how}; "
                             f"{dup.get('near_contradictory_pairs', 0)} under different classes"))
+    if dup.get("near_across_splits"):
+        out.append(_finding("near duplicates across splits", dup["near_across_splits"], "pair(s)",
+                            paths.get("near_across", []), " in more than one split (train / val / test): the same "
+                            "radiograph re-exported, test results would be optimistic"))
     folders = summary.get("patient_folders") or {}
     if folders.get("folders"):
         out.append(_finding("patient folders", folders["folders"], "folder(s)", folders.get("paths", []),

@@ -97,7 +97,9 @@ def near_duplicate_pairs(signatures: list[np.ndarray | None], threshold: float =
     rng = np.random.default_rng(seed)
     found: set[tuple[int, int]] = set()
     for _ in range(tables):
-        keys = np.floor((v @ rng.standard_normal((v.shape[1], hashes)) + rng.uniform(0, w, hashes)) / w)
+        # einsum, not BLAS: BLAS threads spinning on a busy machine made this 10 x slower
+        proj = np.einsum("ij,jk->ik", v, rng.standard_normal((v.shape[1], hashes)))
+        keys = np.floor((proj + rng.uniform(0, w, hashes)) / w)
         mult = rng.integers(1, 2**62, hashes, dtype=np.int64) | 1  # one 64-bit key per row (wrapping arithmetic)
         key = (keys.astype(np.int64) * mult).sum(axis=1)
         order = np.argsort(key, kind="stable")
@@ -112,7 +114,7 @@ def _close_pairs(v: np.ndarray, members: np.ndarray, threshold: float, block: in
     """Pairs (a, b), a < b, of rows ``members`` of ``v`` with ``v[a] . v[b] >= threshold`` (one bucket)."""
     for start in range(0, len(members), block):
         rows = members[start: start + block]
-        sim = v[rows] @ v[members].T
+        sim = np.einsum("ik,jk->ij", v[rows], v[members])
         for x, y in zip(*np.nonzero(sim >= threshold)):
             a, b = int(rows[x]), int(members[y])
             if a < b:

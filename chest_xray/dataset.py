@@ -31,8 +31,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .grouping import (
     content_findings,
     file_sha256,
@@ -313,7 +311,6 @@ def _run_scan(candidates: list, one, workers: int | None) -> list:
     n_workers = scan_workers() if workers is None else int(workers)
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
-    near_duplicate_signature(np.zeros((8, 8), np.float32))  # its imports (scipy.fft) once, before the workers fork
     out = map_isolated(one, candidates, n_workers)
     return [(None, skip_entry(c[0], r.reason, r.kind), [], None) if isinstance(r, Crash) else r
             for c, r in zip(candidates, out)]

@@ -24,6 +24,7 @@ as junk.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from functools import partial
@@ -60,6 +61,12 @@ from .io.worker import Crash, map_isolated
 from .labels import CLASS_NAMES  # class names per label scheme; owner: chest_xray.labels
 
 _KERMANY_PATIENT = re.compile(r"^(NORMAL2-IM-\d+|IM-\d+|person\d+)", re.IGNORECASE)
+#: File-name ids that are a counter (``IM-0001`` of ``IM-0001-0003``: an export's series number, the same in every
+#: patient folder of a Horos / OsiriX export), not a patient's own number (``person12``).
+_COUNTER_ID = re.compile(r"^(NORMAL2-)?IM-\d+$", re.IGNORECASE)
+#: Longest side (pixels) the scan decodes a JPEG to at least (draft mode): the near-duplicate signature reduces it
+#: to 32 x 32.
+SIGNATURE_MIN_SIDE = 64
 _SUBTYPE = re.compile(r"_(bacteria|virus)_", re.IGNORECASE)
 
 
@@ -171,8 +178,9 @@ def scan_dataset(
             run only in these processes: a file that crashes or hangs one is skipped by name (kind ``decoder
             crash`` / ``decoder timeout``) and the scan goes on. The records, report and errors do not depend on
             the number.
-        near_duplicates: (with ``verify``) also find near duplicates (the same radiograph re-encoded or resized)
-            and group them as one patient, as exact duplicates always are (:mod:`chest_xray.grouping`).
+        near_duplicates: (with ``verify``) group near duplicates (the same radiograph re-encoded or resized) as
+            one patient, as exact duplicates always are (:mod:`chest_xray.grouping`). With ``verify`` they are
+            found either way (an index, not all pairs) and listed in the report's ``near_pairs``.
         keep_for_processing: keep DICOM "For Processing" images (skipped by default); skip_other_body_parts: skip
             DICOM objects whose header names another body part (noted by default). See
             :func:`chest_xray.io.dicom_skip`.
@@ -188,8 +196,10 @@ def scan_dataset(
         "kind"}``), ``skipped_by_reason`` (kind -> count), ``notes`` (list of ``{"path", "note", "kind"}``: a VOI
         fallback, a grey-scale rule applied, a harmless decoder warning, a manifest name matched after Unicode
         normalisation), ``duplicates`` and ``patient_ids`` (counts of the content-hash index and the trust rule)
-        and ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
-        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print).
+        , ``findings`` (list of ``{"kind", "count", "examples", "text"}``: one per unusual fact, examples by file
+        name, never a patient field; ``text`` is the one line ``partition`` and ``site check`` print) and
+        ``near_pairs`` (``[path, path, similarity]`` of every near-duplicate pair; :func:`chest_xray.partition.
+        crossing_pairs` finds those a partition puts in two sites or splits).
 
     Raises:
         FileNotFoundError, ValueError: the root is missing or not a recognised layout, or the label scheme is
@@ -215,12 +225,11 @@ def scan_dataset(
 
     one = partial(_scan_candidate, layout=layout, labels=labels, verify=verify, salt=salt,
                   allow_any_modality=allow_any_modality, allow_lateral=allow_lateral,
-                  near_duplicates=near_duplicates and verify,
                   dicom_rules={"keep_for_processing": keep_for_processing,
                                "skip_other_body_parts": skip_other_body_parts})
     records, notes = _collect(_run_scan(candidates, one, workers), skipped, labels)
     notes = walk_notes + notes
-    records, summary = _group(records, r, layout, skipped, near_duplicates)
+    records, summary = _group(records, r, layout, skipped, near_duplicates and verify)
     return records, _report(r, layout, labels, len(candidates) + n_walk_skipped, records, skipped, notes, summary)
 
 
@@ -242,6 +251,7 @@ def _report(root: Path, layout: str, labels: str, n_files: int, records: list[di
         "notes": notes,
         **public_summary(summary),
         "findings": content_findings(summary) + note_findings(notes) + skip_findings(skipped),
+        "near_pairs": summary["duplicates"]["paths"].get("near_pairs", []),
     }
 
 
@@ -250,14 +260,55 @@ def _group(records: list[dict[str, Any]], root: Path, layout: str, skipped: list
     """The trust rule and the content-hash index over the scan's records (:mod:`chest_xray.grouping`); skipped
     contradictory duplicates are appended to ``skipped``. Records keep their content hash as ``sha256``."""
     info = []
+    from_folders = patient_folder_ids(records, root, layout)
     for rec in records:
         g = rec.pop("_grouping")
         top = Path(rec["path"]).relative_to(root).parts[0].lower() if layout == "kaggle" else None
         info.append({**g, "split": top if top in SPLIT_DIRS else None})
         rec["sha256"] = g["sha256"]
     kept, dup_skips, summary = group_records(records, info, near_duplicates=near_duplicates)
+    summary["patient_folders"] = from_folders
     skipped.extend(dup_skips)
     return kept, summary
+
+
+def patient_folder_ids(records: list[dict[str, Any]], root: Path, layout: str) -> dict[str, Any]:
+    """Patient ids from patient folders, in place: an export with one folder per patient (Horos / OsiriX) names
+    every patient's files ``IM-0001-0001``, ``IM-0001-0002``, ..., so the file-name rule
+    (:func:`patient_id_from_name`) would make all of them one patient ``IM-0001``.
+
+    A patient folder is a folder below a class folder (neither a class nor a split folder) whose images all have
+    the same counter id from their names (:data:`_COUNTER_ID`: one counter series). Its images get an id made from
+    the folder's path below the class folder (``dir-`` + 16 hex digits of its SHA-256: a folder is often named after
+    the patient, and the name never enters a manifest; the same folder name under two classes is one patient), and
+    that id is judged by the trust rule like a manifest's (:mod:`chest_xray.grouping`). Records of a manifest, of DICOM
+    files and of names that are not counters are left as they are.
+
+    Args:
+        records: scan records with ``"_grouping"`` (``from_name`` marks an id taken from the file name).
+
+    Returns:
+        ``{"folders": number of patient folders, "images": their images, "paths": those images' paths}``.
+    """
+    if layout == "manifest":
+        return {"folders": 0, "images": 0, "paths": []}
+    depth = 2 if layout == "kaggle" else 1  # the class folder's depth below the root
+    by_dir: dict[Path, list[dict[str, Any]]] = {}
+    for rec in records:
+        if rec["_grouping"].get("from_name"):
+            by_dir.setdefault(Path(rec["path"]).parent, []).append(rec)
+    n, paths = 0, []
+    for d, recs in sorted(by_dir.items()):
+        below = d.relative_to(root).parts[depth:]
+        ids = {r["patient_id"].upper() for r in recs}
+        if not below or len(ids) != 1 or not _COUNTER_ID.match(next(iter(ids))):
+            continue
+        n += 1
+        for r in recs:
+            r["patient_id"] = "dir-" + hashlib.sha256("/".join(below).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            r["_grouping"].update(judged=True, from_name=False)
+            paths.append(r["path"])
+    return {"folders": n, "images": len(paths), "paths": paths}
 
 
 
@@ -315,7 +366,6 @@ def _scan_file(
     salt: str | None,
     allow_any_modality: bool,
     allow_lateral: bool,
-    near_duplicates: bool = False,
     dicom_rules: dict[str, bool] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[dict[str, str]], str | None]:
     """What :func:`scan_dataset` makes of one candidate file (it reads only this file; safe to run in a thread).
@@ -359,10 +409,11 @@ def _scan_file(
             pid = pid or group.get("patient") or path.stem
         else:
             width, height, image = _scan_pil(path, verify, notes)
-            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid)}
+            group = {"judged": bool(pid), "placeholder": bool(pid) and is_placeholder_id(pid), "from_name": not pid}
             pid = pid or patient_id_from_name(path)
         group["sha256"] = file_sha256(path)
-        group["signature"] = near_duplicate_signature(image) if near_duplicates and image is not None else None
+        # every verified image: the near pairs are reported whether or not they are grouped
+        group["signature"] = near_duplicate_signature(image) if image is not None else None
     except ImageReadError as e:
         return None, skip_entry(path, e.reason, e.kind), notes, None
     except PatientSaltError:  # the site's salt, not this file: every DICOM would be skipped for it
@@ -400,7 +451,9 @@ def _scan_pil(path: Path, verify: bool, notes: list[dict[str, str]]):
     """``(width, height, decoded image or None)`` of a JPEG / PNG candidate (upright sizes)."""
     if not verify:
         return (*pil_size(path), None)
-    image, meta = read_image(path, target_size=1)  # smallest draft scale: a full but cheap decode
+    # the smallest draft scale that keeps >= SIGNATURE_MIN_SIDE px: a full but cheap decode (1/8 of a 2,000-px film),
+    # and enough pixels for the near-duplicate signature of a small (224-px) export
+    image, meta = read_image(path, target_size=SIGNATURE_MIN_SIDE)
     notes += meta_notes(path, meta)
     return meta["original_width"], meta["original_height"], image
 

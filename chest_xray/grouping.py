@@ -59,30 +59,77 @@ def near_duplicate_signature(image: np.ndarray) -> np.ndarray:
     """Unit vector (255,) of the lowest 2-D DCT frequencies of ``image`` (H, W) in [0, 1] reduced to 32 x 32
     (area average) and standardised; see the module docstring."""
     from PIL import Image
-    from scipy.fft import dctn
 
     a = np.asarray(image, dtype=np.float32)
     t = np.asarray(Image.fromarray(a, mode="F").resize((32, 32), Image.Resampling.BOX), dtype=np.float64)
     t = (t - t.mean()) / (t.std() + 1e-9)
-    c = dctn(t, norm="ortho")[:16, :16].ravel()[1:]
-    return c / (np.linalg.norm(c) + 1e-12)
+    low = _DCT16 @ t @ _DCT16.T  # the 16 x 16 lowest frequencies of the orthonormal 2-D DCT-II of t
+    c = low.ravel()[1:]
+    return c / (np.sqrt(c @ c) + 1e-12)
+
+
+def _dct_matrix(n: int = 32) -> np.ndarray:
+    """Rows 0..15 of the orthonormal DCT-II matrix of size n (``scipy.fft.dct(x, norm="ortho")`` = C @ x)."""
+    k, i = np.arange(n)[:, None], np.arange(n)[None, :]
+    c = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * k / (2 * n))
+    c[0] /= np.sqrt(2.0)
+    return c[:16]
+
+
+_DCT16 = _dct_matrix()
+
+
+#: The near-duplicate index (:func:`near_duplicate_pairs`): hash tables, hashes per table, and the bucket width as a
+#: multiple of the largest distance of a pair at the threshold. See studies/near_duplicates/RESULTS.md.
+LSH_TABLES = 24
+LSH_HASHES = 8
+LSH_WIDTH = 4.0
 
 
 def near_duplicate_pairs(signatures: list[np.ndarray | None], threshold: float = NEAR_DUPLICATE_MIN_SIMILARITY,
-                         block: int = 2048) -> list[tuple[int, int]]:
-    """Index pairs ``(i, j)``, i < j, whose signatures have cosine similarity >= ``threshold`` (None skipped)."""
-    idx = [i for i, s in enumerate(signatures) if s is not None]
+                         *, tables: int = LSH_TABLES, hashes: int = LSH_HASHES, seed: int = 0
+                         ) -> list[tuple[int, int]]:
+    """Index pairs ``(i, j)``, i < j, whose signatures (unit vectors) have cosine similarity >= ``threshold``
+    (None skipped), found through a locality-sensitive hash index, not by comparing all pairs.
+
+    Unit vectors with cosine >= t are at Euclidean distance <= d = sqrt(2 (1 - t)). Each of ``tables`` hash
+    tables keys a signature by ``hashes`` p-stable projections ``floor((a . v + b) / w)``, w = LSH_WIDTH * d
+    (Datar, Immorlica, Indyk & Mirrokni 2004, "Locality-sensitive hashing scheme based on p-stable
+    distributions"); two signatures sharing a key in any table are candidates, and a candidate is a pair when its
+    exact cosine reaches ``threshold``. Every pair returned is exact; a pair at the threshold is missed with a
+    small probability (measured in studies/near_duplicates/RESULTS.md). Time and memory grow with the number
+    of signatures and of candidates, not with the number of pairs. Deterministic for a given ``seed``.
+    """
+    idx = np.array([i for i, s in enumerate(signatures) if s is not None], dtype=np.int64)
     if len(idx) < 2:
         return []
-    v = np.stack([signatures[i] for i in idx])
-    out = []
-    for start in range(0, len(idx), block):
-        sim = v[start: start + block] @ v.T
-        for a, b in zip(*np.nonzero(sim >= threshold)):
-            i, j = start + int(a), int(b)
-            if i < j:
-                out.append((idx[i], idx[j]))
-    return sorted(out)
+    v = np.stack([np.asarray(signatures[i], dtype=np.float64) for i in idx])
+    w = LSH_WIDTH * float(np.sqrt(max(2.0 * (1.0 - threshold), 1e-12)))
+    rng = np.random.default_rng(seed)
+    found: set[tuple[int, int]] = set()
+    for _ in range(tables):
+        # einsum, not BLAS: BLAS threads spinning on a busy machine made this 10 x slower
+        proj = np.einsum("ij,jk->ik", v, rng.standard_normal((v.shape[1], hashes)))
+        keys = np.floor((proj + rng.uniform(0, w, hashes)) / w)
+        mult = rng.integers(1, 2**62, hashes, dtype=np.int64) | 1  # one 64-bit key per row (wrapping arithmetic)
+        key = (keys.astype(np.int64) * mult).sum(axis=1)
+        order = np.argsort(key, kind="stable")
+        starts = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
+        sizes = np.diff(np.r_[starts, len(order)])
+        for st, n in zip(starts[sizes > 1], sizes[sizes > 1]):
+            found.update(_close_pairs(v, order[st: st + n], threshold))
+    return sorted((int(idx[a]), int(idx[b])) for a, b in found)
+
+
+def _close_pairs(v: np.ndarray, members: np.ndarray, threshold: float, block: int = 2048):
+    """Pairs (a, b), a < b, of rows ``members`` of ``v`` with ``v[a] . v[b] >= threshold`` (one bucket)."""
+    for start in range(0, len(members), block):
+        rows = members[start: start + block]
+        sim = np.einsum("ik,jk->ij", v[rows], v[members])
+        for x, y in zip(*np.nonzero(sim >= threshold)):
+            a, b = int(rows[x]), int(members[y])
+            if a < b:
+                yield a, b
 
 
 def untrusted_ids(ids: list[str | None], labels: list[int], judged: list[bool],
@@ -116,6 +163,22 @@ def untrusted_ids(ids: list[str | None], labels: list[int], judged: list[bool],
         elif sum(1 for c in per_label[pid].values() if c >= MIN_IMAGES_PER_LABEL) >= 2:
             out[pid] = f"holds at least {MIN_IMAGES_PER_LABEL} images of each of two classes"
     return out
+
+
+def named_across_classes(recs: list[dict[str, Any]], info: list[dict[str, Any]]) -> dict[str, str]:
+    """Ids taken from file names (``info[k]["from_name"]``) that NORMAL images (label 0) and pneumonia images (any
+    other label) share: id -> reason.
+
+    A data set's own naming (Kermany's ``personN``, ``IM-NNNN``) never puts one patient's number under NORMAL and
+    PNEUMONIA (it does put a patient's bacterial and viral films under one ``personN``); an export whose names
+    repeat in every patient (a counter ``IM-0001``) does, and would make unrelated patients of both classes one
+    patient. Such an id is not trusted (one group per image).
+    """
+    labels: dict[str, set[bool]] = defaultdict(set)
+    for r, i in zip(recs, info):
+        if i.get("from_name"):
+            labels[r["patient_id"]].add(int(r["label"]) > 0)
+    return {pid: "a file-name id under NORMAL and PNEUMONIA" for pid, ls in labels.items() if len(ls) > 1}
 
 
 class _Union:
@@ -153,6 +216,7 @@ def _regroup_untrusted(recs: list[dict[str, Any]], info: list[dict[str, Any]]) -
     """Apply the trust rule in place (``patient_id`` of images under an untrusted id); returns the counts."""
     bad = untrusted_ids([r["patient_id"] for r in recs], [int(r["label"]) for r in recs],
                         [i.get("judged", False) for i in info], [i.get("placeholder", False) for i in info])
+    bad.update(named_across_classes(recs, info))
     hit = [k for k, r in enumerate(recs) if r["patient_id"] in bad]
     summary = {"untrusted_ids": len(bad), "images": len(hit), "by_study": 0, "by_accession": 0, "per_image": 0,
                "reasons": dict(Counter(bad.values())), "paths": [recs[k]["path"] for k in hit]}
@@ -223,10 +287,24 @@ def group_records(records: list[dict[str, Any]], info: list[dict[str, Any]], *, 
            "near_contradictory_pairs": len(near_contra), "near_grouped": bool(near_duplicates),
            "near_threshold": NEAR_DUPLICATE_MIN_SIMILARITY,
            "paths": {"exact": [recs[k]["path"] for g in same for k in g], "contradictory": [recs[k]["path"]
-                     for k in sorted(drop)], "across": [recs[k]["path"] for g in across for k in g],
-                     "near": [recs[k]["path"] for p in pairs for k in p]}}
+                     for k in sorted(drop)], "across": [recs[k]["path"] for g in across for k in g]}}
+    _near_summary(dup, recs, info, pairs)
     kept = [r for k, r in enumerate(recs) if k not in drop]
     return kept, skipped, {"patient_ids": ids, "duplicates": dup}
+
+
+def _near_summary(dup: dict[str, Any], recs: list[dict[str, Any]], info: list[dict[str, Any]],
+                  pairs: list[tuple[int, int]]) -> None:
+    """Add the near pairs to ``dup``: ``near_across_splits`` (pairs whose images sit in different splits) and, under
+    ``paths``, their paths and the pairs themselves (``near_pairs``: ``[path, path, similarity]``, site-local)."""
+    sig = [i.get("signature") for i in info]
+    across = [(a, b) for a, b in pairs if None not in (info[a].get("split"), info[b].get("split"))
+              and info[a]["split"] != info[b]["split"]]
+    dup["near_across_splits"] = len(across)
+    dup["paths"]["near"] = [recs[k]["path"] for p in pairs for k in p]
+    dup["paths"]["near_across"] = [recs[k]["path"] for p in across for k in p]
+    dup["paths"]["near_pairs"] = [[recs[a]["path"], recs[b]["path"], round(float(np.dot(sig[a], sig[b])), 5)]
+                                  for a, b in pairs]
 
 
 def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -250,6 +328,15 @@ def content_findings(summary: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_finding("near duplicates", dup["near_pairs"], "pair(s)", paths.get("near", []),
                             f" with similarity >= {dup['near_threshold']}, {how}; "
                             f"{dup.get('near_contradictory_pairs', 0)} under different classes"))
+    if dup.get("near_across_splits"):
+        out.append(_finding("near duplicates across splits", dup["near_across_splits"], "pair(s)",
+                            paths.get("near_across", []), " in more than one split (train / val / test): the same "
+                            "radiograph re-exported, test results would be optimistic"))
+    folders = summary.get("patient_folders") or {}
+    if folders.get("folders"):
+        out.append(_finding("patient folders", folders["folders"], "folder(s)", folders.get("paths", []),
+                            f" of one counter series (IM-0001-000N, as Horos / OsiriX export them) on "
+                            f"{folders['images']} images: each folder is one patient"))
     if ids.get("untrusted_ids"):
         reasons = "; ".join(f"{r}: {n}" for r, n in sorted(ids["reasons"].items()))
         out.append(_finding("untrusted patient id", ids["untrusted_ids"], "id(s)", ids.get("paths", []),

@@ -223,6 +223,24 @@ def partition_warnings(sites: dict[str, list[dict[str, Any]]], scheme: str | Non
     return out
 
 
+def crossing_pairs(result: PartitionResult, pairs: list) -> list[dict[str, Any]]:
+    """The near-duplicate pairs (``[path, path, similarity]``, as a scan report's ``near_pairs``) whose two images
+    the partition puts in different sites, or in different splits (the probe pool counts as a site): the same
+    radiograph on both sides of a split makes test results optimistic.
+
+    Returns:
+        one dict per such pair, in the order given: ``a``, ``b`` (paths), ``similarity``, ``where_a``, ``where_b``
+        (``"site-1/train"``, ``"probe"``). Pairs with an image the partition does not hold are left out.
+    """
+    where = {r["path"]: f"{name}/{r['split']}" for name, rows in result.sites.items() for r in rows}
+    where.update({r["path"]: "probe" for r in result.probe})
+    out = []
+    for a, b, sim in pairs:
+        if a in where and b in where and where[a] != where[b]:
+            out.append({"a": a, "b": b, "similarity": float(sim), "where_a": where[a], "where_b": where[b]})
+    return out
+
+
 def _row(r: dict[str, Any], split: str) -> dict[str, Any]:
     return {"path": str(r["path"]), "label": int(r["label"]), "split": split, "patient_id": str(r["patient_id"]),
             "width": int(r["width"]), "height": int(r["height"])}

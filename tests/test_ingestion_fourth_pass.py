@@ -231,3 +231,106 @@ def test_site_check_names_a_file_that_crashes_the_decoder_and_writes_its_report(
     assert bad["path"] == str(crasher) and "crashed" in bad["reason"] and bad["line"] == 8
     screen = site_check.format_report(rep)
     assert sum(str(crasher) in ln for ln in screen.splitlines()) == 1 and "result: FAILED" in screen
+
+
+# ------------------------------------------------------------------------------ Horos / OsiriX: one folder per patient
+def _horos_export(data_root: Path, root: Path, per_class: int = 6, per_patient: int = 2, flat: bool = False) -> dict:
+    """``root/<class>/<patient folder>/IM-0001-000N.jpeg`` (``flat``: straight in the class folder, the names
+    repeating), from distinct real radiographs; returns {path: patient folder}."""
+    out = {}
+    for cls in ("NORMAL", "PNEUMONIA"):
+        src = iter(_real_jpegs(data_root, cls, per_class * per_patient))
+        for p in range(per_class):
+            folder = root / cls if flat else root / cls / f"{cls[:1]}{p:02d}^Doe"
+            folder.mkdir(parents=True, exist_ok=True)
+            for n in range(per_patient):
+                f = folder / (f"IM-0001-{p:02d}{n + 1:02d}.jpeg" if flat else f"IM-0001-{n + 1:04d}.jpeg")
+                f.write_bytes(next(src).read_bytes())
+                out[str(f)] = f"{cls}/{p}"
+    return out
+
+
+def test_a_horos_export_gets_one_patient_per_folder_and_splits_them(data_root, tmp_path):
+    from chest_xray import partition_records
+
+    truth = _horos_export(data_root, tmp_path / "export")
+    recs, rep = scan_dataset(tmp_path / "export")
+    assert len(recs) == 24 and rep["n_patients"] == 12
+    pid = {r["path"]: r["patient_id"] for r in recs}
+    for a in truth:  # same folder <=> same id
+        assert all((pid[a] == pid[b]) == (truth[a] == truth[b]) for b in truth)
+    assert not any("Doe" in p for p in pid.values())  # the folder name (often the patient's) is not the id
+    assert any(f["kind"] == "patient folders" and f["count"] == 12 for f in rep["findings"])
+    res = partition_records(recs, 1, "dirichlet", seed=0, min_per_site=1)
+    splits = {r["split"] for r in res.sites["site-1"]}
+    assert splits == {"train", "val", "test"}  # not one patient "IM-0001" all in train
+
+
+def test_a_file_name_id_under_both_classes_is_not_one_patient(data_root, tmp_path):
+    _horos_export(data_root, tmp_path / "flat", per_class=3, per_patient=2, flat=True)
+    recs, rep = scan_dataset(tmp_path / "flat")
+    ids = {r["patient_id"] for r in recs}
+    assert len(recs) == 12 and len(ids) == 12  # untrusted: one group per image, never one patient of both classes
+    [f] = [f for f in rep["findings"] if f["kind"] == "untrusted patient id"]
+    assert "a file-name id under NORMAL and PNEUMONIA" in f["text"] and f["count"] == 1
+
+
+def test_kermany_names_keep_their_patients(data_root):
+    recs, rep = scan_dataset(data_root / "chest_xray_original", labels="subtype", verify=False)
+    assert rep["n_patients"] == 774 and not any(f["kind"] in ("patient folders", "untrusted patient id")
+                                               for f in rep["findings"])
+
+
+# -------------------------------------------------------- a CD export: DICOM originals and the viewer's JPEG copies
+def _cd_export(data_root: Path, cases: Path, root: Path, n_pairs: int = 6) -> list[tuple[str, str]]:
+    """``root/<class>/DICOM/IM00000k`` (a 12-bit CR original, its own PatientID) and ``root/<class>/JPEG/IMG000k.jpg``
+    (the disc viewer's copy: 8-bit, quality 85) for ``n_pairs`` films, plus 10 other films per class. Returns the
+    (original, copy) path pairs."""
+    from PIL import Image
+
+    from tests import ingestion_kinds as K
+
+    nat = K.native_dicom(cases)
+    pairs = []
+    for c, cls in enumerate(("NORMAL", "PNEUMONIA")):
+        src = _real_jpegs(data_root, cls, n_pairs // 2 + 10)
+        for d in ("DICOM", "JPEG", "other"):
+            (root / cls / d).mkdir(parents=True)
+        for k, f in enumerate(src[: n_pairs // 2]):
+            dcm = K.dicom_from_jpeg(nat, f, root / cls / "DICOM" / f"IM{c}{k:05d}", PatientID=f"CD{c}{k}",
+                                    StudyInstanceUID=f"1.2.3.{c}.{k}")
+            jpg = root / cls / "JPEG" / f"IMG{c}{k:03d}.jpg"
+            with Image.open(f) as im:
+                im.convert("L").save(jpg, "JPEG", quality=85)
+            pairs.append((str(dcm), str(jpg)))
+        for f in src[n_pairs // 2:]:
+            (root / cls / "other" / f.name).write_bytes(f.read_bytes())
+    return pairs
+
+
+def test_every_near_pair_a_partition_puts_across_sites_or_splits_is_reported(data_root, tmp_path, capsys):
+    from chest_xray import partition_records
+    from chest_xray.partition import crossing_pairs
+    from nvflare_jobs.cli import main
+    from tests.conftest import find_cases_root
+
+    pairs = _cd_export(data_root, find_cases_root(), tmp_path / "cd")
+    os.environ.setdefault("CXR_PATIENT_SALT", "test-salt")
+    recs, rep = scan_dataset(tmp_path / "cd")
+    found = {frozenset(p[:2]) for p in rep["near_pairs"]}
+    assert {frozenset(p) for p in pairs} <= found  # all six originals and copies, found through the index
+    assert all(p[2] >= 0.99 for p in rep["near_pairs"])
+    for seed in range(4):
+        res = partition_records(recs, 2, "dirichlet", seed=seed, min_per_site=1)
+        where = {r["path"]: (s, r["split"]) for s, rows in res.sites.items() for r in rows}
+        expect = {frozenset(p) for p in pairs if where[p[0]] != where[p[1]]}
+        assert {frozenset((c["a"], c["b"])) for c in crossing_pairs(res, rep["near_pairs"])} == expect
+    out = tmp_path / "part"
+    assert main(["partition", "--data", str(tmp_path / "cd"), "--sites", "2", "--scheme", "dirichlet",
+                 "--min-per-site", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    crossing = json.loads((out / "scan_report.json").read_text())["near_pairs_crossing"]
+    assert crossing, "with 2 sites some of the six pairs land apart (seed 0)"
+    [line] = [ln for ln in err.splitlines() if "near duplicates across sites or splits" in ln]
+    assert f"{len(crossing)} pair(s)" in line
+    assert json.loads((out / "partition.json").read_text())["near_pairs_crossing"] == len(crossing)

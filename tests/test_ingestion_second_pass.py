@@ -85,15 +85,17 @@ def test_duplicates_grouped_contradictions_skipped_and_split_leaks_counted(data_
         assert where[n[1].name] == where["IM-9002-0001.jpeg"]
 
 
-def test_near_duplicates_are_found_only_when_asked_and_distinct_images_are_not(data_root, tmp_path):
+def test_near_duplicates_are_grouped_only_when_asked_and_distinct_images_are_not(data_root, tmp_path):
     files = _real_jpegs(data_root, "NORMAL", 20, subset="chest_xray_original")
     root = tmp_path / "d" / "NORMAL"
     root.mkdir(parents=True)
     for f in files:
         shutil.copy(f, root / f.name)
     K.reencoded_jpeg(files[0], root / "IM-9100-0001-reexport.jpeg", quality=40, scale=0.5)
-    recs, rep = scan_dataset(tmp_path / "d")
-    assert rep["duplicates"]["near_pairs"] is None and rep["n_patients"] == len({r["patient_id"] for r in recs})
+    recs, rep = scan_dataset(tmp_path / "d")  # found and reported either way (partition names those that cross)
+    by = {Path(r["path"]).name: r["patient_id"] for r in recs}
+    assert rep["duplicates"]["near_pairs"] == 1 and not rep["duplicates"]["near_grouped"]
+    assert by["IM-9100-0001-reexport.jpeg"] != by[files[0].name] and len(rep["near_pairs"]) == 1
     recs, rep = scan_dataset(tmp_path / "d", near_duplicates=True)
     by = {Path(r["path"]).name: r["patient_id"] for r in recs}
     assert rep["duplicates"]["near_pairs"] == 1  # only the re-export: 20 distinct radiographs give no pair

@@ -57,17 +57,22 @@ def _serve(fn: Callable[[Any], Any], conn) -> None:
 
 
 class _Worker:
+    """One worker process and the items handed to it, in order: it reads them one after the other, so the first
+    item without an answer is the one it is on."""
+
     def __init__(self, ctx, fn):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(fn, child), daemon=True, name="cxr-decode")
         self.proc.start()
         child.close()
-        self.index: int | None = None
-        self.t0 = 0.0
+        self.assigned: deque[tuple[int, Any]] = deque()  # (index, item) handed over, not yet answered
+        self.t0 = 0.0  # when the current item started (the previous answer came, or the first item was given)
 
     def give(self, i: int, item) -> None:
+        if not self.assigned:
+            self.t0 = time.monotonic()
         self.conn.send((i, item))
-        self.index, self.t0 = i, time.monotonic()
+        self.assigned.append((i, item))
 
     def stop(self, kill: bool = False) -> None:
         try:
@@ -82,6 +87,40 @@ class _Worker:
             self.proc.kill()
             self.proc.join(timeout=5)
         self.conn.close()
+
+
+#: Items handed to a worker ahead of the one it reads.
+_AHEAD = 3
+
+
+def _collect(w: _Worker, ready: list, results: list, todo: deque, timeout_s: float, ctx, fn) -> _Worker:
+    """Take ``w``'s answers, or, when it died or hung, give its current item a :class:`Crash`, put the items it had
+    not started back in ``todo`` and return a new worker in its place; re-raise an item's exception."""
+    while w.assigned and w.conn.poll():
+        try:
+            i, (status, value) = w.conn.recv()
+        except (EOFError, OSError):
+            break
+        if status == "raise":
+            raise value
+        results[i] = value
+        w.assigned.popleft()
+        w.t0 = time.monotonic()
+    if not w.assigned:
+        return w
+    if w.proc.sentinel in ready or not w.proc.is_alive():
+        w.proc.join(timeout=5)
+        crash = Crash(f"the decoder crashed the reading process ({_death(w.proc.exitcode)}); the file is not used",
+                      "decoder crash")
+    elif time.monotonic() - w.t0 >= timeout_s:
+        crash = Crash(f"not read within {timeout_s:.0f} s (a decoder hung); the reading process was stopped and "
+                      "the file is not used", "decoder timeout")
+    else:
+        return w
+    results[w.assigned.popleft()[0]] = crash
+    todo.extendleft(reversed(w.assigned))  # handed over but not started: to the next worker
+    w.stop(kill=True)
+    return _Worker(ctx, fn)
 
 
 def _death(code: int | None) -> str:
@@ -118,44 +157,22 @@ def map_isolated(fn: Callable[[Any], Any], items: Iterable[Any], workers: int = 
     results: list[Any] = [None] * len(todo)
     ctx = _context()
     pool = [_Worker(ctx, fn) for _ in range(min(workers, len(todo)))]
+
+    def top_up(w: _Worker) -> None:  # a few items ahead: a worker never waits for this process to be scheduled
+        while todo and len(w.assigned) < _AHEAD:
+            w.give(*todo.popleft())
+
     try:
         for w in pool:
-            if todo:
-                w.give(*todo.popleft())
-        while any(w.index is not None for w in pool):
-            busy = [w for w in pool if w.index is not None]
+            top_up(w)
+        while any(w.assigned for w in pool):
+            busy = [w for w in pool if w.assigned]
             left = min(w.t0 + timeout_s for w in busy) - time.monotonic()
             ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=max(0.0, left))
             for k, w in enumerate(pool):
-                if w.index is None:
-                    continue
-                if w.conn in ready or (w.proc.sentinel in ready and w.conn.poll()):
-                    try:
-                        i, (status, value) = w.conn.recv()
-                    except (EOFError, OSError):
-                        status, value = None, None
-                    if status == "raise":
-                        raise value
-                    if status == "ok":
-                        results[i] = value
-                        w.index = None
-                        if todo:
-                            w.give(*todo.popleft())
-                        continue
-                if w.proc.sentinel in ready or not w.proc.is_alive():
-                    w.proc.join(timeout=5)
-                    crash = Crash(f"the decoder crashed the reading process ({_death(w.proc.exitcode)}); the file "
-                                  "is not used", "decoder crash")
-                elif time.monotonic() - w.t0 >= timeout_s:
-                    crash = Crash(f"not read within {timeout_s:.0f} s (a decoder hung); the reading process was "
-                                  "stopped and the file is not used", "decoder timeout")
-                else:
-                    continue
-                results[w.index] = crash
-                w.stop(kill=True)
-                pool[k] = _Worker(ctx, fn)
-                if todo:
-                    pool[k].give(*todo.popleft())
+                if w.assigned:
+                    pool[k] = _collect(w, ready, results, todo, timeout_s, ctx, fn)
+                    top_up(pool[k])
     finally:
         for w in pool:
             w.stop()

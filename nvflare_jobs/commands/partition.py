@@ -109,8 +109,10 @@ def run_partition(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"cxr-hfl partition: {e}", file=sys.stderr)
         return 2
+    crossing = near_pairs_finding(result, report)
     out = Path(args.out)
     extra = {"data_root": report["root"], "labels": args.labels, "layout": report["layout"],
+             "near_pairs_crossing": len(crossing),
              "n_scanned": report["n_records"], "n_skipped": len(report["skipped"]),
              "skipped_by_reason": report["skipped_by_reason"], "n_notes": len(report.get("notes", [])),
              "duplicates": report.get("duplicates"), "patient_ids": report.get("patient_ids")}
@@ -124,6 +126,27 @@ def run_partition(args: argparse.Namespace) -> int:
     for w in partition_warnings(result.sites, args.scheme):
         print(w, file=sys.stderr)
     return 0
+
+
+def near_pairs_finding(result, report: dict) -> list[dict]:
+    """Print one finding line when near-duplicate pairs of the scan cross a site or a split of ``result``, and
+    list them all in the report (``report["near_pairs_crossing"]``, written to scan_report.json). Returns them."""
+    import sys
+    from pathlib import Path
+
+    from chest_xray.partition import crossing_pairs
+
+    crossing = crossing_pairs(result, report.get("near_pairs") or [])
+    report["near_pairs_crossing"] = crossing
+    if crossing:
+        sites = sum(1 for c in crossing if c["where_a"].split("/")[0] != c["where_b"].split("/")[0])
+        shown = "; ".join(f"{Path(c['a']).name} ({c['where_a']}) ~ {Path(c['b']).name} ({c['where_b']})"
+                          for c in crossing[:3])
+        print(printable_path(f"finding: near duplicates across sites or splits: {len(crossing)} pair(s), {sites} "
+                             f"across sites (e.g. {shown}); the same radiograph on both sides makes test results "
+                             "optimistic: --near-duplicates groups them, or remove one copy (all pairs in "
+                             "scan_report.json)"), file=sys.stderr)
+    return crossing
 
 
 def printable_path(path: str) -> str:

@@ -51,9 +51,9 @@ def test_poc_end_to_end(tmp_path, data_root):
 
         r = run_cli("poc", "start", "--workspace", str(ws), timeout=300)
         assert r.returncode == 0, r.stderr + r.stdout
-        hint = next(line.split("or with NVFlare:", 1)[1].strip() for line in r.stdout.splitlines()
-                    if "or with NVFlare:" in line)
-        assert hint.startswith("nvflare job submit -j <job_folder> --startup-kit ")
+        hint = next(line.split("or as in production:", 1)[1].strip() for line in r.stdout.splitlines()
+                    if "or as in production:" in line)
+        assert hint.startswith("cxr-hfl submit --job <job_folder> --startup-kit ")
         r = run_cli("poc", "start", "--workspace", str(ws), timeout=120)
         assert r.returncode == 1 and "is already running" in r.stderr, r.stderr
 
@@ -62,7 +62,7 @@ def test_poc_end_to_end(tmp_path, data_root):
         r = run_cli("export-job", "--method", "local", "--profile", str(other), "--out", str(tmp_path / "jobs_other"))
         assert r.returncode == 0, r.stderr
         r = run_cli("poc", "submit", "--workspace", str(ws), "--job", str(tmp_path / "jobs_other" / "cxr_hfl_local"))
-        assert r.returncode == 1 and "site-9 is not connected" in r.stderr, r.stderr + r.stdout
+        assert r.returncode == 1 and "site-9: not connected" in r.stderr, r.stderr + r.stdout
         r = run_cli("poc", "submit", "--workspace", str(ws), "--job", str(job), "--wait", "240", timeout=400)
         assert r.returncode == 0, r.stderr + r.stdout + _logs(poc)
         job_id = json.loads((ws / "cxr_hfl_poc.json").read_text())["jobs"][-1]["job_id"]

@@ -89,6 +89,9 @@ class FakeSession:
     def show_stats(self, job_id, target):
         raise AssertionError("a finished job has no live stats")
 
+    def close(self):
+        pass
+
 
 def _parts(view):
     return {s: (d["state"], d["reason"], d.get("test"), d.get("decision"), d.get("exclusions"))

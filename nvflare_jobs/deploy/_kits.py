@@ -109,3 +109,15 @@ def protect_keys(root: str | os.PathLike) -> list[Path]:
         elif p.is_dir() and p.name == "state":
             os.chmod(p, stat.S_IRWXU)
     return changed
+
+
+def make_private(root: str | os.PathLike) -> Path:
+    """Create ``root`` if needed and make it and everything under it readable by its owner only: folders 700,
+    files 600 (a job store holds every job's code and results). Returns ``root``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        os.chmod(p, stat.S_IRWXU if p.is_dir() else stat.S_IRUSR | stat.S_IWUSR)
+    return root

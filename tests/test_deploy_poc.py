@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -122,11 +121,12 @@ def test_poc_end_to_end(tmp_path, data_root):
                     home = tmp_path / "fresh_home"
                     home.mkdir()
                     cmd = shlex.split(hint.replace("<job_folder>", str(folder)))
-                    cmd[0] = str(Path(sys.executable).parent / "nvflare")
+                    assert cmd[:2] == ["cxr-hfl", "submit"], cmd
+                    cmd = [sys.executable, "-m", "nvflare_jobs.cli", *cmd[1:]]
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=home,
                                        env={**os.environ, "HOME": str(home)})
-                    assert p.returncode == 0 and "job_id" in p.stdout + p.stderr, p.stdout + p.stderr
-                    jid = (p.stdout + p.stderr).split("job_id:")[-1].split()[0]
+                    assert p.returncode == 0 and "job id " in p.stdout, p.stdout + p.stderr
+                    jid = p.stdout.split("job id ")[-1].split()[0]
                 else:
                     jid = sess.submit_job(str(folder))
                 assert jid, method

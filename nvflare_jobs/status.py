@@ -309,6 +309,7 @@ def admin_view(session, job_id: str) -> dict:
     view = job_view(snap, job_state=state, sites=expected_sites(meta) or None, connected=live, job_id=job_id,
                     record=record)
     view["submitter"] = meta.get("submitter_name")
+    view["schedule"] = schedule_note(state)  # running, or queued / starting (two jobs at once: status says which)
     if state.upper().startswith("FINISHED") and record is None:
         view["record_unavailable"] = "the job's results could not be downloaded; the sites' parts are unknown"
     return view
@@ -415,9 +416,28 @@ def describe_progress(sp: dict | None) -> str | None:
     return text
 
 
+QUEUED_STATES = ("SUBMITTED", "DISPATCHED")  # NVFlare's job states before the job runs
+
+
+def schedule_note(job_state: str) -> str | None:
+    """Whether a job runs or waits, in words: a job NVFlare has not started yet (``SUBMITTED``, ``DISPATCHED``) is
+    queued until its sites are free and the server runs fewer jobs than its limit (several jobs can run at once
+    when their sites allow); None for any other state."""
+    st = str(job_state).upper()
+    if st.startswith("SUBMITTED"):
+        return "queued: NVFlare starts it when enough of its sites are connected and free"
+    if st.startswith("DISPATCHED"):
+        return "starting: being deployed to its sites"
+    if st.startswith("RUNNING"):
+        return "running"
+    return None
+
+
 def format_view(v: dict) -> str:
     """The view as console lines (``cxr-hfl status``, ``poc status``, and the simulator's console at the end)."""
     head = f"job {v.get('job_id')}: {v.get('job_state')}"
+    if str(v.get("job_state")).upper().startswith(QUEUED_STATES):
+        head += f" ({schedule_note(v['job_state'])})"
     if v.get("method"):
         head += f" ({v['method']})"
     if v.get("task"):

@@ -20,7 +20,8 @@ from pathlib import Path
 SERVER_ALLOW = "hfl_components.flare.controllers"
 # NVFlare's server defaults are a 600 s client heartbeat timeout and a 900 s wait for every client's job outcome
 # after the server side of a job ended; a site that disconnected kept a finished job RUNNING that long. A client
-# sends a heartbeat every 60 s (NVFlare default), so 180 s is three missed heartbeats.
+# sends a heartbeat every 10 s (NVFlare 2.9's client_train default, participation.CLIENT_HEARTBEAT_INTERVAL_S), so
+# 180 s is many missed heartbeats; `submit` calls a site connected only when heard within 20 s.
 HEARTBEAT_TIMEOUT_S = 180
 CLIENT_OUTCOME_WAIT_S = 60
 LOG_STREAMER = "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer"

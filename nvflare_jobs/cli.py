@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "nvflare_jobs.commands.partition",  # partition, inspect
     "nvflare_jobs.commands.simulate",  # simulate, export-job
     "nvflare_jobs.commands.deploy",  # provision, poc
-    "nvflare_jobs.commands.status",  # status, results, submit
+    "nvflare_jobs.commands.status",  # status, results, submit, abort
     "nvflare_jobs.commands.crosssite",  # export-eval
     "nvflare_jobs.commands.site",  # site check
     "nvflare_jobs.commands.evaluate",  # compare, evaluate, predict, report
@@ -82,6 +82,11 @@ def main(argv=None) -> int:
             hint = f"; rerun with --overwrite to replace the unfinished run in {out}"
         elif args.command == "compare" and out:
             hint = f"; rerun the same command to resume (finished runs in {out} are kept)"
+        if args.command == "poc":  # the POC's server and sites are daemons, not this command's children
+            print(f"cxr-hfl poc {getattr(args, 'poc_command', '')}: interrupted; the POC's server and sites are not "
+                  "this command's children and may still run (`cxr-hfl poc status` / `cxr-hfl poc stop` with the "
+                  "same --workspace)", file=sys.stderr)
+            return exit_code()
         print(f"cxr-hfl {args.command}: interrupted, all its processes stopped{hint}", file=sys.stderr)
         return exit_code()
     except SystemExit as e:

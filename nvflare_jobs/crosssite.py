@@ -17,7 +17,8 @@ JOB_NAME = "cxr_hfl_cross_site"
 
 
 def model_entries(files: list[str | Path]) -> list[dict]:
-    """``[{"name", "file", "sha256", ...}]`` for model files (name: the file's stem, made unique with -2, -3...).
+    """``[{"name", "file", "sha256", ...}]`` for model files (name: :func:`model_names`: an indexed run's file is
+    named by its run folder and file stem, e.g. ``fedavg.site-1_deployed``).
 
     A file that a run's ``models.json`` lists (``RUN/models/<x>.pt``, ``RUN/global_model.pt``) is checked against
     its entry's SHA-256 and carries the entry's ``run``, ``kind``, ``site``, ``method`` and ``seed``
@@ -30,7 +31,7 @@ def model_entries(files: list[str | Path]) -> list[dict]:
     from hfl_components.models.files import file_sha256, read_model_header
     from nvflare_jobs.models_index import find_entry
 
-    out, seen = [], {}
+    out, paths = [], []
     for f in files:
         p = Path(f).resolve()
         if not p.exists():
@@ -39,13 +40,38 @@ def model_entries(files: list[str | Path]) -> list[dict]:
             raise ValueError(f"--model {f}: is a folder, not a model file (e.g. RUN/models/site-1_deployed.pt)")
         read_model_header(p)
         hit = find_entry(p)
-        name = p.stem
-        seen[name] = seen.get(name, 0) + 1
-        entry = {"name": name if seen[name] == 1 else f"{name}-{seen[name]}", "file": str(p),
-                 "sha256": hit[1]["sha256"] if hit else file_sha256(p)}
+        entry = {"file": str(p), "sha256": hit[1]["sha256"] if hit else file_sha256(p)}
         if hit:
             entry.update({"run": hit[0].name, **{k: hit[1].get(k) for k in ("kind", "site", "method", "seed")}})
         out.append(entry)
+        paths.append((hit[0] if hit else None, p))
+    for entry, name in zip(out, model_names(paths)):
+        entry["name"] = name
+    return [{"name": e.pop("name"), **e} for e in out]
+
+
+def model_names(paths: list[tuple[Path | None, Path]]) -> list[str]:
+    """Names that tell the models apart in the cross-site matrix: ``<run folder>.<file stem>`` for a file of an
+    indexed run (e.g. ``ohfl.site-1_deployed``), the file stem for any other; more parent folders
+    (``seed1.ohfl.site-1_deployed``) where two different files would still share a name, and ``-2``, ``-3`` only
+    for the same file given twice. ``paths``: (run folder or None, file) pairs."""
+    def label(run: Path | None, f: Path, depth: int) -> str:
+        base = run if run is not None else f.parent
+        parts = [q.name for q in [base, *base.parents][:depth] if q.name][::-1]
+        return ".".join([*parts, f.stem])
+
+    depth = [1 if run is not None else 0 for run, _ in paths]
+    for _ in range(4):  # deepen every label that two different files share by one folder
+        names = [label(r, f, d) for (r, f), d in zip(paths, depth)]
+        clash = {n for n in names if len({f for (_, f), m in zip(paths, names) if m == n}) > 1}
+        if not clash:
+            break
+        depth = [d + 1 if n in clash else d for n, d in zip(names, depth)]
+    names, seen = [label(r, f, d) for (r, f), d in zip(paths, depth)], {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}-{seen[n]}")
     return out
 
 

@@ -1,7 +1,7 @@
 """The run-level model index ``RUN/models.json``: which model files a run holds, and what each one is.
 
 ``{"run", "job_id", "models": [{"name", "file", "sha256", "bytes", "kind", "site", "method", "seed", "labels",
-"input_size", "model", "test", "gate"}, ...]}``; ``file`` is relative to the run folder. ``cxr-hfl simulate``,
+"input_size", "model", "test", "test_note", "gate"}, ...]}`` (``test_note``: why a model has no test metrics); ``file`` is relative to the run folder. ``cxr-hfl simulate``,
 ``poc download`` and ``results`` write it (:func:`write_models_index`); ``cxr-hfl status`` shows it.
 """
 from __future__ import annotations
@@ -50,18 +50,55 @@ def write_models_index(run_dir: str | Path, metrics: dict) -> Path:
     for f, kind, site, group in _model_files(run):
         b = (metrics.get("sites") or {}).get(site) or {}
         name = f.stem if group is None else f"{kind}-{group}"
-        model = b.get("model") if site else (metrics.get("global_specs") or {}).get(group) if group else \
-            metrics.get("global_model")
         entries.append({
             "name": name, "file": f.relative_to(run).as_posix(), "sha256": file_sha256(f),
             "bytes": f.stat().st_size, "kind": kind, "site": site, "group": group, "method": metrics.get("method"),
-            "seed": metrics.get("seed"), "labels": metrics.get("labels"), "input_size": b.get("input_size"),
-            "model": model, "test": b.get("test") if kind == "deployed" else None,
+            "seed": metrics.get("seed"), "labels": metrics.get("labels"),
+            **_described(f, kind, site, group, b, metrics, site in adopted),
             "gate": ("adopted the federated model" if site in adopted else "kept its local model" if site in kept
                      else None) if site and gate else None})
     path = run / INDEX
     path.write_text(json.dumps({"run": run.name, "job_id": metrics.get("job_id"), "models": entries}, indent=1))
     return path
+
+
+def _described(f: Path, kind: str, site: str | None, group: str | None, block: dict, metrics: dict,
+               adopted: bool) -> dict:
+    """An index entry's ``model`` (spec), ``input_size`` (pixels) and ``test`` (test-split metrics) from the run's
+    metrics, else the model file's own header; a model the run never scored on a test split has ``test`` None
+    and ``test_note`` saying why.
+
+    * ``model``: the site's spec; a global model's (``global_specs[group]``, ``global_model``, ``global_spec``);
+      else the header's ``spec``.
+    * ``input_size``: the site's; else the header's; else (a global model every site runs at its own size) the
+      sites' sizes when they are all one.
+    * ``test``: a deployed model's site test; a local model's (``local``: OHFL scores it beside the deployed
+      one); a federated model the site adopted is its deployed model. A global model is scored only as the sites'
+      deployed models, and a federated model a site did not adopt only on validation: ``test_note`` says so.
+    """
+    try:
+        from hfl_components.models.files import read_model_header
+
+        header = read_model_header(f)
+    except (OSError, ValueError):
+        header = {}
+    model = block.get("model") if site else ((metrics.get("global_specs") or {}).get(group) if group else
+                                              metrics.get("global_model") or metrics.get("global_spec"))
+    sizes = {b.get("input_size") for b in (metrics.get("sites") or {}).values() if isinstance(b, dict)} - {None}
+    size = block.get("input_size") or header.get("input_size") or (sizes.pop() if not site and len(sizes) == 1
+                                                                    else None)
+    test, note = None, None
+    if kind == "deployed" or (kind == "federated" and adopted):
+        test = block.get("test")
+    elif kind == "local":
+        test = block.get("local") if isinstance(block.get("local"), dict) and "n" in block["local"] else None
+        note = None if test else "the site's local model was not scored on its test split in this run"
+    elif kind == "federated":
+        note = "not scored on the test split: the site kept its local model (validation: sites.<site>.gate)"
+    else:
+        note = "a global model is scored at the sites as their deployed models (sites.<site>.test)"
+    return {"input_size": size, "model": model or header.get("spec"), "test": test,
+            **({"test_note": note} if test is None and note else {})}
 
 
 def verified_file(run: Path, entry: dict) -> Path:

@@ -111,6 +111,8 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     tb = src.parent.parent / "tb_events"  # NVFlare's TBAnalyticsReceiver: <server run dir>/tb_events/<site>/
     if tb.is_dir():
         metrics["tensorboard"] = str(tb.resolve())
+    if (src.parent.parent / "mlflow.db").is_file():  # NVFlare's MLflowReceiver's own store (no --tracking-uri)
+        metrics["mlflow"] = f"sqlite:///{(src.parent.parent / 'mlflow.db').resolve()}"
     entry = catalogue.CATALOGUE.get(rec.get("method"))
     if entry is not None and entry.schedule == "one_shot":  # one global model per site: its spread and spec
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
@@ -263,3 +265,5 @@ def print_summary(m: dict, run_dir: Path) -> None:
         print(f"note: {note}")
     if m.get("tensorboard"):
         print(f"training curves (per-site loss, validation): tensorboard --logdir {m['tensorboard']}")
+    if m.get("mlflow"):
+        print(f"MLflow store: {m['mlflow']} (mlflow ui --backend-store-uri {m['mlflow']})")

@@ -254,6 +254,7 @@ def run_folder_view(run_dir: str | Path) -> dict:
     tb = sorted({str(p.parent.parent) for p in (run / "workspace").rglob("events.out.tfevents.*")}) \
         if (run / "workspace").is_dir() else []
     view["tensorboard"] = tb[0] if tb else None
+    view["mlflow"] = (metrics or {}).get("mlflow")  # the MLflow store of a --tracking mlflow run (its URI)
     # the method's own record fields, as its catalogue entry declares them (catalogue.record_summary)
     view["record"] = record_summary(metrics.get("method"), metrics) if metrics else []
     if metrics and isinstance(metrics.get("sites"), dict):  # whether the run was DP, and at which epsilon
@@ -294,7 +295,7 @@ def admin_view(session, job_id: str) -> dict:
     (:func:`finished_record`: the job's ``server_results.json``, downloaded), so each reads ``took part``,
     ``excluded`` (round, reason), ``not deployed`` (reason) or ``missing``, with its final metrics and decision.
     The expected sites are the job meta's (``hfl_components.flare.participation.expected_sites``)."""
-    from hfl_components.flare.participation import expected_sites
+    from hfl_components.flare.participation import expected_sites, unreachable
 
     meta = session.get_job_meta(job_id) or {}
     state = str(meta.get("status") or "UNKNOWN")
@@ -307,9 +308,12 @@ def admin_view(session, job_id: str) -> dict:
             snap = None
     elif state.upper().startswith("FINISHED"):
         record = finished_record(session, job_id)
-    view = job_view(snap, job_state=state, sites=expected_sites(meta) or None, connected=heard_sites(session),
-                    job_id=job_id, record=record)
+    heard = heard_sites(session)  # a site silent for over twice the heartbeat interval is not connected
+    live = None if heard is None else {s: age for s, age in heard.items() if s not in unreachable([s], heard)}
+    view = job_view(snap, job_state=state, sites=expected_sites(meta) or None, connected=live, job_id=job_id,
+                    record=record)
     view["submitter"] = meta.get("submitter_name")
+    view["schedule"] = schedule_note(state)  # running, or queued / starting (two jobs at once: status says which)
     if state.upper().startswith("FINISHED") and record is None:
         view["record_unavailable"] = "the job's results could not be downloaded; the sites' parts are unknown"
     return view
@@ -318,20 +322,16 @@ def admin_view(session, job_id: str) -> dict:
 def heard_sites(session) -> dict[str, float | None] | None:
     """{site: seconds since the server last heard from it (None: unknown)} of the sites the server lists as
     connected (NVFlare's ``check_status``); None when the server cannot be asked. A site that stopped stays
-    listed until its heartbeat times out: :func:`connected_now` tells the live ones."""
+    listed until its heartbeat times out: ``participation.unreachable`` tells the live ones."""
+    from hfl_components.flare.participation import heard_from_status
+
     try:
         from nvflare.fuel.flare_api.api_spec import TargetType
 
         info = session.check_status(TargetType.SERVER) or {}
     except Exception:  # noqa: BLE001 - the view still shows the job
         return None
-    out = {}
-    for c in info.get("clients") or []:  # [{"client_name", "client_last_conn_time", "fqcn"}]
-        last = c.get("client_last_conn_time")
-        if c.get("client_name"):
-            out[c["client_name"]] = (None if not isinstance(last, (int, float))
-                                     else round(max(0.0, time.time() - last), 1))
-    return out
+    return heard_from_status(info, time.time())
 
 
 def finished_record(session, job_id: str) -> dict | None:
@@ -420,9 +420,28 @@ def describe_progress(sp: dict | None) -> str | None:
     return text
 
 
+QUEUED_STATES = ("SUBMITTED", "DISPATCHED")  # NVFlare's job states before the job runs
+
+
+def schedule_note(job_state: str) -> str | None:
+    """Whether a job runs or waits, in words: a job NVFlare has not started yet (``SUBMITTED``, ``DISPATCHED``) is
+    queued until its sites are free and the server runs fewer jobs than its limit (several jobs can run at once
+    when their sites allow); None for any other state."""
+    st = str(job_state).upper()
+    if st.startswith("SUBMITTED"):
+        return "queued: NVFlare starts it when enough of its sites are connected and free"
+    if st.startswith("DISPATCHED"):
+        return "starting: being deployed to its sites"
+    if st.startswith("RUNNING"):
+        return "running"
+    return None
+
+
 def format_view(v: dict) -> str:
     """The view as console lines (``cxr-hfl status``, ``poc status``, and the simulator's console at the end)."""
     head = f"job {v.get('job_id')}: {v.get('job_state')}"
+    if str(v.get("job_state")).upper().startswith(QUEUED_STATES):
+        head += f" ({schedule_note(v['job_state'])})"
     if v.get("method"):
         head += f" ({v['method']})"
     if v.get("task"):
@@ -453,4 +472,6 @@ def format_view(v: dict) -> str:
                      "restored or removed (then it is rebuilt from the model files)")
     if v.get("tensorboard"):
         lines.append(f"  TensorBoard: tensorboard --logdir {v['tensorboard']}")
+    if v.get("mlflow"):
+        lines.append(f"  MLflow store: {v['mlflow']} (mlflow ui --backend-store-uri {v['mlflow']})")
     return "\n".join(lines)

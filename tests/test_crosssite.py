@@ -70,20 +70,21 @@ def test_cross_site_job_matrix_equals_local_scoring_and_refuses_other_label_sche
     ws = tmp_path / "ws"
     job.simulator_run(str(ws), threads=len(SITES), log_config="concise")
     res = json.loads(next(ws.rglob("cxr_hfl_results/cross_site.json")).read_text())
-    assert res["sites"] == SITES and res["models"] == ["model_a", "model_b", "model_a-2"]
+    a1, a2 = f"{tmp_path.name}.models.model_a", "sub.models.model_a"  # two files named model_a.pt, told apart
+    assert res["sites"] == SITES and res["models"] == [a1, "model_b", a2]
     assert next(ws.rglob("cxr_hfl_results/cross_site.png")).stat().st_size > 0
     csv_rows = next(ws.rglob("cxr_hfl_results/cross_site.csv")).read_text().splitlines()
     assert len(csv_rows) == 1 + 3 * 3
     for site in SITES:
         local = score_locally(profile_dir / f"{site}.yaml", site, files)
-        for name in ("model_a", "model_b"):
+        for name in (a1, "model_b"):
             got, want = res["matrix"][site][name], local[name]
             assert got["n"] == want["n"] == 6
             for k in ("accuracy", "balanced_accuracy", "auc"):
                 assert got[k] == pytest.approx(want[k], abs=1e-6), (site, name, k)
             assert got["confusion_matrix"] == want["confusion_matrix"]
             assert "_probs" not in got
-        refused = res["matrix"][site]["model_a-2"]["refused"]
+        refused = res["matrix"][site][a2]["refused"]
         assert refused.startswith(f"site {site} uses labels 'binary'") and "'subtype'" in refused
     blob = json.dumps(res)
     assert str(data_root) not in blob and ".jpeg" not in blob
@@ -123,14 +124,16 @@ def test_site_score_gives_a_hospital_its_row_of_the_matrix_here(tmp_path, data_r
                 timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert list(res) == ["model_a", "model_b", "model_a-2"]
-    for name in ("model_a", "model_b"):
+    # two different files named model_a.pt are told apart by their folders
+    a1 = f"{tmp_path.name}.models.model_a"
+    assert list(res) == [a1, "model_b", "sub.models.model_a"]
+    for name in (a1, "model_b"):
         cm = res[name]["confusion_matrix"]  # rows: true class, columns: predicted
         assert res[name]["n"] == 6 and sum(map(sum, cm)) == 6
         recalls = [cm[i][i] / sum(cm[i]) for i in range(2)]
         assert res[name]["balanced_accuracy"] == pytest.approx(sum(recalls) / 2)
         assert res[name]["accuracy"] == pytest.approx((cm[0][0] + cm[1][1]) / 6)
-    assert res["model_a-2"]["refused"].startswith("site hospital-a uses labels 'binary'")
+    assert res["sub.models.model_a"]["refused"].startswith("site hospital-a uses labels 'binary'")
     r = run_cli("site", "score", "--config", str(cfg), "--model", str(files[0]), timeout=300)
     assert r.returncode == 0 and "model_a" in r.stdout and "balanced_accuracy" in r.stdout, r.stderr
     r = run_cli("site", "score", "--config", str(cfg), "--model", str(tmp_path / "nope.pt"), timeout=300)
@@ -160,5 +163,6 @@ def test_site_score_exits_2_when_every_model_was_refused_and_names_the_refused_o
     assert "no model could be scored" in err and "reasons in the JSON" in err
     assert main(["site", "score", "--config", str(cfg), "--model", str(binary[0]), "--model", str(subtype[0])]) == 0
     out, err = capsys.readouterr()
-    assert "model_a " in out and "n=4" in out
-    assert err.strip() == "cxr-hfl site score: 1 of 2 models refused: model_a-2 (reasons above)"
+    a1, a2 = f"{tmp_path.name}.models.model_a", "sub.models.model_a"  # two files named model_a.pt, told apart
+    assert f"{a1} " in out and "n=4" in out
+    assert err.strip() == f"cxr-hfl site score: 1 of 2 models refused: {a2} (reasons above)"

@@ -213,7 +213,9 @@ def test_cross_site_evaluation_job_gives_the_sites_x_models_matrix(consortium):
     r = run_cli("poc", "download", "--workspace", str(c["ws"]), job_id, "--out", str(run), timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
     res = json.loads((run / "cross_site.json").read_text())
-    assert res["sites"] == SITES and res["models"] == ["model_a", "model_b"] and (run / "cross_site.png").is_file()
+    # indexed files are named by their run folder and file: run_models.model_a
+    assert res["sites"] == SITES and res["models"] == ["run_models.model_a", "run_models.model_b"]
+    assert (run / "cross_site.png").is_file()
     for site in SITES:
         local = score_locally(c["profile"] / f"{site}.yaml", site, files)
         for name in res["models"]:

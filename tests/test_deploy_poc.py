@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -51,9 +50,9 @@ def test_poc_end_to_end(tmp_path, data_root):
 
         r = run_cli("poc", "start", "--workspace", str(ws), timeout=300)
         assert r.returncode == 0, r.stderr + r.stdout
-        hint = next(line.split("or with NVFlare:", 1)[1].strip() for line in r.stdout.splitlines()
-                    if "or with NVFlare:" in line)
-        assert hint.startswith("nvflare job submit -j <job_folder> --startup-kit ")
+        hint = next(line.split("or as in production:", 1)[1].strip() for line in r.stdout.splitlines()
+                    if "or as in production:" in line)
+        assert hint.startswith("cxr-hfl submit --job <job_folder> --startup-kit ")
         r = run_cli("poc", "start", "--workspace", str(ws), timeout=120)
         assert r.returncode == 1 and "is already running" in r.stderr, r.stderr
 
@@ -62,7 +61,7 @@ def test_poc_end_to_end(tmp_path, data_root):
         r = run_cli("export-job", "--method", "local", "--profile", str(other), "--out", str(tmp_path / "jobs_other"))
         assert r.returncode == 0, r.stderr
         r = run_cli("poc", "submit", "--workspace", str(ws), "--job", str(tmp_path / "jobs_other" / "cxr_hfl_local"))
-        assert r.returncode == 1 and "site-9 is not connected" in r.stderr, r.stderr + r.stdout
+        assert r.returncode == 1 and "site-9: not connected" in r.stderr, r.stderr + r.stdout
         r = run_cli("poc", "submit", "--workspace", str(ws), "--job", str(job), "--wait", "240", timeout=400)
         assert r.returncode == 0, r.stderr + r.stdout + _logs(poc)
         job_id = json.loads((ws / "cxr_hfl_poc.json").read_text())["jobs"][-1]["job_id"]
@@ -122,11 +121,12 @@ def test_poc_end_to_end(tmp_path, data_root):
                     home = tmp_path / "fresh_home"
                     home.mkdir()
                     cmd = shlex.split(hint.replace("<job_folder>", str(folder)))
-                    cmd[0] = str(Path(sys.executable).parent / "nvflare")
+                    assert cmd[:2] == ["cxr-hfl", "submit"], cmd
+                    cmd = [sys.executable, "-m", "nvflare_jobs.cli", *cmd[1:]]
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=home,
                                        env={**os.environ, "HOME": str(home)})
-                    assert p.returncode == 0 and "job_id" in p.stdout + p.stderr, p.stdout + p.stderr
-                    jid = (p.stdout + p.stderr).split("job_id:")[-1].split()[0]
+                    assert p.returncode == 0 and "job id " in p.stdout, p.stdout + p.stderr
+                    jid = p.stdout.split("job id ")[-1].split()[0]
                 else:
                     jid = sess.submit_job(str(folder))
                 assert jid, method

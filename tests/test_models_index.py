@@ -128,7 +128,7 @@ def test_cross_site_export_checks_indexed_files_and_the_server_checks_the_job_co
         "args"]["models"]
     a, b = models
     assert (a["name"], a["run"], a["kind"], a["site"], a["method"], a["seed"]) == (
-        "site-1_deployed", "run", "deployed", "site-1", "ohfl", 4)
+        "run.site-1_deployed", "run", "deployed", "site-1", "ohfl", 4)  # <run folder>.<file>
     assert a["sha256"] == hashlib.sha256((run / "models" / "site-1_deployed.pt").read_bytes()).hexdigest()
     assert b == {"name": "my_model", "file": "models/my_model.pt",
                  "sha256": hashlib.sha256(other.read_bytes()).hexdigest()}

@@ -89,6 +89,9 @@ class FakeSession:
     def show_stats(self, job_id, target):
         raise AssertionError("a finished job has no live stats")
 
+    def close(self):
+        pass
+
 
 def _parts(view):
     return {s: (d["state"], d["reason"], d.get("test"), d.get("decision"), d.get("exclusions"))
@@ -202,3 +205,13 @@ def test_fusion_reports_each_pairwise_fusion():
     aggregate_models(models, "cid", probe=torch.rand(8, 1, 16, 16, generator=torch.Generator().manual_seed(0)),
                      progress=lambda k, n: seen.append((k, n)))
     assert seen == [(1, 2), (2, 2)]
+
+
+def test_status_says_whether_a_job_runs_or_is_queued():
+    from nvflare_jobs.status import schedule_note
+
+    assert schedule_note("SUBMITTED").startswith("queued")
+    assert schedule_note("DISPATCHED").startswith("starting")
+    assert schedule_note("RUNNING") == "running" and schedule_note("FINISHED:COMPLETED") is None
+    assert format_view(job_view(None, job_state="SUBMITTED", sites=["a"], job_id="j2")).startswith(
+        "job j2: SUBMITTED (queued: ")

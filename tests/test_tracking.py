@@ -53,4 +53,4 @@ def test_simulator_run_writes_per_site_loss_curves_and_nothing_identifying(tmp_p
     r = run_cli("status", str(run), "--json")
     v = json.loads(r.stdout)
     assert r.returncode == 0 and v["job_state"] == "FINISHED:COMPLETED" and sorted(v["sites"]) == sites
-    assert all(s["state"] == "done" for s in v["sites"].values()) and v["gate"] is not None
+    assert all(s["state"] == "took part" and s["test"] for s in v["sites"].values()) and v["gate"] is not None

@@ -41,3 +41,37 @@ def not_deployed(expected: list[str], deployed: list[str], min_clients: int | No
     why = (f"not connected to the server when the job started: NVFlare deployed it to the {n} connected "
            f"site{'s' if n != 1 else ''} only{floor}")
     return {s: why for s in sorted(expected) if s not in have}
+
+
+# NVFlare 2.9's client sends a heartbeat to the server every ``heart_beat_interval`` seconds (10 s unless the site's
+# start command sets another); a site the server has not heard from within two intervals is not connected, though
+# the server keeps listing it until its heartbeat timeout (cxr-hfl's kits: 180 s; NVFlare's default 600 s).
+CLIENT_HEARTBEAT_INTERVAL_S = 10.0
+CONNECTED_WITHIN_S = 2 * CLIENT_HEARTBEAT_INTERVAL_S
+
+
+def heard_from_status(info: dict | None, now: float) -> dict[str, float | None]:
+    """{site: seconds since the server last heard from it (None: the server gave no time)} from NVFlare's
+    ``check_status`` answer (``{"clients": [{"client_name", "client_last_conn_time", ...}]}``); ``now`` is the
+    current epoch time in seconds."""
+    out = {}
+    for c in (info or {}).get("clients") or []:
+        last = c.get("client_last_conn_time") if isinstance(c, dict) else None
+        if isinstance(c, dict) and c.get("client_name"):
+            out[str(c["client_name"])] = None if not isinstance(last, (int, float)) else round(max(0.0, now - last), 1)
+    return out
+
+
+def unreachable(expected: list[str], heard: dict[str, float | None],
+                within_s: float = CONNECTED_WITHIN_S) -> dict[str, str]:
+    """{site: reason} for every expected site that is not connected now: the server does not list it, or last
+    heard from it more than ``within_s`` seconds ago (default twice the client heartbeat interval). A listed site
+    without a time counts as connected (the server cannot tell)."""
+    out = {}
+    for s in sorted(expected):
+        if s not in heard:
+            out[s] = "not connected to the server"
+        elif heard[s] is not None and heard[s] > within_s:
+            out[s] = (f"last heard {heard[s]:.0f} s ago (connected means heard within {within_s:.0f} s, twice the "
+                      f"{within_s / 2:.0f} s heartbeat interval); it has probably stopped")
+    return out

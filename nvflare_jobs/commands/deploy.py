@@ -13,7 +13,7 @@ POC_ENV = "CXR_HFL_POC_DIR"
 
 def register(sub) -> None:
     from nvflare_jobs.commands.simulate import at_least
-    from nvflare_jobs.commands.status import watch_seconds
+    from nvflare_jobs.commands.status import add_override, watch_seconds
 
     p = sub.add_parser("provision", help="run NVFlare provisioning: one startup kit per server/hospital/admin")
     p.add_argument("--project", help="NVFlare project.yml (default: site_configs/project.yml of this repository)")
@@ -49,6 +49,9 @@ def register(sub) -> None:
     q.add_argument("--job", "-j", required=True, help="job folder written by `cxr-hfl export-job` (OUT/<job name>)")
     q.add_argument("--wait", type=at_least(0), default=0, metavar="SECONDS",
                    help="wait up to SECONDS for the job to finish (default 0: return once submitted)")
+    add_override(q)
+    q = add("abort", "abort a job: a running job stops, a queued one never starts", run_abort)
+    q.add_argument("job_id", nargs="?", help="a job id (default: the last job submitted to this POC)")
     q = add("status", "POC processes, the jobs on the server and the status view of a job (cxr-hfl status)",
             run_status)
     q.add_argument("job_id", nargs="?", help="a job id (default: the last job submitted from this POC folder)")
@@ -125,7 +128,7 @@ def run_provision(args) -> int:
         elif k["type"] == "server":
             print(f"  {'server':<40} bash {n}/startup/start.sh")
         else:
-            print(f"  {n:<40} nvflare job submit -j JOB --startup-kit {n}")
+            print(f"  {n:<40} cxr-hfl submit --job JOB --startup-kit {n}")
     return 0
 
 
@@ -166,14 +169,16 @@ def run_start(args) -> int:
         raise
     print(f"[cxr-hfl] POC running; sites {', '.join(poc.state()['sites'])}; logs under {poc.prod_dir}/<site>/")
     print(f"submit a job with: cxr-hfl poc submit --workspace {poc.dir} --job <job_folder> [--wait SECONDS]")
-    print(f"  or with NVFlare: {poc.submit_hint()}")
+    print(f"  or as in production: {poc.submit_hint()}")
     return 0
 
 
 @_guard
 def run_submit(args) -> int:
     poc = _poc(args)
-    job_id = poc.submit(args.job)
+    job_id = poc.submit(args.job, allow_missing=args.allow_missing_sites)
+    for w in poc.warnings:
+        print(w, file=sys.stderr)
     print(f"[cxr-hfl] submitted {Path(args.job).name} as {poc.state()['coordinator']}: job id {job_id}")
     if args.wait:
         data = poc.wait(job_id, timeout=args.wait)
@@ -197,23 +202,34 @@ def _report_run(poc, job_id: str, out) -> int:
 
 @_guard
 def run_status(args) -> int:
+    import json
+
+    from nvflare_jobs.deploy import DeployError
+
     poc = _poc(args)
     st = poc.state()
     pids = poc.own_pids()
     say = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the view's JSON, for scripts
     if poc.server_up():
         print(f"[cxr-hfl] POC {poc.dir}: running ({len(pids)} processes); sites {', '.join(st['sites'])}", file=say)
-    elif pids:
-        print(f"[cxr-hfl] POC {poc.dir}: not running: {poc.server_state()}; sites {', '.join(st['sites'])}", file=say)
-        return 1
-    else:
-        print(f"[cxr-hfl] POC {poc.dir}: stopped; sites {', '.join(st['sites'])}", file=say)
-        return 0
+    else:  # --json: one object on stdout in every case
+        state = "not running" if pids else "stopped"
+        print(f"[cxr-hfl] POC {poc.dir}: {state}" + (f": {poc.server_state()}" if pids else "")
+              + f"; sites {', '.join(st['sites'])}", file=say)
+        if args.json:
+            print(json.dumps({"poc": str(poc.dir), "state": state, "sites": st["sites"], "jobs": []}))
+        return 1 if pids else 0
     if not args.job_id:
         for j in poc.list_jobs():
             print(f"  {j.get('job_id')}  {j.get('name', j.get('job_name', '')):<20} {j.get('status')}", file=say)
-    job_id = args.job_id or ((st.get("jobs") or [{}])[-1]).get("job_id")
-    if job_id:
+    try:  # the last job submitted from this folder, else the newest on the server (cxr-hfl submit, nvflare job)
+        job_id = args.job_id or poc.last_job()
+    except DeployError:
+        job_id = None
+    if not job_id:
+        print(json.dumps({"poc": str(poc.dir), "state": "running", "jobs": []}) if args.json else
+              "  no job on the server yet", file=sys.stdout)
+    else:
         from nvflare_jobs.commands.status import open_session, show
         from nvflare_jobs.status import admin_view
 
@@ -235,13 +251,30 @@ def run_download(args) -> int:
 
 
 @_guard
+def run_abort(args) -> int:
+    poc = _poc(args)
+    job_id = args.job_id or poc.last_job()
+    answer = poc.abort(job_id)
+    print(f"[cxr-hfl] abort of job {job_id} sent: {answer}")
+    print(f"its status: cxr-hfl poc status --workspace {poc.dir} {job_id}")
+    return 0
+
+
+@_guard
 def run_stop(args) -> int:
     poc = _poc(args)
     poc.state()
     if not poc.own_pids():
         print(f"[cxr-hfl] POC in {poc.dir} already stopped")
         return 0
-    killed = poc.stop()
+    try:
+        killed = poc.stop()
+    except KeyboardInterrupt:  # the start scripts' loops are not our children: say what still runs
+        left = poc.end_now()
+        print(f"cxr-hfl poc stop: interrupted; " + (f"STILL RUNNING: {left}; run `cxr-hfl poc stop --workspace "
+                                                    f"{poc.dir}` again" if left else
+                                                    "every process of the POC ended"), file=sys.stderr)
+        return 130
     left = poc.own_pids()
     print(f"[cxr-hfl] POC in {poc.dir} stopped" + (f"; ended leftover processes {killed}" if killed else "")
           + (f"; STILL RUNNING: {left}" if left else ""))

@@ -187,7 +187,7 @@ def register(sub) -> None:
                         "spread over them); a site uses its GPU when its config says device: auto or cuda (default: "
                         "none, no GPU ids are given to the simulator)")
     p.set_defaults(func=run_simulate)
-    e = sub.add_parser("export-job", help="write an NVFlare job folder for `nvflare job submit -j`")
+    e = sub.add_parser("export-job", help="write an NVFlare job folder for `cxr-hfl submit`")
     _add_method_args(e)
     e.add_argument("--out", required=True, help="folder to export the job into")
     # site options given with --profile are refused (see SITE_OPTIONS): None tells "not given" from a default
@@ -266,6 +266,6 @@ def run_export(args) -> int:
     sends = getattr(catalogue.resolve(spec.entry.controller), "payload_summary", None)  # a method that says it (FENS)
     if sends is not None:
         print(f"[cxr-hfl] {sends(profile, spec.job_options(spec.options.get('probe')))}")
-    print(f"submit with: nvflare job submit -j {job_dir} --startup-kit <your coordinator kit folder>")
+    print(f"submit with: cxr-hfl submit --job {job_dir} --startup-kit <your coordinator kit folder>")
     print(f"   (POC:     cxr-hfl poc submit --workspace <POC folder> --job {job_dir})")
     return 0

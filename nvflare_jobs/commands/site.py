@@ -10,11 +10,16 @@ import sys
 from pathlib import Path
 
 
+# site check's exit codes, worded once (its --help; docs/DEPLOYMENT.md quotes it)
+CHECK_EXIT = ("exit 1 when the data or model has errors, 2 when the config is invalid or it or its manifest "
+              "cannot be read")
+
+
 def register(sub) -> None:
     p = sub.add_parser("site", help="tools for a hospital site operator (site check, site score, site privacy-audit)")
     ssub = p.add_subparsers(dest="site_command", metavar="ACTION")
     q = ssub.add_parser("check", help="validate the site config and read every image of its manifest (one screen; "
-                                      "exit 1 when it finds errors, 2 on a config it cannot read)")
+                                      f"{CHECK_EXIT})")
     q.add_argument("--config", "-c", required=True, help="the site's <site>.yaml (e.g. <kit>/local/cxr_hfl/hospital-a.yaml)")
     q.add_argument("--site", help="site name (default: the config file's name without .yaml)")
     q.add_argument("--no-images", action="store_true",

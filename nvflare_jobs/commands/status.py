@@ -3,7 +3,8 @@
 ``status RUN_DIR`` reads a simulator run folder; ``status JOB_ID --startup-kit KIT`` asks a POC or provisioned
 server through NVFlare's admin API with the caller's own startup kit (the coordinator's, in this consortium:
 hospitals have no admin identity). ``results JOB_ID --startup-kit KIT`` downloads a finished job and writes the
-simulator's run layout (metrics.json, plots) with the job id and status. See docs/DEPLOYMENT.md.
+simulator's run layout (metrics.json, plots) with the job id and status. ``submit`` checks a job folder and that every
+site it expects is connected, then submits it; ``abort`` stops a job. See docs/DEPLOYMENT.md.
 """
 from __future__ import annotations
 
@@ -50,7 +51,21 @@ def register(sub) -> None:
                                       "with your startup kit (production; POC: cxr-hfl poc submit)")
     q.add_argument("--job", "-j", required=True, help="job folder written by cxr-hfl export-job")
     _kit_args(q)
+    add_override(q)
     q.set_defaults(func=run_submit)
+    a = sub.add_parser("abort", help="abort a POC/provisioned job: a running job stops, a queued one never starts")
+    a.add_argument("job_id")
+    _kit_args(a)
+    a.set_defaults(func=run_abort)
+
+
+def add_override(p) -> None:
+    """``--allow-missing-sites``: the override of submit's connected-site check (``cxr-hfl submit`` and ``poc
+    submit``)."""
+    p.add_argument("--allow-missing-sites", action="store_true",
+                   help="submit even when some sites the job expects are not connected (heard from within twice "
+                        "the 10 s heartbeat interval): NVFlare then deploys it to the connected sites only, and "
+                        "the job records the others as not deployed (default: refuse, naming them)")
 
 
 def _kit_args(p) -> None:
@@ -138,8 +153,19 @@ def run_submit(args) -> int:
     except DeployError as e:
         print(f"cxr-hfl submit: {e}; nothing was submitted", file=sys.stderr)
         return 2
+    from nvflare_jobs.deploy import check_connected
+    from nvflare_jobs.status import heard_sites
+
+    meta = json.loads((Path(args.job) / "meta.json").read_text())
     sess = _session(args)
     try:
+        try:  # every site the job expects connected now, unless --allow-missing-sites
+            warnings = check_connected(Path(args.job).name, meta, heard_sites(sess), args.allow_missing_sites)
+        except DeployError as e:
+            print(f"cxr-hfl submit: {e}", file=sys.stderr)
+            return 1
+        for w in warnings:
+            print(w, file=sys.stderr)
         job_id = sess.submit_job(str(Path(args.job).resolve()))
     finally:
         sess.close()
@@ -147,6 +173,23 @@ def run_submit(args) -> int:
     print(f"[cxr-hfl] submitted {Path(args.job).name}: job id {job_id}")
     print(f"watch it:  cxr-hfl status {job_id} --startup-kit {kit} --watch")
     print(f"results:   cxr-hfl results {job_id} --startup-kit {kit} --out runs/{job_id} --wait 3600")
+    return 0
+
+
+def run_abort(args) -> int:
+    """``cxr-hfl abort JOB --startup-kit KIT``: NVFlare's ``abort_job`` (a running job stops; a queued one is
+    never scheduled); then the job's status. Returns 0 once the server accepted the abort, else 1."""
+    sess = _session(args)
+    try:
+        try:
+            answer = sess.abort_job(args.job_id)
+        except Exception as e:  # noqa: BLE001 - NVFlare raises many kinds (unknown job, already finished)
+            print(f"cxr-hfl abort: job {args.job_id}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        status = str((sess.get_job_meta(args.job_id) or {}).get("status") or "unknown")
+    finally:
+        sess.close()
+    print(f"[cxr-hfl] abort of job {args.job_id} sent: {answer or 'accepted'}; its status now: {status}")
     return 0
 
 
@@ -221,4 +264,6 @@ def report_downloaded(download: Path, meta: dict, assemble) -> int:
         print(line)
     if m.get("tensorboard"):
         print(f"  TensorBoard: tensorboard --logdir {m['tensorboard']}")
+    if m.get("mlflow"):
+        print(f"  MLflow store: {m['mlflow']} (mlflow ui --backend-store-uri {m['mlflow']})")
     return 0 if status.endswith("COMPLETED") and not rec.get("failed") else 1

@@ -17,11 +17,13 @@ shows that the provisioned coordinator role may submit (and download) this platf
 
 State of a POC folder is kept in ``<poc dir>/cxr_hfl_poc.json``.
 
-The public face of the private parts ``_env`` (the nvflare command line), ``_provision`` (startup kits),
+The public face of the private parts ``_env`` (the nvflare command line), ``_connect`` (are the expected sites
+connected before a submit), ``_provision`` (startup kits),
 ``_export`` (portable job folders), ``_poc`` (a local consortium) and ``_results`` (downloaded runs).
 """
 from nvflare_jobs.deploy._env import (DEFAULT_PROJECT, POC_ADMIN, REPO, SERVER_PORTS, SITE_SCRIPT_NAME, STATE_FILE,
                                       DeployError, nvflare_env, nvflare_exe, run_nvflare)
+from nvflare_jobs.deploy._connect import OVERRIDE_FLAG, check_connected
 from nvflare_jobs.deploy._export import check_job_folder, check_server_app, export_portable, make_portable
 from nvflare_jobs.deploy._poc import Poc, port_in_use
 from nvflare_jobs.deploy._kits import (SERVER_ALLOW, allow_controllers, configure_server_kit, no_log_streaming,
@@ -29,7 +31,7 @@ from nvflare_jobs.deploy._kits import (SERVER_ALLOW, allow_controllers, configur
 from nvflare_jobs.deploy._provision import KIT_CERT, coordinator, load_project, provision, submitters
 from nvflare_jobs.deploy._results import assemble_downloaded, run_findings
 
-__all__ = ["DEFAULT_PROJECT", "POC_ADMIN", "REPO", "SERVER_PORTS", "SITE_SCRIPT_NAME", "STATE_FILE", "DeployError",
+__all__ = ["OVERRIDE_FLAG", "check_connected", "DEFAULT_PROJECT", "POC_ADMIN", "REPO", "SERVER_PORTS", "SITE_SCRIPT_NAME", "STATE_FILE", "DeployError",
            "nvflare_env", "nvflare_exe", "run_nvflare", "check_job_folder", "check_server_app", "export_portable", "make_portable",
            "Poc", "port_in_use", "KIT_CERT", "SERVER_ALLOW", "allow_controllers", "coordinator", "load_project",
            "provision", "submitters", "configure_server_kit", "no_log_streaming", "protect_keys", "server_store", "assemble_downloaded", "run_findings"]

@@ -51,8 +51,10 @@ def nvflare_env(poc_dir: str | os.PathLike | None = None, home: str | os.PathLik
 
 
 def run_nvflare(args: list[str], env: dict, *, timeout: float = 300, log: Path | None = None,
-                json_out: bool = False, check: bool = True):
+                json_out: bool = False, check: bool = True, umask: int | None = None):
     """Run ``nvflare ARGS``; output goes to ``log`` (a file, so NVFlare's daemons never hold our pipe open).
+    ``umask`` (e.g. ``0o077``): the file-creation mask of the command and every process it starts (POC: the
+    server and sites, so the job store and workspaces are readable by their owner only).
 
     Returns the parsed JSON ``data`` when ``json_out`` (``nvflare --format json``), else the output text.
     Raises DeployError on a non-zero exit (when ``check``) or a timeout.
@@ -70,7 +72,8 @@ def run_nvflare(args: list[str], env: dict, *, timeout: float = 300, log: Path |
         with open(log, "w") as f:
             try:
                 rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    timeout=timeout, cwd=env.get("HOME")).returncode
+                                    timeout=timeout, cwd=env.get("HOME"),
+                                    **({} if umask is None else {"umask": umask})).returncode
             except subprocess.TimeoutExpired:
                 raise DeployError(f"`nvflare {' '.join(args)}` timed out after {timeout:.0f} s (log: {log})") from None
         text = log.read_text(errors="replace")

@@ -20,7 +20,8 @@ from pathlib import Path
 SERVER_ALLOW = "hfl_components.flare.controllers"
 # NVFlare's server defaults are a 600 s client heartbeat timeout and a 900 s wait for every client's job outcome
 # after the server side of a job ended; a site that disconnected kept a finished job RUNNING that long. A client
-# sends a heartbeat every 60 s (NVFlare default), so 180 s is three missed heartbeats.
+# sends a heartbeat every 10 s (NVFlare 2.9's client_train default, participation.CLIENT_HEARTBEAT_INTERVAL_S), so
+# 180 s is many missed heartbeats; `submit` calls a site connected only when heard within 20 s.
 HEARTBEAT_TIMEOUT_S = 180
 CLIENT_OUTCOME_WAIT_S = 60
 LOG_STREAMER = "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer"
@@ -109,3 +110,15 @@ def protect_keys(root: str | os.PathLike) -> list[Path]:
         elif p.is_dir() and p.name == "state":
             os.chmod(p, stat.S_IRWXU)
     return changed
+
+
+def make_private(root: str | os.PathLike) -> Path:
+    """Create ``root`` if needed and make it and everything under it readable by its owner only: folders 700,
+    files 600 (a job store holds every job's code and results). Returns ``root``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        os.chmod(p, stat.S_IRWXU if p.is_dir() else stat.S_IRUSR | stat.S_IWUSR)
+    return root

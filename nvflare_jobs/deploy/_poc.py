@@ -12,8 +12,9 @@ from pathlib import Path
 import yaml
 
 from nvflare_jobs.deploy._env import POC_ADMIN, SERVER_PORTS, STATE_FILE, DeployError, nvflare_env, run_nvflare
+from nvflare_jobs.deploy._connect import check_connected
 from nvflare_jobs.deploy._export import check_job_folder
-from nvflare_jobs.deploy._kits import configure_server_kit, no_log_streaming, protect_keys
+from nvflare_jobs.deploy._kits import configure_server_kit, make_private, no_log_streaming, protect_keys
 from nvflare_jobs.deploy._provision import coordinator, latest_prod, load_project
 from nvflare_jobs.deploy._results import assemble_downloaded
 
@@ -21,6 +22,7 @@ from nvflare_jobs.deploy._results import assemble_downloaded
 # ------------------------------------------------------------------------------------------------ POC
 POC_HEARTBEAT_TIMEOUT_S = 30
 POC_CLIENT_OUTCOME_WAIT_S = 15
+PRIVATE_UMASK = 0o077  # the POC's processes create files 600 and folders 700 (job store, workspaces, logs)
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -173,14 +175,27 @@ class Poc:
         return f"its server is down{more}; start it with `cxr-hfl poc start --workspace {self.dir}`"
 
     def submit_hint(self) -> str:
-        """The command that submits a job to this POC with NVFlare's own CLI (the coordinator's startup kit)."""
-        return f"nvflare job submit -j <job_folder> --startup-kit {self.state()['admin_kit']}"
+        """The production command that submits a job with the coordinator's startup kit (``cxr-hfl submit``: the
+        same checks as ``poc submit``)."""
+        return f"cxr-hfl submit --job <job_folder> --startup-kit {self.state()['admin_kit']}"
+
+    def heard(self) -> dict[str, float | None]:
+        """{site: seconds since the server last heard from it} of the sites the server lists (``nvflare system
+        status server``; ``participation.heard_from_status``). A stopped site stays listed until its heartbeat
+        times out; ``participation.unreachable`` tells the live ones."""
+        from hfl_components.flare.participation import heard_from_status
+
+        data = run_nvflare(["system", "status", "server", *self._kit_args()], self.env, timeout=120,
+                           log=self.logs / "system_status.log", json_out=True)
+        return heard_from_status(data if isinstance(data, dict) else {}, time.time())
 
     def connected_sites(self) -> list[str]:
-        """Names of the sites connected to the server now (``nvflare system status``)."""
-        data = run_nvflare(["system", "status", *self._kit_args()], self.env, timeout=120,
-                           log=self.logs / "system_status.log", json_out=True)
-        return sorted(c.get("client_name") for c in (data or {}).get("clients", []) if c.get("client_name"))
+        """Names of the sites connected to the server now: listed, and heard within twice the heartbeat
+        interval (``participation.CONNECTED_WITHIN_S``)."""
+        from hfl_components.flare.participation import unreachable
+
+        heard = self.heard()
+        return sorted(s for s in heard if s not in unreachable([s], heard))
 
     def own_pids(self) -> list[int]:
         """PIDs of processes whose command line names this POC's workspace (server, sites, job workers, daemons)."""
@@ -209,9 +224,12 @@ class Poc:
         if busy:
             raise DeployError(f"port(s) {busy} already in use by another NVFlare server/POC on this machine (not "
                               f"the one in {self.dir}); stop it first")
+        for sub in ("jobs", "snapshots"):
+            (self.dir / "store" / sub).mkdir(parents=True, exist_ok=True)
+        make_private(self.dir / "store")  # the job store: owner only (umask 077 for what the server adds)
         try:
             text = run_nvflare(["poc", "start", "--timeout", str(timeout)], self.env, timeout=timeout + 60,
-                               log=self.logs / "poc_start.log")
+                               log=self.logs / "poc_start.log", umask=PRIVATE_UMASK)
         except (KeyboardInterrupt, DeployError):
             # NVFlare's start scripts daemonise the server and sites (they are not our child processes): end
             # every process of this POC, by PID, before reporting the interrupt or the failure
@@ -248,24 +266,38 @@ class Poc:
             time.sleep(0.5)
         return sorted(set(killed))
 
+    def end_now(self) -> list[int]:
+        """After an interrupted :meth:`stop`: SIGTERM every process of this POC at once (the start scripts' restart
+        loops included), a short wait, SIGKILL what is left. Returns the PIDs still alive after that (honest
+        reporting: ``poc stop`` must never claim all stopped while some run)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.own_pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            t_end = time.time() + 3
+            while self.own_pids() and time.time() < t_end:
+                time.sleep(0.2)
+        return self.own_pids()
+
     # jobs
     def _kit_args(self) -> list[str]:
         return ["--startup-kit", self.state()["admin_kit"]]
 
-    def submit(self, job_folder: str | os.PathLike) -> str:
-        """Submit an exported job folder with the coordinator's startup kit; returns the job id."""
+    def submit(self, job_folder: str | os.PathLike, allow_missing: bool = False) -> str:
+        """Submit an exported job folder with the coordinator's startup kit; returns the job id. First every site
+        the job expects must be connected (:func:`~nvflare_jobs.deploy._connect.check_connected`); with
+        ``allow_missing`` its warning lines go to ``self.warnings`` and the job is submitted.
+
+        Raises:
+            DeployError: a bad job folder, the POC not running, or an expected site not connected (unless
+                ``allow_missing``).
+        """
         folder = Path(job_folder).resolve()
         meta = check_job_folder(folder)
         self.require_running()
-        wanted = sorted({s for targets in meta.get("deploy_map", {}).values() for s in targets
-                         if s != "server" and not str(s).startswith("@")})
-        connected = self.connected_sites()
-        missing = [s for s in wanted if s not in connected]
-        if missing:
-            raise DeployError(f"job {folder.name} is for sites {', '.join(wanted)}, but {', '.join(missing)} "
-                              f"{'is' if len(missing) == 1 else 'are'} not connected to the server (connected: "
-                              f"{', '.join(connected) or 'none'}); the job would wait and fail. Start those sites, "
-                              "or export the job with a profile of the connected sites")
+        self.warnings = check_connected(folder.name, meta, self.heard(), allow_missing)
         data = run_nvflare(["job", "submit", "-j", str(folder), *self._kit_args()], self.env, timeout=300,
                            log=self.logs / "job_submit.log", json_out=True)
         job_id = data["job_id"]
@@ -275,10 +307,25 @@ class Poc:
         return job_id
 
     def last_job(self) -> str:
+        """The job last submitted from this POC folder, else the newest job on the server (one submitted with
+        ``cxr-hfl submit`` or NVFlare's own CLI). Raises DeployError when there is none."""
         jobs = self.state().get("jobs") or []
-        if not jobs:
-            raise DeployError(f"no job was submitted from {self.dir}; pass a job id")
-        return jobs[-1]["job_id"]
+        if jobs:
+            return jobs[-1]["job_id"]
+        listed = [j for j in (self.list_jobs() if self.server_up() else []) if isinstance(j, dict) and j.get("job_id")]
+        if not listed:
+            raise DeployError(f"no job was submitted to the POC in {self.dir}; pass a job id")
+        newest = max(enumerate(listed), key=lambda ij: (str(ij[1].get("submit_time_iso") or ij[1].get("submit_time")
+                                                             or ""), ij[0]))
+        return newest[1]["job_id"]
+
+    def abort(self, job_id: str) -> str:
+        """Abort a job (``nvflare job abort``, the coordinator's kit): a running job stops, a queued one is never
+        scheduled. Returns NVFlare's answer as text."""
+        self.require_running()
+        data = run_nvflare(["job", "abort", job_id, "--force", *self._kit_args()], self.env, timeout=120,
+                           log=self.logs / "job_abort.log", json_out=True)
+        return str(data.get("message") or data) if isinstance(data, dict) else str(data)
 
     def wait(self, job_id: str, timeout: int = 600) -> dict:
         self.require_running()

@@ -272,10 +272,3 @@ def test_tune_distill_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert main(["--run", str(tmp_path / "nope"), "--data", str(tmp_path), "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope" in err and "\n" not in err
-
-
-def test_the_pure_config_defaults_to_the_main_jobs_step_budget():
-    """A library caller of ``distill`` gets the step budget the main job runs (the catalogue's ``distill_steps``)."""
-    from hfl_components.flare import catalogue
-
-    assert DistillConfig().steps == catalogue.entry("ohfl").option("distill_steps").default

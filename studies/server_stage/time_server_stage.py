@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     ref_fused = load_model_file(run / "global_fused.pt")[0].state_dict()
     ref_global = load_model_file(run / "global_model.pt")[0].state_dict()
     (g, fused), = out["fused"].items()
-    rec = {"label": args.label, "run": str(run), "threads": args.threads, "probe_seconds": probe_s,
+    rec = {"label": args.label, "run": run.name, "threads": args.threads, "probe_seconds": probe_s,
            "seconds": out["seconds"], "cpu_seconds": out["cpu_seconds"], "capped": not args.no_cap,
            "fusion_phases": out["fusion_phases"], "distillation": out["distillation"],
            "load_average_1min": [load0, load1],

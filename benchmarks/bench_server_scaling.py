@@ -211,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sites", default="6,12,24,48", help="site counts (comma-separated, default 6,12,24,48)")
     ap.add_argument("--distill-steps", type=int, default=30, help="distillation steps per run (default 30)")
     ap.add_argument("--out", help="JSON file for the rows and exponents")
+    ap.add_argument("--parallel", action="store_true", help="run the site counts at once, one process each (CPU "
+                    "seconds are unaffected; wall seconds and the load then include the other counts)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one site count, JSON on stdout
     args = ap.parse_args(argv)
     if args.one:
@@ -225,20 +227,25 @@ def main(argv=None) -> int:
         print("bench_server_scaling: --sites needs at least two counts, each >= 2", file=sys.stderr)
         return 2
     print(f"# server stages for K = {ks} He-random cnn uploads, 1 torch thread, distillation {args.distill_steps} "
-          "steps; a fresh process per K", flush=True)
+          f"steps; a fresh process per K{' (all at once)' if args.parallel else ''}", flush=True)
     rows = []
-    for k in ks:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_server_scaling", "--one", str(k),
-                              "--distill-steps", str(args.distill_steps)], cwd=REPO, capture_output=True, text=True)
-        if out.returncode:
-            print(f"bench_server_scaling: K={k} failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-            return 1
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"K={k}: done ({sum(rows[-1]['wall_s'].values()):.0f} s wall, load {rows[-1]['load_average_1min']:.1f})",
-              flush=True)
+    cmd = [sys.executable, "-m", "benchmarks.bench_server_scaling", "--distill-steps", str(args.distill_steps), "--one"]
+    batches = [ks] if args.parallel else [[k] for k in ks]
+    for batch in batches:
+        procs = {k: subprocess.Popen(cmd + [str(k)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True) for k in batch}
+        for k, p in procs.items():
+            out, err = p.communicate()
+            if p.returncode:
+                print(f"bench_server_scaling: K={k} failed: {err.strip().splitlines()[-1:]}", file=sys.stderr)
+                return 1
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(f"K={k}: done ({sum(rows[-1]['wall_s'].values()):.0f} s wall, load "
+                  f"{rows[-1]['load_average_1min']:.1f})", flush=True)
     exps = report(rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "exponents": exps, "distill_steps": args.distill_steps,
+                                              "parallel": bool(args.parallel),
                                               "weights": "He-random (main-job cnn shapes)"}, indent=1) + "\n")
     return 0
 

@@ -71,25 +71,8 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     out.mkdir(parents=True, exist_ok=True)
     src = Path(server_results)
     rec = json.loads(src.read_text())
-    for name in ("global_model.pt", "global_fused.pt", "alignment_record.json"):
-        if (src.parent / name).is_file():
-            shutil.copy2(src.parent / name, out / name)
-    if (src.parent / "global_models").is_dir():  # OHFL with several architecture groups
-        shutil.copytree(src.parent / "global_models", out / "global_models", dirs_exist_ok=True)
-    sites, all_p, all_y, pooled_sites = {}, [], [], []
-    for site, s in sorted(rec.get("sites", {}).items()):
-        test = s.get("test") or {}
-        if test.get("_probs"):
-            pooled_sites.append(site)
-            all_p.extend(test["_probs"])
-            all_y.extend(test["_labels"])
-        block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
-                 "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
-        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point", "acceptance",
-                  "dp", "releases"):
-            if k in s:
-                block[k] = _strip_predictions(s[k])
-        sites[site] = block
+    _copy_server_files(src.parent, out)
+    sites, all_p, all_y, pooled_sites = _site_blocks(rec)
     num_classes = len(class_names)
     # plain (not class-stratified) bootstrap over the pooled test images, so a model that predicts one class for
     # everything does not get a zero-width interval from fixed class prevalence
@@ -108,11 +91,7 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
                "rounds": _round_curves(rec), "timing": _timing(rec, wall_time_s),
                # which sites' per-image predictions the pooled metrics come from (share_predictions: true)
                "pooled_sites": pooled_sites}
-    tb = src.parent.parent / "tb_events"  # NVFlare's TBAnalyticsReceiver: <server run dir>/tb_events/<site>/
-    if tb.is_dir():
-        metrics["tensorboard"] = str(tb.resolve())
-    if (src.parent.parent / "mlflow.db").is_file():  # NVFlare's MLflowReceiver's own store (no --tracking-uri)
-        metrics["mlflow"] = f"sqlite:///{(src.parent.parent / 'mlflow.db').resolve()}"
+    metrics.update(_tracking_stores(src.parent.parent))
     entry = catalogue.CATALOGUE.get(rec.get("method"))
     if entry is not None and entry.schedule == "one_shot":  # one global model per site: its spread and spec
         accs = [100.0 * b["test"]["accuracy"] for b in sites.values() if b.get("test") and b["test"].get("accuracy") is not None]
@@ -134,6 +113,47 @@ def assemble_run(server_results: str | Path, out_dir: str | Path, *, labels: str
     plots.make_all(out, metrics, rec, class_names)
     write_models_index(out, metrics)
     return metrics
+
+
+def _copy_server_files(server_dir: Path, out: Path) -> None:
+    """Copy the server's model files and alignment record (and OHFL's per-group global models) into the run folder."""
+    for name in ("global_model.pt", "global_fused.pt", "alignment_record.json"):
+        if (server_dir / name).is_file():
+            shutil.copy2(server_dir / name, out / name)
+    if (server_dir / "global_models").is_dir():  # OHFL with several architecture groups
+        shutil.copytree(server_dir / "global_models", out / "global_models", dirs_exist_ok=True)
+
+
+def _site_blocks(rec: dict) -> tuple[dict, list, list, list]:
+    """``(sites, pooled probabilities, pooled labels, the sites they come from)``: each site's block of
+    ``metrics.json`` (per-image predictions stripped) and the test predictions of the sites that shared them."""
+    sites, all_p, all_y, pooled_sites = {}, [], [], []
+    for site, s in sorted(rec.get("sites", {}).items()):
+        test = s.get("test") or {}
+        if test.get("_probs"):
+            pooled_sites.append(site)
+            all_p.extend(test["_probs"])
+            all_y.extend(test["_labels"])
+        block = {"model": s.get("model"), "input_size": s.get("input_size"), "n_train": s.get("n_train"),
+                 "n_test": s.get("n_test"), "test": _strip_predictions(test) if test else None}
+        for k in ("local", "global_zero_shot", "finetune_loss", "gate", "deploy", "operating_point", "acceptance",
+                  "dp", "releases"):
+            if k in s:
+                block[k] = _strip_predictions(s[k])
+        sites[site] = block
+    return sites, all_p, all_y, pooled_sites
+
+
+def _tracking_stores(server_run_dir: Path) -> dict:
+    """Where the run's tracking went: NVFlare's TBAnalyticsReceiver's event files (``tb_events/<site>/``) and the
+    MLflowReceiver's own store (``mlflow.db`` when no tracking URI was given)."""
+    found = {}
+    tb = server_run_dir / "tb_events"
+    if tb.is_dir():
+        found["tensorboard"] = str(tb.resolve())
+    if (server_run_dir / "mlflow.db").is_file():
+        found["mlflow"] = f"sqlite:///{(server_run_dir / 'mlflow.db').resolve()}"
+    return found
 
 
 def participation(rec: dict) -> dict:

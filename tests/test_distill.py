@@ -109,7 +109,7 @@ def test_distill_keeps_the_initial_student_when_training_only_hurts_and_steps_ze
     r2 = distill(st2, [4], [Teacher("t", t, 4)], imgs, config=DistillConfig(steps=0))
     assert r2.steps_run == 0 and all(torch.equal(before2[k], v) for k, v in st2.state_dict().items())
     with pytest.raises(ValueError, match="input sizes"):
-        distill(st2, [8], [Teacher("t", t, 4)], imgs)
+        distill(st2, [8], [Teacher("t", t, 4)], imgs, config=DistillConfig(steps=1))
 
 
 def test_distill_cross_architecture_several_sizes_with_augmentation_runs_and_improves():
@@ -272,10 +272,3 @@ def test_tune_distill_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert main(["--run", str(tmp_path / "nope"), "--data", str(tmp_path), "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope" in err and "\n" not in err
-
-
-def test_the_pure_config_defaults_to_the_main_jobs_step_budget():
-    """A library caller of ``distill`` gets the step budget the main job runs (the catalogue's ``distill_steps``)."""
-    from hfl_components.flare import catalogue
-
-    assert DistillConfig().steps == catalogue.entry("ohfl").option("distill_steps").default

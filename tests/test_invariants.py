@@ -194,7 +194,9 @@ def test_a_fens_site_with_balanced_class_weights_fits_its_aggregator_to_balanced
         start = {GLOBAL_PREFIX + k: v for k, v in to_numpy_state(model.aggregator.state_dict()).items()}
         rt = SimpleNamespace(site="site-1", model=model, spec=spec, state_dir=folder, num_classes=2, labels="binary",
                              cfg={"class_weights": mode, "batch_size": 100, "seed": 0, "input_size": 16},
-                             hold_out=lambda f: None, save_state=lambda deployed=False: None, n_train=lambda: 0)
+                             hold_out=lambda f: None, save_state=lambda deployed=False: None, n_train=lambda: 0,
+                             dp_spec=None, dp_session=lambda key, n, epochs: None, released_count=lambda n: n,
+                             dp_record=lambda: {"dp": False})  # a site without dp
         meta = {"task_config": {"fens_holdout": 0.1, "fens_epochs": 200, "fens_lr": 0.05}, "ensemble_spec": spec,
                 "round": 1}
         params, _, out_meta = fens_aggregate(rt, start, meta)

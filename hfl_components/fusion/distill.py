@@ -198,9 +198,9 @@ class DistillConfig:
     """Options of :func:`distill` (recorded with every run).
 
     Attributes:
-        steps: maximum optimiser steps (the budget; early stopping may end sooner); the default is the main job's
-            (the catalogue option ``distill_steps``). 0 = no distillation. Each step
-            is one batch at one of the student's input sizes, the sizes taking turns.
+        steps: maximum optimiser steps (the budget; early stopping may end sooner), required: the main job's
+            budget is the catalogue option ``distill_steps``, which the server passes. 0 = no distillation. Each
+            step is one batch at one of the student's input sizes, the sizes taking turns.
         temperature: T of the soft targets and the loss (Hinton et al. 2015).
         lr: SGD learning rate (momentum ``momentum``; the sites' fine-tuning optimiser).
         momentum: SGD momentum.
@@ -218,7 +218,7 @@ class DistillConfig:
         seed: batch order, held-aside slice and augmentation.
     """
 
-    steps: int = 300
+    steps: int
     temperature: float = 2.0
     lr: float = 0.01
     momentum: float = 0.9
@@ -290,16 +290,25 @@ class DistillResult:
         return asdict(self)
 
 
+def _channels_last(x):
+    """A model (in place) or a 4-D image batch in channels-last memory layout: the same values, a layout in which
+    PyTorch's CPU convolutions and max pooling run faster (a module's non-4-D parameters are left as they are)."""
+    return x.to(memory_format=torch.channels_last)
+
+
 def _targets(teachers, weights, views: dict[int, torch.Tensor], temperature: float, batch: int = 64
              ) -> torch.Tensor:
-    """Ensemble targets of every image of ``views`` ({size: (N, C, S, S)}), in batches of ``batch``."""
+    """Ensemble targets of every image of ``views`` ({size: (N, C, S, S)}), in batches of ``batch``: each teacher
+    labels every image once (channels-last during the passes, its own layout restored after)."""
     n = next(iter(views.values())).shape[0]
-    out = []
+    logits = []
     with torch.no_grad():
-        for i in range(0, n, batch):
-            logits = [t.model(views[int(t.input_size)][i:i + batch]).float() for t in teachers]
-            out.append(ensemble_probs(logits, weights, temperature))
-    return torch.cat(out)
+        for t in teachers:
+            _channels_last(t.model)
+            x = views[int(t.input_size)]
+            logits.append(torch.cat([t.model(_channels_last(x[i:i + batch])).float() for i in range(0, n, batch)]))
+            t.model.to(memory_format=torch.contiguous_format)
+    return ensemble_probs(logits, weights, temperature)
 
 
 def _check_inputs(student_sizes, teachers, images) -> tuple[list[int], set[int], int]:
@@ -329,11 +338,13 @@ def _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, c
         views = [augment_all_sizes(train, g) for _ in range(int(cfg.augment_copies))]
         train = {s: torch.cat([train[s]] + [v[s] for v in views]) for s in need}
     train_q = _targets(teachers, weights, train, T)
-    train = {s: v for s, v in train.items() if s in sizes}  # the teachers' own sizes are not needed any more
+    # the teachers' own sizes are not needed any more; the student reads channels-last batches
+    train = {s: _channels_last(v) for s, v in train.items() if s in sizes}
     if not val_idx.numel():
         return train, train_q, None, None
     val = {s: images[s][val_idx].to(dev, torch.float32) for s in need}
-    return train, train_q, val, _targets(teachers, weights, val, T)
+    val_q = _targets(teachers, weights, val, T)
+    return train, train_q, {s: _channels_last(val[s]) for s in sizes}, val_q
 
 
 def _batches(n: int, batch_size: int, g: torch.Generator):
@@ -400,7 +411,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         teachers: sequence of :class:`Teacher` (eval mode is set here); their sizes must be keys of ``images``.
         images: {S: float tensor (N, C, S, S)}, the same N unlabelled images at every size (no labels).
         weights: (K,) teacher weights (:func:`teacher_weights`); None = equal.
-        config: :class:`DistillConfig` (None: defaults).
+        config: :class:`DistillConfig` (required: its ``steps`` has no default here).
         device: where the passes run (``torch.device`` or name; None: CPU).
         log: optional callable for progress lines.
 
@@ -408,9 +419,12 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         :class:`DistillResult` (the student is modified in place and left in eval mode on ``device``).
 
     Raises:
-        ValueError: no teachers, sizes without images, images of different counts, bad config.
+        ValueError: no config, no teachers, sizes without images, images of different counts, bad config.
     """
-    cfg = (config or DistillConfig()).check()
+    if config is None:
+        raise ValueError("distill needs a DistillConfig with its step budget (the main job's: the catalogue "
+                         "option 'distill_steps')")
+    cfg = config.check()
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     teachers = list(teachers)
@@ -428,6 +442,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     train, train_q, val, val_q = _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g,
                                                 dev)
 
+    _channels_last(student)  # the same function, faster CPU passes; the caller's layout is restored at the end
     keeper = _BestKeeper(student, val, val_q, sizes, T, res)
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
                           weight_decay=float(cfg.weight_decay))
@@ -457,6 +472,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
             res.stopped = "time"
             break
     student.load_state_dict(keeper.state)
+    student.to(memory_format=torch.contiguous_format)
     student.eval()
     res.seconds = time.perf_counter() - t0
     return res

@@ -79,6 +79,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from chest_xray.splits import split_rows
+    from hfl_components.flare import catalogue
     from hfl_components.flare import distill_stage as ds
     from hfl_components.flare.probe import load_probe
     from hfl_components.fusion.distill import DistillConfig, distill
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
                    "reference_seconds": ref_s, "steps_run": r["rounds_run"], "best_step": None,
                    "stopped": r["stopped"], "val_loss": None}
         else:
-            cfg = DistillConfig(**{k: v for k, v in c.items() if k not in ("weights", "probe_n")},
+            cfg = DistillConfig(**{"steps": catalogue.option_defaults("ohfl")["distill_steps"],
+                                   **{k: v for k, v in c.items() if k not in ("weights", "probe_n")}},
                                 seed=int(man.get("seed", 0)))
             r = distill(student, sizes, teachers, probes[n], w, cfg)
             row = {"config": c, "auc": site_mean_auc(student, X, y, site_sizes), "seconds": r.seconds,

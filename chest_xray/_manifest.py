@@ -100,8 +100,8 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     for line, p in [(line, p) for line, p, _, _ in kept] + later:
         if str(p) in conflicting:
             labels = ", ".join(sorted({x.strip() for x in conflicting[str(p)]}))
-            skipped.append(skip_entry(p, f"manifest line {line}: the file is listed with conflicting labels ({labels}); "
-                                    "none is used", "conflicting labels"))
+            skipped.append(skip_entry(p, f"manifest line {line}: the file is listed with conflicting labels "
+                                         f"({labels}); none is used", "conflicting labels"))
     out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
     return sorted(out, key=lambda t: str(t[0]))
 

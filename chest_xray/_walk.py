@@ -167,9 +167,9 @@ def walk_files(top: Path, skipped: list[dict[str, str]], seen: set[tuple[int, in
                 if why:
                     skipped.append(skip_entry(p, why, "junk"))
                 elif other:
-                    skipped.append(skip_entry(p, f"folder named {other} inside the {cls} class folder: its images' label "
-                                            "is ambiguous, not scanned (move them to the right class folder)",
-                                         "ambiguous class folder"))
+                    skipped.append(skip_entry(p, f"folder named {other} inside the {cls} class folder: its images' "
+                                                 "label is ambiguous, not scanned (move them to the right class "
+                                                 "folder)", "ambiguous class folder"))
                 else:
                     subdirs.append(p)
             elif is_file:

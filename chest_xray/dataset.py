@@ -305,7 +305,8 @@ def patient_folder_ids(records: list[dict[str, Any]], root: Path, layout: str) -
             continue
         n += 1
         for r in recs:
-            r["patient_id"] = "dir-" + hashlib.sha256("/".join(below).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            digest = hashlib.sha256("/".join(below).encode("utf-8", "surrogateescape")).hexdigest()
+            r["patient_id"] = "dir-" + digest[:16]
             r["_grouping"].update(judged=True, from_name=False)
             paths.append(r["path"])
     return {"folders": n, "images": len(paths), "paths": paths}
@@ -385,8 +386,8 @@ def _scan_file(
     if path.is_dir():  # a manifest row naming a folder
         return None, skip_entry(path, "a folder, not an image file", "not a regular file"), notes, None
     if path.exists() and not path.is_file():  # a pipe, socket or device (a manifest row): opening it could block
-        return None, skip_entry(path, "not a regular file (a named pipe, socket or device)", "not a regular file"), notes, \
-            None
+        return None, skip_entry(path, "not a regular file (a named pipe, socket or device)",
+                                "not a regular file"), notes, None
     suffix = path.suffix.lower()
     # the DICOM marker wins over the suffix: a DICOM object exported as IMG0001 or x.jpg still gets the
     # modality / view checks and its (hashed) PatientID, so a patient's images stay in one split

@@ -101,8 +101,9 @@ def partition_records(
             one patient in each split whose fraction is non-zero (moved from train when needed).
         max_tries: dirichlet re-draw limit.
         min_eval_per_class: m >= 0; after the split, every class a site holds at least 4 m images of gets at least
-            m images in val and in test, moved from train patient by patient (:func:`chest_xray._assign.move_to_eval_per_class`; 0, the
-            default: no change). The prototype methods' comparison uses 2.
+            m images in val and in test, moved from train patient by patient
+            (:func:`chest_xray._assign.move_to_eval_per_class`; 0, the default: no change). The prototype methods'
+            comparison uses 2.
 
     Returns:
         a :class:`PartitionResult`.

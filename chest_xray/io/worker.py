@@ -8,6 +8,7 @@ file alone gets a one-line reason (:class:`Crash`). Training then reads only fil
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import signal
 import time
@@ -89,6 +90,16 @@ class _Worker:
         self.conn.close()
 
 
+def _start(ctx, fn) -> _Worker:
+    """A new worker. The caller's objects are frozen out of the garbage collector while it forks, so the worker's
+    collections do not touch (and copy) every inherited page."""
+    gc.freeze()
+    try:
+        return _Worker(ctx, fn)
+    finally:
+        gc.unfreeze()
+
+
 #: Items handed to a worker ahead of the one it reads.
 _AHEAD = 3
 
@@ -120,7 +131,7 @@ def _collect(w: _Worker, ready: list, results: list, todo: deque, timeout_s: flo
     results[w.assigned.popleft()[0]] = crash
     todo.extendleft(reversed(w.assigned))  # handed over but not started: to the next worker
     w.stop(kill=True)
-    return _Worker(ctx, fn)
+    return _start(ctx, fn)
 
 
 def _death(code: int | None) -> str:
@@ -156,7 +167,7 @@ def map_isolated(fn: Callable[[Any], Any], items: Iterable[Any], workers: int = 
     todo = deque(enumerate(items))
     results: list[Any] = [None] * len(todo)
     ctx = _context()
-    pool = [_Worker(ctx, fn) for _ in range(min(workers, len(todo)))]
+    pool = [_start(ctx, fn) for _ in range(min(workers, len(todo)))]
 
     def top_up(w: _Worker) -> None:  # a few items ahead: a worker never waits for this process to be scheduled
         while todo and len(w.assigned) < _AHEAD:

@@ -52,21 +52,21 @@ class Meter:
 
     def __init__(self):
         self.cpu, self.wall, self.peak = {}, {}, {}
-        self.current, self.base, self._stop = None, 0, False
+        self.state, self._stop = (None, 0), False  # (stage, RSS at its start): one tuple, read atomically
         self._t = threading.Thread(target=self._sample, daemon=True)
         self._t.start()
 
     def _sample(self):
         while not self._stop:
-            cur = self.current
+            cur, base = self.state
             if cur is not None:
-                self.peak[cur] = max(self.peak.get(cur, 0), _rss() - self.base)
+                self.peak[cur] = max(self.peak.get(cur, 0), _rss() - base)
             time.sleep(0.005)
 
     @contextmanager
     def stage(self, name: str, seconds: dict | None = None, phase: str | None = None):
-        outer, outer_base = self.current, self.base
-        self.current, self.base = name, _rss()
+        outer = self.state
+        self.state = (name, _rss())
         c0, t0 = time.process_time(), time.perf_counter()
         try:
             yield
@@ -75,7 +75,7 @@ class Meter:
             self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
             if seconds is not None:  # the fusion's own phase record, as the library keeps it
                 seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
-            self.current, self.base = outer, outer_base
+            self.state = outer
 
     def close(self):
         self._stop = True
@@ -244,6 +244,7 @@ def main(argv=None) -> int:
                   f"{rows[-1]['load_average_1min']:.1f})", flush=True)
     exps = report(rows)
     if args.out:
+        exps = {k: None if math.isnan(v) else v for k, v in exps.items()}  # a stage that took no time: none
         Path(args.out).write_text(json.dumps({"rows": rows, "exponents": exps, "distill_steps": args.distill_steps,
                                               "parallel": bool(args.parallel),
                                               "weights": "He-random (main-job cnn shapes)"}, indent=1) + "\n")

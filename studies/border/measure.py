@@ -54,11 +54,21 @@ def p_positive(model, rows: list[dict], size: int, aspect: str, band: float | No
     from chest_xray.transforms import build_transforms
     from hfl_components.training import predict_proba
 
-    tf = build_transforms(size, "eval", aspect=aspect, raw_band=None if band is None else (fraction, band))
-    data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
-    loader = torch.utils.data.DataLoader(Dataset(data, tf), batch_size=batch_size, shuffle=False, num_workers=0)
+    key = (tuple(str(r["path"]) for r in rows), int(size), aspect, band, fraction)
+    if key not in _TENSORS:  # decoded once per image set, size, aspect and band; every model of that size reuses it
+        tf = build_transforms(size, "eval", aspect=aspect, raw_band=None if band is None else (fraction, band))
+        data = [{"image": str(r["path"]), "label": int(r["label"])} for r in rows]
+        xs = [b["image"] for b in torch.utils.data.DataLoader(Dataset(data, tf), batch_size=batch_size,
+                                                               shuffle=False, num_workers=0)]
+        _TENSORS[key] = torch.cat(xs) if xs else torch.zeros(0, 1, size, size)
+    x = _TENSORS[key]
+    loader = [(x[i:i + batch_size], torch.zeros(len(x[i:i + batch_size]), dtype=torch.long))
+              for i in range(0, len(x), batch_size)]
     p, _ = predict_proba(model, loader)
-    return 1.0 - p[:, 0]
+    return 1.0 - p[:, 0] if len(p) else np.zeros(0)
+
+
+_TENSORS: dict = {}
 
 
 def band_changes(model, rows: list[dict], size: int, aspect: str, p_orig: np.ndarray | None = None) -> dict:

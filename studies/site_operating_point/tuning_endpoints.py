@@ -78,11 +78,35 @@ def endpoints(run: Path) -> dict:
         "wall_time_s": met.get("wall_time_s")}
 
 
+def table(folder: Path) -> str:
+    """A markdown table of every ``tuning_seed<k>.json`` in ``folder``: one row per seed."""
+    lines = ["| seed | refused / sites | pooled sensitivity | mean efficiency (counted) | models with sens >= 0.90 "
+             "and spec >= 0.50 | per model sensitivity / specificity / efficiency | out-of-fold cost (s) | simulation wall (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for f in sorted(folder.glob("tuning_seed*.json")):
+        e = json.loads(f.read_text())
+        ms = [m for m in e["models"].values() if m.get("threshold") is not None]
+        ok = sum(m["sensitivity"]["value"] >= 0.90 and m["specificity"]["value"] >= 0.50 for m in ms)
+        per = "; ".join(f"{s}: {m['sensitivity']['value']:.3f} / {m['specificity']['value']:.3f} / "
+                        + ("-" if m["efficiency"] is None else f"{m['efficiency']:.2f}")
+                        for s, m in e["models"].items() if m.get("threshold") is not None)
+        a = e["acceptance"]
+        eff = "-" if e["mean_efficiency"] is None else f"{e['mean_efficiency']:.3f}"
+        lines.append(f"| {e['seed']} | {len(a['refused'] or [])} / {a['sites']} | {e['pooled_sensitivity']:.3f} "
+                     f"({e['pooled_tp']}/{e['pooled_positives']}) | {eff} ({e['n_efficiency_counted']}) | "
+                     f"{ok} / {e['n_models']} | {per} | {a['oof_seconds']:.0f} | {e['wall_time_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("compare", help="a comparison folder (SEED/ohfl runs evaluated on the tuning part)")
     ap.add_argument("--out", default="studies/site_operating_point")
+    ap.add_argument("--table", action="store_true", help="print the markdown table of the JSON files in --out")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(Path(args.out)))
+        return 0
     for run in sorted(Path(args.compare).glob("seed*/ohfl")):
         if not (run / "metrics.json").is_file() or not (run / "external" / NAME / "summary.json").is_file():
             continue

@@ -236,6 +236,28 @@ def decide(results: Path, seeds=(0, 1, 2)) -> dict:
             "chosen": chosen}
 
 
+def table(results: Path, seeds=(0, 1, 2)) -> str:
+    """Markdown: one row per seed and arm of ``results/seed<k>/summary.csv`` with the rule's criteria (a)-(c)."""
+    crit = decide(results, seeds)["criteria"]
+    out = ["| seed | arm | models within +-0.05 | worst change | mean tuning AUC | metadata AUC | margin | pooled "
+           "own-test AUC / bal. acc. (n) | mean abs. aspect change, own test | (a) (b) (c) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in seeds:
+        f = results / f"seed{k}" / "summary.csv"
+        rows = {r["arm"]: r for r in csv.DictReader(f.open(newline=""))} if f.is_file() else {}
+        for arm in ORDER:
+            r = rows.get(arm)
+            if r is None:
+                continue
+            c = crit[arm][k]
+            abc = " ".join("-" if c is None else ("yes" if c[x] else "no") for x in "abc")
+            out.append(f"| {k} | {arm} | {r['n_within']} / {r['n_models']} | {float(r['worst_change']):+.3f} | "
+                       f"{float(r['mean_tuning_auc']):.3f} | {float(r['metadata_auc']):.3f} | {float(r['margin']):+.3f}"
+                       f" | {float(r['own_test_auc']):.3f} / {float(r['own_test_bal_acc']):.3f} ({r['own_test_n']}) | "
+                       f"{float(r['aspect_abs_dp_own_test']):.3f} | {abc} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("compare", nargs="?", help="a comparison folder of one arm (SEED/ohfl runs)")
@@ -244,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--out", default="studies/border/results")
     ap.add_argument("--decide", action="store_true", help="apply the rule to the summaries of seeds 0-2")
+    ap.add_argument("--table", action="store_true", help="print the per-seed markdown table of the summaries")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.table:
+        print(table(out))
+        return 0
     if args.decide:
         print(json.dumps(decide(out), indent=1))
         return 0

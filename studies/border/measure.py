@@ -158,12 +158,26 @@ def measure_model(run: Path, site: str, tuning: list[dict], data_root: Path) -> 
             "within": None}
 
 
+def write_outcomes(run: Path, out_dir: Path) -> dict:
+    """``out_dir/acceptance.json``: each site's acceptance outcome and what it deployed (``metrics.json``), so that
+    a deployed file of a refused site (``nothing deployed``: the federated weights kept without a threshold) is
+    told apart; the probe measures every deployed file all the same."""
+    acc = json.loads((run / "metrics.json").read_text()).get("acceptance") or {}
+    res = {"line": acc.get("line"), "refusal_rate": acc.get("refusal_rate"),
+           "sites": {s: {"outcome": v.get("outcome"), "deployed": v.get("deployed")}
+                     for s, v in (acc.get("per_site") or {}).items()}}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "acceptance.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def measure_run(run: Path, arm: str, seed: int, tuning: list[dict], meta: dict, data_root: Path,
                 out_dir: Path) -> dict:
     """All deployed models of one run: per-model JSON under ``out_dir/<arm>/`` and the seed's summary row."""
     from nvflare_jobs.evaluation import site_rows
 
     models = {}
+    write_outcomes(run, out_dir / arm)
     for site in sorted(site_rows(run)):
         m = measure_model(run, site, tuning, data_root)
         if m is None:
@@ -265,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated seeds to measure (default: every finished one)")
     ap.add_argument("--data-root", default="../shared/data")
     ap.add_argument("--out", default="studies/border/results")
+    ap.add_argument("--outcomes-only", action="store_true", help="only write each run's acceptance.json")
     ap.add_argument("--decide", action="store_true", help="apply the rule to the summaries of seeds 0-2")
     ap.add_argument("--table", action="store_true", help="print the per-seed markdown table of the summaries")
     args = ap.parse_args(argv)
@@ -286,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     for run in sorted(folder.glob("seed*/ohfl")):
         seed = int(run.parent.name.removeprefix("seed"))
         if (want is not None and seed not in want) or not (run / "metrics.json").is_file():
+            continue
+        if args.outcomes_only:
+            write_outcomes(run, out / f"seed{seed}" / arm)
             continue
         meta = meta or metadata_auc(tuning)
         row = measure_run(run, arm, seed, tuning, meta, root, out / f"seed{seed}")

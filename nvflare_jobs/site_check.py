@@ -66,6 +66,7 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     if rows is None:
         return rep
     _count(rows, names, rep, cfg)
+    _check_dp_budget(cfg, rep)
     if read_images:
         _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
         _metadata_check(rows, rep)
@@ -147,6 +148,24 @@ def _check_model(cfg: dict, rep: dict) -> None:
             rep["dp"] = f"epsilon {cfg['dp']['epsilon']}; {compatibility_report(m, int(cfg['input_size']))}"
     except Exception as e:  # noqa: BLE001 - reported, the check goes on
         rep["errors"].append(f"config {cfg['config_path']} key 'model': cannot build {cfg['model']}: {e}")
+
+
+def _check_dp_budget(cfg: dict, rep: dict) -> None:
+    """Under ``dp``: the budget a job would refuse before training (no training images, a batch above them,
+    ``delta >= 1/n``, an epsilon out of reach), checked at one epoch over the training images a job uses (the
+    least any job trains: a budget refused here is refused by every job), as one error naming the site."""
+    if not cfg.get("dp"):
+        return
+    from hfl_components.privacy import DPBudgetError, DPSpec, check_budget
+
+    n = sum(rep["counts"]["train"].values())
+    if cfg.get("max_train_images"):
+        n = min(n, int(cfg["max_train_images"]))
+    try:
+        check_budget(n, int(cfg["batch_size"]), 1, DPSpec.from_config(cfg["dp"], rep["site"], cfg["config_path"]),
+                     rep["site"])
+    except DPBudgetError as e:
+        rep["errors"].append(str(e))
 
 
 def _check_device(cfg: dict, rep: dict) -> None:

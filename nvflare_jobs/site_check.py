@@ -75,7 +75,19 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     if cfg.get("deployed_model") and read_images:  # the files the isolated read accepted: none can crash it here
         bad = {b["path"] for b in rep["unreadable"]}
         population_check(cfg["deployed_model"], [r["path"] for r in rows if r["path"] not in bad], rep)
+    elif cfg.get("deployed_model"):  # no images read: no population check, but a file it cannot read is named
+        _check_model_file(cfg["deployed_model"], rep)
     return rep
+
+
+def _check_model_file(model_file: str, rep: dict) -> None:
+    """One warning naming ``model_file`` when it is missing or not a cxr-hfl model file."""
+    from hfl_components.models import load_model_file
+
+    try:
+        load_model_file(model_file)
+    except (ValueError, OSError) as e:
+        rep["warnings"].append(f"deployed_model {model_file}: cannot be read: {e}")
 
 
 def population_check(model_file: str, files: list, rep: dict) -> None:

@@ -36,3 +36,14 @@ def test_site_check_refuses_an_impossible_dp_budget(tmp_path, data_root, extra, 
 def test_site_check_accepts_a_possible_dp_budget(tmp_path, data_root):
     rep = check_site(_site(tmp_path, data_root, "batch_size: 2\ndp: {epsilon: 8}"), read_images=False)
     assert not [e for e in rep["errors"] if "dp" in e], rep["errors"]
+
+
+def test_site_check_without_images_still_names_a_deployed_model_it_cannot_read(tmp_path, data_root):
+    """``--no-images`` skips the population check, but a ``deployed_model`` that is missing or not a model file is
+    still one warning naming the file (before: nothing was said)."""
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a model")
+    for model in (tmp_path / "missing.pt", junk):
+        rep = check_site(_site(tmp_path, data_root, f"deployed_model: {model}"), read_images=False)
+        lines = [w for w in rep["warnings"] if "deployed_model" in w]
+        assert len(lines) == 1 and str(model) in lines[0] and "cannot be read" in lines[0], rep["warnings"]

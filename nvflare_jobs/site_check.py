@@ -66,6 +66,7 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     if rows is None:
         return rep
     _count(rows, names, rep, cfg)
+    _check_dp_budget(cfg, rep)
     if read_images:
         _read_all(rows, cfg, rep, workers or int(cfg["threads"]))
         _metadata_check(rows, rep)
@@ -74,7 +75,19 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
     if cfg.get("deployed_model") and read_images:  # the files the isolated read accepted: none can crash it here
         bad = {b["path"] for b in rep["unreadable"]}
         population_check(cfg["deployed_model"], [r["path"] for r in rows if r["path"] not in bad], rep)
+    elif cfg.get("deployed_model"):  # no images read: no population check, but a file it cannot read is named
+        _check_model_file(cfg["deployed_model"], rep)
     return rep
+
+
+def _check_model_file(model_file: str, rep: dict) -> None:
+    """One warning naming ``model_file`` when it is missing or not a cxr-hfl model file."""
+    from hfl_components.models import load_model_file
+
+    try:
+        load_model_file(model_file)
+    except (ValueError, OSError) as e:
+        rep["warnings"].append(f"deployed_model {model_file}: cannot be read: {e}")
 
 
 def population_check(model_file: str, files: list, rep: dict) -> None:
@@ -147,6 +160,24 @@ def _check_model(cfg: dict, rep: dict) -> None:
             rep["dp"] = f"epsilon {cfg['dp']['epsilon']}; {compatibility_report(m, int(cfg['input_size']))}"
     except Exception as e:  # noqa: BLE001 - reported, the check goes on
         rep["errors"].append(f"config {cfg['config_path']} key 'model': cannot build {cfg['model']}: {e}")
+
+
+def _check_dp_budget(cfg: dict, rep: dict) -> None:
+    """Under ``dp``: the budget a job would refuse before training (no training images, a batch above them,
+    ``delta >= 1/n``, an epsilon out of reach), checked at one epoch over the training images a job uses (the
+    least any job trains: a budget refused here is refused by every job), as one error naming the site."""
+    if not cfg.get("dp"):
+        return
+    from hfl_components.privacy import DPBudgetError, DPSpec, check_budget
+
+    n = sum(rep["counts"]["train"].values())
+    if cfg.get("max_train_images"):
+        n = min(n, int(cfg["max_train_images"]))
+    try:
+        check_budget(n, int(cfg["batch_size"]), 1, DPSpec.from_config(cfg["dp"], rep["site"], cfg["config_path"]),
+                     rep["site"])
+    except DPBudgetError as e:
+        rep["errors"].append(str(e))
 
 
 def _check_device(cfg: dict, rep: dict) -> None:

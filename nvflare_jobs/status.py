@@ -212,7 +212,8 @@ def run_folder_view(run_dir: str | Path) -> dict:
 
     Raises:
         FileNotFoundError: the folder holds no simulator run (no ``workspace`` and no ``metrics.json``), or its
-            only source, ``metrics.json``, is not a JSON object (truncated or edited); the message names the file.
+            only source, ``metrics.json``, is not a JSON object (truncated or edited); ``metrics.json`` names no
+            method (not a run record); the message names the file.
     """
     run = Path(run_dir)
     metrics = _read(run / "metrics.json")
@@ -225,6 +226,9 @@ def run_folder_view(run_dir: str | Path) -> dict:
             raise FileNotFoundError(f"{run} is a cxr-hfl compare folder, not one run; give one of its runs, e.g. "
                                     f"{runs[0] if runs else run / 'seed0' / '<method>'}")
         raise FileNotFoundError(f"{run} holds no simulator run (no metrics.json, no workspace/**/status.json)")
+    if metrics is not None and not metrics.get("method"):  # every run record names its method
+        raise FileNotFoundError(f"{run / 'metrics.json'}: not a cxr-hfl run record (no method; truncated, edited "
+                                "or another program's file?)")
     snap = _read(found[0]) if found else None
     if metrics is not None:
         state = "FINISHED:FAILED" if metrics.get("failed") else "FINISHED:COMPLETED"

@@ -33,7 +33,7 @@ def test_status_skips_model_index_entries_that_are_not_objects(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.json").write_text(json.dumps({"sites": {"site-1": {}}}))
+    (run / "metrics.json").write_text(json.dumps({"method": "local", "sites": {"site-1": {}}}))
     (run / "models.json").write_text(json.dumps({"models": ["x", {"name": "site-1_local.pt", "kind": "local"}]}))
     v = run_folder_view(run)
     assert [m["name"] for m in v["models"]] == ["site-1_local.pt"]
@@ -234,7 +234,7 @@ def test_status_of_a_compare_folder_points_at_one_of_its_runs(tmp_path, capsys):
     cmp = tmp_path / "cmp"
     (cmp / "seed0" / "fens").mkdir(parents=True)
     (cmp / "compare.json").write_text("{}")
-    (cmp / "seed0" / "fens" / "metrics.json").write_text("{}")
+    (cmp / "seed0" / "fens" / "metrics.json").write_text('{"method": "fens"}')
     rc = run_status(argparse.Namespace(target=str(cmp), json=False, watch=None, startup_kit=None))
     assert rc == 2
     _one_line(capsys.readouterr().err, "compare folder", str(cmp / "seed0" / "fens"))

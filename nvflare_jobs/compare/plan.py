@@ -130,9 +130,12 @@ def check_variant(method: str, args=None) -> str | None:
         except BudgetError:  # refused with its own message once the budgets are planned
             pass
     try:
-        resolve(base_method(method), opts)
+        spec = resolve(base_method(method), opts)
     except ValueError as e:  # a variant's own option is named as typed (key=value); compare's flags as flags
         return f"variant {method}: {e}" if extra else f"{method}: {cli_message(e)}"
+    ignored = [w for w in spec.warnings if any(w.startswith(f"option {k!r}") for k in extra)]
+    if ignored:  # simulate would drop it: the row would carry an option that never ran
+        return f"variant {method}: {ignored[0].removesuffix('; ignored')}; a variant takes options of its method"
     return None
 
 

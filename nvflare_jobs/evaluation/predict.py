@@ -25,8 +25,8 @@ def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[
     Args:
         skipped: when given, receives ``{"path", "reason", "kind"}`` for what the folder walk could not enter: a
             symbolic-link cycle or second link to a folder already searched, a folder that cannot be listed, a
-            broken link without an image suffix (operating-system junk folders such as ``__MACOSX`` are left out
-            silently).
+            broken link without an image suffix, a file without a suffix that is not DICOM (operating-system junk
+            folders such as ``__MACOSX``, hidden files and files with another suffix are left out silently).
     """
     from chest_xray import dir_key, walk_files
     from chest_xray.io import sniff_dicom
@@ -44,7 +44,13 @@ def collect_files(inputs: list[str], skipped: list[dict] | None = None) -> list[
             walk_skips: list[dict] = []
             real = Path(os.path.realpath(p))  # a link up to the folder or a parent would leave the input: not followed
             blocked = {k for k in map(dir_key, [real, *real.parents]) if k}
-            files = [f for f in walk_files(p, walk_skips, seen, blocked) if wanted(f)]
+            files = []
+            for f in walk_files(p, walk_skips, seen, blocked):
+                if wanted(f):
+                    files.append(f)
+                elif not f.suffix and not f.name.startswith(".") and skipped is not None:  # an export named IM-0001
+                    skipped.append({"path": str(f), "reason": "unsupported file type (no suffix, not DICOM)",
+                                    "kind": "unsupported file type"})
             for e in walk_skips:
                 if e["kind"] == "broken symbolic link" and Path(e["path"]).suffix.lower() in SUPPORTED_SUFFIXES:
                     files.append(Path(e["path"]))

@@ -246,6 +246,7 @@ def test_main_job_in_the_simulator_with_dp_epsilon_8_records_and_recomputes_epsi
     assert "privacy: DP-SGD at every site: epsilon <= " in st.stdout, st.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_a_monai_site_model_is_made_compatible_and_its_spec_rebuilds_it(tmp_path):
     """Local with a DenseNet (BatchNorm) site under dp: Opacus's ModuleValidator.fix replaces BatchNorm by GroupNorm,
     the spec says ``norm: group``, the saved model file loads back with the trained weights, and site check's
@@ -271,8 +272,8 @@ def test_a_monai_site_model_is_made_compatible_and_its_spec_rebuilds_it(tmp_path
 
 @pytest.mark.parametrize("model, says", [
     ({"family": "cnn", "depth": "shallow"}, "compatible as is (no BatchNorm)"),
-    ({"family": "densenet", "init_features": 8, "growth_rate": 4, "block_config": [2, 2]},
-     "made compatible by Opacus ModuleValidator.fix"),
+    pytest.param({"family": "densenet", "init_features": 8, "growth_rate": 4, "block_config": [2, 2]},
+                 "made compatible by Opacus ModuleValidator.fix", marks=pytest.mark.slow),
 ])
 def test_site_check_says_how_dp_trains_the_sites_model(tmp_path, model, says):
     import yaml

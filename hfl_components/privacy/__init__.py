@@ -4,7 +4,8 @@
   impossible budget before training), :class:`DPSession` (passed to ``train_local(dp=...)``), the record a site
   keeps, :func:`epsilon_from_record`, :func:`make_compatible` for BatchNorm models.
 * :mod:`.releases` -- the other values a site sends under dp (training losses, counts, summaries): dropped,
-  released with their own noise, or declared, in one ledger per site.
+  released with their own noise, or declared, in one ledger per site; :func:`run_dp_line`, the plain line status,
+  the report and the model card print (DP or not, and at which epsilon).
 * :mod:`.mia` -- membership-inference attacks as measurement tools a site runs on its own data (loss threshold,
   offline LiRA with shadow models on public images, one-run canary audit); they send nothing.
 

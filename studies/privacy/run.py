@@ -107,19 +107,53 @@ def summarise_seed(out: Path, seed: int) -> dict:
     return {"seed": seed, "data": f"chest_xray_224 {PART} part", "budget": BUDGET, "arms": rows}
 
 
+def audit_seed(out: Path, seed: int) -> dict:
+    """Loss-threshold membership inference (``nvflare_jobs.privacy_audit``, no shadows; members = the site's
+    training split, non-members = its test split) on each site's upload: OHFL's local model (sent once), FedAvg's
+    final global model (the average of the last round's uploads). Per arm: attack AUC and TPR at 1 % FPR, mean
+    over sites, and per site with the bootstrap interval of the AUC."""
+    from nvflare_jobs.privacy_audit import privacy_audit
+
+    res = {}
+    for arm, (method, _eps) in ARMS.items():
+        run = out / f"seed{seed}" / arm
+        if not (run / "metrics.json").is_file():
+            continue
+        per = {}
+        for cfg in sorted((run / "site_configs").glob("*.yaml")):
+            site = cfg.stem
+            f = run / "models" / (f"{site}_local.pt" if method == "ohfl" else f"{site}_deployed.pt")
+            doc = privacy_audit(cfg, site, [f], run / "privacy_audit" / site, n_boot=200, seed=seed)
+            a = next(x for x in doc["models"][0]["attacks"] if x.get("attack", "loss_threshold") == "loss_threshold")
+            per[site] = {k: a.get(k) for k in ("auc", "auc_low", "auc_high", "tpr_at_fpr", "n_members",
+                                               "n_nonmembers")}
+        res[arm] = {"upload": "local model" if method == "ohfl" else "final global model",
+                    "auc": float(np.mean([v["auc"] for v in per.values()])),
+                    "tpr_at_1pct_fpr": float(np.mean([v["tpr_at_fpr"] for v in per.values()])), "per_site": per}
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--out", default="runs/privacy")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
+    ap.add_argument("--audit-only", action="store_true", help="only evaluate finished runs, audit them and write "
+                    "the results files (no new runs)")
     a = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     out, data = Path(a.out).resolve(), Path(a.data).resolve()
     for seed in [int(s) for s in a.seeds.split(",")]:
-        run_seed(out, data, seed)
+        if a.audit_only:
+            from nvflare_jobs.compare import evaluate_external
+
+            evaluate_external(out, data.parent / "chest_xray_224", PART, None, "binary", audit=False)
+        else:
+            run_seed(out, data, seed)
         res = summarise_seed(out, seed)
+        res["attack"] = audit_seed(out, seed)
         (HERE / f"results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
         print(f"[privacy] seed {seed}: " + ", ".join(f"{k} {v.get('auc', math.nan):.3f}" for k, v in res["arms"].items()),
               flush=True)

@@ -1,11 +1,11 @@
 """A compare variant whose option belongs to another method (``fedavg:strategy=cdd``: an OHFL option) is refused in
 one line naming the variant and the option, before anything is written; ``simulate`` would drop the option with a
 warning, and the comparison would report a row labelled with an option that never ran."""
-from nvflare_jobs.cli import main
-from nvflare_jobs.compare import check_variant
 
 
 def test_a_variant_option_of_another_method_is_refused(tmp_path, capsys):
+    from nvflare_jobs.cli import main  # imported here: compare's method list is read at its first import
+
     out = tmp_path / "cmp"
     for variant in ("fedavg:strategy=cdd", "central:strategy=cdd"):
         assert main(["compare", "--methods", f"local,{variant}", "--dry-run", "--out", str(out)]) == 2, variant
@@ -15,5 +15,7 @@ def test_a_variant_option_of_another_method_is_refused(tmp_path, capsys):
 
 
 def test_a_variant_of_a_run_option_or_its_own_option_passes():
+    from nvflare_jobs.compare import check_variant
+
     for ok in ("central:augment=border", "fedavg:local_epochs=3", "ohfl:strategy=cdd", "central:central_input_size=64"):
         assert check_variant(ok) is None, ok

@@ -54,4 +54,10 @@ def test_sites_declare_their_scheme_in_every_answer():
         def n_train(self):
             return 5
 
+        def released_count(self, n):  # a site without dp sends its count as it is
+            return n
+
+        def dp_record(self):
+            return {"dp": False}
+
     assert _ok(_RT(), spec={"family": "cnn"})["labels"] == "subtype"

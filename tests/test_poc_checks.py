@@ -161,6 +161,11 @@ def test_ctrl_c_of_poc_stop_ends_the_start_loops_and_says_only_what_is_true(tmp_
         def interrupted(self, timeout=60):
             raise KeyboardInterrupt
         monkeypatch.setattr(Poc, "stop", interrupted)
+        import time
+
+        until = time.monotonic() + 10  # /proc shows the loop's command line once the child has exec'd
+        while loop.pid not in Poc(ws).own_pids() and time.monotonic() < until:
+            time.sleep(0.05)
         assert loop.pid in Poc(ws).own_pids()
         rc = main(["poc", "stop", "--workspace", str(ws)])
         err = capsys.readouterr().err

@@ -464,9 +464,10 @@ class SiteRuntime:
         model = self.ensure_own_model()
         if epochs <= 0:
             return []
-        if self.dp_spec is not None:
+        dp = None
+        if self.dp_spec is not None:  # without dp nothing here reads the training split's size
             model = self.model = self.dp_compatible(model)
-        dp = self.dp_session("train", self.n_train(), int(dp_epochs or epochs))
+            dp = self.dp_session("train", self.n_train(), int(dp_epochs or epochs))
         if self.cfg.get("lr_schedule", "constant") == "cosine" and total_rounds:
             lr = float(lr) * round_lr_factor(int(rnd), int(total_rounds))
             log.info("site %s %s: cosine schedule, round %s of %s, lr %.6f", self.site, tag, rnd, total_rounds, lr)

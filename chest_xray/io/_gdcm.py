@@ -30,16 +30,12 @@ def needs_direct_gdcm(ds) -> bool:
     return True
 
 
-def gdcm_extended_12_bit(ds, rows: int, cols: int) -> np.ndarray:
-    """Stored values (rows, cols) of a single-frame 12-bit JPEG Extended data set, decoded by GDCM.
-
-    Raises:
-        RuntimeError: GDCM could not decode the frame (empty output).
-    """
+def frame_image(frame: bytes, rows: int, cols: int, photometric, transfer_syntax):
+    """A ``gdcm.Image`` of one encapsulated frame: ``frame`` (the codestream's bytes) as the only fragment of the
+    Pixel Data, ``cols`` x ``rows`` samples, GDCM's photometric type ``photometric`` and transfer syntax constant
+    ``transfer_syntax``. The caller sets the pixel format and reads ``GetBuffer()``."""
     import gdcm
-    from pydicom.encaps import generate_frames
 
-    frame = next(generate_frames(ds.PixelData, number_of_frames=1))
     fragment = gdcm.Fragment()
     fragment.SetByteStringValue(frame)
     fragments = gdcm.SequenceOfFragments.New()
@@ -50,9 +46,23 @@ def gdcm_extended_12_bit(ds, rows: int, cols: int) -> np.ndarray:
     img.SetNumberOfDimensions(2)
     img.SetDimensions((cols, rows, 1))
     img.SetDataElement(elem)
+    img.SetPhotometricInterpretation(gdcm.PhotometricInterpretation(photometric))
+    img.SetTransferSyntax(gdcm.TransferSyntax(transfer_syntax))
+    return img
+
+
+def gdcm_extended_12_bit(ds, rows: int, cols: int) -> np.ndarray:
+    """Stored values (rows, cols) of a single-frame 12-bit JPEG Extended data set, decoded by GDCM.
+
+    Raises:
+        RuntimeError: GDCM could not decode the frame (empty output).
+    """
+    import gdcm
+    from pydicom.encaps import generate_frames
+
+    frame = next(generate_frames(ds.PixelData, number_of_frames=1))
     pi = gdcm.PhotometricInterpretation.GetPIType(str(ds.PhotometricInterpretation))
-    img.SetPhotometricInterpretation(gdcm.PhotometricInterpretation(pi))
-    img.SetTransferSyntax(gdcm.TransferSyntax(gdcm.TransferSyntax.JPEGExtendedProcess2_4))
+    img = frame_image(frame, rows, cols, pi, gdcm.TransferSyntax.JPEGExtendedProcess2_4)
     bits, signed = int(ds.BitsStored), int(ds.get("PixelRepresentation", 0) or 0)
     img.SetPixelFormat(gdcm.PixelFormat(1, 16, bits, bits - 1, signed))
     buf = img.GetBuffer().encode("utf-8", "surrogateescape")

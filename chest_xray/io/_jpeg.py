@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._common import FATAL_DECODER_MESSAGES, ImageReadError, decoder_messages, one_line
+from ._gdcm import frame_image
 
 #: Start-of-frame markers (T.81 Table B.1) by the process they announce.
 SOF_PROCESSES = {
@@ -153,19 +154,8 @@ def _gdcm_decode(data: bytes, rows: int, cols: int, bits: int, lossless: bool) -
     """Stored values (rows, cols) of one grey-scale JPEG frame, or None when GDCM returns too few bytes."""
     import gdcm
 
-    fragment = gdcm.Fragment()
-    fragment.SetByteStringValue(data)
-    fragments = gdcm.SequenceOfFragments.New()
-    fragments.AddFragment(fragment)
-    elem = gdcm.DataElement(gdcm.Tag(0x7FE0, 0x0010))
-    elem.SetValue(fragments.__ref__())
-    img = gdcm.Image()
-    img.SetNumberOfDimensions(2)
-    img.SetDimensions((cols, rows, 1))
-    img.SetDataElement(elem)
-    img.SetPhotometricInterpretation(gdcm.PhotometricInterpretation(gdcm.PhotometricInterpretation.MONOCHROME2))
     ts = gdcm.TransferSyntax.JPEGLosslessProcess14 if lossless else gdcm.TransferSyntax.JPEGExtendedProcess2_4
-    img.SetTransferSyntax(gdcm.TransferSyntax(ts))
+    img = frame_image(data, rows, cols, gdcm.PhotometricInterpretation.MONOCHROME2, ts)
     alloc = 8 if bits <= 8 else 16
     img.SetPixelFormat(gdcm.PixelFormat(1, alloc, bits, bits - 1, 0))
     buf = img.GetBuffer()

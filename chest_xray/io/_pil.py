@@ -76,8 +76,35 @@ def _open_pil(p: Path):
         raise ImageReadError(p, f"cannot open image: {e}", "corrupt or truncated") from None
 
 
-def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: bool = True
-              ) -> tuple[np.ndarray, dict[str, Any]]:
+def _refuse_unreadable_shape(p: Path, img, max_pixels: int) -> None:
+    """Refuse (ImageReadError naming ``p``) an opened image with no pixels, more than ``max_pixels`` pixels (the
+    decompression-bomb guard) or more than one true frame."""
+    width, height = img.size
+    if width <= 0 or height <= 0:
+        raise ImageReadError(p, f"invalid dimensions {width}x{height}", "corrupt or truncated")
+    if width * height > max_pixels:
+        raise ImageReadError(
+            p,
+            f"image too large: {width}x{height} = {width * height:,} pixels exceeds the limit of "
+            f"{max_pixels:,} (decompression-bomb guard)",
+            "too large",
+        )
+    n_frames = _true_frames(img)
+    if n_frames > 1:
+        raise ImageReadError(p, f"multi-frame image ({n_frames} frames) is not a single radiograph",
+                             "multi-frame")
+
+
+def read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: bool = True
+             ) -> tuple[np.ndarray, dict[str, Any]]:
+    """A JPEG / PNG / other Pillow image as a grey-scale array and its metadata (the reader behind
+    :func:`chest_xray.io.read_image` for non-DICOM files). Large JPEGs are draft-decoded near ``target_size``;
+    EXIF orientation is applied; a JPEG's entropy-coded data is checked once more (:func:`jpeg_entropy_problem`)
+    when ``check_entropy``.
+
+    Raises:
+        ImageReadError: the file cannot be opened or decoded, is too large, has no pixels or several frames.
+    """
     from PIL import Image, ImageOps
 
     img = _open_pil(p)
@@ -85,19 +112,7 @@ def _read_pil(p: Path, target_size: int | None, max_pixels: int, check_entropy: 
         fmt = img.format or "UNKNOWN"
         width, height = img.size
         mode0 = img.mode
-        if width <= 0 or height <= 0:
-            raise ImageReadError(p, f"invalid dimensions {width}x{height}", "corrupt or truncated")
-        if width * height > max_pixels:
-            raise ImageReadError(
-                p,
-                f"image too large: {width}x{height} = {width * height:,} pixels exceeds the limit of "
-                f"{max_pixels:,} (decompression-bomb guard)",
-                "too large",
-            )
-        n_frames = _true_frames(img)
-        if n_frames > 1:
-            raise ImageReadError(p, f"multi-frame image ({n_frames} frames) is not a single radiograph",
-                                 "multi-frame")
+        _refuse_unreadable_shape(p, img, max_pixels)
         # an MPO's primary image is frame 0; Pillow reads it as a plain JPEG from here on
         orientation = exif_orientation(img)
         draft = False

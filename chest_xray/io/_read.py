@@ -11,7 +11,7 @@ import numpy as np
 from ._common import MAX_PIXELS, ImageReadError, is_dicom_file, check_readable
 from ._dicom import read_dicom
 from ._jpeg import jpeg_frame, pil_decodes, read_gdcm_frame
-from ._pil import _read_pil
+from ._pil import read_pil
 
 
 def read_image(
@@ -91,7 +91,7 @@ def read_image(
         frame = jpeg_frame(p)  # the frame header first: lossless / 12-bit frames never reach libjpeg-turbo
         if not pil_decodes(frame):
             return read_gdcm_frame(p, frame, max_pixels)
-        return _read_pil(p, target_size, max_pixels, check_entropy)
+        return read_pil(p, target_size, max_pixels, check_entropy)
     except ImageReadError:
         raise
     except MemoryError:

@@ -238,3 +238,21 @@ def test_a_central_job_folder_is_refused_before_it_is_submitted(tmp_path):
                                           r"is the pooled-data reference .* cxr-hfl compare --methods central"):
         check_job_folder(folder)
     check_job_folder(export_portable(build_job("fedavg", prof, {"rounds": 1}), tmp_path / "jobs"))
+
+
+def test_model_card_says_central_is_one_pooled_model_of_the_deepest_architecture_not_a_federated_result():
+    """The card of a central run names its one model (the deepest spec, cnn/deep), the pooled images of its two
+    sites and the one input size it was scored at (32 px, from the sites' blocks), and says it is a reference,
+    not deployable; "own architecture" (one model per site) stays the words of a federated run's card."""
+    from nvflare_jobs.report import model_card
+
+    m = {**_metrics("central", {"site-1": .9, "site-2": .8}), "global_spec": {"family": "cnn", "depth": "deep"}}
+    card = model_card(m)
+    assert "own architecture" not in card and "2 site models" not in card
+    assert ("one model of the deepest site architecture (cnn/deep) trained with <code>central</code> (label scheme "
+            "<code>binary</code>) on the pooled training images of the 2 sites, then scored at every site at 32 px")\
+        in card
+    assert "not a federated result and not deployable as one" in card
+    fed = model_card(_metrics("fedavg", {"site-1": .7, "site-2": .75}))
+    assert "2 site models trained with <code>fedavg</code>" in fed and "each at its own architecture" in fed
+    assert "pooled-data reference" not in fed

@@ -222,11 +222,13 @@ def test_export_job_refuses_central_in_one_line_and_writes_nothing(tmp_path, cap
     assert not job.exists()
 
 
-def test_a_central_job_folder_is_refused_before_it_is_submitted(tmp_path):
+def test_a_central_job_folder_is_refused_before_it_is_submitted(tmp_path, capsys):
     """A central job folder built without ``export-job`` (the job builder called directly) is refused by the check
-    ``submit`` / ``poc submit`` run first, naming the server config and the method; a FedAvg folder of the same
-    profile passes the same check."""
+    ``submit`` / ``poc submit`` run first, naming the server config and the method (``cxr-hfl submit``: one line,
+    before it opens a session); a FedAvg folder of the same profile passes the same check."""
     from hfl_components.flare.site_config import load_profile
+    from nvflare_jobs.cli import main
+    from tests.cli_helpers import one_line
     from nvflare_jobs.deploy import DeployError, check_job_folder, export_portable
     from nvflare_jobs.jobs import build_job
     from tests.deploy_helpers import tiny_profile
@@ -237,6 +239,9 @@ def test_a_central_job_folder_is_refused_before_it_is_submitted(tmp_path):
     with pytest.raises(DeployError, match=r"config_fed_server\.json: workflow CentralController: method 'central' "
                                           r"is the pooled-data reference .* cxr-hfl compare --methods central"):
         check_job_folder(folder)
+    assert main(["submit", "--job", str(folder), "--startup-kit", str(tmp_path / "kit")]) == 2  # before any session
+    one_line(capsys, "cxr-hfl submit: ", "workflow CentralController: method 'central' is the pooled-data reference",
+             "nothing was submitted")
     check_job_folder(export_portable(build_job("fedavg", prof, {"rounds": 1}), tmp_path / "jobs"))
 
 

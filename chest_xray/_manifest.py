@@ -6,6 +6,7 @@ import csv
 import io
 import os
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 
 from ._walk import skip_entry
@@ -49,14 +50,17 @@ def read_csv_rows(path: str | os.PathLike) -> tuple[list[str], list[dict[str, st
     return names, out
 
 
-def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[dict[str, str]] | None = None
+def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[dict[str, str]] | None = None,
+                        label_key: Callable[[str, Path], object] | None = None
                         ) -> list[tuple[Path, str, str | None]]:
     """Rows of a CSV manifest as (absolute path, label, patient id or None). A row with an empty path, a repeat of
-    an earlier row (same file, same label), and every row of a file listed with different labels are listed in
-    ``skipped`` with their row number (line of the CSV, header = line 1). A path that names no file but matches one
-    after Unicode normalisation (:func:`match_normalised`) is used, with a note in ``notes``. Patient ids that
-    differ only in case or whitespace (:func:`chest_xray.io.patient_id_key`) are one patient, under the
-    spelling of its first row."""
+    an earlier row (same file, same class), and every row of a file listed with different classes are listed in
+    ``skipped`` with their row number (line of the CSV, header = line 1). Two labels are one class when they are
+    the same text (any case) or ``label_key(label, path)`` gives them one value (the scan passes the scheme's
+    class index, so ``0`` and ``NORMAL`` are one class); a label it refuses (ValueError) is its own text. A path
+    that names no file but matches one after Unicode normalisation (:func:`match_normalised`) is used, with a note
+    in ``notes``. Patient ids that differ only in case or whitespace (:func:`chest_xray.io.patient_id_key`) are
+    one patient, under the spelling of its first row."""
     cols, rows = read_csv_rows(root)
     if not {"path", "label"} <= set(cols):
         raise ValueError(f"{root}: manifest needs columns path and label (has {sorted(cols)})")
@@ -87,6 +91,10 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
             if label0.strip().upper() == label.strip().upper():
                 skipped.append(skip_entry(p, f"manifest line {line}: duplicate of line {line0} (same file, same label)",
                                      "duplicate manifest row"))
+            elif _one_class(label0, label, p, label_key):
+                skipped.append(skip_entry(p, f"manifest line {line}: duplicate of line {line0} (same file; labels "
+                                             f"{label0.strip()} and {label.strip()} name one class)",
+                                          "duplicate manifest row"))
             else:
                 conflicting.setdefault(key, {label0}).add(label)
                 later.append((line, p))
@@ -105,6 +113,17 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     out = [(p, label, pid) for _, p, label, pid in kept if str(p) not in conflicting]
     return sorted(out, key=lambda t: str(t[0]))
 
+
+
+def _one_class(a: str, b: str, path: Path, label_key) -> bool:
+    """Whether labels ``a`` and ``b`` of ``path`` name one class under ``label_key`` (False without it, or when it
+    refuses either label: the scan names that label's problem itself)."""
+    if label_key is None:
+        return False
+    try:
+        return label_key(a, path) == label_key(b, path)
+    except ValueError:
+        return False
 
 
 def _legacy_decoded(comp: str) -> str | None:

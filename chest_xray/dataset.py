@@ -218,7 +218,7 @@ def scan_dataset(
     skipped: list[dict[str, str]] = []
     walk_notes: list[dict[str, str]] = []
     if layout == "manifest":
-        candidates = manifest_candidates(r, skipped, walk_notes)
+        candidates = manifest_candidates(r, skipped, walk_notes, label_key=partial(label_index, labels=labels))
     else:
         candidates = iter_candidates(r, layout, skipped)
     n_walk_skipped = len(skipped)

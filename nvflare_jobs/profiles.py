@@ -85,14 +85,18 @@ def proto_training_data(out_csv: Path) -> Path | None:
     """
     from chest_xray.splits import TRAINING_PARTS, write_pool_csv
 
+    pool = proto_pool_root()
+    return write_pool_csv(TRAINING_PARTS, pool, out_csv) if pool else None
+
+
+def proto_pool_root() -> Path | None:
+    """The ``chest_xray_224`` folder :func:`proto_training_data` reads (beside or under the data root of
+    :func:`resolve_data`), or None when there is none; writes nothing."""
     try:
         root = resolve_data(None)
     except DataNotFoundError:
         return None
-    for cand in (root.parent / "chest_xray_224", root / "chest_xray_224"):
-        if cand.is_dir():
-            return write_pool_csv(TRAINING_PARTS, cand, out_csv)
-    return None
+    return next((c for c in (root.parent / "chest_xray_224", root / "chest_xray_224") if c.is_dir()), None)
 
 
 def default_probe(data_root: Path, partition_dir: Path | None = None) -> str | None:

@@ -393,12 +393,15 @@ def export_job(spec, job_dir: Path, given: set | None = None) -> Path:
         the job folder.
 
     Raises:
-        SimulateError: no profile, a site option given, a probe that is not an absolute server path.
+        SimulateError: a method that is no federated job (the pooled-data reference ``central``), no profile, a
+            site option given, a probe that is not an absolute server path.
     """
     from hfl_components.flare.site_config import load_profile
-    from nvflare_jobs.deploy import export_portable
+    from nvflare_jobs.deploy import export_portable, not_a_job
     from nvflare_jobs.jobs import build_job
 
+    if not catalogue.deployable(spec.method):
+        raise SimulateError(not_a_job(spec.method), "method")
     if not spec.profile:
         raise SimulateError("option 'profile' DIR (the consortium's site names and model specs) is required to "
                             "export a job", "profile")

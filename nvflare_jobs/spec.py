@@ -259,8 +259,9 @@ class RunSpec:
             the job folder (``job_dir / <job name>``).
 
         Raises:
-            SimulateError: no profile, a site option given (``given``: the keys the caller gave), or a probe that is
-                not an absolute server path.
+            SimulateError: a method that is no federated job (the pooled-data reference ``central``), no profile, a
+                site option given (``given``: the keys the caller gave), or a probe that is not an absolute server
+                path.
         """
         return export_job(self, Path(job_dir), given)
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-from hfl_components.flare.catalogue import is_prototype, methods  # noqa: E402,F401 - the one method list
+from hfl_components.flare.catalogue import deployable, is_prototype, methods  # noqa: E402,F401 - the one method list
 
 METHODS = methods()
+JOB_METHODS = tuple(m for m in METHODS if deployable(m))  # those that export as a job (not the pooled reference)
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -199,3 +199,65 @@ def test_external_tables_pair_central_with_every_method_as_its_gap(tmp_path):
     ext = external_tables(out, runs, n_boot=20)
     pair = next(p for p in ext["paired"] if p["comparison"] == "central vs fens (gap to the pooled reference)")
     assert (pair["a"], pair["b"]) == ("central", "fens") and pair["auc"]["diff"] == pytest.approx(0.25)
+
+
+def test_export_job_refuses_central_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """central pools every site's training images: ``export-job --method central`` is refused in one line naming
+    the method and pointing to ``compare --methods central``, with or without a profile, and no folder is made;
+    the library call (:meth:`RunSpec.export`) refuses it too."""
+    from nvflare_jobs.cli import main
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
+    from tests.cli_helpers import one_line
+    from tests.deploy_helpers import REPO_ROOT
+
+    job = tmp_path / "job"
+    for extra in (["--profile", str(REPO_ROOT / "site_configs" / "consortium")], []):
+        assert main(["export-job", "--method", "central", *extra, "--out", str(job)]) == 2
+        one_line(capsys, "cxr-hfl export-job: method 'central' is the pooled-data reference", "not a federated job",
+                 "cxr-hfl compare --methods central")
+        assert not job.exists()
+    with pytest.raises(SimulateError, match="^method 'central' is the pooled-data reference"):
+        resolve("central", {"profile": str(REPO_ROOT / "site_configs" / "consortium")}).export(job)
+    assert not job.exists()
+
+
+def test_a_central_job_folder_is_refused_before_it_is_submitted(tmp_path, capsys):
+    """A central job folder built without ``export-job`` (the job builder called directly) is refused by the check
+    ``submit`` / ``poc submit`` run first, naming the server config and the method (``cxr-hfl submit``: one line,
+    before it opens a session); a FedAvg folder of the same profile passes the same check."""
+    from hfl_components.flare.site_config import load_profile
+    from nvflare_jobs.cli import main
+    from tests.cli_helpers import one_line
+    from nvflare_jobs.deploy import DeployError, check_job_folder, export_portable
+    from nvflare_jobs.jobs import build_job
+    from tests.deploy_helpers import tiny_profile
+
+    man = {s: tmp_path / "data" / f"{s}.csv" for s in ("hospital-a", "hospital-b")}  # not read by the export
+    prof = load_profile(tiny_profile(man, tmp_path / "profile", "central"), check_files=False, require_data=False)
+    folder = export_portable(build_job("central", prof, {"rounds": 1}), tmp_path / "jobs")
+    with pytest.raises(DeployError, match=r"config_fed_server\.json: workflow CentralController: method 'central' "
+                                          r"is the pooled-data reference .* cxr-hfl compare --methods central"):
+        check_job_folder(folder)
+    assert main(["submit", "--job", str(folder), "--startup-kit", str(tmp_path / "kit")]) == 2  # before any session
+    one_line(capsys, "cxr-hfl submit: ", "workflow CentralController: method 'central' is the pooled-data reference",
+             "nothing was submitted")
+    check_job_folder(export_portable(build_job("fedavg", prof, {"rounds": 1}), tmp_path / "jobs"))
+
+
+def test_model_card_says_central_is_one_pooled_model_of_the_deepest_architecture_not_a_federated_result():
+    """The card of a central run names its one model (the deepest spec, cnn/deep), the pooled images of its two
+    sites and the one input size it was scored at (32 px, from the sites' blocks), and says it is a reference,
+    not deployable; "own architecture" (one model per site) stays the words of a federated run's card."""
+    from nvflare_jobs.report import model_card
+
+    m = {**_metrics("central", {"site-1": .9, "site-2": .8}), "global_spec": {"family": "cnn", "depth": "deep"}}
+    card = model_card(m)
+    assert "own architecture" not in card and "2 site models" not in card
+    assert ("one model of the deepest site architecture (cnn/deep) trained with <code>central</code> (label scheme "
+            "<code>binary</code>) on the pooled training images of the 2 sites, then scored at every site at 32 px")\
+        in card
+    assert "not a federated result and not deployable as one" in card
+    fed = model_card(_metrics("fedavg", {"site-1": .7, "site-2": .75}))
+    assert "2 site models trained with <code>fedavg</code>" in fed and "each at its own architecture" in fed
+    assert "pooled-data reference" not in fed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -307,7 +308,7 @@ def test_dry_run_then_real_run_records_the_real_command_and_external_paired_cis(
     real = base + ["--external", str(ext), "--n-boot", "40"]
     assert main(real) == 0, capsys.readouterr()
     cj = json.loads((out / "compare.json").read_text())
-    assert "--dry-run" not in cj["command"] and "--external" in cj["command"] and len(cj["dry_runs"]) == 1
+    assert "--dry-run" not in cj["command"] and "--external" in cj["command"] and "dry_runs" not in cj
     md = (out / "comparison.md").read_text()
     assert f"Command: `cxr-hfl {' '.join(real[:1])}" in md and "--dry-run" not in md and "--n-boot 40" in md
     assert "- ohfl: 1 round(s) x 1 local epochs + 1 fine-tuning epochs = 2 epochs per site" in md
@@ -365,20 +366,28 @@ def test_comparison_rows_name_the_deployed_round():
     assert rows["site-1"]["balanced_accuracy"] == 0.4 and set(rows["site-1"]) == set(COLUMNS)
 
 
-def test_aspect_option_is_written_into_every_generated_site_config(data_root, tmp_path, capsys):
-    """`compare --aspect crop` (dry run: partitions and site configs only) gives every method's every site
-    `aspect: crop`; without it the configs carry no aspect key, so the site default (stretch) applies; and
-    `simulate --aspect` is a site option, refused with --profile like the other site options."""
+def test_aspect_option_is_written_into_every_generated_site_config(data_root, tmp_path, capsys, monkeypatch):
+    """`compare --aspect crop` gives every method's every site `aspect: crop` (the options the command line
+    parses, through the partition and profile writers a run calls); without it the configs carry no aspect key, so
+    the site default (stretch) applies; and `simulate --aspect` is a site option, refused with --profile like the
+    other site options."""
     import yaml
 
+    import nvflare_jobs.compare as C
     from nvflare_jobs.cli import main
     from nvflare_jobs.runner import SITE_OPTIONS
 
+    parsed = []
+    monkeypatch.setattr(C, "run_compare", lambda a: parsed.append(a) or 0)  # the options compare would run with
     base = ["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites", "2",
-            "--seeds", "0", "--max-images", "40", "--dry-run"]
+            "--seeds", "0", "--max-images", "40"]
     assert main([*base, "--aspect", "crop", "--out", str(tmp_path / "crop")]) == 0
     assert main([*base, "--out", str(tmp_path / "plain")]) == 0
     capsys.readouterr()
+    for a in parsed:
+        part = C.prepare_partition(data_root / "chest_xray_original", Path(a.out) / "seed0", a)
+        for m in ("local", "ohfl"):
+            C.write_method_profile(part, Path(a.out) / "seed0" / m, m, 0, a)
     crop = sorted((tmp_path / "crop").glob("seed0/*/site_configs/*.yaml"))
     plain = sorted((tmp_path / "plain").glob("seed0/*/site_configs/*.yaml"))
     assert len(crop) == 4 and len(plain) == 4
@@ -388,3 +397,25 @@ def test_aspect_option_is_written_into_every_generated_site_config(data_root, tm
     with pytest.raises(SystemExit) as e:  # argparse refuses an unknown squaring, naming the choices
         main(["compare", "--methods", "local", "--aspect", "square", "--out", str(tmp_path / "bad")])
     assert e.value.code == 2 and "stretch" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_budget_and_every_command_and_writes_nothing(data_root, tmp_path, capsys):
+    """`compare --dry-run` (its help: prints only) leaves OUT absent: no compare.json, partition, site configs or
+    probe_part.csv; it prints the budget and one simulate command per (seed, method) naming the paths the run will
+    write (the run's profile folder, OUT/probe_part.csv as OHFL's probe)."""
+    from nvflare_jobs.cli import main
+
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "local,ohfl", "--data", str(data_root / "chest_xray_original"), "--sites",
+                 "2", "--seeds", "0,1", "--max-images", "40", "--dry-run", "--out", str(out)]) == 0
+    so = capsys.readouterr().out
+    assert not out.exists(), sorted(out.rglob("*"))
+    assert "budget: equal budgets" in so and "dry run: nothing written" in so
+    cmds = [ln for ln in so.splitlines() if "cxr-hfl simulate" in ln]
+    assert len(cmds) == 4
+    for seed in (0, 1):
+        for m in ("local", "ohfl"):
+            line = next(ln for ln in cmds if ln.startswith(f"[compare] seed {seed} {m}: "))
+            assert f"--profile {out / f'seed{seed}' / m / 'site_configs'} " in line
+            assert f"--out {out / f'seed{seed}' / m} " in line
+            assert (f"--probe {out / 'probe_part.csv'}" in line) == (m == "ohfl")

@@ -106,6 +106,11 @@ def test_cli_exit_codes_and_one_line_errors(tmp_path, tiny, capsys):
     assert main(["data", "fetch", "--archive", str(good), "--out", str(out)]) == 1  # the 224 set is not in it
     err = capsys.readouterr().err
     assert "chest_xray_224 incomplete: nothing written for it" in err and (out / "chest_xray_original").is_dir()
+    junk = _zip(tmp_path / "j.zip", {"c/train/NORMAL/other.jpeg": b"not listed"})  # neither set: one sentence
+    assert main(["data", "fetch", "--archive", str(junk), "--out", str(tmp_path / "o3")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("cxr-hfl data fetch: chest_xray_original and chest_xray_224 incomplete: nothing written for "
+                   "them; give the archives that hold them with more --archive options")
     assert main(["data", "fetch", "--archive", str(tmp_path / "none.zip"), "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"cxr-hfl data fetch: --archive {tmp_path / 'none.zip'}: no such file or folder"
     (tmp_path / "bad.zip").write_bytes(b"not a zip")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_helpers import METHODS, REPO_ROOT, run_cli, tiny_profile
+from tests.deploy_helpers import JOB_METHODS, REPO_ROOT, run_cli, tiny_profile
 
 PROJECT = REPO_ROOT / "site_configs" / "project.yml"
 
@@ -73,7 +73,7 @@ def test_provision_rejects_a_project_without_a_submitter(tmp_path):
         load_project(f)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", JOB_METHODS)
 def test_export_job_is_portable_for_every_method(tmp_path, method):
     from nvflare_jobs.deploy import check_job_folder
 

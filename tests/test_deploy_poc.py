@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from tests.deploy_helpers import METHODS, run_cli, tiny_manifests, tiny_profile
+from tests.deploy_helpers import JOB_METHODS, run_cli, tiny_manifests, tiny_profile
 
-assert METHODS[0] == "local"
+assert JOB_METHODS[0] == "local"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 SITES = ["site-1", "site-2"]
@@ -112,12 +112,12 @@ def test_poc_end_to_end(tmp_path, data_root):
 
         sess = new_secure_session(st["coordinator"], st["admin_kit"], timeout=60)
         try:
-            for method in METHODS[1:]:
+            for method in JOB_METHODS[1:]:
                 prof = load_profile(tiny_profile(man, tmp_path / f"profile_{method}", method))
                 opts = {"rounds": 1, "probe": "generated"} if method == "ohfl" else {"rounds": 1}
                 folder = export_portable(build_job(method, prof, opts), tmp_path / "jobs")
                 check_job_folder(folder)
-                if method == METHODS[1]:  # the command `poc start` printed works as printed (own HOME, no registry)
+                if method == JOB_METHODS[1]:  # the command `poc start` printed works as printed (own HOME, no registry)
                     home = tmp_path / "fresh_home"
                     home.mkdir()
                     cmd = shlex.split(hint.replace("<job_folder>", str(folder)))

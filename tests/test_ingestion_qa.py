@@ -109,6 +109,37 @@ def test_manifest_duplicate_conflicting_empty_and_folder_rows_are_listed(data_ro
     assert rep["n_files"] == len(lines) - 1
 
 
+def test_a_manifest_label_given_as_index_and_as_name_of_one_class_is_a_duplicate_not_a_conflict(data_root, tmp_path):
+    """``0`` and ``NORMAL`` (and, binary, ``1`` / ``PNEUMONIA``; subtype, ``1`` / ``PNEUMONIA`` of a
+    ``_bacteria_`` file) name one class: the file is used once with its class and the later row is a duplicate
+    saying so; ``0`` and ``PNEUMONIA`` stay a conflict, and so does ``2`` (VIRAL) for a bacteria file."""
+    n = _real_jpegs(data_root, "NORMAL", 2)
+    p = _real_jpegs(data_root, "PNEUMONIA", 1)  # person1000_bacteria_2931.jpeg: BACTERIAL under subtype
+    assert "_bacteria_" in p[0].name
+    m = tmp_path / "m.csv"
+    m.write_text("\n".join(["path,label", f"{n[0]},0", f"{n[0]},NORMAL", f"{p[0]},PNEUMONIA", f"{p[0]},1",
+                            f"{n[1]},0", f"{n[1]},PNEUMONIA"]) + "\n")
+    recs, rep = scan_dataset(m, verify=False)
+    assert sorted((r["path"], r["label"]) for r in recs) == sorted([(str(n[0]), 0), (str(p[0]), 1)])
+    got = sorted((Path(s["path"]).name, s["kind"], s["reason"]) for s in rep["skipped"])
+    assert got == sorted([
+        (n[0].name, "duplicate manifest row", "manifest line 3: duplicate of line 2 (same file; labels 0 and NORMAL "
+                                              "name one class)"),
+        (p[0].name, "duplicate manifest row", "manifest line 5: duplicate of line 4 (same file; labels PNEUMONIA "
+                                              "and 1 name one class)"),
+        (n[1].name, "conflicting labels", "manifest line 6: the file is listed with conflicting labels (0, "
+                                          "PNEUMONIA); none is used"),
+        (n[1].name, "conflicting labels", "manifest line 7: the file is listed with conflicting labels (0, "
+                                          "PNEUMONIA); none is used")])
+    m.write_text("\n".join(["path,label", f"{p[0]},PNEUMONIA", f"{p[0]},1", f"{n[0]},2", f"{n[0]},VIRAL"]) + "\n")
+    recs, rep = scan_dataset(m, labels="subtype", verify=False)
+    assert sorted((r["path"], r["label"]) for r in recs) == sorted([(str(p[0]), 1), (str(n[0]), 2)])
+    assert sorted(s["kind"] for s in rep["skipped"]) == ["duplicate manifest row", "duplicate manifest row"]
+    m.write_text("\n".join(["path,label", f"{p[0]},2", f"{p[0]},PNEUMONIA"]) + "\n")
+    recs, rep = scan_dataset(m, labels="subtype", verify=False)
+    assert recs == [] and [s["kind"] for s in rep["skipped"]] == ["conflicting labels", "conflicting labels"]
+
+
 # ------------------------------------------------------------------------------- DICOM attribute problems
 def test_dicom_attribute_problems_are_named_not_misfiled(data_root, tmp_path):
     """Missing Photometric Interpretation was called a 'colour DICOM'; Rows that do not match the pixel data were

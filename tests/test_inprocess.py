@@ -4,33 +4,17 @@ uploads (computed here from what the sites sent); the handlers get the site scri
 site whose task fails is answered as the site script answers it and left out by name."""
 from __future__ import annotations
 
-import csv
-
 import numpy as np
 import pytest
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from hfl_components.flare.inprocess import InProcessTransport, runtime_answer, task_meta
-
-SPEC = {"family": "cnn", "depth": "shallow", "width": 0.5, "in_channels": 1, "num_classes": 2}
+from tests.synthetic_sites import first_four_cover, synthetic_site
 
 
 def _site(tmp_path, name, n):
-    from PIL import Image
-
-    rng = np.random.default_rng(len(name) + n)
-    man = tmp_path / f"{name}.csv"
-    with man.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["path", "label", "split", "patient_id"])
-        for k in range(n):
-            f = tmp_path / f"{name}_{k}.png"
-            Image.fromarray((rng.random((18, 18)) * 150 + 60 + 40 * (k % 2)).astype(np.uint8)).save(f)
-            w.writerow([str(f), k % 2, ("train", "train", "val", "test")[k % 4] if k >= 4 else
-                        ("train", "val", "test", "train")[k], f"p{k}"])
-    return {"site": name, "threads": 1, "seed": 0, "input_size": 16, "batch_size": 4, "augment_classes": [],
-            "augment": "batch", "lr": 0.05, "momentum": 0.9, "class_weights": None, "finetune_lr": 0.01,
-            "data": {"labels": "binary", "manifest": str(man)}, "model": dict(SPEC)}
+    """A site of ``n`` small images; a 4-image site has each split."""
+    return synthetic_site(tmp_path, name, n, first_four_cover)
 
 
 def test_task_meta_is_the_site_scripts():

@@ -3,12 +3,10 @@ sends weights trained under one accountant per site, and what leaves a site unde
 inspected), with epsilon recomputed from the recorded values by Opacus's accountant."""
 from __future__ import annotations
 
-import csv
 import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -16,29 +14,14 @@ from nvflare.app_common.abstract.fl_model import FLModel
 pytestmark = pytest.mark.privacy
 torch.set_num_threads(1)
 
-SPEC = {"family": "cnn", "depth": "shallow", "width": 0.5, "in_channels": 1, "num_classes": 2}
+from tests.synthetic_sites import SPEC, pairs_2_1_1, synthetic_site  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _site(tmp_path, name, n, dp=None):
     """A site of ``n`` small images (train : val : test about 2 : 1 : 1, both classes in each split)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(len(name) + n)
-    man = tmp_path / f"{name}.csv"
-    with man.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["path", "label", "split", "patient_id"])
-        for k in range(n):
-            f = tmp_path / f"{name}_{k}.png"
-            Image.fromarray((rng.random((18, 18)) * 150 + 60 + 40 * (k % 2)).astype(np.uint8)).save(f)
-            w.writerow([str(f), k % 2, ("train", "train", "val", "test")[(k // 2) % 4], f"p{k}"])
-    cfg = {"site": name, "threads": 1, "seed": 0, "input_size": 16, "batch_size": 4, "augment_classes": [],
-           "augment": "batch", "lr": 0.05, "momentum": 0.9, "class_weights": None, "finetune_lr": 0.01,
-           "data": {"labels": "binary", "manifest": str(man)}, "model": dict(SPEC)}
-    if dp is not None:
-        cfg["dp"] = dict(dp)
-    return cfg
+    return synthetic_site(tmp_path, name, n, pairs_2_1_1, dp=dp)
 
 
 # ------------------------------------------------------------------------------------------ config and refusals

@@ -92,3 +92,16 @@ def test_the_step_budget_has_one_owner_the_catalogue():
         DistillConfig()
     with pytest.raises(ValueError, match="distill_steps"):
         distill(_net(0, 8), [8], [Teacher("t", _net(1, 8), 8)], {8: torch.rand(4, 1, 8, 8)})
+
+
+def test_the_data_free_round_budget_has_one_owner_the_catalogue():
+    """The data-free distillation states no round budget of its own: the main job's is the catalogue option
+    ``data_free_rounds``, which the server passes (a config without it cannot be made; no config is refused by
+    name)."""
+    from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
+
+    with pytest.raises(TypeError):
+        DataFreeConfig()
+    with pytest.raises(ValueError, match="data_free_rounds"):
+        distill_data_free(_net(0, 8), [8], [Teacher("t", _net(1, 8), 8)])
+    assert DataFreeConfig(rounds=3).rounds == 3

@@ -485,6 +485,17 @@ def with_role(role: str) -> str | None:
     return next((m for m, e in CATALOGUE.items() if e.role == role), None)
 
 
+def deployable(method: str) -> bool:
+    """Whether ``method`` may run as an exported NVFlare job: False for the pooled-data reference (role
+    ``ceiling``), whose sites would send their training images; it runs only in the simulator, beside the
+    federated methods it is the ceiling of.
+
+    Raises:
+        ValueError: unknown method.
+    """
+    return entry(method).role != "ceiling"
+
+
 def with_schedule(schedule: str) -> str | None:
     """The first method whose entry has ``schedule`` (``single``, ``rounds``, ``one_shot``), or None."""
     return next((m for m, e in CATALOGUE.items() if e.schedule == schedule), None)

@@ -63,13 +63,14 @@ class DataFreeConfig:
     """Options of :func:`distill_data_free` (recorded with the run).
 
     Attributes:
-        rounds: generator/student rounds (the budget cap). g_steps / s_steps: steps per round.
+        rounds: generator/student rounds (the budget cap), required: the main job's cap is the catalogue option
+            ``data_free_rounds``, which the server passes. g_steps / s_steps: steps per round.
         batch_size: synthetic images per step. nz: noise dimension. base_size: generated side (power of two).
         adv: weight of the adversarial (disagreement) term. temperature: T of the soft targets.
         lr_g / lr_s: Adam learning rates. max_seconds: wall-clock cap (None: none). seed.
     """
 
-    rounds: int = 20
+    rounds: int
     g_steps: int = 2
     s_steps: int = 5
     batch_size: int = 32
@@ -114,16 +115,19 @@ def distill_data_free(student: nn.Module, student_sizes, teachers, weights=None,
         teachers: sequence of :class:`hfl_components.fusion.distill.Teacher`.
         weights: (K,) teacher weights (None: equal).
         in_channels, num_classes: of the images / models.
-        config: :class:`DataFreeConfig`.
+        config: :class:`DataFreeConfig` (required: its ``rounds`` has no default here).
         device: where it runs (None: CPU).
 
     Returns:
         record ``{"rounds_run", "seconds", "stopped": "budget"|"time", "last_g_loss", "last_s_loss", "config"}``.
 
     Raises:
-        ValueError: no teachers, rounds < 0.
+        ValueError: no config, no teachers, rounds < 0.
     """
-    cfg = config or DataFreeConfig()
+    if config is None:
+        raise ValueError("distill_data_free needs a DataFreeConfig with its round budget (the main job's: the "
+                         "catalogue option 'data_free_rounds')")
+    cfg = config
     if int(cfg.rounds) < 0:
         raise ValueError(f"data-free rounds must be >= 0, got {cfg.rounds}")
     teachers = list(teachers)

@@ -38,8 +38,12 @@ def run_fetch(args) -> int:
         print(f"cxr-hfl data fetch: {e}", file=sys.stderr)
         return 2
     bad = [r.name for r in reports.values() if r.found != r.listed]
+    if len(bad) == 1:
+        print(f"cxr-hfl data fetch: {bad[0]} incomplete: nothing written for it; give the archive that holds it with "
+              "another --archive", file=sys.stderr)
+        return 1
     if bad:
-        print(f"cxr-hfl data fetch: {', '.join(bad)} incomplete: nothing written for it; give the archive that holds "
-              "it with another --archive", file=sys.stderr)
+        print(f"cxr-hfl data fetch: {', '.join(bad[:-1])} and {bad[-1]} incomplete: nothing written for them; give "
+              "the archives that hold them with more --archive options", file=sys.stderr)
         return 1
     return 0

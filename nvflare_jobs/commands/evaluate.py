@@ -123,7 +123,8 @@ def _add_compare(c) -> None:
                      ("--augment", {"choices": AUGMENTS, "help": "pass-through: every site's training augmentation "
                                                                  "(default monai; border adds random bands)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
-                     ("--dry-run", {"action": "store_true", "help": "print the simulate commands only"})):
+                     ("--dry-run", {"action": "store_true",
+                                    "help": "print the budget and the simulate commands only; writes nothing"})):
         c.add_argument(flag, **kw)
     c.set_defaults(func=run_compare)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from hfl_components.flare import catalogue
 from chest_xray import ASPECTS
 from hfl_components.flare.site_config import AUGMENTS
+from nvflare_jobs.deploy import not_a_job
 from nvflare_jobs.runner import SimulateError
 from nvflare_jobs.spec import RUN_OPTIONS, cli_message, option, resolve
 
@@ -250,6 +251,9 @@ def run_export(args) -> int:
     from hfl_components.flare.site_config import load_profile
 
     given = given_options(args)
+    if not catalogue.deployable(args.method):
+        print(f"cxr-hfl export-job: {not_a_job(args.method)}", file=sys.stderr)
+        return 2
     if not given.get("profile"):
         print("cxr-hfl export-job: --profile DIR (the consortium's site names and model specs) is required",
               file=sys.stderr)

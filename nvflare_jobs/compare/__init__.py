@@ -9,7 +9,7 @@ Layout of ``OUT``::
     OUT/comparison.csv              one row per (method, seed, site): the sites' own test splits
     OUT/comparison_external.csv     with --external: one row per (method, seed, model) on the external set
     OUT/comparison.md               budget, mean +- std, pooled CIs, per-site tables, paired differences
-    OUT/compare.json                the command that ran (dry runs apart) and the epoch budget of every method
+    OUT/compare.json                the command that ran (a ``--dry-run`` writes nothing) and the epoch budget of every method
 
 **Equal budgets (default).** Every method trains the same number of epochs per site, E = OHFL's local epochs +
 fine-tuning epochs (``--local-epochs`` L, default 20, ``--finetune-epochs`` F, default 10): Local (and ``local+ft``,

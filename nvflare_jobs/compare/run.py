@@ -14,6 +14,9 @@ from nvflare_jobs.compare.plan import (CONTROL, METHODS, BudgetError, CompareOpt
                                        split_variant)
 from nvflare_jobs.compare.tables import collect_runs, write_tables
 
+PROFILE_DIR = "site_configs"  # a run folder's generated profile (one <site>.yaml per site)
+
+
 def _subset(records: list[dict], n: int | None) -> list[dict]:
     from chest_xray.sampling import stratified_subset as sub
 
@@ -40,16 +43,19 @@ def prepare_partition(data: Path, seed_dir: Path, args) -> Path:
     return part
 
 
-def probe_part_csv(data: Path, out: Path) -> Path | None:
+def probe_part_csv(data: Path, out: Path, write: bool = True) -> Path | None:
     """When the sites come from ``chest_xray_original`` and its sibling ``chest_xray_224`` exists, write the
     committed ``probe`` part of ``chest_xray_224`` as ``OUT/probe_part.csv`` (absolute paths) for every OHFL run, so
-    the server's probe never touches the tuning or evaluation parts. None otherwise."""
+    the server's probe never touches the tuning or evaluation parts. None otherwise. ``write`` False (a dry run):
+    the path only, nothing written."""
     from chest_xray.splits import POOL, split_rows
 
     pool = data.parent / POOL
     if data.name != "chest_xray_original" or not pool.is_dir():
         return None
     dest = out / "probe_part.csv"
+    if not write:
+        return dest
     with dest.open("w", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(["path", "label"])
@@ -79,7 +85,7 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
                 "max_train_images": args.max_train_images, "feature_dim": 64,
                 "aspect": args.aspect, "augment": args.augment}
     proto = True if args.proto_protocol else None  # Local on the prototype methods' backbones
-    return write_profile(part, run_dir / "site_configs", base, args.labels, _input_sizes(args), settings, proto=proto,
+    return write_profile(part, run_dir / PROFILE_DIR, base, args.labels, _input_sizes(args), settings, proto=proto,
                          families=args.families)
 
 
@@ -103,19 +109,15 @@ def command_line(argv: list[str] | None = None) -> str:
     return "cxr-hfl " + " ".join(shlex.quote(relative(a) if a.startswith("/") else a) for a in argv)
 
 
-def record_command(out: Path, cmd: str, dry_run: bool, info: dict) -> dict:
-    """Write ``OUT/compare.json``: ``command`` is the first command that actually ran (a ``--dry-run`` is listed
-    under ``dry_runs`` and never becomes the command), later real runs under ``resumed_by``."""
+def record_command(out: Path, cmd: str, info: dict) -> dict:
+    """Write ``OUT/compare.json``: ``command`` is the first command that actually ran, later runs under
+    ``resumed_by`` (a ``--dry-run`` writes nothing; a ``dry_runs`` list of an older version's record is kept)."""
     f = out / "compare.json"
     prev = json.loads(f.read_text()) if f.is_file() else {}
-    rec = {**prev, **info, "command": prev.get("command"), "dry_runs": prev.get("dry_runs", []),
-           "resumed_by": prev.get("resumed_by", [])}
-    if prev and "dry_runs" not in prev and "--dry-run" in (prev.get("command") or ""):
+    rec = {**prev, **info, "command": prev.get("command"), "resumed_by": prev.get("resumed_by", [])}
+    if "--dry-run" in (rec["command"] or ""):
         rec["command"] = None  # written by an older version that recorded a dry run as the command
-    if dry_run:
-        rec["dry_runs"] = rec["dry_runs"] + [cmd]
-        rec.update({k: prev[k] for k in info if k in prev})  # a dry run changes nothing the real run recorded
-    elif rec["command"] is None:
+    if rec["command"] is None:
         rec["command"] = cmd
     else:
         rec["resumed_by"] = rec["resumed_by"] + [cmd]
@@ -155,15 +157,17 @@ def run_compare(args: CompareOptions) -> int:
     for line in budget_lines(plans, bool(args.unequal_budgets)):
         print(f"[compare] budget: {line}")
     if not args.probe and any(entry_of(m).option("probe") is not None for m in methods):
-        args.probe = probe_part_csv(data, out)
+        args.probe = probe_part_csv(data, out, write=not args.dry_run)
         if args.probe:
             print(f"[compare] OHFL probe: the committed probe part of chest_xray_224 ({args.probe})")
-    _record(args, out, methods, plans, data, ext)
+    if not args.dry_run:
+        _record(args, out, methods, plans, data, ext)
     failed = [f for seed in args.seeds for f in _run_seed(args, out, seed, methods, plans, data)]
     if args.dry_run:
         if ext:
             print(f"[compare] then: every saved model of every run evaluated on {ext}"
                   + (f" (part {args.part})" if args.part else ""))
+        print(f"[compare] dry run: nothing written; the run writes the partitions, site configs and runs under {out}")
         return 0
     if ext:
         failed += evaluate_external(out, ext, args.part, args.external_max_images,
@@ -228,14 +232,18 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     try:
         data = None
         if args.proto_protocol and not args.data:  # chest_xray_224's tuning + probe parts
-            from nvflare_jobs.profiles import proto_training_data
+            from nvflare_jobs.profiles import proto_pool_root, proto_training_data
 
-            out.mkdir(parents=True, exist_ok=True)
-            data = proto_training_data(out / "data_pool.csv")
+            if args.dry_run:  # the manifest the run would write
+                data = out / "data_pool.csv" if proto_pool_root() else None
+            else:
+                out.mkdir(parents=True, exist_ok=True)
+                data = proto_training_data(out / "data_pool.csv")
         data = data or resolve_data(args.data)
     except DataNotFoundError as e:
         raise _Refused(str(e)) from None
-    out.mkdir(parents=True, exist_ok=True)  # every check passed
+    if not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)  # every check passed
     return methods, plans, data, ext, out
 
 
@@ -259,7 +267,7 @@ def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -
     """``compare.json``: the command and settings, every path relative to the working directory."""
     from nvflare_jobs.evaluation import external_name
 
-    record_command(out, command_line(args.argv), args.dry_run, {
+    record_command(out, command_line(args.argv), {
         "data": relative(data), "methods": methods, "seeds": args.seeds, "sites": args.sites, "scheme": args.scheme,
         "labels": args.labels, "epoch_plan": plans, "unequal_budgets": bool(args.unequal_budgets),
         "external": relative(ext) if ext else None, "part": args.part,
@@ -269,25 +277,28 @@ def _record(args, out: Path, methods: list[str], plans: dict, data: Path, ext) -
 
 
 def _run_seed(args, out: Path, seed: int, methods: list[str], plans: dict, data: Path) -> list[str]:
-    """Run (or, dry, print) every unfinished method of one seed on its partition; returns the failed runs."""
+    """Run (or, dry, print without writing anything) every unfinished method of one seed on its partition; returns
+    the failed runs."""
     from nvflare_jobs.runner import SimulateError
     from nvflare_jobs.spec import resolve
 
     failed = []
     seed_dir = out / f"seed{seed}"
-    part = prepare_partition(data, seed_dir, args)
+    part = None if args.dry_run else prepare_partition(data, seed_dir, args)
     for m in methods:
         run_dir = seed_dir / m
         if (run_dir / "metrics.json").is_file():
             print(f"[compare] seed {seed} {m}: done already, skipped")
+            continue
+        if args.dry_run:  # the command as the run will print it (its profile is written then)
+            print(f"[compare] seed {seed} {m}: "
+                  f"{command_for(m, run_dir / PROFILE_DIR, simulate_options(m, data, seed, args), run_dir)}")
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
         profile = write_method_profile(part, run_dir, m, seed, args)
         opts = simulate_options(m, data, seed, args)
         cmd = command_for(m, profile, opts, run_dir)
         print(f"[compare] seed {seed} {m}: {cmd}", flush=True)
-        if args.dry_run:
-            continue
         t0 = time.perf_counter()
         try:
             rc = resolve(base_method(m), {**opts, "profile": str(profile)}).simulate(

@@ -24,7 +24,8 @@ connected before a submit), ``_provision`` (startup kits),
 from nvflare_jobs.deploy._env import (DEFAULT_PROJECT, POC_ADMIN, REPO, SERVER_PORTS, SITE_SCRIPT_NAME, STATE_FILE,
                                       DeployError, nvflare_env, nvflare_exe, run_nvflare)
 from nvflare_jobs.deploy._connect import OVERRIDE_FLAG, check_connected
-from nvflare_jobs.deploy._export import check_job_folder, check_server_app, export_portable, make_portable
+from nvflare_jobs.deploy._export import (check_job_folder, check_server_app, export_portable, make_portable,
+                                          not_a_job)
 from nvflare_jobs.deploy._poc import Poc, port_in_use
 from nvflare_jobs.deploy._kits import (SERVER_ALLOW, allow_controllers, configure_server_kit, no_log_streaming,
                                        protect_keys, server_store)
@@ -32,6 +33,6 @@ from nvflare_jobs.deploy._provision import KIT_CERT, coordinator, load_project, 
 from nvflare_jobs.deploy._results import assemble_downloaded, run_findings
 
 __all__ = ["OVERRIDE_FLAG", "check_connected", "DEFAULT_PROJECT", "POC_ADMIN", "REPO", "SERVER_PORTS", "SITE_SCRIPT_NAME", "STATE_FILE", "DeployError",
-           "nvflare_env", "nvflare_exe", "run_nvflare", "check_job_folder", "check_server_app", "export_portable", "make_portable",
+           "nvflare_env", "nvflare_exe", "run_nvflare", "check_job_folder", "check_server_app", "export_portable", "make_portable", "not_a_job",
            "Poc", "port_in_use", "KIT_CERT", "SERVER_ALLOW", "allow_controllers", "coordinator", "load_project",
            "provision", "submitters", "configure_server_kit", "no_log_streaming", "protect_keys", "server_store", "assemble_downloaded", "run_findings"]

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hfl_components.flare import catalogue
 from nvflare_jobs.deploy._env import SITE_SCRIPT_NAME, DeployError
 
 SERVER_PACKAGE = "hfl_components.flare.controllers"
@@ -59,6 +60,14 @@ def make_portable(job_folder: str | os.PathLike) -> None:
         cfg.write_text(json.dumps(doc, indent=4))
 
 
+def not_a_job(method: str) -> str:
+    """The one line that refuses to export or submit ``method``, a method that is no federated job (the pooled-data
+    reference, :func:`hfl_components.flare.catalogue.deployable`)."""
+    return (f"method {method!r} is the pooled-data reference (every site's training images in one place), not a "
+            f"federated job: it runs only in the simulator, beside the methods it is the ceiling of, e.g. "
+            f"cxr-hfl compare --methods {method},fedavg,ohfl")
+
+
 def check_job_folder(job_folder: str | os.PathLike) -> dict:
     """Check an exported (or hand-edited) job folder before it is deployed: meta.json with a deploy_map, each
     app's config readable JSON, the site script inside each site app, no absolute script paths, and the server's
@@ -103,10 +112,12 @@ def _json(path: Path) -> dict:
 def check_server_app(job_folder: str | os.PathLike) -> None:
     """Build each of this platform's server workflows of a job folder from its ``config_fed_server.json`` args and
     run its option check (``HFLController.check_options``), as the server does at job start; files the method
-    reads on the server (the OHFL probe) are checked there, not here.
+    reads on the server (the OHFL probe) are checked there, not here. A workflow of a method that is no federated
+    job (the pooled-data reference ``central``, :func:`hfl_components.flare.catalogue.deployable`) is refused.
 
     Raises:
-        DeployError: naming the config file, the workflow and the bad argument or option.
+        DeployError: naming the config file, the workflow and the bad argument or option, or the method that is
+            no federated job.
     """
     import importlib
 
@@ -120,6 +131,9 @@ def check_server_app(job_folder: str | os.PathLike) -> None:
                 cls = getattr(importlib.import_module(mod), cls_name)
             except (ImportError, AttributeError):
                 raise DeployError(f"{cfg}: workflow {path} is not in the installed cxr-hfl package") from None
+            method = getattr(cls, "method", None)
+            if method in catalogue.CATALOGUE and not catalogue.deployable(method):
+                raise DeployError(f"{cfg}: workflow {cls_name}: {not_a_job(method)}")
             try:
                 cls(**(wf.get("args") or {})).check_options()
             except (TypeError, ValueError) as e:

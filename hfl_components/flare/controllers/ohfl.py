@@ -322,11 +322,11 @@ class OHFLController(HFLController):
         (self.warning if not op or op["threshold"] is None else self.info)(describe(self.record["operating_point"]))
         return op
 
-    def run_method(self):
-        from hfl_components.flare import distill_stage as ds
-        from hfl_components.flare.messages import from_numpy_state, to_numpy_state
+    def _collect_uploads(self, uploads_raw: dict) -> tuple[list, dict]:
+        """The sites' ``ohfl_train`` answers as fusion inputs ``(models, {site: model})`` (one dict per site: name,
+        spec, state_dict, n_samples, val_acc, val_auc, input_size); records each site's local metrics."""
+        from hfl_components.flare.messages import from_numpy_state
 
-        uploads_raw = self.broadcast("ohfl_train", 0)
         models, uploads = [], {}
         for site, r in uploads_raw.items():
             self.record["sites"].setdefault(site, {})["local"] = jsonable((r.metrics or {}).get("local"))
@@ -336,17 +336,13 @@ class OHFLController(HFLController):
                  "val_auc": val.get("auc"), "input_size": int(r.meta.get("input_size", 64))}
             models.append(m)
             uploads[site] = m
-        site_specs = {**self.site_specs, **{s: u["spec"] for s, u in uploads.items()}}
-        groups = ds.architecture_groups(site_specs)
-        self.record["groups"] = {g: sorted(s for s, k in groups.items() if k == g) for g in set(groups.values())}
-        self.set_phase("probing")
-        probe_all, _ = self._probe_for(models)
-        from hfl_components.training.device import describe_device, resolve_device
+        return models, uploads
 
-        device = resolve_device(self.fusion_device)
-        self.record["fusion_device"] = describe_device(device)
-        self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
-        self.set_phase("fusing (CKA layer alignment, OT neuron alignment, averaging, repair)")
+    def _fuse_groups(self, groups: dict, uploads: dict, probe_all: dict, device) -> dict:
+        """Fuse every fusable architecture group (:meth:`_fuse_group`); returns ``{group: (spec, state)}``.
+        Records the fusion time and phase seconds and writes ``alignment_record.json``."""
+        from hfl_components.flare import distill_stage as ds
+
         t0 = time.perf_counter()
         fused, fusion_records = {}, {}
         for g, sites in ds.fusable_groups(groups, uploads).items():
@@ -363,18 +359,14 @@ class OHFLController(HFLController):
                                               for g, r in fusion_records.items()}
             (self.results_dir() / "alignment_record.json").write_text(json.dumps(jsonable(fusion_records),
                                                                                  indent=1))
-        students = ds.initial_students(groups, site_specs, uploads, fused)
-        for g, st in students.items():  # a fresh model (a group without uploads) gets its weights here
-            if st["state_dict"] is None:
-                st["state_dict"] = ds.student_model(st, self.seed).state_dict()
-        self._save_group_models(students, suffix="_fused")  # fusion alone: the reference `evaluate` scores
-        t0 = time.perf_counter()
-        if int(self.distill_steps) > 0 or self.data_free:
-            self.set_phase("distilling (ensemble of the uploads into each architecture's global model)")
-            self.record["distillation"] = jsonable(self._distill(students, uploads, probe_all, device))
-        self.record["server_seconds"]["distillation"] = time.perf_counter() - t0
-        self._save_group_models(students)
-        self.record["references"] = self._references(uploads, fused, students)
+        return fused
+
+    def _global_message(self, students: dict, groups: dict) -> tuple[dict, dict]:
+        """The fine-tuning broadcast ``(params, meta)`` of the global model(s): one group's model as is, or every
+        group's model in one message, each site picking its own (``meta["site_groups"]``; writes
+        ``global_models/groups.json``). Records ``global_spec`` / ``global_specs``."""
+        from hfl_components.flare.messages import to_numpy_state
+
         if len(students) == 1:
             (g, st), = students.items()
             spec = st["spec"]
@@ -388,6 +380,37 @@ class OHFLController(HFLController):
             meta = {"global_specs": self.record["global_specs"], "site_groups": groups}
             (self.results_dir() / "global_models" / "groups.json").write_text(json.dumps(
                 {g: {"sites": st["sites"], "spec": st["spec"]} for g, st in students.items()}, indent=1))
+        return params, meta
+
+    def run_method(self):
+        from hfl_components.flare import distill_stage as ds
+
+        models, uploads = self._collect_uploads(self.broadcast("ohfl_train", 0))
+        site_specs = {**self.site_specs, **{s: u["spec"] for s, u in uploads.items()}}
+        groups = ds.architecture_groups(site_specs)
+        self.record["groups"] = {g: sorted(s for s, k in groups.items() if k == g) for g in set(groups.values())}
+        self.set_phase("probing")
+        probe_all, _ = self._probe_for(models)
+        from hfl_components.training.device import describe_device, resolve_device
+
+        device = resolve_device(self.fusion_device)
+        self.record["fusion_device"] = describe_device(device)
+        self.info(f"OHFL: fusion probe passes on {self.record['fusion_device']}")
+        self.set_phase("fusing (CKA layer alignment, OT neuron alignment, averaging, repair)")
+        fused = self._fuse_groups(groups, uploads, probe_all, device)
+        students = ds.initial_students(groups, site_specs, uploads, fused)
+        for g, st in students.items():  # a fresh model (a group without uploads) gets its weights here
+            if st["state_dict"] is None:
+                st["state_dict"] = ds.student_model(st, self.seed).state_dict()
+        self._save_group_models(students, suffix="_fused")  # fusion alone: the reference `evaluate` scores
+        t0 = time.perf_counter()
+        if int(self.distill_steps) > 0 or self.data_free:
+            self.set_phase("distilling (ensemble of the uploads into each architecture's global model)")
+            self.record["distillation"] = jsonable(self._distill(students, uploads, probe_all, device))
+        self.record["server_seconds"]["distillation"] = time.perf_counter() - t0
+        self._save_group_models(students)
+        self.record["references"] = self._references(uploads, fused, students)
+        params, meta = self._global_message(students, groups)
         op = self._finetune(params, meta)
         self.final_evaluation(2, meta={"operating_point": op} if op else None)
         if op:  # each site's own sensitivity at the threshold beside the pooled one

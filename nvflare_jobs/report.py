@@ -143,6 +143,22 @@ def pooled_note(m: dict) -> str:
             + (f"; {', '.join(rest)} kept their predictions at home (share_predictions: false)" if rest else ""))
 
 
+def _models_sentence(m: dict, sites: dict, who: str) -> str:
+    """What the card's models are: one per site at its own architecture, or, for the pooled-data reference
+    ``central``, one model of the deepest site architecture trained on the sites' pooled training images."""
+    method, labels = html.escape(str(m.get("method"))), html.escape(str(m.get("labels")))
+    if m.get("method") != "central":
+        return (f"{len(sites)} site models trained with <code>{method}</code> (label scheme <code>{labels}</code>), "
+                f"{who}, each at its own architecture and input resolution")
+    sizes = sorted({int(b["input_size"]) for b in sites.values() if b.get("input_size") is not None})
+    at = " / ".join(str(s) for s in sizes) + " px" if sizes else "the sites' input sizes"
+    return (f"one model of the deepest site architecture ({html.escape(_model_name(m.get('global_spec')))}) trained "
+            f"with <code>{method}</code> (label scheme <code>{labels}</code>) on the pooled training images of the "
+            f"{len(sites)} sites, then scored at every site at {at}: a pooled-data reference (every site's images in "
+            "one place), the ceiling the federation's gap is read against; not a federated result and not "
+            "deployable as one")
+
+
 def model_card(m: dict, audit: str | None = None) -> str:
     """The model card of a run, describing the run itself: its sites (simulated partitions of the Kermany set, or
     a consortium's hospitals for a POC / provisioned job), the counts of sites, training and test images, the
@@ -173,9 +189,7 @@ def model_card(m: dict, audit: str | None = None) -> str:
                 f"{html.escape(CITATION)}. The sites are simulated partitions of this one set, not different "
                 "hospitals.</p>")
     return ("<div class='card'><h2>Model card</h2>"
-            f"<p><b>Models:</b> {len(sites)} site models trained with <code>{html.escape(str(m.get('method')))}</code> "
-            f"(label scheme <code>{html.escape(str(m.get('labels')))}</code>), {who}, each at its own architecture "
-            f"and input resolution; {n_train} training and {n_test} test images in all"
+            f"<p><b>Models:</b> {_models_sentence(m, sites, who)}; {n_train} training and {n_test} test images in all"
             + (f"; left out: {html.escape(', '.join(excluded))} (see Excluded sites)" if excluded else "") + ".</p>"
             "<p><b>Intended use:</b> research on heterogeneous federated learning for chest X-ray classification "
             "(normal vs pneumonia, or pneumonia subtype). <b>Not a medical device; not for clinical decisions.</b></p>"

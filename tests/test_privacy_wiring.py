@@ -91,6 +91,29 @@ def test_impossible_budget_is_refused_before_training_in_one_line_naming_the_sit
     assert not (rt.state_dir / "model.pt").exists()
 
 
+
+def test_a_restarted_site_process_continues_its_dp_budget_from_the_workspace(tmp_path):
+    """The site's runtime keeps its dp ledger in the workspace's state folder: a new runtime on the same workspace
+    (a restarted site process) continues the spent steps and refuses the epochs beyond the job's plan."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.privacy import DPBudgetError
+
+    cfg = _site(tmp_path, "hospital-d", 24, dp={"epsilon": 8})  # 12 training images, batch 4: 3 steps an epoch
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    rt.train(1, 0.05, dp_epochs=2)
+    assert rt.dp_record()["sessions"]["train"]["steps"] == 3 and (rt.state_dir / "dp_train.json").is_file()
+    eps_one = rt.dp_record()["epsilon"]
+    rt2 = SiteRuntime(cfg, tmp_path / "ws")
+    rt2.train(1, 0.05, dp_epochs=2)
+    rec = rt2.dp_record()
+    assert rec["sessions"]["train"]["steps"] == 6 and rec["epsilon"] > eps_one and rec["epsilon"] <= 8.0
+    with pytest.raises(DPBudgetError, match=r"^site hospital-d: dp budget was planned for 6 steps .* 6 are spent"):
+        SiteRuntime(cfg, tmp_path / "ws").train(1, 0.05, dp_epochs=2)
+    fresh = SiteRuntime(cfg, tmp_path / "other_ws")  # another job's workspace starts from zero
+    fresh.train(1, 0.05, dp_epochs=2)
+    assert fresh.dp_record()["sessions"]["train"]["steps"] == 3
+
+
 def test_a_prototype_method_is_refused_under_dp_naming_the_site(tmp_path):
     from hfl_components.flare.dispatch import handler
     from hfl_components.flare.site_tasks import SiteRuntime

@@ -321,12 +321,16 @@ class SiteRuntime:
             log.warning("site %s: dp (%s): epsilon %g, delta %.3g, noise multiplier %.3f, sample rate %.4f, %d steps",
                         self.site, key, plan.target_epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate,
                         plan.steps)
-            session = DPSession(plan, seed=int(self.cfg["seed"]), ledger=self.state_dir / f"dp_{key}.json")
+            session = DPSession(plan, seed=int(self.cfg["seed"]), ledger=self.dp_ledger(key))
             if session.restored_steps:
                 log.warning("site %s: dp (%s): continuing a restarted job: %d of %d steps already spent, epsilon %.3f",
                             self.site, key, session.restored_steps, plan.steps, session.epsilon())
             self._dp_sessions[key] = session
         return self._dp_sessions[key]
+
+    def dp_ledger(self, key: str) -> Path:
+        """The file where the dp session ``key`` keeps its plan and spent steps (``<state dir>/dp_<key>.json``)."""
+        return self.state_dir / f"dp_{key}.json"
 
     def dp_record(self) -> dict | None:
         """What the site records of its DP-SGD (model-file provenance, the answers' ``meta["dp"]``):

@@ -99,6 +99,52 @@ def test_more_epochs_than_planned_are_refused_before_a_step():
     assert session.steps_done == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+
+def test_a_session_restored_from_its_ledger_continues_the_spent_budget(tmp_path):
+    """A site process dies after 2 of its job's 3 planned epochs; the restarted process's session (same plan, same
+    ledger file) holds the 10 spent steps, refuses 2 more epochs, and after the last epoch ends where one
+    uninterrupted session ends: 15 steps and the epsilon of 15 steps (a fresh accountant recomputes it)."""
+    from opacus.accountants import RDPAccountant
+
+    n, batch, spec = 40, 8, DPSpec(epsilon=8.0, accountant="rdp")
+    plan, ledger = check_budget(n, batch, 3, spec, "site-3"), tmp_path / "ws" / "dp_train.json"
+    model, loader = _model(), _loader(n, batch)
+    first = DPSession(plan, seed=0, ledger=ledger)
+    train_local(model, loader, 2, dp=first, seed=0)
+    assert first.steps_done == 10 and ledger.is_file() and first.epsilon() > 0
+    again = DPSession(check_budget(n, batch, 3, spec, "site-3"), seed=0, ledger=ledger)  # the restarted process
+    assert again.restored_steps == again.steps_done == 10
+    assert again.epsilon() == pytest.approx(first.epsilon(), rel=1e-12)
+    assert DPSession(plan, seed=0).epsilon() == 0.0  # without the ledger a restart would count from zero
+    with pytest.raises(DPBudgetError, match="site site-3: dp budget was planned for 15 steps.* 10 are spent"):
+        train_local(model, loader, 2, dp=again)
+    train_local(model, loader, 1, dp=again, seed=1)
+    rec = again.record()
+    acc = RDPAccountant()
+    acc.history = [(plan.accounted_noise_multiplier, plan.sample_rate, 15)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rec["steps"] == 15 and rec["epsilon"] == pytest.approx(acc.get_epsilon(delta=plan.delta), rel=1e-9)
+    assert epsilon_from_record(rec) == pytest.approx(rec["epsilon"], rel=1e-9) and rec["epsilon"] <= 8.0
+    # the restored noise stream is not the one the first 10 steps used
+    fresh, restored = DPSession(plan, seed=0), DPSession(plan, seed=0, ledger=ledger)
+    assert not torch.equal(torch.randn(4, generator=fresh.noise_generator("cpu")),
+                           torch.randn(4, generator=restored.noise_generator("cpu")))
+
+
+def test_a_ledger_of_another_plan_or_an_unreadable_one_is_refused_naming_site_and_file(tmp_path):
+    spec, ledger = DPSpec(epsilon=8.0, accountant="rdp"), tmp_path / "dp_train.json"
+    session = DPSession(check_budget(40, 8, 3, spec, "site-3"), seed=0, ledger=ledger)
+    train_local(_model(), _loader(40, 8), 1, dp=session, seed=0)
+    with pytest.raises(DPBudgetError) as e:  # the restarted site's config now plans 4 epochs
+        DPSession(check_budget(40, 8, 4, spec, "site-3"), seed=0, ledger=ledger)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("site site-3: dp ledger") and str(ledger) in msg and "epochs" in msg
+    ledger.write_text("{not json")
+    with pytest.raises(ValueError, match=r"^site site-3: dp ledger .*dp_train.json is unreadable"):
+        DPSession(check_budget(40, 8, 3, spec, "site-3"), seed=0, ledger=ledger)
+
+
 @pytest.mark.parametrize("raw, match", [
     ({"epsilon": 0}, "dp.epsilon must be a finite number > 0"),
     ({"epsilon": float("inf")}, "leave dp out"),

@@ -74,6 +74,29 @@ def test_impossible_budget_is_refused_before_training_in_one_line_naming_the_sit
     assert not (rt.state_dir / "model.pt").exists()
 
 
+
+def test_a_restarted_site_process_continues_its_dp_budget_from_the_workspace(tmp_path):
+    """The site's runtime keeps its dp ledger in the workspace's state folder: a new runtime on the same workspace
+    (a restarted site process) continues the spent steps and refuses the epochs beyond the job's plan."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.privacy import DPBudgetError
+
+    cfg = _site(tmp_path, "hospital-d", 24, dp={"epsilon": 8})  # 12 training images, batch 4: 3 steps an epoch
+    rt = SiteRuntime(cfg, tmp_path / "ws")
+    rt.train(1, 0.05, dp_epochs=2)
+    assert rt.dp_record()["sessions"]["train"]["steps"] == 3 and (rt.state_dir / "dp_train.json").is_file()
+    eps_one = rt.dp_record()["epsilon"]
+    rt2 = SiteRuntime(cfg, tmp_path / "ws")
+    rt2.train(1, 0.05, dp_epochs=2)
+    rec = rt2.dp_record()
+    assert rec["sessions"]["train"]["steps"] == 6 and rec["epsilon"] > eps_one and rec["epsilon"] <= 8.0
+    with pytest.raises(DPBudgetError, match=r"^site hospital-d: dp budget was planned for 6 steps .* 6 are spent"):
+        SiteRuntime(cfg, tmp_path / "ws").train(1, 0.05, dp_epochs=2)
+    fresh = SiteRuntime(cfg, tmp_path / "other_ws")  # another job's workspace starts from zero
+    fresh.train(1, 0.05, dp_epochs=2)
+    assert fresh.dp_record()["sessions"]["train"]["steps"] == 3
+
+
 def test_a_prototype_method_is_refused_under_dp_naming_the_site(tmp_path):
     from hfl_components.flare.dispatch import handler
     from hfl_components.flare.site_tasks import SiteRuntime
@@ -117,7 +140,7 @@ def test_deployment_privacy_table_has_a_row_and_a_protection_for_every_catalogue
 
 
 # ------------------------------------------------------------------------------------------ in-process federations
-def _federation(tmp_path, method, opts, dp):
+def _federation(tmp_path, method, opts, dp, before=None):
     from hfl_components.flare.inprocess import InProcessTransport, runtime_answer
     from hfl_components.flare.site_tasks import SiteRuntime
     from nvflare_jobs.jobs import make_controller
@@ -127,6 +150,8 @@ def _federation(tmp_path, method, opts, dp):
     real, seen = runtime_answer(runtimes, raise_errors=True), []
 
     def answer(task, site, data):
+        if before is not None:  # e.g. restart a site's process (a new runtime on the same workspace)
+            before(task, site, runtimes, profile)
         out = real(task, site, data)
         seen.append((task, site, out))
         return out
@@ -142,6 +167,30 @@ OPTS = {"fedavg": {"rounds": 2, "local_epochs": 1}, "fedprox": {"rounds": 2, "lo
         "local": {"rounds": 2, "local_epochs": 1},
         "ohfl": {"local_epochs": 2, "finetune_epochs": 1, "probe": "generated", "probe_size": 8},
         "fens": {"rounds": 2, "local_epochs": 1, "fens_holdout": 0.5, "fens_epochs": 1}}
+
+
+@pytest.mark.slow
+def test_ohfl_site_restarted_between_its_two_steps_fine_tunes_on_the_same_dp_budget(tmp_path):
+    """site-1's process is replaced by a new one (same workspace) before OHFL's fine-tuning: the new process
+    continues the local training's dp session from the workspace's ledger, so the fine-tuning is accounted with
+    it: 2 + 1 epochs of 3 steps (12 training images, batch 4) = 9 steps, epsilon <= 8, equal to the other site's
+    uninterrupted count and to Opacus's accountant recomputed from the record."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+    from hfl_components.privacy import epsilon_from_record
+
+    restarted = []
+
+    def restart(task, site, runtimes, profile):
+        if site == "site-2" and "finetune" in task and not restarted:
+            runtimes[site] = SiteRuntime(profile[site], tmp_path / "ws" / site)
+            restarted.append(task)
+
+    ctl, runtimes, seen = _federation(tmp_path, "ohfl", {**OPTS["ohfl"], "seed": 0}, {"epsilon": 8}, before=restart)
+    assert restarted and any(t == restarted[0] and s == "site-2" for t, s, _ in seen)
+    rec = runtimes["site-2"].dp_record()["sessions"]["train"]
+    assert rec["steps"] == rec["planned_steps"] == 9 and 0 < rec["epsilon"] <= 8.0
+    assert rec["epsilon"] == pytest.approx(epsilon_from_record(rec), rel=1e-9)
+    assert runtimes["site-2"]._dp_sessions["train"].restored_steps == 6
 
 
 @pytest.mark.slow

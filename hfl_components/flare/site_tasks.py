@@ -307,7 +307,10 @@ class SiteRuntime:
         disjoint set), planned on first use for ``epochs`` epochs over ``n_images`` images at the config's batch
         size (:func:`hfl_components.privacy.check_budget`: an impossible budget is refused here, before any step,
         in one line naming the site). None without dp. One session (one accountant) serves every later training
-        call of the job with the same key; its plan must cover them all (the caller passes the job's total)."""
+        call of the job with the same key; its plan must cover them all (the caller passes the job's total).
+        The session's ledger is ``<state dir>/dp_<key>.json``: a site process restarted mid-job continues the
+        job's spent steps and epsilon from it, and refuses to train when the plan changed or the file is
+        unreadable (:class:`hfl_components.privacy.DPSession`)."""
         spec = self.dp_spec
         if spec is None:
             return None
@@ -318,8 +321,16 @@ class SiteRuntime:
             log.warning("site %s: dp (%s): epsilon %g, delta %.3g, noise multiplier %.3f, sample rate %.4f, %d steps",
                         self.site, key, plan.target_epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate,
                         plan.steps)
-            self._dp_sessions[key] = DPSession(plan, seed=int(self.cfg["seed"]))
+            session = DPSession(plan, seed=int(self.cfg["seed"]), ledger=self.dp_ledger(key))
+            if session.restored_steps:
+                log.warning("site %s: dp (%s): continuing a restarted job: %d of %d steps already spent, epsilon %.3f",
+                            self.site, key, session.restored_steps, plan.steps, session.epsilon())
+            self._dp_sessions[key] = session
         return self._dp_sessions[key]
+
+    def dp_ledger(self, key: str) -> Path:
+        """The file where the dp session ``key`` keeps its plan and spent steps (``<state dir>/dp_<key>.json``)."""
+        return self.state_dir / f"dp_{key}.json"
 
     def dp_record(self) -> dict | None:
         """What the site records of its DP-SGD (model-file provenance, the answers' ``meta["dp"]``):

@@ -20,7 +20,9 @@ The pieces, in the order a site uses them:
   a job at a site (FedAvg trains once per round; the budget covers all rounds together).
   :meth:`DPSession.private` makes a model / optimizer / data loader private for one call (Opacus ``make_private``
   with Poisson sampling, hooks attached to the model itself so ``features`` / ``head`` and the state-dict keys stay
-  as they are) and removes the hooks afterwards. :meth:`DPSession.record` is what the site records.
+  as they are) and removes the hooks afterwards. :meth:`DPSession.record` is what the site records. With a
+  ``ledger`` file the session writes its plan and the accountant's history after every step and a session built on
+  the same file continues from them (a site process restarted mid-job does not count epsilon from zero).
 * :func:`make_private` -- the one-call form: plan + session + private objects.
 * :func:`epsilon_from_record` -- epsilon recomputed from a record with Opacus's accountant (a reader's check).
 * :func:`make_compatible` / :func:`compatibility_report` -- BatchNorm models: Opacus's ``ModuleValidator.fix``
@@ -38,9 +40,12 @@ counts, validation summaries) is handled in :mod:`hfl_components.privacy.release
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -59,6 +64,8 @@ DELTA_FACTOR = 10
 DEFAULT_MAX_GRAD_NORM = 1.0
 #: Default clip of a per-image training loss (nats) when losses are released with noise.
 DEFAULT_LOSS_CLIP = 5.0
+#: A session restored from a ledger after k steps seeds its noise with ``seed + LEDGER_SEED_STRIDE * k``.
+LEDGER_SEED_STRIDE = 1_000_003
 #: ``get_noise_multiplier`` gives up above this noise multiplier (its ``MAX_SIGMA``): the budget is unreachable.
 _SIGMA_CAP = 1e6
 
@@ -321,13 +328,25 @@ class DPSession:
     Args:
         plan: from :func:`check_budget`.
         seed: seeds the noise generator (each call continues the same stream); None = torch's global generator.
+            A session restored from a ledger with k steps spent seeds it with ``seed + LEDGER_SEED_STRIDE * k``, so
+            it does not replay the noise of the steps already taken.
+        ledger: a JSON file (the site's workspace) holding the plan, the steps spent and the accountant's history,
+            rewritten after every step. When it exists the session continues from it: the plan must equal the
+            ledger's (else :class:`DPBudgetError`), the steps and the history are restored, so the budget check and
+            epsilon count every step since the job began. None: nothing kept.
 
     Attributes:
         plan: the :class:`DPPlan`.
-        steps_done: optimiser steps taken so far (every one accounted).
+        steps_done: optimiser steps taken so far (every one accounted; restored ones included).
+        restored_steps: the steps a ledger held when the session was built (0 for a new session).
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`DPPlan`.
+        DPBudgetError: the ledger was planned for another budget. ValueError: an unreadable or inconsistent ledger
+            (both name the site and the file).
     """
 
-    def __init__(self, plan: DPPlan, seed: int | None = None):
+    def __init__(self, plan: DPPlan, seed: int | None = None, ledger: str | os.PathLike | None = None):
         if not isinstance(plan, DPPlan):
             raise TypeError(f"DPSession needs a DPPlan (from check_budget), got {type(plan).__name__}")
         self.plan = plan
@@ -336,6 +355,47 @@ class DPSession:
         self.calls = 0
         self._engine = None
         self._generators: dict = {}
+        self.ledger = Path(ledger) if ledger is not None else None
+        self.restored_steps = 0
+        self._noise_seed = seed
+        if self.ledger is not None and self.ledger.is_file():
+            self._restore()
+
+    def _restore(self) -> None:
+        """Continue from the ledger file: same plan, its steps and the accountant's history."""
+        site, path = self.plan.site, self.ledger
+        try:
+            doc = json.loads(path.read_text())
+            hist = [(float(s), float(q), int(k)) for s, q, k in doc["history"]]
+            steps, calls, planned = int(doc["steps_done"]), int(doc["calls"]), doc["plan"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"site {site}: dp ledger {path} is unreadable ({type(e).__name__}: {e}); the spent "
+                             "budget is unknown, so training is refused (restore the file or start a new job)") from None
+        if planned != self.plan.to_dict():
+            diff = sorted(k for k in set(planned) | set(self.plan.to_dict())
+                          if planned.get(k) != self.plan.to_dict().get(k))
+            raise DPBudgetError(f"site {site}: dp ledger {path} was planned for another budget (differs in "
+                                f"{', '.join(diff)}); a site restarted mid-job keeps the job's dp plan: restore its "
+                                "site config or start a new job")
+        if sum(k for _, _, k in hist) != steps:
+            raise ValueError(f"site {site}: dp ledger {path} is inconsistent ({steps} steps spent, its history "
+                             f"holds {sum(k for _, _, k in hist)}); training is refused")
+        self.steps_done, self.calls, self.restored_steps = steps, calls, steps
+        self._engine_once().accountant.history = hist
+        if self.seed is not None and steps:
+            self._noise_seed = int(self.seed) + LEDGER_SEED_STRIDE * steps
+
+    def _write_ledger(self) -> None:
+        """Rewrite the ledger (atomically: a temporary file renamed over it)."""
+        if self.ledger is None:
+            return
+        hist = [[float(s), float(q), int(k)] for s, q, k in (self.accountant.history if self.accountant else [])]
+        doc = {"site": self.plan.site, "plan": self.plan.to_dict(), "steps_done": int(self.steps_done),
+               "calls": int(self.calls), "history": hist, "epsilon": self.epsilon()}
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.ledger.with_name(self.ledger.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.ledger)
 
     @property
     def accountant(self):
@@ -344,12 +404,12 @@ class DPSession:
 
     def noise_generator(self, device) -> torch.Generator | None:
         """The seeded generator of the noise on ``device`` (None without a seed: torch's global generator)."""
-        if self.seed is None:
+        if self._noise_seed is None:
             return None
         dev = torch.device(device)
         key = str(dev)
         if key not in self._generators:
-            self._generators[key] = torch.Generator(device=dev).manual_seed(int(self.seed))
+            self._generators[key] = torch.Generator(device=dev).manual_seed(int(self._noise_seed))
         return self._generators[key]
 
     def _engine_once(self):
@@ -426,6 +486,7 @@ class DPSession:
             def step_hook(_opt):
                 accountant.step(noise_multiplier=plan.accounted_noise_multiplier, sample_rate=plan.sample_rate)
                 self.steps_done += 1
+                self._write_ledger()
                 for fn in call.after_noise:
                     fn()
 

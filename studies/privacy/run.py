@@ -61,7 +61,7 @@ def run_seed(out: Path, data: Path, seed: int) -> None:
     from nvflare_jobs.spec import resolve
 
     args = SimpleNamespace(labels="binary", max_images=BUDGET["max_images"], sites=BUDGET["sites"], scheme="width",
-                           alpha=0.5)
+                           alpha=0.5, proto_protocol=False)
     seed_dir = out / f"seed{seed}"
     part = prepare_partition(data, seed_dir, args)
     probe = probe_part_csv(data, out)

@@ -54,10 +54,14 @@ def ohfl_finetune(rt, params, meta):
     else:
         rt.set_model(meta["global_spec"], from_numpy_state(params, GLOBAL_PREFIX))
     zero = rt.evaluate("test")
+    if rt.dp_spec is not None and rt.dp_record()["sessions"].get("train") is None and rt.dp_ledger("train").is_file():
+        # a site restarted between the two steps: the session continues from the workspace's ledger (same plan)
+        rt.dp_session("train", rt.n_train(), task_epochs(rt, tc, "local_epochs", "local_epochs")
+                      + task_epochs(rt, tc, "finetune_epochs", "finetune_epochs"))
     if rt.dp_spec is not None and rt.dp_record()["sessions"].get("train") is None:
-        raise ValueError(f"site {rt.site}: dp: the accountant of this site's local training is not in this process "
-                         "(was the site restarted between the two OHFL steps?); fine-tuning would spend an "
-                         "unaccounted budget, so it is refused")
+        raise ValueError(f"site {rt.site}: dp: the accountant of this site's local training is neither in this "
+                         "process nor in its workspace's ledger; fine-tuning would spend an unaccounted budget, so it "
+                         "is refused")
     start = {k: v.detach().cpu().clone() for k, v in rt.model.state_dict().items()}  # the fine-tuning stage's start
     hist = rt.train(task_epochs(rt, tc, "finetune_epochs", "finetune_epochs"), float(tc.get("finetune_lr") or rt.cfg["finetune_lr"]),
                     tag="finetune")

@@ -97,6 +97,28 @@ def test_a_restarted_site_process_continues_its_dp_budget_from_the_workspace(tmp
     assert fresh.dp_record()["sessions"]["train"]["steps"] == 3
 
 
+def test_the_dp_noise_is_not_reproducible_from_the_jobs_seed(tmp_path):
+    """The job's seed is known to the server and every peer; DP noise drawn from it could be regenerated and
+    subtracted. Two runs of one site config (same seed, same images) give the same weights without dp and
+    different weights with it, and the session's noise seed is not the config's seed."""
+    from hfl_components.flare.site_tasks import SiteRuntime
+
+    def weights(cfg, ws):
+        rt = SiteRuntime(cfg, tmp_path / ws)
+        rt.train(1, 0.05, dp_epochs=1) if cfg.get("dp") else rt.train(1, 0.05)
+        return rt, torch.cat([p.detach().flatten() for p in rt.model.parameters()])
+
+    for d in ("plain", "dp"):
+        (tmp_path / d).mkdir()
+    plain = _site(tmp_path / "plain", "hospital-e", 24)
+    assert torch.equal(weights(plain, "p1")[1], weights(plain, "p2")[1])  # the runtime itself is deterministic
+    cfg = _site(tmp_path / "dp", "hospital-e", 24, dp={"epsilon": 8})
+    (rt1, w1), (rt2, w2) = weights(cfg, "d1"), weights(cfg, "d2")
+    assert not torch.equal(w1, w2)
+    seeds = {rt1._dp_sessions["train"].seed, rt2._dp_sessions["train"].seed}
+    assert len(seeds) == 2 and int(cfg["seed"]) not in seeds
+
+
 def test_a_prototype_method_is_refused_under_dp_naming_the_site(tmp_path):
     from hfl_components.flare.dispatch import handler
     from hfl_components.flare.site_tasks import SiteRuntime

@@ -17,6 +17,7 @@ Message conventions (plain numpy / JSON values only, see ../shared/docs/NVFLARE.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import zlib
 from functools import partial
@@ -321,7 +322,9 @@ class SiteRuntime:
             log.warning("site %s: dp (%s): epsilon %g, delta %.3g, noise multiplier %.3f, sample rate %.4f, %d steps",
                         self.site, key, plan.target_epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate,
                         plan.steps)
-            session = DPSession(plan, seed=int(self.cfg["seed"]), ledger=self.dp_ledger(key))
+            # the noise seed comes from the OS's random source at this site, never from the job's seed: the server
+            # and every peer know that one, and whoever knows the noise can subtract it
+            session = DPSession(plan, seed=secrets.randbits(63), ledger=self.dp_ledger(key))
             if session.restored_steps:
                 log.warning("site %s: dp (%s): continuing a restarted job: %d of %d steps already spent, epsilon %.3f",
                             self.site, key, session.restored_steps, plan.steps, session.epsilon())

@@ -121,3 +121,23 @@ def test_dense_augmentation_independent_of_label():
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
     assert sum(not torch.equal(o, x) for o in outs[0]) >= 10  # most are framed
     assert torch.equal(add_bands(x, (0, 0, 0, 0), 1.0), add_bands(x, (0, 0, 0, 0), 0.0))
+
+
+def test_write_profile_puts_frame_mask_into_every_model_spec(tmp_path):
+    import yaml
+
+    from hfl_components.flare.site_config import load_site_config
+    from nvflare_jobs.profiles import write_profile
+
+    (tmp_path / "part" / "sites").mkdir(parents=True)
+    for i in (1, 2):
+        (tmp_path / "part" / "sites" / f"site-{i}.csv").write_text("path,label,split\n")
+    out = write_profile(tmp_path / "part", tmp_path / "cfg", "ohfl", "binary", [64, 96],
+                        {"frame_mask": 0.08, "augment": "border_dense", "aspect": "crop", "feature_dim": 64})
+    for i in (1, 2):
+        raw = yaml.safe_load((out / f"site-{i}.yaml").read_text())
+        assert raw["model"]["frame_mask"] == 0.08 and raw["augment"] == "border_dense" and "frame_mask" not in raw
+        cfg = load_site_config(f"site-{i}", out / f"site-{i}.yaml", require_data=False)
+        assert cfg["model"]["frame_mask"] == 0.08
+    plain = write_profile(tmp_path / "part", tmp_path / "cfg2", "ohfl", "binary", [64, 96], {"frame_mask": None})
+    assert "frame_mask" not in yaml.safe_load((plain / "site-1.yaml").read_text())["model"]

@@ -413,6 +413,7 @@ data:
   manifest: /data/cxr/{site}.csv   # CSV: path,label,split[,patient_id,width,height] (cxr-hfl partition writes one)
   labels: binary                   # binary (NORMAL/PNEUMONIA) | subtype (NORMAL/BACTERIAL/VIRAL): as the consortium
 model: {{family: cnn, depth: medium, width: 1.0}}   # as agreed with the coordinator (fedsaf/fedtopo: + feature_dim)
+#                                  # cnn/vgg11 may add frame_mask: 0.08 (outer share of each side masked, as agreed)
 input_size: 96                     # px; what your hardware affords (16..1024)
 batch_size: 16
 # device: auto                     # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)

@@ -141,3 +141,40 @@ def test_write_profile_puts_frame_mask_into_every_model_spec(tmp_path):
         assert cfg["model"]["frame_mask"] == 0.08
     plain = write_profile(tmp_path / "part", tmp_path / "cfg2", "ohfl", "binary", [64, 96], {"frame_mask": None})
     assert "frame_mask" not in yaml.safe_load((plain / "site-1.yaml").read_text())["model"]
+
+
+def _summary(folder, k, rows):
+    import csv
+
+    from studies.border.measure import SUMMARY_COLUMNS
+
+    d = folder / f"seed{k}"
+    d.mkdir(parents=True, exist_ok=True)
+    with (d / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for arm, within, auc, margin, own in rows:
+            w.writerow({"arm": arm, "seed": k, "n_models": 6, "n_within": 6 if within else 0, "all_within": within,
+                        "worst_change": 0.01, "mean_tuning_auc": auc, "metadata_auc": auc - margin, "margin": margin,
+                        "own_test_auc": own, "own_test_bal_acc": 0.9, "own_test_n": 87, "aspect_abs_dp_own_test": 0})
+
+
+def test_rule2_staged_decision_hand_cases(tmp_path):
+    from studies.border.rule2 import decide
+
+    first, res = tmp_path / "first", tmp_path / "res"
+    for k in (0, 1, 2):
+        _summary(first, k, [("default", False, 0.955, 0.115, 0.97)])
+    # mask_crop: (a)(b)(c) at seeds 0-2; dense_crop: fails (a) at seed 0 and stops
+    _summary(res, 0, [("mask_crop", True, 0.950, 0.125, 0.960), ("dense_crop", False, 0.96, 0.13, 0.97)])
+    d = decide(res, first)
+    assert d["status"]["dense_crop"] == "stopped: fails at seed 0"
+    assert d["status"]["mask_crop"] == "open: seeds 1,2 not run" and d["chosen"] is None
+    _summary(res, 1, [("mask_crop", True, 0.950, 0.121, 0.962)])
+    _summary(res, 2, [("mask_crop", True, 0.944, 0.121, 0.964)])  # 0.944 < 0.955 - 0.01: (b) fails at seed 2
+    d = decide(res, first)
+    assert d["status"]["mask_crop"] == "stopped: fails at seed 2" and d["chosen"] is None
+    _summary(res, 2, [("mask_crop", True, 0.946, 0.121, 0.964)])
+    d = decide(res, first)
+    assert d["eligible"] == ["mask_crop"] and d["chosen"] == "mask_crop"
+    assert abs(d["own_test_auc_mean"]["mask_crop"] - (0.960 + 0.962 + 0.964) / 3) < 1e-12

@@ -133,12 +133,13 @@ def test_write_profile_puts_frame_mask_into_every_model_spec(tmp_path):
     for i in (1, 2):
         (tmp_path / "part" / "sites" / f"site-{i}.csv").write_text("path,label,split\n")
     out = write_profile(tmp_path / "part", tmp_path / "cfg", "ohfl", "binary", [64, 96],
-                        {"frame_mask": 0.08, "augment": "border_dense", "aspect": "crop", "feature_dim": 64})
+                        {"frame_mask": 0.08, "frame_rescale": True, "augment": "border_dense", "aspect": "crop",
+                         "feature_dim": 64})
     for i in (1, 2):
         raw = yaml.safe_load((out / f"site-{i}.yaml").read_text())
         assert raw["model"]["frame_mask"] == 0.08 and raw["augment"] == "border_dense" and "frame_mask" not in raw
         cfg = load_site_config(f"site-{i}", out / f"site-{i}.yaml", require_data=False)
-        assert cfg["model"]["frame_mask"] == 0.08
+        assert cfg["model"]["frame_mask"] == 0.08 and cfg["model"]["frame_rescale"] is True
     plain = write_profile(tmp_path / "part", tmp_path / "cfg2", "ohfl", "binary", [64, 96], {"frame_mask": None})
     assert "frame_mask" not in yaml.safe_load((plain / "site-1.yaml").read_text())["model"]
 
@@ -178,3 +179,29 @@ def test_rule2_staged_decision_hand_cases(tmp_path):
     d = decide(res, first)
     assert d["eligible"] == ["mask_crop"] and d["chosen"] == "mask_crop"
     assert abs(d["own_test_auc_mean"]["mask_crop"] - (0.960 + 0.962 + 0.964) / 3) < 1e-12
+
+
+def test_frame_rescale_makes_the_inner_input_independent_of_the_band_colour():
+    # a whole-image min-max (the pipeline's ScaleIntensity) after a white band darkens the film; the model's inner
+    # rescaling undoes any affine change of the inner region, so black / grey / white bands give the same input
+    g = torch.Generator().manual_seed(5)
+    film = 0.2 + 0.6 * torch.rand(2, 1, 64, 64, generator=g)  # content in [0.2, 0.8]
+    outs = []
+    for value in (0.0, 0.5, 1.0):
+        b = film.clone()
+        for sl in ((..., slice(0, 4), slice(None)), (..., slice(-4, None), slice(None)),
+                   (..., slice(None), slice(0, 4)), (..., slice(None), slice(-4, None))):
+            b[sl] = value
+        lo, hi = b.amin(dim=(-2, -1), keepdim=True), b.amax(dim=(-2, -1), keepdim=True)
+        scaled = (b - lo) / (hi - lo)  # ScaleIntensity over the whole framed image
+        outs.append(scaled)
+    dark = [float(o[..., 6:-6, 6:-6].mean()) for o in outs]
+    outs = [apply_frame_mask(o, 0.08, 0.5, rescale=True) for o in outs]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[0], outs[2], atol=1e-6)
+    m = frame_mask_width(64, 0.08)
+    assert dark[2] < dark[0] - 0.05  # without the rescale, the same pixels darker after a white band's scaling
+    inner = outs[0][..., m:-m, m:-m]
+    assert float(inner.amin()) == 0.0 and abs(float(inner.amax()) - 1.0) < 1e-6
+    assert resolve_fusable_spec({"family": "cnn", "frame_mask": 0.08, "frame_rescale": True})["frame_rescale"]
+    with pytest.raises(ValueError, match="frame_rescale"):
+        resolve_fusable_spec({"family": "cnn", "frame_rescale": True})  # only with a mask

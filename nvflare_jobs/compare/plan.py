@@ -51,6 +51,8 @@ class CompareOptions:
     augment: str | None = None
     # share of each side masked in every fusable site model's input (model spec ``frame_mask``); None: no mask
     frame_mask: float | None = None
+    # with frame_mask: the inner region min-max scaled by its own extremes in the model (model spec frame_rescale)
+    frame_rescale: bool = False
     no_audit: bool = False
     dry_run: bool = False
     proto_protocol: bool = False

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-ARMS = ["mask_crop", "dense_crop"]  # the tie order: ... within 0.005 the arm without the mask wins (see decide)
+ARMS = ["mask_crop", "dense_crop", "maskscale_crop"]  # ties: the arm without the mask, then this order
 HERE = Path(__file__).parent
 
 

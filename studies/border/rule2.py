@@ -4,7 +4,7 @@ supplementary wide-band probe of the masked arm.
 The arms' per-seed summaries are ``measure.py``'s (``studies/border/results2/seed<k>/summary.csv``); criterion (b)
 compares with ``default``'s row of the first rule (``studies/border/results/seed<k>/summary.csv``).
 
-``python -m studies.border.rule2 --table`` prints the per-seed table with criteria (a)-(c) and the operating-point
+``python -m studies.border.rule2 --table --seeds 0`` prints the per-seed table with criteria (a)-(c) and the operating-point
 endpoints; ``--decide`` the rule's decision as JSON; ``--wide RUN_FOLDER --arm ARM --seeds K`` probes every deployed
 model of a run with bands of ``--fraction`` (default 0.12) of each side and writes
 ``results2/seed<k>/<arm>/wide_<fraction>.json``.
@@ -152,20 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decide", action="store_true")
     ap.add_argument("--wide", help="a comparison folder of one arm: probe with wider bands")
     ap.add_argument("--arm")
-    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of the tables / the wide probe")
     ap.add_argument("--fraction", type=float, default=0.12)
     ap.add_argument("--data-root", default="../shared/data")
     a = ap.parse_args(argv)
     res, first = Path(a.results), Path(a.first)
+    seeds = tuple(int(k) for k in a.seeds.split(","))
     if a.table:
-        print(table(res, first) + "\n\n" + model_table(res))
+        print(table(res, first, seeds) + "\n\n" + model_table(res, seeds))
     if a.decide:
         print(json.dumps(decide(res, first), indent=1))
     if a.wide:
         import torch
 
         torch.set_num_threads(1)
-        for k in (int(s) for s in a.seeds.split(",")):
+        for k in seeds:
             wide_probe(Path(a.wide) / f"seed{k}" / "ohfl", a.arm, k, a.fraction, Path(a.data_root), res)
     return 0
 

@@ -205,3 +205,17 @@ def test_frame_rescale_makes_the_inner_input_independent_of_the_band_colour():
     assert resolve_fusable_spec({"family": "cnn", "frame_mask": 0.08, "frame_rescale": True})["frame_rescale"]
     with pytest.raises(ValueError, match="frame_rescale"):
         resolve_fusable_spec({"family": "cnn", "frame_rescale": True})  # only with a mask
+
+
+def test_compare_command_line_passes_the_frame_options(tmp_path):
+    from nvflare_jobs.cli import build_parser
+    from nvflare_jobs.compare import CompareOptions
+
+    def opts(*extra):
+        return CompareOptions.from_mapping(vars(build_parser().parse_args(
+            ["compare", "--out", str(tmp_path / "c"), "--augment", "border_dense", *extra])))
+
+    a = opts("--frame-mask", "0.08", "--frame-rescale")
+    assert (a.frame_mask, a.frame_rescale, a.augment) == (0.08, True, "border_dense")
+    b = opts()
+    assert (b.frame_mask, b.frame_rescale) == (None, False)  # defaults: no mask

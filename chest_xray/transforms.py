@@ -55,6 +55,16 @@ BAND_VALUES = {"black": 0.0, "grey": 0.5, "white": 1.0}
 #: Border augmentation: probability per image, and the range of each band's width as a share of its side.
 BORDER_PROB = 0.5
 BORDER_FRACTION_RANGE = (0.02, 0.12)
+#: The site-config ``augment`` value of dense border augmentation: most images of every class framed, wider bands,
+#: most often on all four sides, in black / grey / white or any grey level (:data:`BORDER_PROFILES`).
+AUGMENT_BORDER_DENSE = "border_dense"
+#: ``augment`` value -> :class:`RandBandPadd` arguments: probability per image, width range as a share of the side,
+#: probability of each side carrying a band, and whether one colour draw in len(values) + 1 is any grey in [0, 1].
+BORDER_PROFILES = {
+    AUGMENT_BORDER: {"prob": BORDER_PROB, "fraction_range": BORDER_FRACTION_RANGE, "side_prob": 0.5,
+                     "uniform_values": False},
+    AUGMENT_BORDER_DENSE: {"prob": 0.8, "fraction_range": (0.02, 0.20), "side_prob": 0.75, "uniform_values": True},
+}
 #: Inference-time band crop: a row / column is part of a uniform band when its pixels' standard deviation is below
 #: this (on [0, 1]) and its mean within it of the outermost row's; at most this share of a side is cropped.
 UNIFORM_TOLERANCE = 0.02
@@ -155,8 +165,9 @@ class BandPad(Transform):
 
 class RandBandPad(RandomizableTransform):
     """Border augmentation (array transform, channel first): with probability ``prob`` frame the image with bands of
-    one colour drawn from ``values`` (default black, grey and white, :data:`BAND_VALUES`), on a random non-empty
-    set of sides (each side with probability 1/2), each band's width a uniform share of its side in
+    one colour drawn from ``values`` (default black, grey and white, :data:`BAND_VALUES`; with ``uniform_values``
+    one draw in len(values) + 1 is instead a uniform grey in [0, 1]), on a random non-empty set of sides (each side
+    with probability ``side_prob``, default 1/2), each band's width a uniform share of its side in
     ``fraction_range``; the image keeps its size (:func:`add_bands`). Applied to every class, this teaches the
     model that a frame says nothing about the label (the shortcut of augmenting only the minority class: a black
     border meant NORMAL). As MONAI's ``RandFlip`` wraps ``Flip``: :meth:`randomize` draws the parameters
@@ -164,15 +175,19 @@ class RandBandPad(RandomizableTransform):
     """
 
     def __init__(self, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
-                 values: Sequence[float] = tuple(BAND_VALUES.values())):
+                 values: Sequence[float] = tuple(BAND_VALUES.values()), side_prob: float = 0.5,
+                 uniform_values: bool = False):
         RandomizableTransform.__init__(self, prob)
         lo, hi = fraction_range
         if not 0 <= lo <= hi < 0.5:
             raise ValueError(f"fraction_range must satisfy 0 <= low <= high < 0.5, got {fraction_range}")
         if not values:
             raise ValueError("values must name at least one band colour")
+        if not 0 < side_prob <= 1:
+            raise ValueError(f"side_prob must be in (0, 1], got {side_prob}")
         self.fraction_range = (float(lo), float(hi))
         self.values = tuple(float(v) for v in values)
+        self.side_prob, self.uniform_values = float(side_prob), bool(uniform_values)
         self.params: dict | None = None
 
     def randomize(self, data: Any = None, shape: Sequence[int] | None = None) -> None:
@@ -182,12 +197,14 @@ class RandBandPad(RandomizableTransform):
             self.params = None
             return
         h, w = int(shape[-2]), int(shape[-1])
-        sides = self.R.rand(4) < 0.5
+        sides = self.R.rand(4) < self.side_prob
         if not sides.any():
             sides[self.R.randint(4)] = True
         frac = self.R.uniform(*self.fraction_range, size=4)
         widths = [int(round(f * (h if i < 2 else w))) if on else 0 for i, (f, on) in enumerate(zip(frac, sides))]
-        self.params = {"widths": widths, "value": self.values[self.R.randint(len(self.values))]}
+        k = self.R.randint(len(self.values) + int(self.uniform_values))
+        value = self.values[k] if k < len(self.values) else float(self.R.uniform(0.0, 1.0))
+        self.params = {"widths": widths, "value": value}
 
     def __call__(self, img, randomize: bool = True):
         if randomize:
@@ -201,9 +218,10 @@ class RandBandPadd(Randomizable, MapTransform):
     """Dictionary version of :class:`RandBandPad`: one draw per sample, applied to every key in ``keys``."""
 
     def __init__(self, keys, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
-                 values: Sequence[float] = tuple(BAND_VALUES.values()), allow_missing_keys: bool = False):
+                 values: Sequence[float] = tuple(BAND_VALUES.values()), allow_missing_keys: bool = False,
+                 side_prob: float = 0.5, uniform_values: bool = False):
         MapTransform.__init__(self, keys, allow_missing_keys)
-        self.padder = RandBandPad(prob, fraction_range, values)
+        self.padder = RandBandPad(prob, fraction_range, values, side_prob, uniform_values)
 
     def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None):
         super().set_random_state(seed, state)
@@ -266,7 +284,7 @@ def _center_square(img: np.ndarray) -> np.ndarray:
 
 
 def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] | None = None,
-                     aspect: str = DEFAULT_ASPECT, *, border_augment: bool = False, crop_bands: bool = False,
+                     aspect: str = DEFAULT_ASPECT, *, border_augment: bool | str = False, crop_bands: bool = False,
                      raw_band: tuple[float, float] | None = None) -> Compose:
     """MONAI ``Compose`` of dictionary transforms for one site's input size.
 
@@ -291,8 +309,10 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
             the same choice: a model trained on letterboxed Kermany images learns the padding share (by itself it
             separates the classes of ``chest_xray_original``; ``docs/decisions.md``) and fails on unpadded images.
         border_augment: train mode only: frame images of *every* class with random black / grey / white bands
-            (:class:`RandBandPadd`, probability :data:`BORDER_PROB`, before flip and affine; the site-config value
-            ``augment: border``). Not restricted to ``augment_classes``: a frame on one class only is a label cue.
+            (:class:`RandBandPadd`, before flip and affine): True or ``"border"`` (site-config ``augment: border``,
+            probability :data:`BORDER_PROB`), ``"border_dense"`` (``augment: border_dense``), the arguments of
+            :data:`BORDER_PROFILES`; False: none. Not restricted to ``augment_classes``: a frame on one class only
+            is a label cue.
         crop_bands: remove uniform bands framing the decoded image (:func:`crop_uniform_bands`) before squaring,
             in both modes (defence in depth at inference; not the fix of a border shortcut).
         raw_band: ``(fraction, value)``: add bands of ``fraction`` of each side and colour ``value`` to the
@@ -304,7 +324,7 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         in [0, 1], "label": int}``.
 
     Raises:
-        ValueError: unknown mode or aspect, or input_size < 8.
+        ValueError: unknown mode, aspect or border_augment profile, or input_size < 8.
         RuntimeError: when applied to an unreadable file; MONAI wraps every transform error, and the
             ``__cause__`` is the :class:`chest_xray.ImageReadError` naming the file.
     """
@@ -315,6 +335,9 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         raise ValueError(f"input_size must be >= 8, got {input_size}")
     if aspect not in ASPECTS:
         raise ValueError(f"unknown aspect {aspect!r}; expected one of {ASPECTS}")
+    border = AUGMENT_BORDER if border_augment is True else border_augment or None
+    if border is not None and border not in BORDER_PROFILES:
+        raise ValueError(f"unknown border_augment {border_augment!r}; expected one of {tuple(BORDER_PROFILES)}")
     if aspect == "letterbox":
         square = [Resized(keys="image", spatial_size=s, size_mode="longest", mode="area"),
                   ResizeWithPadOrCropd(keys="image", spatial_size=(s, s), mode="constant")]
@@ -354,8 +377,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
                 ),
             ]
         )
-        if border_augment:  # every class: a frame on one class only would be a label cue
-            steps.append(RandBandPadd(keys="image"))
+        if border is not None:  # every class: a frame on one class only would be a label cue
+            steps.append(RandBandPadd(keys="image", **BORDER_PROFILES[border]))
         steps.append(ApplyToClassesd(augment, augment_classes))
         steps.append(EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False))
     return Compose(steps)
@@ -410,7 +433,7 @@ def make_site_dataset(
     seed: int | None = None,
     cache_workers: int = 1,
     aspect: str = DEFAULT_ASPECT,
-    border_augment: bool = False,
+    border_augment: bool | str = False,
     crop_bands: bool = False,
 ) -> torch.utils.data.Dataset:
     """A cached torch Dataset of one site's images at its input size.

@@ -251,7 +251,8 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     heterogeneous backbones and the prototype methods' training defaults :data:`PROTO_TRAINING` (``settings`` keys
     win). ``cxr-hfl compare`` passes ``proto=True`` for Local when it is compared with the prototype methods, so
     Local trains the same backbones. ``families``: one model family per site (:func:`assign_models`; ignored for
-    prototype backbones)."""
+    prototype backbones). ``settings["frame_mask"]``, ``settings["frame_rescale"]`` (optional): written into every site's
+    model spec."""
     settings = dict(settings)
     settings.setdefault("share_predictions", True)
     sites = sorted((p.stem for p in (partition_dir / "sites").glob("*.csv")), key=_site_key)
@@ -264,6 +265,10 @@ def write_profile(partition_dir: Path, out_dir: Path, method: str, labels: str, 
     models = assign_models(sites, prototype_methods()[0] if proto else method, input_sizes, num_classes,
                            feature_dim=int(settings.pop("feature_dim", 64)),
                            families=None if proto else parse_families(families, len(sites)))
+    mask, rescale = settings.pop("frame_mask", None), settings.pop("frame_rescale", False)
+    if mask:  # a share of each side masked in the model's input (fusable families' model spec keys)
+        for m in models.values():
+            m["model"] = {**m["model"], "frame_mask": float(mask), **({"frame_rescale": True} if rescale else {})}
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.yaml"):
         old.unlink()

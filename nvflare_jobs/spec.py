@@ -87,7 +87,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "(docs/decisions.md)"),
     Option("augment", str, None, AUGMENTS, "training augmentation of every site, written into each generated site "
            "config: monai (default: flip + affine per image), batch (per collated batch), border (monai + random "
-           "black/grey/white bands framing every class)"),
+           "black/grey/white bands framing every class), border_dense (bands on most images, wider, any grey)"),
     Option("families", str, None, help="one model family per site, comma-separated in site order (cnn, vgg11, "
            "hetero_cnn, densenet, resnet, efficientnet), e.g. cnn,cnn,densenet,densenet,resnet,resnet (default: cnn "
            "at every site; not for prototype methods)"),

@@ -39,8 +39,9 @@ import yaml
 ENV_DIR = "CXR_HFL_SITE_CONFIG_DIR"
 LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 #: training augmentation implementations (site-config key ``augment``): the first is the default
-#: ``border`` = monai plus random black / grey / white bands framing every class (chest_xray AUGMENT_BORDER)
-AUGMENTS = ("monai", "batch", "border")
+#: ``border`` = monai plus random black / grey / white bands framing every class (chest_xray AUGMENT_BORDER);
+#: ``border_dense`` = the same with most images framed, wider bands and any grey (chest_xray BORDER_PROFILES)
+AUGMENTS = ("monai", "batch", "border", "border_dense")
 
 DEFAULTS = {
     "input_size": 64,
@@ -328,7 +329,7 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
     for key in ("balanced_sampling", "fast_augment", "keep_for_processing", "skip_other_body_parts"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
-    if cfg["fast_augment"] and raw.get("augment") in ("monai", "border"):  # the tensor path would silently win
+    if cfg["fast_augment"] and raw.get("augment") in ("monai", "border", "border_dense"):  # the tensor path would silently win
         raise _err(site, path, "augment", f"{raw['augment']} has no effect with fast_augment: true (flip + shift "
                                           "on cached tensors); set fast_augment: false to augment per image with MONAI")
     if cfg["class_weights"] not in (None, "balanced"):
@@ -412,6 +413,7 @@ data:
   manifest: /data/cxr/{site}.csv   # CSV: path,label,split[,patient_id,width,height] (cxr-hfl partition writes one)
   labels: binary                   # binary (NORMAL/PNEUMONIA) | subtype (NORMAL/BACTERIAL/VIRAL): as the consortium
 model: {{family: cnn, depth: medium, width: 1.0}}   # as agreed with the coordinator (fedsaf/fedtopo: + feature_dim)
+#                                  # cnn/vgg11 may add frame_mask: 0.08 (outer share of each side masked, as agreed)
 input_size: 96                     # px; what your hardware affords (16..1024)
 batch_size: 16
 # device: auto                     # auto | cpu | cuda | cuda:N (auto = the first GPU when PyTorch sees one)
@@ -432,7 +434,7 @@ batch_size: 16
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: all             # all (default) | auto (minority classes only: a label shortcut) | [] (none) | [0, 1]
-# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster) | border (monai + random bands)
+# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster) | border (monai + random bands) | border_dense (more, wider)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs

@@ -206,7 +206,8 @@ class SiteRuntime:
                     ds = make_site_dataset(rows, size, "train" if train_mode else "eval", augment_classes=aug,
                                            cache_dir=self.cfg.get("cache_dir"),
                                            aspect=self.cfg.get("aspect", "stretch"),
-                                           border_augment=train_mode and self.cfg.get("augment") == "border")
+                                           border_augment=(self.cfg.get("augment") if train_mode and self.cfg.get(
+                                               "augment") in ("border", "border_dense") else False))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:

@@ -37,7 +37,8 @@ FAMILIES: dict[str, dict] = {
     },
 }
 DEPTH_ORDER = {"shallow": 0, "medium": 1, "deep": 2}
-SPEC_KEYS = {"family", "depth", "width", "in_channels", "num_classes", "stages", "hidden", "pool"}
+SPEC_KEYS = {"family", "depth", "width", "in_channels", "num_classes", "stages", "hidden", "pool", "frame_mask",
+             "frame_rescale"}
 
 
 @dataclass
@@ -105,13 +106,51 @@ def resolve_fusable_spec(spec: dict) -> dict:
     n_cls = int(spec.get("num_classes", 2))
     if in_ch <= 0 or n_cls < 2:
         raise ValueError(f"in_channels must be >= 1 and num_classes >= 2, got {in_ch}, {n_cls}")
-    return {
+    out = {
         "stages": stages,
         "hidden": hidden,
         "pool": int(spec.get("pool", fam["pool"])),
         "in_channels": in_ch,
         "num_classes": n_cls,
     }
+    mask = spec.get("frame_mask", 0.0)
+    if isinstance(mask, bool) or not isinstance(mask, (int, float)) or not 0 <= float(mask) < 0.5:
+        raise ValueError(f"model spec frame_mask must be a share of the side in [0, 0.5), got {mask!r}")
+    if float(mask) > 0:  # absent (0) for every model without a mask, so their resolved specs are unchanged
+        out["frame_mask"] = float(mask)
+    rescale = spec.get("frame_rescale", False)
+    if not isinstance(rescale, bool) or (rescale and not float(mask) > 0):
+        raise ValueError(f"model spec frame_rescale must be true or false, and true only with a frame_mask > 0, got "
+                         f"{rescale!r} with frame_mask {mask!r}")
+    if rescale:
+        out["frame_rescale"] = True
+    return out
+
+
+def frame_mask_width(side: int, fraction: float) -> int:
+    """Pixels of a side of ``side`` px that a frame mask of ``fraction`` covers: ceil(fraction x side), so that a
+    band of ``fraction`` of the side, rounded either way, lies inside the mask."""
+    return int(math.ceil(float(fraction) * int(side) - 1e-9)) if fraction > 0 else 0
+
+
+def apply_frame_mask(x: torch.Tensor, fraction: float, value: float, rescale: bool = False) -> torch.Tensor:
+    """(..., H, W) -> the same with the outer :func:`frame_mask_width` rows and columns of each side set to the
+    constant ``value``: whatever a file's frame holds there never reaches the network. With ``rescale`` the inner
+    region is first min-max scaled to [0, 1] per image and channel by its own extremes (a constant inner region
+    becomes 0), so a frame cannot reach the network through the whole-image intensity scaling either (a bright
+    frame sets the image's maximum and darkens the film under a whole-image min-max). Not in place."""
+    if fraction <= 0:
+        return x
+    h, w = x.shape[-2:]
+    th, tw = frame_mask_width(h, fraction), frame_mask_width(w, fraction)
+    inner = x[..., th:h - th, tw:w - tw]
+    if rescale:
+        lo = inner.amin(dim=(-2, -1), keepdim=True)
+        span = inner.amax(dim=(-2, -1), keepdim=True) - lo
+        inner = (inner - lo) / torch.where(span > 0, span, torch.ones_like(span))
+    out = torch.full_like(x, float(value))
+    out[..., th:h - th, tw:w - tw] = inner
+    return out
 
 
 class FusableNet(nn.Module):
@@ -120,10 +159,19 @@ class FusableNet(nn.Module):
     Input (B, in_channels, H, W) with H, W >= 2**n_stages; output logits (B, num_classes).
     State-dict keys: ``convs.<i>.weight/bias`` (global conv index i), ``fcs.<j>.weight/bias``,
     ``classifier.weight/bias``.
+
+    ``frame_mask`` (spec key, share of each side in [0, 0.5); default 0 = none): the outer
+    :func:`frame_mask_width` pixels of every side of the input are set to :attr:`INPUT_MEAN` (0 after the input
+    standardisation, as the convolutions' zero padding) before the first layer, in training and at inference
+    alike, so a frame of up to that share of the side in the image cannot move the output. No weights; the state
+    dict is the same as without it. ``frame_rescale`` (spec key, only with a mask): the inner region is min-max
+    scaled by its own extremes first (:func:`apply_frame_mask`).
     """
 
-    def __init__(self, stages, hidden, pool, in_channels, num_classes):
+    def __init__(self, stages, hidden, pool, in_channels, num_classes, frame_mask: float = 0.0,
+                 frame_rescale: bool = False):
         super().__init__()
+        self.frame_mask, self.frame_rescale = float(frame_mask), bool(frame_rescale)
         self.stages = [list(s) for s in stages]
         self.hidden = list(hidden)
         self.pool = int(pool)
@@ -166,6 +214,7 @@ class FusableNet(nn.Module):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) images in [0, 1] -> (B, d) post-ReLU activations of the last hidden fc layer."""
+        x = apply_frame_mask(x, self.frame_mask, self.INPUT_MEAN, self.frame_rescale)
         x = (x - self.INPUT_MEAN) / self.INPUT_STD
         i = 0
         for stage in self.stages:
@@ -196,7 +245,8 @@ class FusableNet(nn.Module):
 def build_fusable(spec: dict) -> FusableNet:
     """Build a :class:`FusableNet` from a JSON-able spec (see :func:`resolve_fusable_spec`)."""
     r = resolve_fusable_spec(spec)
-    return FusableNet(r["stages"], r["hidden"], r["pool"], r["in_channels"], r["num_classes"])
+    return FusableNet(r["stages"], r["hidden"], r["pool"], r["in_channels"], r["num_classes"],
+                      frame_mask=r.get("frame_mask", 0.0), frame_rescale=r.get("frame_rescale", False))
 
 
 def explicit_spec(spec: dict, stages=None, hidden=None) -> dict:

@@ -150,7 +150,8 @@ class _FusableTrunk(nn.Module):
         super().__init__()
         self.convs, self.fcs, self.avgpool = net.convs, net.fcs, net.avgpool
         self.stages, self.out_dim = net.stages, net.feature_dim
-        self.INPUT_MEAN, self.INPUT_STD = net.INPUT_MEAN, net.INPUT_STD
+        self.INPUT_MEAN, self.INPUT_STD, self.frame_mask = net.INPUT_MEAN, net.INPUT_STD, net.frame_mask
+        self.frame_rescale = net.frame_rescale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return FusableNet.features(self, x)  # same code path as the fusable family (uses convs/fcs/avgpool)

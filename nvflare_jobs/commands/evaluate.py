@@ -121,12 +121,20 @@ def _add_compare(c) -> None:
 
     for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square (default stretch)"}),
                      ("--augment", {"choices": AUGMENTS, "help": "pass-through: every site's training augmentation "
-                                                                 "(default monai; border adds random bands)"}),
+                                                                 "(default monai; border / border_dense add random bands)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true",
                                     "help": "print the budget and the simulate commands only; writes nothing"})):
         c.add_argument(flag, **kw)
+    _add_frame_mask(c)
     c.set_defaults(func=run_compare)
+
+
+def _add_frame_mask(c) -> None:
+    c.add_argument("--frame-mask", type=float, help="share of each side of every fusable site model's input set to a "
+                   "constant in training and inference (model spec frame_mask, e.g. 0.08; default none)")
+    c.add_argument("--frame-rescale", action="store_true", help="with --frame-mask: the model min-max scales the "
+                   "region inside the mask by its own extremes (model spec frame_rescale)")
 
 
 def _add_evaluate(sub) -> None:

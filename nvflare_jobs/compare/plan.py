@@ -49,6 +49,10 @@ class CompareOptions:
     families: str | None = None
     aspect: str | None = None
     augment: str | None = None
+    # share of each side masked in every fusable site model's input (model spec ``frame_mask``); None: no mask
+    frame_mask: float | None = None
+    # with frame_mask: the inner region min-max scaled by its own extremes in the model (model spec frame_rescale)
+    frame_rescale: bool = False
     no_audit: bool = False
     dry_run: bool = False
     proto_protocol: bool = False

@@ -83,7 +83,8 @@ def write_method_profile(part: Path, run_dir: Path, method: str, seed: int, args
                 "finetune_epochs": (plan["finetune_epochs"] if entry_of(method).schedule == "one_shot"
                                     else plan["finetune_epochs"] or 10), "seed": seed, "threads": 1,
                 "max_train_images": args.max_train_images, "feature_dim": 64,
-                "aspect": args.aspect, "augment": args.augment}
+                "aspect": args.aspect, "augment": args.augment, "frame_mask": args.frame_mask,
+                "frame_rescale": args.frame_rescale}
     proto = True if args.proto_protocol else None  # Local on the prototype methods' backbones
     return write_profile(part, run_dir / PROFILE_DIR, base, args.labels, _input_sizes(args), settings, proto=proto,
                          families=args.families)

@@ -326,10 +326,17 @@ def _check_inputs(student_sizes, teachers, images) -> tuple[list[int], set[int],
     return sizes, need, counts.pop()
 
 
-def _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g, dev):
+def _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g, dev, targets=None):
     """The training images (originals and, with ``augment``, their augmented views) at the student's sizes with
-    the ensemble's targets, and the held-aside images with theirs: ``(train, train_q, val, val_q)``; ``val`` and
-    ``val_q`` are None when nothing is held aside."""
+    the ensemble's targets (or the rows of the given ``targets``), and the held-aside images with theirs:
+    ``(train, train_q, val, val_q)``; ``val`` and ``val_q`` are None when nothing is held aside."""
+    if targets is not None:
+        q = targets.to(dev, torch.float32)
+        train = {s: _channels_last(images[s][train_idx].to(dev, torch.float32)) for s in sizes}
+        if not val_idx.numel():
+            return train, q[train_idx.to(dev)], None, None
+        val = {s: _channels_last(images[s][val_idx].to(dev, torch.float32)) for s in sizes}
+        return train, q[train_idx.to(dev)], val, q[val_idx.to(dev)]
     for t in teachers:
         t.model.to(dev).eval()
     T = float(cfg.temperature)
@@ -391,7 +398,8 @@ class _BestKeeper:
 
 
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
-            config: DistillConfig | None = None, device=None, log=None) -> DistillResult:
+            config: DistillConfig | None = None, device=None, log=None, targets: torch.Tensor | None = None
+            ) -> DistillResult:
     """Train ``student`` (in place) to match the teachers' ensemble on unlabelled images (FedDF, Lin et al. 2020,
     Algorithm 1, server part; soft targets of Hinton et al. 2015).
 
@@ -414,12 +422,17 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         config: :class:`DistillConfig` (required: its ``steps`` has no default here).
         device: where the passes run (``torch.device`` or name; None: CPU).
         log: optional callable for progress lines.
+        targets: None (the teachers' weighted ensemble labels the images), or (N, C) soft targets of the N images
+            at the config's temperature, given by the caller (e.g. a learned teacher,
+            :func:`hfl_components.fusion.stacking.stacked_targets`); the teachers then label nothing, and
+            ``augment`` is refused (augmented views have no given targets).
 
     Returns:
         :class:`DistillResult` (the student is modified in place and left in eval mode on ``device``).
 
     Raises:
-        ValueError: no config, no teachers, sizes without images, images of different counts, bad config.
+        ValueError: no config, no teachers, sizes without images, images of different counts, bad config, given
+        targets whose shape is not (N, C) or together with ``augment``.
     """
     if config is None:
         raise ValueError("distill needs a DistillConfig with its step budget (the main job's: the catalogue "
@@ -429,6 +442,10 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     dev = torch.device(device) if device is not None else torch.device("cpu")
     teachers = list(teachers)
     sizes, need, n = _check_inputs(student_sizes, teachers, images)
+    if targets is not None and (targets.ndim != 2 or targets.shape[0] != n or (cfg.augment and
+                                                                              int(cfg.augment_copies) > 0)):
+        raise ValueError(f"given distillation targets must be ({n}, C) for the {n} images and need augment off, got "
+                         f"shape {tuple(targets.shape)} with augment {cfg.augment}")
     train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
@@ -440,7 +457,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     T = float(cfg.temperature)
     g = torch.Generator().manual_seed(int(cfg.seed) + 1)
     train, train_q, val, val_q = _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g,
-                                                dev)
+                                                dev, targets)
 
     _channels_last(student)  # the same function, faster CPU passes; the caller's layout is restored at the end
     keeper = _BestKeeper(student, val, val_q, sizes, T, res)

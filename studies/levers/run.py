@@ -69,8 +69,15 @@ def summarise_arm(run: Path) -> dict:
     return row
 
 
-def summarise_seed(out: Path, seed: int) -> dict:
-    rows = {arm: summarise_arm(out / f"seed{seed}" / method) for arm, method in ARMS.items()}
+def _run_dir(outs: list[Path], seed: int, method: str) -> Path:
+    """The arm's run folder in the first comparison folder that holds it finished (arms may run in parallel
+    comparisons on the same partitions: ``compare`` draws a seed's partition from the data and the seed alone)."""
+    runs = [o / f"seed{seed}" / method for o in outs]
+    return next((r for r in runs if (r / "metrics.json").is_file()), runs[0])
+
+
+def summarise_seed(outs: list[Path], seed: int) -> dict:
+    rows = {arm: summarise_arm(_run_dir(outs, seed, method)) for arm, method in ARMS.items()}
     base = rows.get("fedavg") or {}
     for arm, r in rows.items():
         if arm != "fedavg" and r.get("auc") is not None and base.get("auc") is not None:
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default="runs/levers")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
+    ap.add_argument("--also", default="", help="further comparison folders (comma-separated) holding arms of the "
+                    "same seeds, read by the summary")
     ap.add_argument("--summarise-only", action="store_true")
     a = ap.parse_args(argv)
     import torch
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in [int(s) for s in a.seeds.split(",")]:
         t0 = time.perf_counter()
         rc = 0 if a.summarise_only else run_seed(out, data, seed, arms)
-        res = summarise_seed(out, seed)
+        res = summarise_seed([out] + [Path(x).resolve() for x in a.also.split(",") if x], seed)
         (HERE / f"results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
         print(f"[levers] seed {seed} rc={rc} in {time.perf_counter() - t0:.0f} s: " + ", ".join(
             f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),

@@ -61,11 +61,13 @@ def summarise_arm(run: Path) -> dict:
     dist = met.get("distillation") or {}
     row["teacher"] = {g: {k: r.get(k) for k in ("teacher", "stacker") if k in r} for g, r in dist.items()}
     row["gate"] = met.get("gate")
-    row["cost"] = {"wall_seconds": met.get("wall_seconds") or met.get("elapsed_s"),
-                   "server_seconds": met.get("server_seconds"),
-                   "epochs_per_site": (met.get("task_config") or {}).get("local_epochs"),
-                   "bytes_per_site": met.get("bytes_per_site"),
-                   "site_seconds": {s: (v or {}).get("train_seconds") for s, v in (met.get("sites") or {}).items()}}
+    timing = met.get("timing") or {}
+    n_sites = max(1, len(met.get("sites") or {}))
+    row["cost"] = {"epochs_per_site": BUDGET["local_epochs"] + BUDGET["finetune_epochs"],
+                   "wall_seconds": met.get("wall_time_s"), "server_seconds": met.get("server_seconds"),
+                   "site_compute_seconds_per_site": (None if timing.get("site_compute_total_s") is None
+                                                     else float(timing["site_compute_total_s"]) / n_sites),
+                   "timing": timing, "bytes_per_site": met.get("bytes_per_site")}
     return row
 
 

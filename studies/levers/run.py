@@ -21,7 +21,9 @@ HERE = Path(__file__).resolve().parent
 #: arm -> compare method (variant) string; the order is the run order within a seed
 ARMS = {"fedavg": "fedavg",
         "ohfl": "ohfl:distill_steps=100",
-        "ohfl_stacked": "ohfl:distill_steps=100:distill_teacher=stacked"}
+        "ohfl_stacked": "ohfl:distill_steps=100:distill_teacher=stacked",
+        # the amendment (RESULTS.md): the fine-tuning epochs moved before the upload, the same 9 epochs per site
+        "ohfl_stacked_9_0": "ohfl:distill_steps=100:distill_teacher=stacked:local_epochs=9:finetune_epochs=0"}
 BUDGET = {"sites": 4, "max_images": 400, "input_sizes": "64,96", "batch_size": 16, "local_epochs": 6,
           "finetune_epochs": 3, "rounds": 3, "distill_steps": 100}
 PART = "tuning"

@@ -43,7 +43,7 @@ def auc_rows() -> list[str]:
 
 
 def cost_rows() -> list[str]:
-    out = ["| arm | epochs per site | run wall s (mean over seeds) | site compute s per site | server s | "
+    out = ["| arm | epochs per site | run wall s (mean over seeds) | site compute s per site | server work s | "
            "bytes up per site (MB) | bytes down per site (MB) |", "|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         rs = [d["arms"][arm]["cost"] for d in _seeds() if (d["arms"].get(arm) or {}).get("cost")]
@@ -53,8 +53,9 @@ def cost_rows() -> list[str]:
         def mean(key, rs=rs):
             v = [c[key] for c in rs if c.get(key) is not None]
             return float(np.mean(v)) if v else None
-        srv = [float((c.get("server_seconds") or {}).get("total") or sum(
-            v for v in (c.get("server_seconds") or {}).values() if isinstance(v, (int, float)))) for c in rs]
+        # the server's own work: OHFL's fusion + distillation (the stacker's fits included), FedAvg's averaging
+        srv = [sum(float((c.get("server_seconds") or {}).get(k) or 0.0)
+                   for k in ("fusion_total", "distillation", "aggregation")) for c in rs]
         up = [v["up"] / 1e6 for c in rs for v in (c.get("bytes_per_site") or {}).values()]
         down = [v["down"] / 1e6 for c in rs for v in (c.get("bytes_per_site") or {}).values()]
         out.append(f"| {arm} | {rs[0]['epochs_per_site']} | {_f(mean('wall_seconds'), 0)} | "

@@ -23,7 +23,9 @@ ARMS = {"fedavg": "fedavg",
         "ohfl": "ohfl:distill_steps=100",
         "ohfl_stacked": "ohfl:distill_steps=100:distill_teacher=stacked",
         # the amendment (RESULTS.md): the fine-tuning epochs moved before the upload, the same 9 epochs per site
-        "ohfl_stacked_9_0": "ohfl:distill_steps=100:distill_teacher=stacked:local_epochs=9:finetune_epochs=0"}
+        "ohfl_stacked_9_0": "ohfl:distill_steps=100:distill_teacher=stacked:local_epochs=9:finetune_epochs=0",
+        # amendment 2: the same split with the average teacher, to attribute the fourth arm's gain
+        "ohfl_9_0": "ohfl:distill_steps=100:local_epochs=9:finetune_epochs=0"}
 BUDGET = {"sites": 4, "max_images": 400, "input_sizes": "64,96", "batch_size": 16, "local_epochs": 6,
           "finetune_epochs": 3, "rounds": 3, "distill_steps": 100}
 PART = "tuning"

@@ -13,6 +13,11 @@ Students (:func:`initial_students`): a fusable group with two or more uploads st
 group with an upload starts from its largest site's model (most training samples, ties by name); a group with no
 upload (its sites failed before uploading) starts from a fresh model of its spec. Teachers are every usable
 upload, whatever its family.
+
+Teacher (:data:`TEACHERS`, the catalogue option ``distill_teacher``): ``average``, the uploads' weighted ensemble, or
+``stacked``, a learned combination of the same uploads (:func:`stacked_teacher`: a cross-fitted logistic-regression
+stacker fitted on the probe images' public labels, :func:`probe_labels`). Both use only what the server already
+holds (the uploads, the public probe); nothing more leaves a site.
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ ENTRIES = {
     ("ohfl", "distill_augment"): "OHFL distill_augment = off",
     ("ohfl", "distill_temperature"): _OLD_DISTILL, ("ohfl", "distill_weights"): _OLD_DISTILL,
     ("ohfl", "distill_probe_size"): _OLD_DISTILL,
+    ("ohfl", "distill_teacher"): "OHFL distill_teacher = average",
     ("ohfl", "local_epochs"): "OHFL epoch split", ("ohfl", "finetune_epochs"): "OHFL epoch split",
     ("fedprox", "mu"): "FedProx proximal weight mu = 0.01",
     ("fedproto", "lam"): "FedProto lambda = 0, gamma = 1/64", ("fedproto", "gamma"): "FedProto lambda = 0, gamma = 1/64",

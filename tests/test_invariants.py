@@ -135,7 +135,8 @@ def test_server_stage_teachers_are_built_at_their_uploads_input_sizes():
     students = {"cnn": {"spec": dict(CNN), "state_dict": student_sd, "start": "site site-a",
                         "sites": ["site-a", "site-b"]}}
     recs = distil_groups(students, uploads, probe, "cpu", steps=1, temperature=T, weighting="samples",
-                         augment=False, data_free=False, data_free_rounds=0, in_channels=1, seed=0, max_seconds=None)
+                         augment=False, data_free=False, data_free_rounds=0, in_channels=1, seed=0, max_seconds=None,
+                         teacher="average")
     assert recs["cnn"]["sizes"] == [16, 32]
     assert recs["cnn"]["initial_val_loss"] == pytest.approx(want, rel=1e-4)
 

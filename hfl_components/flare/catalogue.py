@@ -234,6 +234,10 @@ _OHFL = (
     Option("distill_augment", bool, False, None, "the sites' flip + affine on the distillation images (off: the "
            "main job's sites augment only their minority class, so their outputs on augmented images carry that "
            "label cue; studies/distillation/RESULTS.md)"),
+    Option("distill_teacher", str, "average", ("average", "stacked"),
+           "what the global model is distilled from: the uploads' weighted average, or a learned stacker of them "
+           "fitted on the probe's public labels (cross-fitted; FENS-style; studies/levers/RESULTS.md)",
+           cli_default=None),
     Option("distill_probe_size", int, 320, None, "probe images for distillation (a fifth held aside to stop early)",
            check=lambda v: None if v >= 10 else f"needs at least 10 images, got {v}"),
     Option("data_free", bool, False, None, "distil on generator images (DENSE) instead of the probe pool; required "

@@ -13,6 +13,11 @@ Students (:func:`initial_students`): a fusable group with two or more uploads st
 group with an upload starts from its largest site's model (most training samples, ties by name); a group with no
 upload (its sites failed before uploading) starts from a fresh model of its spec. Teachers are every usable
 upload, whatever its family.
+
+Teacher (:data:`TEACHERS`, the catalogue option ``distill_teacher``): ``average``, the uploads' weighted ensemble, or
+``stacked``, a learned combination of the same uploads (:func:`stacked_teacher`: a cross-fitted logistic-regression
+stacker fitted on the probe images' public labels, :func:`probe_labels`). Both use only what the server already
+holds (the uploads, the public probe); nothing more leaves a site.
 """
 from __future__ import annotations
 
@@ -47,10 +52,87 @@ def check_probe_or_data_free(probe, data_free, distill_steps) -> None:
                          "option 'data_free' (distil on generator images) or give option 'probe' DIR (public images)")
 
 
+TEACHERS = ("average", "stacked")  # the distillation's teacher: the uploads' weighted average, or a learned stacker
+
+
+def check_teacher(teacher, probe, data_free, augment) -> None:
+    """Refuse a learned (``stacked``) teacher where it cannot be fitted: it needs the labels of a real probe pool
+    (not ``generated`` / ``none``, not data-free) and fixed targets per image (no distillation augmentation).
+
+    Raises:
+        ValueError: one line naming the options (``option 'distill_teacher'`` and the one in conflict).
+    """
+    if str(teacher) not in TEACHERS:
+        raise ValueError(f"OHFL: option 'distill_teacher' must be one of {TEACHERS}, got {teacher!r}")
+    if str(teacher) != "stacked":
+        return
+    if str(probe) in ("generated", NO_PROBE) or data_free:
+        raise ValueError("OHFL: option 'distill_teacher' stacked is fitted on the labels of a public probe pool: give "
+                         "option 'probe' a probe CSV with a label column (or the chest_xray_224 folder), not "
+                         f"{probe!r}" + (", and turn option 'data_free' off" if data_free else ""))
+    if augment:
+        raise ValueError("OHFL: option 'distill_teacher' stacked labels each probe image once; turn option "
+                         "'distill_augment' off")
+
+
 def check_run(spec) -> None:
     """The OHFL catalogue entry's check of a resolved run (``nvflare_jobs.spec.RunSpec``): a probe pool or
-    data-free distillation (:func:`check_probe_or_data_free`). Raises ValueError naming the options."""
-    check_probe_or_data_free(spec.options.get("probe"), spec.options["data_free"], spec.options["distill_steps"])
+    data-free distillation (:func:`check_probe_or_data_free`), and a teacher that can be fitted
+    (:func:`check_teacher`). Raises ValueError naming the options."""
+    o = spec.options
+    check_probe_or_data_free(o.get("probe"), o["data_free"], o["distill_steps"])
+    check_teacher(o["distill_teacher"], o.get("probe"), o["data_free"], o["distill_augment"])
+
+
+def probe_labels(source, names: list[str], labels: str) -> list[int]:
+    """The public labels of the probe images the server loaded, in their batch order.
+
+    Args:
+        source: the probe option: a probe CSV (columns ``path`` and ``label``; ``subtype`` for the subtype scheme)
+            or the ``chest_xray_224`` folder (its committed probe part's labels).
+        names: file names of the loaded images, in batch order (``record["probe"]["files"]``).
+        labels: the job's label scheme (``binary`` | ``subtype``).
+
+    Returns:
+        [class index] per name (``chest_xray.CLASS_NAMES[labels]``).
+
+    Raises:
+        ValueError: the source has no labels (a plain folder, a CSV without the column), a file name that is not in
+        it or is listed twice, or a label outside the scheme, naming the source and the file.
+    """
+    import csv
+    from pathlib import Path
+
+    from chest_xray import CLASS_NAMES
+
+    p = Path(str(source))
+    col = "label" if labels == "binary" else labels
+    if p.is_dir() and p.name == "chest_xray_224":
+        from chest_xray.splits import split_rows
+
+        rows = split_rows("probe")
+    elif p.is_file() and p.suffix.lower() == ".csv":
+        with p.open(newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.DictReader(f))
+    else:
+        raise ValueError(f"OHFL probe {str(source)!r} carries no labels: the stacked teacher needs a probe CSV with "
+                         f"a {col!r} column or the chest_xray_224 folder")
+    if rows and col not in rows[0]:
+        raise ValueError(f"OHFL probe {str(source)!r}: no {col!r} column for the stacked teacher (has {sorted(rows[0])})")
+    by_name: dict[str, str] = {}
+    for r in rows:
+        n = Path(r["path"]).name
+        if n in by_name:
+            raise ValueError(f"OHFL probe {str(source)!r}: file name {n!r} is listed twice; its label is ambiguous")
+        by_name[n] = r[col].strip()
+    classes = CLASS_NAMES[labels]
+    out = []
+    for n in names:
+        if by_name.get(n) not in classes:
+            raise ValueError(f"OHFL probe {str(source)!r}: image {n!r} has label {by_name.get(n)!r}, not one of "
+                             f"{classes}")
+        out.append(classes.index(by_name[n]))
+    return out
 
 
 def check_buildable(site_specs: dict[str, dict]) -> None:
@@ -173,9 +255,57 @@ def weights_of(uploads: dict[str, dict], mode: str):
                            mode=mode)
 
 
+def teacher_logits(teachers, probe: dict, device, batch: int = 64):
+    """Every teacher's logits on every probe image at its own input size: float32 tensor (K, N, C) on the CPU."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for t in teachers:
+            t.model.to(device).eval()
+            x = probe[int(t.input_size)]
+            out.append(torch.cat([t.model(x[i:i + batch].to(device, torch.float32)).float().cpu()
+                                  for i in range(0, x.shape[0], batch)]))
+    return torch.stack(out)
+
+
+STACKER = {"folds": 5, "l2": 1e-2}  # the learned teacher's cross-fitting folds and ridge (hfl_components.fusion.stacking)
+
+
+def stacked_teacher(teachers, weights, probe: dict, labels: list[int], temperature: float, seed: int, device
+                    ) -> tuple[object, dict]:
+    """The learned teacher's soft targets on the probe (:func:`hfl_components.fusion.stacking.stacked_targets`,
+    cross-fitted with :data:`STACKER`) and its record: the folds and ridge, the stacker's weights fitted on every
+    probe image, and the probe AUC of the cross-fitted stacker beside the weighted average's (``weights``) -- the
+    two teachers' quality on the same labelled images.
+
+    Returns:
+        ``(targets (N, C) float32, record)``.
+    """
+    import torch
+
+    from hfl_components.fusion.distill import ensemble_probs
+    from hfl_components.fusion.stacking import (cross_fitted_logits, fit_stacker, stacked_targets,
+                                                stacking_features)
+    from hfl_components.training.metrics import compute_metrics
+
+    z = teacher_logits(teachers, probe, device)
+    y = torch.as_tensor(labels).long()
+    c = int(z.shape[2])
+    targets = stacked_targets(z, y, temperature, STACKER["folds"], STACKER["l2"], seed)
+    oof = torch.softmax(cross_fitted_logits(z, y, STACKER["folds"], STACKER["l2"], seed), -1).numpy()
+    avg = ensemble_probs(z, weights, 1.0).numpy()
+    w, b = fit_stacker(stacking_features(z), y, c, STACKER["l2"])
+    rec = {**STACKER, "n": int(y.numel()), "weights": w.tolist(), "bias": b.tolist(),
+           "probe_auc_stacked_cross_fitted": compute_metrics(y.numpy(), oof, c)["auc"],
+           "probe_auc_average": compute_metrics(y.numpy(), avg, c)["auc"]}
+    return targets, rec
+
+
 def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: int, temperature: float,
                   weighting: str, augment: bool, data_free: bool, data_free_rounds: int, in_channels: int,
-                  seed: int, max_seconds: float | None, log=None) -> dict:
+                  seed: int, max_seconds: float | None, log=None, teacher: str, labels: list[int] | None = None
+                  ) -> dict:
     """Distil the ensemble of every upload into each group's student (state dicts replaced in place).
 
     Args:
@@ -186,16 +316,27 @@ def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: 
         data_free, data_free_rounds: use :func:`~hfl_components.fusion.datafree.distill_data_free` instead.
         in_channels: image channels (data-free). seed: group k uses ``seed + k``. max_seconds: wall-clock cap.
         log: callable for progress lines.
+        teacher: ``average`` (the uploads' weighted ensemble) | ``stacked`` (a learned combination fitted on the
+            probe's public ``labels``, :func:`stacked_teacher`; the same targets for every group).
+        labels: the probe images' class indices (:func:`probe_labels`), required for ``stacked``.
 
     Returns:
         {group: record} with the loop's record plus ``mode`` (``probe`` | ``data_free``), ``sizes``, ``start``,
-        ``sites``, ``teachers``, ``teacher_weights`` and ``weighting``.
+        ``sites``, ``teachers``, ``teacher_weights``, ``weighting`` and ``teacher`` (and ``stacker``, its record).
+
+    Raises:
+        ValueError: ``stacked`` without labels, or as :func:`check_teacher`.
     """
     from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
     from hfl_components.fusion.distill import DistillConfig, distill
 
+    if teacher not in TEACHERS or (teacher == "stacked" and (labels is None or data_free or augment)):
+        raise ValueError(f"OHFL: distillation teacher {teacher!r} (one of {TEACHERS}; stacked needs the probe's "
+                         "labels, no data-free distillation and no distillation augmentation)")
     teachers = teachers_of(uploads)
     weights = weights_of(uploads, weighting)
+    targets, stacker = stacked_teacher(teachers, weights, probe, labels, temperature, seed, device) \
+        if teacher == "stacked" else (None, None)
     recs = {}
     for k, (g, st) in enumerate(sorted(students.items())):
         model = student_model(st, seed + k)
@@ -210,11 +351,12 @@ def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: 
         else:
             cfg = DistillConfig(steps=steps, temperature=temperature, augment=augment, max_seconds=max_seconds,
                                 seed=seed + k)
-            rec = distill(model, sizes, teachers, probe, weights, cfg, device=device,
+            rec = distill(model, sizes, teachers, probe, weights, cfg, device=device, targets=targets,
                           log=None if log is None else (lambda m, g=g: log(f"OHFL [{g}]: {m}"))).as_dict()
             rec["mode"] = "probe"
         rec.update({"sizes": sizes, "start": st["start"], "sites": st["sites"], "teachers": [t.name for t in teachers],
-                    "teacher_weights": [float(w) for w in weights], "weighting": weighting})
+                    "teacher_weights": [float(w) for w in weights], "weighting": weighting, "teacher": teacher,
+                    **({"stacker": stacker} if stacker else {})})
         st["state_dict"] = {kk: v.detach().cpu() for kk, v in model.state_dict().items()}
         recs[g] = rec
         if log:

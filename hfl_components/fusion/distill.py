@@ -21,7 +21,8 @@ Pieces (pure PyTorch, no federation):
   distillation loss, never on labels), the student's input sizes take turns on the same (augmented) images, and
   the teachers label each image once, at their own input sizes.
 
-The probe pool's labels are never an input: every function here takes images only.
+The probe pool's labels are never an input here: every function takes images only. A learned teacher that does
+read public labels (:mod:`hfl_components.fusion.stacking`) hands its targets to :func:`distill` as ``targets``.
 """
 from __future__ import annotations
 

@@ -19,3 +19,16 @@ def test_a_variant_of_a_run_option_or_its_own_option_passes():
 
     for ok in ("central:augment=border", "fedavg:local_epochs=3", "ohfl:strategy=cdd", "central:central_input_size=64"):
         assert check_variant(ok) is None, ok
+
+
+def test_a_seed_named_twice_is_refused_before_anything_is_written(tmp_path, capsys):
+    """``--seeds 0,0`` ran (or resumed) the same run folders twice and recorded seed 0 twice in compare.json; it is
+    refused in one line naming the option and the seed, as a method named twice is."""
+    from nvflare_jobs.cli import main
+
+    out = tmp_path / "cmp"
+    for dry in (["--dry-run"], []):
+        assert main(["compare", "--methods", "local", "--seeds", "0,1,0", "--sites", "3", *dry, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "cxr-hfl compare: --seeds names 0 more than once (one run folder per seed and method)", err
+        assert not out.exists()

@@ -502,6 +502,9 @@ def render_run(run: Path) -> str:
     m = read_json(run / "metrics.json")
     if not isinstance(m, dict):
         raise ValueError(f"{run / 'metrics.json'}: not a metrics document (expected a JSON object)")
+    if not m.get("method"):  # every run record names its method (as cxr-hfl status checks)
+        raise ValueError(f"{run / 'metrics.json'}: not a cxr-hfl run record (no method; truncated, edited or another "
+                         "program's file?)")
     labels = m.get("labels") or "binary"
     names = CLASS_NAMES.get(labels, [])
     digest, mans = manifest_hash(run)

@@ -268,3 +268,10 @@ def test_simulate_help_shows_the_default_of_every_option():
                 wrong.append((a.option_strings[0], a.default))
     assert not lacking, f"simulate --help: options without their default: {lacking}"
     assert not wrong, f"simulate --help: options whose help does not show the parser default: {wrong}"
+
+
+def test_site_configuration_doc_gives_site_checks_exit_codes():
+    """The doc said site check "exits with 1 on errors"; an invalid config exits 2 (the command's --help says so)."""
+    doc = " ".join((REPO / "docs" / "site_configuration.md").read_text(encoding="utf-8").split())
+    assert "exits with 1 when the data or the model has errors" in doc
+    assert "with 2, in one line naming the site, the file and the key, when the config is invalid" in doc

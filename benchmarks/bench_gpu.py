@@ -653,7 +653,7 @@ def main(argv=None) -> int:
     env = environment(dev, threads)
     print(f"bench_gpu: {env['device']}, torch {env['torch']}, {threads} CPU thread(s)"
           + ("" if dev else "; no CUDA: the checks are skipped and only the CPU is timed"), flush=True)
-    res = {"environment": env, "settings": vars(args)}
+    res = {"environment": env, "settings": {**vars(args), "out": Path(args.out).name if args.out else None}}  # no machine path
     res["checks"] = run_checks(dev, threads, args.quick)
     save(res, args.out)  # what is done so far survives a run stopped later
     if not args.skip_timings:

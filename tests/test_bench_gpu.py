@@ -37,6 +37,7 @@ def test_without_cuda_the_checks_are_skipped_and_the_cpu_is_timed(tmp_path, monk
         torch.set_num_threads(before)
     res = json.loads(out.read_text())
     assert res["environment"]["cuda"] is False and res["environment"]["device"] == "cpu (no CUDA)"
+    assert res["settings"]["out"] == "gpu.json" and str(tmp_path) not in out.read_text()  # no machine path
     assert res["all_checks_ok"] is None
     assert [c["name"] for c in res["checks"]] == ["train_local", "amp", "fusion", "batch_augment", "distillation",
                                                   "dp", "site_runtime"]

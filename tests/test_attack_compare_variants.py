@@ -32,3 +32,20 @@ def test_a_seed_named_twice_is_refused_before_anything_is_written(tmp_path, caps
         err = capsys.readouterr().err.strip()
         assert err == "cxr-hfl compare: --seeds names 0 more than once (one run folder per seed and method)", err
         assert not out.exists()
+
+
+def test_negative_epoch_options_are_refused_even_when_no_method_runs_them_alone(tmp_path, capsys):
+    """``--methods central --finetune-epochs -1`` ran every method at E = 20 - 1 = 19 epochs (only the resulting
+    budget was checked): a negative L or F is refused by argparse, exit 2, naming the option."""
+    import pytest
+
+    from nvflare_jobs.cli import main
+
+    out = tmp_path / "cmp"
+    for flag in ("--finetune-epochs", "--local-epochs"):
+        with pytest.raises(SystemExit) as e:
+            main(["compare", "--methods", "central", flag, "-1", "--dry-run", "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument {flag}: expected a whole number >= 0, got -1" in err, err
+        assert not out.exists()

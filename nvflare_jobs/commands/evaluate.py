@@ -296,7 +296,8 @@ def run_predict(args) -> int:
 
 
 def run_report(args) -> int:
-    from nvflare_jobs.report import UnreadableFile, excluded_rows, no_results_message, read_json, render_report
+    from nvflare_jobs.report import (UnreadableFile, compare_no_results_message, excluded_rows, no_results_message,
+                                     read_json, render_report)
 
     if args.out and Path(args.out).is_dir():
         print(f"cxr-hfl report: --out {args.out} is a folder; give an HTML file name, e.g. "
@@ -329,9 +330,11 @@ def run_report(args) -> int:
         for site, rnd, task, reason in excluded_rows(m):
             print(f"WARNING: {site} excluded (round {rnd}, {task}): {reason}", file=sys.stderr)
         msg = no_results_message(m)
-        if msg:
-            print(f"cxr-hfl report: {msg}", file=sys.stderr)
-            return 1
+    else:
+        msg = compare_no_results_message(args.path)
+    if msg:
+        print(f"cxr-hfl report: {msg}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -623,13 +623,25 @@ def save(res: dict, out: str | None) -> None:
         Path(out).write_text(json.dumps(res, indent=1, default=str) + "\n")
 
 
+def _positive_int(s: str) -> int:
+    """argparse type: an integer >= 1 (a count of steps, images or threads); else argparse's one-line error."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON to this file")
-    ap.add_argument("--steps", type=int, default=20, help="timed training steps per model and device (default 20)")
-    ap.add_argument("--batch", type=int, default=16, help="images per training step (default 16, the sites')")
-    ap.add_argument("--distill-steps", type=int, default=30, help="timed distillation steps (default 30)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of torch (default: torch's own)")
+    ap.add_argument("--steps", type=_positive_int, default=20,
+                    help="timed training steps per model and device (default 20)")
+    ap.add_argument("--batch", type=_positive_int, default=16, help="images per training step (default 16, the sites')")
+    ap.add_argument("--distill-steps", type=_positive_int, default=30, help="timed distillation steps (default 30)")
+    ap.add_argument("--threads", type=_positive_int, default=None, help="CPU threads of torch (default: torch's own)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every path")
     ap.add_argument("--skip-timings", action="store_true", help="run the checks only")
     args = ap.parse_args(argv)
@@ -641,7 +653,7 @@ def main(argv=None) -> int:
     env = environment(dev, threads)
     print(f"bench_gpu: {env['device']}, torch {env['torch']}, {threads} CPU thread(s)"
           + ("" if dev else "; no CUDA: the checks are skipped and only the CPU is timed"), flush=True)
-    res = {"environment": env, "settings": vars(args)}
+    res = {"environment": env, "settings": {**vars(args), "out": Path(args.out).name if args.out else None}}  # no machine path
     res["checks"] = run_checks(dev, threads, args.quick)
     save(res, args.out)  # what is done so far survives a run stopped later
     if not args.skip_timings:

@@ -206,10 +206,21 @@ def report(rows: list[dict]) -> dict:
     return exps
 
 
+def _steps(s: str) -> int:
+    """argparse type of --distill-steps: an integer >= 0 (0 = no distillation); else argparse's one-line error."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", default="6,12,24,48", help="site counts (comma-separated, default 6,12,24,48)")
-    ap.add_argument("--distill-steps", type=int, default=30, help="distillation steps per run (default 30)")
+    ap.add_argument("--distill-steps", type=_steps, default=30, help="distillation steps per run (default 30)")
     ap.add_argument("--out", help="JSON file for the rows and exponents")
     ap.add_argument("--parallel", action="store_true", help="run the site counts at once, one process each (CPU "
                     "seconds are unaffected; wall seconds and the load then include the other counts)")

@@ -57,7 +57,9 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
     an earlier row (same file, same class), and every row of a file listed with different classes are listed in
     ``skipped`` with their row number (line of the CSV, header = line 1). Two labels are one class when they are
     the same text (any case) or ``label_key(label, path)`` gives them one value (the scan passes the scheme's
-    class index, so ``0`` and ``NORMAL`` are one class); a label it refuses (ValueError) is its own text. A path
+    class index, so ``0`` and ``NORMAL`` are one class); a later row whose label it refuses (ValueError: an
+    unknown class, an index out of range) is no side of a conflict: it is returned for the scan to refuse by name,
+    as a file listed once with that label is (a refused first row is returned as it stands). A path
     that names no file but matches one after Unicode normalisation (:func:`match_normalised`) is used, with a note
     in ``notes``. Patient ids that differ only in case or whitespace (:func:`chest_xray.io.patient_id_key`) are
     one patient, under the spelling of its first row."""
@@ -95,6 +97,9 @@ def manifest_candidates(root: Path, skipped: list[dict[str, str]], notes: list[d
                 skipped.append(skip_entry(p, f"manifest line {line}: duplicate of line {line0} (same file; labels "
                                              f"{label0.strip()} and {label.strip()} name one class)",
                                           "duplicate manifest row"))
+            elif _unusable(label, p, label_key) or _unusable(label0, p, label_key):
+                if _unusable(label, p, label_key):  # the first row, kept, is refused by the scan if it is the bad one
+                    kept.append((line, p, label, None))  # the scan refuses it by name (LabelError), as any row
             else:
                 conflicting.setdefault(key, {label0}).add(label)
                 later.append((line, p))
@@ -124,6 +129,18 @@ def _one_class(a: str, b: str, path: Path, label_key) -> bool:
         return label_key(a, path) == label_key(b, path)
     except ValueError:
         return False
+
+
+def _unusable(label: str, path: Path, label_key) -> bool:
+    """Whether ``label_key`` refuses ``label`` of ``path`` (an unknown class or an index out of range): such a row
+    is not one side of a label conflict but bad input the scan names (False without ``label_key``)."""
+    if label_key is None:
+        return False
+    try:
+        label_key(label, path)
+    except ValueError:
+        return True
+    return False
 
 
 def _legacy_decoded(comp: str) -> str | None:

@@ -186,7 +186,6 @@ def privacy_audit(site_config: str | Path, site: str, model_files: list[str | Pa
     if dp is None and cfg.get("dp"):
         dp = DPSpec.from_config(cfg["dp"], site, cfg.get("config_path", str(site_config)))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     doc: dict = {"site": site, "config": str(site_config), "members": "train split", "nonmembers": "test split",
                  "fpr": fpr, "n_boot": n_boot, "seed": seed, "sent": "nothing", "models": [], "canary": None}
     with tempfile.TemporaryDirectory(prefix="cxr_hfl_audit_") as work:
@@ -223,6 +222,7 @@ def privacy_audit(site_config: str | Path, site: str, model_files: list[str | Pa
 
 
 def _write(out: Path, doc: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)  # only once the audit is done: a refused one leaves no folder
     (out / "privacy_audit.json").write_text(json.dumps(doc, indent=1, default=float))
     with (out / "privacy_audit.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), lineterminator="\n")

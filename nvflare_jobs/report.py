@@ -253,6 +253,17 @@ def no_results_message(m: dict) -> str | None:
     return f"the run has NO site results -- no model was trained and evaluated; {why}"
 
 
+def compare_no_results_message(cdir: str | Path) -> str | None:
+    """A one-line explanation when no run of a compare folder has site results (every run unfinished, failed or
+    with every site excluded), else None."""
+    from nvflare_jobs.compare import collect_runs, comparison_rows
+
+    if comparison_rows(collect_runs(Path(cdir)), thresholds=False):
+        return None
+    return ("the comparison has NO results -- no run of it has site results (unfinished or failed runs; rerun "
+            "cxr-hfl compare on the folder to resume them)")
+
+
 class UnreadableFile(ValueError):
     """A run or compare file that is not readable as JSON (one line naming it)."""
 
@@ -502,6 +513,9 @@ def render_run(run: Path) -> str:
     m = read_json(run / "metrics.json")
     if not isinstance(m, dict):
         raise ValueError(f"{run / 'metrics.json'}: not a metrics document (expected a JSON object)")
+    if not m.get("method"):  # every run record names its method (as cxr-hfl status checks)
+        raise ValueError(f"{run / 'metrics.json'}: not a cxr-hfl run record (no method; truncated, edited or another "
+                         "program's file?)")
     labels = m.get("labels") or "binary"
     names = CLASS_NAMES.get(labels, [])
     digest, mans = manifest_hash(run)
@@ -637,6 +651,8 @@ def render_compare(cdir: Path) -> str:
                                         ["seeds", ", ".join(map(str, cj.get("seeds", [])))],
                                         ["versions", ", ".join(f"{k} {v}" for k, v in versions().items())]]),
             "<h2>Data manifest sha256 per seed</h2>", _table(["seed", "sha256 of partition/sites/*.csv"], digests)]
+    if not rows:
+        body.append(f"<p class='warn'><b>WARNING: {html.escape(compare_no_results_message(cdir) or '')}.</b></p>")
     methods = method_order(r["method"] for r in rows)
     if rows:
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(methods)), 3.5))

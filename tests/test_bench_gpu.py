@@ -37,6 +37,7 @@ def test_without_cuda_the_checks_are_skipped_and_the_cpu_is_timed(tmp_path, monk
         torch.set_num_threads(before)
     res = json.loads(out.read_text())
     assert res["environment"]["cuda"] is False and res["environment"]["device"] == "cpu (no CUDA)"
+    assert res["settings"]["out"] == "gpu.json" and str(tmp_path) not in out.read_text()  # no machine path
     assert res["all_checks_ok"] is None
     assert [c["name"] for c in res["checks"]] == ["train_local", "amp", "fusion", "batch_augment", "distillation",
                                                   "dp", "site_runtime"]
@@ -80,3 +81,16 @@ def test_every_check_passes_with_the_cpu_standing_in_for_the_gpu():
     if bench_gpu.opacus_missing() is None:
         assert checks["dp"]["steps"][0] == checks["dp"]["steps"][1] > 0
         assert checks["site_runtime"]["dp"]["dp"]["dp"] is True
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch", "--distill-steps", "--threads"])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_a_count_below_one_is_refused_before_any_work(flag, value, capsys, monkeypatch):
+    """--steps 0 divided by zero in the training timing (reported as a failed part, exit 0), --batch -1 failed
+    inside torch, --threads 0 was silently ignored: each is refused by argparse (exit 2, one line naming it)."""
+    monkeypatch.setattr(bench_gpu, "environment", lambda *a: pytest.fail("ran with a bad count"))
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.main([flag, value, "--quick"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: expected a positive integer" in err, err

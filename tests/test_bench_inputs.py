@@ -259,3 +259,18 @@ def test_shortcut_probe_paired_arms_hand_case(monkeypatch):
     assert d["per_seed"] == pytest.approx({"0": 0.25, "1": -0.5}) and d["verdict"] is None and not d["reliable"]
     with pytest.raises(ValueError, match="different images"):
         paired_arms(a, [{"s1": {"y": y[::-1], "p": {"none": right}}}, {}], "auc")
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_server_scaling_refuses_negative_distill_steps_before_any_process(value, capsys, monkeypatch):
+    """--distill-steps -1 started a process per site count, each failed inside the distillation, and the benchmark
+    exited 1 (failed) for what is bad input: argparse refuses it (exit 2, one line naming the option)."""
+    import subprocess
+
+    from benchmarks import bench_server_scaling
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("started a run"))
+    with pytest.raises(SystemExit) as e:
+        bench_server_scaling.main(["--sites", "2,3", "--distill-steps", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --distill-steps: expected a whole number >= 0" in err, err

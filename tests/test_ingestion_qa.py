@@ -140,6 +140,22 @@ def test_a_manifest_label_given_as_index_and_as_name_of_one_class_is_a_duplicate
     assert recs == [] and [s["kind"] for s in rep["skipped"]] == ["conflicting labels", "conflicting labels"]
 
 
+
+@pytest.mark.parametrize("rows", [("NORMAL", "COVID"), ("COVID", "NORMAL"), ("0", "5"), ("5", "NORMAL", "1")])
+def test_a_label_of_no_class_beside_a_valid_row_of_the_file_is_refused_not_a_conflict(data_root, tmp_path, rows):
+    """A file listed once as ``COVID`` (or ``5`` under binary) is refused by name (LabelError, exit 2 in partition);
+    listed as ``COVID`` and also as ``NORMAL`` it was called a label conflict and skipped, exit 0. The unknown
+    label is the refusal either way, in whichever row it is."""
+    from chest_xray.dataset import LabelError
+
+    n = _real_jpegs(data_root, "NORMAL", 2)
+    m = tmp_path / "m.csv"
+    m.write_text("\n".join(["path,label", f"{n[1]},0", *(f"{n[0]},{r}" for r in rows)]) + "\n")
+    bad = next(r for r in rows if r in ("COVID", "5"))
+    with pytest.raises(LabelError, match=rf"1 file\(s\) have a label .*{n[0].name}.*\b{bad}\b"):
+        scan_dataset(m, verify=False)
+
+
 # ------------------------------------------------------------------------------- DICOM attribute problems
 def test_dicom_attribute_problems_are_named_not_misfiled(data_root, tmp_path):
     """Missing Photometric Interpretation was called a 'colour DICOM'; Rows that do not match the pixel data were

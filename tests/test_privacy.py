@@ -90,6 +90,42 @@ def test_impossible_budget_is_refused_in_one_line_naming_the_site(kwargs, match)
     assert "\n" not in msg and msg.startswith("site site-7:")
 
 
+class _FlooredAccountant:
+    """A stand-in accountant with a hand-made epsilon of noise multiplier sigma: ``0.01 + 1 / sigma`` (a floor of
+    0.01, as the real accountants have one for a fixed delta); counts its calls."""
+
+    calls = 0
+
+    def __init__(self, *a, **k):
+        self.history = []
+
+    def get_epsilon(self, delta, **kwargs):
+        type(self).calls += 1
+        return 0.01 + 1.0 / self.history[-1][0]
+
+
+def test_an_epsilon_below_the_accountants_floor_is_refused_without_searching_to_the_cap(monkeypatch):
+    """Epsilon 0.001 under a floor of 0.01: Opacus's search doubled sigma 17 times up to its cap of 1e6 before it
+    gave up (minutes of accountant calls for ``site check`` under the real accountants). The fall of epsilon over a
+    doubling drops below 1 % once 1 / (2 sigma) < 0.01 (0.01 + 1 / sigma), i.e. at sigma = 20 x 2^9 = 10240:
+    ten calls, and the refusal names the floor, 0.01 + 1 / 10240."""
+    import opacus.accountants
+    import opacus.accountants.utils
+
+    make = lambda mechanism="rdp", **k: _FlooredAccountant()  # noqa: E731
+    monkeypatch.setattr(opacus.accountants, "create_accountant", make)
+    monkeypatch.setattr(opacus.accountants.utils, "create_accountant", make)
+    _FlooredAccountant.calls = 0
+    with pytest.raises(DPBudgetError) as e:
+        check_budget(20, 16, 1, DPSpec(epsilon=0.001, accountant="rdp"), "site-7")
+    msg = str(e.value)
+    assert msg.startswith("site site-7: dp epsilon 0.001 cannot be reached") and "\n" not in msg
+    assert f"stops falling at about {0.01 + 1 / 10240:.3g}" in msg, msg
+    assert _FlooredAccountant.calls == 10
+    _FlooredAccountant.calls = 0
+    assert check_budget(20, 16, 1, DPSpec(epsilon=0.02, accountant="rdp"), "site-7").noise_multiplier > 0  # reachable
+
+
 def test_more_epochs_than_planned_are_refused_before_a_step():
     plan = check_budget(20, 10, 1, DPSpec(epsilon=8, accountant="rdp"), "site-2")
     session, model = DPSession(plan, seed=0), _model()

@@ -91,3 +91,18 @@ def test_privacy_audit_bad_input_is_one_line_and_exit_2(tmp_path, data_root, cap
                  *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cxr-hfl site privacy-audit: ") and says in err[0]
+
+
+def test_a_refused_canary_budget_leaves_no_output_folder(tmp_path, data_root, capsys):
+    """The canary run's dp budget is checked after the attacks (a batch larger than the training set): the audit is
+    refused in one line (exit 2) and no empty --out folder is left behind."""
+    from nvflare_jobs.cli import main
+
+    cfg = _site(tmp_path, data_root)
+    cfg.write_text(cfg.read_text() + "\nbatch_size: 64\ndp: {epsilon: 8}\n")
+    out = tmp_path / "o"
+    assert main(["site", "privacy-audit", "--config", str(cfg), "--model", str(_model_file(tmp_path)),
+                 "--out", str(out), "--canary-epochs", "1", "--boot", "10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch size 64 exceeds" in err[0], err
+    assert not out.exists()

@@ -113,16 +113,30 @@ def test_cli_help_holds_no_research_process_residue():
 
 
 def test_site_configuration_doc_lists_every_key_with_the_codes_default():
-    from hfl_components.flare.site_config import DEFAULTS
+    from hfl_components.flare.site_config import DEFAULTS, TOP_KEYS
 
     doc = (REPO / "docs" / "site_configuration.md").read_text(encoding="utf-8")
     block = re.search(r"```yaml\n(.*?)```", doc, re.S)
     assert block, "docs/site_configuration.md needs one ```yaml block of every key"
     listed = yaml.safe_load(block.group(1))
-    assert set(listed) == set(DEFAULTS) | {"data", "model"}, \
-        f"missing {sorted(set(DEFAULTS) - set(listed))}, unknown {sorted(set(listed) - set(DEFAULTS) - {'data', 'model'})}"
+    assert set(listed) == TOP_KEYS, \
+        f"missing {sorted(TOP_KEYS - set(listed))}, unknown {sorted(set(listed) - TOP_KEYS)}"
     wrong = {k: (listed[k], v) for k, v in DEFAULTS.items() if listed[k] != v}
     assert not wrong, f"doc default != DEFAULTS for {wrong}"
+
+
+def test_site_configuration_doc_names_every_dp_key_with_its_default():
+    from hfl_components.privacy.dp import DPSpec
+
+    doc = (REPO / "docs" / "site_configuration.md").read_text(encoding="utf-8")
+    block = re.search(r"```yaml\n(.*?)```", doc, re.S).group(1)
+    dp_entry = block[block.index("\ndp:"):]
+    dp_entry = dp_entry[:re.search(r"\n[a-z_]+:", dp_entry[1:]).end()]  # up to the next top-level key
+    for name, f in DPSpec.__dataclass_fields__.items():
+        assert re.search(rf"\b{name}\b", dp_entry), f"dp.{name} is accepted but not documented"
+        if isinstance(f.default, (int, float, str)) and not isinstance(f.default, bool):
+            assert re.search(rf"\b{name} \([^)]*\b{re.escape(str(f.default))}\b", dp_entry), \
+                f"dp.{name}: its default {f.default!r} is not documented"
 
 
 def test_benchmarks_readme_lists_every_script_and_studies_follow_the_template():
@@ -254,3 +268,10 @@ def test_simulate_help_shows_the_default_of_every_option():
                 wrong.append((a.option_strings[0], a.default))
     assert not lacking, f"simulate --help: options without their default: {lacking}"
     assert not wrong, f"simulate --help: options whose help does not show the parser default: {wrong}"
+
+
+def test_site_configuration_doc_gives_site_checks_exit_codes():
+    """The doc said site check "exits with 1 on errors"; an invalid config exits 2 (the command's --help says so)."""
+    doc = " ".join((REPO / "docs" / "site_configuration.md").read_text(encoding="utf-8").split())
+    assert "exits with 1 when the data or the model has errors" in doc
+    assert "with 2, in one line naming the site, the file and the key, when the config is invalid" in doc

@@ -103,3 +103,33 @@ def test_report_cli_bad_arguments_give_messages(tmp_path):
     good = _aborted_run(tmp_path, sites={"site-3": _site(0.75)})
     r = run_cli("report", str(good), "--out", str(tmp_path))
     assert r.returncode == 2 and "is a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_report_refuses_a_metrics_file_without_a_run_record_and_writes_nothing(tmp_path, capsys):
+    """``metrics.json`` holding ``{}`` (or another program's object) wrote report.html for a run "with NO site
+    results" and exited 1, where ``cxr-hfl status`` refuses the same folder as not a run record: report refuses it
+    too (exit 2, one line naming the file) and writes no HTML."""
+    from nvflare_jobs.cli import main
+
+    for body in ({}, {"sites": {}}, {"pooled": {"auc": 0.9}}):
+        (tmp_path / "metrics.json").write_text(json.dumps(body))
+        assert main(["report", str(tmp_path)]) == 2, body
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "not a cxr-hfl run record" in err, err
+        assert str(tmp_path / "metrics.json") in err and "Traceback" not in err, err
+        assert not (tmp_path / "report.html").exists()
+
+
+def test_report_of_a_comparison_without_results_says_so_and_fails(tmp_path, capsys):
+    """A compare folder whose only run has no site results (unfinished, failed) gave an empty report with exit 0;
+    like a run with no site results it says so at the top of the report and on stderr, exit 1."""
+    from nvflare_jobs.cli import main
+
+    (tmp_path / "compare.json").write_text(json.dumps({"methods": ["central"], "seeds": [0]}))
+    run = tmp_path / "seed0" / "central"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"method": "central", "sites": {}}))
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the comparison has NO results" in err, err
+    assert "WARNING: the comparison has NO results" in (tmp_path / "report.html").read_text()

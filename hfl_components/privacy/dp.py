@@ -68,6 +68,8 @@ DEFAULT_LOSS_CLIP = 5.0
 LEDGER_SEED_STRIDE = 1_000_003
 #: ``get_noise_multiplier`` gives up above this noise multiplier (its ``MAX_SIGMA``): the budget is unreachable.
 _SIGMA_CAP = 1e6
+#: Relative fall of the accountant's epsilon over one doubling of the noise below which it has reached its floor.
+_FLOOR_RTOL = 0.01
 
 
 class DPBudgetError(ValueError):
@@ -233,6 +235,32 @@ def _noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: i
                                           sample_rate=float(sample_rate), steps=int(steps), accountant=accountant))
 
 
+def _epsilon_floor(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float | None:
+    """None when some noise multiplier reaches ``epsilon``; else the smallest epsilon the accountant gives.
+
+    Doubles the noise multiplier from 20 as ``get_noise_multiplier`` does (so a reachable target costs the calls
+    that search makes anyway), and stops as soon as the accountant's epsilon falls by less than
+    :data:`_FLOOR_RTOL` over a doubling: the accountants' epsilon has a floor above 0 for a fixed delta (RDP's
+    conversion over a finite set of orders, PRV's discretisation), and a target below it would otherwise take
+    the search's every doubling up to :data:`_SIGMA_CAP` (minutes) before it is refused."""
+    from opacus.accountants import create_accountant
+
+    acc = create_accountant(mechanism=accountant)
+    sigma, prev = 10.0, math.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while sigma <= _SIGMA_CAP:
+            sigma *= 2
+            acc.history = [(sigma, float(sample_rate), int(steps))]
+            eps = float(acc.get_epsilon(delta=float(delta)))
+            if eps <= epsilon:
+                return None
+            if eps > prev * (1.0 - _FLOOR_RTOL):
+                return eps
+            prev = eps
+    return prev
+
+
 def check_budget(n_images: int, batch_size: int, epochs: int, spec: DPSpec, site: str) -> DPPlan:
     """Check a dp budget before training and fix the noise; refuse an impossible one in one line naming the site.
 
@@ -253,7 +281,8 @@ def check_budget(n_images: int, batch_size: int, epochs: int, spec: DPSpec, site
 
     Raises:
         DPBudgetError: no training images, a batch larger than the training set, ``delta >= 1/n``, epsilon not
-            reachable (noise multiplier above 1e6), ``epochs`` or ``batch_size`` below 1.
+            reachable (below the accountant's floor for this delta, or a noise multiplier above 1e6), ``epochs`` or
+            ``batch_size`` below 1.
         TypeError: ``spec`` is not a :class:`DPSpec`.
     """
     if not isinstance(spec, DPSpec):
@@ -274,6 +303,11 @@ def check_budget(n_images: int, batch_size: int, epochs: int, spec: DPSpec, site
     spe = opacus_steps_per_epoch(n, b)
     q = 1.0 / spe
     steps = e * spe
+    floor = _epsilon_floor(spec.epsilon, delta, q, steps, spec.accountant)
+    if floor is not None:
+        raise DPBudgetError(f"site {site}: dp epsilon {spec.epsilon:g} cannot be reached with delta {delta:.3g}: the "
+                            f"{spec.accountant} accountant's epsilon stops falling at about {floor:.3g} however much "
+                            f"noise is added; raise epsilon above it")
     try:
         sigma_acc = _noise_multiplier(spec.epsilon, delta, q, steps, spec.accountant)
     except ValueError:

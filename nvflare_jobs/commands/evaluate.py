@@ -86,10 +86,10 @@ def _add_compare(c) -> None:
     c.add_argument("--rounds", type=_positive_int,
                    help="rounds of FedAvg / prototype methods; under equal budgets they must divide the budget E "
                         "(each round then trains E / rounds epochs; default: rounds of 2 epochs, 15 for E = 30)")
-    c.add_argument("--local-epochs", type=int,
+    c.add_argument("--local-epochs", type=_non_negative_int,
                    help="OHFL's local epochs L (default 20); the common budget is E = L + fine-tuning epochs. With "
                         "--unequal-budgets: every method's local epochs per round, passed through")
-    c.add_argument("--finetune-epochs", type=int, help="OHFL's fine-tuning epochs F (default 10)")
+    c.add_argument("--finetune-epochs", type=_non_negative_int, help="OHFL's fine-tuning epochs F (default 10)")
     c.add_argument("--unequal-budgets", action="store_true",
                    help="let every method keep its own default epochs (not compute-matched; the tables say so)")
     c.add_argument("--external", metavar="DIR",
@@ -304,7 +304,8 @@ def run_predict(args) -> int:
 
 
 def run_report(args) -> int:
-    from nvflare_jobs.report import UnreadableFile, excluded_rows, no_results_message, read_json, render_report
+    from nvflare_jobs.report import (UnreadableFile, compare_no_results_message, excluded_rows, no_results_message,
+                                     read_json, render_report)
 
     if args.out and Path(args.out).is_dir():
         print(f"cxr-hfl report: --out {args.out} is a folder; give an HTML file name, e.g. "
@@ -337,9 +338,11 @@ def run_report(args) -> int:
         for site, rnd, task, reason in excluded_rows(m):
             print(f"WARNING: {site} excluded (round {rnd}, {task}): {reason}", file=sys.stderr)
         msg = no_results_message(m)
-        if msg:
-            print(f"cxr-hfl report: {msg}", file=sys.stderr)
-            return 1
+    else:
+        msg = compare_no_results_message(args.path)
+    if msg:
+        print(f"cxr-hfl report: {msg}", file=sys.stderr)
+        return 1
     return 0
 
 

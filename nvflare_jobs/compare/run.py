@@ -197,6 +197,8 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
                        f"--methods is empty; choose from {', '.join(METHODS)}")
     if twice := sorted({m for m in methods if methods.count(m) > 1}):
         raise _Refused(f"--methods names {', '.join(twice)} more than once (one run folder per seed and method)")
+    if twice := sorted({s for s in args.seeds if list(args.seeds).count(s) > 1}):
+        raise _Refused(f"--seeds names {', '.join(map(str, twice))} more than once (one run folder per seed and method)")
     for m in methods:
         why = check_variant(m, args)
         if why:

@@ -1,4 +1,4 @@
-"""The border study's second rule (``studies/border/RULE2.md``): its table, its staged decision and the
+"""The border study's second rule (``studies/border_frame/RESULTS.md``): its table, its staged decision and the
 supplementary wide-band probe of the masked arm.
 
 The arms' per-seed summaries are ``measure.py``'s (``studies/border/results2/seed<k>/summary.csv``); criterion (b)

@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nvflare_jobs.commands.simulate import at_least
+
 RTOL, ATOL = 1e-3, 1e-4  # float32 CPU vs GPU (the GPU test's tolerances)
 AMP_RTOL = 0.05  # float16 autocast vs float32
 SITE_SHAPES = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
@@ -623,25 +625,15 @@ def save(res: dict, out: str | None) -> None:
         Path(out).write_text(json.dumps(res, indent=1, default=str) + "\n")
 
 
-def _positive_int(s: str) -> int:
-    """argparse type: an integer >= 1 (a count of steps, images or threads); else argparse's one-line error."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON to this file")
-    ap.add_argument("--steps", type=_positive_int, default=20,
+    ap.add_argument("--steps", type=at_least(1), default=20,
                     help="timed training steps per model and device (default 20)")
-    ap.add_argument("--batch", type=_positive_int, default=16, help="images per training step (default 16, the sites')")
-    ap.add_argument("--distill-steps", type=_positive_int, default=30, help="timed distillation steps (default 30)")
-    ap.add_argument("--threads", type=_positive_int, default=None, help="CPU threads of torch (default: torch's own)")
+    ap.add_argument("--batch", type=at_least(1), default=16, help="images per training step (default 16, the sites')")
+    ap.add_argument("--distill-steps", type=at_least(1), default=30, help="timed distillation steps (default 30)")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="CPU threads of torch (default: torch's own)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every path")
     ap.add_argument("--skip-timings", action="store_true", help="run the checks only")
     args = ap.parse_args(argv)

@@ -34,6 +34,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from nvflare_jobs.commands.simulate import at_least
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [("shallow", 64), ("shallow", 64), ("medium", 96), ("medium", 96), ("deep", 128), ("deep", 128)]
 FUSION_STAGES = ("cka", "alignment", "ot", "averaging", "repair")
@@ -206,21 +208,10 @@ def report(rows: list[dict]) -> dict:
     return exps
 
 
-def _steps(s: str) -> int:
-    """argparse type of --distill-steps: an integer >= 0 (0 = no distillation); else argparse's one-line error."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
-    return v
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", default="6,12,24,48", help="site counts (comma-separated, default 6,12,24,48)")
-    ap.add_argument("--distill-steps", type=_steps, default=30, help="distillation steps per run (default 30)")
+    ap.add_argument("--distill-steps", type=at_least(0), default=30, help="distillation steps per run (default 30)")
     ap.add_argument("--out", help="JSON file for the rows and exponents")
     ap.add_argument("--parallel", action="store_true", help="run the site counts at once, one process each (CPU "
                     "seconds are unaffected; wall seconds and the load then include the other counts)")

@@ -104,3 +104,13 @@ def test_option_off_deploys_the_fens_ensemble_as_before(tmp_path):
     for rt in runtimes.values():
         dep, h = load_model_file(rt.state_dir / "deployed_model.pt")
         assert h["spec"]["family"] == "fens" and any(k.startswith("members.") for k in dep.state_dict())
+
+
+def test_the_option_is_refused_under_dp_before_any_training_naming_the_site():
+    from types import SimpleNamespace
+
+    from hfl_components.flare.controllers.fens import fens_local
+
+    rt = SimpleNamespace(site="site-3", dp_spec=object(), hold_out=lambda f: pytest.fail("trained before refusing"))
+    with pytest.raises(ValueError, match="site site-3: fens_distill_epochs > 0 is not supported under the site"):
+        fens_local(rt, {}, {"task_config": {"fens_distill_epochs": 2, "fens_holdout": 0.1}})

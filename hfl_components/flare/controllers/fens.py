@@ -146,6 +146,7 @@ def fens_local(rt, params, meta):
     """FENS phase 1 at a site: hold out ``fens_holdout`` of the training split, train the site's own model on the
     rest for ``local_epochs``, keep it as the site's local model and upload it once."""
     tc = meta.get("task_config", {})
+    _refuse_distill_under_dp(rt, meta)
     rt.hold_out(option(meta, "fens_holdout"))
     # under dp both budgets are checked before any training: the site model's and the aggregator's (its own
     # session over the held-out images, every aggregator round of the job: meta total_rounds)
@@ -222,6 +223,14 @@ DISTILL_TEMPERATURE = 2.0  # the site distillation's T (Hinton et al. 2015)
 DISTILL_ALPHA = 0.5  # weight of the soft-target term; the labels' CE gets 1 - alpha
 
 
+def _refuse_distill_under_dp(rt, meta: dict) -> None:
+    """Raise ValueError naming the site when ``fens_distill_epochs`` > 0 under the site config's dp: the
+    distillation pass over the training images would spend privacy budget that no DP session plans."""
+    if int(option(meta, "fens_distill_epochs")) > 0 and rt.dp_spec is not None:
+        raise ValueError(f"site {rt.site}: fens_distill_epochs > 0 is not supported under the site config's dp "
+                         "(the distillation pass over the training images is not covered by any DP session)")
+
+
 def _distil_at_site(rt, meta: dict) -> dict:
     """With ``fens_distill_epochs`` > 0, after the final aggregator is installed: distil the FENS ensemble (teacher,
     frozen) into the site's own model (started from its ``local_model.pt``) on its own training images
@@ -234,9 +243,7 @@ def _distil_at_site(rt, meta: dict) -> dict:
     from hfl_components.training.loop import unpack_batch
     from hfl_components.training.site_distill import distil_student, teacher_logits
 
-    if rt.dp_spec is not None:
-        raise ValueError(f"site {rt.site}: fens_distill_epochs > 0 is not supported under the site config's dp "
-                         "(the distillation pass would spend privacy budget no session plans)")
+    _refuse_distill_under_dp(rt, meta)
     student, header = load_model_file(rt.state_dir / "local_model.pt")
     s_size = int(header.get("input_size") or rt.cfg["input_size"])
 

@@ -46,6 +46,7 @@ ENTRIES = {
     ("fens", "fens_aggregator"): _FENS_PLAIN, ("fens", "fens_residual"): _FENS_PLAIN,
     ("fens", "fens_hidden"): _FENS_FIRST, ("fens", "fens_holdout"): _FENS_FIRST, ("fens", "fens_lr"): _FENS_FIRST,
     ("fens", "fens_epochs"): _FENS_FIRST, ("fens", "rounds"): _FENS_FIRST,
+    ("fens", "fens_distill_epochs"): "FENS distilled at the site",
 }
 #: per-method run defaults shown beside the options (``finetune_epochs`` only where a method fine-tunes)
 RUN_KEYS = ("labels", "rounds", "local_epochs")

@@ -311,6 +311,10 @@ _FENS = (
     Option("fens_epochs", int, 2, None, "aggregator epochs per round at each site", check=non_negative("epochs")),
     Option("fens_lr", float, 0.01, None, "Adam learning rate of the aggregator",
            check=lambda v: None if 0 < v < float("inf") else f"must be a finite number > 0, got {v}"),
+    Option("fens_distill_epochs", int, 0, None, "after the aggregator rounds, epochs in which each site distils the "
+           "FENS ensemble (soft targets at T=2 + labels' CE) into its own model on its own training images and "
+           "deploys that one model, deleting the ensemble (every peer model) from its state (0: off, FENS deploys "
+           "the ensemble); extra site epochs", check=non_negative("epochs")),
 )
 _PROTO_UPLOAD = ("every round: C x d class prototypes (mean training feature per class) and the C training class "
                  "counts; the alignment loss terms of the last batch")

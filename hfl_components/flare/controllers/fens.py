@@ -146,6 +146,7 @@ def fens_local(rt, params, meta):
     """FENS phase 1 at a site: hold out ``fens_holdout`` of the training split, train the site's own model on the
     rest for ``local_epochs``, keep it as the site's local model and upload it once."""
     tc = meta.get("task_config", {})
+    _refuse_distill_under_dp(rt, meta)
     rt.hold_out(option(meta, "fens_holdout"))
     # under dp both budgets are checked before any training: the site model's and the aggregator's (its own
     # session over the held-out images, every aggregator round of the job: meta total_rounds)
@@ -202,6 +203,8 @@ def fens_aggregate(rt, params, meta):
     rt.hold_out(option(meta, "fens_holdout"))
     _install(rt, params, meta)
     if meta.get("install_only"):
+        if int(option(meta, "fens_distill_epochs")) > 0:
+            return {}, _distil_at_site(rt, meta), ok_meta(rt, spec=rt.spec)
         return {}, {}, ok_meta(rt, spec=rt.spec)
     z, y = _member_outputs(rt)
     rnd = int(meta.get("round", 0))
@@ -214,3 +217,51 @@ def fens_aggregate(rt, params, meta):
     n = rt.released_count(int(len(y))) if rt.dp_spec is not None else int(len(y))
     return to_numpy_state(rt.model.aggregator.state_dict()), {"loss": [h["loss"] for h in hist]}, ok_meta(
         rt, spec=rt.spec, NUM_STEPS_CURRENT_ROUND=n, n_holdout=n)
+
+
+DISTILL_TEMPERATURE = 2.0  # the site distillation's T (Hinton et al. 2015)
+DISTILL_ALPHA = 0.5  # weight of the soft-target term; the labels' CE gets 1 - alpha
+
+
+def _refuse_distill_under_dp(rt, meta: dict) -> None:
+    """Raise ValueError naming the site when ``fens_distill_epochs`` > 0 under the site config's dp: the
+    distillation pass over the training images would spend privacy budget that no DP session plans."""
+    if int(option(meta, "fens_distill_epochs")) > 0 and rt.dp_spec is not None:
+        raise ValueError(f"site {rt.site}: fens_distill_epochs > 0 is not supported under the site config's dp "
+                         "(the distillation pass over the training images is not covered by any DP session)")
+
+
+def _distil_at_site(rt, meta: dict) -> dict:
+    """With ``fens_distill_epochs`` > 0, after the final aggregator is installed: distil the FENS ensemble (teacher,
+    frozen) into the site's own model (started from its ``local_model.pt``) on its own training images
+    (un-augmented), deploy that one model and delete the ensemble -- every peer model -- from the site's state
+    (``model.pt`` and ``deployed_model.pt`` are overwritten, the cached member outputs removed). Returns the
+    distillation's metrics."""
+    import torch
+
+    from hfl_components.models import load_model_file
+    from hfl_components.training.loop import unpack_batch
+    from hfl_components.training.site_distill import distil_student, teacher_logits
+
+    _refuse_distill_under_dp(rt, meta)
+    student, header = load_model_file(rt.state_dir / "local_model.pt")
+    s_size = int(header.get("input_size") or rt.cfg["input_size"])
+
+    def tensors(size):
+        xs, ys = zip(*(unpack_batch(b) for b in rt.loader("train", size, train_mode=False)))
+        return torch.cat(xs), torch.cat(ys).long()
+
+    x_t, y = tensors(rt.input_size)
+    targets = teacher_logits(rt.model, x_t, int(rt.cfg["batch_size"]), rt.device)
+    x_s, y_s = tensors(s_size) if s_size != rt.input_size else (x_t, y)
+    if not torch.equal(y, y_s):
+        raise ValueError(f"site {rt.site}: the training images came in another order at {s_size} px")
+    student.to(rt.device)
+    hist = distil_student(student, x_s, targets, y, int(option(meta, "fens_distill_epochs")), float(rt.cfg["lr"]),
+                          float(rt.cfg["momentum"]), int(rt.cfg["batch_size"]), DISTILL_TEMPERATURE, DISTILL_ALPHA,
+                          seed=int(rt.cfg["seed"]), device=rt.device)
+    rt.set_model(dict(header["spec"]), student.state_dict())
+    rt.save_state(deployed=True)  # the ensemble (every peer model) is overwritten in model.pt / deployed_model.pt
+    (rt.state_dir / OUTPUTS_FILE).unlink(missing_ok=True)
+    val = rt.evaluate("val")
+    return {"distill_loss": [h["loss"] for h in hist], "val": val, "distill_epochs": len(hist)}

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hfl_components.fusion.distill import distillation_loss
+
 
 @torch.no_grad()
 def teacher_logits(teacher: nn.Module, images: torch.Tensor, batch_size: int = 64,
@@ -61,9 +63,8 @@ def soft_target_loss(student_logits: torch.Tensor, teacher_logits_: torch.Tensor
                          f"{tuple(labels.shape)} do not match")
     if not temperature > 0 or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"temperature must be > 0 and alpha in [0, 1], got {temperature}, {alpha}")
-    q = F.softmax(teacher_logits_ / temperature, dim=1)
-    kl = F.kl_div(F.log_softmax(student_logits / temperature, dim=1), q, reduction="batchmean")
-    return alpha * temperature ** 2 * kl + (1.0 - alpha) * F.cross_entropy(student_logits, labels)
+    soft = distillation_loss(student_logits, F.softmax(teacher_logits_ / temperature, dim=1), temperature)
+    return alpha * soft + (1.0 - alpha) * F.cross_entropy(student_logits, labels)
 
 
 def distil_student(student: nn.Module, images: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor,

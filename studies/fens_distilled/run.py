@@ -15,23 +15,20 @@ from pathlib import Path
 
 import numpy as np
 
+from studies.levers.run import BUDGET as LEVERS_BUDGET
+from studies.levers.run import PART, run_methods
+
 HERE = Path(__file__).resolve().parent
 DISTILL_EPOCHS = 3
 #: arm -> compare method (variant) string
 ARMS = {"fedavg": "fedavg", "fens": "fens", "fens_distilled": f"fens:fens_distill_epochs={DISTILL_EPOCHS}"}
-BUDGET = {"sites": 4, "max_images": 400, "input_sizes": "64,96", "batch_size": 16, "local_epochs": 6,
-          "finetune_epochs": 3, "rounds": 3}
-PART = "tuning"
+#: the levers study's reduced budget (its distillation steps are OHFL's only)
+BUDGET = {k: v for k, v in LEVERS_BUDGET.items() if k != "distill_steps"}
 
 
 def run_seed(out: Path, data: Path, seed: int, arms: list[str]) -> int:
-    from nvflare_jobs.compare import compare
-
-    b = BUDGET
-    return compare(out, methods=",".join(ARMS[a] for a in arms), data=str(data), sites=b["sites"],
-                   max_images=b["max_images"], input_sizes=b["input_sizes"], batch_size=b["batch_size"],
-                   local_epochs=b["local_epochs"], finetune_epochs=b["finetune_epochs"], rounds=b["rounds"],
-                   seeds=[seed], external=str(data.parent / "chest_xray_224"), part=PART, no_audit=True, n_boot=200)
+    """The arms' runs of one seed (one ``compare`` call, so every arm shares the seed's partition)."""
+    return run_methods(out, data, seed, [ARMS[a] for a in arms])
 
 
 def summarise_arm(run: Path, arm: str) -> dict:

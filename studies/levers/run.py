@@ -33,10 +33,18 @@ PART = "tuning"
 
 def run_seed(out: Path, data: Path, seed: int, arms: list[str]) -> int:
     """The arms' runs of one seed (finished runs are kept) and the tuning-part evaluation of every saved model."""
+    return run_methods(out, data, seed, [ARMS[a] for a in arms])
+
+
+def run_methods(out: Path, data: Path, seed: int, methods: list[str]) -> int:
+    """One ``compare`` call at this study's reduced :data:`BUDGET`: the given method (variant) strings on the seed's
+    partition of ``data``, every saved model scored on the ``tuning`` part of the ``chest_xray_224`` beside it
+    (no audit). Shared by the studies that reuse this budget (``studies/fens_distilled``). Returns compare's exit
+    code."""
     from nvflare_jobs.compare import compare
 
     b = BUDGET
-    return compare(out, methods=",".join(ARMS[a] for a in arms), data=str(data), sites=b["sites"],
+    return compare(out, methods=",".join(methods), data=str(data), sites=b["sites"],
                    max_images=b["max_images"], input_sizes=b["input_sizes"], batch_size=b["batch_size"],
                    local_epochs=b["local_epochs"], finetune_epochs=b["finetune_epochs"], rounds=b["rounds"],
                    seeds=[seed], external=str(data.parent / "chest_xray_224"), part=PART, no_audit=True, n_boot=200)

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from studies.confirmatory.alpha_plan import PlanError, fallback_levels, find_test, load_plan, require_test
+from studies.confirmatory.alpha_plan import (PlanError, fallback_levels, find_test, load_plan, require_test, run_sequence,
+                                             succeeds)
 
 PROTOCOLS = Path(__file__).resolve().parents[1] / "studies" / "confirmatory" / "protocols"
 SHARES = [0.025] + [0.003125] * 8
@@ -112,3 +113,52 @@ def test_a_test_the_plan_does_not_list_is_refused():
     with pytest.raises(PlanError, match="lists no test of ohfl vs fedavg on balanced_accuracy") as e:
         require_test(plan, f, "ohfl", "fedavg", "balanced_accuracy")
     assert "a test the plan does not list is refused" in str(e.value)
+
+
+def test_succeeds_reads_each_hypothesis_from_its_bound():
+    sup = {"id": "p", "hypothesis": "superiority"}
+    ni = {"id": "n", "hypothesis": "non-inferiority", "margin": 0.02}
+    least = {"id": "s", "hypothesis": "at_least", "threshold": 0.9}
+    most = {"id": "r", "hypothesis": "at_most", "threshold": 0.2}
+    within = {"id": "b", "hypothesis": "within", "threshold": 0.05}
+    assert succeeds(sup, 0.001, 0.03) and not succeeds(sup, -0.001, 0.03)
+    assert succeeds(ni, -0.019, 0.01) and not succeeds(ni, -0.021, 0.01)
+    assert succeeds(least, 0.91, 0.99) and not succeeds(least, 0.89, 0.99)
+    assert succeeds(most, 0.0, 0.19) and not succeeds(most, 0.0, 0.21)
+    assert succeeds(within, -0.04, 0.04) and not succeeds(within, -0.06, 0.01) and not succeeds(within, -0.01, 0.06)
+    assert not succeeds(sup, None, None)  # no reliable interval shows nothing
+    with pytest.raises(PlanError, match="threshold is null"):
+        succeeds({"id": "e", "hypothesis": "at_least", "threshold": None}, 0.95, 0.99)
+
+
+def test_run_sequence_passes_a_level_on_only_after_a_success():
+    """Normal intervals with known standard errors, worked out by hand from the normal quantiles: the primary
+    succeeds at 0.03 (lower bound 0.03 - 2.170 x 0.01 > 0), so the second is tested at 0.04 and fails (0.905 -
+    2.054 x 0.01 < 0.90); the third is then tested at its own 0.01, where +-2.576 x 0.0205 = +-0.053 leaves the
+    +-0.05 band, although at the 0.02 a wrongly passed-on level would give (+-2.326 x 0.0205 = +-0.048) it would
+    succeed."""
+    from scipy import stats
+
+    plan = {"procedure": "fallback", "tests": [
+        {"id": "primary", "hypothesis": "superiority", "alpha": 0.03},
+        {"id": "sens", "hypothesis": "at_least", "threshold": 0.9, "alpha": 0.01},
+        {"id": "border", "hypothesis": "within", "threshold": 0.05, "alpha": 0.01}]}
+    est = {"primary": (0.03, 0.01), "sens": (0.905, 0.01), "border": (0.0, 0.0205)}
+    asked = []
+
+    def interval_at(t, a):
+        asked.append((t["id"], a))
+        m, se = est[t["id"]]
+        h = stats.norm.ppf(1 - a / 2) * se
+        return {"estimate": m, "ci_low": m - h, "ci_high": m + h}
+
+    out = run_sequence(plan, interval_at)
+    assert [r["succeeded"] for r in out] == [True, False, False]
+    assert [a for _, a in asked] == pytest.approx([0.03, 0.04, 0.01])
+    assert [r["level"] for r in out] == pytest.approx(fallback_levels([0.03, 0.01, 0.01], [True, False]))
+    est["sens"] = (0.93, 0.01)  # now the second succeeds and passes 0.04 on: the third at 0.05 succeeds
+    asked.clear()
+    assert [r["succeeded"] for r in run_sequence(plan, interval_at)] == [True, True, True]
+    assert [a for _, a in asked] == pytest.approx([0.03, 0.04, 0.05])
+    with pytest.raises(PlanError, match="fallback plan only"):
+        run_sequence({**plan, "procedure": "single"}, interval_at)

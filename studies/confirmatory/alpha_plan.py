@@ -142,3 +142,64 @@ def fallback_levels(shares: list[float], rejected: list[bool]) -> list[float]:
 def primary(plan: dict) -> dict:
     """The plan's first test (its primary endpoint)."""
     return plan["tests"][0]
+
+
+def succeeds(test: dict, low: float | None, high: float | None) -> bool:
+    """Whether the two-sided interval ``[low, high]`` of ``test``'s endpoint (read at the test's level) shows its
+    hypothesis (the module's reading rule): ``superiority`` low > 0; ``non-inferiority`` low > -margin; ``at_least``
+    low > threshold; ``at_most`` high < threshold; ``within`` -threshold < low and high < threshold. A missing bound
+    (an endpoint without a reliable interval) shows nothing: False.
+
+    Raises:
+        PlanError: a one-sample test whose threshold is still null (the plan leaves it to ``PROTOCOL.md``; such a
+            test is not run), or a non-inferiority test without its margin.
+    """
+    h = test["hypothesis"]
+    if h in ("at_least", "at_most", "within") and not isinstance(test.get("threshold"), (int, float)):
+        raise PlanError(f"test {test['id']}: its threshold is null; PROTOCOL.md fixes it before any run, and a test "
+                        "whose threshold is open is not run")
+    if h == "non-inferiority" and not isinstance(test.get("margin"), (int, float)):
+        raise PlanError(f"test {test['id']}: a non-inferiority test needs its margin")
+    if low is None or high is None:
+        return False
+    if h == "superiority":
+        return low > 0
+    if h == "non-inferiority":
+        return low > -float(test["margin"])
+    thr = float(test["threshold"])
+    if h == "at_least":
+        return low > thr
+    if h == "at_most":
+        return high < thr
+    return -thr < low and high < thr
+
+
+def run_sequence(plan: dict, interval_at) -> list[dict]:
+    """Test a ``fallback`` plan's hypotheses in order, each at its level (:func:`fallback_levels`: the level of a
+    hypothesis is its own share plus the previous level when the previous hypothesis was rejected).
+
+    Args:
+        plan: a plan from :func:`load_plan` whose procedure is ``fallback``.
+        interval_at: ``interval_at(test, alpha) -> {"estimate", "ci_low", "ci_high", ...}``, the two-sided
+            ``1 - alpha`` interval of the test's endpoint (None for an endpoint the runs do not provide). Called once
+            per test, in the plan's order, only after the previous outcome is known.
+
+    Returns:
+        One record per test in the plan's order: ``{"id", "hypothesis", "share", "level", "estimate", "ci_low",
+        "ci_high", "succeeded", ...}`` (the interval record's other keys kept).
+
+    Raises:
+        PlanError: the plan is not a fallback plan, or a test's threshold is null (:func:`succeeds`).
+    """
+    if plan.get("procedure") != "fallback":
+        raise PlanError(f"procedure {plan.get('procedure')!r}: run_sequence tests a fallback plan only")
+    out: list[dict] = []
+    level = 0.0
+    for i, t in enumerate(plan["tests"]):
+        level = t["alpha"] + (level if i and out[-1]["succeeded"] else 0.0)
+        iv = interval_at(t, level) or {}
+        ok = succeeds(t, iv.get("ci_low"), iv.get("ci_high"))
+        out.append({**iv, "id": t["id"], "hypothesis": t["hypothesis"], "share": t["alpha"], "level": level,
+                    "estimate": iv.get("estimate"), "ci_low": iv.get("ci_low"), "ci_high": iv.get("ci_high"),
+                    "succeeded": ok})
+    return out

@@ -206,7 +206,7 @@ def control_method(methods, cj: dict) -> str | None:
     return None
 
 
-def _paired_arrays(runs_by: dict, ma: str, mb: str, name: str, kind_a: str = "deployed", kind_b: str = "deployed"):
+def paired_arrays(runs_by: dict, ma: str, mb: str, name: str, kind_a: str = "deployed", kind_b: str = "deployed"):
     """(y, A (S, K, N), B (S, K, N), seeds, sites) of the pneumonia-vs-normal scores of matching (seed, site) models
     on the images both methods' evaluations share; None when nothing pairs."""
     seeds = sorted(s for (m, s) in runs_by if m == ma and (mb, s) in runs_by)
@@ -290,7 +290,7 @@ def external_tables(out: Path, runs, n_boot: int = 1000) -> dict | None:
                     if base_method(m) == main and control), None)
     paired = []
     for ma, ka, mb, kb, label in pairs:
-        arr = _paired_arrays(runs_by, ma, mb, name, ka, kb)
+        arr = paired_arrays(runs_by, ma, mb, name, ka, kb)
         if arr is None:
             continue
         y, A, B, seeds, sites = arr

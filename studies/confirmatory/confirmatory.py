@@ -444,10 +444,10 @@ def corrected_primary(cmp: Path, name: str, prim: dict, looks: int, n_boot: int 
         ``paired_crossed``'s record plus ``looks`` and ``comparison``; None when the predictions do not pair.
     """
     from hfl_components.stats import paired_crossed
-    from nvflare_jobs.compare.tables import _paired_arrays, collect_runs
+    from nvflare_jobs.compare.tables import paired_arrays, collect_runs
 
     runs_by = {(m, s): r["_run_dir"] for m, s, r in collect_runs(cmp)}
-    arr = _paired_arrays(runs_by, prim["a"], prim["b"], name, prim["kind_a"], prim["kind_b"])
+    arr = paired_arrays(runs_by, prim["a"], prim["b"], name, prim["kind_a"], prim["kind_b"])
     if arr is None:
         return None
     y, A, B, seeds, _ = arr

@@ -485,3 +485,43 @@ def test_a_fallback_plan_tests_its_primary_at_its_level_and_gives_other_rows_no_
         "better)" in md
     assert "none: the plan-level row decides" in md and "## Other rows (described" in md
     assert "lower bound of the plan-level row's 97.5% interval" in md
+
+
+def _complete_plan(tmp_path):
+    """Protocol 4's plan with its open thresholds filled in, as PROTOCOL.md will fix them (values for the test)."""
+    plan = json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text())
+    fill = {"specificity": 0.5, "operating_point_efficiency": 0.8, "refusal_rate": 0.2}
+    for t in plan["tests"]:
+        if t["id"] in fill:
+            t["threshold"] = fill[t["id"]]
+    p = tmp_path / "plan_complete.json"
+    p.write_text(json.dumps(plan))
+    return p, plan
+
+
+def test_a_complete_fallback_plan_runs_every_test_in_order_and_needs_every_method(tmp_path, capsys):
+    """With its thresholds fixed, protocol 4's plan adds ``central`` to the methods every seed must have (a folder
+    without it is refused in one line naming the missing runs), and its sequence tests the primary at 0.025 with the
+    same interval as :func:`corrected_primary`, then each later test at the level the fallback rule gives it; an
+    endpoint the runs do not provide (no operating-point records, no central runs here) does not succeed."""
+    from studies.confirmatory.alpha_plan import fallback_levels
+
+    seeds = [30, 31, 32, 33, 34]
+    args = _looks_cmp(tmp_path / "cmp", seeds)
+    path, plan = _complete_plan(tmp_path)
+    assert C.plan_methods(plan) == "local,fedavg,ohfl,central" and C.plan_complete(plan)
+    assert not C.plan_complete(json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text()))
+    base = args[:args.index("--primary")]
+    assert C.main([*base, "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "seed30/central" in err and "nothing was written" in err
+    assert not (tmp_path / "res" / "result.json").exists()
+    name = "chest_xray_224-evaluation"
+    seq = C.sequence(tmp_path / "cmp", name, plan, n_boot=200)
+    assert [r["id"] for r in seq] == [t["id"] for t in plan["tests"]]
+    prim = C.paired_at_level(tmp_path / "cmp", name, "ohfl", "fedavg", 0.025, n_boot=200)
+    assert seq[0]["level"] == pytest.approx(0.025) and seq[0]["ci_low"] == pytest.approx(prim["ci_low"])
+    assert seq[0]["succeeded"] == (prim["ci_low"] > 0)
+    assert not any(r["succeeded"] for r in seq if r["id"] in ("sensitivity", "refusal_rate", "vs_pooled_reference"))
+    outcomes = [r["succeeded"] for r in seq]
+    assert [r["level"] for r in seq] == pytest.approx(fallback_levels([t["alpha"] for t in plan["tests"]], outcomes))

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from hfl_components.stats import MARGINS, MIN_SEEDS, seed_mean_interval
-from studies.confirmatory.alpha_plan import PlanError, load_plan, require_test
+from studies.confirmatory.alpha_plan import PlanError, load_plan, require_test, run_sequence
 from studies.confirmatory.confirmatory_report import markdown  # noqa: F401 (RESULT.md; re-exported)
 
 RESULTS = Path(__file__).resolve().parent / "protocols" / "confirmatory"
@@ -178,13 +178,14 @@ def _check_paired(paired: dict, path: Path) -> None:
             raise BadInput(f"{path}: paired[{i}] lacks {', '.join(miss + [m + '.a/b' for m in bad])}")
 
 
-def check_runs(cmp: Path, seeds=SEEDS) -> None:
+def check_runs(cmp: Path, seeds=SEEDS, methods: str = METHODS) -> None:
     """Raise :class:`BadInput` unless every method of the protocol (:data:`METHODS`) has its finished run
     (``seed<k>/<method>/metrics.json``) at every seed of ``seeds`` and no protocol method has a run at another seed:
     the paired rows and the per-seed summaries must come from the same runs. The message names every missing
     ``seed<k>/<method>`` (or the seeds outside ``seeds``); a run's ``metrics.json`` must be a readable JSON object
-    whose ``method`` and ``seed`` are its folder's (a file copied from another run is named)."""
-    methods = METHODS.split(",")
+    whose ``method`` and ``seed`` are its folder's (a file copied from another run is named). ``methods``: the
+    protocol's methods, comma-separated (:func:`plan_methods`)."""
+    methods = methods.split(",")
     miss = [f"seed{s}/{m}" for s in seeds for m in methods if not (cmp / f"seed{s}" / m / "metrics.json").is_file()]
     if miss:
         raise BadInput(f"{cmp}: no finished run (metrics.json) in {', '.join(miss)}: every method of the protocol "
@@ -203,14 +204,14 @@ def check_runs(cmp: Path, seeds=SEEDS) -> None:
                        f"{','.join(map(str, seeds))}")
 
 
-def _check_protocol(cmp: Path, paired: dict, path: Path) -> None:
+def _check_protocol(cmp: Path, paired: dict, path: Path, methods: str = METHODS) -> None:
     """Raise :class:`BadInput` when ``cmp`` is not a comparison of the protocol's methods (its ``compare.json``) or
     ``paired_external.json`` holds no primary comparison of :data:`MAIN`: a result of another comparison must never
     be written as the confirmatory one."""
     rec = _json(cmp / "compare.json") if (cmp / "compare.json").is_file() else {}
     got = rec.get("methods")
-    if isinstance(got, list) and set(got) != set(METHODS.split(",")):
-        raise BadInput(f"{cmp / 'compare.json'}: methods {','.join(map(str, got))}, not the protocol's {METHODS}")
+    if isinstance(got, list) and set(got) != set(methods.split(",")):
+        raise BadInput(f"{cmp / 'compare.json'}: methods {','.join(map(str, got))}, not the protocol's {methods}")
     if not any(isinstance(q, dict) and q.get("primary") and str(q.get("comparison", "")).startswith(MAIN + " ")
                for q in paired["paired"]):
         raise BadInput(f"{path}: no primary comparison of {MAIN} (its runs or evaluations are missing)")
@@ -349,11 +350,17 @@ def analyse(args) -> int:
     cmp, res = Path(args.cmp), Path(args.results)
     seeds = tuple(args.seeds)
     pj = cmp / "paired_external.json"
+    plan_path = Path(getattr(args, "plan", None) or res / "alpha_plan.json")
+    try:
+        early = load_plan(plan_path)
+        methods = plan_methods(early) if plan_complete(early) else METHODS
+    except PlanError:  # the plan's own one-line refusal comes after the runs' checks, below
+        methods = METHODS
     if not pj.is_file() and list(cmp.glob("seed*/*/external/*/predictions.npz")):  # a copy made by copy_seed
         from nvflare_jobs.compare.tables import collect_runs, external_tables
 
         try:
-            check_runs(cmp, seeds)
+            check_runs(cmp, seeds, methods)
             check_rebuild_inputs(cmp, seeds)
         except BadInput as e:
             print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
@@ -365,13 +372,12 @@ def analyse(args) -> int:
     try:
         paired = _json(pj)
         _check_paired(paired, pj)
-        _check_protocol(cmp, paired, pj)
-        check_runs(cmp, seeds)
+        _check_protocol(cmp, paired, pj, methods)
+        check_runs(cmp, seeds, methods)
         _check_seeds(paired, pj, seeds)
         name = paired["name"]
         summ = per_seed_summaries(cmp, name)
         local = per_seed_summaries(cmp, name, "local")
-        plan_path = Path(getattr(args, "plan", None) or res / "alpha_plan.json")
         plan, test = planned_primary(plan_path, getattr(args, "primary", None), getattr(args, "looks", None))
         control = test["b"]
         prim = _set_primary(paired["paired"], control)
@@ -391,6 +397,8 @@ def analyse(args) -> int:
                 corrected.pop("looks")
                 corrected["procedure"] = plan["procedure"]
                 corrected["hypothesis"] = test["hypothesis"]
+        seq = (sequence(cmp, name, plan, paired.get("n_boot") or 1000)
+               if plan["procedure"] == "fallback" and plan_complete(plan) else None)
     except (BadInput, PlanError) as e:
         print(f"confirmatory: {e}; nothing was written", file=sys.stderr)
         return 2
@@ -400,7 +408,8 @@ def analyse(args) -> int:
            "seeds": prim["seeds"] if prim else None, "min_seeds": MIN_SEEDS, "margins": MARGINS,
            "primary": {"comparison": prim["comparison"], "metric": "auc", **prim["auc"]} if prim else None,
            **({"primary_corrected": corrected, "verdict_from": "primary_corrected"} if corrected else {}),
-           "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local}
+           "paired": paired["paired"], "secondary": sec, "secondary_local": sec_local,
+           **({"sequence": seq} if seq is not None else {})}
     if not plan.get("exploratory_verdicts", False):  # a test the plan does not list gets no verdict
         out["plan"] = {"file": plan_path.name, "procedure": plan["procedure"], "primary": test["id"],
                        "later_levels": "set by the fallback sequence (docs/evaluation.md); not computed here"}
@@ -499,6 +508,106 @@ def _set_primary(rows: list[dict], control: str) -> dict | None:
         found = q if hit else found
     return found
 
+
+
+# ------------------------------------------------------------------------------------------- the α plan's sequence
+def plan_complete(plan: dict) -> bool:
+    """Whether every one-sample test of ``plan`` has its threshold (a plan whose open thresholds ``PROTOCOL.md`` has
+    not fixed yet runs its primary only; its later tests are not run)."""
+    return all(isinstance(t.get("threshold"), (int, float)) for t in plan["tests"]
+               if t.get("hypothesis") in ("at_least", "at_most", "within"))
+
+
+def plan_methods(plan: dict) -> str:
+    """The methods a protocol runs, comma-separated: :data:`METHODS` for a plan of one test (protocols 1-3), else
+    :data:`METHODS` plus every method a paired test of the plan names (protocol 4 adds ``central``)."""
+    named = [m for t in plan["tests"] for m in (t.get("a"), t.get("b")) if isinstance(m, str)]
+    base = METHODS.split(",")
+    return ",".join(base + sorted(set(named) - set(base)))
+
+
+def clinical_values(cmp: Path, name: str, method: str = MAIN) -> dict[str, dict]:
+    """``{endpoint: {(seed, key): value}}`` of the α plan's one-sample endpoints for ``method``'s runs evaluated on
+    the external set ``name``: ``eval_sensitivity`` / ``eval_specificity`` pooled over the deployed models at each
+    model's own operating point (hits over positives summed over the models; key ``(seed, "all")``),
+    ``operating_point_efficiency`` per deployed model where it is counted (achieved sensitivity >= 0.93;
+    :func:`hfl_components.operating_point.operating_point_efficiency`), ``refusal_rate`` = sites the acceptance
+    check refused / sites (a refused site counted once), and the audit's ``border_dp_normal`` and
+    ``metadata_margin`` per deployed model (:func:`per_seed_summaries`). Records as
+    :func:`studies.site_operating_point.tuning_endpoints.endpoints` reads them.
+
+    Raises:
+        BadInput: a run's records are unreadable (named).
+    """
+    from studies.site_operating_point.tuning_endpoints import endpoints
+
+    out: dict[str, dict] = {k: {} for k in ("eval_sensitivity", "eval_specificity", "operating_point_efficiency",
+                                            "refusal_rate")}
+    for seed, run in _runs(cmp, method).items():
+        if not (run / "external" / name).is_dir():
+            continue
+        try:
+            e = endpoints(run, name)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise BadInput(f"{run}: its operating-point records are unreadable ({type(err).__name__}: {err})") from None
+        for k, key in (("pooled_sensitivity", "eval_sensitivity"), ("pooled_specificity", "eval_specificity")):
+            if e.get(k) is not None:
+                out[key][(seed, "all")] = float(e[k])
+        for site, m in e["models"].items():
+            if m.get("efficiency") is not None and m.get("efficiency_counted"):
+                out["operating_point_efficiency"][(seed, site)] = float(m["efficiency"])
+        acc = e["acceptance"]
+        if acc.get("sites"):
+            out["refusal_rate"][(seed, "all")] = len(acc.get("refused") or []) / float(acc["sites"])
+    summ = per_seed_summaries(cmp, name, method)
+    out["border_dp_normal"], out["metadata_margin"] = summ["border_dp_normal"], summ["metadata_margin"]
+    return out
+
+
+def paired_at_level(cmp: Path, name: str, a: str, b: str, alpha: float, n_boot: int = 1000) -> dict | None:
+    """The deployed models' AUC difference ``a - b`` on the external set ``name`` with its two-sided ``1 - alpha``
+    crossed cluster bootstrap-t interval (:func:`hfl_components.stats.paired_crossed`, the replicates' seed 0),
+    paired by (seed, site); a method with one deployed model per seed (``central``) is paired with every site.
+    Returns ``paired_crossed``'s record plus ``estimate``, or None when nothing pairs."""
+    import numpy as np
+
+    from hfl_components.stats import paired_crossed
+    from nvflare_jobs.compare.tables import collect_runs, paired_arrays
+
+    runs_by = {(m, s): r["_run_dir"] for m, s, r in collect_runs(cmp)}
+    arr = paired_arrays(runs_by, a, b, name)
+    if arr is None:  # b with a single model per seed: pair it with each of a's sites
+        ref = paired_arrays(runs_by, a, a, name)
+        one = paired_arrays(runs_by, b, b, name)
+        if ref is None or one is None or one[1].shape[1] != 1 or ref[3] != one[3] or ref[1].shape[2] != one[1].shape[2]:
+            return None
+        y, A, _, seeds, _ = ref
+        B = np.repeat(one[1], A.shape[1], axis=1)
+    else:
+        y, A, B, seeds, _ = arr
+    r = paired_crossed(y, A, B, "auc", n_boot=n_boot, seed=0, seeds=seeds, alpha=alpha)
+    return {**r, "estimate": r["diff"], "comparison": f"{a} vs {b}"}
+
+
+def sequence(cmp: Path, name: str, plan: dict, n_boot: int = 1000) -> list[dict]:
+    """Every test of a ``fallback`` α plan, in its order and at its level (:func:`studies.confirmatory.alpha_plan.
+    run_sequence`): a paired test from :func:`paired_at_level`, a one-sample endpoint from the seed-level
+    t-interval of :func:`clinical_values` (seeds are the unit; sites within a seed averaged first). An endpoint
+    without a reliable interval (fewer than ``MIN_SEEDS`` seeds, or not measured) does not succeed.
+
+    Raises:
+        PlanError: a one-sample test whose threshold is still null.
+        BadInput: unreadable run records.
+    """
+    vals = clinical_values(cmp, name)
+
+    def interval_at(t: dict, alpha: float) -> dict | None:
+        if isinstance(t.get("a"), str):
+            return paired_at_level(cmp, name, t["a"], t["b"], alpha, n_boot)
+        v = seed_mean_interval(vals.get(t["endpoint"], {}), alpha)
+        return {**v, "estimate": v["mean"], "endpoint": t["endpoint"]}
+
+    return run_sequence(plan, interval_at)
 
 def _seed_list(text: str) -> tuple[int, ...]:
     try:

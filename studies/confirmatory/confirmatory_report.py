@@ -108,4 +108,23 @@ def markdown(r: dict) -> str:
     L += ["", "\"Deployed vs its own pre-fusion local models\" holds partly by construction: the gate keeps the local "
           "model where the federated one is not better on the site's validation split, so at those sites the "
           "difference is 0; it is reported as a secondary row only."]
+    L += _sequence_rows(r.get("sequence"))
     return "\n".join(L) + "\n"
+
+
+def _sequence_rows(seq: list[dict] | None) -> list[str]:
+    """The α plan's tests in their order (fallback procedure), each at its level: the estimate, the two-sided
+    interval at that level and whether the test showed its hypothesis. Nothing for a plan without a sequence."""
+    if not seq:
+        return []
+
+    def num(v):
+        return "–" if v is None else f"{v:+.3f}"
+
+    L = ["", "## The α plan's tests, in order (fallback procedure)", "",
+         "| order | test | hypothesis | level | estimate | interval at the level | shown |", "|---|---|---|---|---|---|---|"]
+    for i, t in enumerate(seq, 1):
+        iv = "no reliable interval" if t.get("ci_low") is None else f"{num(t['ci_low'])} to {num(t['ci_high'])}"
+        L.append(f"| {i} | {t['id']} | {t['hypothesis']} | {t['level']:.6g} | {num(t.get('estimate'))} | {iv} | "
+                 f"{'yes' if t['succeeded'] else 'no'} |")
+    return L

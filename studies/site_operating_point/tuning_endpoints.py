@@ -37,12 +37,13 @@ def _rate(value: float | None, n: int) -> dict:
     return {"value": float(value), "k": k, "n": int(n), "ci_low": float(lo), "ci_high": float(hi)}
 
 
-def endpoints(run: Path) -> dict:
-    """The endpoints of one run (see the module docstring); raises FileNotFoundError without metrics.json."""
+def endpoints(run: Path, name: str = NAME) -> dict:
+    """The endpoints of one run (see the module docstring) on the external set ``name`` (the folder under
+    ``RUN/external/``; default the tuning part's); raises FileNotFoundError without metrics.json."""
     met = json.loads((run / "metrics.json").read_text())
     acc = met.get("acceptance") or {}
-    models, tp, npos = {}, 0, 0
-    for f in sorted((run / "external" / NAME).glob("*_deployed.json")):
+    models, tp, npos, tn, nneg = {}, 0, 0, 0, 0
+    for f in sorted((run / "external" / name).glob("*_deployed.json")):
         r = json.loads(f.read_text())
         op = r.get("operating_point") or {}
         if op.get("threshold") is None:
@@ -51,6 +52,8 @@ def endpoints(run: Path) -> dict:
         sens = _rate(op["sensitivity"]["value"], op["n_positive"])
         spec = _rate(op["specificity"]["value"], op["n_negative"])
         tp, npos = tp + sens["k"], npos + sens["n"]
+        if spec["k"] is not None:
+            tn, nneg = tn + spec["k"], nneg + spec["n"]
         eff = op.get("efficiency") or {}
         models[r["site"]] = {"threshold": op["threshold"], "temperature": op.get("temperature"),
                              "sensitivity": sens, "specificity": spec, "auc": (r.get("test") or {}).get("auc"),
@@ -64,10 +67,11 @@ def endpoints(run: Path) -> dict:
     pooled = tp / npos if npos else None
     refused = len(acc.get("refused") or [])
     return {
-        "seed": met.get("seed"), "method": met.get("method"), "part": "tuning", "data": NAME,
+        "seed": met.get("seed"), "method": met.get("method"), "part": name.rsplit("-", 1)[-1], "data": name,
         "acceptance": {k: acc.get(k) for k in ("sites", "accepted", "refused", "kept_local", "nothing_deployed",
                                               "refusal_rate", "oof_seconds", "line")},
         "pooled_sensitivity": pooled, "pooled_tp": tp, "pooled_positives": npos,
+        "pooled_specificity": tn / nneg if nneg else None, "pooled_tn": tn, "pooled_negatives": nneg,
         "mean_efficiency": float(np.mean(effs)) if effs else None, "n_efficiency_counted": len(effs),
         "n_models": len(models), "models": models,
         "targets": {

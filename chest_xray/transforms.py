@@ -58,6 +58,10 @@ BORDER_FRACTION_RANGE = (0.02, 0.12)
 #: The site-config ``augment`` value of dense border augmentation: most images of every class framed, wider bands,
 #: most often on all four sides, in black / grey / white or any grey level (:data:`BORDER_PROFILES`).
 AUGMENT_BORDER_DENSE = "border_dense"
+#: The site-config ``augment`` value of dense border augmentation in the file: the bands of ``border_dense`` added to
+#: the decoded image before squaring, resizing and the per-image intensity scaling, in the image's own grey scale,
+#: where the border probe (``build_transforms(raw_band=...)``) adds its bands (:data:`RAW_BORDER_PROFILES`).
+AUGMENT_BORDER_RAW = "border_raw"
 #: ``augment`` value -> :class:`RandBandPadd` arguments: probability per image, width range as a share of the side,
 #: probability of each side carrying a band, and whether one colour draw in len(values) + 1 is any grey in [0, 1].
 BORDER_PROFILES = {
@@ -65,6 +69,11 @@ BORDER_PROFILES = {
                      "uniform_values": False},
     AUGMENT_BORDER_DENSE: {"prob": 0.8, "fraction_range": (0.02, 0.20), "side_prob": 0.75, "uniform_values": True},
 }
+#: ``augment`` values whose bands are added to the decoded image (before squaring and intensity scaling), each
+#: with the :data:`BORDER_PROFILES` arguments of the value it reuses.
+RAW_BORDER_PROFILES = {AUGMENT_BORDER_RAW: BORDER_PROFILES[AUGMENT_BORDER_DENSE]}
+#: Every ``augment`` value that adds random bands.
+BORDER_AUGMENTS = (*BORDER_PROFILES, *RAW_BORDER_PROFILES)
 #: Inference-time band crop: a row / column is part of a uniform band when its pixels' standard deviation is below
 #: this (on [0, 1]) and its mean within it of the outermost row's; at most this share of a side is cropped.
 UNIFORM_TOLERANCE = 0.02
@@ -171,12 +180,14 @@ class RandBandPad(RandomizableTransform):
     ``fraction_range``; the image keeps its size (:func:`add_bands`). Applied to every class, this teaches the
     model that a frame says nothing about the label (the shortcut of augmenting only the minority class: a black
     border meant NORMAL). As MONAI's ``RandFlip`` wraps ``Flip``: :meth:`randomize` draws the parameters
-    (``self.params``: ``{"widths", "value"}`` or None), a deterministic :class:`BandPad` applies them.
+    (``self.params``: ``{"widths", "value"}`` or None), a deterministic :class:`BandPad` applies them. With
+    ``image_scale`` the drawn value is mapped onto the image's own [min, max] (:func:`image_level`), as the border
+    probe colours its bands on a decoded image; without it, it is used as is (an image already scaled to [0, 1]).
     """
 
     def __init__(self, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
                  values: Sequence[float] = tuple(BAND_VALUES.values()), side_prob: float = 0.5,
-                 uniform_values: bool = False):
+                 uniform_values: bool = False, image_scale: bool = False):
         RandomizableTransform.__init__(self, prob)
         lo, hi = fraction_range
         if not 0 <= lo <= hi < 0.5:
@@ -188,6 +199,7 @@ class RandBandPad(RandomizableTransform):
         self.fraction_range = (float(lo), float(hi))
         self.values = tuple(float(v) for v in values)
         self.side_prob, self.uniform_values = float(side_prob), bool(uniform_values)
+        self.image_scale = bool(image_scale)
         self.params: dict | None = None
 
     def randomize(self, data: Any = None, shape: Sequence[int] | None = None) -> None:
@@ -211,7 +223,8 @@ class RandBandPad(RandomizableTransform):
             self.randomize(None, tuple(img.shape))
         if not self.params:
             return img
-        return BandPad(self.params["widths"], self.params["value"])(img)
+        value = image_level(img, self.params["value"]) if self.image_scale else self.params["value"]
+        return BandPad(self.params["widths"], value)(img)
 
 
 class RandBandPadd(Randomizable, MapTransform):
@@ -219,9 +232,9 @@ class RandBandPadd(Randomizable, MapTransform):
 
     def __init__(self, keys, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
                  values: Sequence[float] = tuple(BAND_VALUES.values()), allow_missing_keys: bool = False,
-                 side_prob: float = 0.5, uniform_values: bool = False):
+                 side_prob: float = 0.5, uniform_values: bool = False, image_scale: bool = False):
         MapTransform.__init__(self, keys, allow_missing_keys)
-        self.padder = RandBandPad(prob, fraction_range, values, side_prob, uniform_values)
+        self.padder = RandBandPad(prob, fraction_range, values, side_prob, uniform_values, image_scale)
 
     def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None):
         super().set_random_state(seed, state)
@@ -311,8 +324,11 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         border_augment: train mode only: frame images of *every* class with random black / grey / white bands
             (:class:`RandBandPadd`, before flip and affine): True or ``"border"`` (site-config ``augment: border``,
             probability :data:`BORDER_PROB`), ``"border_dense"`` (``augment: border_dense``), the arguments of
-            :data:`BORDER_PROFILES`; False: none. Not restricted to ``augment_classes``: a frame on one class only
-            is a label cue.
+            :data:`BORDER_PROFILES`; ``"border_raw"`` (``augment: border_raw``): the ``border_dense`` draws added
+            instead to the decoded image before squaring (after ``crop_bands``), in its own grey scale, so that
+            the resize and the per-image intensity scaling see the band, exactly where ``raw_band`` adds the
+            probe's (:data:`RAW_BORDER_PROFILES`; the in-memory cache then holds decoded images); False: none.
+            Not restricted to ``augment_classes``: a frame on one class only is a label cue.
         crop_bands: remove uniform bands framing the decoded image (:func:`crop_uniform_bands`) before squaring,
             in both modes (defence in depth at inference; not the fix of a border shortcut).
         raw_band: ``(fraction, value)``: add bands of ``fraction`` of each side and colour ``value`` to the
@@ -336,8 +352,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
     if aspect not in ASPECTS:
         raise ValueError(f"unknown aspect {aspect!r}; expected one of {ASPECTS}")
     border = AUGMENT_BORDER if border_augment is True else border_augment or None
-    if border is not None and border not in BORDER_PROFILES:
-        raise ValueError(f"unknown border_augment {border_augment!r}; expected one of {tuple(BORDER_PROFILES)}")
+    if border is not None and border not in BORDER_AUGMENTS:
+        raise ValueError(f"unknown border_augment {border_augment!r}; expected one of {BORDER_AUGMENTS}")
     if aspect == "letterbox":
         square = [Resized(keys="image", spatial_size=s, size_mode="longest", mode="area"),
                   ResizeWithPadOrCropd(keys="image", spatial_size=(s, s), mode="constant")]
@@ -351,6 +367,8 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
         raw.append(Lambdad(keys="image", func=partial(_frame, fraction=frac, value=value)))
     if crop_bands:
         raw.append(Lambdad(keys="image", func=crop_uniform_bands))
+    if mode == "train" and border in RAW_BORDER_PROFILES:  # every class, in the file: before squaring and scaling
+        raw.append(RandBandPadd(keys="image", image_scale=True, **RAW_BORDER_PROFILES[border]))
     steps: list = [
         Lambdad(keys="image", func=partial(_load, target_size=s if aspect == "letterbox" else 2 * s)),
         EnsureChannelFirstd(keys="image", channel_dim="no_channel"),
@@ -377,11 +395,19 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
                 ),
             ]
         )
-        if border is not None:  # every class: a frame on one class only would be a label cue
+        if border in BORDER_PROFILES:  # every class: a frame on one class only would be a label cue
             steps.append(RandBandPadd(keys="image", **BORDER_PROFILES[border]))
         steps.append(ApplyToClassesd(augment, augment_classes))
         steps.append(EnsureTyped(keys="image", data_type="tensor", dtype=torch.float32, track_meta=False))
     return Compose(steps)
+
+
+def image_level(img, value: float) -> float:
+    """``value`` in [0, 1] mapped onto the image's own grey scale [min, max]: 0 -> its darkest level, 1 -> its
+    brightest (a numpy array or a torch tensor of any shape)."""
+    x = np.asarray(img, np.float32) if not isinstance(img, torch.Tensor) else img.float()
+    lo, hi = float(x.min()), float(x.max())
+    return lo + float(value) * (hi - lo)
 
 
 def _frame(img, fraction: float, value: float):
@@ -389,9 +415,8 @@ def _frame(img, fraction: float, value: float):
     in [0, 1] is mapped onto the image's [min, max] so that black / white are its darkest / brightest level."""
     x = np.asarray(img, np.float32)
     h, w = x.shape[-2:]
-    lo, hi = float(x.min()), float(x.max())
     t, l = int(round(fraction * h)), int(round(fraction * w))
-    return add_bands(x, (t, t, l, l), lo + float(value) * (hi - lo))
+    return add_bands(x, (t, t, l, l), image_level(x, value))
 
 
 def default_augment_classes(train_rows: Sequence[Mapping[str, Any]]) -> list[int]:

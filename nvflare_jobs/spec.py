@@ -87,7 +87,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "(docs/decisions.md)"),
     Option("augment", str, None, AUGMENTS, "training augmentation of every site, written into each generated site "
            "config: monai (default: flip + affine per image), batch (per collated batch), border (monai + random "
-           "black/grey/white bands framing every class), border_dense (bands on most images, wider, any grey)"),
+           "black/grey/white bands framing every class), border_dense (bands on most images, wider, any grey), border_raw (border_dense's bands added to "
+           "the decoded image before resizing and intensity scaling, as the border probe adds them)"),
     Option("families", str, None, help="one model family per site, comma-separated in site order (cnn, vgg11, "
            "hetero_cnn, densenet, resnet, efficientnet), e.g. cnn,cnn,densenet,densenet,resnet,resnet (default: cnn "
            "at every site; not for prototype methods)"),

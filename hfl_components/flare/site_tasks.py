@@ -207,7 +207,8 @@ class SiteRuntime:
                                            cache_dir=self.cfg.get("cache_dir"),
                                            aspect=self.cfg.get("aspect", "stretch"),
                                            border_augment=(self.cfg.get("augment") if train_mode and self.cfg.get(
-                                               "augment") in ("border", "border_dense") else False))
+                                               "augment") in ("border", "border_dense", "border_raw")
+                                                                         else False))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:

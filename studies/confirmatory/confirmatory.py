@@ -45,13 +45,13 @@ EXT_FILES = ("summary.json", "audit.json", "predictions.npz")
 
 
 def compare_options(seeds: list[int], cmp: Path, data: str | None, external: str, part: str,
-                    audit: bool = True) -> dict:
+                    audit: bool = True, methods: str = METHODS) -> dict:
     """The comparison options of the protocol for ``seeds`` (:class:`nvflare_jobs.compare.CompareOptions`; default
     budgets: 30 epochs per site); ``audit=False`` sets ``no_audit`` (a protocol without the shortcut-audit
-    endpoints)."""
-    opts = {"methods": METHODS, "seeds": list(seeds), "sites": 6, "scheme": "width", "external": external,
+    endpoints); ``methods``: the protocol's methods, comma-separated (:func:`plan_methods` of its α plan)."""
+    opts = {"methods": methods, "seeds": list(seeds), "sites": 6, "scheme": "width", "external": external,
             "part": part, "out": str(cmp), "data": data, "no_audit": not audit}
-    flags = ["--methods", METHODS, "--seeds", ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width",
+    flags = ["--methods", methods, "--seeds", ",".join(map(str, seeds)), "--sites", "6", "--scheme", "width",
              "--external", external, "--part", part, "--out", str(cmp)]
     opts["argv"] = ["compare", *flags, *(["--data", data] if data else []), *([] if audit else ["--no-audit"])]
     return opts
@@ -62,16 +62,24 @@ def run(args) -> int:
 
     cmp, res = Path(args.cmp), Path(args.results)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
+    methods = METHODS
+    if getattr(args, "plan", None):
+        try:
+            methods = plan_methods(load_plan(args.plan))
+        except PlanError as e:
+            print(f"confirmatory: {e}; nothing was run", file=sys.stderr)
+            return 2
     done: list[int] = []
     for s in seeds:
         done.append(s)
-        opts = compare_options(done, cmp, args.data, args.external, args.part, audit=not args.no_audit)
+        opts = compare_options(done, cmp, args.data, args.external, args.part, audit=not args.no_audit,
+                               methods=methods)
         print(f"[confirmatory] seed {s}: cxr-hfl {' '.join(opts['argv'])}", flush=True)
         t0 = time.perf_counter()
         rc = compare(**opts)
         wall = time.perf_counter() - t0
         print(f"[confirmatory] seed {s}: rc={rc} in {wall:.0f} s", flush=True)
-        dest = copy_seed(cmp, res, s)
+        dest = copy_seed(cmp, res, s, methods)
         (dest / "wall_seconds.txt").write_text(f"{wall:.0f}\n")
         if rc != 0:
             print(f"[confirmatory] seed {s}: compare returned {rc}; rerun the same command to retry", file=sys.stderr)
@@ -124,14 +132,15 @@ def relative_predictions(src: Path, dest: Path) -> None:
     np.savez_compressed(dest, **arrays)
 
 
-def copy_seed(cmp: Path, res: Path, seed: int) -> Path:
+def copy_seed(cmp: Path, res: Path, seed: int, methods: str = METHODS) -> Path:
     """Copy one finished seed's records into ``res/seeds/seed<k>/<method>/`` in the comparison folder's own layout
     (``metrics.json``, ``models.json``, ``external/<set>/summary.json``, ``audit.json``, ``predictions.npz``), machine
     paths replaced (:func:`_sanitise`; the predictions' image paths made relative by :func:`relative_predictions`), and ``compare.json`` into ``res/seeds/``; :func:`analyse` can then be run on
-    ``res/seeds`` if the run folders are gone. Returns the seed's folder."""
+    ``res/seeds`` if the run folders are gone. ``methods``: the protocol's methods, comma-separated. Returns the
+    seed's folder."""
     cmp, root = Path(cmp), Path(res) / "seeds"
     dest = root / f"seed{seed}"
-    files = [cmp / "compare.json"] + [f for m in METHODS.split(",") for f in
+    files = [cmp / "compare.json"] + [f for m in methods.split(",") for f in
                                       [*(cmp / f"seed{seed}" / m / n for n in RUN_FILES),
                                        *(g for n in EXT_FILES for g in (cmp / f"seed{seed}" / m).glob(f"external/*/{n}"))]]
     for f in files:
@@ -640,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--primary", choices=sorted(PRIMARY_ROWS), default=None,
                            help="checked against the plan: the control of its primary comparison (default: the "
                                 "plan's)")
+        if c in ("run", "copy"):
+            p.add_argument("--plan", metavar="FILE",
+                           help="the protocol's α plan: the methods it names are run and copied (protocol 4 adds "
+                                "central); default: the first protocols' local,fedavg,ohfl")
         if c == "run":
             p.add_argument("--no-audit", action="store_true",
                            help="evaluate without the shortcut audit (a protocol without the audit endpoints)")
@@ -648,9 +661,14 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--part", default="evaluation", choices=("tuning", "evaluation"))
     args = ap.parse_args(argv)
     if args.cmd == "copy":  # re-copy finished seeds (e.g. after a change of what is copied)
+        try:
+            methods = plan_methods(load_plan(args.plan)) if args.plan else METHODS
+        except PlanError as e:
+            print(f"confirmatory: {e}; nothing was copied", file=sys.stderr)
+            return 2
         for s in ([int(x) for x in args.seeds.split(",")] if args.seeds else SEEDS):
             if (Path(args.cmp) / f"seed{s}").is_dir():
-                print(f"[confirmatory] seed {s} -> {copy_seed(Path(args.cmp), Path(args.results), s)}")
+                print(f"[confirmatory] seed {s} -> {copy_seed(Path(args.cmp), Path(args.results), s, methods)}")
         return 0
     return run(args) if args.cmd == "run" else analyse(args)
 

@@ -59,8 +59,12 @@ def test_the_committed_plans_load_and_protocol_4_spends_0_05_in_its_order():
     assert ids == ["primary", "sensitivity", "specificity", "operating_point_efficiency", "refusal_rate",
                    "border_probe", "metadata_margin", "vs_local_ft", "vs_pooled_reference"]
     assert [t["alpha"] for t in p4["tests"]] == pytest.approx(SHARES)
-    assert p4["tests"][0]["hypothesis"] == "superiority" and (p4["tests"][0]["a"], p4["tests"][0]["b"]) == \
-        ("ohfl", "fedavg")
+    # the fallback primary PROTOCOL.md states (no lever adopted), and the thresholds it fixed: none left open
+    assert (p4["tests"][0]["hypothesis"], p4["tests"][0]["margin"]) == ("non-inferiority", 0.02)
+    assert (p4["tests"][0]["a"], p4["tests"][0]["b"]) == ("ohfl", "fedavg")
+    assert {t["id"]: t.get("threshold") for t in p4["tests"] if "threshold" in t} == {
+        "sensitivity": 0.9, "specificity": 0.5, "operating_point_efficiency": 0.93, "refusal_rate": 0.167,
+        "border_probe": 0.05, "metadata_margin": 0.0}
     assert plans["confirmatory_10seeds"]["tests"][0]["looks"] == 2
     assert find_test(plans["confirmatory"], "ohfl", "local", "auc")["alpha"] == 0.05
 

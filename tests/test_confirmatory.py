@@ -452,7 +452,7 @@ PROTOCOLS = Path(C.__file__).resolve().parent / "protocols"
      "--looks 1: the plan tests its primary at alpha 0.025 (2 looks)"),
     (["--plan", str(PROTOCOLS / "confirmatory_300" / "alpha_plan.json"), "--looks", "2"],
      "--looks 2: the plan tests its primary at alpha 0.05 (one look)"),
-    (["--plan", str(PROTOCOLS / "protocol4" / "alpha_plan.json"), "--primary", "local"],
+    (["--plan", "OPEN", "--primary", "local"],  # protocol 4's plan before PROTOCOL.md completed it
      "the plan's primary test is ohfl vs fedavg (vs_local_ft comes later in its sequence)"),
 ])
 def test_the_analysis_refuses_a_test_its_plan_does_not_list(tmp_path, capsys, extra, says):
@@ -461,9 +461,25 @@ def test_the_analysis_refuses_a_test_its_plan_does_not_list(tmp_path, capsys, ex
     seeds = [30, 31, 32, 33, 34]
     args = _looks_cmp(tmp_path / "cmp", seeds)
     base = args[:args.index("--primary")]
+    extra = [str(_open_plan(tmp_path / "plan")) if x == "OPEN" else x for x in extra]
     _refused([*base, *extra], capsys, "a test the plan does not list" if extra else "alpha_plan.json", says,
              "nothing was written")
     assert not (tmp_path / "res").exists()
+
+
+def _open_plan(tmp_path):
+    """Protocol 4's plan as it stood before its PROTOCOL.md completed it (a superiority primary, the one-sample
+    thresholds still null): the analysis then tests the primary only and needs no ``central`` runs."""
+    plan = json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text())
+    plan["tests"][0]["hypothesis"] = "superiority"
+    plan["tests"][0].pop("margin", None)
+    for t in plan["tests"]:
+        if t["id"] in ("specificity", "operating_point_efficiency", "refusal_rate"):
+            t["threshold"] = None
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    p = tmp_path / "plan_open.json"
+    p.write_text(json.dumps(plan))
+    return p
 
 
 def test_a_fallback_plan_tests_its_primary_at_its_level_and_gives_other_rows_no_verdict(tmp_path):
@@ -472,7 +488,7 @@ def test_a_fallback_plan_tests_its_primary_at_its_level_and_gives_other_rows_no_
     seeds = [30, 31, 32, 33, 34]
     args = _looks_cmp(tmp_path / "cmp", seeds)
     base = args[:args.index("--primary")]
-    plan = PROTOCOLS / "protocol4" / "alpha_plan.json"
+    plan = _open_plan(tmp_path)
     assert C.main([*base, "--plan", str(plan)]) == 0
     r = json.loads((tmp_path / "res" / "result.json").read_text())
     c = r["primary_corrected"]
@@ -488,8 +504,8 @@ def test_a_fallback_plan_tests_its_primary_at_its_level_and_gives_other_rows_no_
 
 
 def _complete_plan(tmp_path):
-    """Protocol 4's plan with its open thresholds filled in, as PROTOCOL.md will fix them (values for the test)."""
-    plan = json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text())
+    """Protocol 4's plan before PROTOCOL.md with its open thresholds filled in (values for the test)."""
+    plan = json.loads(_open_plan(tmp_path).read_text())
     fill = {"specificity": 0.5, "operating_point_efficiency": 0.8, "refusal_rate": 0.2}
     for t in plan["tests"]:
         if t["id"] in fill:
@@ -510,7 +526,8 @@ def test_a_complete_fallback_plan_runs_every_test_in_order_and_needs_every_metho
     args = _looks_cmp(tmp_path / "cmp", seeds)
     path, plan = _complete_plan(tmp_path)
     assert C.plan_methods(plan) == "local,fedavg,ohfl,central" and C.plan_complete(plan)
-    assert not C.plan_complete(json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text()))
+    assert not C.plan_complete(json.loads(_open_plan(tmp_path).read_text()))
+    assert C.plan_complete(json.loads((PROTOCOLS / "protocol4" / "alpha_plan.json").read_text()))
     base = args[:args.index("--primary")]
     assert C.main([*base, "--plan", str(path)]) == 2
     err = capsys.readouterr().err
@@ -525,3 +542,31 @@ def test_a_complete_fallback_plan_runs_every_test_in_order_and_needs_every_metho
     assert not any(r["succeeded"] for r in seq if r["id"] in ("sensitivity", "refusal_rate", "vs_pooled_reference"))
     outcomes = [r["succeeded"] for r in seq]
     assert [r["level"] for r in seq] == pytest.approx(fallback_levels([t["alpha"] for t in plan["tests"]], outcomes))
+
+
+def test_the_run_command_runs_and_copies_every_method_its_plan_names(tmp_path, monkeypatch):
+    """``run --plan``: the comparison gets the plan's methods (protocol 4's plan adds ``central`` to the first
+    protocols' three), one seed at a time, and each finished seed's copy holds every one of them; an unreadable
+    plan runs nothing and says so in one line."""
+    import nvflare_jobs.compare as compare_mod
+
+    plan = Path(C.__file__).resolve().parent / "protocols" / "protocol4" / "alpha_plan.json"
+    calls = []
+
+    def fake_compare(**opts):
+        calls.append((opts["methods"], list(opts["seeds"])))
+        cmp = Path(opts["out"])
+        for m in opts["methods"].split(","):
+            _write(cmp / f"seed{opts['seeds'][-1]}" / m / "metrics.json", {"method": m, "seed": opts["seeds"][-1]})
+        _write(cmp / "compare.json", {"methods": opts["methods"].split(",")})
+        return 0
+
+    monkeypatch.setattr(compare_mod, "compare", fake_compare)
+    args = ["run", "--cmp", str(tmp_path / "cmp"), "--results", str(tmp_path / "res"), "--seeds", "50,51"]
+    assert C.main([*args, "--plan", str(plan)]) == 0
+    assert calls == [("local,fedavg,ohfl,central", [50]), ("local,fedavg,ohfl,central", [50, 51])]
+    for s in (50, 51):
+        assert {p.name for p in (tmp_path / "res" / "seeds" / f"seed{s}").iterdir() if p.is_dir()} == {
+            "local", "fedavg", "ohfl", "central"}
+    calls.clear()
+    assert C.main([*args, "--plan", str(tmp_path / "nope.json")]) == 2 and calls == []

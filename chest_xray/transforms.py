@@ -69,10 +69,23 @@ BORDER_PROFILES = {
                      "uniform_values": False},
     AUGMENT_BORDER_DENSE: {"prob": 0.8, "fraction_range": (0.02, 0.20), "side_prob": 0.75, "uniform_values": True},
 }
+#: The site-config ``augment`` value of the random zoom-out: the border probe's own frame (``raw_band``: bands of
+#: one share f of each side on all four sides of the decoded image, the image kept at its size, so the film shrinks
+#: by 1 - 2f about its centre with its aspect kept) at a random f in :data:`ZOOM_OUT_FRACTION_RANGE`, filled with
+#: the image's darkest level (the probe's black band), on every class, before squaring and intensity scaling.
+AUGMENT_ZOOM_OUT = "zoom_out"
+#: Zoom-out: share f of each side taken by the frame, uniform in this range (the probe's f = 0.06 is its top: the
+#: film shrinks to 0.88-1.0 of each side), and the probability per image.
+ZOOM_OUT_FRACTION_RANGE = (0.0, 0.06)
+ZOOM_OUT_PROB = 0.8
 #: ``augment`` values whose bands are added to the decoded image (before squaring and intensity scaling), each
-#: with the :data:`BORDER_PROFILES` arguments of the value it reuses.
-RAW_BORDER_PROFILES = {AUGMENT_BORDER_RAW: BORDER_PROFILES[AUGMENT_BORDER_DENSE]}
-#: Every ``augment`` value that adds random bands.
+#: with its :class:`RandBandPadd` arguments (``border_raw``: those of ``border_dense``).
+RAW_BORDER_PROFILES = {
+    AUGMENT_BORDER_RAW: BORDER_PROFILES[AUGMENT_BORDER_DENSE],
+    AUGMENT_ZOOM_OUT: {"prob": ZOOM_OUT_PROB, "fraction_range": ZOOM_OUT_FRACTION_RANGE, "side_prob": 1.0,
+                       "uniform_values": False, "values": (BAND_VALUES["black"],), "symmetric": True},
+}
+#: Every ``augment`` value that adds random bands (``build_transforms(border_augment=...)``).
 BORDER_AUGMENTS = (*BORDER_PROFILES, *RAW_BORDER_PROFILES)
 #: Inference-time band crop: a row / column is part of a uniform band when its pixels' standard deviation is below
 #: this (on [0, 1]) and its mean within it of the outermost row's; at most this share of a side is cropped.
@@ -183,11 +196,15 @@ class RandBandPad(RandomizableTransform):
     (``self.params``: ``{"widths", "value"}`` or None), a deterministic :class:`BandPad` applies them. With
     ``image_scale`` the drawn value is mapped onto the image's own [min, max] (:func:`image_level`), as the border
     probe colours its bands on a decoded image; without it, it is used as is (an image already scaled to [0, 1]).
+    With ``symmetric`` one share f in ``fraction_range`` is drawn for all four sides (``side_prob`` unused): bands
+    of round(f H) rows at the top and bottom and round(f W) columns at the left and right, i.e. a zoom-out about the
+    centre by 1 - 2f that keeps the aspect to a pixel; with ``image_scale`` and value 0 this is exactly the border
+    probe's frame (``build_transforms(raw_band=(f, 0))``) at a random f.
     """
 
     def __init__(self, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
                  values: Sequence[float] = tuple(BAND_VALUES.values()), side_prob: float = 0.5,
-                 uniform_values: bool = False, image_scale: bool = False):
+                 uniform_values: bool = False, image_scale: bool = False, symmetric: bool = False):
         RandomizableTransform.__init__(self, prob)
         lo, hi = fraction_range
         if not 0 <= lo <= hi < 0.5:
@@ -199,7 +216,7 @@ class RandBandPad(RandomizableTransform):
         self.fraction_range = (float(lo), float(hi))
         self.values = tuple(float(v) for v in values)
         self.side_prob, self.uniform_values = float(side_prob), bool(uniform_values)
-        self.image_scale = bool(image_scale)
+        self.image_scale, self.symmetric = bool(image_scale), bool(symmetric)
         self.params: dict | None = None
 
     def randomize(self, data: Any = None, shape: Sequence[int] | None = None) -> None:
@@ -209,10 +226,14 @@ class RandBandPad(RandomizableTransform):
             self.params = None
             return
         h, w = int(shape[-2]), int(shape[-1])
-        sides = self.R.rand(4) < self.side_prob
-        if not sides.any():
-            sides[self.R.randint(4)] = True
-        frac = self.R.uniform(*self.fraction_range, size=4)
+        if self.symmetric:  # one share for every side: a centred zoom-out, the aspect kept
+            sides = np.ones(4, bool)
+            frac = np.full(4, self.R.uniform(*self.fraction_range))
+        else:
+            sides = self.R.rand(4) < self.side_prob
+            if not sides.any():
+                sides[self.R.randint(4)] = True
+            frac = self.R.uniform(*self.fraction_range, size=4)
         widths = [int(round(f * (h if i < 2 else w))) if on else 0 for i, (f, on) in enumerate(zip(frac, sides))]
         k = self.R.randint(len(self.values) + int(self.uniform_values))
         value = self.values[k] if k < len(self.values) else float(self.R.uniform(0.0, 1.0))
@@ -232,9 +253,10 @@ class RandBandPadd(Randomizable, MapTransform):
 
     def __init__(self, keys, prob: float = BORDER_PROB, fraction_range: tuple[float, float] = BORDER_FRACTION_RANGE,
                  values: Sequence[float] = tuple(BAND_VALUES.values()), allow_missing_keys: bool = False,
-                 side_prob: float = 0.5, uniform_values: bool = False, image_scale: bool = False):
+                 side_prob: float = 0.5, uniform_values: bool = False, image_scale: bool = False,
+                 symmetric: bool = False):
         MapTransform.__init__(self, keys, allow_missing_keys)
-        self.padder = RandBandPad(prob, fraction_range, values, side_prob, uniform_values, image_scale)
+        self.padder = RandBandPad(prob, fraction_range, values, side_prob, uniform_values, image_scale, symmetric)
 
     def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None):
         super().set_random_state(seed, state)
@@ -327,7 +349,10 @@ def build_transforms(input_size: int, mode: str, augment_classes: Sequence[int] 
             :data:`BORDER_PROFILES`; ``"border_raw"`` (``augment: border_raw``): the ``border_dense`` draws added
             instead to the decoded image before squaring (after ``crop_bands``), in its own grey scale, so that
             the resize and the per-image intensity scaling see the band, exactly where ``raw_band`` adds the
-            probe's (:data:`RAW_BORDER_PROFILES`; the in-memory cache then holds decoded images); False: none.
+            probe's (:data:`RAW_BORDER_PROFILES`; the in-memory cache then holds decoded images); ``"zoom_out"``
+            (``augment: zoom_out``): at the same place, the probe's own frame at a random share of each side
+            (:data:`ZOOM_OUT_FRACTION_RANGE`, probability :data:`ZOOM_OUT_PROB`, the image's darkest level): a
+            centred zoom-out of the film, aspect kept; False: none.
             Not restricted to ``augment_classes``: a frame on one class only is a label cue.
         crop_bands: remove uniform bands framing the decoded image (:func:`crop_uniform_bands`) before squaring,
             in both modes (defence in depth at inference; not the fix of a border shortcut).

@@ -43,7 +43,9 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 #: ``border_dense`` = the same with most images framed, wider bands and any grey (chest_xray BORDER_PROFILES)
 #: ``border_raw`` = the border_dense bands added to the decoded image before squaring and intensity scaling, where
 #: the border probe adds its bands (chest_xray RAW_BORDER_PROFILES)
-AUGMENTS = ("monai", "batch", "border", "border_dense", "border_raw")
+#: ``zoom_out`` = the border probe's own frame at a random share of each side (0-6 %), a centred zoom-out of the
+#: film with its aspect kept, on the decoded image of every class (chest_xray AUGMENT_ZOOM_OUT)
+AUGMENTS = ("monai", "batch", "border", "border_dense", "border_raw", "zoom_out")
 
 DEFAULTS = {
     "input_size": 64,
@@ -331,7 +333,7 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
     for key in ("balanced_sampling", "fast_augment", "keep_for_processing", "skip_other_body_parts"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
-    per_image = ("monai", "border", "border_dense", "border_raw")
+    per_image = ("monai", "border", "border_dense", "border_raw", "zoom_out")
     if cfg["fast_augment"] and raw.get("augment") in per_image:  # the tensor path would silently win
         raise _err(site, path, "augment", f"{raw['augment']} has no effect with fast_augment: true (flip + shift "
                                           "on cached tensors); set fast_augment: false to augment per image with MONAI")
@@ -437,7 +439,7 @@ batch_size: 16
 # max_train_images: null           # cap the training images (stratified by class), e.g. for a first trial
 # class_weights: null              # null | balanced (inverse class frequency in the loss)
 # augment_classes: all             # all (default) | auto (minority classes only: a label shortcut) | [] (none) | [0, 1]
-# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster) | border (monai + random bands) | border_dense (more, wider) | border_raw (border_dense bands in the file, before intensity scaling)
+# augment: monai                   # monai (per image) | batch (flip + affine per collated batch, faster) | border (monai + random bands) | border_dense (more, wider) | border_raw (border_dense bands in the file, before intensity scaling) | zoom_out (random centred zoom-out in the file, 0-12 %)
 # fast_augment: false              # true: flip + shift on cached tensors instead (refused with augment: monai)
 # balanced_sampling: false         # true: class-balanced sampling of the training split
 # cache_dir: null                  # a folder: decoded images are cached on disk between jobs

@@ -174,6 +174,7 @@ class SiteRuntime:
     def loader(self, split: str, input_size: int | None = None, train_mode: bool | None = None):
         """A DataLoader over one split at the site's input size (train split augmented when train_mode)."""
         from chest_xray import make_site_dataset, resolve_augment_classes
+        from chest_xray.transforms import BORDER_AUGMENTS
 
         size = int(input_size or self.input_size)
         train_mode = (split == "train") if train_mode is None else train_mode
@@ -207,8 +208,7 @@ class SiteRuntime:
                                            cache_dir=self.cfg.get("cache_dir"),
                                            aspect=self.cfg.get("aspect", "stretch"),
                                            border_augment=(self.cfg.get("augment") if train_mode and self.cfg.get(
-                                               "augment") in ("border", "border_dense", "border_raw")
-                                                                         else False))
+                                               "augment") in BORDER_AUGMENTS else False))
             except Exception as e:  # MONAI wraps a file that cannot be read: report the file and the reason
                 img = find_image_error(e)
                 if img is None:

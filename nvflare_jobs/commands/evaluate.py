@@ -122,7 +122,7 @@ def _add_compare(c) -> None:
     for flag, kw in (("--aspect", {"choices": ASPECTS, "help": "pass-through: how sites make images square (default stretch)"}),
                      ("--augment", {"choices": AUGMENTS, "help": "pass-through: every site's training augmentation "
                                                                  "(default monai; border / border_dense / border_raw add "
-                                                                 "random bands)"}),
+                                                                 "random bands; zoom_out a random centred zoom-out)"}),
                      ("--no-audit", {"action": "store_true", "help": "skip the shortcut audit of the external set"}),
                      ("--dry-run", {"action": "store_true",
                                     "help": "print the budget and the simulate commands only; writes nothing"})):

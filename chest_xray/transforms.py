@@ -497,7 +497,9 @@ def make_site_dataset(
             :func:`default_augment_classes` of the training rows for the OHFL minority rule).
         cache_dir: None -> ``CacheDataset`` (decoded, resized images held in memory: N x S^2 x 4 bytes);
             a folder -> ``PersistentDataset`` under ``cache_dir/s<S>-<aspect>`` (survives restarts; keyed by path
-            and label; the aspect is in the folder name so a cache of another geometry is never reused).
+            and label; the aspect is in the folder name so a cache of another geometry is never reused; a train
+            pipeline whose augmentation acts on the decoded image, ``border_raw`` / ``zoom_out``, caches the decoded
+            image under its own folder ``...-<augment>``, never the squared one of another pipeline).
         seed: seeds the augmentation random state (reproducible epochs); None leaves MONAI's default.
         cache_workers: threads used to fill the in-memory cache.
         aspect: how images are made square, see :func:`build_transforms` (default ``stretch``).
@@ -517,7 +519,8 @@ def make_site_dataset(
     if seed is not None:
         transform.set_random_state(seed=seed)
     if cache_dir is not None:
-        d = Path(cache_dir) / f"s{int(input_size)}-{aspect}{'-cropbands' if crop_bands else ''}"
+        raw = f"-{border_augment}" if mode == "train" and border_augment in RAW_BORDER_PROFILES else ""
+        d = Path(cache_dir) / f"s{int(input_size)}-{aspect}{'-cropbands' if crop_bands else ''}{raw}"
         d.mkdir(parents=True, exist_ok=True)
         return PersistentDataset(data, transform, cache_dir=d)
     return CacheDataset(data, transform, cache_rate=1.0, num_workers=cache_workers, progress=False)

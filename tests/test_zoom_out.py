@@ -8,7 +8,7 @@ import yaml
 from PIL import Image
 
 from chest_xray.transforms import (AUGMENT_ZOOM_OUT, BORDER_AUGMENTS, RAW_BORDER_PROFILES, RandBandPad,
-                                   RandBandPadd, build_transforms)
+                                   RandBandPadd, build_transforms, make_site_dataset)
 from hfl_components.flare.site_config import AUGMENTS, SiteConfigError, load_site_config
 from hfl_components.models.fusable import apply_frame_mask
 
@@ -119,6 +119,17 @@ def test_a_bad_augment_value_is_refused_naming_the_site_config_file(tmp_path):
     assert str(f) in str(e.value)
     f.write_text(yaml.safe_dump({**base, "augment": "zoom_out"}))
     assert load_site_config("hospital-z", f, check_files=False)["augment"] == "zoom_out"
+
+
+def test_a_disk_cache_of_the_decoded_images_has_its_own_folder(tmp_path):
+    # the disk cache is keyed by path and label only: a squared 16 x 16 image cached by the eval pipeline must never
+    # be read back as the decoded image that the zoom-out frames
+    rows = [{"path": _png(tmp_path / f"i{k}.png", seed=k), "label": k % 2} for k in range(2)]
+    make_site_dataset(rows, 16, "eval", [], cache_dir=tmp_path / "c", aspect="crop")[0]
+    ds = make_site_dataset(rows, 16, "train", [], cache_dir=tmp_path / "c", aspect="crop",
+                           border_augment=AUGMENT_ZOOM_OUT, seed=0)
+    assert ds[0]["image"].shape == (1, 16, 16)
+    assert {d.name for d in (tmp_path / "c").iterdir()} == {"s16-crop-zoom_out", "s16-crop"}
 
 
 def test_a_site_with_augment_zoom_out_trains_on_it_and_evaluates_without_it(tmp_path):

@@ -87,9 +87,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "(docs/decisions.md)"),
     Option("augment", str, None, AUGMENTS, "training augmentation of every site, written into each generated site "
            "config: monai (default: flip + affine per image), batch (per collated batch), border (monai + random "
-           "black/grey/white bands framing every class), border_dense (bands on most images, wider, any grey), border_raw (border_dense's bands added to "
-           "the decoded image before resizing and intensity scaling, as the border probe adds them), zoom_out (the "
-           "border probe's frame at a random share of up to 0.06 of each side: a centred zoom-out of the film, aspect kept)"),
+           "black/grey/white bands framing every class), border_dense (bands on most images, wider, any grey), "
+           "border_raw (border_dense's bands added to the decoded image before resizing and intensity scaling, as "
+           "the border probe adds them), zoom_out (the border probe's frame at a random share of up to 0.06 of each "
+           "side: a centred zoom-out of the film, aspect kept)"),
     Option("families", str, None, help="one model family per site, comma-separated in site order (cnn, vgg11, "
            "hetero_cnn, densenet, resnet, efficientnet), e.g. cnn,cnn,densenet,densenet,resnet,resnet (default: cnn "
            "at every site; not for prototype methods)"),

@@ -1,0 +1,203 @@
+"""Feature distillation beside the logits (similarity-preserving KD, Tung & Mori 2019): the loss on hand cases, its
+invariances, the teachers' layers at their own input sizes, weight 0 as today's loop, and the OHFL option's checks
+and round trip through a method-option string."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hfl_components.fusion.distill import DistillConfig, FeatureDistill, Teacher, distill
+from hfl_components.fusion.feature_distill import (FEATURE_LAYERS, similarity_loss, similarity_matrix,
+                                                   target_similarity, teacher_features)
+
+CNN = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
+
+
+def _model(spec, seed):
+    from hfl_components.models import build_model
+
+    torch.manual_seed(seed)
+    m = build_model(spec)
+    with torch.no_grad():  # the class layer starts at zero: give every model some logits
+        m.classifier.weight.normal_(0.0, 1.0)
+    return m.eval()
+
+
+# ------------------------------------------------------------------------------------------- the loss
+def test_hand_computed_3x3_gram_and_loss():
+    """Q = [[1, 0], [0, 1], [1, 1]]: G = Q Qᵀ = [[1, 0, 1], [0, 1, 1], [1, 1, 2]], row norms sqrt 2, sqrt 2, sqrt 6.
+    Target from P = [[1, 0], [1, 0], [0, 1]]: G = [[1, 1, 0], [1, 1, 0], [0, 0, 1]], row norms sqrt 2, sqrt 2, 1.
+    Squared row differences: 1, 1 and 1/6 + 1/6 + (2/sqrt 6 - 1)² = 2 - 4/sqrt 6; loss = (4 - 4/sqrt 6) / 9."""
+    r2, r6 = math.sqrt(2.0), math.sqrt(6.0)
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    p = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    want_q = [[1 / r2, 0.0, 1 / r2], [0.0, 1 / r2, 1 / r2], [1 / r6, 1 / r6, 2 / r6]]
+    want_p = [[1 / r2, 1 / r2, 0.0], [1 / r2, 1 / r2, 0.0], [0.0, 0.0, 1.0]]
+    assert torch.allclose(similarity_matrix(q), torch.tensor(want_q, dtype=torch.float64))
+    assert torch.allclose(similarity_matrix(p), torch.tensor(want_p, dtype=torch.float64))
+    loss = similarity_loss(q, torch.tensor(want_p, dtype=torch.float64))
+    assert float(loss) == pytest.approx((4.0 - 4.0 / r6) / 9.0, rel=1e-12)
+
+
+def test_target_is_the_weighted_average_of_the_teachers_normalised_grams():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # G̃ = I
+    b = torch.tensor([[1.0], [1.0]])  # G = [[1, 1], [1, 1]], G̃ = all 1/sqrt 2 (a width of 1: widths differ)
+    r = 1 / math.sqrt(2.0)
+    t = target_similarity([a, b], [0.25, 0.75])
+    assert t.dtype == torch.float32
+    assert torch.allclose(t, torch.tensor([[0.25 + 0.75 * r, 0.75 * r], [0.75 * r, 0.25 + 0.75 * r]]))
+    assert torch.allclose(target_similarity([a, b]), target_similarity([a, b], [0.5, 0.5]))
+
+
+def test_loss_is_zero_under_rotation_permutation_and_scale_and_positive_otherwise():
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.relu(torch.randn(12, 5, generator=g, dtype=torch.float64))
+    rot, _ = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))  # an orthogonal matrix
+    perm = torch.eye(5, dtype=torch.float64)[torch.randperm(5, generator=g)]
+    target = target_similarity([teacher]).double()
+    for student in (teacher @ rot, teacher @ perm, 7.5 * teacher, 0.01 * (teacher @ perm) @ rot):
+        assert float(similarity_loss(student, target)) < 1e-12
+    # a wider student holding the teacher's features in some of its channels, zeros elsewhere
+    wide = torch.cat([teacher @ perm, torch.zeros(12, 3, dtype=torch.float64)], 1)
+    assert float(similarity_loss(wide, target)) < 1e-12
+    other = torch.relu(torch.randn(12, 5, generator=g, dtype=torch.float64))
+    assert float(similarity_loss(other, target)) > 1e-3
+    # an anisotropic scale of the channels changes which images look alike: not invariant
+    assert float(similarity_loss(teacher * torch.tensor([10.0, 1, 1, 1, 0.1], dtype=torch.float64), target)) > 1e-4
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: similarity_matrix(torch.ones(3)), "feature dimension"),
+    (lambda: similarity_loss(torch.ones(3, 2), torch.ones(2, 2)), r"\(3, 3\)"),
+    (lambda: target_similarity([]), "at least one teacher"),
+    (lambda: target_similarity([torch.ones(3, 2), torch.ones(4, 2)]), "same images"),
+    (lambda: target_similarity([torch.ones(3, 2)], [0.5, 0.5]), "1 teachers need 1 weights"),
+    (lambda: FeatureDistill(-1.0, "penultimate").check(), "weight"),
+    (lambda: FeatureDistill(float("inf"), "penultimate").check(), "weight"),
+    (lambda: FeatureDistill(1.0, "conv3").check(), "layer must be one of"),
+])
+def test_bad_inputs_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------------------------------- the loop
+def test_teachers_give_their_layer_at_their_own_input_size():
+    hetero = {"family": "hetero_cnn", "width": 0.25, "feature_dim": 8, "in_channels": 1, "num_classes": 2}
+    ta, tb = _model(CNN, 1), _model(hetero, 2)
+    g = torch.Generator().manual_seed(3)
+    imgs = {16: torch.rand(10, 1, 16, 16, generator=g), 24: torch.rand(10, 1, 24, 24, generator=g)}
+    fa, fb = teacher_features([Teacher("a", ta, 16), Teacher("b", tb, 24)], imgs, "penultimate", batch=4)
+    with torch.no_grad():
+        assert torch.allclose(fa, ta.features(imgs[16]), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(fb, tb.features(imgs[24]), rtol=1e-5, atol=1e-5)
+    assert fa.shape[1] != fb.shape[1]  # two widths: the loss compares their (10 x 10) similarities
+    with pytest.raises(ValueError, match="input size 24"):
+        teacher_features([Teacher("b", tb, 24)], {16: imgs[16]}, "penultimate")
+
+
+def _tiny_case():
+    teachers = [Teacher("a", _model(CNN, 1), 16), Teacher("b", _model(CNN, 2), 16)]
+    imgs = {16: torch.rand(24, 1, 16, 16, generator=torch.Generator().manual_seed(4))}
+    cfg = DistillConfig(steps=6, batch_size=8, eval_every=3, patience=0, seed=5)
+    return teachers, imgs, cfg
+
+
+def _run(features, teachers, imgs, cfg):
+    student = _model(CNN, 0)
+    res = distill(student, [16], teachers, imgs, weights=[0.25, 0.75], config=cfg, features=features)
+    return student.state_dict(), res.as_dict()
+
+
+def test_weight_zero_is_todays_loop_bit_for_bit_and_a_positive_weight_changes_the_student():
+    teachers, imgs, cfg = _tiny_case()
+    base_sd, base_rec = _run(None, teachers, imgs, cfg)
+    zero_sd, zero_rec = _run(FeatureDistill(0.0, "penultimate"), teachers, imgs, cfg)
+    assert all(torch.equal(base_sd[k], zero_sd[k]) for k in base_sd)
+    assert "feature" not in zero_rec and zero_rec["val_loss"] == base_rec["val_loss"]
+    on_sd, on_rec = _run(FeatureDistill(3000.0, "penultimate"), teachers, imgs, cfg)
+    assert any(not torch.equal(base_sd[k], on_sd[k]) for k in base_sd)
+    f = on_rec["feature"]
+    assert f["weight"] == 3000.0 and f["layer"] == "penultimate"
+    assert f["teacher_dims"] == [t.model.classifier.in_features for t in teachers]  # the width the class layer reads
+    assert [s for s, _ in f["train_loss"]] == [3, 6] and all(v >= 0 for _, v in f["train_loss"])
+    with pytest.raises(ValueError, match="augment"):
+        distill(_model(CNN, 0), [16], teachers, imgs, config=DistillConfig(steps=2, augment=True),
+                features=FeatureDistill(1.0, "penultimate"))
+
+
+def test_server_stage_weight_zero_equals_the_logit_only_loop():
+    """``distil_groups`` at feature weight 0 gives the student ``distill`` gives without a feature argument."""
+    from hfl_components.flare.distill_stage import distil_groups
+    from hfl_components.fusion.distill import teacher_weights
+
+    teachers, imgs, _ = _tiny_case()
+    uploads = {t.name: {"spec": dict(CNN), "state_dict": {k: v.clone() for k, v in t.model.state_dict().items()},
+                        "n_samples": n, "input_size": 16} for t, n in zip(teachers, (10, 30))}
+    student_sd = {k: v.clone() for k, v in _model(CNN, 0).state_dict().items()}
+    common = dict(steps=4, temperature=2.0, weighting="samples", augment=False, data_free=False, data_free_rounds=0,
+                  in_channels=1, seed=0, max_seconds=None, teacher="average", feature_layer="penultimate")
+
+    def students():
+        return {"cnn": {"spec": dict(CNN), "state_dict": dict(student_sd), "start": "site a", "sites": ["a", "b"]}}
+    st0 = students()
+    rec0 = distil_groups(st0, uploads, imgs, "cpu", feature_weight=0.0, **common)["cnn"]
+    m = _model(CNN, 0)
+    m.load_state_dict(student_sd)
+    distill(m, [16], teachers, imgs, teacher_weights([10, 30]), DistillConfig(steps=4, temperature=2.0, seed=0))
+    assert all(torch.equal(st0["cnn"]["state_dict"][k], m.state_dict()[k]) for k in student_sd)
+    assert "feature" not in rec0
+    st1 = students()
+    rec1 = distil_groups(st1, uploads, imgs, "cpu", feature_weight=50.0, **common)["cnn"]
+    assert rec1["feature"]["weight"] == 50.0
+    with pytest.raises(ValueError, match="distill_feature_weight"):
+        distil_groups(students(), uploads, imgs, "cpu", feature_weight=-1.0, **common)
+
+
+# ------------------------------------------------------------------------------------------- the option
+def test_the_three_statements_of_the_layer_choices_agree_and_the_default_is_off():
+    from hfl_components.flare import catalogue, distill_stage
+
+    opts = {o.key: o for o in catalogue.entry("ohfl").options}
+    assert opts["distill_feature_layer"].choices == FEATURE_LAYERS == distill_stage.FEATURE_LAYERS
+    assert catalogue.option_defaults("ohfl")["distill_feature_weight"] == 0.0
+    assert catalogue.option_defaults("ohfl")["distill_feature_layer"] == "penultimate"
+
+
+@pytest.mark.parametrize("given, key", [({"distill_feature_weight": -0.5}, "distill_feature_weight"),
+                                        ({"distill_feature_weight": "nan"}, "distill_feature_weight"),
+                                        ({"distill_feature_layer": "conv3"}, "distill_feature_layer")])
+def test_a_bad_value_is_refused_with_one_line_naming_the_option(given, key):
+    from hfl_components.flare import catalogue
+    from nvflare_jobs.compare import check_variant
+
+    with pytest.raises(ValueError) as e:
+        catalogue.validate_options("ohfl", given, require=False)
+    assert f"'{key}'" in str(e.value) and "\n" not in str(e.value)
+    (k, v), = given.items()
+    msg = check_variant(f"ohfl:{k}={v}")
+    assert msg is not None and f"'{key}'" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("data_free, augment, match", [(True, False, "'data_free'"), (False, True, "'distill_augment'")])
+def test_a_positive_weight_is_refused_where_it_cannot_run(data_free, augment, match):
+    from hfl_components.flare.distill_stage import check_feature
+
+    with pytest.raises(ValueError, match=f"'distill_feature_weight'.*{match}"):
+        check_feature(1.0, "penultimate", data_free, augment)
+    check_feature(0.0, "penultimate", data_free, augment)  # weight 0 (the default) needs nothing
+
+
+def test_the_option_round_trips_through_a_method_option_string():
+    from nvflare_jobs.compare import check_variant, split_variant
+    from nvflare_jobs.spec import resolve
+
+    name, extra = split_variant("ohfl:distill_feature_weight=3000")
+    assert (name, extra) == ("ohfl", {"distill_feature_weight": "3000"})
+    assert check_variant("ohfl:distill_feature_weight=3000") is None
+    o = resolve(name, extra).options
+    assert o["distill_feature_weight"] == 3000.0 and o["distill_feature_layer"] == "penultimate"
+    assert resolve("ohfl", {}).options["distill_feature_weight"] == 0.0
+    assert check_variant("ohfl:distill_feature_weight=1:data_free") is not None  # refused together, one line

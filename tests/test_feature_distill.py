@@ -201,3 +201,27 @@ def test_the_option_round_trips_through_a_method_option_string():
     assert o["distill_feature_weight"] == 3000.0 and o["distill_feature_layer"] == "penultimate"
     assert resolve("ohfl", {}).options["distill_feature_weight"] == 0.0
     assert check_variant("ohfl:distill_feature_weight=1:data_free") is not None  # refused together, one line
+
+
+# ------------------------------------------------------------------------------------------- the study's driver
+def test_study_driver_reuses_fedavg_only_when_the_default_arm_reproduces(tmp_path, monkeypatch):
+    from studies.feature_distill import run
+
+    ref = {"per_site_auc": {"site-1_deployed": 0.9, "site-2_deployed": 0.8}, "auc": 0.85}
+    assert run.reproduces({"per_site_auc": {"site-1_deployed": 0.9 + 5e-7, "site-2_deployed": 0.8}}, ref)
+    assert not run.reproduces({"per_site_auc": {"site-1_deployed": 0.901, "site-2_deployed": 0.8}}, ref)
+    assert not run.reproduces({"per_site_auc": {"site-1_deployed": 0.9}}, ref)
+    assert not run.reproduces({"missing": True}, ref)
+    rows = {"ohfl": {"auc": 0.85, "per_site_auc": dict(ref["per_site_auc"])}, "ohfl_feature": {"auc": 0.88},
+            "fedavg": {"missing": True}}
+    monkeypatch.setattr(run, "summarise_arm", lambda path: dict(rows[next(a for a, m in run.ARMS.items()
+                                                                             if path.name == m)]))
+    monkeypatch.setattr(run, "levers_arm", lambda seed, arm: {"ohfl": ref, "fedavg": {"auc": 0.86}}[arm])
+    res = run.summarise_seed(tmp_path, 0)
+    assert res["default_reproduces_levers"] and res["arms"]["fedavg"]["source"].startswith("studies/levers")
+    assert res["arms"]["ohfl_feature"]["minus_fedavg"] == pytest.approx(0.02)
+    assert res["arms"]["ohfl_feature"]["minus_ohfl"] == pytest.approx(0.03)
+    rows["ohfl"]["per_site_auc"]["site-2_deployed"] = 0.7  # the default arm no longer reproduces: no FedAvg reused
+    res = run.summarise_seed(tmp_path, 0)
+    assert not res["default_reproduces_levers"] and "minus_fedavg" not in res["arms"]["ohfl_feature"]
+    assert res["arms"]["fedavg"]["source"].startswith("missing")

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hfl_components.fusion.distill import DistillConfig, FeatureDistill, Teacher, distill
-from hfl_components.fusion.feature_distill import (FEATURE_LAYERS, similarity_loss, similarity_matrix,
-                                                   target_similarity, teacher_features)
+from hfl_components.fusion.feature_distill import (FEATURE_LAYERS, FEATURES, FeatureTargets, layer_plan,
+                                                   model_layers, similarity_loss, similarity_matrix,
+                                                   target_similarity)
 
 CNN = {"family": "cnn", "depth": "shallow", "width": 0.25, "in_channels": 1, "num_classes": 2}
 
@@ -77,6 +78,7 @@ def test_loss_is_zero_under_rotation_permutation_and_scale_and_positive_otherwis
     (lambda: FeatureDistill(-1.0, "penultimate").check(), "weight"),
     (lambda: FeatureDistill(float("inf"), "penultimate").check(), "weight"),
     (lambda: FeatureDistill(1.0, "conv3").check(), "layer must be one of"),
+    (lambda: layer_plan(_model(CNN, 0), [], "conv3"), "layer must be one of"),
 ])
 def test_bad_inputs_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
@@ -89,13 +91,69 @@ def test_teachers_give_their_layer_at_their_own_input_size():
     ta, tb = _model(CNN, 1), _model(hetero, 2)
     g = torch.Generator().manual_seed(3)
     imgs = {16: torch.rand(10, 1, 16, 16, generator=g), 24: torch.rand(10, 1, 24, 24, generator=g)}
-    fa, fb = teacher_features([Teacher("a", ta, 16), Teacher("b", tb, 24)], imgs, "penultimate", batch=4)
+    teachers = [Teacher("a", ta, 16), Teacher("b", tb, 24)]
+    plan = layer_plan(_model(CNN, 0), teachers, "penultimate")
+    assert plan["student"] == {FEATURES: [(0, FEATURES), (1, FEATURES)]}
+    ft = FeatureTargets(teachers, plan, imgs, batch=4)
     with torch.no_grad():
-        assert torch.allclose(fa, ta.features(imgs[16]), rtol=1e-5, atol=1e-5)
-        assert torch.allclose(fb, tb.features(imgs[24]), rtol=1e-5, atol=1e-5)
-    assert fa.shape[1] != fb.shape[1]  # two widths: the loss compares their (10 x 10) similarities
+        assert torch.allclose(ft.cache[(0, FEATURES)], ta.features(imgs[16]), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(ft.cache[(1, FEATURES)], tb.features(imgs[24]), rtol=1e-5, atol=1e-5)
+    assert ft.dims() == {f"0:{FEATURES}": ta.classifier.in_features, f"1:{FEATURES}": 8}  # two widths
     with pytest.raises(ValueError, match="input size 24"):
-        teacher_features([Teacher("b", tb, 24)], {16: imgs[16]}, "penultimate")
+        FeatureTargets([teachers[1]], {"layer": "penultimate", "student": {FEATURES: [(0, FEATURES)]}},
+                       {16: imgs[16]})
+
+
+def test_model_layers_are_the_hidden_pre_activations_and_the_logits_of_one_pass():
+    m = _model(CNN, 1)
+    x = torch.rand(5, 1, 16, 16, generator=torch.Generator().manual_seed(6))
+    hidden = m.layers()[:-1]
+    conv = next(k for k, r in enumerate(hidden) if r.kind == "conv")
+    fc = len(hidden) - 1  # the last hidden layer is an fc layer
+    got, logits = model_layers(m, x, [conv, fc])
+    seen = {}
+    hs = [hidden[k].module.register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(k, out.detach()))
+          for k in (conv, fc)]
+    with torch.no_grad():
+        want_logits = m(x)
+    for h in hs:
+        h.remove()
+    assert torch.allclose(logits, want_logits)
+    assert torch.allclose(got[conv], seen[conv].mean(dim=(2, 3)))  # a conv layer: its channel means (5, C)
+    assert torch.allclose(got[fc], seen[fc])
+    f, z = model_layers(m, x, [FEATURES])
+    assert torch.allclose(z, want_logits, atol=1e-6) and f[FEATURES].shape == (5, m.classifier.in_features)
+    with pytest.raises(ValueError, match="int keys only"):
+        model_layers(m, x, [FEATURES, 0])
+
+
+def test_aligned_plan_pairs_the_layers_ohfls_alignment_pairs():
+    """A teacher of the student's own architecture: the CKA + DP alignment is the identity map (every hidden layer
+    with itself: equal layouts give the identity, layer_alignment.align_layers), so each student layer is taught by
+    the same layer of that teacher. A non-fusable teacher pairs its features with the student's last hidden layer;
+    a non-fusable student falls back to the penultimate plan."""
+    hetero = {"family": "hetero_cnn", "width": 0.25, "feature_dim": 8, "in_channels": 1, "num_classes": 2}
+    student = _model(CNN, 0)
+    n_hidden = len(student.layers()) - 1
+    imgs = {16: torch.rand(20, 1, 16, 16, generator=torch.Generator().manual_seed(7))}
+    teachers = [Teacher("same", _model(CNN, 1), 16), Teacher("other", _model(hetero, 2), 16)]
+    plan = layer_plan(student, teachers, "aligned", imgs, student_size=16)
+    assert plan["how"][0] == "aligned" and plan["how"][1].startswith("last layers")
+    want = {j: [(0, j)] for j in range(n_hidden)}
+    want[n_hidden - 1] = [(0, n_hidden - 1), (1, FEATURES)]
+    assert plan["student"] == want
+    fallback = layer_plan(_model(hetero, 3), teachers, "aligned", imgs, student_size=16)
+    assert fallback["student"] == {FEATURES: [(0, FEATURES), (1, FEATURES)]}
+    # the loss of a student equal to its only teacher is 0 at every aligned layer
+    ft = FeatureTargets(teachers[:1], layer_plan(student, teachers[:1], "aligned", imgs, 16), imgs)
+    twin = Teacher("twin", _model(CNN, 0), 16)
+    ft_twin = FeatureTargets([twin], layer_plan(student, [twin], "aligned", imgs, 16), imgs)
+    idx = torch.arange(8)
+    with torch.no_grad():
+        layers, _ = model_layers(student, imgs[16][:8], ft_twin.student_keys)
+        assert float(ft_twin.loss(layers, idx)) < 1e-10
+        layers, _ = model_layers(student, imgs[16][:8], ft.student_keys)
+        assert float(ft.loss(layers, idx)) > 1e-6
 
 
 def _tiny_case():
@@ -120,9 +178,14 @@ def test_weight_zero_is_todays_loop_bit_for_bit_and_a_positive_weight_changes_th
     on_sd, on_rec = _run(FeatureDistill(3000.0, "penultimate"), teachers, imgs, cfg)
     assert any(not torch.equal(base_sd[k], on_sd[k]) for k in base_sd)
     f = on_rec["feature"]
-    assert f["weight"] == 3000.0 and f["layer"] == "penultimate"
-    assert f["teacher_dims"] == [t.model.classifier.in_features for t in teachers]  # the width the class layer reads
+    assert f["weight"] == 3000.0 and f["layer"] == "penultimate" and f["how"] == {"a": "features", "b": "features"}
+    assert f["teacher_dims"] == {f"{k}:{FEATURES}": t.model.classifier.in_features for k, t in enumerate(teachers)}
     assert [s for s, _ in f["train_loss"]] == [3, 6] and all(v >= 0 for _, v in f["train_loss"])
+    al_sd, al_rec = _run(FeatureDistill(3000.0, "aligned"), teachers, imgs, cfg)
+    n_hidden = len(teachers[0].model.layers()) - 1  # both teachers share the student's architecture: identity maps
+    assert al_rec["feature"]["how"] == {"a": "aligned", "b": "aligned"}
+    assert al_rec["feature"]["plan"] == {str(j): [["a", str(j)], ["b", str(j)]] for j in range(n_hidden)}
+    assert any(not torch.equal(al_sd[k], on_sd[k]) for k in base_sd)
     with pytest.raises(ValueError, match="augment"):
         distill(_model(CNN, 0), [16], teachers, imgs, config=DistillConfig(steps=2, augment=True),
                 features=FeatureDistill(1.0, "penultimate"))
@@ -181,7 +244,8 @@ def test_a_bad_value_is_refused_with_one_line_naming_the_option(given, key):
     assert msg is not None and f"'{key}'" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("data_free, augment, match", [(True, False, "'data_free'"), (False, True, "'distill_augment'")])
+@pytest.mark.parametrize("data_free, augment, match", [(True, False, "'data_free'"),
+                                                        (False, True, "'distill_augment'")])
 def test_a_positive_weight_is_refused_where_it_cannot_run(data_free, augment, match):
     from hfl_components.flare.distill_stage import check_feature
 
@@ -200,6 +264,9 @@ def test_the_option_round_trips_through_a_method_option_string():
     o = resolve(name, extra).options
     assert o["distill_feature_weight"] == 3000.0 and o["distill_feature_layer"] == "penultimate"
     assert resolve("ohfl", {}).options["distill_feature_weight"] == 0.0
+    name, extra = split_variant("ohfl:distill_feature_weight=0.5:distill_feature_layer=aligned")
+    o = resolve(name, extra).options
+    assert o["distill_feature_weight"] == 0.5 and o["distill_feature_layer"] == "aligned"
     assert check_variant("ohfl:distill_feature_weight=1:data_free") is not None  # refused together, one line
 
 

@@ -20,9 +20,10 @@ stacker fitted on the probe images' public labels, :func:`probe_labels`). Both u
 holds (the uploads, the public probe); nothing more leaves a site.
 
 Feature distillation (catalogue options ``distill_feature_weight``, off at 0, and ``distill_feature_layer``): beside
-the logit loss, the student's similarity structure of a hidden layer on each probe batch is taught by the
-teachers' (:mod:`hfl_components.fusion.feature_distill`, Tung & Mori 2019), each teacher's layer computed once at
-its own input size. Server-side only: it reads the same uploads and probe, so nothing more leaves a site either.
+the logit loss, the student's similarity structure of a hidden layer (or of every hidden layer, paired with the
+uploads' by OHFL's CKA + DP alignment) on each probe batch is taught by the teachers'
+(:mod:`hfl_components.fusion.feature_distill`, Tung & Mori 2019), each teacher's layers computed once at its own
+input size. Server-side only: it reads the same uploads and probe, so nothing more leaves a site either.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def check_teacher(teacher, probe, data_free, augment) -> None:
 
 # the hidden layers feature distillation can read (hfl_components.fusion.feature_distill.FEATURE_LAYERS, restated
 # here so that this module's import stays free of torch; a test keeps the two and the catalogue's choices equal)
-FEATURE_LAYERS = ("penultimate",)
+FEATURE_LAYERS = ("penultimate", "aligned")
 
 
 def check_feature(weight, layer, data_free, augment) -> None:

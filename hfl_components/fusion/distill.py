@@ -305,7 +305,8 @@ class DistillResult:
         steps_run: optimiser steps taken; ``best_step``: the step whose weights are returned (0 = the initial
         student); ``val_loss``: [(step, held-aside loss)] of every check; ``initial_val_loss`` / ``best_val_loss``;
         ``stopped``: ``budget`` | ``early`` | ``time`` | ``no_steps``; ``seconds``; ``config``: the options;
-        ``feature`` (feature distillation only): ``weight``, ``layer``, ``teacher_dims`` and ``train_loss``, [(step,
+        ``feature`` (feature distillation only): ``weight``, ``layer``, ``plan`` ({student layer: [[teacher,
+        teacher layer], ...]}), ``how`` ({teacher: how it was paired}), ``teacher_dims`` and ``train_loss``, [(step,
         L_SP of that step's batch)] at every check.
     """
 
@@ -437,14 +438,14 @@ class _BestKeeper:
         return v
 
 
-def _kd_and_feature_loss(student, x, q, temperature: float, feat: FeatureDistill, teacher_rows, weights
-                         ) -> tuple[torch.Tensor, float]:
-    """One batch's ``KD + weight * L_SP`` (one student pass) and L_SP's value."""
-    from hfl_components.fusion.feature_distill import similarity_loss, student_features_and_logits, target_similarity
+def _kd_and_feature_loss(student, x, q, temperature: float, weight: float, targets, idx) -> tuple[torch.Tensor, float]:
+    """One batch's ``KD + weight * L_SP`` (one student pass; ``targets`` a
+    :class:`~hfl_components.fusion.feature_distill.FeatureTargets`) and L_SP's value."""
+    from hfl_components.fusion.feature_distill import model_layers
 
-    f, logits = student_features_and_logits(student, x, feat.layer)
-    sp = similarity_loss(f, target_similarity(teacher_rows, weights).to(f.device))
-    return distillation_loss(logits, q, temperature) + float(feat.weight) * sp, float(sp.detach())
+    layers, logits = model_layers(student, x, targets.student_keys)
+    sp = targets.loss(layers, idx)
+    return distillation_loss(logits, q, temperature) + float(weight) * sp, float(sp.detach())
 
 
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
@@ -465,10 +466,12 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
 
     With ``features`` on (weight > 0) each step's loss is ``KD + weight * L_SP``: L_SP (Tung & Mori 2019,
     :func:`~hfl_components.fusion.feature_distill.similarity_loss`) compares the student's row-normalised Gram of
-    ``features.layer`` on the batch with the teachers' weighted average of theirs (the logit ensemble's
-    ``weights``). Each teacher's layer is computed once for every training image at its own input size
-    (:func:`~hfl_components.fusion.feature_distill.teacher_features`); a step slices the batch's rows. The
-    held-aside check, and so early stopping and the returned weights, still judge the logit loss alone.
+    each planned layer on the batch with the teachers' weighted average of theirs (the logit ensemble's
+    ``weights``; which layers: ``features.layer``, :func:`~hfl_components.fusion.feature_distill.layer_plan`,
+    with ``aligned`` pairs found at the student's largest size). Each teacher's layers are computed once for every
+    training image at its own input size (:class:`~hfl_components.fusion.feature_distill.FeatureTargets`); a step
+    slices the batch's rows. The held-aside check, and so early stopping and the returned weights, still judge the
+    logit loss alone.
 
     Args:
         student: the model trained in place (its weights at the end are the best checked ones).
@@ -525,12 +528,16 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
                                                 dev, targets)
 
     if feat is not None:
-        from hfl_components.fusion.feature_distill import teacher_features
+        from hfl_components.fusion.feature_distill import FeatureTargets, layer_plan
 
-        t_feats = teacher_features(teachers, {int(t.input_size): images[int(t.input_size)][train_idx]
-                                              for t in teachers}, feat.layer, dev)
+        plan = layer_plan(student, teachers, feat.layer, images, student_size=sizes[-1], device=dev)
+        f_targets = FeatureTargets(teachers, plan, {int(t.input_size): images[int(t.input_size)][train_idx]
+                                                    for t in teachers}, weights, dev)
         res.feature = {"weight": float(feat.weight), "layer": feat.layer,
-                       "teacher_dims": [int(f.shape[1]) for f in t_feats], "train_loss": []}
+                       "plan": {str(j): [[teachers[k].name, str(key)] for k, key in rows]
+                                for j, rows in plan["student"].items()},
+                       "how": {t.name: h for t, h in zip(teachers, plan["how"])},
+                       "teacher_dims": f_targets.dims(), "train_loss": []}
     _channels_last(student)  # the same function, faster CPU passes; the caller's layout is restored at the end
     keeper = _BestKeeper(student, val, val_q, sizes, T, res)
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
@@ -545,8 +552,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         if feat is None:
             loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
         else:
-            loss, f_loss = _kd_and_feature_loss(student, train[s][idx], train_q[idx], T, feat,
-                                                [f[idx] for f in t_feats], weights)
+            loss, f_loss = _kd_and_feature_loss(student, train[s][idx], train_q[idx], T, feat.weight, f_targets, idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -68,7 +68,9 @@ class OHFLController(HFLController):
         distill_feature_weight (float): weight of the feature-distillation term beside the logits (similarity-
             preserving KD of ``distill_feature_layer``, Tung & Mori 2019, arXiv:1907.09682;
             ``hfl_components.fusion.feature_distill``); 0 = logits only. The catalogue owns the default (0, off).
-        distill_feature_layer (str): the hidden layer it reads (``penultimate``). The catalogue owns the default.
+        distill_feature_layer (str): the hidden layers it reads: ``penultimate`` | ``aligned`` (every hidden layer
+            of a fusable global model, paired with the uploads' layers by OHFL's CKA + DP alignment,
+            ``feature_distill.layer_plan``). The catalogue owns the default.
         distill_probe_size (int): probe images for distillation (the first ``probe_size`` of them are the fusion
             probe; a fifth is held aside to decide when to stop). Default 320 (the committed probe part).
         data_free (bool): distil on generator images instead (DENSE, Zhang et al. 2022, arXiv:2112.12371;

@@ -170,7 +170,9 @@ def one(k: int, distill_steps: int) -> dict:
         recs = ds.distil_groups(students, uploads, probe, torch.device("cpu"), steps=distill_steps,
                                 temperature=float(opts["distill_temperature"]), weighting=opts["distill_weights"],
                                 augment=False, data_free=False, data_free_rounds=0, in_channels=1, seed=0,
-                                max_seconds=None, teacher=opts["distill_teacher"])
+                                max_seconds=None, teacher=opts["distill_teacher"],
+                                feature_weight=opts["distill_feature_weight"],
+                                feature_layer=opts["distill_feature_layer"])
     _fens(meter, uploads, fens_opts, int(catalogue.entry("fens").rounds))
     meter.close()
     return {"sites": k, "probe": probe_src, "pairs": len(rec["pairs"]), "steps_run": recs["cnn"]["steps_run"],

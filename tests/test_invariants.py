@@ -136,7 +136,7 @@ def test_server_stage_teachers_are_built_at_their_uploads_input_sizes():
                         "sites": ["site-a", "site-b"]}}
     recs = distil_groups(students, uploads, probe, "cpu", steps=1, temperature=T, weighting="samples",
                          augment=False, data_free=False, data_free_rounds=0, in_channels=1, seed=0, max_seconds=None,
-                         teacher="average")
+                         teacher="average", feature_weight=0.0, feature_layer="penultimate")
     assert recs["cnn"]["sizes"] == [16, 32]
     assert recs["cnn"]["initial_val_loss"] == pytest.approx(want, rel=1e-4)
 

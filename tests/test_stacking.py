@@ -198,7 +198,7 @@ def test_server_stage_distils_the_stackers_targets():
     students = {"cnn": {"spec": dict(cnn), "state_dict": student_sd, "start": "site site-a",
                         "sites": ["site-a", "site-b"]}}
     common = dict(steps=1, temperature=T, weighting="samples", augment=False, data_free=False, data_free_rounds=0,
-                  in_channels=1, seed=0, max_seconds=None)
+                  in_channels=1, seed=0, max_seconds=None, feature_weight=0.0, feature_layer="penultimate")
     recs = distil_groups(students, uploads, probe, "cpu", teacher="stacked", labels=labels, **common)
     rec = recs["cnn"]
     assert rec["teacher"] == "stacked" and rec["stacker"]["n"] == 20

@@ -238,6 +238,15 @@ _OHFL = (
            "what the global model is distilled from: the uploads' weighted average, or a learned stacker of them "
            "fitted on the probe's public labels (cross-fitted; FENS-style; studies/levers/RESULTS.md)",
            cli_default=None),
+    Option("distill_feature_weight", float, 0.0, None,
+           "weight of a feature-distillation term beside the logits: the student's row-normalised Gram of a hidden "
+           "layer on each probe batch taught by the teachers' average (similarity-preserving KD, Tung & Mori 2019); "
+           "0 = logits only (off; studies/feature_distill/RESULTS.md)", cli_default=None,
+           check=non_negative("distill feature weight")),
+    Option("distill_feature_layer", str, "penultimate", ("penultimate", "aligned"),
+           "the hidden layers of feature distillation: penultimate = the layer the class layer reads (every model "
+           "family); aligned = every hidden layer of a fusable global model, taught by the upload layers OHFL's CKA "
+           "+ DP layer alignment pairs with it (penultimate pairs where none exists)", cli_default=None),
     Option("distill_probe_size", int, 320, None, "probe images for distillation (a fifth held aside to stop early)",
            check=lambda v: None if v >= 10 else f"needs at least 10 images, got {v}"),
     Option("data_free", bool, False, None, "distil on generator images (DENSE) instead of the probe pool; required "

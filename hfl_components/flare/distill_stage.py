@@ -18,6 +18,12 @@ Teacher (:data:`TEACHERS`, the catalogue option ``distill_teacher``): ``average`
 ``stacked``, a learned combination of the same uploads (:func:`stacked_teacher`: a cross-fitted logistic-regression
 stacker fitted on the probe images' public labels, :func:`probe_labels`). Both use only what the server already
 holds (the uploads, the public probe); nothing more leaves a site.
+
+Feature distillation (catalogue options ``distill_feature_weight``, off at 0, and ``distill_feature_layer``): beside
+the logit loss, the student's similarity structure of a hidden layer (or of every hidden layer, paired with the
+uploads' by OHFL's CKA + DP alignment) on each probe batch is taught by the teachers'
+(:mod:`hfl_components.fusion.feature_distill`, Tung & Mori 2019), each teacher's layers computed once at its own
+input size. Server-side only: it reads the same uploads and probe, so nothing more leaves a site either.
 """
 from __future__ import annotations
 
@@ -75,13 +81,48 @@ def check_teacher(teacher, probe, data_free, augment) -> None:
                          "'distill_augment' off")
 
 
+# the hidden layers feature distillation can read (hfl_components.fusion.feature_distill.FEATURE_LAYERS, restated
+# here so that this module's import stays free of torch; a test keeps the two and the catalogue's choices equal)
+FEATURE_LAYERS = ("penultimate", "aligned")
+
+
+def check_feature(weight, layer, data_free, augment) -> None:
+    """Refuse feature distillation (``distill_feature_weight`` > 0) where it cannot run: a negative or non-finite
+    weight, a layer that is not one of :data:`FEATURE_LAYERS`, data-free
+    distillation (no fixed images to cache the teachers' layers on) or distillation augmentation (the layers are
+    cached for the original images). Weight 0 (the logit-only loss) needs nothing.
+
+    Raises:
+        ValueError: one line naming the option (``option 'distill_feature_weight'`` / ``'distill_feature_layer'``)
+        and the one in conflict.
+    """
+    import math
+
+    try:
+        w = float(weight)
+    except (TypeError, ValueError):
+        w = math.nan
+    if not 0.0 <= w < math.inf:
+        raise ValueError(f"OHFL: option 'distill_feature_weight' must be a finite number >= 0, got {weight!r}")
+    if str(layer) not in FEATURE_LAYERS:
+        raise ValueError(f"OHFL: option 'distill_feature_layer' must be one of {FEATURE_LAYERS}, got {layer!r}")
+    if w > 0 and data_free:
+        raise ValueError("OHFL: option 'distill_feature_weight' > 0 distils the teachers' layers on the probe "
+                         "images; turn option 'data_free' off (or give weight 0)")
+    if w > 0 and augment:
+        raise ValueError("OHFL: option 'distill_feature_weight' > 0 caches the teachers' layers of the original "
+                         "probe images; turn option 'distill_augment' off (or give weight 0)")
+
+
 def check_run(spec) -> None:
     """The OHFL catalogue entry's check of a resolved run (``nvflare_jobs.spec.RunSpec``): a probe pool or
-    data-free distillation (:func:`check_probe_or_data_free`), and a teacher that can be fitted
-    (:func:`check_teacher`). Raises ValueError naming the options."""
+    data-free distillation (:func:`check_probe_or_data_free`), a teacher that can be fitted
+    (:func:`check_teacher`) and feature distillation that can run (:func:`check_feature`). Raises ValueError
+    naming the options."""
     o = spec.options
     check_probe_or_data_free(o.get("probe"), o["data_free"], o["distill_steps"])
     check_teacher(o["distill_teacher"], o.get("probe"), o["data_free"], o["distill_augment"])
+    check_feature(o["distill_feature_weight"], o["distill_feature_layer"], o["data_free"], o["distill_augment"])
 
 
 def probe_labels(source, names: list[str], labels: str) -> list[int]:
@@ -304,8 +345,8 @@ def stacked_teacher(teachers, weights, probe: dict, labels: list[int], temperatu
 
 def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: int, temperature: float,
                   weighting: str, augment: bool, data_free: bool, data_free_rounds: int, in_channels: int,
-                  seed: int, max_seconds: float | None, log=None, teacher: str, labels: list[int] | None = None
-                  ) -> dict:
+                  seed: int, max_seconds: float | None, log=None, teacher: str, labels: list[int] | None = None,
+                  feature_weight: float, feature_layer: str) -> dict:
     """Distil the ensemble of every upload into each group's student (state dicts replaced in place).
 
     Args:
@@ -319,20 +360,27 @@ def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: 
         teacher: ``average`` (the uploads' weighted ensemble) | ``stacked`` (a learned combination fitted on the
             probe's public ``labels``, :func:`stacked_teacher`; the same targets for every group).
         labels: the probe images' class indices (:func:`probe_labels`), required for ``stacked``.
+        feature_weight, feature_layer: feature distillation beside the logits
+            (:class:`~hfl_components.fusion.distill.FeatureDistill`: the student's similarity structure of
+            ``feature_layer`` taught by the teachers' average, weight ``feature_weight``); weight 0 is the
+            logit-only loop, unchanged.
 
     Returns:
         {group: record} with the loop's record plus ``mode`` (``probe`` | ``data_free``), ``sizes``, ``start``,
-        ``sites``, ``teachers``, ``teacher_weights``, ``weighting`` and ``teacher`` (and ``stacker``, its record).
+        ``sites``, ``teachers``, ``teacher_weights``, ``weighting`` and ``teacher`` (and ``stacker``, its record;
+        ``feature``, the feature term's record, when its weight is > 0).
 
     Raises:
-        ValueError: ``stacked`` without labels, or as :func:`check_teacher`.
+        ValueError: ``stacked`` without labels, or as :func:`check_teacher` / :func:`check_feature`.
     """
     from hfl_components.fusion.datafree import DataFreeConfig, distill_data_free
-    from hfl_components.fusion.distill import DistillConfig, distill
+    from hfl_components.fusion.distill import DistillConfig, FeatureDistill, distill
 
     if teacher not in TEACHERS or (teacher == "stacked" and (labels is None or data_free or augment)):
         raise ValueError(f"OHFL: distillation teacher {teacher!r} (one of {TEACHERS}; stacked needs the probe's "
                          "labels, no data-free distillation and no distillation augmentation)")
+    check_feature(feature_weight, feature_layer, data_free, augment)
+    features = FeatureDistill(float(feature_weight), str(feature_layer)) if float(feature_weight) > 0 else None
     teachers = teachers_of(uploads)
     weights = weights_of(uploads, weighting)
     targets, stacker = stacked_teacher(teachers, weights, probe, labels, temperature, seed, device) \
@@ -352,7 +400,8 @@ def distil_groups(students: dict, uploads: dict, probe: dict, device, *, steps: 
             cfg = DistillConfig(steps=steps, temperature=temperature, augment=augment, max_seconds=max_seconds,
                                 seed=seed + k)
             rec = distill(model, sizes, teachers, probe, weights, cfg, device=device, targets=targets,
-                          log=None if log is None else (lambda m, g=g: log(f"OHFL [{g}]: {m}"))).as_dict()
+                          log=None if log is None else (lambda m, g=g: log(f"OHFL [{g}]: {m}")),
+                          features=features).as_dict()
             rec["mode"] = "probe"
         rec.update({"sizes": sizes, "start": st["start"], "sites": st["sites"], "teachers": [t.name for t in teachers],
                     "teacher_weights": [float(w) for w in weights], "weighting": weighting, "teacher": teacher,

@@ -19,7 +19,9 @@ Pieces (pure PyTorch, no federation):
 * :func:`distillation_loss` -- ``T^2 * KL(p_teacher^T || p_student^T)`` (Hinton et al. 2015, Sec. 2).
 * :func:`distill` -- the loop: a held-aside slice of the probe images decides when to stop (early stopping on the
   distillation loss, never on labels), the student's input sizes take turns on the same (augmented) images, and
-  the teachers label each image once, at their own input sizes.
+  the teachers label each image once, at their own input sizes. Optionally (:class:`FeatureDistill`) a
+  similarity-preserving loss on a hidden layer joins the logit loss
+  (:mod:`hfl_components.fusion.feature_distill`, Tung & Mori 2019, arXiv:1907.09682).
 
 The probe pool's labels are never an input here: every function takes images only. A learned teacher that does
 read public labels (:mod:`hfl_components.fusion.stacking`) hands its targets to :func:`distill` as ``targets``.
@@ -250,6 +252,36 @@ class DistillConfig:
         return self
 
 
+@dataclass(frozen=True)
+class FeatureDistill:
+    """Feature distillation beside the logits (:mod:`hfl_components.fusion.feature_distill`): each step's loss is
+    ``KD + weight * L_SP`` on the student's ``layer``. Passed to :func:`distill` as ``features``; None there (or
+    ``weight`` 0) is the logit-only loop, unchanged.
+
+    Attributes:
+        weight: gamma >= 0, finite (Tung & Mori 2019's weight of L_SP); required: the catalogue option
+            ``distill_feature_weight`` owns the main job's value.
+        layer: one of :data:`~hfl_components.fusion.feature_distill.FEATURE_LAYERS`; required (the catalogue option
+            ``distill_feature_layer``).
+    """
+
+    weight: float
+    layer: str
+
+    def check(self) -> "FeatureDistill":
+        """Raise ValueError naming the bad field; return self."""
+        from hfl_components.fusion.feature_distill import check_layer
+
+        if not 0.0 <= float(self.weight) < math.inf:
+            raise ValueError(f"feature distillation weight must be a finite number >= 0, got {self.weight}")
+        check_layer(self.layer)
+        return self
+
+    @property
+    def on(self) -> bool:
+        return float(self.weight) > 0.0
+
+
 @dataclass
 class Teacher:
     """One teacher: a model in eval mode and the input size it was trained at.
@@ -272,7 +304,10 @@ class DistillResult:
     Attributes:
         steps_run: optimiser steps taken; ``best_step``: the step whose weights are returned (0 = the initial
         student); ``val_loss``: [(step, held-aside loss)] of every check; ``initial_val_loss`` / ``best_val_loss``;
-        ``stopped``: ``budget`` | ``early`` | ``time`` | ``no_steps``; ``seconds``; ``config``: the options.
+        ``stopped``: ``budget`` | ``early`` | ``time`` | ``no_steps``; ``seconds``; ``config``: the options;
+        ``feature`` (feature distillation only): ``weight``, ``layer``, ``plan`` ({student layer: [[teacher,
+        teacher layer], ...]}), ``how`` ({teacher: how it was paired}), ``teacher_dims`` and ``train_loss``, [(step,
+        L_SP of that step's batch)] at every check.
     """
 
     steps_run: int = 0
@@ -286,9 +321,14 @@ class DistillResult:
     n_val: int = 0
     sizes: list = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    feature: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The record; ``feature`` only when feature distillation ran (a logit-only run's record is as before)."""
+        d = asdict(self)
+        if not d["feature"]:
+            del d["feature"]
+        return d
 
 
 def _channels_last(x):
@@ -398,9 +438,19 @@ class _BestKeeper:
         return v
 
 
+def _kd_and_feature_loss(student, x, q, temperature: float, weight: float, targets, idx) -> tuple[torch.Tensor, float]:
+    """One batch's ``KD + weight * L_SP`` (one student pass; ``targets`` a
+    :class:`~hfl_components.fusion.feature_distill.FeatureTargets`) and L_SP's value."""
+    from hfl_components.fusion.feature_distill import model_layers
+
+    layers, logits = model_layers(student, x, targets.student_keys)
+    sp = targets.loss(layers, idx)
+    return distillation_loss(logits, q, temperature) + float(weight) * sp, float(sp.detach())
+
+
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
-            config: DistillConfig | None = None, device=None, log=None, targets: torch.Tensor | None = None
-            ) -> DistillResult:
+            config: DistillConfig | None = None, device=None, log=None, targets: torch.Tensor | None = None,
+            features: FeatureDistill | None = None) -> DistillResult:
     """Train ``student`` (in place) to match the teachers' ensemble on unlabelled images (FedDF, Lin et al. 2020,
     Algorithm 1, server part; soft targets of Hinton et al. 2015).
 
@@ -413,6 +463,15 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     the same loss over the held-aside images at every student size is checked; the best weights so far (the
     initial student included) are kept and the loop stops after ``patience`` checks without improvement. The
     returned student therefore never has a higher held-aside loss than the one it started from.
+
+    With ``features`` on (weight > 0) each step's loss is ``KD + weight * L_SP``: L_SP (Tung & Mori 2019,
+    :func:`~hfl_components.fusion.feature_distill.similarity_loss`) compares the student's row-normalised Gram of
+    each planned layer on the batch with the teachers' weighted average of theirs (the logit ensemble's
+    ``weights``; which layers: ``features.layer``, :func:`~hfl_components.fusion.feature_distill.layer_plan`,
+    with ``aligned`` pairs found at the student's largest size). Each teacher's layers are computed once for every
+    training image at its own input size (:class:`~hfl_components.fusion.feature_distill.FeatureTargets`); a step
+    slices the batch's rows. The held-aside check, and so early stopping and the returned weights, still judge the
+    logit loss alone.
 
     Args:
         student: the model trained in place (its weights at the end are the best checked ones).
@@ -427,13 +486,16 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
             at the config's temperature, given by the caller (e.g. a learned teacher,
             :func:`hfl_components.fusion.stacking.stacked_targets`); the teachers then label nothing, and
             ``augment`` is refused (augmented views have no given targets).
+        features: None (or weight 0): logits only. :class:`FeatureDistill`: the feature term above; ``augment`` is
+            refused with it (the teachers' layers are cached for the original images only).
 
     Returns:
         :class:`DistillResult` (the student is modified in place and left in eval mode on ``device``).
 
     Raises:
         ValueError: no config, no teachers, sizes without images, images of different counts, bad config, given
-        targets whose shape is not (N, C) or together with ``augment``.
+        targets whose shape is not (N, C) or together with ``augment``; a bad ``features`` (its check), features
+        with ``augment``, or a student / teacher without ``features(x)`` and ``head(z)``.
     """
     if config is None:
         raise ValueError("distill needs a DistillConfig with its step budget (the main job's: the catalogue "
@@ -447,6 +509,11 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
                                                                               int(cfg.augment_copies) > 0)):
         raise ValueError(f"given distillation targets must be ({n}, C) for the {n} images and need augment off, got "
                          f"shape {tuple(targets.shape)} with augment {cfg.augment}")
+    feat = None if features is None else features.check()
+    feat = feat if feat is not None and feat.on else None
+    if feat is not None and cfg.augment and int(cfg.augment_copies) > 0:
+        raise ValueError("feature distillation caches the teachers' layers of the original probe images; turn "
+                         "augment off")
     train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
@@ -460,6 +527,17 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     train, train_q, val, val_q = _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g,
                                                 dev, targets)
 
+    if feat is not None:
+        from hfl_components.fusion.feature_distill import FeatureTargets, layer_plan
+
+        plan = layer_plan(student, teachers, feat.layer, images, student_size=sizes[-1], device=dev)
+        f_targets = FeatureTargets(teachers, plan, {int(t.input_size): images[int(t.input_size)][train_idx]
+                                                    for t in teachers}, weights, dev)
+        res.feature = {"weight": float(feat.weight), "layer": feat.layer,
+                       "plan": {str(j): [[teachers[k].name, str(key)] for k, key in rows]
+                                for j, rows in plan["student"].items()},
+                       "how": {t.name: h for t, h in zip(teachers, plan["how"])},
+                       "teacher_dims": f_targets.dims(), "train_loss": []}
     _channels_last(student)  # the same function, faster CPU passes; the caller's layout is restored at the end
     keeper = _BestKeeper(student, val, val_q, sizes, T, res)
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
@@ -471,7 +549,10 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         idx = next(batches).to(train_q.device)
         s = sizes[(step - 1) % len(sizes)]
         student.train()
-        loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
+        if feat is None:
+            loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
+        else:
+            loss, f_loss = _kd_and_feature_loss(student, train[s][idx], train_q[idx], T, feat.weight, f_targets, idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -480,6 +561,8 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         timed_out = cfg.max_seconds is not None and time.perf_counter() - t0 > float(cfg.max_seconds)
         if step % int(cfg.eval_every) == 0 or step == int(cfg.steps) or timed_out:
             v = keeper.check(step)
+            if feat is not None:
+                res.feature["train_loss"].append((step, f_loss))
             if log:
                 log(f"distillation step {step}/{cfg.steps}: train loss {loss.item():.4f}" + (
                     "" if v is None else f", held-aside loss {v:.4f} (best {keeper.best:.4f} at step {res.best_step})"))

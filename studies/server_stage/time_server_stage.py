@@ -65,7 +65,8 @@ def server_stage(uploads: dict, opts: dict, probe_all: dict, seed: int, device="
                             temperature=float(opts["distill_temperature"]), weighting=opts["distill_weights"],
                             augment=bool(opts["distill_augment"]), data_free=False, data_free_rounds=0,
                             in_channels=1, seed=seed, max_seconds=DISTILL_MAX_SECONDS if cap else None,
-                            teacher=opts["distill_teacher"])
+                            teacher=opts["distill_teacher"], feature_weight=opts["distill_feature_weight"],
+                            feature_layer=opts["distill_feature_layer"])
     secs["distillation"], cpu["distillation"] = time.perf_counter() - t0, time.process_time() - c0
     return {"fused": {g: f[1] for g, f in fused.items()}, "students": students, "seconds": secs, "cpu_seconds": cpu,
             "fusion_phases": phases, "distillation": {g: {k: r[k] for k in ("steps_run", "best_step", "stopped",

@@ -65,6 +65,12 @@ class OHFLController(HFLController):
             trained with class-dependent augmentation label augmented images by that cue.
         distill_teacher (str): ``average`` (the uploads' weighted ensemble) | ``stacked`` (a learned combination
             fitted on the probe's public labels, ``distill_stage.stacked_teacher``). The catalogue owns the default.
+        distill_feature_weight (float): weight of the feature-distillation term beside the logits (similarity-
+            preserving KD of ``distill_feature_layer``, Tung & Mori 2019, arXiv:1907.09682;
+            ``hfl_components.fusion.feature_distill``); 0 = logits only. The catalogue owns the default (0, off).
+        distill_feature_layer (str): the hidden layers it reads: ``penultimate`` | ``aligned`` (every hidden layer
+            of a fusable global model, paired with the uploads' layers by OHFL's CKA + DP alignment,
+            ``feature_distill.layer_plan``). The catalogue owns the default.
         distill_probe_size (int): probe images for distillation (the first ``probe_size`` of them are the fusion
             probe; a fifth is held aside to decide when to stop). Default 320 (the committed probe part).
         data_free (bool): distil on generator images instead (DENSE, Zhang et al. 2022, arXiv:2112.12371;
@@ -88,13 +94,16 @@ class OHFLController(HFLController):
                  task_config: dict, task_timeout: int, seed: int, late_wait_s: int | None, cka: str, probe_at: str,
                  fusion_device: str, distill_steps: int, distill_temperature: float, distill_weights: str,
                  distill_augment: bool, distill_probe_size: int, data_free: bool, data_free_rounds: int,
-                 site_specs: dict, distill_teacher: str, entry_ref: str | None = None):
+                 site_specs: dict, distill_teacher: str, distill_feature_weight: float, distill_feature_layer: str,
+                 entry_ref: str | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         self.distill_steps = distill_steps
         self.distill_temperature = distill_temperature
         self.distill_weights = distill_weights
         self.distill_augment = distill_augment
         self.distill_teacher = distill_teacher
+        self.distill_feature_weight = distill_feature_weight
+        self.distill_feature_layer = distill_feature_layer
         self.distill_probe_size = distill_probe_size
         self.data_free = data_free
         self.data_free_rounds = data_free_rounds
@@ -181,9 +190,10 @@ class OHFLController(HFLController):
         distillation must be data-free (or off). Raises ValueError naming the option."""
         checked = super().check_options()
         check_probe_or_data_free(self.probe, self.data_free, self.distill_steps)
-        from hfl_components.flare.distill_stage import check_buildable, check_teacher
+        from hfl_components.flare.distill_stage import check_buildable, check_feature, check_teacher
 
         check_teacher(self.distill_teacher, self.probe, self.data_free, self.distill_augment)
+        check_feature(self.distill_feature_weight, self.distill_feature_layer, self.data_free, self.distill_augment)
 
         check_buildable(self.site_specs)
         return checked
@@ -202,7 +212,8 @@ class OHFLController(HFLController):
                    fusion_device=opts["server_device"], distill_steps=opts["distill_steps"],
                    distill_temperature=opts["distill_temperature"], distill_weights=opts["distill_weights"],
                    distill_augment=bool(opts["distill_augment"]), distill_probe_size=opts["distill_probe_size"],
-                   distill_teacher=opts["distill_teacher"],
+                   distill_teacher=opts["distill_teacher"], distill_feature_weight=opts["distill_feature_weight"],
+                   distill_feature_layer=opts["distill_feature_layer"],
                    data_free=bool(opts["data_free"]), data_free_rounds=opts["data_free_rounds"], site_specs=site_specs,
                    task_config={**task_config, "init": opts["init"], "init_seed": common["seed"],
                                 "gate": bool(opts["gate"]), "target_sensitivity": float(opts["target_sensitivity"])},
@@ -261,7 +272,9 @@ class OHFLController(HFLController):
                              data_free_rounds=int(self.data_free_rounds), in_channels=int(self._in_channels),
                              seed=self.seed, max_seconds=DATA_FREE_MAX_SECONDS if self.data_free else
                              DISTILL_MAX_SECONDS, log=self.stage_log("distillation (steps)"),
-                             teacher=self.distill_teacher, labels=labels)
+                             teacher=self.distill_teacher, labels=labels,
+                             feature_weight=float(self.distill_feature_weight),
+                             feature_layer=str(self.distill_feature_layer))
 
     def _save_group_models(self, students: dict, suffix: str = "") -> None:
         """One group: ``global_model.pt`` (distilled) / ``global_fused.pt`` (before distillation, ``suffix='_fused'``);

@@ -438,14 +438,50 @@ class _BestKeeper:
         return v
 
 
-def _kd_and_feature_loss(student, x, q, temperature: float, weight: float, targets, idx) -> tuple[torch.Tensor, float]:
-    """One batch's ``KD + weight * L_SP`` (one student pass; ``targets`` a
-    :class:`~hfl_components.fusion.feature_distill.FeatureTargets`) and L_SP's value."""
+def _step_loss(student, x, q, temperature: float, feat, targets, idx) -> tuple[torch.Tensor, float | None]:
+    """One batch's loss, one student pass: ``KD`` alone when ``feat`` is None (L_SP's value None), else
+    ``KD + feat.weight * L_SP`` (``targets`` a :class:`~hfl_components.fusion.feature_distill.FeatureTargets`) and
+    L_SP's value."""
+    if feat is None:
+        return distillation_loss(student(x), q, temperature), None
     from hfl_components.fusion.feature_distill import model_layers
 
+    weight = feat.weight
     layers, logits = model_layers(student, x, targets.student_keys)
     sp = targets.loss(layers, idx)
     return distillation_loss(logits, q, temperature) + float(weight) * sp, float(sp.detach())
+
+
+def _check_extras(cfg: DistillConfig, n: int, targets, features) -> "FeatureDistill | None":
+    """Check :func:`distill`'s optional inputs for ``n`` probe images; return the feature term when it is on, else
+    None. Raises ValueError: given targets not (n, C) or with augment on; a bad ``features`` or one with augment."""
+    augmented = bool(cfg.augment) and int(cfg.augment_copies) > 0
+    if targets is not None and (targets.ndim != 2 or targets.shape[0] != n or augmented):
+        raise ValueError(f"given distillation targets must be ({n}, C) for the {n} images and need augment off, got "
+                         f"shape {tuple(targets.shape)} with augment {cfg.augment}")
+    feat = None if features is None else features.check()
+    feat = feat if feat is not None and feat.on else None
+    if feat is not None and augmented:
+        raise ValueError("feature distillation caches the teachers' layers of the original probe images; turn "
+                         "augment off")
+    return feat
+
+
+def _feature_targets(student, teachers, feat: "FeatureDistill", images, sizes, train_idx, weights, dev,
+                     res: DistillResult):
+    """The teachers' cached layers for the feature term of :func:`distill` (each at its own input size, the
+    training images only), with the plan recorded in ``res.feature``."""
+    from hfl_components.fusion.feature_distill import FeatureTargets, layer_plan
+
+    plan = layer_plan(student, teachers, feat.layer, images, student_size=sizes[-1], device=dev)
+    f_targets = FeatureTargets(teachers, plan, {int(t.input_size): images[int(t.input_size)][train_idx]
+                                                for t in teachers}, weights, dev)
+    res.feature = {"weight": float(feat.weight), "layer": feat.layer,
+                   "plan": {str(j): [[teachers[k].name, str(key)] for k, key in rows]
+                            for j, rows in plan["student"].items()},
+                   "how": {t.name: h for t, h in zip(teachers, plan["how"])},
+                   "teacher_dims": f_targets.dims(), "train_loss": []}
+    return f_targets
 
 
 def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch.Tensor], weights=None,
@@ -505,15 +541,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     dev = torch.device(device) if device is not None else torch.device("cpu")
     teachers = list(teachers)
     sizes, need, n = _check_inputs(student_sizes, teachers, images)
-    if targets is not None and (targets.ndim != 2 or targets.shape[0] != n or (cfg.augment and
-                                                                              int(cfg.augment_copies) > 0)):
-        raise ValueError(f"given distillation targets must be ({n}, C) for the {n} images and need augment off, got "
-                         f"shape {tuple(targets.shape)} with augment {cfg.augment}")
-    feat = None if features is None else features.check()
-    feat = feat if feat is not None and feat.on else None
-    if feat is not None and cfg.augment and int(cfg.augment_copies) > 0:
-        raise ValueError("feature distillation caches the teachers' layers of the original probe images; turn "
-                         "augment off")
+    feat = _check_extras(cfg, n, targets, features)
     train_idx, val_idx = split_probe(n, float(cfg.val_fraction), cfg.seed)
     res = DistillResult(n_train=int(train_idx.numel()), n_val=int(val_idx.numel()), sizes=sizes,
                         config=asdict(cfg))
@@ -527,17 +555,8 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
     train, train_q, val, val_q = _labelled_pool(teachers, weights, images, need, sizes, train_idx, val_idx, cfg, g,
                                                 dev, targets)
 
-    if feat is not None:
-        from hfl_components.fusion.feature_distill import FeatureTargets, layer_plan
-
-        plan = layer_plan(student, teachers, feat.layer, images, student_size=sizes[-1], device=dev)
-        f_targets = FeatureTargets(teachers, plan, {int(t.input_size): images[int(t.input_size)][train_idx]
-                                                    for t in teachers}, weights, dev)
-        res.feature = {"weight": float(feat.weight), "layer": feat.layer,
-                       "plan": {str(j): [[teachers[k].name, str(key)] for k, key in rows]
-                                for j, rows in plan["student"].items()},
-                       "how": {t.name: h for t, h in zip(teachers, plan["how"])},
-                       "teacher_dims": f_targets.dims(), "train_loss": []}
+    f_targets = None if feat is None else _feature_targets(student, teachers, feat, images, sizes, train_idx,
+                                                           weights, dev, res)
     _channels_last(student)  # the same function, faster CPU passes; the caller's layout is restored at the end
     keeper = _BestKeeper(student, val, val_q, sizes, T, res)
     opt = torch.optim.SGD(student.parameters(), lr=float(cfg.lr), momentum=float(cfg.momentum),
@@ -549,10 +568,7 @@ def distill(student: nn.Module, student_sizes, teachers, images: dict[int, torch
         idx = next(batches).to(train_q.device)
         s = sizes[(step - 1) % len(sizes)]
         student.train()
-        if feat is None:
-            loss = distillation_loss(student(train[s][idx]), train_q[idx], T)
-        else:
-            loss, f_loss = _kd_and_feature_loss(student, train[s][idx], train_q[idx], T, feat.weight, f_targets, idx)
+        loss, f_loss = _step_loss(student, train[s][idx], train_q[idx], T, feat, f_targets, idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

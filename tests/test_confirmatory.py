@@ -218,8 +218,9 @@ def test_copy_of_a_seed_keeps_the_layout_and_no_machine_path(tmp_path):
 
     cmp = tmp_path / "cmp"
     run = cmp / "seed10" / "ohfl"
-    repo_parent = Path(C.__file__).resolve().parent.parent.parent
-    _write(run / "metrics.json", {"run": str(run), "data": str(repo_parent / "shared" / "data" / "x")})
+    checkout = Path(C.__file__).resolve().parents[2]  # the folder that holds studies/, tests/ and README.md
+    assert (checkout / "README.md").is_file() and (checkout / "tests").is_dir()
+    _write(run / "metrics.json", {"run": str(run), "data": str(checkout.parent / "shared" / "data" / "x")})
     _write(run / "external" / "set" / "summary.json", {"run": str(run)})
     np.savez(run / "external" / "set" / "predictions.npz", y=np.arange(5))
     _write(cmp / "compare.json", {"out": str(cmp)})

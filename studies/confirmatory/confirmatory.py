@@ -90,7 +90,7 @@ def run(args) -> int:
 def _sanitise(text: str, cmp: Path) -> str:
     """Machine paths out of a copied text file: the comparison folder becomes ``runs/confirmatory``, the checkout
     ``.`` and the folder beside it ``..`` (so ``../shared/data`` reads as in the README)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # the checkout: studies/confirmatory/ is two levels below it
     for a, b in ((str(Path(cmp).resolve()), f"runs/{Path(cmp).resolve().name}"), (str(repo), "."), (str(repo.parent), "..")):
         text = text.replace(a, b)
     return text

@@ -228,3 +228,23 @@ def test_default_off_is_todays_pairwise_fusion_bit_for_bit():
     sd1, sd2 = aggregate_models(sites, **kw)[1], aggregate_models(sites, fusion_order="pairwise", **kw)[1]
     assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     assert ohfl_controller().fusion_order == "pairwise"
+
+
+def test_the_study_arms_are_valid_variants_and_the_summary_reads_a_run(tmp_path):
+    from nvflare_jobs.compare.plan import check_variant
+    from studies.group_merge.run import ARMS, FULL_ARMS, futile, fusion_summary, summarise_seed
+
+    assert all(check_variant(m) is None for m in (*ARMS.values(), *FULL_ARMS.values()))
+    assert all(r.get("missing") for r in summarise_seed(tmp_path, 0, False)["arms"].values())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"server_seconds": {"fusion_total": 4.5}}))
+    rec = {"pairs": [{}, {}], "group_merges": [{"members": ["site-1", "site-2", "site-3"], "sweeps": 2,
+                                                 "converged": True, "changes": [1, 0], "seconds": {}}]}
+    (run / "alignment_record.json").write_text(json.dumps({"cnn": rec}))
+    got = fusion_summary(run)
+    assert got["fusion_total_s"] == 4.5 and got["pairwise_steps"] == 2
+    assert got["group_merges"] == [{"members": ["site-1", "site-2", "site-3"], "sweeps": 2, "converged": True,
+                                    "changes": [1, 0]}]
+    assert futile({"arms": {"ohfl_group": {"auc": 0.879}, "ohfl": {"auc": 0.9}}})
+    assert not futile({"arms": {"ohfl_group": {"auc": 0.881}, "ohfl": {"auc": 0.9}}})

@@ -248,3 +248,19 @@ def test_the_study_arms_are_valid_variants_and_the_summary_reads_a_run(tmp_path)
                                     "changes": [1, 0]}]
     assert futile({"arms": {"ohfl_group": {"auc": 0.879}, "ohfl": {"auc": 0.9}}})
     assert not futile({"arms": {"ohfl_group": {"auc": 0.881}, "ohfl": {"auc": 0.9}}})
+
+
+def test_the_controller_passes_its_fusion_order_to_the_fusion(monkeypatch):
+    import hfl_components.fusion as fusion
+    from tests.fusion_helpers import ohfl_controller
+
+    seen = {}
+
+    def fake(models, **kw):
+        seen.update(kw)
+        return {}, {}, {}
+
+    monkeypatch.setattr(fusion, "aggregate_models", fake)
+    ctl = ohfl_controller(fusion_order="group", probe="generated")
+    ctl._fuse_group([{"input_size": 32}], {32: X}, "cpu")
+    assert seen["fusion_order"] == "group" and seen["strategy"] == "cid"

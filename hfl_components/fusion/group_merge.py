@@ -9,7 +9,7 @@ universe: per model k and hidden layer l a permutation π_k^l (unit i of model k
 matching of A to B is then (π_B^l)⁻¹ ∘ π_A^l, so every composed matching A -> B -> C equals A -> C (cycle
 consistency holds by construction). The merged model is the weighted average in the universe:
 
-    θ̄ = Σ_k w_k · π_k(θ_k) / Σ_k w_k                                                   (C2M3 Sec. 3, the merge)
+    θ̄ = Σ_k w_k · π_k(θ_k) / Σ_k w_k                                                   (the merge)
 
 where π_k(θ_k) permutes the rows of layer l's weight and bias by π_k^l and its input axis by π_k^{l−1} (over the
 adaptive pool's h·w positions at the conv -> fc boundary, channel-major as PyTorch flattens; the class layer's rows
@@ -26,16 +26,17 @@ factored through the universe) by Frank-Wolfe over relaxed permutations. Here it
 descent, as the MergeMany iteration of Ainsworth, Hayase and Srinivasa does ("Git Re-Basin: Merging Models modulo
 Permutation Symmetries", ICLR 2023, arXiv:2209.04836, appendix): one model's permutations at a time, the others
 fixed, solved exactly: model k's unit i goes to universe unit u at cost Σ_{j≠k} w_j c^l_kj(i, (π_j^l)⁻¹(u)), one
-``scipy.optimize.linear_sum_assignment`` per layer. Why this and not Frank-Wolfe, and why the others' costs and not
-the distance to their weighted average (MergeMany's own step): (i) it is cycle-consistent by the same construction
-(one universe); (ii) each step is the exact assignment that pairwise fusion already solves (OT between equal widths
-with uniform masses has a permutation optimum) with the same costs, so with K = 2 it *is* pairwise fusion's
-matching, and the option differs from pairwise fusion only in what each model is matched to; (iii) a new
-permutation is taken only where it strictly lowers (G), so the sweeps terminate (aligning to the average under a
-Euclidean cost has no such guarantee: on three random models it changed every model in each of 100 sweeps); (iv) it
-is deterministic and needs no step size and no rounding of a relaxed solution; (v) the catalogue's groups are small
-(at most 3 models of one architecture at 9 sites). It reaches a fixed point of coordinate descent, not necessarily
-the minimum of (G).
+exact assignment per layer (``ot.emd`` between uniform masses, as pairwise fusion solves it, with
+``scipy.optimize.linear_sum_assignment`` as the fallback). Why this and not Frank-Wolfe, and why the others' costs
+and not the distance to their weighted average (MergeMany's own step): (i) it is cycle-consistent by the same
+construction (one universe); (ii) each step is the exact assignment that pairwise fusion already solves (OT between
+equal widths with uniform masses has a permutation optimum) with the same costs, so with K = 2 it *is* pairwise
+fusion's matching, and the option differs from pairwise fusion only in what each model is matched to; (iii) a new
+permutation is taken only where it strictly lowers (G), so the sweeps terminate (aligning each model to the others'
+average under a Euclidean cost has no such guarantee and can cycle); (iv) it is deterministic and needs no step size
+and no rounding of a relaxed solution; (v) the catalogue's groups are small (at most 3 models of one architecture at
+9 sites). It reaches a fixed point of coordinate descent, not necessarily
+the minimum of (G). A layer whose problem has not changed since a model was last solved there is not solved again.
 
 Steps (:func:`match_group`): the first model is the universe's initial reference (π_1 = identity); models 2..K are
 placed one by one against those already placed; then sweeps over k = 1..K re-solve model k against the other K − 1
@@ -149,6 +150,26 @@ class _Universe:
         self.pool2 = resolve(specs[0])["pool"] ** 2
         self.perms: list[list[np.ndarray] | None] = [None] * len(sds)
         self._dist: dict[tuple[int, int, int], np.ndarray] = {}
+        self.version = [0] * len(self.hidden)  # per layer: bumped whenever a member's permutation there changes
+        self._seen: dict[tuple[int, int], int] = {}  # (member, layer) -> the version its last solve saw
+
+    def set(self, k: int, perms: list[np.ndarray]) -> bool:
+        """Member k's permutations become ``perms``; True when any changed."""
+        old = self.perms[k]
+        changed = False
+        for layer, p in enumerate(perms):
+            if old is None or not np.array_equal(old[layer], p):
+                self.version[layer] += 1
+                changed = True
+        self.perms[k] = perms
+        for layer in range(len(perms)):
+            self._seen[(k, layer)] = self.version[layer]
+        return changed
+
+    def _stale(self, k: int, layer: int) -> bool:
+        """True when some other member's permutation of ``layer`` changed since member k was last solved there
+        (the solve is deterministic, so an unchanged problem gives the unchanged answer)."""
+        return self._seen.get((k, layer)) != self.version[layer]
 
     def _acts_dist(self, a: int, b: int, layer: int) -> np.ndarray:
         """c^l_ab: the ``acts`` cost between the units of models a and b (float64 (C, C), computed once)."""
@@ -172,6 +193,9 @@ class _Universe:
         if self.metric == "acts":
             perms = []
             for layer in range(len(self.hidden)):
+                if cur is not None and not self._stale(k, layer):
+                    perms.append(cur[layer])
+                    continue
                 cost = sum(self.w[j] * self._acts_dist(k, j, layer)[:, np.argsort(self.perms[j][layer])]
                            for j in others)
                 p = _assign(cost)
@@ -179,6 +203,8 @@ class _Universe:
                     p = cur[layer]
                 perms.append(p)
             return perms
+        if cur is not None and not any(self._stale(k, layer) for layer in range(len(self.hidden))):
+            return cur
         refs = {j: self._universe_rows(j, self.perms[j]) for j in others}
         sd = self.sds[k]
         perms, inv_prev, prev_kind = [], None, "conv"
@@ -213,8 +239,22 @@ def _lowers(cost: np.ndarray, new: np.ndarray, old: np.ndarray) -> bool:
 
 
 def _assign(cost: np.ndarray) -> np.ndarray:
-    """``p[i]`` = the column assigned to row i by the minimum-cost perfect matching of a square cost."""
-    rows, cols = linear_sum_assignment(np.asarray(cost, dtype=np.float64))
+    """``p[i]`` = the column assigned to row i by a minimum-cost perfect matching of a square cost.
+
+    Solved as exact OT between uniform masses (``ot.emd``, the network simplex pairwise fusion uses), whose optimum
+    is a vertex of the Birkhoff polytope, i.e. a permutation (Birkhoff-von Neumann); should the plan not be one
+    (numerical trouble), ``scipy.optimize.linear_sum_assignment`` decides."""
+    import ot
+
+    C = np.asarray(cost, dtype=np.float64)
+    n = C.shape[0]
+    scale = float(C.max()) if C.size else 0.0
+    u = np.full(n, 1.0 / n)
+    T = ot.emd(u, u, C / scale if scale > 0 else C, numItermax=10_000_000)
+    p = T.argmax(1)
+    if np.array_equal(np.sort(p), np.arange(n)) and np.allclose(T[np.arange(n), p], 1.0 / n, rtol=1e-6, atol=0):
+        return p.astype(np.int64)
+    rows, cols = linear_sum_assignment(C)
     p = np.empty(len(rows), dtype=np.int64)
     p[rows] = cols
     return p
@@ -276,18 +316,16 @@ def match_group(members: list[tuple[dict, StateDict]], weights: list[float], pro
         acts = [_hidden_acts(s, sd, p, ["acts"], device)["acts"] for s, sd, p in zip(specs, sds, probes)]
         passes = len(members)
     uni = _Universe(specs, sds, w, acts, ground_metric)
-    uni.perms[0] = [np.arange(r.n_out, dtype=np.int64) for r in uni.hidden]
+    uni.set(0, [np.arange(r.n_out, dtype=np.int64) for r in uni.hidden])
     for k in range(1, len(members)):  # initial placement: each model against those already placed
-        uni.perms[k] = uni.align(k, list(range(k)))
+        uni.set(k, uni.align(k, list(range(k))))
     changes: list[int] = []
     converged = len(members) == 1
     for _ in range(int(max_sweeps) if len(members) > 1 else 0):
         n_changed = 0
         for k in range(len(members)):
-            new = uni.align(k, [j for j in range(len(members)) if j != k])
-            if any(not np.array_equal(a, b) for a, b in zip(new, uni.perms[k])):
+            if uni.set(k, uni.align(k, [j for j in range(len(members)) if j != k])):
                 n_changed += 1
-                uni.perms[k] = new
         changes.append(n_changed)
         if n_changed == 0:
             converged = True

@@ -26,7 +26,7 @@ _FENS_PLAIN = "FENS aggregator: the paper's plain mlp"
 _PROTO = "Prototype methods' training"
 #: (method or "*", option) -> the start of the heading of the decision entry that set the current value
 ENTRIES = {
-    ("ohfl", "strategy"): _OT, ("ohfl", "ot"): _OT, ("ohfl", "cka"): _OT, ("ohfl", "weighting"): _OT,
+    ("ohfl", "strategy"): _OT, ("ohfl", "fusion_order"): "OHFL fusion_order = pairwise", ("ohfl", "ot"): _OT, ("ohfl", "cka"): _OT, ("ohfl", "weighting"): _OT,
     ("ohfl", "init"): _OT,
     ("ohfl", "ground_metric"): "OHFL ground_metric = acts",
     ("ohfl", "repair"): "OHFL repair = channel", ("ohfl", "probe_at"): "OHFL repair = channel",

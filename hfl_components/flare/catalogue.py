@@ -188,6 +188,10 @@ COMMON_OPTIONS: tuple[Option, ...] = (
 
 _OHFL = (
     Option("strategy", str, "cid", ("cid", "cdd", "cia", "rand"), "OHFL pairwise fusion order (OHFL paper, Sec. 3.3)"),
+    Option("fusion_order", str, "pairwise", ("pairwise", "group"),
+           "pairwise: every model fused pairwise (the paper); group: the models of one architecture merged at once "
+           "(C2M3-style, cycle-consistent), then pairwise across architectures (strategy cid/cdd; off: "
+           "studies/group_merge)", cli_default=None),
     Option("alignment", str, "cka", ("cka", "random"), "OHFL layer alignment: cka|random", cli_default=None),
     Option("ot", str, "emd", ("emd", "sinkhorn"), "OT solver (Sinkhorn uses the paper's eps = 0.01)",
            cli_default=None),

@@ -22,6 +22,14 @@ For ``rand`` under ``samples`` the base enters each of its n − 1 pairs with n_
 its pairs) and the n − 1 results are averaged with weights n_k + n_base / (n − 1), so every site, the base included,
 ends with weight ∝ its sample count; under ``half`` every pair is 0.5 : 0.5 and the results are averaged equally
 (the paper's plain parameter averaging, Sec. 4.3).
+
+Fusion order. ``fusion_order="pairwise"`` (default): everything above. ``fusion_order="group"`` (cid / cdd only):
+inside each same-depth group, the models of one exact architecture (same widths, :func:`.group_merge.architecture_key`)
+are merged all at once into a cycle-consistent universe (:func:`.group_merge.merge_group`, C2M3-style; weights ∝
+samples, or equal under ``half``), a group of one passes unchanged; the merged models of different widths are then
+fused pairwise into the widest as above, and the same-depth representatives chained by depth as above. The group
+merge's matchings are exact assignments whatever ``ot_solver`` says (``ot_solver`` applies to the pairwise steps).
+With at most two models per architecture the group merge gives the pairwise result (:mod:`.group_merge`).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import torch
 
 from hfl_components.fusion._arch import hidden_rows, layer_table, spec_signature
 from hfl_components.fusion._timing import timed
+from hfl_components.fusion.group_merge import FUSION_ORDERS, architecture_key, merge_group
 from hfl_components.fusion.pairwise import PHASES, fuse_pair
 from hfl_components.fusion.probe_stats import StatsCache
 
@@ -90,7 +99,8 @@ def _n_params(spec: dict) -> int:
 def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None = None, weighting: str = "samples",
                      alignment: str = "cka", ot_solver: str = "emd", ground_metric: str = "wts", seed: int = 0,
                      sinkhorn_reg: float = 0.01, repair: bool | str = False,
-                     cka: str = "linear", device=None, progress=None) -> tuple[dict, StateDict, dict]:
+                     cka: str = "linear", device=None, progress=None,
+                     fusion_order: str = "pairwise") -> tuple[dict, StateDict, dict]:
     """Fuse n heterogeneous site models into one global model (OHFL Sec. 3.5, Algorithm 1, Sec. 4.3).
 
     Args:
@@ -104,7 +114,10 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         alignment, ot_solver, ground_metric, sinkhorn_reg, repair, cka: passed to :func:`fuse_pair`.
         seed: seed of the ``rand`` base choice and of random alignments (step k uses ``seed + k``).
         device: where the probe forward passes run (``torch.device`` or name; default CPU), see :func:`fuse_pair`.
-        progress: optional callable ``progress(done, total)`` after each pairwise fusion (``total`` = n - 1).
+        progress: optional callable ``progress(done, total)`` after each pairwise fusion or group merge (``total`` =
+            n - 1; a group merge of K models counts K - 1).
+        fusion_order: ``"pairwise"`` (default) or ``"group"`` (cid / cdd: each architecture's models merged at once
+            first, C2M3-style; see the module docstring).
 
     Returns:
         ``(spec, state_dict, record)``: the global model (spec of the final target, float32 tensors) and a JSON-able
@@ -112,21 +125,25 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
         names in the order they join the fusion), ``groups`` (cid/cdd same-depth groups, in chain order), ``base`` (rand), ``pairs`` (every
         pairwise record of :func:`fuse_pair` plus ``step``, ``src``, ``tgt``, ``weight_src``, ``weight_tgt``),
         ``phase_seconds`` ({cka, alignment, ot, averaging, repair}, summed), ``probe_passes`` (forward passes
-        of the probe statistics, repair passes excluded) and ``total_seconds``.
+        of the probe statistics, repair passes excluded) and ``total_seconds``; ``fusion_order``; with
+        ``"group"`` also ``group_merges`` (one :func:`.group_merge.merge_group` record per merged architecture, with
+        ``members``), whose seconds are included in ``phase_seconds`` and whose probe passes in ``probe_passes``.
 
     Raises:
-        ValueError: no models, duplicate names, non-positive sample counts, unknown strategy/weighting, missing
-            val_acc for ``cia``; errors of :func:`fuse_pair` (incompatible models, missing probe, ...).
+        ValueError: no models, duplicate names, non-positive sample counts, unknown strategy/weighting/fusion_order,
+            ``fusion_order="group"`` with cia / rand, missing val_acc for ``cia``; errors of :func:`fuse_pair`
+            (incompatible models, missing probe, ...).
     """
     t_start = time.perf_counter()
     sites = [_as_site(m) for m in models]
-    _check(sites, strategy, weighting, probe)
+    _check(sites, strategy, weighting, probe, fusion_order)
     fz = _Fusion(sites, probe, strategy, weighting, seed, dict(alignment=alignment, ot_solver=ot_solver,
                  ground_metric=ground_metric, sinkhorn_reg=sinkhorn_reg, repair=repair, cka=cka, device=device))
     fz.progress = progress
+    fz.fusion_order = fusion_order
     record: dict = {"strategy": strategy, "weighting": weighting, "alignment": alignment, "ot_solver": ot_solver,
                     "ground_metric": ground_metric, "repair": repair, "cka": cka,
-                    "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one"}
+                    "probe_sizes": sorted(probe) if isinstance(probe, dict) else "one", "fusion_order": fusion_order}
     if strategy in ("cid", "cdd"):
         final, order = _by_depth(fz, sites, strategy == "cdd", record)
     elif strategy == "cia":
@@ -134,12 +151,25 @@ def aggregate_models(models, strategy: str = "cid", probe: torch.Tensor | None =
     else:
         final, order = _random_base(fz, sites, seed, weighting, record)
     state_dict = {k: torch.as_tensor(v).to(torch.float32).clone() for k, v in final.state_dict.items()}
-    record.update({"order": order, "pairs": fz.pairs, "phase_seconds": fz.phase, "probe_passes": fz.cache.passes,
+    if fusion_order == "group":
+        record["group_merges"] = fz.merges
+    record.update({"order": order, "pairs": fz.pairs, "phase_seconds": fz.phase,
+                   "probe_passes": fz.cache.passes + sum(m["probe_passes"] for m in fz.merges),
                    "total_seconds": time.perf_counter() - t_start})
     return copy.deepcopy(final.spec), state_dict, record
 
 
-def _check(sites: list[SiteModel], strategy: str, weighting: str, probe) -> None:
+def check_fusion_order(strategy: str, fusion_order: str) -> None:
+    """ValueError, naming both options, unless ``fusion_order`` is known and fits ``strategy`` (``group`` needs the
+    same-depth groups of cid / cdd)."""
+    if fusion_order not in FUSION_ORDERS:
+        raise ValueError(f"fusion_order must be one of {FUSION_ORDERS}, got {fusion_order!r}")
+    if fusion_order == "group" and strategy not in ("cid", "cdd"):
+        raise ValueError(f"fusion_order='group' merges the same-architecture models of cid / cdd's depth groups; "
+                         f"strategy {strategy!r} has no such groups")
+
+
+def _check(sites: list[SiteModel], strategy: str, weighting: str, probe, fusion_order: str = "pairwise") -> None:
     """The inputs of :func:`aggregate_models`; ValueError naming the first problem."""
     if not sites:
         raise ValueError("aggregate_models needs at least one model")
@@ -153,6 +183,7 @@ def _check(sites: list[SiteModel], strategy: str, weighting: str, probe) -> None
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if weighting not in ("samples", "half"):
         raise ValueError(f"weighting must be 'samples' or 'half', got {weighting!r}")
+    check_fusion_order(strategy, fusion_order)
     if isinstance(probe, dict):
         lacking = [s.name for s in sites if s.input_size is None or int(s.input_size) not in probe]
         if lacking:
@@ -169,6 +200,10 @@ class _Fusion:
         self.pairs: list[dict] = []
         self.cache = StatsCache()  # each model's probe statistics, computed once across the pairwise fusions
         self.progress = None  # progress(done, total) after each pairwise fusion
+        self.fusion_order = "pairwise"
+        self.n_pairs = self.n_sites - 1  # pairwise fusions in all (fewer after group merges)
+        self.done = 0  # pairwise fusions plus K - 1 per group merge of K models
+        self.merges: list[dict] = []  # group merges' records (fusion_order="group")
 
     def probe_for(self, size):
         return self.probe[int(size)] if isinstance(self.probe, dict) else self.probe
@@ -185,7 +220,7 @@ class _Fusion:
         spec, sd, rec = fuse_pair((src.spec, src.state_dict), (tgt.spec, tgt.state_dict), self.probe_for(src.size),
                                   w_s, w_t, seed=None if self.seed is None else self.seed + k,
                                   probe_tgt=self.probe_for(tgt.size), stats_cache=self.cache,
-                                  reuse=self.strategy != "rand" and k < self.n_sites - 2, **self.fuse_kw)
+                                  reuse=self.strategy != "rand" and k < self.n_pairs - 1, **self.fuse_kw)
         self.cache.drop(src.state_dict)  # its pre-activations ('acts' metric) are not needed again
         if self.strategy != "rand":  # rand's base is the target of every pair
             self.cache.drop(tgt.state_dict)
@@ -193,10 +228,34 @@ class _Fusion:
             self.phase[p] += rec["seconds"][p]
         self.pairs.append({"step": k, "src": src.label, "tgt": tgt.label, "weight_src": w_s, "weight_tgt": w_t,
                            **rec})
+        self.done += 1
         if self.progress is not None:
-            self.progress(len(self.pairs), max(len(self.pairs), self.n_sites - 1))
+            self.progress(self.done, max(self.done, self.n_sites - 1))
         members = src.members + tgt.members if running_is_src else tgt.members + src.members
         return _Running(f"({src.label}+{tgt.label})", spec, sd, src.weight + tgt.weight, members, tgt.size)
+
+    def merge(self, members: list[SiteModel]) -> _Running:
+        """Same-architecture models merged at once (:func:`.group_merge.merge_group`, the first in name order is the
+        initial reference); one model passes unchanged."""
+        if len(members) == 1:
+            return self.start(members[0])
+        ws = [float(s.n_samples) if self.weighting == "samples" else 1.0 for s in members]
+        needs_probe = self.fuse_kw["ground_metric"] == "acts" or self.fuse_kw["repair"] not in (False, None, "none")
+        probes = ([self.probe_for(s.input_size) for s in members] if needs_probe and self.probe is not None
+                  else None)
+        spec, sd, rec = merge_group([(s.spec, s.state_dict) for s in members], ws, probes,
+                                    ground_metric=self.fuse_kw["ground_metric"], repair=self.fuse_kw["repair"],
+                                    device=self.fuse_kw["device"])
+        for p, v in rec["seconds"].items():
+            self.phase[p] += v
+        names = [s.name for s in members]
+        self.merges.append({"members": names, **rec})
+        self.done += len(members) - 1
+        if self.progress is not None:
+            self.progress(self.done, max(self.done, self.n_sites - 1))
+        size = members[0].input_size
+        return _Running(f"merge[{'+'.join(names)}]", spec, sd, float(sum(s.n_samples for s in members)), names,
+                        None if size is None else int(size))
 
     def chain(self, items: list[_Running]) -> _Running:
         cur = items[0]
@@ -211,6 +270,8 @@ def _by_depth(fz: _Fusion, sites: list[SiteModel], deep_first: bool, record: dic
     groups: dict[tuple, list[SiteModel]] = {}
     for s in sorted(sites, key=lambda s: s.name):
         groups.setdefault(spec_signature(s.spec), []).append(s)
+    if fz.fusion_order == "group":
+        return _by_depth_grouped(fz, groups, deep_first, record)
     reps = []
     for sig, members in groups.items():
         base = min(members, key=lambda s: (-_n_params(s.spec), s.name))
@@ -218,6 +279,32 @@ def _by_depth(fz: _Fusion, sites: list[SiteModel], deep_first: bool, record: dic
         for other in members:
             if other is not base:
                 cur = fz.fuse(fz.start(other), cur, running_is_src=False)
+        reps.append((len(hidden_rows(members[0].spec)), sig, cur))
+    reps.sort(key=lambda t: (t[0], t[1]), reverse=deep_first)
+    record["groups"] = [sorted(r[2].members) for r in reps]
+    final = fz.chain([r[2] for r in reps])
+    return final, final.members
+
+
+def _by_depth_grouped(fz: _Fusion, groups: dict, deep_first: bool, record: dict) -> tuple[_Running, list]:
+    """``cid`` / ``cdd`` with ``fusion_order="group"``: in each same-depth group the models of one architecture are
+    merged at once (:meth:`_Fusion.merge`), the merged models of different widths fused pairwise into the widest (most
+    parameters, ties by first member name), then the representatives chained by depth as in :func:`_by_depth`."""
+    units_by_depth = []
+    for sig, members in groups.items():
+        arch: dict[tuple, list[SiteModel]] = {}
+        for s in members:  # already in name order
+            arch.setdefault(architecture_key(s.spec), []).append(s)
+        units_by_depth.append((sig, members, list(arch.values())))
+    fz.n_pairs = sum(len(a) for _, _, a in units_by_depth) - 1
+    reps = []
+    for sig, members, archs in units_by_depth:
+        units = [fz.merge(ms) for ms in archs]
+        base = min(units, key=lambda u: (-_n_params(u.spec), u.members[0]))
+        cur = base
+        for other in units:
+            if other is not base:
+                cur = fz.fuse(other, cur, running_is_src=False)
         reps.append((len(hidden_rows(members[0].spec)), sig, cur))
     reps.sort(key=lambda t: (t[0], t[1]), reverse=deep_first)
     record["groups"] = [sorted(r[2].members) for r in reps]

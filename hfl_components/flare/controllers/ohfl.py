@@ -39,6 +39,9 @@ class OHFLController(HFLController):
 
     Args:
         strategy (str): ``cid`` | ``cdd`` | ``cia`` | ``rand``. Default ``cid``.
+        fusion_order (str): ``pairwise`` (every model fused pairwise) | ``group`` (cid / cdd: the models of one
+            architecture merged at once, C2M3-style, ``hfl_components.fusion.group_merge``). The catalogue owns the
+            default.
         alignment (str): ``cka`` | ``random``. Default ``cka``.
         ot_solver (str): ``emd`` | ``sinkhorn``. Default ``emd``.
         ground_metric (str): ``wts`` (the paper) | ``acts``. Default ``acts`` (chosen on the tuning part of
@@ -95,7 +98,7 @@ class OHFLController(HFLController):
                  fusion_device: str, distill_steps: int, distill_temperature: float, distill_weights: str,
                  distill_augment: bool, distill_probe_size: int, data_free: bool, data_free_rounds: int,
                  site_specs: dict, distill_teacher: str, distill_feature_weight: float, distill_feature_layer: str,
-                 entry_ref: str | None = None):
+                 fusion_order: str, entry_ref: str | None = None):
         super().__init__(num_rounds, min_sites, task_config, task_timeout, seed, late_wait_s, entry_ref)
         self.distill_steps = distill_steps
         self.distill_temperature = distill_temperature
@@ -116,6 +119,7 @@ class OHFLController(HFLController):
             raise ValueError(f"ohfl: fusion_device (--server-device) {e}") from None
         self.probe = probe
         self.strategy = strategy
+        self.fusion_order = fusion_order
         self.alignment = alignment
         self.ot_solver = ot_solver
         self.ground_metric = ground_metric
@@ -186,14 +190,18 @@ class OHFLController(HFLController):
     OPTION_ATTRS = {"ot": "ot_solver", "server_device": "fusion_device"}
 
     def check_options(self) -> dict:
-        """The catalogue check, then the one cross-option rule: without a probe pool (``probe="none"``) the
-        distillation must be data-free (or off). Raises ValueError naming the option."""
+        """The catalogue check, then the cross-option rules: without a probe pool (``probe="none"``) the
+        distillation must be data-free (or off); ``fusion_order="group"`` needs strategy cid or cdd. Raises
+        ValueError naming the option."""
         checked = super().check_options()
         check_probe_or_data_free(self.probe, self.data_free, self.distill_steps)
         from hfl_components.flare.distill_stage import check_buildable, check_feature, check_teacher
 
         check_teacher(self.distill_teacher, self.probe, self.data_free, self.distill_augment)
         check_feature(self.distill_feature_weight, self.distill_feature_layer, self.data_free, self.distill_augment)
+        from hfl_components.fusion.aggregate import check_fusion_order
+
+        check_fusion_order(self.strategy, self.fusion_order)
 
         check_buildable(self.site_specs)
         return checked
@@ -205,8 +213,12 @@ class OHFLController(HFLController):
         site_specs = {site: cfg["model"] for site, cfg in profile.items()}
         check_buildable(site_specs)  # before any site trains: the site and its family are named
         check_probe_or_data_free(opts["probe"], opts["data_free"], opts["distill_steps"])
+        from hfl_components.fusion.aggregate import check_fusion_order
+
+        check_fusion_order(opts["strategy"], opts["fusion_order"])
         common = {**common, "num_rounds": 1}
-        return cls(probe=str(opts["probe"]), strategy=opts["strategy"], alignment=opts["alignment"],
+        return cls(probe=str(opts["probe"]), strategy=opts["strategy"], fusion_order=opts["fusion_order"],
+                   alignment=opts["alignment"],
                    ot_solver=opts["ot"], ground_metric=opts["ground_metric"], probe_size=int(opts["probe_size"]),
                    weighting=opts["weighting"], repair=opts["repair"], cka=opts["cka"], probe_at=opts["probe_at"],
                    fusion_device=opts["server_device"], distill_steps=opts["distill_steps"],
@@ -242,7 +254,7 @@ class OHFLController(HFLController):
         return {sz: v[0] for sz, v in loaded.items()}, names
 
     def _fuse_group(self, models: list, probe_all: dict, device) -> tuple[dict, dict, dict]:
-        """Today's CKA + OT + CID fusion of one fusable group (``hfl_components.fusion.aggregate_models``)."""
+        """The CKA + OT + CID fusion of one fusable group (``hfl_components.fusion.aggregate_models``)."""
         from hfl_components.fusion import aggregate_models
 
         sizes = sorted({m["input_size"] for m in models})
@@ -251,12 +263,14 @@ class OHFLController(HFLController):
         if self.probe_at == "largest":
             probe = probe[sizes[-1]]
         shape = {k: tuple(v.shape) for k, v in probe.items()} if isinstance(probe, dict) else tuple(probe.shape)
-        self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy}, alignment "
+        self.info(f"OHFL: fusing {len(models)} site models with strategy {self.strategy} (fusion order "
+                  f"{self.fusion_order}), alignment "
                   f"{self.alignment} ({self.cka} CKA), OT {self.ot_solver}/{self.ground_metric}, repair {self.repair}, "
                   f"probe {shape}")
         return aggregate_models(models, strategy=self.strategy, probe=probe, alignment=self.alignment,
                                 ot_solver=self.ot_solver, ground_metric=self.ground_metric, weighting=self.weighting,
                                 seed=self.seed, repair=self.repair, cka=self.cka, device=device,
+                                fusion_order=self.fusion_order,
                                 progress=lambda k, n: self.report_progress("fusion (pairwise fusions)", k, n))
 
     def _distill(self, students: dict, uploads: dict, probe_all: dict, device) -> dict:

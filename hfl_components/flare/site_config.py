@@ -107,7 +107,31 @@ DATA_KEYS = {"manifest", "labels"}
 
 class _SiteYamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader that also reads ``1e-4`` / ``5E-3`` as numbers (YAML 1.2 floats; PyYAML's YAML 1.1
-    rules need a dot, ``1.0e-4``, and would hand ``lr: 1e-3`` to validation as the text ``'1e-3'``)."""
+    rules need a dot, ``1.0e-4``, and would hand ``lr: 1e-3`` to validation as the text ``'1e-3'``), and refuses a
+    key given twice in one mapping (YAML requires unique keys; PyYAML keeps the last silently, so an ``augment:``
+    added above the template's own line would be dropped without a word).
+
+    Raises:
+        yaml.constructor.ConstructorError: the duplicate key, with the line of its second occurrence.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base": its keys may be overridden here
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    twice = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: PyYAML's own construction refuses it below
+                    continue
+                if twice:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (YAML keys must be unique; remove one)",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _SiteYamlLoader.add_implicit_resolver(

@@ -50,3 +50,28 @@ def test_site_check_says_a_frame_augmentation_acts_on_every_class(tmp_path, augm
     assert rep["errors"] == [] and rep["frame_augment"] == (augment if framed else None)
     line = next(x for x in format_report(rep).splitlines() if x.strip().startswith("augment"))
     assert (f"augment: {augment} frames the training images of every class" in line) == framed
+
+
+@pytest.mark.parametrize("method", ["fedsaf", "fedproto", "fedtopo"])
+@pytest.mark.parametrize("augment", ["zoom_out", "monai", "border_raw"])
+def test_a_per_image_augment_for_a_prototype_method_is_refused_before_anything_is_scanned(method, augment):
+    """The prototype methods' generated site configs set fast_augment: true (flip + shift on cached tensors), which
+    the site config refuses beside a per-image augment: simulate scanned the data and wrote six site configs first
+    (six lines naming files it then removed); compare ran every (seed, method) into a failed run (exit 1)."""
+    from nvflare_jobs.spec import SimulateError, resolve
+
+    with pytest.raises(SimulateError) as e:
+        resolve(method, {"augment": augment})
+    assert e.value.key == "augment" and augment in str(e.value) and "\n" not in str(e.value)
+    assert resolve("ohfl", {"augment": augment}).augment == augment
+    assert resolve(method, {"augment": "batch"}).augment == "batch"  # batch with fast_augment stays valid
+
+
+def test_compare_refuses_a_per_image_augment_with_a_prototype_method_before_any_run(tmp_path, capsys):
+    from nvflare_jobs.compare import compare
+
+    out = tmp_path / "cmp"
+    assert compare(out, methods="local,fedsaf", augment="zoom_out") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--augment zoom_out" in err and "fedsaf" in err
+    assert not out.exists()

@@ -46,6 +46,9 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 #: ``zoom_out`` = the border probe's own frame at a random share of each side (0-6 %), a centred zoom-out of the
 #: film with its aspect kept, on the decoded image of every class (chest_xray AUGMENT_ZOOM_OUT)
 AUGMENTS = ("monai", "batch", "border", "border_dense", "border_raw", "zoom_out")
+#: the ``augment`` values that act per image in the MONAI pipeline: ``fast_augment: true`` (flip + shift on cached
+#: tensors) would silently replace them, so the two are refused together
+PER_IMAGE_AUGMENTS = ("monai", "border", "border_dense", "border_raw", "zoom_out")
 
 DEFAULTS = {
     "input_size": 64,
@@ -357,8 +360,7 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
     for key in ("balanced_sampling", "fast_augment", "keep_for_processing", "skip_other_body_parts"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
-    per_image = ("monai", "border", "border_dense", "border_raw", "zoom_out")
-    if cfg["fast_augment"] and raw.get("augment") in per_image:  # the tensor path would silently win
+    if cfg["fast_augment"] and raw.get("augment") in PER_IMAGE_AUGMENTS:  # the tensor path would silently win
         raise _err(site, path, "augment", f"{raw['augment']} has no effect with fast_augment: true (flip + shift "
                                           "on cached tensors); set fast_augment: false to augment per image with MONAI")
     if cfg["class_weights"] not in (None, "balanced"):

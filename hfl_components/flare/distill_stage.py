@@ -115,8 +115,8 @@ def check_feature(weight, layer, data_free, augment, distill_steps=None) -> None
                          "probe images; turn option 'distill_augment' off (or give weight 0)")
     if w > 0 and distill_steps is not None and int(distill_steps) == 0:
         raise ValueError(f"OHFL: option 'distill_feature_weight' {weight} is a term of the distillation, and option "
-                         "'distill_steps' is 0 (no distillation; option 'paper' sets it): give distill_steps > 0 "
-                         "(or weight 0)")
+                         "'distill_steps' is 0 (no distillation; option 'paper' sets it): give option 'distill_steps' "
+                         "> 0 (or weight 0)")
 
 
 def check_run(spec) -> None:

@@ -40,7 +40,8 @@ def check_site(config: str | os.PathLike, site: str | None = None, read_images: 
         {min, median, max}} in pixels, of the images read), ``smaller_than_input`` (images whose shorter side is
         below ``input_size``), ``findings`` (one ``{"kind", "count", "examples", "text"}`` per data finding, see
         :func:`chest_xray.grouping.site_findings`), ``augment_classes`` (names of the classes augmented in training, resolved as the
-        site does) and ``augment_config`` (the config's value), ``model`` (spec), ``n_params``, ``input_size``,
+        site does), ``augment_config`` (the config's value) and ``frame_augment`` (the config's ``augment`` when it
+        frames every class whatever ``augment_classes`` says, e.g. ``zoom_out``; else None), ``model`` (spec), ``n_params``, ``input_size``,
         ``batch_size``, ``device`` (description), ``amp``.
     """
     from chest_xray import CLASS_NAMES
@@ -238,9 +239,12 @@ def _count(rows: list[dict], names: list[str], rep: dict, cfg: dict) -> None:
     if leak:
         rep["warnings"].append(f"{leak} patients have images in more than one split (test results would be optimistic)")
     from chest_xray import resolve_augment_classes
+    from chest_xray.transforms import BORDER_AUGMENTS
 
     aug = resolve_augment_classes(cfg["augment_classes"], [r for r in rows if r["split"] == "train"], len(names))
     rep["augment_classes"] = [names[k] for k in aug]
+    # a frame augmentation (border ... zoom_out) acts on every class whatever augment_classes says
+    rep["frame_augment"] = cfg["augment"] if cfg["augment"] in BORDER_AUGMENTS else None
     cap = cfg.get("max_train_images")
     if cap and cap < sum(counts["train"].values()):
         rep["warnings"].append(f"max_train_images: {cap}: jobs train on {cap} of the "
@@ -337,7 +341,9 @@ def format_report(rep: dict) -> str:
                 out.append("  " + f"{sp:<10}" + "".join(f"{c[n]:>{w}}" for n in names) + f"{sum(c.values()):>8}")
         if "augment_classes" in rep:
             aug = ", ".join(rep["augment_classes"]) or "none"
-            out.append(f"  augment     training images of {aug} (augment_classes: {rep['augment_config']})")
+            frame = (f"; augment: {rep['frame_augment']} frames the training images of every class"
+                     if rep.get("frame_augment") else "")
+            out.append(f"  augment     training images of {aug} (augment_classes: {rep['augment_config']}){frame}")
         if "unreadable" in rep:
             n_ok = rep["n_images"] - len(rep["unreadable"])
             fm = ", ".join(f"{k} {v}" for k, v in rep["formats"].items()) or "none"

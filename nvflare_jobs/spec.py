@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from chest_xray import ASPECTS
 from hfl_components.flare import catalogue
-from hfl_components.flare.site_config import AUGMENTS
+from hfl_components.flare.site_config import AUGMENTS, PER_IMAGE_AUGMENTS
 from hfl_components.flare.options import Option, OptionError, check_option
 from nvflare_jobs.runner import Run, SimulateError, export_job, finished, run_in_process
 
@@ -313,6 +313,7 @@ def resolve(method: str, given: Mapping[str, Any] | None = None) -> RunSpec:
     if bad:
         raise SimulateError(f"unknown option(s) {bad} for {method}", bad[0])
     run = {k: (_typed(k, _RUN[k], given[k], method) if k in given else _RUN[k].default) for k in _RUN}
+    check_augment(method, run["augment"])
     own = {o.key for o in e.options}
     warnings = _drop_foreign(method, given, own, foreign)
     method_given = {k: v for k, v in given.items() if k in own}
@@ -353,6 +354,19 @@ def resolve(method: str, given: Mapping[str, Any] | None = None) -> RunSpec:
         if w:
             warnings.append(w)
     return RunSpec(method=method, options=spec.options, warnings=tuple(warnings), **run)
+
+
+def check_augment(method: str, augment: str | None) -> None:
+    """Refuse an ``augment`` that the generated site configs of ``method`` would refuse, before anything is scanned:
+    the prototype methods' sites train on cached tensors (``fast_augment`` of
+    :data:`nvflare_jobs.profiles.PROTO_TRAINING`), where a per-image augmentation (``monai``, ``border`` ...
+    ``zoom_out``) has no effect. Raises SimulateError naming the option."""
+    from nvflare_jobs.profiles import PROTO_TRAINING
+
+    if augment in PER_IMAGE_AUGMENTS and catalogue.is_prototype(method) and PROTO_TRAINING.get("fast_augment"):
+        raise SimulateError(f"option 'augment' {augment}: {method}'s sites train on cached tensors (fast_augment: "
+                            "true, the prototype methods' training), where a per-image augmentation has no effect; "
+                            "drop the option", "augment")
 
 
 def _drop_foreign(method: str, given: dict, own: set, foreign: dict) -> list[str]:

@@ -335,8 +335,8 @@ _PROTO_DEFAULTS = {"family": "prototype", "labels": "subtype", "rounds": 20, "lo
                    "input_sizes": (64,)}
 # The OHFL paper's pipeline (OHFL paper, Sec. 4.2): Sinkhorn eps 0.01, "wts", 20 local / 50 fine-tuning epochs.
 PAPER = {"ot": "sinkhorn", "ground_metric": "wts", "repair": "none", "cka": "linear", "probe_at": "largest",
-         "init": "site", "gate": False, "strategy": "cid", "alignment": "cka", "local_epochs": 20,
-         "finetune_epochs": 50, "distill_steps": 0}
+         "init": "site", "gate": False, "strategy": "cid", "fusion_order": "pairwise", "alignment": "cka",
+         "local_epochs": 20, "finetune_epochs": 50, "distill_steps": 0}
 
 
 def check_local_epochs(spec) -> None:

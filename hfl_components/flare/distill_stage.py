@@ -86,11 +86,12 @@ def check_teacher(teacher, probe, data_free, augment) -> None:
 FEATURE_LAYERS = ("penultimate", "aligned")
 
 
-def check_feature(weight, layer, data_free, augment) -> None:
+def check_feature(weight, layer, data_free, augment, distill_steps=None) -> None:
     """Refuse feature distillation (``distill_feature_weight`` > 0) where it cannot run: a negative or non-finite
     weight, a layer that is not one of :data:`FEATURE_LAYERS`, data-free
-    distillation (no fixed images to cache the teachers' layers on) or distillation augmentation (the layers are
-    cached for the original images). Weight 0 (the logit-only loss) needs nothing.
+    distillation (no fixed images to cache the teachers' layers on), distillation augmentation (the layers are
+    cached for the original images) or, when ``distill_steps`` is given, no distillation at all (0 steps, e.g.
+    ``paper``: the weight would never act). Weight 0 (the logit-only loss) needs nothing.
 
     Raises:
         ValueError: one line naming the option (``option 'distill_feature_weight'`` / ``'distill_feature_layer'``)
@@ -112,17 +113,26 @@ def check_feature(weight, layer, data_free, augment) -> None:
     if w > 0 and augment:
         raise ValueError("OHFL: option 'distill_feature_weight' > 0 caches the teachers' layers of the original "
                          "probe images; turn option 'distill_augment' off (or give weight 0)")
+    if w > 0 and distill_steps is not None and int(distill_steps) == 0:
+        raise ValueError(f"OHFL: option 'distill_feature_weight' {weight} is a term of the distillation, and option "
+                         "'distill_steps' is 0 (no distillation; option 'paper' sets it): give option 'distill_steps' "
+                         "> 0 (or weight 0)")
 
 
 def check_run(spec) -> None:
     """The OHFL catalogue entry's check of a resolved run (``nvflare_jobs.spec.RunSpec``): a probe pool or
     data-free distillation (:func:`check_probe_or_data_free`), a teacher that can be fitted
-    (:func:`check_teacher`) and feature distillation that can run (:func:`check_feature`). Raises ValueError
-    naming the options."""
+    (:func:`check_teacher`), feature distillation that can run (:func:`check_feature`) and a fusion order that fits
+    the strategy (``hfl_components.fusion.aggregate.check_fusion_order``), so that ``simulate`` and ``compare``
+    refuse them before anything is scanned or trained. Raises ValueError naming the options."""
     o = spec.options
     check_probe_or_data_free(o.get("probe"), o["data_free"], o["distill_steps"])
     check_teacher(o["distill_teacher"], o.get("probe"), o["data_free"], o["distill_augment"])
-    check_feature(o["distill_feature_weight"], o["distill_feature_layer"], o["data_free"], o["distill_augment"])
+    check_feature(o["distill_feature_weight"], o["distill_feature_layer"], o["data_free"], o["distill_augment"],
+                  o["distill_steps"])
+    from hfl_components.fusion.aggregate import check_fusion_order  # imports torch: only when a run is checked
+
+    check_fusion_order(o["strategy"], o["fusion_order"])
 
 
 def probe_labels(source, names: list[str], labels: str) -> list[int]:

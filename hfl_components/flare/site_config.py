@@ -46,6 +46,9 @@ LOCAL_SUBDIR = Path("local") / "cxr_hfl"
 #: ``zoom_out`` = the border probe's own frame at a random share of each side (0-6 %), a centred zoom-out of the
 #: film with its aspect kept, on the decoded image of every class (chest_xray AUGMENT_ZOOM_OUT)
 AUGMENTS = ("monai", "batch", "border", "border_dense", "border_raw", "zoom_out")
+#: the ``augment`` values that act per image in the MONAI pipeline: ``fast_augment: true`` (flip + shift on cached
+#: tensors) would silently replace them, so the two are refused together
+PER_IMAGE_AUGMENTS = ("monai", "border", "border_dense", "border_raw", "zoom_out")
 
 DEFAULTS = {
     "input_size": 64,
@@ -107,7 +110,31 @@ DATA_KEYS = {"manifest", "labels"}
 
 class _SiteYamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader that also reads ``1e-4`` / ``5E-3`` as numbers (YAML 1.2 floats; PyYAML's YAML 1.1
-    rules need a dot, ``1.0e-4``, and would hand ``lr: 1e-3`` to validation as the text ``'1e-3'``)."""
+    rules need a dot, ``1.0e-4``, and would hand ``lr: 1e-3`` to validation as the text ``'1e-3'``), and refuses a
+    key given twice in one mapping (YAML requires unique keys; PyYAML keeps the last silently, so an ``augment:``
+    added above the template's own line would be dropped without a word).
+
+    Raises:
+        yaml.constructor.ConstructorError: the duplicate key, with the line of its second occurrence.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base": its keys may be overridden here
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    twice = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: PyYAML's own construction refuses it below
+                    continue
+                if twice:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (YAML keys must be unique; remove one)",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _SiteYamlLoader.add_implicit_resolver(
@@ -333,8 +360,7 @@ def _check_augmentation(cfg: dict, raw: dict, site: str, path) -> None:
     for key in ("balanced_sampling", "fast_augment", "keep_for_processing", "skip_other_body_parts"):
         if not isinstance(cfg[key], bool):
             raise _err(site, path, key, f"must be true or false, got {cfg[key]!r}")
-    per_image = ("monai", "border", "border_dense", "border_raw", "zoom_out")
-    if cfg["fast_augment"] and raw.get("augment") in per_image:  # the tensor path would silently win
+    if cfg["fast_augment"] and raw.get("augment") in PER_IMAGE_AUGMENTS:  # the tensor path would silently win
         raise _err(site, path, "augment", f"{raw['augment']} has no effect with fast_augment: true (flip + shift "
                                           "on cached tensors); set fast_augment: false to augment per image with MONAI")
     if cfg["class_weights"] not in (None, "balanced"):

@@ -221,6 +221,13 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         except (FileNotFoundError, ValueError) as e:
             raise _Refused(f"--probe {probe}: {e}") from None
     args.proto_protocol = proto_protocol(methods)
+    from nvflare_jobs.spec import SimulateError, check_augment, cli_message
+
+    for m in methods:  # --augment goes into the site configs compare writes, not through check_variant
+        try:
+            check_augment(base_method(m), args.augment)
+        except SimulateError as e:
+            raise _Refused(cli_message(e)) from None
     out = Path(args.out).resolve()
     if not args.unequal_budgets and CONTROL in methods and "local+ft" in methods:
         methods.remove("local+ft")

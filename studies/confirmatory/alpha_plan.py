@@ -35,9 +35,10 @@ class PlanError(ValueError):
 
 def load_plan(path: str | Path) -> dict:
     """The α plan at ``path``, checked: the schema, ``total_alpha`` in (0, 1), a known ``procedure``, tests with
-    unique ids, each with a known ``hypothesis``, an ``alpha`` in (0, total], the comparison (``a``, ``b``,
-    ``metric``) of a paired test or the ``endpoint`` of a one-sample test; the shares sum to the total (``fallback``,
-    ``single``) or each is ``total / looks`` (``bonferroni-look``).
+    unique text ids, each with a known ``hypothesis``, an ``alpha`` in (0, total], the comparison (``a``, ``b``,
+    ``metric``) of a paired test or the ``endpoint`` of a one-sample test, a finite ``margin`` > 0 for
+    non-inferiority, a ``threshold`` that is null or a finite number (> 0 for ``within``); the shares sum to the
+    total (``fallback``, ``single``) or each is ``total / looks`` (``bonferroni-look``).
 
     Raises:
         PlanError: no such file, not JSON, or any rule above broken (the message names the file and the rule).
@@ -68,8 +69,8 @@ def _problems(plan) -> str | None:
     if not isinstance(tests, list) or not tests:
         return "no tests listed"
     ids = [t.get("id") if isinstance(t, dict) else None for t in tests]
-    if None in ids or len(set(ids)) != len(ids):
-        return "every test needs a unique id"
+    if not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+        return "every test needs a unique id (a non-empty text)"
     for t in tests:
         if t.get("hypothesis") not in HYPOTHESES:
             return f"test {t['id']}: hypothesis {t.get('hypothesis')!r} not one of {', '.join(HYPOTHESES)}"
@@ -78,8 +79,12 @@ def _problems(plan) -> str | None:
             return f"test {t['id']}: alpha {a!r} not in (0, {total}]"
         if not (all(isinstance(t.get(k), str) for k in ("a", "b", "metric")) or isinstance(t.get("endpoint"), str)):
             return f"test {t['id']}: names neither a comparison (a, b, metric) nor an endpoint"
-        if t["hypothesis"] == "non-inferiority" and not isinstance(t.get("margin"), (int, float)):
-            return f"test {t['id']}: a non-inferiority test needs its margin"
+        if t["hypothesis"] == "non-inferiority" and not _number(t.get("margin"), positive=True):
+            return f"test {t['id']}: a non-inferiority test needs its margin, a finite number > 0, got {t.get('margin')!r}"
+        thr = t.get("threshold")
+        if thr is not None and not _number(thr, positive=t["hypothesis"] == "within"):
+            return (f"test {t['id']}: threshold {thr!r} is neither null (fixed later in PROTOCOL.md) nor a finite "
+                    f"number{' > 0' if t['hypothesis'] == 'within' else ''}")
     shares = [t["alpha"] for t in tests]
     if proc == "bonferroni-look":
         wrong = [t["id"] for t in tests if not isinstance(t.get("looks"), int) or t["looks"] < 2
@@ -91,6 +96,12 @@ def _problems(plan) -> str | None:
     if proc == "single" and len(tests) != 1:
         return "a single plan lists exactly one test"
     return None
+
+
+def _number(v, positive: bool = False) -> bool:
+    """Whether ``v`` is a finite JSON number (not a boolean, not NaN / Infinity), and > 0 when ``positive``."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (v > 0 or not positive)
 
 
 def find_test(plan: dict, a: str, b: str, metric: str) -> dict | None:

@@ -6,7 +6,9 @@ does exactly what it says and nothing else:
 * ``run``: the comparison (:func:`nvflare_jobs.compare.compare`, in this process) of the protocol's methods at the protocol's seeds, one seed at a time into one
   comparison folder (compare resumes: finished runs are kept, an interrupted seed is run again), with the external
   evaluation on the protocol's part after each seed; after each seed the seed's result tables are copied into the
-  results folder (``seeds/seed<k>/``) so that they can be committed as they finish.
+  results folder (``seeds/seed<k>/``) so that they can be committed as they finish. A ``--plan`` that is empty,
+  missing or malformed, or names a method (or variant) ``compare`` does not run, is refused in one line before any
+  seed (exit 2); a seed whose comparison refuses its input (exit 2) copies and records nothing.
 * ``analyse``: the primary endpoint and the secondary endpoints from the comparison folder, written to
   ``result.json`` and ``RESULT.md`` in the results folder. The inference is :mod:`hfl_components.stats`: the
   crossed cluster bootstrap-t for paired differences on the shared external images (Owen 2007), the seed-level
@@ -61,11 +63,11 @@ def run(args) -> int:
     from nvflare_jobs.compare import compare
 
     cmp, res = Path(args.cmp), Path(args.results)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
+    seeds = list(args.seeds) if args.seeds is not None else list(SEEDS)
     methods = METHODS
-    if getattr(args, "plan", None):
+    if getattr(args, "plan", None) is not None:  # an empty --plan "" is a missing plan, not the default methods
         try:
-            methods = plan_methods(load_plan(args.plan))
+            methods = run_methods(args.plan)
         except PlanError as e:
             print(f"confirmatory: {e}; nothing was run", file=sys.stderr)
             return 2
@@ -79,6 +81,10 @@ def run(args) -> int:
         rc = compare(**opts)
         wall = time.perf_counter() - t0
         print(f"[confirmatory] seed {s}: rc={rc} in {wall:.0f} s", flush=True)
+        if rc == 2:  # compare refused its input before any run: nothing to copy, no wall time to record
+            print(f"[confirmatory] seed {s}: compare refused its input (above); nothing was run or copied",
+                  file=sys.stderr)
+            return 2
         dest = copy_seed(cmp, res, s, methods)
         (dest / "wall_seconds.txt").write_text(f"{wall:.0f}\n")
         if rc != 0:
@@ -535,6 +541,30 @@ def plan_methods(plan: dict) -> str:
     return ",".join(base + sorted(set(named) - set(base)))
 
 
+def run_methods(path: str | Path) -> str:
+    """:func:`plan_methods` of the α plan at ``path`` for ``run`` / ``copy``, refusing a paired test that names a
+    method ``compare`` does not run (a typo such as ``fedavgg``) or a variant whose options it refuses
+    (:func:`nvflare_jobs.compare.plan.check_variant`) before any seed is run or copied.
+
+    Raises:
+        PlanError: an empty ``path``; :func:`~studies.confirmatory.alpha_plan.load_plan`'s; or the unknown method
+            (the message names ``path``, the test and the method).
+    """
+    from nvflare_jobs.compare.plan import METHODS as COMPARE_METHODS, check_variant
+
+    if not str(path).strip():  # Path("") would read as the current folder
+        raise PlanError("--plan is empty: give the protocol's alpha_plan.json")
+    plan = load_plan(path)
+    for t in plan["tests"]:
+        for m in (t.get("a"), t.get("b")):
+            if isinstance(m, str) and m.split(":")[0] not in COMPARE_METHODS:
+                raise PlanError(f"{path}: test {t['id']} names method {m!r}, which compare does not run (known: "
+                                f"{', '.join(COMPARE_METHODS)})")
+            if isinstance(m, str) and (why := check_variant(m)):  # a variant's bad options (ohfl:ot=foo)
+                raise PlanError(f"{path}: test {t['id']}: {why}")
+    return plan_methods(plan)
+
+
 def clinical_values(cmp: Path, name: str, method: str = MAIN) -> dict[str, dict]:
     """``{endpoint: {(seed, key): value}}`` of the α plan's one-sample endpoints for ``method``'s runs evaluated on
     the external set ``name``: ``eval_sensitivity`` / ``eval_specificity`` pooled over the deployed models at each
@@ -621,7 +651,7 @@ def sequence(cmp: Path, name: str, plan: dict, n_boot: int = 1000) -> list[dict]
 def _seed_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
-    except ValueError:
+    except ValueError:  # also "" and "10,,11": argparse prints one line naming --seeds, exit 2
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
@@ -634,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--cmp", required=True, help="the comparison folder (run folders; not committed)")
         p.add_argument("--results", default=str(RESULTS), help="where the committed result files go")
         if c in ("run", "copy"):
-            p.add_argument("--seeds", help=f"default: the protocol's {','.join(map(str, SEEDS))}")
+            p.add_argument("--seeds", type=_seed_list, default=None,
+                           help=f"comma-separated integers (default: the protocol's {','.join(map(str, SEEDS))})")
         else:
             p.add_argument("--seeds", type=_seed_list, default=SEEDS,
                            help=f"the seeds every method must have its run at (default: the first protocol's "
@@ -662,14 +693,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "copy":  # re-copy finished seeds (e.g. after a change of what is copied)
         try:
-            methods = plan_methods(load_plan(args.plan)) if args.plan else METHODS
+            methods = run_methods(args.plan) if args.plan is not None else METHODS
         except PlanError as e:
             print(f"confirmatory: {e}; nothing was copied", file=sys.stderr)
             return 2
-        for s in ([int(x) for x in args.seeds.split(",")] if args.seeds else SEEDS):
+        if not Path(args.cmp).is_dir():
+            print(f"confirmatory: --cmp {args.cmp}: no such comparison folder; nothing was copied", file=sys.stderr)
+            return 2
+        copied = 0
+        for s in (args.seeds if args.seeds is not None else SEEDS):
             if (Path(args.cmp) / f"seed{s}").is_dir():
                 print(f"[confirmatory] seed {s} -> {copy_seed(Path(args.cmp), Path(args.results), s, methods)}")
-        return 0
+                copied += 1
+            else:
+                print(f"[confirmatory] seed {s}: no {Path(args.cmp) / f'seed{s}'}; not copied", file=sys.stderr)
+        return 0 if copied else 1
     return run(args) if args.cmd == "run" else analyse(args)
 
 

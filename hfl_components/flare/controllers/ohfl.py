@@ -198,7 +198,8 @@ class OHFLController(HFLController):
         from hfl_components.flare.distill_stage import check_buildable, check_feature, check_teacher
 
         check_teacher(self.distill_teacher, self.probe, self.data_free, self.distill_augment)
-        check_feature(self.distill_feature_weight, self.distill_feature_layer, self.data_free, self.distill_augment)
+        check_feature(self.distill_feature_weight, self.distill_feature_layer, self.data_free, self.distill_augment,
+                      self.distill_steps)
         from hfl_components.fusion.aggregate import check_fusion_order
 
         check_fusion_order(self.strategy, self.fusion_order)

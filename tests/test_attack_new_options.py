@@ -7,7 +7,8 @@ import pytest
 @pytest.mark.parametrize("strategy", ["cia", "rand"])
 def test_group_fusion_order_with_a_strategy_without_depth_groups_is_refused_before_any_run(strategy):
     from nvflare_jobs.compare import check_variant
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     with pytest.raises(SimulateError) as e:
         resolve("ohfl", {"fusion_order": "group", "strategy": strategy})
@@ -22,7 +23,8 @@ def test_group_fusion_order_with_a_strategy_without_depth_groups_is_refused_befo
 
 def test_the_paper_preset_refuses_group_fusion():
     from nvflare_jobs.compare import check_variant
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     with pytest.raises(SimulateError, match="'paper'.*'fusion_order'"):
         resolve("ohfl", {"paper": True, "fusion_order": "group"})
@@ -34,7 +36,8 @@ def test_the_paper_preset_refuses_group_fusion():
 @pytest.mark.parametrize("given", [{"distill_steps": 0, "distill_feature_weight": 3000},
                                    {"paper": True, "distill_feature_weight": 3000}])
 def test_a_feature_weight_without_distillation_is_refused_not_ignored(given):
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     with pytest.raises(SimulateError) as e:
         resolve("ohfl", given)

@@ -58,7 +58,8 @@ def test_a_per_image_augment_for_a_prototype_method_is_refused_before_anything_i
     """The prototype methods' generated site configs set fast_augment: true (flip + shift on cached tensors), which
     the site config refuses beside a per-image augment: simulate scanned the data and wrote six site configs first
     (six lines naming files it then removed); compare ran every (seed, method) into a failed run (exit 1)."""
-    from nvflare_jobs.spec import SimulateError, resolve
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import resolve
 
     with pytest.raises(SimulateError) as e:
         resolve(method, {"augment": augment})

@@ -185,6 +185,19 @@ class _Refused(ValueError):
     """A comparison refused before any run (the message is the one line ``cxr-hfl compare`` prints)."""
 
 
+def _check_augments(methods: list[str], augment) -> None:
+    """Raise :class:`_Refused` when ``augment`` cannot go into a method's site configs (``--augment`` goes into the
+    site configs compare writes, not through :func:`check_variant`)."""
+    from nvflare_jobs.runner import SimulateError
+    from nvflare_jobs.spec import check_augment, cli_message
+
+    for m in methods:
+        try:
+            check_augment(base_method(m), augment)
+        except SimulateError as e:
+            raise _Refused(cli_message(e)) from None
+
+
 def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
     """``(methods, plans, data root, external set, out folder)`` of a comparison; raises :class:`_Refused`."""
     from nvflare_jobs.evaluation import part_required
@@ -221,13 +234,7 @@ def _checked(args) -> tuple[list[str], dict, Path, str | None, Path]:
         except (FileNotFoundError, ValueError) as e:
             raise _Refused(f"--probe {probe}: {e}") from None
     args.proto_protocol = proto_protocol(methods)
-    from nvflare_jobs.spec import SimulateError, check_augment, cli_message
-
-    for m in methods:  # --augment goes into the site configs compare writes, not through check_variant
-        try:
-            check_augment(base_method(m), args.augment)
-        except SimulateError as e:
-            raise _Refused(cli_message(e)) from None
+    _check_augments(methods, args.augment)
     out = Path(args.out).resolve()
     if not args.unequal_budgets and CONTROL in methods and "local+ft" in methods:
         methods.remove("local+ft")

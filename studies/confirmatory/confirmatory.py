@@ -43,7 +43,7 @@ METHODS = "local,fedavg,ohfl"
 MAIN = "ohfl"
 #: what is copied of each run: enough to redo the analysis without the run folders (no model file, no image)
 RUN_FILES = ("metrics.json", "models.json")
-EXT_FILES = ("summary.json", "audit.json", "predictions.npz")
+EXT_FILES = ("summary.json", "audit.json", "predictions.npz", "*_deployed.json")  # the last: each deployed model's operating-point record
 
 
 def compare_options(seeds: list[int], cmp: Path, data: str | None, external: str, part: str,

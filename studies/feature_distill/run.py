@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 from studies.levers.run import HERE as LEVERS
-from studies.levers.run import PART, run_methods, summarise_arm
+from studies.levers.run import PART, record_seed, seed_list, run_methods, summarise_arm
 
 HERE = Path(__file__).resolve().parent
 FEATURE_WEIGHT = 3000.0  # fixed a priori in RESULTS.md's protocol
@@ -68,7 +67,7 @@ def summarise_seed(out: Path, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", type=seed_list, default="0,1,2")
     ap.add_argument("--arms", default="ohfl,ohfl_feature")
     ap.add_argument("--out", default="runs/feature_distill")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
@@ -82,15 +81,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     out, data = Path(a.out).resolve(), Path(a.data).resolve()
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    for seed in a.seeds:
         t0 = time.perf_counter()
         rc = 0 if a.summarise_only else run_methods(out, data, seed, [ARMS[x] for x in arms])
         res = summarise_seed(out, seed)
-        (HERE / f"results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
-        print(f"[feature_distill] seed {seed} rc={rc} in {time.perf_counter() - t0:.0f} s, default reproduces "
-              f"levers: {res['default_reproduces_levers']}: " + ", ".join(
-                  f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),
-              flush=True)
+        record_seed(HERE / f"results_seed{seed}.json", res, "feature_distill", rc, t0,
+                    f", default reproduces levers: {res['default_reproduces_levers']}")
     return 0
 
 

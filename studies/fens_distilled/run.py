@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 
 from studies.levers.run import BUDGET as LEVERS_BUDGET
-from studies.levers.run import PART, run_methods
+from studies.levers.run import PART, record_seed, seed_list, run_methods
 
 HERE = Path(__file__).resolve().parent
 DISTILL_EPOCHS = 3
@@ -70,7 +69,7 @@ def summarise_seed(out: Path, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", type=seed_list, default="0,1,2")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default="runs/fens_distilled")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
@@ -81,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out, data = Path(a.out).resolve(), Path(a.data).resolve()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    for seed in a.seeds:
         t0 = time.perf_counter()
         rc = 0 if a.summarise_only else run_seed(out, data, seed, arms)
         res = summarise_seed(out, seed)
-        (HERE / f"results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
-        print(f"[fensd] seed {seed} rc={rc} in {time.perf_counter() - t0:.0f} s: " + ", ".join(
-            f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),
-            flush=True)
+        record_seed(HERE / f"results_seed{seed}.json", res, "fensd", rc, t0)
     return 0
 
 

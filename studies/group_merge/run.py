@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 from studies.levers.run import BUDGET as LEVERS_BUDGET
-from studies.levers.run import PART, summarise_arm
+from studies.levers.run import PART, record_seed, seed_list, summarise_arm
 
 HERE = Path(__file__).resolve().parent
 #: arm -> compare method (variant) string; the order is the run order within a seed
@@ -91,7 +90,7 @@ def futile(seed0: dict) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", type=seed_list, default="0,1,2")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default="runs/group_merge/cmp")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out, data = Path(a.out).resolve(), Path(a.data).resolve()
     tag = "full_" if a.full else ""
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    for seed in a.seeds:
         arms = [x.strip() for x in a.arms.split(",") if x.strip()]
         seed0 = HERE / f"{tag}results_seed0.json"
         if seed > 0 and "ohfl_group" in arms and seed0.is_file() and futile(json.loads(seed0.read_text())):
@@ -112,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rc = 0 if a.summarise_only else run_seed(out, data, seed, arms, a.full)
         res = summarise_seed(out, seed, a.full)
-        (HERE / f"{tag}results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
-        print(f"[group_merge] seed {seed} rc={rc} in {time.perf_counter() - t0:.0f} s: " + ", ".join(
-            f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),
-            flush=True)
+        record_seed(HERE / f"{tag}results_seed{seed}.json", res, "group_merge", rc, t0)
     return 0
 
 

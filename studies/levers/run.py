@@ -100,9 +100,27 @@ def summarise_seed(outs: list[Path], seed: int) -> dict:
             "budget": BUDGET, "arms_methods": ARMS, "arms": rows}
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds``' comma-separated integers (e.g. ``0,1,2``). Raises argparse.ArgumentTypeError naming the text."""
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    return seeds
+
+
+def record_seed(path: Path, res: dict, name: str, rc: int, t0: float, note: str = "") -> None:
+    """Write one seed's summary ``res`` (``{"seed", "arms": {arm: {"auc", ...}}}``) to ``path`` as JSON and print
+    its progress line (``[name] seed k rc=.. in .. s<note>: arm auc, ...``; ``t0`` from ``time.perf_counter``)."""
+    path.write_text(json.dumps(res, indent=1, default=float))
+    print(f"[{name}] seed {res['seed']} rc={rc} in {time.perf_counter() - t0:.0f} s{note}: " + ", ".join(
+        f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),
+        flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", type=seed_list, default="0,1,2")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default="runs/levers")
     ap.add_argument("--data", default="../shared/data/chest_xray_original")
@@ -115,14 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out, data = Path(a.out).resolve(), Path(a.data).resolve()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    for seed in a.seeds:
         t0 = time.perf_counter()
         rc = 0 if a.summarise_only else run_seed(out, data, seed, arms)
         res = summarise_seed([out] + [Path(x).resolve() for x in a.also.split(",") if x], seed)
-        (HERE / f"results_seed{seed}.json").write_text(json.dumps(res, indent=1, default=float))
-        print(f"[levers] seed {seed} rc={rc} in {time.perf_counter() - t0:.0f} s: " + ", ".join(
-            f"{k} {v.get('auc') if v.get('auc') is not None else math.nan:.3f}" for k, v in res["arms"].items()),
-            flush=True)
+        record_seed(HERE / f"results_seed{seed}.json", res, "levers", rc, t0)
     return 0
 
 

@@ -99,7 +99,11 @@ def test_a_refused_canary_budget_leaves_no_output_folder(tmp_path, data_root, ca
     from nvflare_jobs.cli import main
 
     cfg = _site(tmp_path, data_root)
-    cfg.write_text(cfg.read_text() + "\nbatch_size: 64\ndp: {epsilon: 8}\n")
+    import re
+
+    text = re.sub(r"(?m)^batch_size:.*$", "batch_size: 64", cfg.read_text())
+    assert "batch_size: 64" in text  # the profile sets a batch size; a second key would be refused as YAML
+    cfg.write_text(text + "\ndp: {epsilon: 8}\n")
     out = tmp_path / "o"
     assert main(["site", "privacy-audit", "--config", str(cfg), "--model", str(_model_file(tmp_path)),
                  "--out", str(out), "--canary-epochs", "1", "--boot", "10"]) == 2

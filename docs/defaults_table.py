@@ -37,6 +37,7 @@ ENTRIES = {
     ("ohfl", "distill_temperature"): _OLD_DISTILL, ("ohfl", "distill_weights"): _OLD_DISTILL,
     ("ohfl", "distill_probe_size"): _OLD_DISTILL,
     ("ohfl", "distill_teacher"): "OHFL distill_teacher = average",
+    ("ohfl", "distill_feature_weight"): "OHFL distill_feature_weight = 0",
     ("ohfl", "local_epochs"): "OHFL epoch split", ("ohfl", "finetune_epochs"): "OHFL epoch split",
     ("fedprox", "mu"): "FedProx proximal weight mu = 0.01",
     ("fedproto", "lam"): "FedProto lambda = 0, gamma = 1/64", ("fedproto", "gamma"): "FedProto lambda = 0, gamma = 1/64",
